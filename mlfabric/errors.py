@@ -1,0 +1,39 @@
+"""One exception hierarchy for everything mlfabric raises on purpose.
+
+Every message says what was wrong, with which value, and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class MlfabricError(Exception):
+    """Base class of every error mlfabric raises on purpose."""
+
+
+class ConfigError(MlfabricError):
+    """A setting, flag or input file is wrong; the message names it and the fix."""
+
+
+class ProtocolError(MlfabricError):
+    """A frame on the wire is malformed; the connection cannot continue."""
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame announces more bytes than the receiver's maximum frame size."""
+
+
+class AuthenticationError(MlfabricError):
+    """The peer did not prove it holds the job's token, or named another job."""
+
+
+class ConnectionLost(MlfabricError):
+    """The connection closed before the answer to a request arrived."""
+
+
+class ServerError(MlfabricError):
+    """The server answered a request with an error."""
+
+
+class InvalidUpdate(ServerError):
+    """The server refused a push as malformed: unknown tensor, wrong dtype or shape,
+    non-finite values, or a base version from the future. The model is untouched."""

@@ -1,0 +1,135 @@
+"""Every Prometheus metric mlfabric exports, declared in one place.
+
+Conventions (prometheus client_python): namespace `mlfabric`, base units in
+the name (`_seconds`, `_bytes`), `_total` on counters, buckets chosen for this
+domain, and an injectable registry so each test gets a fresh one. No label
+takes unbounded values: reasons and kinds come from fixed sets, never ids.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+NAMESPACE = "mlfabric"
+
+# Staleness is counted in server versions; small values matter most.
+DELAY_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
+# Applying an update: from microseconds (small models) to a second (GB models).
+APPLY_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
+# A transfer: a 4 KiB round trip on loopback to a GB model on a slow link.
+TRANSFER_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
+
+# Why a push was not applied: the fixed set of `reason` label values.
+REJECT_REASONS = (
+    "stale",
+    "nonfinite",
+    "unknown_tensor",
+    "bad_dtype",
+    "bad_shape",
+    "future_version",
+    "malformed",
+)
+
+
+class ServerMetrics:
+    """Metrics of one parameter server (or replica) process."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        ns = NAMESPACE
+        self.updates_applied = Counter(
+            "server_updates_applied", "Updates applied to the model", namespace=ns, registry=r
+        )
+        self.updates_rejected = Counter(
+            "server_updates_rejected",
+            "Pushes not applied, by reason",
+            ["reason"],
+            namespace=ns,
+            registry=r,
+        )
+        for reason in REJECT_REASONS:
+            self.updates_rejected.labels(reason)
+        self.delay = Histogram(
+            "server_update_delay_versions",
+            "Staleness of applied updates: server version at apply minus base version",
+            namespace=ns,
+            registry=r,
+            buckets=DELAY_BUCKETS,
+        )
+        self.apply_seconds = Histogram(
+            "server_apply_seconds",
+            "Time to validate and apply one update with the kernels",
+            namespace=ns,
+            registry=r,
+            buckets=APPLY_BUCKETS,
+        )
+        self.received_bytes = Counter(
+            "server_received_bytes", "Bytes received on client connections",
+            namespace=ns, registry=r,
+        )
+        self.sent_bytes = Counter(
+            "server_sent_bytes", "Bytes sent on client connections", namespace=ns, registry=r
+        )
+        self.connected_clients = Gauge(
+            "server_connected_clients", "Authenticated client connections open now",
+            namespace=ns, registry=r,
+        )
+        self.pulls = Counter("server_pulls", "Pulls served", namespace=ns, registry=r)
+        self.version = Gauge(
+            "server_model_version", "Current model version", namespace=ns, registry=r
+        )
+        self.auth_failures = Counter(
+            "server_auth_failures",
+            "Connections refused at the handshake (wrong token or job)",
+            namespace=ns,
+            registry=r,
+        )
+        self.protocol_errors = Counter(
+            "server_protocol_errors",
+            "Connections closed for a malformed or oversized frame",
+            namespace=ns,
+            registry=r,
+        )
+
+
+class ClientMetrics:
+    """Metrics of one training process (a worker using the client API)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        ns = NAMESPACE
+        self.push_seconds = Histogram(
+            "client_push_seconds",
+            "Time from push() to the server's outcome",
+            namespace=ns,
+            registry=r,
+            buckets=TRANSFER_BUCKETS,
+        )
+        self.pull_seconds = Histogram(
+            "client_pull_seconds",
+            "Time from pull() to the model in hand",
+            namespace=ns,
+            registry=r,
+            buckets=TRANSFER_BUCKETS,
+        )
+        self.pushes = Counter(
+            "client_pushes", "Push outcomes, by result", ["result"], namespace=ns, registry=r
+        )
+        for result in ("applied", "rejected", "error"):
+            self.pushes.labels(result)
+        self.sent_bytes = Counter(
+            "client_sent_bytes", "Bytes sent to servers", namespace=ns, registry=r
+        )
+        self.received_bytes = Counter(
+            "client_received_bytes", "Bytes received from servers", namespace=ns, registry=r
+        )
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> None:
+    """Serve `registry` at http://addr:port/metrics from a daemon thread."""
+    start_http_server(port, addr=addr, registry=registry)
+
+
+# --- Agent metrics (issue 3) are declared below this line. ---

@@ -1,0 +1,31 @@
+"""Build the Cython kernels (mlfabric/_core.pyx).
+
+-ffp-contract=off keeps the compiler from fusing a*b+c into one FMA, so every
+kernel rounds exactly like the numpy expression it is tested against, and the
+server and its replica compute bit-identical weights on any x86-64 or arm64
+build. No -ffast-math for the same reason.
+"""
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+extensions = [
+    Extension(
+        "mlfabric._core",
+        ["mlfabric/_core.pyx"],
+        extra_compile_args=["-O3", "-ffp-contract=off"],
+    )
+]
+
+setup(
+    ext_modules=cythonize(
+        extensions,
+        language_level=3,
+        compiler_directives={
+            "boundscheck": False,
+            "wraparound": False,
+            "initializedcheck": False,
+            "cdivision": True,
+        },
+    )
+)
