@@ -26,6 +26,10 @@ class AuthenticationError(MlfabricError):
     """The peer did not prove it holds the job's token, or named another job."""
 
 
+class ConnectError(MlfabricError):
+    """The server could not be reached (refused, unreachable, or timed out)."""
+
+
 class ConnectionLost(MlfabricError):
     """The connection closed before the answer to a request arrived."""
 
@@ -36,4 +40,10 @@ class ServerError(MlfabricError):
 
 class InvalidUpdate(ServerError):
     """The server refused a push as malformed: unknown tensor, wrong dtype or shape,
-    non-finite values, or a base version from the future. The model is untouched."""
+    non-finite values, or a base version from the future. The model is untouched.
+
+    `reason` is one short code from mlfabric.metrics.REJECT_REASONS."""
+
+    def __init__(self, message: str, reason: str = "malformed") -> None:
+        super().__init__(message)
+        self.reason = reason

@@ -1,0 +1,591 @@
+"""The mlfabric wire protocol, without I/O.
+
+A `Connection` turns bytes into events and events into bytes; it never
+touches a socket, a loop or a clock (the h11 pattern). The asyncio transport
+and the blocking client both drive the same state machine.
+
+Frame layout (all integers little-endian)::
+
+    magic     4 bytes   b"MLFB"
+    version   u8        PROTOCOL_VERSION
+    type      u8        MsgType
+    flags     u16       0 (reserved)
+    meta_len  u32       length of the metadata block
+    data_len  u64       length of the tensor data block
+    meta      meta_len bytes of UTF-8 JSON: the message fields, and for
+              messages that carry tensors, "tensors": [[name, dtype, shape], ...]
+    data      the tensors' bytes in the order listed, each starting at a
+              multiple of ALIGN bytes from the start of the block (zero padding)
+
+Large data blocks are received straight into a buffer the receiver chooses
+(`allocate`), so a 64 MiB push is written by the kernel into its final place:
+the transport calls `get_buffer()` / `buffer_updated(n)` (the shape of
+asyncio's BufferedProtocol). Small frames go through a scratch buffer so that
+one recv() can carry many of them.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+
+from .errors import FrameTooLarge, ProtocolError
+
+PROTOCOL_VERSION: Final = 1
+MAGIC: Final = b"MLFB"
+HEADER = struct.Struct("<4sBBHIQ")
+ALIGN: Final = 64
+MAX_META_LEN: Final = 1 << 20
+DEFAULT_MAX_FRAME_SIZE: Final = 1 << 34  # 16 GiB; servers set the model's size
+MAX_NAME_LEN: Final = 256
+MAX_TENSORS: Final = 4096
+_SCRATCH_SIZE = 1 << 16
+_MAX_U64 = (1 << 64) - 1
+
+# Wire dtype codes: only the float types the kernels implement.
+DTYPES: Final[Mapping[str, np.dtype]] = {
+    "f4": np.dtype("<f4"),
+    "f8": np.dtype("<f8"),
+}
+_DTYPE_CODES = {dt: code for code, dt in DTYPES.items()}
+
+
+class MsgType(enum.IntEnum):
+    HELLO = 1
+    CHALLENGE = 2
+    AUTH = 3
+    WELCOME = 4
+    PULL = 5
+    MODEL = 6
+    PUSH = 7
+    PUSH_RESULT = 8
+    ERROR = 9
+
+
+class _NeedData:
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+NEED_DATA: Final = _NeedData()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def layout(specs: Sequence[TensorSpec]) -> tuple[list[int], int]:
+    """Offsets of each tensor in the data block, and the block's total length."""
+    offsets = []
+    pos = 0
+    for i, spec in enumerate(specs):
+        if i:
+            pos = -(-pos // ALIGN) * ALIGN
+        offsets.append(pos)
+        pos += spec.nbytes
+    return offsets, pos
+
+
+def spec_of(name: str, array: np.ndarray) -> TensorSpec:
+    if array.dtype.newbyteorder("<") not in _DTYPE_CODES or array.dtype.byteorder == ">":
+        raise TypeError(
+            f"tensor {name!r} has dtype {array.dtype}; mlfabric sends float32 or float64 "
+            f"(little-endian): convert with arr.astype(np.float32)"
+        )
+    return TensorSpec(name, np.dtype(array.dtype.newbyteorder("<")), tuple(array.shape))
+
+
+# --- Events ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello:
+    """Client -> server: which job, who, and the client's nonce."""
+
+    job: str
+    client: str
+    nonce: bytes
+
+
+@dataclass(frozen=True)
+class Challenge:
+    """Server -> client: the server's nonce and its proof of the token."""
+
+    nonce: bytes
+    proof: bytes
+
+
+@dataclass(frozen=True)
+class Auth:
+    """Client -> server: the client's proof of the token."""
+
+    proof: bytes
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """Server -> client: authenticated; the model's layout and current version."""
+
+    session: str
+    version: int
+    tensors: tuple[TensorSpec, ...]
+    tau_max: int | None = None
+    momentum: float = 0.0
+
+
+@dataclass(frozen=True)
+class Pull:
+    req: int
+
+
+@dataclass(frozen=True, eq=False)
+class Model:
+    """The model at one version: the answer to a Pull."""
+
+    req: int
+    version: int
+    tensors: Mapping[str, np.ndarray]
+
+
+@dataclass(frozen=True, eq=False)
+class Push:
+    req: int
+    base_version: int
+    tensors: Mapping[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class PushResult:
+    req: int
+    applied: bool
+    version: int
+    delay: int | None
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Error:
+    """An error answer. `req` names the request it answers, or None when it
+    concerns the whole connection (which the sender then closes)."""
+
+    code: str
+    message: str
+    req: int | None = None
+
+
+Event = Hello | Challenge | Auth | Welcome | Pull | Model | Push | PushResult | Error
+
+_TENSOR_EVENTS = (Model, Push)
+
+# Allocator: (message type, data length) -> a writable buffer of at least that
+# many bytes. The receiver decides where tensor bytes land (a pooled buffer on
+# the server, a fresh array in the client).
+Allocate = Callable[[MsgType, int], Any]
+
+
+def default_allocate(msg_type: MsgType, nbytes: int) -> np.ndarray:
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+# --- Field validation ------------------------------------------------------
+
+
+def _int(meta: Mapping[str, Any], key: str, *, optional: bool = False) -> int | None:
+    value = meta.get(key)
+    if value is None and optional:
+        return None
+    if type(value) is not int or not 0 <= value <= _MAX_U64:
+        raise ProtocolError(f"field {key!r} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _str(meta: Mapping[str, Any], key: str, max_len: int = 4096) -> str:
+    value = meta.get(key)
+    if not isinstance(value, str) or len(value) > max_len:
+        raise ProtocolError(f"field {key!r} must be a string of at most {max_len} characters")
+    return value
+
+
+def _hex(meta: Mapping[str, Any], key: str) -> bytes:
+    value = _str(meta, key, 1024)
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise ProtocolError(f"field {key!r} must be hex, got {value[:40]!r}") from None
+
+
+def _specs(meta: Mapping[str, Any]) -> tuple[TensorSpec, ...]:
+    raw = meta.get("tensors")
+    if not isinstance(raw, list) or len(raw) > MAX_TENSORS:
+        raise ProtocolError(f"field 'tensors' must be a list of at most {MAX_TENSORS} entries")
+    specs = []
+    seen = set()
+    for entry in raw:
+        if not (isinstance(entry, list) and len(entry) == 3):
+            raise ProtocolError(f"tensor entry must be [name, dtype, shape], got {entry!r:.80}")
+        name, code, shape = entry
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LEN:
+            raise ProtocolError(f"tensor name must be 1..{MAX_NAME_LEN} characters: {name!r:.80}")
+        if name in seen:
+            raise ProtocolError(f"tensor {name!r} is listed twice")
+        seen.add(name)
+        if code not in DTYPES:
+            raise ProtocolError(f"tensor {name!r} has unknown dtype code {code!r:.20}")
+        if not (
+            isinstance(shape, list)
+            and len(shape) <= 32
+            and all(type(d) is int and 0 <= d <= _MAX_U64 for d in shape)
+        ):
+            raise ProtocolError(f"tensor {name!r} has a malformed shape {shape!r:.80}")
+        specs.append(TensorSpec(name, DTYPES[code], tuple(shape)))
+    return tuple(specs)
+
+
+def _meta_specs(specs: Sequence[TensorSpec]) -> list[list[Any]]:
+    return [[s.name, _DTYPE_CODES[s.dtype], list(s.shape)] for s in specs]
+
+
+def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict | None) -> Event:
+    if msg_type is MsgType.HELLO:
+        return Hello(job=_str(meta, "job", 256), client=_str(meta, "client", 256),
+                     nonce=_hex(meta, "nonce"))
+    if msg_type is MsgType.CHALLENGE:
+        return Challenge(nonce=_hex(meta, "nonce"), proof=_hex(meta, "proof"))
+    if msg_type is MsgType.AUTH:
+        return Auth(proof=_hex(meta, "proof"))
+    if msg_type is MsgType.WELCOME:
+        momentum = meta.get("momentum", 0.0)
+        if not isinstance(momentum, (int, float)) or isinstance(momentum, bool):
+            raise ProtocolError(f"field 'momentum' must be a number, got {momentum!r:.40}")
+        return Welcome(
+            session=_str(meta, "session", 256),
+            version=_int(meta, "version"),
+            tensors=_specs(meta),
+            tau_max=_int(meta, "tau_max", optional=True),
+            momentum=float(momentum),
+        )
+    if msg_type is MsgType.PULL:
+        return Pull(req=_int(meta, "req"))
+    if msg_type is MsgType.MODEL:
+        return Model(req=_int(meta, "req"), version=_int(meta, "version"), tensors=tensors)
+    if msg_type is MsgType.PUSH:
+        return Push(req=_int(meta, "req"), base_version=_int(meta, "base_version"),
+                    tensors=tensors)
+    if msg_type is MsgType.PUSH_RESULT:
+        applied = meta.get("applied")
+        if not isinstance(applied, bool):
+            raise ProtocolError(f"field 'applied' must be a boolean, got {applied!r:.40}")
+        reason = meta.get("reason")
+        if reason is not None:
+            reason = _str(meta, "reason")
+        return PushResult(req=_int(meta, "req"), applied=applied, version=_int(meta, "version"),
+                          delay=_int(meta, "delay", optional=True), reason=reason)
+    if msg_type is MsgType.ERROR:
+        return Error(code=_str(meta, "code", 64), message=_str(meta, "message"),
+                     req=_int(meta, "req", optional=True))
+    raise AssertionError(msg_type)  # pragma: no cover - MsgType() already checked
+
+
+def _encode_meta(event: Event) -> tuple[MsgType, dict[str, Any], Sequence[TensorSpec], list]:
+    """The message type, JSON fields, tensor specs and arrays of an event."""
+    if isinstance(event, Hello):
+        return MsgType.HELLO, {"job": event.job, "client": event.client,
+                               "nonce": event.nonce.hex()}, (), []
+    if isinstance(event, Challenge):
+        return MsgType.CHALLENGE, {"nonce": event.nonce.hex(), "proof": event.proof.hex()}, (), []
+    if isinstance(event, Auth):
+        return MsgType.AUTH, {"proof": event.proof.hex()}, (), []
+    if isinstance(event, Welcome):
+        meta = {"session": event.session, "version": event.version,
+                "tensors": _meta_specs(event.tensors), "momentum": event.momentum}
+        if event.tau_max is not None:
+            meta["tau_max"] = event.tau_max
+        return MsgType.WELCOME, meta, (), []
+    if isinstance(event, Pull):
+        return MsgType.PULL, {"req": event.req}, (), []
+    if isinstance(event, (Model, Push)):
+        names = list(event.tensors)
+        arrays = [np.asarray(event.tensors[n]) for n in names]
+        specs = [spec_of(n, a) for n, a in zip(names, arrays, strict=True)]
+        meta = {"req": event.req, "tensors": _meta_specs(specs)}
+        if isinstance(event, Model):
+            meta["version"] = event.version
+            return MsgType.MODEL, meta, specs, arrays
+        meta["base_version"] = event.base_version
+        return MsgType.PUSH, meta, specs, arrays
+    if isinstance(event, PushResult):
+        meta = {"req": event.req, "applied": event.applied, "version": event.version,
+                "delay": event.delay}
+        if event.reason is not None:
+            meta["reason"] = event.reason
+        return MsgType.PUSH_RESULT, meta, (), []
+    if isinstance(event, Error):
+        meta = {"code": event.code, "message": event.message}
+        if event.req is not None:
+            meta["req"] = event.req
+        return MsgType.ERROR, meta, (), []
+    raise TypeError(f"not an mlfabric event: {event!r:.80}")
+
+
+class _State(enum.Enum):
+    HEADER = 1
+    META = 2
+    DATA = 3
+    BROKEN = 4
+
+
+@dataclass
+class _Frame:
+    msg_type: MsgType
+    meta_len: int
+    data_len: int
+    meta: dict[str, Any] = field(default_factory=dict)
+    specs: tuple[TensorSpec, ...] = ()
+    data: memoryview | None = None
+    received: int = 0
+
+
+class Connection:
+    """One side of an mlfabric connection, as a pure state machine.
+
+    Receiving: call `receive_data(bytes)` (copying path), or
+    `get_buffer()` then `buffer_updated(n)` (zero-copy path), then call
+    `next_event()` until it returns NEED_DATA. Tensors in an event are views
+    into the buffer `allocate` returned; the receiver may reuse that buffer
+    once it has finished with the event.
+
+    Sending: `send(event)` returns the frame as a list of buffers (header and
+    metadata in one bytes object, then each tensor's memory without a copy).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        allocate: Allocate = default_allocate,
+    ) -> None:
+        self.max_frame_size = max_frame_size
+        self._allocate = allocate
+        self._scratch = bytearray(_SCRATCH_SIZE)
+        self._start = 0  # first unparsed byte in scratch
+        self._end = 0  # end of received bytes in scratch
+        self._state = _State.HEADER
+        self._frame: _Frame | None = None
+        self.bytes_received = 0
+        self.bytes_sent = 0
+
+    # -- receiving ----------------------------------------------------------
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """Where the next received bytes should be written."""
+        frame = self._frame
+        if self._state is _State.DATA and self._end == self._start:
+            assert frame is not None and frame.data is not None
+            return frame.data[frame.received:]
+        if self._state is _State.BROKEN:
+            raise ProtocolError("connection is broken by an earlier protocol error")
+        if self._end == len(self._scratch):
+            self._compact()
+        return memoryview(self._scratch)[self._end:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.bytes_received += nbytes
+        frame = self._frame
+        if self._state is _State.DATA and self._end == self._start:
+            assert frame is not None
+            frame.received += nbytes
+        else:
+            self._end += nbytes
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Copying path: feed received bytes. Events come from next_event()."""
+        view = memoryview(data).cast("B")
+        while view:
+            # Keep every byte: if the parser has not consumed the scratch
+            # buffer yet, grow it instead of overrunning.
+            buf = self.get_buffer(len(view))
+            if len(buf) == 0:
+                del buf
+                self._grow(self._end - self._start + len(view))
+                continue
+            n = min(len(buf), len(view))
+            buf[:n] = view[:n]
+            del buf
+            self.buffer_updated(n)
+            view = view[n:]
+
+    def next_event(self) -> Event | _NeedData:
+        """The next complete event, or NEED_DATA. Raises ProtocolError
+        (or FrameTooLarge) on a malformed frame; the connection is then broken."""
+        try:
+            return self._next_event()
+        except ProtocolError:
+            self._state = _State.BROKEN
+            raise
+
+    def _next_event(self) -> Event | _NeedData:
+        while True:
+            if self._state is _State.BROKEN:
+                raise ProtocolError("connection is broken by an earlier protocol error")
+            if self._state is _State.HEADER:
+                if self._end - self._start < HEADER.size:
+                    return NEED_DATA
+                self._frame = self._parse_header()
+                self._state = _State.META
+            frame = self._frame
+            assert frame is not None
+            if self._state is _State.META:
+                if self._end - self._start < frame.meta_len:
+                    if frame.meta_len > len(self._scratch) - self._start:
+                        self._grow(frame.meta_len)
+                    return NEED_DATA
+                self._parse_meta(frame)
+                self._state = _State.DATA
+                if frame.data_len:
+                    buf = self._allocate(frame.msg_type, frame.data_len)
+                    frame.data = memoryview(buf).cast("B")[: frame.data_len]
+                    if len(frame.data) < frame.data_len:
+                        raise ProtocolError("allocator returned a buffer that is too small")
+            if self._state is _State.DATA:
+                if frame.received < frame.data_len and self._end > self._start:
+                    n = min(frame.data_len - frame.received, self._end - self._start)
+                    assert frame.data is not None
+                    frame.data[frame.received:frame.received + n] = (
+                        self._scratch[self._start:self._start + n]
+                    )
+                    frame.received += n
+                    self._start += n
+                    if self._start == self._end:
+                        self._start = self._end = 0
+                if frame.received < frame.data_len:
+                    return NEED_DATA
+                self._state = _State.HEADER
+                self._frame = None
+                return self._finish(frame)
+
+    def _grow(self, size: int) -> None:
+        """Compact the scratch buffer into a new one of at least `size` bytes.
+
+        A new bytearray rather than an in-place resize: a transport may still
+        hold a memoryview of the old one."""
+        remaining = self._end - self._start
+        new = bytearray(max(size, 2 * len(self._scratch)))
+        new[:remaining] = self._scratch[self._start:self._end]
+        self._scratch, self._start, self._end = new, 0, remaining
+
+    def _compact(self) -> None:
+        if self._start:
+            remaining = self._end - self._start
+            self._scratch[:remaining] = self._scratch[self._start:self._end]
+            self._start, self._end = 0, remaining
+
+    def _parse_header(self) -> _Frame:
+        magic, version, type_code, flags, meta_len, data_len = HEADER.unpack_from(
+            self._scratch, self._start
+        )
+        if magic != MAGIC:
+            raise ProtocolError(
+                f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}): the peer is not "
+                f"an mlfabric process, or the stream is out of sync"
+            )
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"peer speaks protocol version {version}, this side speaks "
+                f"{PROTOCOL_VERSION}: install the same mlfabric version on both sides"
+            )
+        try:
+            msg_type = MsgType(type_code)
+        except ValueError:
+            raise ProtocolError(f"unknown message type {type_code}") from None
+        if flags != 0:
+            raise ProtocolError(f"reserved header flags are set: {flags:#x}")
+        if meta_len > MAX_META_LEN:
+            raise ProtocolError(f"metadata block of {meta_len} bytes exceeds {MAX_META_LEN}")
+        size = HEADER.size + meta_len + data_len
+        if size > self.max_frame_size:
+            raise FrameTooLarge(
+                f"frame of {size} bytes exceeds the maximum frame size of "
+                f"{self.max_frame_size} bytes"
+            )
+        if msg_type not in (MsgType.MODEL, MsgType.PUSH) and data_len:
+            raise ProtocolError(f"{msg_type.name} frame carries {data_len} data bytes")
+        self._start += HEADER.size
+        return _Frame(msg_type, meta_len, data_len)
+
+    def _parse_meta(self, frame: _Frame) -> None:
+        raw = bytes(self._scratch[self._start:self._start + frame.meta_len])
+        self._start += frame.meta_len
+        if self._start == self._end:
+            self._start = self._end = 0
+        try:
+            meta = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise ProtocolError(f"{frame.msg_type.name} metadata is not valid JSON") from None
+        if not isinstance(meta, dict):
+            raise ProtocolError(f"{frame.msg_type.name} metadata is not a JSON object")
+        frame.meta = meta
+        if frame.msg_type in (MsgType.MODEL, MsgType.PUSH):
+            frame.specs = _specs(meta)
+            _, total = layout(frame.specs)
+            if total != frame.data_len:
+                raise ProtocolError(
+                    f"{frame.msg_type.name} lists tensors of {total} bytes but carries "
+                    f"{frame.data_len}"
+                )
+
+    def _finish(self, frame: _Frame) -> Event:
+        tensors = None
+        if frame.msg_type in (MsgType.MODEL, MsgType.PUSH):
+            offsets, _ = layout(frame.specs)
+            tensors = {}
+            data = frame.data
+            for spec, off in zip(frame.specs, offsets, strict=True):
+                count = spec.nbytes // spec.dtype.itemsize
+                if count:
+                    assert data is not None
+                    arr = np.frombuffer(data, dtype=spec.dtype, count=count, offset=off)
+                else:
+                    arr = np.empty(0, dtype=spec.dtype)
+                tensors[spec.name] = arr.reshape(spec.shape)
+        return _decode(frame.msg_type, frame.meta, tensors)
+
+    # -- sending ------------------------------------------------------------
+
+    def send(self, event: Event) -> list[bytes | memoryview]:
+        """The frame for `event` as buffers to write in order (tensors not copied)."""
+        msg_type, meta, specs, arrays = _encode_meta(event)
+        meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
+        offsets, data_len = layout(specs)
+        parts: list[bytes | memoryview] = [
+            HEADER.pack(MAGIC, PROTOCOL_VERSION, msg_type, 0, len(meta_bytes), data_len)
+            + meta_bytes
+        ]
+        pos = 0
+        for off, spec, arr in zip(offsets, specs, arrays, strict=True):
+            if off > pos:
+                parts.append(bytes(off - pos))
+            if spec.nbytes:
+                parts.append(memoryview(np.ascontiguousarray(arr)).cast("B"))
+            pos = off + spec.nbytes
+        self.bytes_sent += len(parts[0]) + data_len
+        return parts
+
+    def send_bytes(self, event: Event) -> bytes:
+        """The frame for `event` as one bytes object (copies tensors)."""
+        return b"".join(self.send(event))

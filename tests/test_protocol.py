@@ -1,0 +1,291 @@
+"""The sans-I/O wire protocol: one table of round-trip cases, fed whole, byte
+by byte and with trailing data; and every way a frame can be malformed."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from mlfabric.errors import FrameTooLarge, ProtocolError
+from mlfabric.protocol import (
+    ALIGN,
+    DTYPES,
+    HEADER,
+    MAGIC,
+    NEED_DATA,
+    PROTOCOL_VERSION,
+    Auth,
+    Challenge,
+    Connection,
+    Error,
+    Hello,
+    Model,
+    MsgType,
+    Pull,
+    Push,
+    PushResult,
+    TensorSpec,
+    Welcome,
+    layout,
+)
+
+F4, F8 = DTYPES["f4"], DTYPES["f8"]
+
+CASES = [
+    Hello(job="mnist", client="host-1:42", nonce=bytes(range(32))),
+    Hello(job="ünïcode-job", client="", nonce=b""),
+    Challenge(nonce=b"\x01" * 32, proof=b"\xff" * 32),
+    Auth(proof=b"\x00\x01\x02"),
+    Welcome(session="abc", version=0, tensors=()),
+    Welcome(
+        session="s",
+        version=2**40,
+        tensors=(TensorSpec("w", F4, (3, 4)), TensorSpec("b", F8, ()),
+                 TensorSpec("e", F4, (0, 5))),
+        tau_max=8,
+        momentum=0.9,
+    ),
+    Pull(req=1),
+    Pull(req=2**64 - 1),
+    Model(req=5, version=7, tensors={}),
+    Model(req=5, version=7, tensors={"w": np.arange(12, dtype=np.float32).reshape(3, 4)}),
+    Push(req=9, base_version=3, tensors={"a": np.float32([1.5, -2.0, np.nan, np.inf])}),
+    Push(
+        req=10,
+        base_version=0,
+        tensors={
+            "odd": np.arange(7, dtype=np.float32),  # 28 bytes: next tensor is padded
+            "dbl": np.linspace(0, 1, 5),
+            "scalar": np.float32(3.25).reshape(()),
+            "empty": np.zeros((2, 0), np.float32),
+            "big": np.random.default_rng(0).standard_normal(70_000).astype(np.float32),
+        },
+    ),
+    PushResult(req=3, applied=True, version=11, delay=2),
+    PushResult(req=4, applied=False, version=11, delay=None, reason="stale: delay 9 > 8"),
+    Error(code="protocol", message="bad frame"),
+    Error(code="bad_shape", message="tensor 'w' has shape (2,)", req=77),
+]
+
+
+def assert_same(got, want):
+    assert type(got) is type(want)
+    if isinstance(want, (Model, Push)):
+        fields = {k: v for k, v in vars(want).items() if k != "tensors"}
+        assert {k: v for k, v in vars(got).items() if k != "tensors"} == fields
+        assert list(got.tensors) == list(want.tensors)
+        for name, arr in want.tensors.items():
+            g = got.tensors[name]
+            assert g.dtype == arr.dtype and g.shape == arr.shape
+            np.testing.assert_array_equal(g, arr)
+    else:
+        assert got == want
+
+
+def drain(conn):
+    events = []
+    while (ev := conn.next_event()) is not NEED_DATA:
+        events.append(ev)
+    return events
+
+
+@pytest.mark.parametrize("event", CASES, ids=lambda e: type(e).__name__)
+def test_round_trip_whole(event):
+    r = Connection()
+    r.receive_data(Connection().send_bytes(event))
+    (got,) = drain(r)
+    assert_same(got, event)
+
+
+@pytest.mark.parametrize("event", CASES, ids=lambda e: type(e).__name__)
+def test_round_trip_byte_by_byte(event):
+    data = Connection().send_bytes(event)
+    if len(data) > 20_000:
+        data = data[:4000] + data[4000:]  # still fed one byte at a time below
+    r = Connection()
+    events = []
+    for i in range(len(data)):
+        r.receive_data(data[i : i + 1])
+        events += drain(r)
+        if i < len(data) - 1:
+            assert events == [], f"event completed early at byte {i} of {len(data)}"
+    assert len(events) == 1
+    assert_same(events[0], event)
+
+
+@pytest.mark.parametrize("event", CASES, ids=lambda e: type(e).__name__)
+def test_round_trip_with_trailing_data(event):
+    data = Connection().send_bytes(event)
+    follow = Connection().send_bytes(Pull(req=123))
+    r = Connection()
+    r.receive_data(data + follow[:7])
+    (got,) = drain(r)
+    assert_same(got, event)
+    assert r.next_event() is NEED_DATA
+    r.receive_data(follow[7:])
+    assert drain(r) == [Pull(req=123)]
+
+
+def test_all_cases_in_one_stream_through_the_zero_copy_path():
+    stream = b"".join(Connection().send_bytes(e) for e in CASES)
+    r = Connection()
+    events = feed_zero_copy(r, stream, 1000)
+    assert len(events) == len(CASES)
+    for got, want in zip(events, CASES, strict=True):
+        assert_same(got, want)
+    assert r.bytes_received == len(stream)
+
+
+def test_tensor_bytes_land_in_the_allocated_buffer():
+    target = np.zeros(1 << 20, np.uint8)
+    calls = []
+
+    def allocate(msg_type, nbytes):
+        calls.append((msg_type, nbytes))
+        return target
+
+    w = np.arange(100_000, dtype=np.float32)
+    data = Connection().send_bytes(Push(req=1, base_version=0, tensors={"w": w}))
+    (ev,) = feed_zero_copy(Connection(allocate=allocate), data, len(data))
+    assert calls == [(MsgType.PUSH, w.nbytes)]
+    assert np.shares_memory(ev.tensors["w"], target)
+    np.testing.assert_array_equal(ev.tensors["w"], w)
+
+
+def test_send_does_not_copy_tensors_and_aligns_them():
+    a = np.arange(7, dtype=np.float32)
+    b = np.arange(3, dtype=np.float64)
+    parts = Connection().send(Push(req=1, base_version=0, tensors={"a": a, "b": b}))
+    assert any(np.shares_memory(np.frombuffer(p, np.uint8), a) for p in parts[1:])
+    offsets, total = layout([TensorSpec("a", F4, (7,)), TensorSpec("b", F8, (3,))])
+    assert offsets == [0, ALIGN] and total == ALIGN + 24
+
+
+def test_non_float_tensors_are_refused_at_send():
+    with pytest.raises(TypeError, match="int64.*astype"):
+        Connection().send(Push(req=1, base_version=0, tensors={"a": np.arange(3)}))
+
+
+# --- malformed input ---------------------------------------------------------
+
+
+def frame(msg_type, meta, data=b"", *, magic=MAGIC, version=PROTOCOL_VERSION, flags=0,
+          data_len=None, raw_meta=None):
+    meta_bytes = raw_meta if raw_meta is not None else json.dumps(meta).encode()
+    n = len(data) if data_len is None else data_len
+    return HEADER.pack(magic, version, msg_type, flags, len(meta_bytes), n) + meta_bytes + data
+
+
+BAD_FRAMES = {
+    "bad magic": (frame(MsgType.PULL, {"req": 1}, magic=b"HTTP"), "magic"),
+    "other version": (frame(MsgType.PULL, {"req": 1}, version=9), "protocol version 9"),
+    "unknown type": (frame(200, {"req": 1}), "unknown message type 200"),
+    "flags set": (frame(MsgType.PULL, {"req": 1}, flags=4), "flags"),
+    "meta too long": (HEADER.pack(MAGIC, 1, MsgType.PULL, 0, (1 << 20) + 1, 0), "metadata"),
+    "not json": (frame(MsgType.PULL, None, raw_meta=b"{req: 1"), "not valid JSON"),
+    "not utf8": (frame(MsgType.PULL, None, raw_meta=b"\xff\xfe"), "not valid JSON"),
+    "not an object": (frame(MsgType.PULL, [1, 2]), "not a JSON object"),
+    "missing field": (frame(MsgType.PULL, {}), "'req'"),
+    "negative int": (frame(MsgType.PULL, {"req": -1}), "'req'"),
+    "bool as int": (frame(MsgType.PULL, {"req": True}), "'req'"),
+    "float as int": (frame(MsgType.PULL, {"req": 1.0}), "'req'"),
+    "huge int": (frame(MsgType.PULL, {"req": 2**64}), "'req'"),
+    "bad hex": (frame(MsgType.AUTH, {"proof": "zz"}), "hex"),
+    "applied not bool": (
+        frame(MsgType.PUSH_RESULT, {"req": 1, "applied": 1, "version": 1}), "'applied'"),
+    "data on pull": (frame(MsgType.PULL, {"req": 1}, b"xxxx"), "carries 4 data bytes"),
+    "tensors not list": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": {}}), "'tensors'"),
+    "tensor entry short": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [["a", "f4"]]}),
+        "must be \\[name, dtype, shape\\]"),
+    "unknown dtype": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [["a", "i8", [1]]]},
+              b"\0" * 8),
+        "unknown dtype code"),
+    "bad shape": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [["a", "f4", [-1]]]}),
+        "malformed shape"),
+    "empty name": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [["", "f4", [1]]]},
+              b"\0" * 4),
+        "tensor name"),
+    "duplicate name": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0,
+                             "tensors": [["a", "f4", [1]], ["a", "f4", [1]]]}, b"\0" * 68),
+        "listed twice"),
+    "length mismatch": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [["a", "f4", [4]]]},
+              b"\0" * 12),
+        "tensors of 16 bytes but carries 12"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_FRAMES))
+def test_malformed_frames_are_protocol_errors(name):
+    data, message = BAD_FRAMES[name]
+    r = Connection()
+    r.receive_data(data)
+    with pytest.raises(ProtocolError, match=message):
+        r.next_event()
+    # The stream cannot be trusted after that: the connection stays broken.
+    with pytest.raises(ProtocolError, match="broken"):
+        r.next_event()
+    with pytest.raises(ProtocolError, match="broken"):
+        r.get_buffer(-1)
+
+
+def test_frame_too_large_is_refused_before_any_allocation():
+    allocations = []
+    r = Connection(max_frame_size=1000, allocate=lambda t, n: allocations.append(n))
+    r.receive_data(HEADER.pack(MAGIC, 1, MsgType.PUSH, 0, 10, 2000))
+    with pytest.raises(FrameTooLarge, match="exceeds the maximum frame size of 1000"):
+        r.next_event()
+    assert allocations == []
+
+
+def test_huge_declared_length_is_refused_with_default_limit():
+    r = Connection()
+    r.receive_data(HEADER.pack(MAGIC, 1, MsgType.PUSH, 0, 2, 2**63))
+    with pytest.raises(FrameTooLarge):
+        r.next_event()
+
+
+def feed_zero_copy(conn, data, chunk):
+    """Feed `data` the way a BufferedProtocol transport does; return the events."""
+    events = []
+    pos = 0
+    while pos < len(data):
+        buf = conn.get_buffer(-1)
+        n = min(len(buf), chunk, len(data) - pos)
+        buf[:n] = data[pos : pos + n]
+        del buf
+        conn.buffer_updated(n)
+        pos += n
+        events += drain(conn)
+    return events
+
+
+def test_metadata_larger_than_scratch_buffer():
+    names = {f"t{i:05d}": np.float32([i]) for i in range(4000)}  # ~80 KiB of metadata
+    ev = Push(req=1, base_version=0, tensors=names)
+    data = Connection().send_bytes(ev)
+    assert struct.unpack_from("<I", data, 8)[0] > 1 << 16
+    for chunk in (len(data), 5000):
+        (got,) = feed_zero_copy(Connection(), data, chunk)
+        assert_same(got, ev)
+
+
+def test_error_event_round_trip_keeps_optional_request():
+    for ev in (Error("auth", "no"), Error("stale", "late", req=0)):
+        r = Connection()
+        r.receive_data(Connection().send_bytes(ev))
+        assert drain(r) == [ev]
+
+
+def test_unknown_event_type_cannot_be_sent():
+    with pytest.raises(TypeError, match="not an mlfabric event"):
+        Connection().send(object())  # type: ignore[arg-type]
