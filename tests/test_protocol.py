@@ -165,7 +165,7 @@ def test_send_does_not_copy_tensors_and_aligns_them():
 
 
 def test_non_float_tensors_are_refused_at_send():
-    with pytest.raises(TypeError, match="int64.*astype"):
+    with pytest.raises(TypeError, match=r"int64.*astype"):
         Connection().send(Push(req=1, base_version=0, tensors={"a": np.arange(3)}))
 
 

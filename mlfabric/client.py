@@ -1,0 +1,231 @@
+"""The blocking client: `mlfabric.connect(...)`.
+
+It drives the same sans-I/O `protocol.Connection` as the asyncio code over a
+plain blocking socket. `push()` writes the update in the calling thread, so
+when it returns the arrays have been handed to the kernel and may be reused;
+the outcome arrives later on a future. One reader thread receives answers
+straight into their buffers and resolves the futures.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import socket
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .client_core import (
+    Handshake,
+    RequestTable,
+    check_base_version,
+    check_update,
+    connection_lost_error,
+    default_client_name,
+    parse_address,
+    resolve_token,
+)
+from .errors import ConnectError, ConnectionLost, MlfabricError, ProtocolError
+from .metrics import ClientMetrics
+from .outcome import PushOutcome
+from .protocol import HEADER, MAX_META_LEN, NEED_DATA, Connection, Pull, Push, Welcome, layout
+
+log = logging.getLogger("mlfabric.client")
+
+_JOIN_LIMIT = 1 << 16
+
+
+def connect(
+    address: str,
+    *,
+    job: str,
+    token: str | bytes | None = None,
+    token_file: str | os.PathLike[str] | None = None,
+    timeout: float = 10.0,
+    name: str | None = None,
+    metrics: ClientMetrics | None = None,
+) -> Client:
+    """Connect to the parameter server at `address` ("HOST:PORT") for `job`.
+
+    The job's token is given as `token` or read from `token_file`. Raises
+    ConnectError if the server cannot be reached within `timeout` seconds and
+    AuthenticationError if the token or job is wrong.
+    """
+    host, port = parse_address(address)
+    secret = resolve_token(token, token_file)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise ConnectError(
+            f"cannot reach the parameter server at {address}: {exc.strerror or exc}; is "
+            f"`mlfabric server` running there?"
+        ) from None
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = Connection()
+        welcome = _handshake(sock, conn, Handshake(job, secret, name or default_client_name()))
+    except BaseException:
+        sock.close()
+        raise
+    return Client(sock, conn, welcome, address, metrics)
+
+
+def _handshake(sock: socket.socket, conn: Connection, hs: Handshake) -> Welcome:
+    def next_event() -> Any:
+        while True:
+            event = conn.next_event()
+            if event is not NEED_DATA:
+                return event
+            try:
+                data = sock.recv(1 << 16)
+            except TimeoutError:
+                raise ConnectError("the server did not complete the handshake in time") from None
+            if not data:
+                raise ConnectionLost("the server closed the connection during the handshake")
+            conn.receive_data(data)
+
+    sock.sendall(conn.send_bytes(hs.hello()))
+    sock.sendall(conn.send_bytes(hs.on_challenge(next_event())))
+    hs.verify_server()
+    return hs.on_welcome(next_event())
+
+
+class Client:
+    """A connection to one parameter server. Thread-safe; use as a context manager."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        conn: Connection,
+        welcome: Welcome,
+        address: str,
+        metrics: ClientMetrics | None = None,
+    ) -> None:
+        self.address = address
+        self.specs = welcome.tensors
+        self.tau_max = welcome.tau_max
+        self.momentum = welcome.momentum
+        self.session = welcome.session
+        self.metrics = metrics
+        self._sock = sock
+        self._conn = conn
+        conn.max_frame_size = HEADER.size + MAX_META_LEN + layout(self.specs)[1]
+        self._requests = RequestTable(metrics)
+        self._lock = threading.Lock()  # guards the request table
+        self._send_lock = threading.Lock()  # one frame on the wire at a time
+        self._closed = False
+        self._error: BaseException | None = None
+        sock.settimeout(None)
+        self._reader = threading.Thread(
+            target=self._read_loop, name=f"mlfabric-reader-{address}", daemon=True
+        )
+        self._reader.start()
+
+    # -- public API -------------------------------------------------------------
+
+    def pull(self, timeout: float | None = None) -> tuple[int, dict[str, np.ndarray]]:
+        """The model as (version, {name: array}), consistent at that version."""
+        fut = self._request("pull", Pull, None)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"pull() got no answer from {self.address} within {timeout} s"
+            ) from None
+
+    def push(
+        self, update: Mapping[str, Any], *, base_version: int
+    ) -> concurrent.futures.Future[PushOutcome]:
+        """Hand an update over; returns a future of its PushOutcome at once.
+
+        `base_version` is the version of the model the update was computed on
+        (the one pull() returned). When push() returns, the arrays have been
+        written to the socket and may be modified.
+        """
+        base = check_base_version(base_version)
+        arrays = check_update(update, self.specs)
+        return self._request("push", lambda req: Push(req, base, arrays), base)
+
+    def close(self) -> None:
+        """Close the connection; requests still waiting fail with ConnectionLost."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._reader.join(timeout=10)
+        self._sock.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<mlfabric.Client {self.address} {state} tensors={len(self.specs)}>"
+
+    # -- internals --------------------------------------------------------------
+
+    def _request(self, kind: str, make_event: Any, base_version: int | None) -> Any:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            if self._closed or self._error is not None:
+                raise self._error or ConnectionLost(f"the client for {self.address} is closed")
+            req = self._requests.add(kind, fut, base_version)
+        parts = self._conn.send(make_event(req))
+        size = sum(len(p) for p in parts)
+        try:
+            with self._send_lock:
+                if size <= _JOIN_LIMIT:
+                    self._sock.sendall(b"".join(parts))
+                else:
+                    for part in parts:
+                        self._sock.sendall(part)
+        except OSError as exc:
+            with self._lock:
+                self._requests.discard(req)
+            raise connection_lost_error(self.address, exc) from None
+        if self.metrics is not None:
+            self.metrics.sent_bytes.inc(size)
+        return fut
+
+    def _read_loop(self) -> None:
+        conn, sock = self._conn, self._sock
+        error: BaseException
+        try:
+            while True:
+                buf = conn.get_buffer()
+                n = sock.recv_into(buf)
+                if n == 0:
+                    error = connection_lost_error(self.address, None)
+                    break
+                conn.buffer_updated(n)
+                if self.metrics is not None:
+                    self.metrics.received_bytes.inc(n)
+                while (event := conn.next_event()) is not NEED_DATA:
+                    with self._lock:
+                        self._requests.dispatch(event)
+        except (MlfabricError, ProtocolError) as exc:
+            error = exc
+        except OSError as exc:
+            error = connection_lost_error(self.address, exc)
+        if self._closed:
+            error = ConnectionLost(f"the client for {self.address} was closed")
+        else:
+            log.warning("connection to %s ended: %s", self.address, error)
+        with self._lock:
+            self._error = error
+            self._requests.fail_all(error)

@@ -1,0 +1,253 @@
+"""What the blocking and the asyncio clients share, without I/O.
+
+The handshake steps, the table of requests awaiting an answer, and the
+checks on what a user hands to pull/push. Futures here are anything with
+`done()`, `set_result()` and `set_exception()`: concurrent.futures for the
+blocking client, asyncio futures for the asyncio one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import auth
+from .errors import (
+    AuthenticationError,
+    ConfigError,
+    ConnectionLost,
+    InvalidUpdate,
+    MlfabricError,
+    ProtocolError,
+    ServerError,
+)
+from .metrics import REJECT_REASONS, ClientMetrics
+from .outcome import PushOutcome
+from .protocol import Challenge, Error, Hello, Model, PushResult, TensorSpec, Welcome
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """'HOST:PORT' or '[IPv6]:PORT' -> (host, port)."""
+    if not isinstance(address, str) or ":" not in address:
+        raise ConfigError(f"address must be HOST:PORT, got {address!r}")
+    host, _, port_text = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        port = int(port_text)
+    except ValueError:
+        port = -1
+    if not host or not 0 <= port <= 65535:
+        raise ConfigError(f"address must be HOST:PORT with a port in 0..65535, got {address!r}")
+    return host, port
+
+
+def resolve_token(token: str | bytes | None, token_file: str | os.PathLike[str] | None) -> bytes:
+    if (token is None) == (token_file is None):
+        raise ConfigError("give the job's token as exactly one of token=... or token_file=...")
+    if token_file is not None:
+        return auth.load_token(token_file)
+    assert token is not None
+    return auth.as_token(token)
+
+
+def default_client_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def error_from_event(event: Error, context: str = "") -> MlfabricError:
+    """The exception a client raises for an Error answer."""
+    message = f"{context}{event.message}"
+    if event.code in REJECT_REASONS:
+        return InvalidUpdate(message, reason=event.code)
+    if event.code == "auth":
+        return AuthenticationError(message)
+    if event.code == "protocol":
+        return ProtocolError(message)
+    return ServerError(f"{message} (server error code {event.code!r})")
+
+
+class Handshake:
+    """The client's side of the challenge-response, one step per server event."""
+
+    def __init__(self, job: str, token: bytes, name: str) -> None:
+        self.job = job
+        self.token = token
+        self.name = name
+        self.nonce = auth.new_nonce()
+        self.server_nonce: bytes | None = None
+        self.server_verified = False
+
+    def hello(self) -> Hello:
+        return Hello(job=self.job, client=self.name, nonce=self.nonce)
+
+    def on_challenge(self, event: Any) -> Any:
+        """The Auth event to send. Send it even when `verify_server()` will
+        fail: the server then logs and counts the mismatch too."""
+        from .protocol import Auth
+
+        if isinstance(event, Error):
+            raise error_from_event(event)
+        if not isinstance(event, Challenge):
+            raise ProtocolError(f"expected a challenge from the server, got {type(event).__name__}")
+        expected = auth.server_proof(self.token, self.job, self.nonce, event.nonce)
+        self.server_verified = auth.proofs_match(expected, event.proof)
+        self.server_nonce = event.nonce
+        return Auth(proof=auth.client_proof(self.token, self.job, self.nonce, event.nonce))
+
+    def verify_server(self) -> None:
+        if not self.server_verified:
+            raise AuthenticationError(
+                f"authentication failed: this client's token and the server's token for job "
+                f"{self.job!r} differ; check the token file (and that the address is the "
+                f"job's server)"
+            )
+
+    def on_welcome(self, event: Any) -> Welcome:
+        if isinstance(event, Error):
+            raise error_from_event(event)
+        if not isinstance(event, Welcome):
+            raise ProtocolError(f"expected a welcome from the server, got {type(event).__name__}")
+        return event
+
+
+def check_update(
+    update: Mapping[str, Any], specs: tuple[TensorSpec, ...]
+) -> dict[str, np.ndarray]:
+    """The update as C-contiguous numpy arrays, checked against the model's layout.
+
+    Catches mistakes before any byte is sent, with the same messages the
+    server would give. Accepts numpy arrays and CPU tensors (shared, not copied).
+    """
+    if not isinstance(update, Mapping):
+        raise TypeError(f"push() takes a mapping of tensor name to array, got {type(update)}")
+    by_name = {s.name: s for s in specs}
+    arrays: dict[str, np.ndarray] = {}
+    for name, value in update.items():
+        if name not in by_name:
+            raise InvalidUpdate(
+                f"unknown tensor {name!r}; the model's tensors are {sorted(by_name)}",
+                reason="unknown_tensor",
+            )
+        if hasattr(value, "detach"):  # a torch tensor: share its memory with numpy
+            value = value.detach().numpy()
+        arr = np.asarray(value)
+        spec = by_name[name]
+        if arr.dtype != spec.dtype:
+            raise InvalidUpdate(
+                f"tensor {name!r} is {arr.dtype}, the model's is {spec.dtype}: push "
+                f"arr.astype(np.{spec.dtype.name})",
+                reason="bad_dtype",
+            )
+        if arr.shape != spec.shape:
+            raise InvalidUpdate(
+                f"tensor {name!r} has shape {arr.shape}, the model's is {spec.shape}",
+                reason="bad_shape",
+            )
+        arrays[name] = np.ascontiguousarray(arr)
+    missing = [s.name for s in specs if s.name not in arrays]
+    if missing:
+        raise InvalidUpdate(
+            f"update lacks tensor {missing[0]!r}: push a value for every tensor of the model "
+            f"(zeros where nothing changes)",
+            reason="unknown_tensor",
+        )
+    return arrays
+
+
+def check_base_version(base_version: Any) -> int:
+    if type(base_version) is not int and not isinstance(base_version, np.integer):
+        raise TypeError(
+            f"base_version must be the int version returned by pull(), got {base_version!r}"
+        )
+    if base_version < 0:
+        raise ValueError(f"base_version must be >= 0, got {base_version}")
+    return int(base_version)
+
+
+@dataclass
+class _Pending:
+    kind: str  # "pull" or "push"
+    future: Any
+    base_version: int | None
+    started: float
+
+
+class RequestTable:
+    """Requests awaiting an answer, and how each answer resolves its future."""
+
+    def __init__(self, metrics: ClientMetrics | None = None) -> None:
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self.metrics = metrics
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, kind: str, future: Any, base_version: int | None = None) -> int:
+        req = next(self._ids)
+        self._pending[req] = _Pending(kind, future, base_version, time.perf_counter())
+        return req
+
+    def discard(self, req: int) -> None:
+        self._pending.pop(req, None)
+
+    def dispatch(self, event: Any) -> None:
+        """Resolve the future an answer belongs to. Raises ProtocolError for an
+        answer to no request, or a connection-wide Error's exception."""
+        req = getattr(event, "req", None)
+        if isinstance(event, Error) and req is None:
+            raise error_from_event(event, "server closed the connection: ")
+        pending = self._pending.pop(req, None) if req is not None else None
+        if pending is None:
+            raise ProtocolError(f"server sent {type(event).__name__} for unknown request {req}")
+        fut = pending.future
+        elapsed = time.perf_counter() - pending.started
+        m = self.metrics
+        if isinstance(event, Error):
+            if m is not None and pending.kind == "push":
+                m.pushes.labels("error").inc()
+            if not fut.done():
+                fut.set_exception(error_from_event(event, f"{pending.kind} refused: "))
+        elif isinstance(event, PushResult) and pending.kind == "push":
+            outcome = PushOutcome(
+                applied=event.applied,
+                version=event.version,
+                delay=event.delay,
+                reason=event.reason,
+                base_version=pending.base_version,
+            )
+            if m is not None:
+                m.push_seconds.observe(elapsed)
+                m.pushes.labels("applied" if event.applied else "rejected").inc()
+            if not fut.done():
+                fut.set_result(outcome)
+        elif isinstance(event, Model) and pending.kind == "pull":
+            if m is not None:
+                m.pull_seconds.observe(elapsed)
+            if not fut.done():
+                fut.set_result((event.version, dict(event.tensors)))
+        else:
+            raise ProtocolError(
+                f"server answered a {pending.kind} with {type(event).__name__}"
+            )
+
+    def fail_all(self, exc: BaseException) -> None:
+        pending, self._pending = self._pending, {}
+        for p in pending.values():
+            if not p.future.done():
+                p.future.set_exception(exc)
+
+
+def connection_lost_error(address: str, exc: BaseException | None) -> ConnectionLost:
+    detail = f": {exc}" if exc else ""
+    return ConnectionLost(
+        f"connection to {address} closed before the answer arrived{detail}; the request may "
+        f"or may not have been applied: reconnect and pull() to see the server's version"
+    )

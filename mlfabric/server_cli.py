@@ -1,0 +1,105 @@
+"""`mlfabric server`: serve one job's model until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from . import auth, loop
+from .client_core import parse_address
+from .errors import ConfigError
+from .metrics import ServerMetrics, serve_metrics
+from .server import ParameterServer
+from .store import ParameterStore
+
+log = logging.getLogger("mlfabric.server")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", required=True, metavar="HOST:PORT",
+                   help="address to accept clients on (port 0 picks a free port)")
+    p.add_argument("--job", required=True, help="the job's name; clients must name it")
+    p.add_argument("--token-file", required=True, metavar="PATH",
+                   help="file holding the job's secret token")
+    p.add_argument("--init", required=True, metavar="MODEL.npz",
+                   help="initial model: named float32 arrays in a .npz file")
+    p.add_argument("--momentum", type=float, default=0.0, metavar="G",
+                   help="server momentum gamma in [0, 1) (default: 0)")
+    p.add_argument("--tau-max", type=int, default=16, metavar="N",
+                   help="refuse updates older than N versions at apply; -1 for no bound "
+                        "(default: 16)")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="apply updates holding NaN/Inf instead of refusing them")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                   help="serve Prometheus metrics on this port at /metrics")
+    p.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port")
+
+
+def load_model(path: str) -> dict[str, np.ndarray]:
+    """The named arrays of an .npz file, with errors that say what to fix."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--init {path!r}: no such file; give a .npz written by np.savez")
+    try:
+        with np.load(p, allow_pickle=False) as npz:
+            tensors = {name: npz[name] for name in npz.files}
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise ConfigError(f"--init {path!r} is not a readable .npz file: {exc}") from None
+    if not tensors:
+        raise ConfigError(f"--init {path!r} holds no arrays")
+    for name, arr in tensors.items():
+        if arr.dtype != np.float32:
+            raise ConfigError(
+                f"--init {path!r}: tensor {name!r} is {arr.dtype}; mlfabric serves float32 "
+                f"tensors: save arr.astype(np.float32)"
+            )
+    return tensors
+
+
+def run_server(args: argparse.Namespace) -> int:
+    host, port = parse_address(args.listen)
+    token = auth.load_token(args.token_file)
+    if not auth.token_file_is_private(args.token_file):
+        log.warning("token file %s is readable by other users: chmod 600 it", args.token_file)
+    tau_max = None if args.tau_max is not None and args.tau_max < 0 else args.tau_max
+    store = ParameterStore(
+        load_model(args.init),
+        momentum=args.momentum,
+        tau_max=tau_max,
+        allow_nonfinite=args.allow_nonfinite,
+    )
+    metrics = ServerMetrics()
+    if args.metrics_port is not None:
+        serve_metrics(metrics.registry, args.metrics_port, args.metrics_host)
+
+    async def main() -> None:
+        server = ParameterServer(store, job=args.job, token=token, metrics=metrics)
+        try:
+            bound = await server.start(host, port)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {args.listen}: {exc.strerror}") from None
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        # The "serving" line is what scripts wait for: it carries the bound port.
+        print(
+            f"mlfabric server: serving job {args.job!r} on {bound[0]}:{bound[1]} "
+            f"({len(store.specs)} tensors, {store.nbytes} bytes, version {store.version})",
+            flush=True,
+        )
+        await stop.wait()
+        log.info("shutting down at version %d", store.version)
+        await server.close()
+        print(f"mlfabric server: stopped at version {store.version}", flush=True)
+
+    loop.run(main())
+    return 0
+
+
+run = run_server

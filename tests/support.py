@@ -1,0 +1,172 @@
+"""Test helpers: a live parameter server in a thread, and a numpy reference."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from mlfabric import loop as loops
+from mlfabric.metrics import ServerMetrics
+from mlfabric.protocol import NEED_DATA, Auth, Connection, Hello
+from mlfabric.server import ParameterServer
+from mlfabric.store import ParameterStore
+
+TOKEN = b"test-token-0123456789abcdef"
+JOB = "testjob"
+
+
+def make_model(seed: int = 0, sizes: Mapping[str, tuple[int, ...]] | None = None):
+    rng = np.random.default_rng(seed)
+    sizes = sizes or {"w": (64, 10), "b": (10,)}
+    return {n: rng.standard_normal(s).astype(np.float32) for n, s in sizes.items()}
+
+
+def random_update(model, seed: int, scale: float = 0.01):
+    rng = np.random.default_rng(seed)
+    return {n: (scale * rng.standard_normal(w.shape)).astype(np.float32) for n, w in model.items()}
+
+
+class Reference:
+    """The brief's update rule in plain numpy: w' = w + u + gamma * (w - w_prev)."""
+
+    def __init__(self, init: Mapping[str, np.ndarray], gamma: float) -> None:
+        self.w = {n: a.copy() for n, a in init.items()}
+        self.prev = {n: a.copy() for n, a in init.items()}
+        self.gamma = gamma
+
+    def apply(self, u: Mapping[str, np.ndarray]) -> None:
+        for n in self.w:
+            new = self.w[n] + u[n] + self.gamma * (self.w[n] - self.prev[n])
+            self.prev[n] = self.w[n]
+            self.w[n] = new
+
+
+def assert_model_equal(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray]) -> None:
+    assert set(got) == set(want)
+    for n in want:
+        assert got[n].dtype == want[n].dtype and got[n].shape == want[n].shape
+        # Bit-exact: the kernels must round exactly like the numpy reference.
+        assert np.array_equal(got[n].view(np.uint32), want[n].view(np.uint32)), n
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
+    """Bounded wait for a condition owned by another thread or process."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what or predicate}")
+        time.sleep(0.005)
+
+
+class ServerThread:
+    """A ParameterServer on its own event loop (asyncio or uvloop) in a thread."""
+
+    def __init__(self, store: ParameterStore, *, loop_kind: str = "uvloop", job: str = JOB,
+                 token: bytes = TOKEN, metrics: ServerMetrics | None = None,
+                 handshake_timeout: float = 10.0) -> None:
+        self.store = store
+        self.metrics = metrics or ServerMetrics()
+        self.server = ParameterServer(store, job=job, token=token, metrics=self.metrics,
+                                      handshake_timeout=handshake_timeout)
+        self.loop_kind = loop_kind
+        self.loop_errors: list[dict] = []
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="test-server", daemon=True)
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._loop.set_exception_handler(lambda loop, ctx: self.loop_errors.append(ctx))
+            self._stop = asyncio.Event()
+            await self.server.start("127.0.0.1", 0)
+            self._ready.set()
+            await self._stop.wait()
+            await self.server.close()
+
+        try:
+            loops.run(main(), kind=self.loop_kind)
+        except BaseException as exc:  # surfaced by __enter__/__exit__
+            self._failure = exc
+            self._ready.set()
+
+    @property
+    def address(self) -> str:
+        host, port = self.server.address
+        return f"{host}:{port}"
+
+    @property
+    def port(self) -> int:
+        return self.server.address[1]
+
+    def call(self, fn: Callable[[], object]) -> object:
+        """Run fn in the server's loop thread (to read state between events)."""
+        assert self._loop is not None
+        fut = asyncio.run_coroutine_threadsafe(_call(fn), self._loop)
+        return fut.result(10)
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        assert self._ready.wait(10), "server did not start within 10 s"
+        if self._failure is not None:
+            raise self._failure
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+        assert not self._thread.is_alive(), "server thread did not stop within 10 s"
+        if self._failure is not None:
+            raise self._failure
+        assert not self.loop_errors, f"unhandled exception in the server loop: {self.loop_errors}"
+
+
+async def _call(fn: Callable[[], object]) -> object:
+    return fn()
+
+
+class RawClient:
+    """A blocking socket speaking the protocol by hand, to send what the real
+    clients refuse to: malformed frames, wrong updates, garbage."""
+
+    def __init__(self, port: int, *, authenticate: bool = True, job: str = JOB,
+                 token: bytes = TOKEN) -> None:
+        from mlfabric.client_core import Handshake
+
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        self.conn = Connection()
+        self.welcome = None
+        if authenticate:
+            hs = Handshake(job, token, "raw")
+            self.send(hs.hello())
+            self.send(hs.on_challenge(self.recv_event()))
+            self.welcome = hs.on_welcome(self.recv_event())
+
+    def send(self, event: object) -> None:
+        self.sock.sendall(self.conn.send_bytes(event))
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def recv_event(self):
+        """The next event, or None at EOF. Bounded by the socket timeout."""
+        while (event := self.conn.next_event()) is NEED_DATA:
+            data = self.sock.recv(1 << 16)
+            if not data:
+                return None
+            self.conn.receive_data(data)
+        return event
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+__all__ = ["JOB", "TOKEN", "Auth", "Hello"]

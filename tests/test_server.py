@@ -1,0 +1,370 @@
+"""A live parameter server on a real TCP socket, driven by the blocking
+client, the asyncio client and raw frames; on asyncio's loop and on uvloop."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+
+import numpy as np
+import pytest
+
+import mlfabric
+from mlfabric import aio
+from mlfabric.errors import AuthenticationError, ConnectError, ConnectionLost, InvalidUpdate
+from mlfabric.protocol import HEADER, MAGIC, Error, MsgType, Pull, Push, PushResult
+from mlfabric.store import ParameterStore
+
+from support import (
+    JOB,
+    TOKEN,
+    RawClient,
+    Reference,
+    ServerThread,
+    assert_model_equal,
+    make_model,
+    random_update,
+    wait_until,
+)
+
+
+@pytest.fixture
+def serve(loop_kind):
+    """serve(**store_kwargs) -> a running ServerThread on the test's loop kind."""
+    started = []
+
+    def start(model=None, **kwargs):
+        model = model if model is not None else make_model()
+        handshake_timeout = kwargs.pop("handshake_timeout", 10.0)
+        st = ServerThread(ParameterStore(model, **kwargs), loop_kind=loop_kind,
+                          handshake_timeout=handshake_timeout)
+        started.append(st.__enter__())
+        return st
+
+    yield start
+    for st in started:
+        st.__exit__(None, None, None)
+
+
+def sample(metric, **labels):
+    return metric.labels(**labels)._value.get() if labels else metric._value.get()
+
+
+def test_pull_returns_the_initial_model(serve):
+    model = make_model()
+    st = serve(model)
+    with mlfabric.connect(st.address, job=JOB, token=TOKEN) as ps:
+        version, params = ps.pull(timeout=5)
+        assert version == 0
+        assert_model_equal(params, model)
+        assert [s.name for s in ps.specs] == ["w", "b"]
+
+
+def test_pushes_apply_the_momentum_rule_exactly(serve):
+    model = make_model()
+    st = serve(model, momentum=0.9)
+    ref = Reference(model, 0.9)
+    with mlfabric.connect(st.address, job=JOB, token=TOKEN) as ps:
+        for i in range(6):
+            version, _ = ps.pull(timeout=5)
+            u = random_update(model, seed=i)
+            outcome = ps.push(u, base_version=version).result(5)
+            ref.apply(u)
+            assert outcome == mlfabric.PushOutcome(True, i + 1, 0, None, version)
+        version, params = ps.pull(timeout=5)
+    assert version == 6
+    assert_model_equal(params, ref.w)
+    assert sample(st.metrics.updates_applied) == 6
+    assert st.metrics.delay._sum.get() == 0
+
+
+def test_delay_is_counted_and_tau_max_refuses_stale_updates(serve):
+    model = make_model()
+    st = serve(model, momentum=0.5, tau_max=2)
+    ref = Reference(model, 0.5)
+    with mlfabric.connect(st.address, job=JOB, token=TOKEN) as ps:
+        outcomes = []
+        for i in range(4):  # all computed on version 0
+            u = random_update(model, seed=i)
+            outcomes.append(ps.push(u, base_version=0).result(5))
+            if outcomes[-1].applied:
+                ref.apply(u)
+        assert [(o.applied, o.version, o.delay) for o in outcomes] == [
+            (True, 1, 0), (True, 2, 1), (True, 3, 2), (False, 3, 3)]
+        assert "delay 3 exceeds tau_max 2" in outcomes[3].reason
+        version, params = ps.pull(timeout=5)
+    assert version == 3
+    assert_model_equal(params, ref.w)
+    assert sample(st.metrics.updates_rejected, reason="stale") == 1
+    assert st.metrics.delay._sum.get() == 0 + 1 + 2
+
+
+def test_concurrent_workers_get_consecutive_versions_and_consistent_pulls(serve):
+    model = make_model(sizes={"w": (300,), "b": (7,)})
+    st = serve(model, momentum=0.9, tau_max=None)
+    results: list = []
+    pulls: list = []
+    lock = threading.Lock()
+
+    def worker(wid: int) -> None:
+        with mlfabric.connect(st.address, job=JOB, token=TOKEN) as ps:
+            for step in range(25):
+                version, params = ps.pull(timeout=5)
+                u = random_update(model, seed=1000 * wid + step)
+                outcome = ps.push(u, base_version=version).result(5)
+                with lock:
+                    results.append((outcome, u))
+                    pulls.append((version, params))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 100
+    # Every update applied, each at its own version: 1..100 with no gap.
+    results.sort(key=lambda r: r[0].version)
+    assert [o.version for o, _ in results] == list(range(1, 101))
+    assert all(o.applied and o.delay == o.version - 1 - o.base_version for o, _ in results)
+    # Replaying the updates in version order gives every state the server had.
+    ref = Reference(model, 0.9)
+    states = {0: {n: a.copy() for n, a in ref.w.items()}}
+    for outcome, u in results:
+        ref.apply(u)
+        states[outcome.version] = {n: a.copy() for n, a in ref.w.items()}
+    with mlfabric.connect(st.address, job=JOB, token=TOKEN) as ps:
+        final_version, final = ps.pull(timeout=5)
+    assert final_version == 100
+    assert_model_equal(final, states[100])
+    # A pull never sees half an update: each equals the state at its version.
+    for version, params in pulls:
+        assert_model_equal(params, states[version])
+
+
+@pytest.mark.parametrize(
+    ("update", "reason", "message"),
+    [
+        (lambda m: {**m, "extra": np.zeros(3, np.float32)}, "unknown_tensor", "unknown tensor"),
+        (lambda m: {"w": m["w"]}, "unknown_tensor", "lacks tensor 'b'"),
+        (lambda m: {**m, "b": m["b"].astype(np.float64)}, "bad_dtype", "float64"),
+        (lambda m: {**m, "b": np.zeros(11, np.float32)}, "bad_shape", r"\(11,\)"),
+        (lambda m: {**m, "b": np.float32([0] * 9 + [np.nan])}, "nonfinite", "NaN or Inf"),
+        (lambda m: {**m, "w": np.full_like(m["w"], np.inf)}, "nonfinite", "NaN or Inf"),
+    ],
+    ids=["unknown", "missing", "dtype", "shape", "nan", "inf"],
+)
+def test_bad_updates_are_refused_with_a_reason_and_leave_the_model_untouched(
+    serve, update, reason, message
+):
+    model = make_model()
+    st = serve(model, momentum=0.9)
+    zeros = {n: np.zeros_like(a) for n, a in model.items()}
+    raw = RawClient(st.port)
+    raw.send(Push(req=1, base_version=0, tensors=update(zeros)))
+    answer = raw.recv_event()
+    assert isinstance(answer, Error) and answer.req == 1 and answer.code == reason
+    assert re.search(message, answer.message), answer.message
+    # The same connection keeps working.
+    raw.send(Pull(req=2))
+    pulled = raw.recv_event()
+    assert pulled.version == 0
+    assert_model_equal(dict(pulled.tensors), model)
+    raw.close()
+    assert sample(st.metrics.updates_rejected, reason=reason) == 1
+    assert sample(st.metrics.updates_applied) == 0
+
+
+def test_client_checks_updates_before_sending(serve):
+    model = make_model()
+    st = serve(model)
+    with mlfabric.connect(st.address, job=JOB, token=TOKEN) as ps:
+        received = sample(st.metrics.received_bytes)
+        with pytest.raises(InvalidUpdate, match="unknown tensor 'x'") as info:
+            ps.push({"x": np.zeros(1, np.float32)}, base_version=0)
+        assert info.value.reason == "unknown_tensor"
+        with pytest.raises(InvalidUpdate, match=r"shape \(3,\), the model's is \(10,\)"):
+            ps.push({**model, "b": np.zeros(3, np.float32)}, base_version=0)
+        with pytest.raises(InvalidUpdate, match="float64"):
+            ps.push({**model, "b": np.zeros(10)}, base_version=0)
+        with pytest.raises(TypeError, match="base_version must be the int version"):
+            ps.push(model, base_version="0")
+        with pytest.raises(ValueError, match="base_version must be >= 0"):
+            ps.push(model, base_version=-1)
+        assert sample(st.metrics.received_bytes) == received
+
+
+def test_future_base_version_and_nonfinite_raise_in_the_client(serve):
+    model = make_model()
+    st = serve(model)
+    with mlfabric.connect(st.address, job=JOB, token=TOKEN) as ps:
+        with pytest.raises(InvalidUpdate, match="base_version 5 is ahead of the server's "
+                           "version 0") as info:
+            ps.push(model, base_version=5).result(5)
+        assert info.value.reason == "future_version"
+        bad = {**model, "b": np.full(10, np.nan, np.float32)}
+        with pytest.raises(InvalidUpdate, match="NaN or Inf"):
+            ps.push(bad, base_version=0).result(5)
+        version, params = ps.pull(timeout=5)
+        assert version == 0
+        assert_model_equal(params, model)
+
+
+def test_nonfinite_updates_can_be_allowed(serve):
+    model = make_model()
+    st = serve(model, allow_nonfinite=True)
+    with mlfabric.connect(st.address, job=JOB, token=TOKEN) as ps:
+        u = {n: np.zeros_like(a) for n, a in model.items()}
+        u["b"][3] = np.inf
+        assert ps.push(u, base_version=0).result(5).applied
+        _, params = ps.pull(timeout=5)
+    assert params["b"][3] == np.inf
+
+
+def test_wrong_token_and_wrong_job_are_refused_and_counted(serve):
+    st = serve()
+    with pytest.raises(AuthenticationError, match="token"):
+        mlfabric.connect(st.address, job=JOB, token=b"another-token-0123456789")
+    with pytest.raises(AuthenticationError, match=f"serves job '{JOB}', not 'other'"):
+        mlfabric.connect(st.address, job="other", token=TOKEN)
+    wait_until(lambda: sample(st.metrics.auth_failures) == 2, what="2 auth failures counted")
+    with mlfabric.connect(st.address, job=JOB, token=TOKEN) as ps:
+        assert ps.pull(timeout=5)[0] == 0
+
+
+def test_malformed_frame_closes_only_that_connection(serve):
+    model = make_model()
+    st = serve(model)
+    with mlfabric.connect(st.address, job=JOB, token=TOKEN) as good:
+        raw = RawClient(st.port)
+        raw.send_raw(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(20))
+        answer = raw.recv_event()
+        assert isinstance(answer, Error) and answer.code == "protocol"
+        assert "magic" in answer.message
+        assert raw.recv_event() is None  # closed by the server
+        raw.close()
+        assert_model_equal(good.pull(timeout=5)[1], model)
+    assert sample(st.metrics.protocol_errors) == 1
+
+
+def test_oversized_frames_are_refused_before_allocation(serve):
+    st = serve()
+    model_bytes = st.store.nbytes
+    raw = RawClient(st.port)
+    raw.send_raw(HEADER.pack(MAGIC, 1, MsgType.PUSH, 0, 2, model_bytes + (2 << 20)))
+    answer = raw.recv_event()
+    assert answer.code == "protocol" and "maximum frame size" in answer.message
+    raw.close()
+    # Before authentication the limit is 64 KiB whatever the model's size.
+    unauth = RawClient(st.port, authenticate=False)
+    unauth.send_raw(HEADER.pack(MAGIC, 1, MsgType.HELLO, 0, 100, 1 << 17))
+    assert "maximum frame size of 65536" in unauth.recv_event().message
+    unauth.close()
+
+
+def test_silent_peers_are_dropped_after_the_handshake_timeout(serve):
+    st = serve(handshake_timeout=0.2)
+    raw = RawClient(st.port, authenticate=False)
+    answer = raw.recv_event()  # bounded by the socket's 5 s timeout
+    assert answer.code == "protocol" and "handshake" in answer.message
+    assert raw.recv_event() is None
+    raw.close()
+
+
+def test_server_shutdown_fails_pending_requests_and_later_calls(loop_kind):
+    st = ServerThread(ParameterStore(make_model()), loop_kind=loop_kind)
+    with st:
+        address = st.address
+        ps = mlfabric.connect(address, job=JOB, token=TOKEN)
+    with pytest.raises(ConnectionLost, match="closed"):
+        ps.pull(timeout=5)
+    with pytest.raises(ConnectionLost):
+        ps.push(make_model(), base_version=0)
+    ps.close()
+    with pytest.raises(ConnectError, match="cannot reach the parameter server"):
+        mlfabric.connect(address, job=JOB, token=TOKEN, timeout=2)
+
+
+def test_closing_the_client_fails_its_pending_futures(serve):
+    st = serve()
+    ps = mlfabric.connect(st.address, job=JOB, token=TOKEN)
+    ps.close()
+    assert ps.closed
+    with pytest.raises(ConnectionLost, match="closed"):
+        ps.pull(timeout=5)
+
+
+def test_metrics_count_what_happened(serve):
+    model = make_model()
+    st = serve(model, tau_max=1)
+    with mlfabric.connect(st.address, job=JOB, token=TOKEN) as ps:
+        wait_until(lambda: sample(st.metrics.connected_clients) == 1, what="1 client")
+        ps.pull(timeout=5)
+        for _ in range(3):
+            ps.push(model, base_version=0).result(5)
+    wait_until(lambda: sample(st.metrics.connected_clients) == 0, what="0 clients")
+    m = st.metrics
+    assert sample(m.pulls) == 1
+    assert sample(m.updates_applied) == 2
+    assert sample(m.updates_rejected, reason="stale") == 1
+    assert sample(m.version) == 2
+    assert m.apply_seconds._sum.get() > 0
+    assert sample(m.received_bytes) > 3 * st.store.nbytes
+    assert sample(m.sent_bytes) > st.store.nbytes
+
+
+# --- the asyncio client ----------------------------------------------------------
+
+
+def test_asyncio_client_pull_push_and_pipelining(serve, run_async):
+    model = make_model()
+    st = serve(model, momentum=0.9, tau_max=None)
+
+    async def body():
+        async with await aio.connect(st.address, job=JOB, token=TOKEN) as ps:
+            version, params = await ps.pull()
+            assert version == 0
+            assert_model_equal(params, model)
+            updates = [random_update(model, seed=i) for i in range(50)]
+            # 50 pushes in flight at once on one connection, all on version 0.
+            futures = [ps.push(u, base_version=0) for u in updates]
+            outcomes = await asyncio.gather(*futures)
+            assert [(o.applied, o.version, o.delay) for o in outcomes] == [
+                (True, i + 1, i) for i in range(50)]
+            ref = Reference(model, 0.9)
+            for u in updates:
+                ref.apply(u)
+            version, params = await ps.pull()
+            assert version == 50
+            assert_model_equal(params, ref.w)
+            with pytest.raises(InvalidUpdate, match="ahead of the server's version"):
+                await ps.push(model, base_version=51)
+        assert ps.closed
+        with pytest.raises(ConnectionLost):
+            await ps.pull()
+
+    run_async(body())
+
+
+def test_asyncio_client_refusals(serve, run_async):
+    st = serve()
+
+    async def body():
+        with pytest.raises(AuthenticationError, match="token"):
+            await aio.connect(st.address, job=JOB, token=b"wrong-token-0123456789")
+        with pytest.raises(AuthenticationError, match="not 'nope'"):
+            await aio.connect(st.address, job="nope", token=TOKEN)
+        with pytest.raises(ConnectError, match="cannot reach"):
+            await aio.connect("127.0.0.1:1", job=JOB, token=TOKEN, timeout=2)
+
+    run_async(body())
+
+
+def test_push_result_for_unknown_request_breaks_the_connection():
+    """A client must not resolve the wrong future on a confused server."""
+    from mlfabric.client_core import RequestTable
+    from mlfabric.errors import ProtocolError
+
+    table = RequestTable()
+    with pytest.raises(ProtocolError, match="unknown request 9"):
+        table.dispatch(PushResult(req=9, applied=True, version=1, delay=0))
