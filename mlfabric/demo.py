@@ -95,9 +95,11 @@ def _worker_main(address: str, token_file: str, index: int, args: dict[str, Any]
 
 
 class _ServerProcess:
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, argv: list[str], cwd: str) -> None:
+        # cwd: `python -m` puts the working directory first on sys.path; run
+        # from a directory that holds no source tree of mlfabric.
         self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             start_new_session=True,  # Ctrl-C reaches the demo, which stops the server
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
@@ -243,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         ]
         if args.metrics_port is not None:
             argv += ["--metrics-port", str(args.metrics_port)]
-        server = _ServerProcess(argv)
+        server = _ServerProcess(argv, cwd=tmp)
         workers: list[Any] = []
         try:
             address = server.wait_serving(timeout=60)

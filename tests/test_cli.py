@@ -35,7 +35,7 @@ class Server:
         self.proc = subprocess.Popen(
             mlfabric_cmd("server", "--listen", "127.0.0.1:0", "--job", JOB,
                          "--token-file", str(self.token_file), "--init", str(init), *extra),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
         )
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -118,7 +118,7 @@ def test_server_configuration_errors_are_one_line(tmp_path, setup, message):
     args.update(dict(zip(override[::2], override[1::2], strict=True)))
     argv = [x for kv in args.items() for x in kv]
     proc = subprocess.run(mlfabric_cmd("server", *argv), capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, cwd=tmp_path)
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -142,14 +142,16 @@ def test_server_warns_about_a_token_file_others_can_read(tmp_path):
     proc = subprocess.run(
         mlfabric_cmd("server", "--listen", "127.0.0.1:0", "--job", JOB, "--token-file",
                      str(token), "--init", str(tmp_path / "missing.npz")),
-        capture_output=True, text=True, timeout=60)
+        capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert "readable by other users: chmod 600 it" in proc.stderr
 
 
-def test_version_and_help():
-    out = subprocess.run(mlfabric_cmd("--version"), capture_output=True, text=True, timeout=60)
+def test_version_and_help(tmp_path):
+    out = subprocess.run(mlfabric_cmd("--version"), capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)
     assert out.stdout.strip() == f"mlfabric {mlfabric.__version__}"
-    out = subprocess.run(mlfabric_cmd("--help"), capture_output=True, text=True, timeout=60)
+    out = subprocess.run(mlfabric_cmd("--help"), capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)
     assert "server" in out.stdout and "demo" in out.stdout
 
 
@@ -158,7 +160,7 @@ def test_demo_trains_to_the_target_accuracy(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
         mlfabric_cmd("demo", "--json", str(summary_file)),
-        capture_output=True, text=True, timeout=300, env=env,
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(summary_file.read_text())
@@ -173,8 +175,8 @@ def test_demo_trains_to_the_target_accuracy(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_demo_rejects_bad_arguments():
+def test_demo_rejects_bad_arguments(tmp_path):
     proc = subprocess.run(mlfabric_cmd("demo", "--workers", "0"), capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 2
     assert "--workers must be at least 1, got 0" in proc.stderr

@@ -1,0 +1,123 @@
+"""Random and mutated frames thrown at a live server; afterwards a good client
+still pulls exactly the expected weights, and the server loop saw no error."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mlfabric
+from mlfabric.protocol import (
+    HEADER,
+    Auth,
+    Connection,
+    Error,
+    Hello,
+    Model,
+    Pull,
+    Push,
+    PushResult,
+    TensorSpec,
+    Welcome,
+)
+from mlfabric.store import ParameterStore
+
+from support import JOB, TOKEN, RawClient, ServerThread, assert_model_equal, make_model
+
+MODEL = make_model(sizes={"w": (16, 4), "b": (4,)})
+# Every tensor byte the fuzzer sends is zero and the server has no momentum,
+# so whatever mutated push the server accepts, the weights must not change.
+ZEROS = {n: np.zeros_like(a) for n, a in MODEL.items()}
+
+
+def _encode(event) -> bytes:
+    return Connection().send_bytes(event)
+
+
+BASE_FRAMES = [
+    _encode(Hello(job=JOB, client="fuzz", nonce=b"n" * 32)),
+    _encode(Auth(proof=b"p" * 32)),
+    _encode(Pull(req=1)),
+    _encode(Push(req=2, base_version=0, tensors=ZEROS)),
+    _encode(Push(req=3, base_version=0, tensors={"w": ZEROS["w"]})),
+    _encode(Push(req=4, base_version=0, tensors={"b": np.zeros(3, np.float32)})),
+    _encode(Model(req=5, version=0, tensors=ZEROS)),
+    _encode(PushResult(req=6, applied=True, version=1, delay=0)),
+    _encode(Error(code="x", message="y")),
+    _encode(Welcome(session="s", version=0, tensors=(TensorSpec("w", np.dtype("<f4"), (2,)),))),
+]
+
+
+def _prefix_len(frame: bytes) -> int:
+    """Header and metadata: where mutations may go (tensor data stays zero)."""
+    return HEADER.size + int.from_bytes(frame[8:12], "little")
+
+
+@st.composite
+def mutated_frame(draw) -> bytes:
+    frame = bytearray(draw(st.sampled_from(BASE_FRAMES)))
+    prefix = _prefix_len(bytes(frame))
+    for _ in range(draw(st.integers(0, 4))):
+        kind = draw(st.sampled_from(["flip", "set", "insert", "delete"]))
+        i = draw(st.integers(0, prefix - 1))
+        if kind == "flip":
+            frame[i] ^= 1 << draw(st.integers(0, 7))
+        elif kind == "set":
+            frame[i] = draw(st.integers(0, 255))
+        elif kind == "insert":
+            junk = draw(st.binary(min_size=1, max_size=8))
+            frame[i:i] = junk
+            prefix += len(junk)
+        elif len(frame) > 1:
+            del frame[i]
+            prefix -= 1
+        prefix = max(1, min(prefix, len(frame)))
+    if draw(st.booleans()):
+        frame = frame[: draw(st.integers(0, len(frame)))]
+    return bytes(frame)
+
+
+streams = st.lists(
+    st.one_of(mutated_frame(), st.binary(max_size=300), st.sampled_from(BASE_FRAMES)),
+    min_size=1,
+    max_size=4,
+).map(b"".join)
+
+
+def _exchange(port: int, data: bytes, authenticate: bool) -> None:
+    raw = RawClient(port, authenticate=authenticate)
+    try:
+        raw.send_raw(data)
+        raw.sock.shutdown(socket.SHUT_WR)
+        # The server answers what it can and closes; EOF must come (5 s timeout).
+        while raw.sock.recv(1 << 16):
+            pass
+    except (ConnectionResetError, BrokenPipeError):
+        pass  # the server closed first: fine
+    finally:
+        raw.close()
+
+
+def test_fuzzed_frames_never_corrupt_the_model_or_stop_the_server(loop_kind):
+    store = ParameterStore(MODEL, momentum=0.0, tau_max=None)
+    with ServerThread(store, loop_kind=loop_kind) as server, mlfabric.connect(
+        server.address, job=JOB, token=TOKEN
+    ) as good:
+
+        @settings(max_examples=150, deadline=None,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+        @given(data=streams, authenticate=st.booleans())
+        def check(data: bytes, authenticate: bool) -> None:
+            _exchange(server.port, data, authenticate)
+            _, params = good.pull(timeout=10)
+            assert_model_equal(params, MODEL)
+
+        check()
+        assert server.metrics.protocol_errors._value.get() > 0
+        version, params = good.pull(timeout=10)
+        assert_model_equal(params, MODEL)
+        # Accepted zero pushes advanced the version; nothing else changed.
+        assert version == server.metrics.updates_applied._value.get()
