@@ -343,6 +343,17 @@ def _encode_meta(event: Event) -> tuple[MsgType, dict[str, Any], Sequence[Tensor
     raise TypeError(f"not an mlfabric event: {event!r:.80}")
 
 
+@dataclass(frozen=True)
+class InProgress:
+    """A frame whose tensor data is still arriving (see Connection.receiving)."""
+
+    msg_type: MsgType
+    meta: Mapping[str, Any]
+    specs: tuple[TensorSpec, ...]
+    data: memoryview  # the whole data block; bytes [0, received) have arrived
+    received: int
+
+
 class _State(enum.Enum):
     HEADER = 1
     META = 2
@@ -429,6 +440,15 @@ class Connection:
             del buf
             self.buffer_updated(n)
             view = view[n:]
+
+    def receiving(self) -> InProgress | None:
+        """The frame whose data is arriving now, if any: lets a receiver start
+        working on the first bytes of a large frame before the last arrive.
+        Its metadata has passed the frame-level checks only."""
+        frame = self._frame
+        if self._state is not _State.DATA or frame is None or frame.data is None:
+            return None
+        return InProgress(frame.msg_type, frame.meta, frame.specs, frame.data, frame.received)
 
     def next_event(self) -> Event | _NeedData:
         """The next complete event, or NEED_DATA. Raises ProtocolError

@@ -36,13 +36,20 @@ from .protocol import (
     PushResult,
     Welcome,
     default_allocate,
+    layout,
 )
-from .store import ParameterStore
+from .store import ParameterStore, StagedApply
 
 log = logging.getLogger("mlfabric.server")
 
 # Before a peer has authenticated, it may not make us allocate more than this.
 UNAUTHENTICATED_MAX_FRAME = 1 << 16
+# Apply a push while it arrives once this many new bytes are in (large
+# enough that per-chunk Python overhead vanishes, small enough to stay in
+# cache and to overlap with the rest of the transfer).
+STAGE_CHUNK = 1 << 19
+# Pushes smaller than this are applied whole when complete.
+STAGE_MIN_BYTES = 1 << 20
 # Frames up to this size are joined into one write (one syscall); larger ones
 # are written buffer by buffer so tensors are not copied.
 _JOIN_LIMIT = 1 << 16
@@ -64,8 +71,12 @@ class ParameterServer:
         token: bytes,
         metrics: ServerMetrics | None = None,
         handshake_timeout: float = 10.0,
+        stage_min_bytes: int | None = STAGE_MIN_BYTES,
     ) -> None:
+        """`stage_min_bytes`: pushes at least this large are applied while they
+        arrive (None: always apply after the last byte)."""
         self.store = store
+        self.stage_min_bytes = stage_min_bytes
         self.job = job
         self.token = auth.as_token(token)
         self.metrics = metrics if metrics is not None else ServerMetrics()
@@ -105,11 +116,15 @@ class ParameterServer:
 
     # -- decisions on events (called by connections) --------------------------
 
-    def handle_push(self, event: Push) -> PushResult | Error:
+    def handle_push(self, event: Push, staged: StagedApply | None = None,
+                    data: memoryview | None = None) -> PushResult | Error:
+        """Apply a received push; `staged` is its apply begun while it arrived."""
         m = self.metrics
         started = time.perf_counter()
+        outcome = staged.finish(data) if staged is not None and data is not None else None
         try:
-            outcome = self.store.apply(event.base_version, event.tensors)
+            if outcome is None:
+                outcome = self.store.apply(event.base_version, event.tensors)
         except InvalidUpdate as exc:
             m.updates_rejected.labels(exc.reason).inc()
             return Error(code=exc.reason, message=str(exc), req=event.req)
@@ -147,6 +162,8 @@ class _ServerProtocol(asyncio.BufferedProtocol):
         self._nonce = b""
         self._client_nonce = b""
         self._push_buffer: np.ndarray | None = None
+        self._staged: StagedApply | None = None
+        self._staged_frame: Any = None  # the data block the staging belongs to
         self._timer: asyncio.TimerHandle | None = None
 
     # -- asyncio callbacks ----------------------------------------------------
@@ -172,8 +189,27 @@ class _ServerProtocol(asyncio.BufferedProtocol):
                 self._protocol_error(str(exc))
                 return
             if event is NEED_DATA:
-                return
+                break
             self._handle(event)
+        if self._stage == "ready" and self.transport is not None:
+            self._stage_push()
+
+    def _stage_push(self) -> None:
+        """Apply the push that is arriving as far as its bytes have come."""
+        partial = self.conn.receiving()
+        if partial is None or partial.msg_type is not MsgType.PUSH:
+            return
+        if partial.data is not self._staged_frame:
+            self._staged_frame = partial.data
+            self._staged = None
+            base = partial.meta.get("base_version")
+            threshold = self.server.stage_min_bytes
+            if threshold is not None and len(partial.data) >= threshold and type(base) is int:
+                offsets, _ = layout(partial.specs)
+                self._staged = self.server.store.begin_staged(base, partial.specs, offsets)
+        staged = self._staged
+        if staged is not None and partial.received - staged.fed >= STAGE_CHUNK:
+            staged.feed(partial.data, partial.received)
 
     def eof_received(self) -> bool:
         return False
@@ -184,6 +220,9 @@ class _ServerProtocol(asyncio.BufferedProtocol):
             log.info("client %s (%s) disconnected", self.client, self.peer)
         if self._timer is not None:
             self._timer.cancel()
+        if self._staged is not None:
+            self._staged.cancel()
+            self._staged = self._staged_frame = None
         self.server._connections.discard(self)
         self.transport = None
         self._push_buffer = None
@@ -248,7 +287,9 @@ class _ServerProtocol(asyncio.BufferedProtocol):
         server = self.server
         if self._stage == "ready":
             if isinstance(event, Push):
-                answer = server.handle_push(event)
+                staged, data = self._staged, self._staged_frame
+                self._staged = self._staged_frame = None
+                answer = server.handle_push(event, staged, data)
                 if isinstance(answer, Error):
                     log.warning(
                         "refused push %d from %s (%s): %s",

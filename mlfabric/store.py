@@ -12,7 +12,7 @@ the version it is applied to minus the version it was computed on.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -63,50 +63,62 @@ class ParameterStore:
             TensorSpec(n, MODEL_DTYPE.newbyteorder("<"), w.shape) for n, w in self.weights.items()
         )
         self.nbytes = layout(self.specs)[1]
+        # Where a staged update writes the next weights; rotated in when it
+        # completes, so w and w_prev are never half-updated.
+        self.spare = {n: np.empty_like(w) for n, w in self.weights.items()}
+        self.staged: StagedApply | None = None
 
-    def validate(self, base_version: int, update: Mapping[str, np.ndarray]) -> None:
-        """Raise InvalidUpdate if `update` cannot be applied to this model."""
-        unknown = [n for n in update if n not in self.weights]
-        if unknown:
-            raise InvalidUpdate(
-                f"unknown tensor {unknown[0]!r}; the model's tensors are "
-                f"{sorted(self.weights)}",
-                reason="unknown_tensor",
-            )
-        missing = [n for n in self.weights if n not in update]
+    def check_layout(self, specs: Iterable[tuple[str, np.dtype, tuple[int, ...]]]) -> None:
+        """Raise InvalidUpdate unless (name, dtype, shape) triples match the model."""
+        names = []
+        for name, dtype, shape in specs:
+            names.append(name)
+            w = self.weights.get(name)
+            if w is None:
+                raise InvalidUpdate(
+                    f"unknown tensor {name!r}; the model's tensors are {sorted(self.weights)}",
+                    reason="unknown_tensor",
+                )
+            if dtype != MODEL_DTYPE:
+                raise InvalidUpdate(
+                    f"tensor {name!r} is {dtype}, the model's is float32: push "
+                    f"arr.astype(np.float32)",
+                    reason="bad_dtype",
+                )
+            if tuple(shape) != w.shape:
+                raise InvalidUpdate(
+                    f"tensor {name!r} has shape {tuple(shape)}, the model's is {w.shape}",
+                    reason="bad_shape",
+                )
+        missing = [n for n in self.weights if n not in names]
         if missing:
             raise InvalidUpdate(
                 f"update lacks tensor {missing[0]!r}: push a value for every tensor of the "
                 f"model (zeros where nothing changes)",
                 reason="unknown_tensor",
             )
-        for name, u in update.items():
-            w = self.weights[name]
-            if u.dtype != MODEL_DTYPE:
-                raise InvalidUpdate(
-                    f"tensor {name!r} is {u.dtype}, the model's is float32: push "
-                    f"arr.astype(np.float32)",
-                    reason="bad_dtype",
-                )
-            if u.shape != w.shape:
-                raise InvalidUpdate(
-                    f"tensor {name!r} has shape {u.shape}, the model's is {w.shape}",
-                    reason="bad_shape",
-                )
+
+    def check_base_version(self, base_version: int) -> None:
         if base_version > self.version:
             raise InvalidUpdate(
                 f"base_version {base_version} is ahead of the server's version "
                 f"{self.version}: pass the version that pull() returned",
                 reason="future_version",
             )
+
+    def validate(self, base_version: int, update: Mapping[str, np.ndarray]) -> None:
+        """Raise InvalidUpdate if `update` cannot be applied to this model."""
+        self.check_layout((n, u.dtype, u.shape) for n, u in update.items())
+        self.check_base_version(base_version)
         if not self.allow_nonfinite:
             for name, u in update.items():
                 if not _core.all_finite(np.ascontiguousarray(u)):
-                    raise InvalidUpdate(
-                        f"tensor {name!r} holds NaN or Inf; the update was not applied "
-                        f"(check the learning rate and loss for divergence)",
-                        reason="nonfinite",
-                    )
+                    raise InvalidUpdate(_nonfinite_message(name), reason="nonfinite")
+
+    def stale_reason(self, delay: int) -> str | None:
+        if self.tau_max is not None and delay > self.tau_max:
+            return f"stale: delay {delay} exceeds tau_max {self.tau_max}; pull a fresher model"
+        return None
 
     def apply(self, base_version: int, update: Mapping[str, np.ndarray]) -> PushOutcome:
         """Validate, check staleness, and apply one update.
@@ -116,15 +128,9 @@ class ParameterStore:
         """
         self.validate(base_version, update)
         delay = self.version - base_version
-        if self.tau_max is not None and delay > self.tau_max:
-            return PushOutcome(
-                applied=False,
-                version=self.version,
-                delay=delay,
-                reason=f"stale: delay {delay} exceeds tau_max {self.tau_max}; pull a "
-                f"fresher model",
-                base_version=base_version,
-            )
+        reason = self.stale_reason(delay)
+        if reason is not None:
+            return PushOutcome(False, self.version, delay, reason, base_version)
         gamma = self.momentum
         for name, w in self.weights.items():
             u = np.ascontiguousarray(update[name])
@@ -137,6 +143,115 @@ class ParameterStore:
             applied=True, version=self.version, delay=delay, base_version=base_version
         )
 
+    def begin_staged(
+        self, base_version: int, specs: Sequence[TensorSpec], offsets: Sequence[int]
+    ) -> StagedApply | None:
+        """Start applying an update whose bytes are still arriving, or None
+        when it will not be applied as it stands (malformed, stale, or another
+        update is being staged); the caller then applies it whole with apply()."""
+        if self.staged is not None:
+            return None
+        try:
+            self.check_layout((sp.name, sp.dtype, sp.shape) for sp in specs)
+            self.check_base_version(base_version)
+        except InvalidUpdate:
+            return None
+        if self.stale_reason(self.version - base_version) is not None:
+            return None
+        self.staged = StagedApply(self, base_version, specs, offsets)
+        return self.staged
+
     def snapshot(self) -> tuple[int, dict[str, np.ndarray]]:
         """A consistent copy of the model at the current version."""
         return self.version, {n: w.copy() for n, w in self.weights.items()}
+
+
+def _nonfinite_message(name: str) -> str:
+    return (
+        f"tensor {name!r} holds NaN or Inf; the update was not applied "
+        f"(check the learning rate and loss for divergence)"
+    )
+
+
+class StagedApply:
+    """One update applied piece by piece while its bytes arrive.
+
+    The next weights are computed into the store's spare buffers as each
+    chunk of the update lands, with the same kernel arithmetic as apply(), so
+    the result is bit-identical. Nothing the store serves changes until
+    finish(), which rotates buffers: w_prev <- w, w <- spare, spare <- old
+    w_prev. If the model moved on meanwhile (another update was applied), or
+    a chunk holds NaN/Inf, the staging is void and finish() returns None.
+    """
+
+    def __init__(
+        self,
+        store: ParameterStore,
+        base_version: int,
+        specs: Sequence[TensorSpec],
+        offsets: Sequence[int],
+    ) -> None:
+        self.store = store
+        self.base_version = base_version
+        self.version = store.version
+        # (name, byte offset in the data block, element count, elements done)
+        self._plan = [[sp.name, off, sp.nbytes // 4, 0] for sp, off in zip(specs, offsets,
+                                                                           strict=True)]
+        self.valid = True
+        self.fed = 0  # bytes of the data block seen by feed()
+
+    def feed(self, data: memoryview, received: int) -> None:
+        """Compute the next weights for every element fully received so far."""
+        store = self.store
+        if not self.valid or store.staged is not self or store.version != self.version:
+            self.valid = False
+            return
+        self.fed = received
+        gamma = store.momentum
+        check = not store.allow_nonfinite
+        for entry in self._plan:
+            name, off, count, done = entry
+            avail = min(count, max(0, (received - off) // 4))
+            if avail <= done:
+                if avail < count:
+                    break  # later tensors have not started arriving
+                continue
+            u = np.frombuffer(data, np.float32, count=avail - done, offset=off + 4 * done)
+            if check and not _core.all_finite(u):
+                self.valid = False
+                return
+            out = store.spare[name].reshape(-1)[done:avail]
+            w = store.weights[name].reshape(-1)[done:avail]
+            if gamma:
+                prev = store.previous[name].reshape(-1)[done:avail]
+                _core.momentum_into(out, w, prev, u, gamma)
+            else:
+                _core.sum_into(out, (w, u))
+            entry[3] = avail
+
+    def cancel(self) -> None:
+        """Give up (the connection carrying the update is gone)."""
+        self.valid = False
+        if self.store.staged is self:
+            self.store.staged = None
+
+    def finish(self, data: memoryview) -> PushOutcome | None:
+        """Commit the staged update (all its bytes have arrived), or None if
+        the staging is void and the update must be applied whole."""
+        store = self.store
+        total = max((off + count * 4 for _, off, count, _ in self._plan), default=0)
+        self.feed(data, total)
+        if store.staged is self:
+            store.staged = None
+        if not self.valid:
+            return None
+        for name in store.weights:
+            w, spare = store.weights[name], store.spare[name]
+            if store.momentum:
+                store.weights[name], store.previous[name], store.spare[name] = (
+                    spare, w, store.previous[name])
+            else:
+                store.weights[name], store.spare[name] = spare, w
+        delay = store.version - self.base_version
+        store.version += 1
+        return PushOutcome(True, store.version, delay, None, self.base_version)

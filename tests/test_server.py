@@ -368,3 +368,64 @@ def test_push_result_for_unknown_request_breaks_the_connection():
     table = RequestTable()
     with pytest.raises(ProtocolError, match="unknown request 9"):
         table.dispatch(PushResult(req=9, applied=True, version=1, delay=0))
+
+
+# --- large pushes: applied while they arrive ----------------------------------------
+
+
+def test_large_pushes_are_applied_while_arriving_exactly(serve, monkeypatch):
+    from mlfabric.store import StagedApply
+
+    committed = []
+    finish = StagedApply.finish
+
+    def counting_finish(self, data):
+        outcome = finish(self, data)
+        committed.append(outcome is not None)
+        return outcome
+
+    monkeypatch.setattr(StagedApply, "finish", counting_finish)
+    model = make_model(sizes={"w": (1 << 20,), "b": (3, 5)})  # 4 MiB
+    st = serve(model, momentum=0.9, tau_max=None)
+    ref = Reference(model, 0.9)
+    with mlfabric.connect(st.address, job=JOB, token=TOKEN) as ps:
+        for i in range(3):
+            u = random_update(model, seed=i)
+            assert ps.push(u, base_version=i).result(30).applied
+            ref.apply(u)
+        bad = random_update(model, seed=9)
+        bad["b"][2, 4] = np.nan  # the very last element of the frame
+        with pytest.raises(InvalidUpdate, match="NaN"):
+            ps.push(bad, base_version=3).result(30)
+        version, params = ps.pull(timeout=30)
+    assert committed == [True, True, True, False]
+    assert version == 3
+    assert_model_equal(params, ref.w)
+
+
+def test_concurrent_large_pushes_stay_exact(serve):
+    model = make_model(sizes={"w": (1 << 19,)})  # 2 MiB: one stages, the other may not
+    st = serve(model, momentum=0.5, tau_max=None)
+    results = []
+    lock = threading.Lock()
+
+    def worker(wid):
+        with mlfabric.connect(st.address, job=JOB, token=TOKEN) as ps:
+            for step in range(6):
+                u = random_update(model, seed=100 * wid + step)
+                outcome = ps.push(u, base_version=0).result(30)
+                with lock:
+                    results.append((outcome, u))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    results.sort(key=lambda r: r[0].version)
+    assert [o.version for o, _ in results] == list(range(1, 19))
+    ref = Reference(model, 0.5)
+    for _, u in results:
+        ref.apply(u)
+    with mlfabric.connect(st.address, job=JOB, token=TOKEN) as ps:
+        assert_model_equal(ps.pull(timeout=30)[1], ref.w)

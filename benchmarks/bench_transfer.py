@@ -1,0 +1,427 @@
+"""Push throughput and latency: mlfabric vs a raw socket vs PyTorch gloo.
+
+Everything runs on loopback in one invocation, the systems alternated within
+every repeat, and medians are compared as ratios:
+
+  large   a 64 MiB float32 update, worker -> server, received into the
+          receiver's buffer: mlfabric push vs a blocking-socket sendall /
+          recv_into into a preallocated buffer (the physical limit of this
+          path from Python) vs torch.distributed gloo send/recv.
+          Time = receiver has the last byte - sender started (perf_counter is
+          CLOCK_MONOTONIC, shared by all processes of the machine).
+  applied the same push until its outcome is back at the worker (received,
+          validated, momentum applied, answered) vs the raw transfer alone.
+  small   4 KiB push round trips (blocking and asyncio clients) vs a raw
+          blocking-socket ping-pong of 4 KiB out, a small answer back.
+
+    python benchmarks/bench_transfer.py [--mib 64] [--repeats 9] [--no-gloo]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+MiB = 1 << 20
+JOB = "bench"
+TOKEN = b"benchmark-token-0123456789abcdef"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
+    while view:
+        n = sock.recv_into(view)
+        if n == 0:
+            raise ConnectionError("peer closed")
+        view = view[n:]
+
+
+# --- raw socket ------------------------------------------------------------------
+
+
+def raw_receiver(port: int, nbytes: int, ctl: Any) -> None:
+    srv = socket.create_server(("127.0.0.1", port))
+    ctl.send("ready")
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = np.ones(nbytes, np.uint8)  # touched: no page faults during the transfer
+    view = memoryview(buf)
+    while True:
+        head = conn.recv(1)
+        if not head:
+            return
+        recv_exactly_into(conn, view[: nbytes - 1])
+        t1 = time.perf_counter()
+        conn.sendall(b"k")
+        ctl.send(t1)
+
+
+def raw_sender(port: int, nbytes: int, ctl: Any) -> None:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = np.full(nbytes, 7, np.uint8)
+    ctl.send("ready")
+    while ctl.recv() == "go":
+        t0 = time.perf_counter()
+        sock.sendall(buf)
+        sock.recv(1)
+        ctl.send(t0)
+    sock.close()
+
+
+def raw_pingpong_server(port: int, size: int, ctl: Any) -> None:
+    srv = socket.create_server(("127.0.0.1", port))
+    ctl.send("ready")
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    view = memoryview(bytearray(size))
+    reply = bytes(64)
+    try:
+        while True:
+            recv_exactly_into(conn, view)
+            conn.sendall(reply)
+    except ConnectionError:
+        return
+
+
+def raw_pingpong_client(port: int, size: int, iters: int, ctl: Any) -> None:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    msg = bytes(size)
+    view = memoryview(bytearray(64))
+    ctl.send("ready")
+    while ctl.recv() == "go":
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            sock.sendall(msg)
+            recv_exactly_into(sock, view)
+        ctl.send((time.perf_counter() - t0) / iters)
+    sock.close()
+
+
+# --- mlfabric --------------------------------------------------------------------
+
+
+def mlfabric_server(port: int, nbytes: int, momentum: float, overlap: bool, ctl: Any) -> None:
+    import asyncio
+
+    from mlfabric import loop as loops
+    from mlfabric.server import STAGE_MIN_BYTES, ParameterServer
+    from mlfabric.store import ParameterStore
+
+    class TimedServer(ParameterServer):
+        """Reports when each push was fully received and when it was applied."""
+
+        def handle_push(self, event, *rest):  # type: ignore[no-untyped-def]
+            t_received = time.perf_counter()
+            result = super().handle_push(event, *rest)
+            ctl.send((t_received, time.perf_counter()))
+            return result
+
+    model = {"w": np.zeros(nbytes // 4, np.float32)}
+    store = ParameterStore(model, momentum=momentum, tau_max=None)
+
+    async def main() -> None:
+        server = TimedServer(store, job=JOB, token=TOKEN,
+                             stage_min_bytes=STAGE_MIN_BYTES if overlap else None)
+        await server.start("127.0.0.1", port)
+        ctl.send("ready")
+        await asyncio.get_running_loop().run_in_executor(None, ctl.recv)  # "stop"
+        await server.close()
+
+    loops.run(main())
+
+
+def mlfabric_pusher(port: int, ctl: Any) -> None:
+    import mlfabric
+
+    with mlfabric.connect(f"127.0.0.1:{port}", job=JOB, token=TOKEN) as ps:
+        version, params = ps.pull()
+        update = {n: np.full_like(a, 1e-3) for n, a in params.items()}
+        ctl.send("ready")
+        while ctl.recv() == "go":
+            t0 = time.perf_counter()
+            outcome = ps.push(update, base_version=version).result(60)
+            t2 = time.perf_counter()
+            assert outcome.applied, outcome
+            version = outcome.version
+            ctl.send((t0, t2))
+
+
+def mlfabric_small_client(port: int, iters: int, use_aio: bool, ctl: Any) -> None:
+    import mlfabric
+    from mlfabric import aio
+    from mlfabric import loop as loops
+
+    if not use_aio:
+        with mlfabric.connect(f"127.0.0.1:{port}", job=JOB, token=TOKEN) as ps:
+            version, params = ps.pull()
+            update = {n: np.zeros_like(a) for n, a in params.items()}
+            ctl.send("ready")
+            while ctl.recv() == "go":
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    version = ps.push(update, base_version=version).result(10).version
+                ctl.send((time.perf_counter() - t0) / iters)
+        return
+
+    async def main() -> None:
+        import asyncio
+
+        ps = await aio.connect(f"127.0.0.1:{port}", job=JOB, token=TOKEN)
+        version, params = await ps.pull()
+        update = {n: np.zeros_like(a) for n, a in params.items()}
+        loop = asyncio.get_running_loop()
+        ctl.send("ready")
+        while await loop.run_in_executor(None, ctl.recv) == "go":
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                version = (await ps.push(update, base_version=version)).version
+            ctl.send((time.perf_counter() - t0) / iters)
+        await ps.close()
+
+    loops.run(main())
+
+
+def mlfabric_small_server(port: int, size: int, ctl: Any) -> None:
+    import asyncio
+
+    from mlfabric import loop as loops
+    from mlfabric.server import ParameterServer
+    from mlfabric.store import ParameterStore
+
+    store = ParameterStore({"w": np.zeros(size // 4, np.float32)}, tau_max=None)
+
+    async def main() -> None:
+        server = ParameterServer(store, job=JOB, token=TOKEN)
+        await server.start("127.0.0.1", port)
+        ctl.send("ready")
+        await asyncio.get_running_loop().run_in_executor(None, ctl.recv)
+        await server.close()
+
+    loops.run(main())
+
+
+# --- PyTorch gloo ------------------------------------------------------------------
+
+
+def gloo_rank(rank: int, port: int, nbytes: int, ctl: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+    )
+    t = torch.full((nbytes // 4,), float(rank), dtype=torch.float32)
+    ctl.send("ready")
+    while ctl.recv() == "go":
+        if rank == 0:
+            t0 = time.perf_counter()
+            dist.send(t, dst=1)
+            ctl.send(t0)
+        else:
+            dist.recv(t, src=0)
+            ctl.send(time.perf_counter())
+    dist.destroy_process_group()
+
+
+# --- harness ---------------------------------------------------------------------------
+
+
+class Procs:
+    """Processes with a control pipe each; started, then driven round by round."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+        self.procs: list[Any] = []
+        self.pipes: list[Any] = []
+
+    def start(self, target: Any, *args: Any) -> Any:
+        parent, child = self.ctx.Pipe()
+        p = self.ctx.Process(target=target, args=(*args, child), daemon=True)
+        p.start()
+        self.procs.append(p)
+        self.pipes.append(parent)
+        if not parent.poll(120):
+            raise RuntimeError(f"{target.__name__} did not start")
+        assert parent.recv() == "ready"
+        return parent
+
+    def start_group(self, target: Any, arg_lists: list[tuple]) -> list[Any]:
+        """Start processes that only become ready together (a gloo group)."""
+        parents = []
+        for args in arg_lists:
+            parent, child = self.ctx.Pipe()
+            p = self.ctx.Process(target=target, args=(*args, child), daemon=True)
+            p.start()
+            self.procs.append(p)
+            self.pipes.append(parent)
+            parents.append(parent)
+        for parent in parents:
+            if not parent.poll(120):
+                raise RuntimeError(f"{target.__name__} group did not start")
+            assert parent.recv() == "ready"
+        return parents
+
+    def stop(self) -> None:
+        for pipe in self.pipes:
+            try:
+                pipe.send("stop")
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def fmt_rate(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e9:6.2f} GB/s"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mib", type=int, default=64, help="large update size (default 64)")
+    ap.add_argument("--repeats", type=int, default=9, help="measured rounds (default 9)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--small-bytes", type=int, default=4096)
+    ap.add_argument("--small-iters", type=int, default=2000)
+    ap.add_argument("--no-gloo", action="store_true", help="skip PyTorch gloo")
+    args = ap.parse_args()
+
+    gloo = not args.no_gloo
+    if gloo:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            print("torch is not installed: pip install torch==2.13.0 (or pass --no-gloo)")
+            return 2
+
+    nbytes = args.mib * MiB
+    ctx = mp.get_context("spawn")
+    procs = Procs(ctx)
+    try:
+        raw_port, gloo_port = free_port(), free_port()
+        raw_rx = procs.start(raw_receiver, raw_port, nbytes)
+        raw_tx = procs.start(raw_sender, raw_port, nbytes)
+        mlf: dict[str, tuple[Any, Any]] = {}
+        for overlap in (False, True):
+            port = free_port()
+            srv = procs.start(mlfabric_server, port, nbytes, args.momentum, overlap)
+            mlf["overlap" if overlap else "plain"] = (srv, procs.start(mlfabric_pusher, port))
+        if gloo:
+            g0p, g1p = procs.start_group(gloo_rank, [(0, gloo_port, nbytes),
+                                                     (1, gloo_port, nbytes)])
+
+        t: dict[str, list[float]] = {k: [] for k in (
+            "raw", "gloo", "plain_received", "plain_applied", "plain_after",
+            "overlap_received", "overlap_applied", "overlap_after")}
+        systems = ["raw", "plain", "overlap"] + (["gloo"] if gloo else [])
+        for r in range(args.warmup + args.repeats):
+            keep = r >= args.warmup
+            order = systems if r % 2 == 0 else systems[::-1]  # alternate round by round
+            for system in order:
+                if system == "raw":
+                    raw_tx.send("go")
+                    t0 = raw_tx.recv()
+                    sample = {"raw": raw_rx.recv() - t0}
+                elif system == "gloo":
+                    g0p.send("go")
+                    g1p.send("go")
+                    t0 = g0p.recv()
+                    sample = {"gloo": g1p.recv() - t0}
+                else:
+                    srv, cli = mlf[system]
+                    cli.send("go")
+                    t0, t2 = cli.recv()
+                    t_recv, t_applied = srv.recv()
+                    sample = {f"{system}_received": t_recv - t0,
+                              f"{system}_applied": t2 - t0,
+                              f"{system}_after": t_applied - t_recv}
+                if keep:
+                    for k, v in sample.items():
+                        t[k].append(v)
+            print(f"  round {r + 1}/{args.warmup + args.repeats}"
+                  f"{'' if keep else ' (warm-up)'} done", file=sys.stderr, flush=True)
+
+        # Small messages.
+        small_port_raw, small_port_mlf = free_port(), free_port()
+        procs.start(raw_pingpong_server, small_port_raw, args.small_bytes)
+        raw_pp = procs.start(raw_pingpong_client, small_port_raw, args.small_bytes,
+                             args.small_iters)
+        procs.start(mlfabric_small_server, small_port_mlf, args.small_bytes)
+        mlf_sync = procs.start(mlfabric_small_client, small_port_mlf, args.small_iters, False)
+        mlf_aio = procs.start(mlfabric_small_client, small_port_mlf, args.small_iters, True)
+        small: dict[str, list[float]] = {"raw": [], "sync": [], "aio": []}
+        pipes = {"raw": raw_pp, "sync": mlf_sync, "aio": mlf_aio}
+        for r in range(1 + args.repeats):
+            order = list(pipes)
+            if r % 2:
+                order.reverse()
+            for name in order:
+                pipes[name].send("go")
+                value = pipes[name].recv()
+                if r:
+                    small[name].append(value)
+    finally:
+        procs.stop()
+
+    print()
+    print(f"Large push: {args.mib} MiB float32, loopback, median of {args.repeats} rounds "
+          f"(min..max), systems alternated; server momentum {args.momentum}")
+    rows = [
+        ("raw socket sendall/recv_into", "raw"),
+        ("mlfabric push, last byte in", "plain_received"),
+        ("  then applied, outcome back", "plain_applied"),
+        ("mlfabric push, overlapped apply", "overlap_received"),
+        ("  then applied, outcome back", "overlap_applied"),
+    ] + ([("torch gloo send/recv", "gloo")] if gloo else [])
+    for label, key in rows:
+        xs = t[key]
+        print(f"  {label:34s} {med(xs) * 1e3:8.2f} ms  {fmt_rate(nbytes, med(xs))}  "
+              f"({min(xs) * 1e3:.1f}..{max(xs) * 1e3:.1f} ms)")
+    print(f"  server work after the last byte: {med(t['plain_after']) * 1e3:.2f} ms plain, "
+          f"{med(t['overlap_after']) * 1e3:.2f} ms overlapped")
+    print()
+    raw = med(t["raw"])
+    print("Ratios")
+    print(f"  transfer: raw time / mlfabric time   {raw / med(t['plain_received']):5.2f}x   "
+          f"(target >= 0.85)")
+    if gloo:
+        print(f"  transfer: gloo time / mlfabric time  "
+              f"{med(t['gloo']) / med(t['plain_received']):5.2f}x   (target >= 1.1)")
+    print(f"  push-to-applied / raw transfer       {med(t['overlap_applied']) / raw:5.2f}x   "
+          f"(target <= 1.5), {med(t['plain_applied']) / raw:.2f}x without overlap")
+    print()
+    print(f"Small push: {args.small_bytes} B, {args.small_iters} round trips per sample, "
+          f"median of {args.repeats}")
+    for name, label in (("raw", "raw socket ping-pong"), ("sync", "mlfabric blocking client"),
+                        ("aio", "mlfabric asyncio client (uvloop)")):
+        print(f"  {label:34s} {med(small[name]) * 1e6:8.1f} us per round trip")
+    print(f"  blocking client / raw          {med(small['raw']) / med(small['sync']):5.2f}x   "
+          f"(target >= 0.5)")
+    print(f"  asyncio client / raw           {med(small['raw']) / med(small['aio']):5.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

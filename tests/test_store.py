@@ -1,0 +1,133 @@
+"""ParameterStore without I/O: the update rule, staleness, validation, and
+the staged apply that runs while an update's bytes arrive."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlfabric.errors import ConfigError, InvalidUpdate
+from mlfabric.protocol import Connection, Push, layout, spec_of
+from mlfabric.store import ParameterStore
+
+from support import Reference, assert_model_equal, make_model, random_update
+
+SIZES = {"a": (1000,), "b": (33, 7), "c": (5,)}
+
+
+def frame_data(update):
+    """Specs, offsets and the data block of a push frame, as the server's
+    receive buffer holds it (taken from the real encoder's output)."""
+    specs = [spec_of(n, a) for n, a in update.items()]
+    offsets, total = layout(specs)
+    frame = Connection().send_bytes(Push(req=1, base_version=0, tensors=update))
+    data = np.frombuffer(frame[len(frame) - total :], np.uint8).copy()
+    return specs, offsets, memoryview(data)
+
+
+def stage(store, update, cuts, base_version=None):
+    specs, offsets, data = frame_data(update)
+    base = store.version if base_version is None else base_version
+    staged = store.begin_staged(base, specs, offsets)
+    assert staged is not None
+    for cut in cuts:
+        staged.feed(data, min(cut, len(data)))
+    return staged, data
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.9])
+@settings(max_examples=25, deadline=None)
+@given(cuts=st.lists(st.integers(0, 5000 * 4), max_size=6).map(sorted), seed=st.integers(0, 99))
+def test_staged_apply_is_bit_identical_to_whole_apply(gamma, cuts, seed):
+    model = make_model(seed, SIZES)
+    whole = ParameterStore(model, momentum=gamma)
+    staged_store = ParameterStore(model, momentum=gamma)
+    ref = Reference(model, gamma)
+    for step in range(3):
+        u = random_update(model, seed=seed * 10 + step)
+        want = whole.apply(whole.version, u)
+        staged, data = stage(staged_store, u, cuts)
+        got = staged.finish(data)
+        ref.apply(u)
+        assert got == want
+        assert_model_equal(staged_store.weights, whole.weights)
+        assert_model_equal(staged_store.weights, ref.w)
+        if gamma:
+            assert_model_equal(staged_store.previous, whole.previous)
+    assert staged_store.staged is None
+
+
+def test_model_is_unchanged_until_the_staged_update_finishes():
+    model = make_model(0, SIZES)
+    store = ParameterStore(model, momentum=0.9)
+    staged, data = stage(store, random_update(model, 1), [len(frame_data(model)[2]) // 2])
+    version, snap = store.snapshot()
+    assert version == 0
+    assert_model_equal(snap, model)
+    assert staged.finish(data).version == 1
+
+
+def test_nan_in_the_last_chunk_voids_the_staging_and_the_model_stays():
+    model = make_model(0, SIZES)
+    store = ParameterStore(model, momentum=0.9)
+    u = random_update(model, 1)
+    u["c"][-1] = np.nan
+    staged, data = stage(store, u, [4000])
+    assert staged.finish(data) is None
+    with pytest.raises(InvalidUpdate, match="'c' holds NaN") as info:
+        store.apply(0, u)  # what the server falls back to
+    assert info.value.reason == "nonfinite"
+    assert_model_equal(store.weights, model)
+    assert store.version == 0 and store.staged is None
+
+
+def test_an_update_applied_meanwhile_voids_the_staging():
+    model = make_model(0, SIZES)
+    store = ParameterStore(model, momentum=0.5, tau_max=None)
+    ref = Reference(model, 0.5)
+    u1, u2 = random_update(model, 1), random_update(model, 2)
+    staged, data = stage(store, u1, [100])
+    assert store.begin_staged(0, *frame_data(u2)[:2]) is None  # one staging at a time
+    assert store.apply(0, u2).version == 1
+    ref.apply(u2)
+    assert staged.finish(data) is None
+    assert store.apply(0, u1).delay == 1
+    ref.apply(u1)
+    assert_model_equal(store.weights, ref.w)
+
+
+def test_staging_is_refused_for_updates_that_will_not_apply():
+    model = make_model(0, SIZES)
+    store = ParameterStore(model, tau_max=0)
+    specs, offsets, _ = frame_data(model)
+    assert store.begin_staged(1, specs, offsets) is None  # from the future
+    store.apply(0, {n: np.zeros_like(a) for n, a in model.items()})
+    assert store.begin_staged(0, specs, offsets) is None  # stale
+    wrong = {**model, "c": np.zeros(6, np.float32)}
+    assert store.begin_staged(1, *frame_data(wrong)[:2]) is None  # wrong shape
+    staged = store.begin_staged(1, specs, offsets)
+    assert staged is not None
+    staged.cancel()
+    assert store.staged is None
+
+
+def test_store_refuses_bad_models():
+    with pytest.raises(ConfigError, match="no tensors"):
+        ParameterStore({})
+    with pytest.raises(ConfigError, match="float64; mlfabric serves float32"):
+        ParameterStore({"w": np.zeros(3)})
+    with pytest.raises(ConfigError, match="NaN or Inf"):
+        ParameterStore({"w": np.float32([np.nan])})
+    with pytest.raises(ConfigError, match="momentum must be in"):
+        ParameterStore(make_model(), momentum=1.0)
+    with pytest.raises(ConfigError, match="tau_max must be >= 0"):
+        ParameterStore(make_model(), tau_max=-1)
+
+
+def test_store_keeps_its_own_copy_of_the_initial_model():
+    model = make_model()
+    store = ParameterStore(model)
+    model["w"][:] = 0
+    assert not np.all(store.weights["w"] == 0)
