@@ -12,8 +12,11 @@ Frame layout (all integers little-endian)::
     flags     u16       0 (reserved)
     meta_len  u32       length of the metadata block
     data_len  u64       length of the tensor data block
-    meta      meta_len bytes of UTF-8 JSON: the message fields, and for
-              messages that carry tensors, "tensors": [[name, dtype, shape], ...]
+    meta      meta_len bytes: the message fields as a UTF-8 JSON object; for
+              messages that carry tensors (MODEL, PUSH) followed by a newline
+              and the tensor list as JSON, [[name, dtype, shape], ...]. The
+              list is kept apart because a job sends the same one with every
+              push: both sides cache its encoding and parsing.
     data      the tensors' bytes in the order listed, each starting at a
               multiple of ALIGN bytes from the start of the block (zero padding)
 
@@ -261,6 +264,39 @@ def _meta_specs(specs: Sequence[TensorSpec]) -> list[list[Any]]:
     return [[s.name, _DTYPE_CODES[s.dtype], list(s.shape)] for s in specs]
 
 
+# Tensor lists seen recently, both ways. Bounded: a peer that sends a new
+# list with every frame costs a parse each time, never unbounded memory.
+_SPEC_CACHE_SIZE = 256
+_encoded_specs: dict[tuple[TensorSpec, ...], tuple[bytes, list[int], int]] = {}
+_decoded_specs: dict[bytes, tuple[tuple[TensorSpec, ...], list[int], int]] = {}
+
+
+def _encode_specs(specs: tuple[TensorSpec, ...]) -> tuple[bytes, list[int], int]:
+    hit = _encoded_specs.get(specs)
+    if hit is None:
+        text = json.dumps(_meta_specs(specs), separators=(",", ":")).encode()
+        hit = (text, *layout(specs))
+        if len(_encoded_specs) >= _SPEC_CACHE_SIZE:
+            _encoded_specs.clear()
+        _encoded_specs[specs] = hit
+    return hit
+
+
+def _decode_specs(raw: bytes) -> tuple[tuple[TensorSpec, ...], list[int], int]:
+    hit = _decoded_specs.get(raw)
+    if hit is None:
+        try:
+            entries = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise ProtocolError("tensor list is not valid JSON") from None
+        specs = _specs({"tensors": entries})
+        hit = (specs, *layout(specs))
+        if len(_decoded_specs) >= _SPEC_CACHE_SIZE:
+            _decoded_specs.clear()
+        _decoded_specs[raw] = hit
+    return hit
+
+
 def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict | None) -> Event:
     if msg_type is MsgType.HELLO:
         return Hello(job=_str(meta, "job", 256), client=_str(meta, "client", 256),
@@ -323,7 +359,7 @@ def _encode_meta(event: Event) -> tuple[MsgType, dict[str, Any], Sequence[Tensor
         names = list(event.tensors)
         arrays = [np.asarray(event.tensors[n]) for n in names]
         specs = [spec_of(n, a) for n, a in zip(names, arrays, strict=True)]
-        meta = {"req": event.req, "tensors": _meta_specs(specs)}
+        meta = {"req": event.req}
         if isinstance(event, Model):
             meta["version"] = event.version
             return MsgType.MODEL, meta, specs, arrays
@@ -368,6 +404,7 @@ class _Frame:
     data_len: int
     meta: dict[str, Any] = field(default_factory=dict)
     specs: tuple[TensorSpec, ...] = ()
+    offsets: list[int] = field(default_factory=list)
     data: memoryview | None = None
     received: int = 0
 
@@ -553,29 +590,31 @@ class Connection:
         self._start += frame.meta_len
         if self._start == self._end:
             self._start = self._end = 0
+        name = frame.msg_type.name
+        if frame.msg_type in (MsgType.MODEL, MsgType.PUSH):
+            fields, sep, specs_raw = raw.partition(b"\n")
+            if not sep:
+                raise ProtocolError(f"{name} metadata lacks its tensor list")
+            frame.specs, frame.offsets, total = _decode_specs(specs_raw)
+            if total != frame.data_len:
+                raise ProtocolError(
+                    f"{name} lists tensors of {total} bytes but carries {frame.data_len}"
+                )
+            raw = fields
         try:
             meta = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError):
-            raise ProtocolError(f"{frame.msg_type.name} metadata is not valid JSON") from None
+            raise ProtocolError(f"{name} metadata is not valid JSON") from None
         if not isinstance(meta, dict):
-            raise ProtocolError(f"{frame.msg_type.name} metadata is not a JSON object")
+            raise ProtocolError(f"{name} metadata is not a JSON object")
         frame.meta = meta
-        if frame.msg_type in (MsgType.MODEL, MsgType.PUSH):
-            frame.specs = _specs(meta)
-            _, total = layout(frame.specs)
-            if total != frame.data_len:
-                raise ProtocolError(
-                    f"{frame.msg_type.name} lists tensors of {total} bytes but carries "
-                    f"{frame.data_len}"
-                )
 
     def _finish(self, frame: _Frame) -> Event:
         tensors = None
         if frame.msg_type in (MsgType.MODEL, MsgType.PUSH):
-            offsets, _ = layout(frame.specs)
             tensors = {}
             data = frame.data
-            for spec, off in zip(frame.specs, offsets, strict=True):
+            for spec, off in zip(frame.specs, frame.offsets, strict=True):
                 count = spec.nbytes // spec.dtype.itemsize
                 if count:
                     assert data is not None
@@ -591,7 +630,11 @@ class Connection:
         """The frame for `event` as buffers to write in order (tensors not copied)."""
         msg_type, meta, specs, arrays = _encode_meta(event)
         meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
-        offsets, data_len = layout(specs)
+        if msg_type in (MsgType.MODEL, MsgType.PUSH):
+            specs_bytes, offsets, data_len = _encode_specs(tuple(specs))
+            meta_bytes += b"\n" + specs_bytes
+        else:
+            offsets, data_len = [], 0
         parts: list[bytes | memoryview] = [
             HEADER.pack(MAGIC, PROTOCOL_VERSION, msg_type, 0, len(meta_bytes), data_len)
             + meta_bytes

@@ -174,7 +174,13 @@ def test_non_float_tensors_are_refused_at_send():
 
 def frame(msg_type, meta, data=b"", *, magic=MAGIC, version=PROTOCOL_VERSION, flags=0,
           data_len=None, raw_meta=None):
-    meta_bytes = raw_meta if raw_meta is not None else json.dumps(meta).encode()
+    if raw_meta is not None:
+        meta_bytes = raw_meta
+    elif msg_type in (MsgType.MODEL, MsgType.PUSH) and isinstance(meta, dict):
+        fields = {k: v for k, v in meta.items() if k != "tensors"}
+        meta_bytes = json.dumps(fields).encode() + b"\n" + json.dumps(meta["tensors"]).encode()
+    else:
+        meta_bytes = json.dumps(meta).encode()
     n = len(data) if data_len is None else data_len
     return HEADER.pack(magic, version, msg_type, flags, len(meta_bytes), n) + meta_bytes + data
 
@@ -199,6 +205,12 @@ BAD_FRAMES = {
     "data on pull": (frame(MsgType.PULL, {"req": 1}, b"xxxx"), "carries 4 data bytes"),
     "tensors not list": (
         frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": {}}), "'tensors'"),
+    "no tensor list": (
+        frame(MsgType.PUSH, None, raw_meta=b'{"req": 1, "base_version": 0}'), "lacks its tensor"),
+    "tensor list not json": (
+        frame(MsgType.PUSH, None, raw_meta=b'{"req": 1}\n[["a"'), "tensor list is not valid"),
+    "push fields not json": (
+        frame(MsgType.PUSH, None, raw_meta=b'{req\n[]'), "PUSH metadata is not valid JSON"),
     "tensor entry short": (
         frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [["a", "f4"]]}),
         "must be \\[name, dtype, shape\\]"),
