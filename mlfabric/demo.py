@@ -71,7 +71,6 @@ def _check(args: argparse.Namespace) -> None:
 def _worker_main(address: str, token_file: str, index: int, args: dict[str, Any],
                  events: Any) -> None:
     """One worker process: train on shard `index` and report every outcome."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the demo's process handles Ctrl-C
     from .demo_model import load_digits_split, shard, train_worker
 
     try:
@@ -259,8 +258,14 @@ def run(args: argparse.Namespace) -> int:
                             args=(address, str(token_file), i, worker_args, events))
                 for i in range(args.workers)
             ]
-            for w in workers:
-                w.start()
+            # Workers leave Ctrl-C to this process: an ignored signal stays
+            # ignored across exec, and Python then installs no handler for it.
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                for w in workers:
+                    w.start()
+            finally:
+                signal.signal(signal.SIGINT, previous)
             summary = _watch(address, str(token_file), events, workers, total,
                              x_test, y_test, accuracy)
         except KeyboardInterrupt:

@@ -180,3 +180,51 @@ def test_demo_rejects_bad_arguments(tmp_path):
                           text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 2
     assert "--workers must be at least 1, got 0" in proc.stderr
+
+
+def test_demo_stops_cleanly_on_ctrl_c(tmp_path):
+    """Ctrl-C reaches the demo's whole process group, as from a terminal."""
+    proc = subprocess.Popen(
+        mlfabric_cmd("demo", "--steps", "1000000"), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)],
+                     daemon=True).start()
+    address = None
+    while address is None:
+        line = lines.get(timeout=60)
+        assert line is not None, proc.stderr.read()
+        if line.startswith("server listening on "):
+            address = line.split()[3].rstrip(";")
+    # Wait until training is under way (the first progress line), then Ctrl-C.
+    while not (line := lines.get(timeout=60)).startswith("["):
+        pass
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(30) == 130
+    err = proc.stderr.read()
+    assert "interrupted" in err
+    assert "Traceback" not in err
+    with pytest.raises(mlfabric.ConnectError):
+        mlfabric.connect(address, job="demo", token=TOKEN, timeout=2)
+
+
+def test_client_metrics_count_requests(tmp_path):
+    from mlfabric.metrics import ClientMetrics
+
+    server = Server(tmp_path)
+    try:
+        metrics = ClientMetrics()
+        with mlfabric.connect(server.address, job=JOB, token_file=server.token_file,
+                              metrics=metrics) as ps:
+            version, params = ps.pull(timeout=10)
+            for _ in range(3):
+                ps.push(params, base_version=version).result(10)
+        assert metrics.pushes.labels("applied")._value.get() == 3
+        assert metrics.push_seconds._sum.get() > 0
+        assert metrics.pull_seconds._sum.get() > 0
+        assert metrics.sent_bytes._value.get() > 3 * sum(a.nbytes for a in params.values())
+        assert metrics.received_bytes._value.get() > sum(a.nbytes for a in params.values())
+    finally:
+        server.stop()
