@@ -82,6 +82,8 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.error: BaseException | None = None
         self._stage = "challenge"
+        self.can_write = asyncio.Event()
+        self.can_write.set()
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
@@ -119,7 +121,14 @@ class _ClientProtocol(asyncio.BufferedProtocol):
             self._stage = "ready"
             self.welcomed.set_result(welcome)
 
+    def pause_writing(self) -> None:
+        self.can_write.clear()
+
+    def resume_writing(self) -> None:
+        self.can_write.set()
+
     def connection_lost(self, exc: Exception | None) -> None:
+        self.can_write.set()  # wake drain(); it then raises the connection's error
         self._fail(connection_lost_error(self.address, exc))
         self.transport = None
         if not self.closed.done():
@@ -182,6 +191,13 @@ class AsyncClient:
         req = proto.requests.add(kind, fut, base_version)
         proto.send(make_event(req))
         return fut
+
+    async def drain(self) -> None:
+        """Wait until the transport's write buffer is below its high-water
+        mark: call it between pushes to bound the memory of queued updates."""
+        await self._proto.can_write.wait()
+        if self._proto.error is not None:
+            raise self._proto.error
 
     async def close(self) -> None:
         self._proto.close()

@@ -190,7 +190,13 @@ class _ServerProtocol(asyncio.BufferedProtocol):
                 return
             if event is NEED_DATA:
                 break
-            self._handle(event)
+            try:
+                self._handle(event)
+            except Exception:  # a bug: keep serving the others, say so loudly
+                log.exception("internal error handling %s from %s", type(event).__name__,
+                              self.peer)
+                self._refuse("internal", "internal server error; see the server's log")
+                return
         if self._stage == "ready" and self.transport is not None:
             self._stage_push()
 

@@ -429,3 +429,41 @@ def test_concurrent_large_pushes_stay_exact(serve):
         ref.apply(u)
     with mlfabric.connect(st.address, job=JOB, token=TOKEN) as ps:
         assert_model_equal(ps.pull(timeout=30)[1], ref.w)
+
+
+def test_a_bug_in_handling_is_logged_and_answered(serve, monkeypatch, caplog):
+    from mlfabric.server import ParameterServer
+
+    st = serve()
+
+    def broken(self, event):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(ParameterServer, "handle_pull", broken)
+    raw = RawClient(st.port)
+    raw.send(Pull(req=1))
+    answer = raw.recv_event()
+    assert answer.code == "internal" and "server's log" in answer.message
+    assert raw.recv_event() is None
+    raw.close()
+    assert "internal error handling Pull" in caplog.text and "boom" in caplog.text
+    with mlfabric.connect(st.address, job=JOB, token=TOKEN) as ps:
+        assert ps.push(make_model(), base_version=0).result(5).applied
+
+
+def test_asyncio_client_drain_bounds_queued_pushes(serve, run_async):
+    model = make_model(sizes={"w": (1 << 18,)})  # 1 MiB per push
+    st = serve(model, tau_max=None)
+
+    async def body():
+        async with await aio.connect(st.address, job=JOB, token=TOKEN) as ps:
+            futures = []
+            for _ in range(20):
+                futures.append(ps.push(model, base_version=0))
+                await ps.drain()
+                transport = ps._proto.transport
+                assert transport.get_write_buffer_size() <= transport.get_write_buffer_limits()[1]
+            outcomes = await asyncio.gather(*futures)
+            assert [o.version for o in outcomes] == list(range(1, 21))
+
+    run_async(body())
