@@ -18,6 +18,10 @@ from .errors import MlfabricError
 COMMANDS: dict[str, tuple[str, str]] = {
     "server": ("mlfabric.server_cli", "run a parameter server for one job"),
     "demo": ("mlfabric.demo", "train a small model through a local parameter server"),
+    "testbed": (
+        "mlfabric.testbed_cli",
+        "create or remove an emulated cluster of network namespaces",
+    ),
 }
 
 
