@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
         token_file.write_text(auth.generate_token())
         token_file.chmod(0o600)
         init = Path(tmp) / "init.npz"
-        np.savez(init, **init_params(hidden=args.hidden, seed=args.seed))
+        np.savez(init, **init_params(hidden=args.hidden, seed=args.seed))  # type: ignore[arg-type]
         argv = [
             sys.executable, "-m", "mlfabric", "--log-level", "WARNING", "server",
             "--listen", "127.0.0.1:0", "--job", JOB, "--token-file", str(token_file),

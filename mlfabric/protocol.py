@@ -209,13 +209,15 @@ def default_allocate(msg_type: MsgType, nbytes: int) -> np.ndarray:
 # --- Field validation ------------------------------------------------------
 
 
-def _int(meta: Mapping[str, Any], key: str, *, optional: bool = False) -> int | None:
+def _int(meta: Mapping[str, Any], key: str) -> int:
     value = meta.get(key)
-    if value is None and optional:
-        return None
     if type(value) is not int or not 0 <= value <= _MAX_U64:
         raise ProtocolError(f"field {key!r} must be a non-negative integer, got {value!r}")
     return value
+
+
+def _opt_int(meta: Mapping[str, Any], key: str) -> int | None:
+    return None if meta.get(key) is None else _int(meta, key)
 
 
 def _str(meta: Mapping[str, Any], key: str, max_len: int = 4096) -> str:
@@ -297,7 +299,7 @@ def _decode_specs(raw: bytes) -> tuple[tuple[TensorSpec, ...], list[int], int]:
     return hit
 
 
-def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict | None) -> Event:
+def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
     if msg_type is MsgType.HELLO:
         return Hello(job=_str(meta, "job", 256), client=_str(meta, "client", 256),
                      nonce=_hex(meta, "nonce"))
@@ -313,7 +315,7 @@ def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict | None) ->
             session=_str(meta, "session", 256),
             version=_int(meta, "version"),
             tensors=_specs(meta),
-            tau_max=_int(meta, "tau_max", optional=True),
+            tau_max=_opt_int(meta, "tau_max"),
             momentum=float(momentum),
         )
     if msg_type is MsgType.PULL:
@@ -331,10 +333,10 @@ def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict | None) ->
         if reason is not None:
             reason = _str(meta, "reason")
         return PushResult(req=_int(meta, "req"), applied=applied, version=_int(meta, "version"),
-                          delay=_int(meta, "delay", optional=True), reason=reason)
+                          delay=_opt_int(meta, "delay"), reason=reason)
     if msg_type is MsgType.ERROR:
         return Error(code=_str(meta, "code", 64), message=_str(meta, "message"),
-                     req=_int(meta, "req", optional=True))
+                     req=_opt_int(meta, "req"))
     raise AssertionError(msg_type)  # pragma: no cover - MsgType() already checked
 
 
@@ -610,9 +612,8 @@ class Connection:
         frame.meta = meta
 
     def _finish(self, frame: _Frame) -> Event:
-        tensors = None
+        tensors: dict[str, np.ndarray] = {}
         if frame.msg_type in (MsgType.MODEL, MsgType.PUSH):
-            tensors = {}
             data = frame.data
             for spec, off in zip(frame.specs, frame.offsets, strict=True):
                 count = spec.nbytes // spec.dtype.itemsize
@@ -644,7 +645,7 @@ class Connection:
             if off > pos:
                 parts.append(bytes(off - pos))
             if spec.nbytes:
-                parts.append(memoryview(np.ascontiguousarray(arr)).cast("B"))
+                parts.append(np.ascontiguousarray(arr).data.cast("B"))
             pos = off + spec.nbytes
         self.bytes_sent += len(parts[0]) + data_len
         return parts

@@ -131,7 +131,7 @@ class ParameterServer:
         if outcome.applied:
             m.apply_seconds.observe(time.perf_counter() - started)
             m.updates_applied.inc()
-            m.delay.observe(outcome.delay)
+            m.delay.observe(outcome.delay or 0)
             m.version.set(outcome.version)
         else:
             m.updates_rejected.labels("stale").inc()

@@ -13,6 +13,7 @@ the version it is applied to minus the version it was computed on.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -173,6 +174,16 @@ def _nonfinite_message(name: str) -> str:
     )
 
 
+@dataclass
+class _Piece:
+    """One tensor of a staged update: where its bytes are, how far it is done."""
+
+    name: str
+    offset: int  # in the data block, bytes
+    count: int  # elements
+    done: int = 0  # elements computed so far
+
+
 class StagedApply:
     """One update applied piece by piece while its bytes arrive.
 
@@ -194,9 +205,8 @@ class StagedApply:
         self.store = store
         self.base_version = base_version
         self.version = store.version
-        # (name, byte offset in the data block, element count, elements done)
-        self._plan = [[sp.name, off, sp.nbytes // 4, 0] for sp, off in zip(specs, offsets,
-                                                                           strict=True)]
+        self._plan = [_Piece(sp.name, off, sp.nbytes // 4)
+                      for sp, off in zip(specs, offsets, strict=True)]
         self.valid = True
         self.fed = 0  # bytes of the data block seen by feed()
 
@@ -209,14 +219,15 @@ class StagedApply:
         self.fed = received
         gamma = store.momentum
         check = not store.allow_nonfinite
-        for entry in self._plan:
-            name, off, count, done = entry
-            avail = min(count, max(0, (received - off) // 4))
+        for piece in self._plan:
+            name, done = piece.name, piece.done
+            avail = min(piece.count, max(0, (received - piece.offset) // 4))
             if avail <= done:
-                if avail < count:
+                if avail < piece.count:
                     break  # later tensors have not started arriving
                 continue
-            u = np.frombuffer(data, np.float32, count=avail - done, offset=off + 4 * done)
+            u = np.frombuffer(data, np.float32, count=avail - done,
+                              offset=piece.offset + 4 * done)
             if check and not _core.all_finite(u):
                 self.valid = False
                 return
@@ -227,7 +238,7 @@ class StagedApply:
                 _core.momentum_into(out, w, prev, u, gamma)
             else:
                 _core.sum_into(out, (w, u))
-            entry[3] = avail
+            piece.done = avail
 
     def cancel(self) -> None:
         """Give up (the connection carrying the update is gone)."""
@@ -239,7 +250,7 @@ class StagedApply:
         """Commit the staged update (all its bytes have arrived), or None if
         the staging is void and the update must be applied whole."""
         store = self.store
-        total = max((off + count * 4 for _, off, count, _ in self._plan), default=0)
+        total = max((p.offset + p.count * 4 for p in self._plan), default=0)
         self.feed(data, total)
         if store.staged is self:
             store.staged = None

@@ -1,4 +1,4 @@
-"""Lint as part of the tests: the code in the repository passes ruff."""
+"""Lint and types as part of the tests: the repository passes ruff and mypy."""
 
 from __future__ import annotations
 
@@ -12,12 +12,23 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _tool(name: str) -> str:
+    path = shutil.which(name) or str(Path(sys.executable).parent / name)
+    if not Path(path).exists():
+        pytest.skip(f"{name} is not installed: pip install '.[test]'")
+    return path
+
+
 def test_ruff_passes():
-    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
-    if not Path(ruff).exists():
-        pytest.skip("ruff is not installed: pip install '.[test]'")
     proc = subprocess.run(
-        [ruff, "check", "mlfabric", "tests", "benchmarks"],
+        [_tool("ruff"), "check", "mlfabric", "tests", "benchmarks"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_mypy_passes():
+    proc = subprocess.run(
+        [_tool("mypy"), "mlfabric"], cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
