@@ -150,7 +150,7 @@ def check_update(
                 f"tensor {name!r} has shape {arr.shape}, the model's is {spec.shape}",
                 reason="bad_shape",
             )
-        arrays[name] = np.ascontiguousarray(arr)
+        arrays[name] = arr if arr.flags.c_contiguous else np.array(arr, order="C")
     missing = [s.name for s in specs if s.name not in arrays]
     if missing:
         raise InvalidUpdate(

@@ -91,6 +91,30 @@ class ServerMetrics:
             namespace=ns,
             registry=r,
         )
+        self.checkpoints = Counter(
+            "server_checkpoints", "Checkpoints written", namespace=ns, registry=r
+        )
+        self.checkpoint_failures = Counter(
+            "server_checkpoint_failures", "Checkpoints that could not be written",
+            namespace=ns, registry=r,
+        )
+        self.checkpoint_seconds = Histogram(
+            "server_checkpoint_seconds",
+            "Time to write one checkpoint (copy, checksum, write, fsync, rename)",
+            namespace=ns,
+            registry=r,
+            buckets=(0.001, 0.01, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0),
+        )
+        self.last_checkpoint = Gauge(
+            "server_last_checkpoint_timestamp_seconds",
+            "Unix time of the newest checkpoint (0: none yet); age = time() - this",
+            namespace=ns,
+            registry=r,
+        )
+        self.last_checkpoint_version = Gauge(
+            "server_last_checkpoint_version", "Model version of the newest checkpoint",
+            namespace=ns, registry=r,
+        )
 
 
 class ClientMetrics:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import auth, loop
+from . import auth, checkpoint, loop
+from .checkpointer import Checkpointer
 from .client_core import parse_address
 from .errors import ConfigError
 from .metrics import ServerMetrics, serve_metrics
@@ -27,15 +28,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job", required=True, help="the job's name; clients must name it")
     p.add_argument("--token-file", required=True, metavar="PATH",
                    help="file holding the job's secret token")
-    p.add_argument("--init", required=True, metavar="MODEL.npz",
-                   help="initial model: named float32 arrays in a .npz file")
-    p.add_argument("--momentum", type=float, default=0.0, metavar="G",
-                   help="server momentum gamma in [0, 1) (default: 0)")
+    p.add_argument("--init", metavar="MODEL.npz",
+                   help="initial model: named float32 arrays in a .npz file "
+                        "(required unless --resume)")
+    p.add_argument("--momentum", type=float, default=None, metavar="G",
+                   help="server momentum gamma in [0, 1) (default: 0, or the checkpoint's)")
     p.add_argument("--tau-max", type=int, default=16, metavar="N",
                    help="refuse updates older than N versions at apply; -1 for no bound "
                         "(default: 16)")
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="apply updates holding NaN/Inf instead of refusing them")
+    p.add_argument("--checkpoint-dir", metavar="DIR", default=None,
+                   help="write checkpoints (weights, momentum history, version) here")
+    p.add_argument("--checkpoint-interval", type=float, default=60.0, metavar="SECONDS",
+                   help="seconds between checkpoints when the model changed (default: 60)")
+    p.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
+                   help="keep the N newest checkpoints (default: 3)")
+    p.add_argument("--resume", metavar="PATH", default=None,
+                   help="start from a checkpoint file, or 'latest' in --checkpoint-dir")
     p.add_argument("--metrics-port", type=int, default=None, metavar="P",
                    help="serve Prometheus metrics on this port at /metrics")
     p.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port")
@@ -62,24 +72,53 @@ def load_model(path: str) -> dict[str, np.ndarray]:
     return tensors
 
 
+def build_store(args: argparse.Namespace, tau_max: int | None) -> ParameterStore:
+    """The model to serve: from --resume if given, else from --init."""
+    if args.checkpoint_interval <= 0:
+        raise ConfigError(f"--checkpoint-interval must be positive, got {args.checkpoint_interval}")
+    if args.keep_checkpoints < 1:
+        raise ConfigError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}")
+    if args.resume is None:
+        if args.init is None:
+            raise ConfigError("give the initial model with --init MODEL.npz (or --resume PATH)")
+        return ParameterStore(load_model(args.init), momentum=args.momentum or 0.0,
+                              tau_max=tau_max, allow_nonfinite=args.allow_nonfinite)
+    path = args.resume
+    if path == "latest":
+        if args.checkpoint_dir is None:
+            raise ConfigError("--resume latest needs --checkpoint-dir")
+        found = checkpoint.latest(args.checkpoint_dir)
+        if found is None:
+            raise ConfigError(f"--resume latest: no checkpoint in {args.checkpoint_dir!r}")
+        path = str(found)
+    ckpt = checkpoint.read(path)
+    if ckpt.job != args.job:
+        raise ConfigError(
+            f"checkpoint {path!r} belongs to job {ckpt.job!r}, not {args.job!r}"
+        )
+    log.info("resuming job %r at version %d from %s", args.job, ckpt.version, path)
+    return ParameterStore.from_checkpoint(ckpt, momentum=args.momentum, tau_max=tau_max,
+                                          allow_nonfinite=args.allow_nonfinite)
+
+
 def run_server(args: argparse.Namespace) -> int:
     host, port = parse_address(args.listen)
     token = auth.load_token(args.token_file)
     if not auth.token_file_is_private(args.token_file):
         log.warning("token file %s is readable by other users: chmod 600 it", args.token_file)
     tau_max = None if args.tau_max is not None and args.tau_max < 0 else args.tau_max
-    store = ParameterStore(
-        load_model(args.init),
-        momentum=args.momentum,
-        tau_max=tau_max,
-        allow_nonfinite=args.allow_nonfinite,
-    )
+    store = build_store(args, tau_max)
     metrics = ServerMetrics()
     if args.metrics_port is not None:
         serve_metrics(metrics.registry, args.metrics_port, args.metrics_host)
 
     async def main() -> None:
         server = ParameterServer(store, job=args.job, token=token, metrics=metrics)
+        checkpointer = None
+        if args.checkpoint_dir is not None:
+            checkpointer = Checkpointer(store, args.job, args.checkpoint_dir,
+                                        interval=args.checkpoint_interval,
+                                        keep=args.keep_checkpoints, metrics=metrics)
         try:
             bound = await server.start(host, port)
         except OSError as exc:
@@ -93,9 +132,13 @@ def run_server(args: argparse.Namespace) -> int:
             f"({len(store.specs)} tensors, {store.nbytes} bytes, version {store.version})",
             flush=True,
         )
+        if checkpointer is not None:
+            checkpointer.start()
         await stop.wait()
         log.info("shutting down at version %d", store.version)
         await server.close()
+        if checkpointer is not None:
+            await checkpointer.close()
         print(f"mlfabric server: stopped at version {store.version}", flush=True)
 
     loop.run(main())

@@ -18,11 +18,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _core
+from .checkpoint import Checkpoint
 from .errors import ConfigError, InvalidUpdate
 from .outcome import PushOutcome
 from .protocol import TensorSpec, layout
 
 MODEL_DTYPE = np.dtype(np.float32)
+
+
+def c_contiguous(a: np.ndarray) -> np.ndarray:
+    """`a` if C-contiguous, else a C-contiguous copy; unlike np.ascontiguousarray,
+    a 0-d array stays 0-d."""
+    return a if a.flags.c_contiguous else np.array(a, order="C")
 
 
 class ParameterStore:
@@ -113,7 +120,7 @@ class ParameterStore:
         self.check_base_version(base_version)
         if not self.allow_nonfinite:
             for name, u in update.items():
-                if not _core.all_finite(np.ascontiguousarray(u)):
+                if not _core.all_finite(c_contiguous(u)):
                     raise InvalidUpdate(_nonfinite_message(name), reason="nonfinite")
 
     def stale_reason(self, delay: int) -> str | None:
@@ -127,6 +134,7 @@ class ParameterStore:
         Raises InvalidUpdate (model untouched) for a malformed update; returns
         an outcome with applied=False for one that is too stale.
         """
+        update = {n: np.asarray(u) for n, u in update.items()}
         self.validate(base_version, update)
         delay = self.version - base_version
         reason = self.stale_reason(delay)
@@ -134,7 +142,7 @@ class ParameterStore:
             return PushOutcome(False, self.version, delay, reason, base_version)
         gamma = self.momentum
         for name, w in self.weights.items():
-            u = np.ascontiguousarray(update[name])
+            u = c_contiguous(update[name])
             if gamma:
                 _core.momentum_apply(w, self.previous[name], u, gamma)
             else:
@@ -161,6 +169,29 @@ class ParameterStore:
             return None
         self.staged = StagedApply(self, base_version, specs, offsets)
         return self.staged
+
+    def checkpoint(self, job: str) -> Checkpoint:
+        """A consistent copy of the whole state (weights, momentum history, version)."""
+        return Checkpoint(
+            job=job,
+            version=self.version,
+            momentum=self.momentum,
+            weights={n: w.copy() for n, w in self.weights.items()},
+            previous={n: w.copy() for n, w in self.previous.items()},
+        )
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint, *, momentum: float | None = None,
+                        tau_max: int | None = None,
+                        allow_nonfinite: bool = False) -> ParameterStore:
+        """The store a checkpoint was taken of (momentum may be changed)."""
+        store = cls(ckpt.weights, momentum=ckpt.momentum if momentum is None else momentum,
+                    tau_max=tau_max, allow_nonfinite=allow_nonfinite, version=ckpt.version)
+        for name, prev in ckpt.previous.items():
+            if name not in store.previous or prev.shape != store.previous[name].shape:
+                raise ConfigError(f"checkpoint's momentum history does not match tensor {name!r}")
+            store.previous[name][...] = prev
+        return store
 
     def snapshot(self) -> tuple[int, dict[str, np.ndarray]]:
         """A consistent copy of the model at the current version."""

@@ -467,3 +467,19 @@ def test_asyncio_client_drain_bounds_queued_pushes(serve, run_async):
             assert [o.version for o in outcomes] == list(range(1, 21))
 
     run_async(body())
+
+
+def test_scalar_and_empty_tensors_round_trip(serve):
+    model = {"scale": np.float32(2.5).reshape(()), "empty": np.zeros((0, 4), np.float32),
+             "w": np.ones(3, np.float32)}
+    st = serve(model, momentum=0.5)
+    ref = Reference(model, 0.5)
+    with mlfabric.connect(st.address, job=JOB, token=TOKEN) as ps:
+        u = {"scale": np.float32(-0.5).reshape(()), "empty": np.zeros((0, 4), np.float32),
+             "w": np.full(3, 0.25, np.float32)}
+        assert ps.push(u, base_version=0).result(5).applied
+        ref.apply(u)
+        assert ps.pull(timeout=5)[0] == 1
+        _, params = ps.pull(timeout=5)
+    assert params["scale"].shape == () and params["empty"].shape == (0, 4)
+    assert_model_equal(params, ref.w)

@@ -1,0 +1,76 @@
+"""Periodic checkpoints of a running server: copy in the loop, write in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from . import checkpoint
+from .metrics import ServerMetrics
+from .store import ParameterStore
+
+log = logging.getLogger("mlfabric.checkpoint")
+
+
+class Checkpointer:
+    """Writes a checkpoint every `interval` seconds when the model changed, and
+    one more at close; keeps the `keep` newest."""
+
+    def __init__(self, store: ParameterStore, job: str, directory: str | Path, *,
+                 interval: float = 60.0, keep: int = 3,
+                 metrics: ServerMetrics | None = None) -> None:
+        self.store = store
+        self.job = job
+        self.directory = Path(directory)
+        self.interval = interval
+        self.keep = keep
+        self.metrics = metrics
+        self.written_version: int | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            await self.write_now()
+
+    async def write_now(self) -> Path | None:
+        """Checkpoint now if the model changed since the last one."""
+        if self.written_version == self.store.version:
+            return None
+        started = time.perf_counter()
+        # The copy is taken in the loop thread, between two updates: consistent.
+        ckpt = self.store.checkpoint(self.job)
+        try:
+            path = await asyncio.get_running_loop().run_in_executor(
+                None, checkpoint.write, self.directory, ckpt)
+            await asyncio.get_running_loop().run_in_executor(
+                None, checkpoint.prune, self.directory, self.keep)
+        except OSError as exc:
+            log.error("checkpoint of version %d to %s failed: %s", ckpt.version,
+                      self.directory, exc)
+            if self.metrics is not None:
+                self.metrics.checkpoint_failures.inc()
+            return None
+        self.written_version = ckpt.version
+        if self.metrics is not None:
+            self.metrics.checkpoints.inc()
+            self.metrics.checkpoint_seconds.observe(time.perf_counter() - started)
+            self.metrics.last_checkpoint.set(time.time())
+            self.metrics.last_checkpoint_version.set(ckpt.version)
+        log.info("checkpoint of version %d written to %s", ckpt.version, path)
+        return path
+
+    async def close(self) -> None:
+        """Stop the periodic task and write a final checkpoint."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await self.write_now()
