@@ -69,6 +69,9 @@ class MsgType(enum.IntEnum):
     PUSH = 7
     PUSH_RESULT = 8
     ERROR = 9
+    TRANSFER_REQUEST = 10
+    DIRECTIVE = 11
+    TRANSFER_DONE = 12
 
 
 class _NeedData:
@@ -192,7 +195,49 @@ class Error:
     req: int | None = None
 
 
-Event = Hello | Challenge | Auth | Welcome | Pull | Model | Push | PushResult | Error
+@dataclass(frozen=True)
+class TransferRequest:
+    """Client -> controller: an update is ready to go from `host` to the server
+    at `dst`; may it?"""
+
+    req: int
+    host: str
+    dst: str
+    nbytes: int
+    base_version: int
+    norm: float
+
+
+@dataclass(frozen=True)
+class Directive:
+    """Controller -> client: what to do with a requested transfer now.
+
+    action "go": send it now; "drop": do not send it (`reason` says why).
+    `position` is its place in the planned order, `planned_seconds` the
+    transfer time the plan expects (both for metrics and the decision log)."""
+
+    req: int
+    action: str
+    reason: str | None = None
+    position: int | None = None
+    planned_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class TransferDone:
+    """Client -> controller: a transfer it let go has ended at the server."""
+
+    req: int
+    applied: bool
+    version: int
+    delay: int | None
+    seconds: float  # from "go" to the server's answer
+
+
+Event = (Hello | Challenge | Auth | Welcome | Pull | Model | Push | PushResult | Error
+         | TransferRequest | Directive | TransferDone)
+
+DIRECTIVE_ACTIONS = ("go", "drop")
 
 _TENSOR_EVENTS = (Model, Push)
 
@@ -233,6 +278,23 @@ def _hex(meta: Mapping[str, Any], key: str) -> bytes:
         return bytes.fromhex(value)
     except ValueError:
         raise ProtocolError(f"field {key!r} must be hex, got {value[:40]!r}") from None
+
+
+def _float(meta: Mapping[str, Any], key: str) -> float:
+    value = meta.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        -1e300 < value < 1e300
+    ):
+        raise ProtocolError(f"field {key!r} must be a finite number, got {value!r:.40}")
+    return float(value)
+
+
+def _opt_float(meta: Mapping[str, Any], key: str) -> float | None:
+    return None if meta.get(key) is None else _float(meta, key)
+
+
+def _opt_str(meta: Mapping[str, Any], key: str) -> str | None:
+    return None if meta.get(key) is None else _str(meta, key)
 
 
 def _specs(meta: Mapping[str, Any]) -> tuple[TensorSpec, ...]:
@@ -337,6 +399,25 @@ def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict[str, np.nd
     if msg_type is MsgType.ERROR:
         return Error(code=_str(meta, "code", 64), message=_str(meta, "message"),
                      req=_opt_int(meta, "req"))
+    if msg_type is MsgType.TRANSFER_REQUEST:
+        return TransferRequest(req=_int(meta, "req"), host=_str(meta, "host", 256),
+                               dst=_str(meta, "dst", 256), nbytes=_int(meta, "nbytes"),
+                               base_version=_int(meta, "base_version"),
+                               norm=_float(meta, "norm"))
+    if msg_type is MsgType.DIRECTIVE:
+        action = _str(meta, "action", 16)
+        if action not in DIRECTIVE_ACTIONS:
+            raise ProtocolError(f"unknown directive action {action!r}")
+        return Directive(req=_int(meta, "req"), action=action, reason=_opt_str(meta, "reason"),
+                         position=_opt_int(meta, "position"),
+                         planned_seconds=_opt_float(meta, "planned_seconds"))
+    if msg_type is MsgType.TRANSFER_DONE:
+        applied = meta.get("applied")
+        if not isinstance(applied, bool):
+            raise ProtocolError(f"field 'applied' must be a boolean, got {applied!r:.40}")
+        return TransferDone(req=_int(meta, "req"), applied=applied,
+                            version=_int(meta, "version"), delay=_opt_int(meta, "delay"),
+                            seconds=_float(meta, "seconds"))
     raise AssertionError(msg_type)  # pragma: no cover - MsgType() already checked
 
 
@@ -378,6 +459,11 @@ def _encode_meta(event: Event) -> tuple[MsgType, dict[str, Any], Sequence[Tensor
         if event.req is not None:
             meta["req"] = event.req
         return MsgType.ERROR, meta, (), []
+    if isinstance(event, (TransferRequest, Directive, TransferDone)):
+        msg_type = {TransferRequest: MsgType.TRANSFER_REQUEST, Directive: MsgType.DIRECTIVE,
+                    TransferDone: MsgType.TRANSFER_DONE}[type(event)]
+        fields = {k: v for k, v in vars(event).items() if v is not None}
+        return msg_type, fields, (), []
     raise TypeError(f"not an mlfabric event: {event!r:.80}")
 
 

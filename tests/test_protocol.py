@@ -20,6 +20,7 @@ from mlfabric.protocol import (
     Auth,
     Challenge,
     Connection,
+    Directive,
     Error,
     Hello,
     Model,
@@ -28,6 +29,8 @@ from mlfabric.protocol import (
     Push,
     PushResult,
     TensorSpec,
+    TransferDone,
+    TransferRequest,
     Welcome,
     layout,
 )
@@ -67,6 +70,12 @@ CASES = [
     PushResult(req=3, applied=True, version=11, delay=2),
     PushResult(req=4, applied=False, version=11, delay=None, reason="stale: delay 9 > 8"),
     Error(code="protocol", message="bad frame"),
+    TransferRequest(req=4, host="h1", dst="10.0.0.1:7070", nbytes=2**40, base_version=3,
+                    norm=0.125),
+    Directive(req=4, action="go", position=2, planned_seconds=0.5),
+    Directive(req=5, action="drop", reason="deadline_missed"),
+    TransferDone(req=4, applied=True, version=9, delay=2, seconds=1.5),
+    TransferDone(req=5, applied=False, version=9, delay=None, seconds=0.0),
     Error(code="bad_shape", message="tensor 'w' has shape (2,)", req=77),
 ]
 
@@ -200,6 +209,13 @@ BAD_FRAMES = {
     "float as int": (frame(MsgType.PULL, {"req": 1.0}), "'req'"),
     "huge int": (frame(MsgType.PULL, {"req": 2**64}), "'req'"),
     "bad hex": (frame(MsgType.AUTH, {"proof": "zz"}), "hex"),
+    "unknown action": (frame(MsgType.DIRECTIVE, {"req": 1, "action": "jump"}), "unknown directive"),
+    "norm not number": (
+        frame(MsgType.TRANSFER_REQUEST, {"req": 1, "host": "h", "dst": "d", "nbytes": 1,
+                                         "base_version": 0, "norm": "x"}), "'norm'"),
+    "norm is bool": (
+        frame(MsgType.TRANSFER_REQUEST, {"req": 1, "host": "h", "dst": "d", "nbytes": 1,
+                                         "base_version": 0, "norm": True}), "'norm'"),
     "applied not bool": (
         frame(MsgType.PUSH_RESULT, {"req": 1, "applied": 1, "version": 1}), "'applied'"),
     "data on pull": (frame(MsgType.PULL, {"req": 1}, b"xxxx"), "carries 4 data bytes"),
