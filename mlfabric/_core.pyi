@@ -1,0 +1,41 @@
+"""Types of the Cython kernels in mlfabric/_core.pyx (see its docstring).
+
+Every array argument is a C-contiguous numpy array of dtype float32 or
+float64, all of one dtype and one shape; outputs must be writable. The dtype
+check is at run time (TypeError), since NDArray cannot say "same dtype for
+all arguments".
+"""
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+_FloatArray = NDArray[np.floating[Any]]
+
+# Loops over at least this many elements release the GIL.
+NOGIL_MIN_ELEMENTS: int
+
+def momentum_apply(w: _FloatArray, prev: _FloatArray, u: _FloatArray, gamma: float) -> None:
+    """In place: new = (w + u) + g*(w - prev); prev[...] = old w; w[...] = new."""
+
+def momentum_into(
+    out: _FloatArray, w: _FloatArray, prev: _FloatArray, u: _FloatArray, gamma: float
+) -> None:
+    """out[...] = (w + u) + g*(w - prev); w, prev and u are only read."""
+
+def sum_into(out: _FloatArray, arrays: Iterable[_FloatArray], accumulate: bool = False) -> None:
+    """out[...] = a0 + a1 + ... left to right (out + a0 + ... if accumulate)."""
+
+def scaled_add(y: _FloatArray, x: _FloatArray, alpha: float) -> None:
+    """y[...] = y + a*x with a = alpha cast to the array dtype."""
+
+def l2_norm(x: _FloatArray) -> float:
+    """sqrt(sum(x_i**2)), squared and summed in double."""
+
+def l2_norm_diff(a: _FloatArray, b: _FloatArray) -> float:
+    """||a - b||_2 with the difference taken in double."""
+
+def all_finite(x: _FloatArray) -> bool:
+    """True iff x holds no NaN, +Inf or -Inf."""
