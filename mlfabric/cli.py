@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "mlfabric.testbed_cli",
         "create or remove an emulated cluster of network namespaces",
     ),
+    "controller": ("mlfabric.controller_cli", "order a job's transfers (the controller)"),
 }
 
 

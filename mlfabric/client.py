@@ -48,17 +48,28 @@ def connect(
     timeout: float = 10.0,
     name: str | None = None,
     metrics: ClientMetrics | None = None,
+    controller: str | None = None,
+    host: str | None = None,
+    controller_fallback: str = "fifo",
+    controller_timeout: float = 30.0,
 ) -> Client:
     """Connect to the parameter server at `address` ("HOST:PORT") for `job`.
 
     The job's token is given as `token` or read from `token_file`. Raises
     ConnectError if the server cannot be reached within `timeout` seconds and
     AuthenticationError if the token or job is wrong.
+
+    With `controller` ("HOST:PORT" of `mlfabric controller`), every push asks
+    the controller when to go (see mlfabric.client_control). `host` names
+    this worker's host in the controller's network picture (default: the
+    local address of the connection to the server). If the controller is
+    unreachable, `controller_fallback="fifo"` sends updates at once with a
+    warning, `"wait"` waits up to `controller_timeout` seconds for it.
     """
-    host, port = parse_address(address)
+    server_host, server_port = parse_address(address)
     secret = resolve_token(token, token_file)
     try:
-        sock = socket.create_connection((host, port), timeout=timeout)
+        sock = socket.create_connection((server_host, server_port), timeout=timeout)
     except OSError as exc:
         raise ConnectError(
             f"cannot reach the parameter server at {address}: {exc.strerror or exc}; is "
@@ -71,7 +82,19 @@ def connect(
     except BaseException:
         sock.close()
         raise
-    return Client(sock, conn, welcome, address, metrics)
+    client = Client(sock, conn, welcome, address, metrics)
+    if controller is not None:
+        from .client_control import ControlledPushes
+
+        try:
+            client._controlled = ControlledPushes(
+                client, controller, Handshake(job, secret, name or default_client_name()),
+                host=host or sock.getsockname()[0], dst=sock.getpeername()[0],
+                fallback=controller_fallback, timeout=controller_timeout)
+        except BaseException:
+            client.close()
+            raise
+    return client
 
 
 def _handshake(sock: socket.socket, conn: Connection, hs: Handshake) -> Welcome:
@@ -119,6 +142,8 @@ class Client:
         self._send_lock = threading.Lock()  # one frame on the wire at a time
         self._closed = False
         self._error: BaseException | None = None
+        self._controlled: Any = None  # ControlledPushes when a controller is used
+        self.last_version = welcome.version  # newest server version seen
         sock.settimeout(None)
         self._reader = threading.Thread(
             target=self._read_loop, name=f"mlfabric-reader-{address}", daemon=True
@@ -131,7 +156,9 @@ class Client:
         """The model as (version, {name: array}), consistent at that version."""
         fut = self._request("pull", Pull, None)
         try:
-            return fut.result(timeout)
+            version, params = fut.result(timeout)
+            self.last_version = max(self.last_version, version)
+            return version, params
         except concurrent.futures.TimeoutError:
             raise TimeoutError(
                 f"pull() got no answer from {self.address} within {timeout} s"
@@ -148,7 +175,20 @@ class Client:
         """
         base = check_base_version(base_version)
         arrays = check_update(update, self.specs)
-        return self._request("push", lambda req: Push(req, base, arrays), base)
+        if self._controlled is not None:
+            return self._controlled.push(arrays, base, layout(self.specs)[1])
+        return self._send_push(arrays, base)
+
+    def _send_push(self, arrays: dict[str, np.ndarray], base: int
+                   ) -> concurrent.futures.Future[PushOutcome]:
+        fut: concurrent.futures.Future[PushOutcome] = self._request(
+            "push", lambda req: Push(req, base, arrays), base)
+        fut.add_done_callback(self._note_version)
+        return fut
+
+    def _note_version(self, fut: concurrent.futures.Future[Any]) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self.last_version = max(self.last_version, fut.result().version)
 
     def close(self) -> None:
         """Close the connection; requests still waiting fail with ConnectionLost."""
@@ -156,6 +196,8 @@ class Client:
             if self._closed:
                 return
             self._closed = True
+        if self._controlled is not None:
+            self._controlled.close()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:

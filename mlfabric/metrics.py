@@ -151,6 +151,65 @@ class ClientMetrics:
         )
 
 
+class ControllerMetrics:
+    """Metrics of a controller process."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        from .control import DROP_REASONS
+
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        ns = NAMESPACE
+        self.requests = Counter("controller_requests", "Transfer requests received",
+                                namespace=ns, registry=r)
+        self.directives = Counter("controller_directives", "Directives sent, by action",
+                                  ["action"], namespace=ns, registry=r)
+        for action in ("go", "drop"):
+            self.directives.labels(action)
+        self.drops = Counter("controller_drops", "Updates dropped, by reason", ["reason"],
+                             namespace=ns, registry=r)
+        for reason in DROP_REASONS:
+            self.drops.labels(reason)
+        self.queue_wait = Histogram(
+            "controller_queue_wait_seconds", "Time from a request to its directive",
+            namespace=ns, registry=r, buckets=TRANSFER_BUCKETS)
+        self.decision_seconds = Histogram(
+            "controller_decision_seconds", "Time of one re-plan (policy and bookkeeping)",
+            namespace=ns, registry=r,
+            buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3))
+        self.delay = Histogram(
+            "controller_update_delay_versions",
+            "Staleness of applied updates as their workers reported it",
+            namespace=ns, registry=r, buckets=DELAY_BUCKETS)
+        self.planned_seconds = Histogram(
+            "controller_transfer_planned_seconds", "Transfer time the plan expected",
+            namespace=ns, registry=r, buckets=TRANSFER_BUCKETS)
+        self.actual_seconds = Histogram(
+            "controller_transfer_actual_seconds",
+            "Time from go to the server's outcome, as the worker reported it",
+            namespace=ns, registry=r, buckets=TRANSFER_BUCKETS)
+        self.pending = Gauge("controller_pending_transfers", "Transfers waiting for a directive",
+                             namespace=ns, registry=r)
+        self.active = Gauge("controller_active_transfers", "Transfers let go, not yet done",
+                            namespace=ns, registry=r)
+        self.version = Gauge("controller_server_version", "Newest server version heard of",
+                             namespace=ns, registry=r)
+        # What every listener counts (see endpoint.py).
+        self.received_bytes = Counter("controller_received_bytes", "Bytes received",
+                                      namespace=ns, registry=r)
+        self.sent_bytes = Counter("controller_sent_bytes", "Bytes sent", namespace=ns,
+                                  registry=r)
+        self.connected_clients = Gauge("controller_connected_clients",
+                                       "Authenticated connections open now",
+                                       namespace=ns, registry=r)
+        self.auth_failures = Counter("controller_auth_failures",
+                                     "Connections refused at the handshake",
+                                     namespace=ns, registry=r)
+        self.protocol_errors = Counter("controller_protocol_errors",
+                                       "Connections closed for a malformed frame",
+                                       namespace=ns, registry=r)
+
+
 def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> None:
     """Serve `registry` at http://addr:port/metrics from a daemon thread."""
     start_http_server(port, addr=addr, registry=registry)

@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -66,13 +67,21 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = 
 class ServerThread:
     """A ParameterServer on its own event loop (asyncio or uvloop) in a thread."""
 
-    def __init__(self, store: ParameterStore, *, loop_kind: str = "uvloop", job: str = JOB,
-                 token: bytes = TOKEN, metrics: ServerMetrics | None = None,
-                 handshake_timeout: float = 10.0) -> None:
+    def __init__(self, store: ParameterStore | None, *, loop_kind: str = "uvloop",
+                 job: str = JOB, token: bytes = TOKEN, metrics: ServerMetrics | None = None,
+                 handshake_timeout: float = 10.0, endpoint: Any = None,
+                 port: int = 0) -> None:
+        """Serves `store` with a ParameterServer, or runs `endpoint` (any
+        mlfabric Endpoint, e.g. a Controller) when given."""
         self.store = store
-        self.metrics = metrics or ServerMetrics()
-        self.server = ParameterServer(store, job=job, token=token, metrics=self.metrics,
-                                      handshake_timeout=handshake_timeout)
+        if endpoint is None:
+            assert store is not None
+            endpoint = ParameterServer(store, job=job, token=token,
+                                       metrics=metrics or ServerMetrics(),
+                                       handshake_timeout=handshake_timeout)
+        self.server = endpoint
+        self.metrics = endpoint.metrics
+        self.port_wanted = port
         self.loop_kind = loop_kind
         self.loop_errors: list[dict] = []
         self._ready = threading.Event()
@@ -86,7 +95,7 @@ class ServerThread:
             self._loop = asyncio.get_running_loop()
             self._loop.set_exception_handler(lambda loop, ctx: self.loop_errors.append(ctx))
             self._stop = asyncio.Event()
-            await self.server.start("127.0.0.1", 0)
+            await self.server.start("127.0.0.1", self.port_wanted)
             self._ready.set()
             await self._stop.wait()
             await self.server.close()

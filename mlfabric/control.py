@@ -1,0 +1,200 @@
+"""The controller's bookkeeping and decisions, without I/O.
+
+`ControlState` knows every transfer a job's workers asked for: pending (no
+directive yet) or active (let go, not yet reported done), the newest server
+version it has heard of, and the network picture. `decide(now)` asks the
+policy for a plan over a snapshot of that state and turns it into actions
+(`Go`, `Drop`) and the time it next needs to be asked (`wake_at`). The asyncio
+controller only carries the actions out; tests drive this class with a fake
+clock (the `now` arguments).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+
+POLICIES = ("mlfabric", "fifo")
+
+# Why a transfer was dropped: the fixed set of reasons (metrics label values).
+DROP_REASONS = ("deadline_missed", "would_idle_server", "worker_gone")
+
+
+@dataclass(frozen=True)
+class Network:
+    """Link capacities in bytes per second (big-switch model).
+
+    A host missing from `up`/`down` gets `default`; `pair[(a, b)]` is a
+    measured end-to-end rate from a to b when an agent reported one."""
+
+    default: float = 125e6  # 1 Gbit/s
+    up: Mapping[str, float] = field(default_factory=dict)
+    down: Mapping[str, float] = field(default_factory=dict)
+    pair: Mapping[tuple[str, str], float] = field(default_factory=dict)
+
+    def rate(self, src: str, dst: str) -> float:
+        r = min(self.up.get(src, self.default), self.down.get(dst, self.default))
+        measured = self.pair.get((src, dst))
+        return min(r, measured) if measured is not None else r
+
+
+@dataclass
+class Transfer:
+    """One update a worker asked to send."""
+
+    id: int  # unique within the controller
+    owner: Hashable  # who asked (a connection); opaque here
+    req: int  # the owner's request id
+    host: str  # the worker's host
+    dst: str  # the server's host
+    nbytes: int
+    base_version: int
+    norm: float
+    arrival: float
+    # Set when it is let go:
+    started: float | None = None
+    position: int | None = None
+    planned_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class Go:
+    transfer: Transfer
+    position: int
+    planned_seconds: float
+
+
+@dataclass(frozen=True)
+class Drop:
+    transfer: Transfer
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a policy sees: the state at `now`, read-only."""
+
+    now: float
+    version: int  # newest server version heard of
+    tau_max: int | None
+    pending: tuple[Transfer, ...]
+    active: tuple[Transfer, ...]
+    network: Network
+
+
+@dataclass(frozen=True)
+class PlanItem:
+    """A policy's decision for one pending transfer: start at `start`
+    (now or later; later means "ask again then"), or drop with a reason."""
+
+    id: int
+    start: float | None = None
+    position: int | None = None
+    planned_seconds: float | None = None
+    drop: str | None = None
+    detail: str = ""
+
+
+Policy = Callable[[Snapshot], list[PlanItem]]
+
+
+def fifo_policy(snap: Snapshot) -> list[PlanItem]:
+    """The plain asynchronous parameter server: everything goes at once, in
+    arrival order; concurrent transfers share the links as TCP shares them."""
+    items = []
+    in_flight = len(snap.active)
+    for i, t in enumerate(sorted(snap.pending, key=lambda t: (t.arrival, t.id))):
+        sharing = in_flight + i + 1
+        rate = snap.network.rate(t.host, t.dst) / sharing
+        items.append(PlanItem(t.id, start=snap.now, position=in_flight + i,
+                              planned_seconds=t.nbytes / rate))
+    return items
+
+
+@dataclass(frozen=True)
+class Decisions:
+    actions: tuple[Go | Drop, ...]
+    wake_at: float | None  # ask again at this time (a planned start), if any
+
+
+class ControlState:
+    def __init__(self, policy: Policy, *, tau_max: int | None,
+                 network: Network | None = None) -> None:
+        self.policy = policy
+        self.tau_max = tau_max
+        self.network = network or Network()
+        self.version = 0
+        self.pending: dict[int, Transfer] = {}
+        self.active: dict[int, Transfer] = {}
+        self._next_id = 1
+
+    # -- events ---------------------------------------------------------------
+
+    def request(self, owner: Hashable, req: int, *, host: str, dst: str, nbytes: int,
+                base_version: int, norm: float, now: float) -> Transfer:
+        t = Transfer(self._next_id, owner, req, host, dst, nbytes, base_version, norm, now)
+        self._next_id += 1
+        self.pending[t.id] = t
+        # A worker computed on base_version, so the server has reached it.
+        self.version = max(self.version, base_version)
+        return t
+
+    def done(self, owner: Hashable, req: int, *, version: int) -> Transfer | None:
+        """An active transfer ended at the server (applied or not)."""
+        for t in self.active.values():
+            if t.owner == owner and t.req == req:
+                del self.active[t.id]
+                self.version = max(self.version, version)
+                return t
+        return None
+
+    def forget(self, owner: Hashable) -> list[Transfer]:
+        """The owner is gone: its transfers, pending or active, are forgotten."""
+        gone = [t for t in (*self.pending.values(), *self.active.values()) if t.owner == owner]
+        for t in gone:
+            self.pending.pop(t.id, None)
+            self.active.pop(t.id, None)
+        return gone
+
+    def set_network(self, network: Network) -> None:
+        self.network = network
+
+    # -- decisions ------------------------------------------------------------
+
+    def snapshot(self, now: float) -> Snapshot:
+        return Snapshot(
+            now=now,
+            version=self.version,
+            tau_max=self.tau_max,
+            pending=tuple(sorted(self.pending.values(), key=lambda t: t.id)),
+            active=tuple(sorted(self.active.values(), key=lambda t: t.id)),
+            network=self.network,
+        )
+
+    def decide(self, now: float) -> Decisions:
+        """Ask the policy, and commit what is due now: transfers whose start
+        has come are let go, drops are final. Later starts are re-planned at
+        `wake_at` (or earlier, at the next event)."""
+        if not self.pending:
+            return Decisions((), None)
+        plan = self.policy(self.snapshot(now))
+        actions: list[Go | Drop] = []
+        wake_at = math.inf
+        for item in plan:
+            t = self.pending.get(item.id)
+            if t is None:
+                continue
+            if item.drop is not None:
+                del self.pending[t.id]
+                actions.append(Drop(t, item.drop, item.detail))
+            elif item.start is not None and item.start <= now:
+                del self.pending[t.id]
+                t.started, t.position = now, item.position
+                t.planned_seconds = item.planned_seconds
+                self.active[t.id] = t
+                actions.append(Go(t, item.position or 0, item.planned_seconds or 0.0))
+            elif item.start is not None:
+                wake_at = min(wake_at, item.start)
+        return Decisions(tuple(actions), None if wake_at == math.inf else wake_at)

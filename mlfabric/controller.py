@@ -1,0 +1,135 @@
+"""The controller: the asyncio side of `ControlState`.
+
+Workers ask it before sending each update (TRANSFER_REQUEST); it answers
+each with a DIRECTIVE (go now, or drop with a reason) when the plan says so,
+and re-plans on every event: a request, a completion (TRANSFER_DONE), a
+worker gone, a planned start time reached. This module only carries the
+decisions out, logs them (one JSON line per decision) and counts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from typing import Any
+
+from .control import ControlState, Drop, Go, Network, Policy
+from .endpoint import Endpoint, EndpointProtocol
+from .metrics import ControllerMetrics
+from .protocol import Directive, TransferDone, TransferRequest, Welcome
+
+log = logging.getLogger("mlfabric.controller")
+decision_log = logging.getLogger("mlfabric.decisions")
+
+
+class Controller(Endpoint):
+    role = "controller"
+    log = log
+
+    def __init__(self, policy: Policy, *, job: str, token: bytes, tau_max: int | None,
+                 network: Network | None = None, metrics: ControllerMetrics | None = None,
+                 handshake_timeout: float = 10.0, clock: Any = time.monotonic) -> None:
+        super().__init__(job=job, token=token,
+                         metrics=metrics if metrics is not None else ControllerMetrics(),
+                         handshake_timeout=handshake_timeout)
+        self.state = ControlState(policy, tau_max=tau_max, network=network)
+        self.clock = clock
+        self._wake: asyncio.TimerHandle | None = None
+
+    def make_protocol(self) -> _ControllerProtocol:
+        return _ControllerProtocol(self)
+
+    def welcome(self, conn: EndpointProtocol) -> Welcome:
+        return Welcome(session=secrets.token_hex(8), version=self.state.version, tensors=(),
+                       tau_max=self.state.tau_max)
+
+    # -- events -------------------------------------------------------------------
+
+    def on_request(self, conn: _ControllerProtocol, ev: TransferRequest) -> None:
+        self.metrics.requests.inc()
+        self.state.request(conn, ev.req, host=ev.host, dst=ev.dst, nbytes=ev.nbytes,
+                           base_version=ev.base_version, norm=ev.norm, now=self.clock())
+        self.replan()
+
+    def on_done(self, conn: _ControllerProtocol, ev: TransferDone) -> None:
+        t = self.state.done(conn, ev.req, version=ev.version)
+        if t is not None:
+            self.metrics.actual_seconds.observe(ev.seconds)
+            if ev.applied and ev.delay is not None:
+                self.metrics.delay.observe(ev.delay)
+            decision_log.info(json.dumps({
+                "event": "done", "id": t.id, "host": t.host, "applied": ev.applied,
+                "version": ev.version, "delay": ev.delay, "seconds": round(ev.seconds, 6),
+                "planned_seconds": t.planned_seconds}))
+        self.replan()
+
+    def on_lost(self, conn: _ControllerProtocol) -> None:
+        gone = self.state.forget(conn)
+        if gone:
+            log.info("worker %s gone with %d transfers", conn.client, len(gone))
+            self.replan()
+
+    # -- decide, then act -------------------------------------------------------------
+
+    def replan(self) -> None:
+        started = time.perf_counter()
+        now = self.clock()
+        decisions = self.state.decide(now)
+        m = self.metrics
+        m.decision_seconds.observe(time.perf_counter() - started)
+        for action in decisions.actions:
+            t = action.transfer
+            conn = t.owner
+            assert isinstance(conn, _ControllerProtocol)
+            wait = now - t.arrival
+            if isinstance(action, Go):
+                conn.send(Directive(req=t.req, action="go", position=action.position,
+                                    planned_seconds=action.planned_seconds))
+                m.directives.labels("go").inc()
+                m.planned_seconds.observe(action.planned_seconds)
+                record = {"event": "go", "position": action.position,
+                          "planned_seconds": round(action.planned_seconds, 6)}
+            else:
+                assert isinstance(action, Drop)
+                conn.send(Directive(req=t.req, action="drop",
+                                    reason=f"{action.reason}: {action.detail}".rstrip(": ")))
+                m.directives.labels("drop").inc()
+                m.drops.labels(action.reason).inc()
+                record = {"event": "drop", "reason": action.reason, "detail": action.detail}
+            m.queue_wait.observe(wait)
+            decision_log.info(json.dumps({
+                **record, "id": t.id, "host": t.host, "nbytes": t.nbytes,
+                "base_version": t.base_version, "server_version": self.state.version,
+                "queue_wait": round(wait, 6)}))
+        m.pending.set(len(self.state.pending))
+        m.active.set(len(self.state.active))
+        m.version.set(self.state.version)
+        if self._wake is not None:
+            self._wake.cancel()
+            self._wake = None
+        if decisions.wake_at is not None:
+            delay = max(0.0, decisions.wake_at - now)
+            self._wake = asyncio.get_running_loop().call_later(delay, self.replan)
+
+    async def close(self) -> None:
+        if self._wake is not None:
+            self._wake.cancel()
+        await super().close()
+
+
+class _ControllerProtocol(EndpointProtocol):
+    endpoint: Controller
+
+    def handle(self, event: Any) -> None:
+        if isinstance(event, TransferRequest):
+            self.endpoint.on_request(self, event)
+        elif isinstance(event, TransferDone):
+            self.endpoint.on_done(self, event)
+        else:
+            self.protocol_error(f"unexpected {type(event).__name__} message")
+
+    def on_lost(self) -> None:
+        self.endpoint.on_lost(self)

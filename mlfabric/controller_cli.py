@@ -1,0 +1,108 @@
+"""`mlfabric controller`: order one job's transfers until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from . import auth, loop
+from .client_core import parse_address
+from .control import POLICIES, Network, Policy, fifo_policy
+from .controller import Controller
+from .errors import ConfigError
+from .metrics import ControllerMetrics, serve_metrics
+
+log = logging.getLogger("mlfabric.controller")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", required=True, metavar="HOST:PORT",
+                   help="address to accept workers on (port 0 picks a free port)")
+    p.add_argument("--job", required=True, help="the job's name")
+    p.add_argument("--token-file", required=True, metavar="PATH",
+                   help="file holding the job's secret token")
+    p.add_argument("--tau-max", type=int, default=16, metavar="N",
+                   help="staleness bound in versions for deadlines; -1 for none (default: 16; "
+                        "use the server's value)")
+    p.add_argument("--policy", choices=POLICIES, default="mlfabric",
+                   help="mlfabric: shortest-transfer-first with deadlines and drops; fifo: "
+                        "every update goes at once (the plain asynchronous PS baseline)")
+    p.add_argument("--link", action="append", default=[], metavar="HOST=UP[/DOWN]",
+                   help="a host's uplink and downlink capacity in Mbit/s (repeat per host)")
+    p.add_argument("--default-link-mbit", type=float, default=1000.0, metavar="M",
+                   help="capacity assumed for hosts without --link (default: 1000)")
+    p.add_argument("--decision-log", metavar="PATH", default=None,
+                   help="append one JSON line per decision to this file")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                   help="serve Prometheus metrics on this port at /metrics")
+    p.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port")
+
+
+def parse_links(specs: list[str], default_mbit: float) -> Network:
+    """--link HOST=UP[/DOWN] (Mbit/s) -> a Network in bytes per second."""
+    if not default_mbit > 0:
+        raise ConfigError(f"--default-link-mbit must be positive, got {default_mbit}")
+    up: dict[str, float] = {}
+    down: dict[str, float] = {}
+    for spec in specs:
+        host, sep, rates = spec.partition("=")
+        try:
+            parts = [float(x) for x in rates.split("/")] if sep else []
+        except ValueError:
+            parts = []
+        if not host or len(parts) not in (1, 2) or min(parts) <= 0:
+            raise ConfigError(
+                f"--link {spec!r}: expected HOST=UP or HOST=UP/DOWN in Mbit/s, e.g. "
+                f"10.0.0.5=1000/400")
+        up[host] = parts[0] * 1e6 / 8
+        down[host] = parts[-1] * 1e6 / 8
+    return Network(default=default_mbit * 1e6 / 8, up=up, down=down)
+
+
+def make_policy(name: str) -> Policy:
+    if name == "fifo":
+        return fifo_policy
+    try:
+        from .policies import mlfabric_policy
+    except ImportError as exc:  # pragma: no cover - the module ships with the package
+        raise ConfigError(f"policy 'mlfabric' is unavailable: {exc}") from None
+    return mlfabric_policy
+
+
+def run(args: argparse.Namespace) -> int:
+    host, port = parse_address(args.listen)
+    token = auth.load_token(args.token_file)
+    tau_max = None if args.tau_max < 0 else args.tau_max
+    network = parse_links(args.link, args.default_link_mbit)
+    policy = make_policy(args.policy)
+    if args.decision_log:
+        handler = logging.FileHandler(args.decision_log)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        decisions = logging.getLogger("mlfabric.decisions")
+        decisions.addHandler(handler)
+        decisions.setLevel(logging.INFO)
+        decisions.propagate = False
+    metrics = ControllerMetrics()
+    if args.metrics_port is not None:
+        serve_metrics(metrics.registry, args.metrics_port, args.metrics_host)
+
+    async def main() -> None:
+        controller = Controller(policy, job=args.job, token=token, tau_max=tau_max,
+                                network=network, metrics=metrics)
+        try:
+            bound = await controller.start(host, port)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {args.listen}: {exc.strerror}") from None
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        print(f"mlfabric controller: serving job {args.job!r} on {bound[0]}:{bound[1]} "
+              f"(policy {args.policy}, tau_max {tau_max})", flush=True)
+        await stop.wait()
+        await controller.close()
+        print("mlfabric controller: stopped", flush=True)
+
+    loop.run(main())
+    return 0

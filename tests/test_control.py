@@ -1,0 +1,83 @@
+"""The controller's bookkeeping and decisions, pure: a fake clock is a number."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlfabric.control import ControlState, Drop, Go, Network, PlanItem, Snapshot, fifo_policy
+
+MB = 1e6
+
+
+def test_network_rate_is_the_bottleneck_of_the_path():
+    net = Network(default=100 * MB, up={"a": 50 * MB}, down={"s": 20 * MB},
+                  pair={("b", "s"): 5 * MB})
+    assert net.rate("a", "x") == 50 * MB
+    assert net.rate("a", "s") == 20 * MB
+    assert net.rate("b", "s") == 5 * MB
+    assert net.rate("c", "d") == 100 * MB
+
+
+def test_fifo_lets_everything_go_at_once_with_fair_shares():
+    state = ControlState(fifo_policy, tau_max=4, network=Network(default=10 * MB))
+    a = state.request("w1", 1, host="a", dst="s", nbytes=10 * MB, base_version=0, norm=1.0,
+                      now=0.0)
+    b = state.request("w2", 7, host="b", dst="s", nbytes=20 * MB, base_version=0, norm=1.0,
+                      now=0.5)
+    d = state.decide(now=1.0)
+    assert d.wake_at is None
+    assert [(type(x), x.transfer.id, x.position) for x in d.actions] == [
+        (Go, a.id, 0), (Go, b.id, 1)]
+    # Two transfers share the link: each planned at half the rate.
+    assert d.actions[0].planned_seconds == pytest.approx(10 * MB / (10 * MB / 1))
+    assert d.actions[1].planned_seconds == pytest.approx(20 * MB / (10 * MB / 2))
+    assert not state.pending and set(state.active) == {a.id, b.id}
+    assert state.done("w2", 7, version=5) is b
+    assert state.version == 5 and set(state.active) == {a.id}
+    assert state.done("w2", 7, version=6) is None  # twice: ignored
+
+
+def test_later_starts_wait_and_drops_are_final():
+    def policy(snap: Snapshot) -> list[PlanItem]:
+        first, second, third = snap.pending
+        return [PlanItem(first.id, start=snap.now, position=0, planned_seconds=1.0),
+                PlanItem(second.id, start=snap.now + 2.0, position=1, planned_seconds=1.0),
+                PlanItem(third.id, drop="deadline_missed", detail="dl 3 < position 4")]
+
+    state = ControlState(policy, tau_max=2)
+    ts = [state.request("w", i, host="h", dst="s", nbytes=1, base_version=0, norm=0.0,
+                        now=0.0) for i in range(3)]
+    d = state.decide(now=10.0)
+    assert [type(x) for x in d.actions] == [Go, Drop]
+    assert d.actions[1] == Drop(ts[2], "deadline_missed", "dl 3 < position 4")
+    assert d.wake_at == 12.0
+    assert list(state.pending) == [ts[1].id]
+
+
+def test_snapshot_is_ordered_and_sees_the_version_from_requests():
+    seen = []
+    state = ControlState(lambda snap: seen.append(snap) or [], tau_max=None)
+    state.request("w", 1, host="h", dst="s", nbytes=5, base_version=9, norm=0.5, now=1.0)
+    state.request("w", 2, host="h", dst="s", nbytes=3, base_version=4, norm=0.5, now=2.0)
+    state.decide(now=3.0)
+    (snap,) = seen
+    assert snap.now == 3.0 and snap.version == 9 and snap.tau_max is None
+    assert [t.req for t in snap.pending] == [1, 2] and snap.active == ()
+
+
+def test_forgetting_a_worker_removes_its_transfers_only():
+    state = ControlState(fifo_policy, tau_max=None)
+    state.request("gone", 1, host="h", dst="s", nbytes=5, base_version=0, norm=0.0, now=0.0)
+    state.decide(now=0.0)
+    state.request("gone", 2, host="h", dst="s", nbytes=5, base_version=0, norm=0.0, now=0.0)
+    keep = state.request("stay", 1, host="g", dst="s", nbytes=5, base_version=0, norm=0.0,
+                         now=0.0)
+    assert sorted(t.req for t in state.forget("gone")) == [1, 2]
+    assert list(state.pending) == [keep.id] and not state.active
+
+
+def test_nothing_pending_asks_no_policy():
+    def policy(snap):
+        raise AssertionError("called")
+
+    assert ControlState(policy, tau_max=None).decide(now=0.0).actions == ()
