@@ -192,3 +192,61 @@ def test_closing_the_client_fails_updates_still_waiting(cluster):
     with pytest.raises(ConnectionLost, match="closed before the controller let this update go"):
         fut.result(10)
     wait_until(lambda: controller.metrics.pending._value.get() == 0, what="forgotten")
+
+
+def test_controller_command_serves_and_stops_cleanly(tmp_path):
+    import queue
+    import signal
+    import subprocess
+
+    from test_cli import Server, mlfabric_cmd
+
+    server = Server(tmp_path)
+    log_file = tmp_path / "decisions.jsonl"
+    proc = subprocess.Popen(
+        mlfabric_cmd("controller", "--listen", "127.0.0.1:0", "--job", JOB, "--token-file",
+                     str(server.token_file), "--policy", "fifo", "--link", "127.0.0.1=100/50",
+                     "--decision-log", str(log_file)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)],
+                     daemon=True).start()
+    try:
+        line = lines.get(timeout=30)
+        assert line and "policy fifo" in line, proc.stderr.read() if line is None else line
+        address = line.split(" on ")[1].split()[0]
+        with mlfabric.connect(server.address, job=JOB, token=TOKEN, controller=address) as ps:
+            version, params = ps.pull(timeout=10)
+            assert ps.push(params, base_version=version).result(10).applied
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+        events = [json.loads(x)["event"] for x in log_file.read_text().splitlines()]
+        assert events == ["go", "done"]
+        # 2600 bytes at 50 Mbit/s (the server host's downlink): the planned time.
+        planned = json.loads(log_file.read_text().splitlines()[0])["planned_seconds"]
+        assert planned == pytest.approx(2600 / (50e6 / 8), rel=0.01)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        server.stop()
+
+
+@pytest.mark.parametrize(("link", "message"), [
+    ("hostonly", "expected HOST=UP or HOST=UP/DOWN"),
+    ("h=fast", "expected HOST=UP or HOST=UP/DOWN"),
+    ("h=10/0", "expected HOST=UP or HOST=UP/DOWN"),
+])
+def test_controller_rejects_bad_links_in_one_line(tmp_path, link, message):
+    import subprocess
+
+    from test_cli import mlfabric_cmd
+
+    token = tmp_path / "job.token"
+    token.write_bytes(TOKEN)
+    token.chmod(0o600)
+    proc = subprocess.run(
+        mlfabric_cmd("controller", "--listen", "127.0.0.1:0", "--job", JOB, "--token-file",
+                     str(token), "--link", link),
+        capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
