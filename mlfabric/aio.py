@@ -42,37 +42,74 @@ async def connect(
     timeout: float = 10.0,
     name: str | None = None,
     metrics: ClientMetrics | None = None,
+    controller: str | None = None,
+    host: str | None = None,
+    controller_fallback: str = "fifo",
+    controller_timeout: float = 30.0,
 ) -> AsyncClient:
-    """Connect to the parameter server at `address` ("HOST:PORT") for `job`."""
-    host, port = parse_address(address)
+    """Connect to the parameter server at `address` ("HOST:PORT") for `job`.
+
+    The controller arguments work as in mlfabric.connect()."""
     secret = resolve_token(token, token_file)
-    loop = asyncio.get_running_loop()
     hs = Handshake(job, secret, name or default_client_name())
+    proto = await open_link(address, hs, timeout, "parameter server", metrics=metrics)
+    client = AsyncClient(proto)
+    if controller is not None:
+        from .aio_control import AsyncControlledPushes
+
+        sock = proto.transport.get_extra_info("socket")
+        controlled = AsyncControlledPushes(
+            client, controller, Handshake(job, secret, name or default_client_name()),
+            host=host or sock.getsockname()[0], dst=sock.getpeername()[0],
+            fallback=controller_fallback, timeout=controller_timeout)
+        try:
+            await controlled.start()
+        except BaseException:
+            await client.close()
+            raise
+        client._controlled = controlled
+    return client
+
+
+async def open_link(address: str, hs: Handshake, timeout: float, what: str, *,
+                    metrics: ClientMetrics | None = None, on_event: Any = None,
+                    on_lost: Any = None) -> _ClientProtocol:
+    """Connect to an mlfabric server or controller and complete the handshake."""
+    host, port = parse_address(address)
+    loop = asyncio.get_running_loop()
     try:
         _, proto = await asyncio.wait_for(
-            loop.create_connection(lambda: _ClientProtocol(address, hs, metrics), host, port),
+            loop.create_connection(
+                lambda: _ClientProtocol(address, hs, metrics, on_event, on_lost), host, port),
             timeout,
         )
     except (TimeoutError, OSError) as exc:
         detail = getattr(exc, "strerror", None) or str(exc) or "timed out"
+        command = what.split()[-1]
         raise ConnectError(
-            f"cannot reach the parameter server at {address}: {detail}; is `mlfabric server` "
+            f"cannot reach the {what} at {address}: {detail}; is `mlfabric {command}` "
             f"running there?"
         ) from None
     try:
         await asyncio.wait_for(asyncio.shield(proto.welcomed), timeout)
     except TimeoutError:
         proto.close()
-        raise ConnectError("the server did not complete the handshake in time") from None
+        raise ConnectError(f"the {what} did not complete the handshake in time") from None
     except BaseException:
         proto.close()
         raise
-    return AsyncClient(proto)
+    return proto
 
 
 class _ClientProtocol(asyncio.BufferedProtocol):
-    def __init__(self, address: str, hs: Handshake, metrics: ClientMetrics | None) -> None:
+    """A connection to a server (answers resolve requests) or, with `on_event`,
+    to a controller (events go to that callback)."""
+
+    def __init__(self, address: str, hs: Handshake, metrics: ClientMetrics | None,
+                 on_event: Any = None, on_lost: Any = None) -> None:
         self.address = address
+        self.on_event = on_event
+        self.on_lost = on_lost
         self.hs = hs
         self.metrics = metrics
         self.conn = Connection()
@@ -110,7 +147,10 @@ class _ClientProtocol(asyncio.BufferedProtocol):
 
     def _handle(self, event: Any) -> None:
         if self._stage == "ready":
-            self.requests.dispatch(event)
+            if self.on_event is not None:
+                self.on_event(event)
+            else:
+                self.requests.dispatch(event)
         elif self._stage == "challenge":
             self.send(self.hs.on_challenge(event))
             self.hs.verify_server()
@@ -133,6 +173,8 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         self.transport = None
         if not self.closed.done():
             self.closed.set_result(None)
+        if self.on_lost is not None and self.welcomed.done() and not self.welcomed.exception():
+            self.on_lost(self, self.error)
 
     def _fail(self, exc: BaseException) -> None:
         if self.error is None:
@@ -170,10 +212,14 @@ class AsyncClient:
         self.tau_max = welcome.tau_max
         self.momentum = welcome.momentum
         self.session = welcome.session
+        self.last_version = welcome.version
+        self._controlled: Any = None  # AsyncControlledPushes with a controller
 
     async def pull(self) -> tuple[int, dict[str, np.ndarray]]:
         """The model as (version, {name: array}), consistent at that version."""
-        return await self._request("pull", Pull, None)
+        version, params = await self._request("pull", Pull, None)
+        self.last_version = max(self.last_version, version)
+        return version, params
 
     def push(
         self, update: Mapping[str, Any], *, base_version: int
@@ -181,7 +227,20 @@ class AsyncClient:
         """Hand an update over; returns a future of its PushOutcome at once."""
         base = check_base_version(base_version)
         arrays = check_update(update, self.specs)
-        return self._request("push", lambda req: Push(req, base, arrays), base)
+        if self._controlled is not None:
+            return self._controlled.push(arrays, base, layout(self.specs)[1])
+        return self._send_push(arrays, base)
+
+    def _send_push(self, arrays: dict[str, np.ndarray], base: int
+                   ) -> asyncio.Future[PushOutcome]:
+        fut: asyncio.Future[PushOutcome] = self._request(
+            "push", lambda req: Push(req, base, arrays), base)
+        fut.add_done_callback(self._note_version)
+        return fut
+
+    def _note_version(self, fut: asyncio.Future[Any]) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self.last_version = max(self.last_version, fut.result().version)
 
     def _request(self, kind: str, make_event: Any, base_version: int | None) -> Any:
         proto = self._proto
@@ -200,6 +259,8 @@ class AsyncClient:
             raise self._proto.error
 
     async def close(self) -> None:
+        if self._controlled is not None:
+            await self._controlled.close()
         self._proto.close()
         await self._proto.closed
 

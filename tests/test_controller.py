@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
@@ -250,3 +251,50 @@ def test_controller_rejects_bad_links_in_one_line(tmp_path, link, message):
         capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 2
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+# --- the asyncio client through the controller -------------------------------------------
+
+
+def test_asyncio_client_through_the_controller(cluster, run_async):
+    from mlfabric import aio
+
+    def drop_odd(snap: Snapshot) -> list[PlanItem]:
+        return [PlanItem(t.id, start=snap.now) if t.req % 2 else
+                PlanItem(t.id, drop="deadline_missed", detail="test") for t in snap.pending]
+
+    server, controller, model = cluster(drop_odd)
+
+    async def body():
+        async with await aio.connect(server.address, job=JOB, token=TOKEN,
+                                     controller=controller.address, host="w") as ps:
+            outcomes = [await ps.push(model, base_version=0) for _ in range(4)]
+            assert [o.applied for o in outcomes] == [True, False, True, False]
+            assert outcomes[1].reason == "dropped by the controller: deadline_missed: test"
+            assert (await ps.pull())[0] == 2
+
+    run_async(body())
+    wait_until(lambda: controller.metrics.actual_seconds._sum.get() > 0)
+    assert sample(controller.metrics.drops, reason="deadline_missed") == 2
+
+
+def test_asyncio_client_falls_back_when_the_controller_dies(cluster, run_async):
+    from mlfabric import aio
+
+    def never(snap: Snapshot) -> list[PlanItem]:
+        return [PlanItem(t.id, start=snap.now + 3600) for t in snap.pending]
+
+    server, controller, model = cluster(never)
+
+    async def body():
+        async with await aio.connect(server.address, job=JOB, token=TOKEN,
+                                     controller=controller.address) as ps:
+            futures = [ps.push(model, base_version=0) for _ in range(2)]
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(
+                None, wait_until, lambda: sample(controller.metrics.requests) == 2)
+            await loop.run_in_executor(None, controller.__exit__, None, None, None)
+            outcomes = await asyncio.gather(*futures)
+            assert [o.applied for o in outcomes] == [True, True]
+
+    run_async(body())
