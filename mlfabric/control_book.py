@@ -1,0 +1,158 @@
+"""A client's updates that go through the controller, without I/O.
+
+Both clients (blocking and asyncio) keep one `ControlBook`: which updates
+were asked for and await a directive, which wait for the controller to come
+back, and what each controller event means for them. The clients only carry
+the answers out: send a request, send an update to the server, resolve a
+future. Callers serialise access (a lock, or the event loop).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import _core
+from .errors import ConfigError, ConnectionLost
+from .outcome import PushOutcome
+from .protocol import Directive, TransferDone, TransferRequest
+
+log = logging.getLogger("mlfabric.client")
+
+FALLBACKS = ("fifo", "wait")
+RECONNECT_EVERY = 0.5  # seconds between attempts to reach a lost controller
+
+
+@dataclass
+class ControlledUpdate:
+    arrays: dict[str, np.ndarray]
+    base_version: int
+    nbytes: int
+    norm: float
+    future: Any  # concurrent.futures.Future or asyncio.Future of a PushOutcome
+    requested: float = field(default_factory=time.monotonic)
+    creq: int | None = None  # the controller's request id, once asked
+
+
+def controlled_update(arrays: dict[str, np.ndarray], base_version: int, nbytes: int,
+                      future: Any) -> ControlledUpdate:
+    """Copy the arrays (they are sent later; the caller may reuse its own) and
+    take the update's norm for the controller."""
+    copies = {n: a.copy() for n, a in arrays.items()}
+    norm = math.sqrt(sum(_core.l2_norm(a.reshape(-1)) ** 2 for a in copies.values()))
+    return ControlledUpdate(copies, base_version, nbytes, norm, future)
+
+
+class ControlBook:
+    def __init__(self, address: str, *, host: str, dst: str, fallback: str,
+                 timeout: float) -> None:
+        if fallback not in FALLBACKS:
+            raise ConfigError(f"controller fallback must be one of {FALLBACKS}, got {fallback!r}")
+        self.address = address
+        self.host = host
+        self.dst = dst
+        self.fallback = fallback
+        self.timeout = timeout
+        self.connected = False
+        self.closed = False
+        self._ids = itertools.count(1)
+        self._asked: dict[int, ControlledUpdate] = {}  # waiting for a directive
+        self._orphans: list[ControlledUpdate] = []  # waiting for the controller to return
+        self._warned = False
+
+    def ask(self, u: ControlledUpdate) -> TransferRequest:
+        u.creq = next(self._ids)
+        self._asked[u.creq] = u
+        return TransferRequest(req=u.creq, host=self.host, dst=self.dst, nbytes=u.nbytes,
+                               base_version=u.base_version, norm=u.norm)
+
+    def place(self, u: ControlledUpdate) -> tuple[TransferRequest | None, list[ControlledUpdate]]:
+        """A new update: the request to send the controller, or (without one)
+        the updates to send to the server now."""
+        if self.closed:
+            raise ConnectionLost("the client is closed")
+        if self.connected:
+            return self.ask(u), []
+        return None, self._without_controller([u])
+
+    def _without_controller(self, updates: list[ControlledUpdate]) -> list[ControlledUpdate]:
+        if not updates:
+            return []
+        if self.fallback == "wait":
+            self._orphans.extend(updates)
+            return []
+        if not self._warned:
+            log.warning("controller %s unreachable: sending updates at once (fifo) until it "
+                        "is back", self.address)
+            self._warned = True
+        for u in updates:
+            u.creq = None
+        return updates
+
+    def directive(self, d: Directive, last_version: int
+                  ) -> tuple[ControlledUpdate | None, PushOutcome | None]:
+        """(update to send now, None) for go; (update, its outcome) for a drop."""
+        u = self._asked.pop(d.req, None)
+        if u is None:
+            log.warning("controller sent a directive for unknown request %d", d.req)
+            return None, None
+        if d.action == "go":
+            return u, None
+        return u, PushOutcome(applied=False, version=last_version, delay=None,
+                              reason=f"dropped by the controller: {d.reason}",
+                              base_version=u.base_version)
+
+    def lost(self, exc: BaseException | None) -> list[ControlledUpdate]:
+        """The controller went away: the updates to send to the server now."""
+        self.connected = False
+        stranded = list(self._asked.values())
+        self._asked.clear()
+        if self.closed:
+            return []
+        log.warning("lost the controller %s (%s); %d updates waiting", self.address, exc,
+                    len(stranded))
+        return self._without_controller(stranded)
+
+    def reconnected(self) -> list[TransferRequest]:
+        """The controller is back: requests for the updates that waited for it."""
+        self.connected, self._warned = True, False
+        orphans, self._orphans = self._orphans, []
+        if orphans:
+            log.info("controller %s is back; %d waiting updates re-requested", self.address,
+                     len(orphans))
+        return [self.ask(u) for u in orphans]
+
+    def expired(self, now: float) -> list[tuple[ControlledUpdate, ConnectionLost]]:
+        """Updates that waited for the controller longer than the timeout."""
+        keep, gone = [], []
+        for u in self._orphans:
+            if now - u.requested <= self.timeout:
+                keep.append(u)
+            else:
+                gone.append((u, ConnectionLost(
+                    f"the controller {self.address} was unreachable for {self.timeout:.0f} s; "
+                    f"this update was not sent")))
+        self._orphans = keep
+        return gone
+
+    def close(self) -> list[tuple[ControlledUpdate, ConnectionLost]]:
+        """Updates that will never be sent, with the error to fail them with."""
+        self.closed, self.connected = True, False
+        waiting = [*self._asked.values(), *self._orphans]
+        self._asked.clear()
+        self._orphans = []
+        return [(u, ConnectionLost("the client was closed before the controller let this "
+                                   "update go")) for u in waiting]
+
+    @staticmethod
+    def report(u: ControlledUpdate, outcome: PushOutcome, seconds: float) -> TransferDone | None:
+        if u.creq is None:
+            return None  # sent without the controller: nothing to report
+        return TransferDone(req=u.creq, applied=outcome.applied, version=outcome.version,
+                            delay=outcome.delay, seconds=seconds)
