@@ -32,6 +32,7 @@ from __future__ import annotations
 import enum
 import json
 import struct
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -108,7 +109,15 @@ def layout(specs: Sequence[TensorSpec]) -> tuple[list[int], int]:
     return offsets, pos
 
 
+_LITTLE = sys.byteorder == "little"
+
+
 def spec_of(name: str, array: np.ndarray) -> TensorSpec:
+    dt = array.dtype
+    # Fast path (every push): native little-endian float32/float64.
+    if _LITTLE and dt.kind == "f" and dt.byteorder in "=<" and dt.itemsize in (4, 8):
+        return TensorSpec(name, DTYPES["f4"] if dt.itemsize == 4 else DTYPES["f8"],
+                          array.shape)
     if array.dtype.newbyteorder("<") not in _DTYPE_CODES or array.dtype.byteorder == ">":
         raise TypeError(
             f"tensor {name!r} has dtype {array.dtype}; mlfabric sends float32 or float64 "
@@ -478,6 +487,23 @@ class InProgress:
     received: int
 
 
+def _fast_meta(event: Event) -> bytes | None:
+    """The JSON fields of the messages sent with every step, formatted directly
+    (json.dumps costs more than the rest of a small push); None for others."""
+    if isinstance(event, Push):
+        return b'{"req":%d,"base_version":%d}' % (event.req, event.base_version)
+    if isinstance(event, PushResult) and event.reason is None:
+        delay = b"null" if event.delay is None else b"%d" % event.delay
+        applied = b"true" if event.applied else b"false"
+        return b'{"req":%d,"applied":%s,"version":%d,"delay":%s}' % (
+            event.req, applied, event.version, delay)
+    if isinstance(event, Pull):
+        return b'{"req":%d}' % event.req
+    if isinstance(event, Model):
+        return b'{"req":%d,"version":%d}' % (event.req, event.version)
+    return None
+
+
 class _State(enum.Enum):
     HEADER = 1
     META = 2
@@ -716,7 +742,9 @@ class Connection:
     def send(self, event: Event) -> list[bytes | memoryview]:
         """The frame for `event` as buffers to write in order (tensors not copied)."""
         msg_type, meta, specs, arrays = _encode_meta(event)
-        meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
+        meta_bytes = _fast_meta(event)
+        if meta_bytes is None:
+            meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
         if msg_type in (MsgType.MODEL, MsgType.PUSH):
             specs_bytes, offsets, data_len = _encode_specs(tuple(specs))
             meta_bytes += b"\n" + specs_bytes
