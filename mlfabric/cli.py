@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "create or remove an emulated cluster of network namespaces",
     ),
     "controller": ("mlfabric.controller_cli", "order a job's transfers (the controller)"),
+    "status": ("mlfabric.status_cli", "show a job's workers, versions, delays and bandwidth"),
 }
 
 

@@ -113,6 +113,41 @@ def fifo_policy(snap: Snapshot) -> list[PlanItem]:
     return items
 
 
+@dataclass
+class WorkerStats:
+    """What one worker asked for and what became of it."""
+
+    name: str
+    host: str | None = None
+    requests: int = 0
+    sent: int = 0
+    dropped: int = 0
+    applied: int = 0
+    refused: int = 0  # sent, but not applied by the server (stale)
+    last_delay: int | None = None
+
+
+@dataclass
+class DelayStats:
+    count: int = 0
+    total: float = 0.0
+    squares: float = 0.0
+    max: int = 0
+
+    def add(self, delay: int) -> None:
+        self.count += 1
+        self.total += delay
+        self.squares += delay * delay
+        self.max = max(self.max, delay)
+
+    def summary(self) -> dict[str, float | int]:
+        if not self.count:
+            return {"count": 0}
+        mean = self.total / self.count
+        return {"count": self.count, "mean": mean, "max": self.max,
+                "std": math.sqrt(max(0.0, self.squares / self.count - mean * mean))}
+
+
 @dataclass(frozen=True)
 class Decisions:
     actions: tuple[Go | Drop, ...]
@@ -128,7 +163,13 @@ class ControlState:
         self.version = 0
         self.pending: dict[int, Transfer] = {}
         self.active: dict[int, Transfer] = {}
+        self.workers: dict[Hashable, WorkerStats] = {}
+        self.delays = DelayStats()
         self._next_id = 1
+
+    def join(self, owner: Hashable, name: str) -> None:
+        """A worker (or any peer) connected under `name`."""
+        self.workers[owner] = WorkerStats(name)
 
     # -- events ---------------------------------------------------------------
 
@@ -136,17 +177,28 @@ class ControlState:
                 base_version: int, norm: float, now: float) -> Transfer:
         t = Transfer(self._next_id, owner, req, host, dst, nbytes, base_version, norm, now)
         self._next_id += 1
+        stats = self.workers.setdefault(owner, WorkerStats(str(owner)))
+        stats.requests += 1
+        stats.host = host
         self.pending[t.id] = t
         # A worker computed on base_version, so the server has reached it.
         self.version = max(self.version, base_version)
         return t
 
-    def done(self, owner: Hashable, req: int, *, version: int) -> Transfer | None:
+    def done(self, owner: Hashable, req: int, *, version: int, applied: bool = True,
+             delay: int | None = None) -> Transfer | None:
         """An active transfer ended at the server (applied or not)."""
         for t in self.active.values():
             if t.owner == owner and t.req == req:
                 del self.active[t.id]
                 self.version = max(self.version, version)
+                stats = self.workers.get(owner)
+                if applied and delay is not None:
+                    self.delays.add(delay)
+                if stats is not None:
+                    stats.applied += applied
+                    stats.refused += not applied
+                    stats.last_delay = delay if applied else stats.last_delay
                 return t
         return None
 
@@ -156,6 +208,7 @@ class ControlState:
         for t in gone:
             self.pending.pop(t.id, None)
             self.active.pop(t.id, None)
+        self.workers.pop(owner, None)
         return gone
 
     def set_network(self, network: Network) -> None:
@@ -186,15 +239,39 @@ class ControlState:
             t = self.pending.get(item.id)
             if t is None:
                 continue
+            stats = self.workers.get(t.owner)
             if item.drop is not None:
                 del self.pending[t.id]
                 actions.append(Drop(t, item.drop, item.detail))
+                if stats is not None:
+                    stats.dropped += 1
             elif item.start is not None and item.start <= now:
                 del self.pending[t.id]
                 t.started, t.position = now, item.position
                 t.planned_seconds = item.planned_seconds
                 self.active[t.id] = t
                 actions.append(Go(t, item.position or 0, item.planned_seconds or 0.0))
+                if stats is not None:
+                    stats.sent += 1
             elif item.start is not None:
                 wake_at = min(wake_at, item.start)
         return Decisions(tuple(actions), None if wake_at == math.inf else wake_at)
+
+    def status(self) -> dict[str, object]:
+        """The job at a glance (what `mlfabric status` prints), JSON-ready."""
+        net = self.network
+        hosts = sorted({*net.up, *net.down, *(w.host for w in self.workers.values() if w.host),
+                        *(t.dst for t in (*self.pending.values(), *self.active.values()))})
+        return {
+            "server_version": self.version,
+            "tau_max": self.tau_max,
+            "pending": len(self.pending),
+            "active": len(self.active),
+            "servers": sorted({t.dst for t in (*self.pending.values(), *self.active.values())}),
+            "workers": [vars(w).copy() for w in sorted(self.workers.values(),
+                                                        key=lambda w: w.name)],
+            "delay": self.delays.summary(),
+            "bandwidth": {h: {"up_bytes_per_s": net.up.get(h, net.default),
+                              "down_bytes_per_s": net.down.get(h, net.default)} for h in hosts},
+            "default_bytes_per_s": net.default,
+        }

@@ -19,7 +19,7 @@ from typing import Any
 from .control import ControlState, Drop, Go, Network, Policy
 from .endpoint import Endpoint, EndpointProtocol
 from .metrics import ControllerMetrics
-from .protocol import Directive, TransferDone, TransferRequest, Welcome
+from .protocol import Directive, Status, StatusRequest, TransferDone, TransferRequest, Welcome
 
 log = logging.getLogger("mlfabric.controller")
 decision_log = logging.getLogger("mlfabric.decisions")
@@ -31,12 +31,14 @@ class Controller(Endpoint):
 
     def __init__(self, policy: Policy, *, job: str, token: bytes, tau_max: int | None,
                  network: Network | None = None, metrics: ControllerMetrics | None = None,
-                 handshake_timeout: float = 10.0, clock: Any = time.monotonic) -> None:
+                 handshake_timeout: float = 10.0, clock: Any = time.monotonic,
+                 policy_name: str | None = None) -> None:
         super().__init__(job=job, token=token,
                          metrics=metrics if metrics is not None else ControllerMetrics(),
                          handshake_timeout=handshake_timeout)
         self.state = ControlState(policy, tau_max=tau_max, network=network)
         self.clock = clock
+        self.policy_name = policy_name or getattr(policy, "__name__", "custom")
         self._wake: asyncio.TimerHandle | None = None
 
     def make_protocol(self) -> _ControllerProtocol:
@@ -55,7 +57,8 @@ class Controller(Endpoint):
         self.replan()
 
     def on_done(self, conn: _ControllerProtocol, ev: TransferDone) -> None:
-        t = self.state.done(conn, ev.req, version=ev.version)
+        t = self.state.done(conn, ev.req, version=ev.version, applied=ev.applied,
+                            delay=ev.delay)
         if t is not None:
             self.metrics.actual_seconds.observe(ev.seconds)
             if ev.applied and ev.delay is not None:
@@ -114,6 +117,11 @@ class Controller(Endpoint):
             delay = max(0.0, decisions.wake_at - now)
             self._wake = asyncio.get_running_loop().call_later(delay, self.replan)
 
+    def status(self) -> dict[str, Any]:
+        status = self.state.status()
+        status.update(job=self.job, policy=self.policy_name, connections=len(self.connections))
+        return status
+
     async def close(self) -> None:
         if self._wake is not None:
             self._wake.cancel()
@@ -123,11 +131,16 @@ class Controller(Endpoint):
 class _ControllerProtocol(EndpointProtocol):
     endpoint: Controller
 
+    def on_ready(self) -> None:
+        self.endpoint.state.join(self, f"{self.client} ({self.peer})")
+
     def handle(self, event: Any) -> None:
         if isinstance(event, TransferRequest):
             self.endpoint.on_request(self, event)
         elif isinstance(event, TransferDone):
             self.endpoint.on_done(self, event)
+        elif isinstance(event, StatusRequest):
+            self.send(Status(req=event.req, status=self.endpoint.status()))
         else:
             self.protocol_error(f"unexpected {type(event).__name__} message")
 

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         controller = Controller(policy, job=args.job, token=token, tau_max=tau_max,
-                                network=network, metrics=metrics)
+                                network=network, metrics=metrics, policy_name=args.policy)
         try:
             bound = await controller.start(host, port)
         except OSError as exc:

@@ -73,6 +73,8 @@ class MsgType(enum.IntEnum):
     TRANSFER_REQUEST = 10
     DIRECTIVE = 11
     TRANSFER_DONE = 12
+    STATUS_REQUEST = 13
+    STATUS = 14
 
 
 class _NeedData:
@@ -243,8 +245,23 @@ class TransferDone:
     seconds: float  # from "go" to the server's answer
 
 
+@dataclass(frozen=True)
+class StatusRequest:
+    """Any authenticated peer -> controller: describe the job."""
+
+    req: int
+
+
+@dataclass(frozen=True, eq=False)
+class Status:
+    """Controller -> peer: the job's state as a JSON object (see controller.py)."""
+
+    req: int
+    status: Mapping[str, Any]
+
+
 Event = (Hello | Challenge | Auth | Welcome | Pull | Model | Push | PushResult | Error
-         | TransferRequest | Directive | TransferDone)
+         | TransferRequest | Directive | TransferDone | StatusRequest | Status)
 
 DIRECTIVE_ACTIONS = ("go", "drop")
 
@@ -420,6 +437,13 @@ def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict[str, np.nd
         return Directive(req=_int(meta, "req"), action=action, reason=_opt_str(meta, "reason"),
                          position=_opt_int(meta, "position"),
                          planned_seconds=_opt_float(meta, "planned_seconds"))
+    if msg_type is MsgType.STATUS_REQUEST:
+        return StatusRequest(req=_int(meta, "req"))
+    if msg_type is MsgType.STATUS:
+        status = meta.get("status")
+        if not isinstance(status, dict):
+            raise ProtocolError("field 'status' must be a JSON object")
+        return Status(req=_int(meta, "req"), status=status)
     if msg_type is MsgType.TRANSFER_DONE:
         applied = meta.get("applied")
         if not isinstance(applied, bool):
@@ -468,9 +492,10 @@ def _encode_meta(event: Event) -> tuple[MsgType, dict[str, Any], Sequence[Tensor
         if event.req is not None:
             meta["req"] = event.req
         return MsgType.ERROR, meta, (), []
-    if isinstance(event, (TransferRequest, Directive, TransferDone)):
+    if isinstance(event, (TransferRequest, Directive, TransferDone, StatusRequest, Status)):
         msg_type = {TransferRequest: MsgType.TRANSFER_REQUEST, Directive: MsgType.DIRECTIVE,
-                    TransferDone: MsgType.TRANSFER_DONE}[type(event)]
+                    TransferDone: MsgType.TRANSFER_DONE, StatusRequest: MsgType.STATUS_REQUEST,
+                    Status: MsgType.STATUS}[type(event)]
         fields = {k: v for k, v in vars(event).items() if v is not None}
         return msg_type, fields, (), []
     raise TypeError(f"not an mlfabric event: {event!r:.80}")

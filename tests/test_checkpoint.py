@@ -8,7 +8,6 @@ import subprocess
 
 import numpy as np
 import pytest
-from test_cli import Server, mlfabric_cmd
 
 import mlfabric
 from mlfabric import checkpoint
@@ -16,6 +15,7 @@ from mlfabric.errors import ConfigError
 from mlfabric.store import ParameterStore
 
 from support import JOB, TOKEN, Reference, assert_model_equal, make_model, random_update
+from test_cli import Server, mlfabric_cmd
 
 
 def trained_store(steps: int = 3) -> tuple[ParameterStore, Reference]:

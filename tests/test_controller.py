@@ -298,3 +298,53 @@ def test_asyncio_client_falls_back_when_the_controller_dies(cluster, run_async):
             assert [o.applied for o in outcomes] == [True, True]
 
     run_async(body())
+
+
+def test_status_shows_workers_versions_delays_and_bandwidth(cluster, tmp_path):
+    import subprocess
+
+    from mlfabric.status_cli import fetch_status
+
+    from test_cli import mlfabric_cmd
+
+    def drop_third(snap: Snapshot) -> list[PlanItem]:
+        return [PlanItem(t.id, drop="deadline_missed") if t.req == 3 else
+                PlanItem(t.id, start=snap.now) for t in snap.pending]
+
+    server, controller, model = cluster(drop_third)
+    with mlfabric.connect(server.address, job=JOB, token=TOKEN, name="alice",
+                          controller=controller.address, host="hA") as ps:
+        for _ in range(4):
+            ps.push(model, base_version=ps.last_version).result(10)
+        wait_until(lambda: controller.metrics.actual_seconds._sum.get() > 0
+                   and sum(b.get() for b in controller.metrics.delay._buckets) == 3)
+        status = fetch_status(controller.address, JOB, TOKEN)
+        (alice,) = [w for w in status["workers"] if w["name"].startswith("alice")]
+        assert (alice["host"], alice["requests"], alice["sent"], alice["dropped"],
+                alice["applied"], alice["refused"], alice["last_delay"]) == (
+                    "hA", 4, 3, 1, 3, 0, 0)
+        assert status["server_version"] == 3 and status["job"] == JOB
+        assert status["delay"] == {"count": 3, "mean": 0.0, "max": 0, "std": 0.0}
+        assert status["pending"] == status["active"] == 0
+        assert "hA" in status["bandwidth"]
+
+        token = tmp_path / "job.token"
+        token.write_bytes(TOKEN)
+        token.chmod(0o600)
+        out = subprocess.run(
+            mlfabric_cmd("status", "--controller", controller.address, "--job", JOB,
+                         "--token-file", str(token)),
+            capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert "server version 3" in out.stdout
+        assert "delay of applied updates: count 3  mean 0.00" in out.stdout
+        assert any(line.split()[:1] == ["alice"] and line.split()[-6:] ==
+                   ["4", "3", "1", "3", "0", "0"] for line in out.stdout.splitlines()), out.stdout
+
+    bad = subprocess.run(
+        mlfabric_cmd("status", "--controller", f"127.0.0.1:{free_port()}", "--job", JOB,
+                     "--token-file", str(token)),
+        capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert bad.returncode == 2
+    assert "cannot reach the controller" in bad.stderr and "--controller" in bad.stderr
+    assert "Traceback" not in bad.stderr

@@ -28,6 +28,8 @@ from mlfabric.protocol import (
     Pull,
     Push,
     PushResult,
+    Status,
+    StatusRequest,
     TensorSpec,
     TransferDone,
     TransferRequest,
@@ -76,12 +78,17 @@ CASES = [
     Directive(req=5, action="drop", reason="deadline_missed"),
     TransferDone(req=4, applied=True, version=9, delay=2, seconds=1.5),
     TransferDone(req=5, applied=False, version=9, delay=None, seconds=0.0),
+    StatusRequest(req=3),
+    Status(req=3, status={"job": "j", "workers": [{"host": "h1", "requests": 4}]}),
     Error(code="bad_shape", message="tensor 'w' has shape (2,)", req=77),
 ]
 
 
 def assert_same(got, want):
     assert type(got) is type(want)
+    if isinstance(want, Status):
+        assert (got.req, dict(got.status)) == (want.req, dict(want.status))
+        return
     if isinstance(want, (Model, Push)):
         fields = {k: v for k, v in vars(want).items() if k != "tensors"}
         assert {k: v for k, v in vars(got).items() if k != "tensors"} == fields
@@ -209,6 +216,7 @@ BAD_FRAMES = {
     "float as int": (frame(MsgType.PULL, {"req": 1.0}), "'req'"),
     "huge int": (frame(MsgType.PULL, {"req": 2**64}), "'req'"),
     "bad hex": (frame(MsgType.AUTH, {"proof": "zz"}), "hex"),
+    "status not object": (frame(MsgType.STATUS, {"req": 1, "status": [1]}), "'status'"),
     "unknown action": (frame(MsgType.DIRECTIVE, {"req": 1, "action": "jump"}), "unknown directive"),
     "norm not number": (
         frame(MsgType.TRANSFER_REQUEST, {"req": 1, "host": "h", "dst": "d", "nbytes": 1,
