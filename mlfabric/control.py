@@ -39,6 +39,20 @@ class Network:
         return min(r, measured) if measured is not None else r
 
 
+def with_estimates(net: Network, host: str,
+                   estimates: Mapping[str, tuple[float, bool]]) -> Network:
+    """`net` with the agent on `host`'s measurements: peer -> (available
+    bytes/s, stale). A fresh estimate sets the pair rate host -> peer; a stale
+    one removes it (the configured capacities apply again)."""
+    pair = dict(net.pair)
+    for peer, (rate, stale) in estimates.items():
+        if stale or not rate > 0 or math.isnan(rate):
+            pair.pop((host, peer), None)
+        else:
+            pair[(host, peer)] = rate
+    return Network(default=net.default, up=net.up, down=net.down, pair=pair)
+
+
 @dataclass
 class Transfer:
     """One update a worker asked to send."""
@@ -274,4 +288,5 @@ class ControlState:
             "bandwidth": {h: {"up_bytes_per_s": net.up.get(h, net.default),
                               "down_bytes_per_s": net.down.get(h, net.default)} for h in hosts},
             "default_bytes_per_s": net.default,
+            "measured_paths": {f"{a}->{b}": rate for (a, b), rate in sorted(net.pair.items())},
         }

@@ -16,8 +16,9 @@ import secrets
 import time
 from typing import Any
 
-from .control import ControlState, Drop, Go, Network, Policy
+from .control import ControlState, Drop, Go, Network, Policy, with_estimates
 from .endpoint import Endpoint, EndpointProtocol
+from .errors import MlfabricError
 from .metrics import ControllerMetrics
 from .protocol import Directive, Status, StatusRequest, TransferDone, TransferRequest, Welcome
 
@@ -39,7 +40,43 @@ class Controller(Endpoint):
         self.state = ControlState(policy, tau_max=tau_max, network=network)
         self.clock = clock
         self.policy_name = policy_name or getattr(policy, "__name__", "custom")
+        self._agent_tasks: list[asyncio.Task[None]] = []
         self._wake: asyncio.TimerHandle | None = None
+
+    # -- agents -------------------------------------------------------------------
+
+    def watch_agents(self, agents: dict[str, tuple[str, int]], interval: float = 0.5) -> None:
+        """Poll each agent (host name -> agent address) for its estimates and
+        re-plan when the bandwidth picture changes."""
+        self._agent_tasks = [asyncio.get_running_loop().create_task(
+            self._poll_agent(host, addr, interval)) for host, addr in agents.items()]
+
+    async def _poll_agent(self, host: str, addr: tuple[str, int], interval: float) -> None:
+        from .agent import AgentClient
+
+        client = None
+        while True:
+            try:
+                if client is None:
+                    client = await AgentClient.connect(*addr, timeout=2.0)
+                est = await client.estimates()
+            except (OSError, TimeoutError, MlfabricError) as exc:
+                log.debug("agent %s at %s:%d: %s", host, *addr, exc)
+                if client is not None:
+                    await client.close()
+                client = None
+                await asyncio.sleep(interval)
+                continue
+            measured = {e.peer: (e.bandwidth_bps / 8, e.stale or not e.connected)
+                        for e in est.estimates}
+            network = with_estimates(self.state.network, host, measured)
+            if network != self.state.network:
+                self.state.set_network(network)
+                for (src, dst), rate in network.pair.items():
+                    if src == host:
+                        self.metrics.bandwidth.labels(src, dst).set(rate)
+                self.replan()
+            await asyncio.sleep(interval)
 
     def make_protocol(self) -> _ControllerProtocol:
         return _ControllerProtocol(self)
@@ -125,6 +162,8 @@ class Controller(Endpoint):
     async def close(self) -> None:
         if self._wake is not None:
             self._wake.cancel()
+        for task in self._agent_tasks:
+            task.cancel()
         await super().close()
 
 

@@ -33,6 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a host's uplink and downlink capacity in Mbit/s (repeat per host)")
     p.add_argument("--default-link-mbit", type=float, default=1000.0, metavar="M",
                    help="capacity assumed for hosts without --link (default: 1000)")
+    p.add_argument("--agent", action="append", default=[], metavar="HOST=ADDR:PORT",
+                   help="poll the agent on HOST (a name used in --link and by workers) at "
+                        "ADDR:PORT for measured bandwidth (repeat per host)")
+    p.add_argument("--agent-interval", type=float, default=0.5, metavar="SECONDS",
+                   help="seconds between polls of each agent (default: 0.5)")
     p.add_argument("--decision-log", metavar="PATH", default=None,
                    help="append one JSON line per decision to this file")
     p.add_argument("--metrics-port", type=int, default=None, metavar="P",
@@ -61,6 +66,17 @@ def parse_links(specs: list[str], default_mbit: float) -> Network:
     return Network(default=default_mbit * 1e6 / 8, up=up, down=down)
 
 
+def parse_agents(specs: list[str]) -> dict[str, tuple[str, int]]:
+    agents = {}
+    for spec in specs:
+        host, sep, addr = spec.partition("=")
+        if not host or not sep:
+            raise ConfigError(f"--agent {spec!r}: expected HOST=ADDR:PORT, e.g. "
+                              f"10.0.0.5=10.0.0.5:7400")
+        agents[host] = parse_address(addr)
+    return agents
+
+
 def make_policy(name: str) -> Policy:
     if name == "fifo":
         return fifo_policy
@@ -76,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
     token = auth.load_token(args.token_file)
     tau_max = None if args.tau_max < 0 else args.tau_max
     network = parse_links(args.link, args.default_link_mbit)
+    agents = parse_agents(args.agent)
+    if not args.agent_interval > 0:
+        raise ConfigError(f"--agent-interval must be positive, got {args.agent_interval}")
     policy = make_policy(args.policy)
     if args.decision_log:
         handler = logging.FileHandler(args.decision_log)
@@ -95,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
             bound = await controller.start(host, port)
         except OSError as exc:
             raise ConfigError(f"cannot listen on {args.listen}: {exc.strerror}") from None
+        if agents:
+            controller.watch_agents(agents, args.agent_interval)
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)

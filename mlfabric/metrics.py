@@ -194,6 +194,10 @@ class ControllerMetrics:
                             namespace=ns, registry=r)
         self.version = Gauge("controller_server_version", "Newest server version heard of",
                              namespace=ns, registry=r)
+        # Hosts are the job's configured set, so the labels are bounded.
+        self.bandwidth = Gauge("controller_path_bandwidth_bytes_per_second",
+                               "Available bandwidth per path, as agents measured it",
+                               ["src", "dst"], namespace=ns, registry=r)
         # What every listener counts (see endpoint.py).
         self.received_bytes = Counter("controller_received_bytes", "Bytes received",
                                       namespace=ns, registry=r)

@@ -87,6 +87,11 @@ def format_status(s: dict[str, Any], address: str) -> str:
         lines.append(f"  {host}  {_mbit(bw['up_bytes_per_s'])} / {_mbit(bw['down_bytes_per_s'])}")
     lines.append(f"  any other host  {_mbit(s['default_bytes_per_s'])} / "
                  f"{_mbit(s['default_bytes_per_s'])}")
+    paths = s.get("measured_paths") or {}
+    lines.append("measured by agents (Mbit/s available):" if paths else
+                 "measured by agents: none (no --agent, or no fresh estimate yet)")
+    for path, rate in paths.items():
+        lines.append(f"  {path}  {_mbit(rate)}")
     return "\n".join(lines)
 
 

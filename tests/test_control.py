@@ -81,3 +81,31 @@ def test_nothing_pending_asks_no_policy():
         raise AssertionError("called")
 
     assert ControlState(policy, tau_max=None).decide(now=0.0).actions == ()
+
+
+def test_agent_estimates_set_and_clear_pair_rates():
+    from mlfabric.control import with_estimates
+
+    net = Network(default=100 * MB, down={"s": 50 * MB})
+    net = with_estimates(net, "a", {"s": (20 * MB, False), "b": (float("nan"), False)})
+    assert net.pair == {("a", "s"): 20 * MB}
+    assert net.rate("a", "s") == 20 * MB and net.down == {"s": 50 * MB}
+    net = with_estimates(net, "a", {"s": (30 * MB, True)})  # stale: back to the capacities
+    assert net.pair == {} and net.rate("a", "s") == 50 * MB
+
+
+def test_status_counts_what_each_worker_asked_for():
+    state = ControlState(fifo_policy, tau_max=4, network=Network(default=10 * MB))
+    state.join("w", "worker-1")
+    for req in (1, 2):
+        state.request("w", req, host="h1", dst="s", nbytes=5, base_version=0, norm=0.0, now=0.0)
+    state.decide(now=0.0)
+    state.done("w", 1, version=1, applied=True, delay=0)
+    state.done("w", 2, version=1, applied=False, delay=5)
+    status = state.status()
+    (w,) = status["workers"]
+    assert (w["name"], w["host"], w["requests"], w["sent"], w["applied"], w["refused"],
+            w["last_delay"]) == ("worker-1", "h1", 2, 2, 1, 1, 0)
+    assert status["delay"] == {"count": 1, "mean": 0.0, "max": 0, "std": 0.0}
+    assert status["servers"] == [] and status["server_version"] == 1
+    assert set(status["bandwidth"]) == {"h1"}
