@@ -21,7 +21,7 @@ def _tool(name: str) -> str:
 
 def test_ruff_passes():
     proc = subprocess.run(
-        [_tool("ruff"), "check", "mlfabric", "tests", "benchmarks"],
+        [_tool("ruff"), "check", "mlfabric", "tests", "benchmarks", "examples"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

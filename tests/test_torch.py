@@ -1,0 +1,329 @@
+"""mlfabric.torch against a live parameter server: what step() pushes, what
+pull() writes into the module, and how outcomes and failures are handled."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import mlfabric  # noqa: E402
+import mlfabric.torch as mt  # noqa: E402
+from mlfabric.errors import ConfigError, InvalidUpdate  # noqa: E402
+from mlfabric.store import ParameterStore  # noqa: E402
+
+from support import JOB, TOKEN, Reference, ServerThread, assert_model_equal  # noqa: E402
+
+
+class Net(torch.nn.Module):
+    def __init__(self, seed: int = 0, unused: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc1 = torch.nn.Linear(8, 6)
+        self.fc2 = torch.nn.Linear(6, 3)
+        if unused:
+            self.spare = torch.nn.Parameter(torch.ones(2))
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def backward(model: torch.nn.Module, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, 8, generator=g)
+    y = torch.randint(0, 3, (16,), generator=g)
+    model.zero_grad(set_to_none=True)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+
+
+def arrays(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+def server_model(st: ServerThread) -> tuple[int, dict[str, np.ndarray]]:
+    return st.call(st.store.snapshot)  # type: ignore[return-value]
+
+
+@pytest.fixture
+def serve():
+    started = []
+
+    def start(model, **kwargs):
+        st = ServerThread(ParameterStore(model, **kwargs)).__enter__()
+        started.append(st)
+        return st
+
+    yield start
+    for st in started:
+        st.__exit__(None, None, None)
+
+
+@pytest.fixture
+def client():
+    clients = []
+
+    def connect(st):
+        ps = mlfabric.connect(st.address, job=JOB, token=TOKEN, timeout=5)
+        clients.append(ps)
+        return ps
+
+    yield connect
+    for ps in clients:
+        ps.close()
+
+
+def test_save_init_writes_the_named_parameters_as_float32(tmp_path):
+    model = Net(seed=3).double()
+    path = tmp_path / "init.npz"
+    mt.save_init(model, path)
+    with np.load(path) as npz:
+        saved = {n: npz[n] for n in npz.files}
+    assert sorted(saved) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+    for name, p in model.named_parameters():
+        assert saved[name].dtype == np.float32
+        np.testing.assert_array_equal(saved[name], p.detach().numpy().astype(np.float32))
+    assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind
+
+
+def test_construction_pulls_the_servers_model_into_the_module_in_place(serve, client):
+    served = mt.model_arrays(Net(seed=1))
+    st = serve(served)
+    model = Net(seed=2)
+    pointers = {n: p.data_ptr() for n, p in model.named_parameters()}
+    assert not np.array_equal(arrays(model)["fc1.weight"], served["fc1.weight"])
+    opt = mt.DistributedOptimizer(model, client(st), lr=0.1)
+    assert opt.version == 0
+    assert_model_equal(arrays(model), served)
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == pointers
+
+
+def test_one_sgd_step_pushes_exactly_minus_lr_times_the_gradient(serve, client):
+    model = Net()
+    st = serve(mt.model_arrays(model), momentum=0.5)
+    opt = mt.DistributedOptimizer(model, client(st), lr=0.05)
+    pointers = {n: p.data_ptr() for n, p in model.named_parameters()}
+    ref = Reference(arrays(model), gamma=0.5)
+    for step in range(3):
+        backward(model, seed=step)
+        update = {n: np.float32(-0.05) * p.grad.numpy() for n, p in model.named_parameters()}
+        outcome = opt.step()
+        ref.apply(update)
+        assert outcome is not None and outcome.applied and outcome.delay == 0
+        version, weights = server_model(st)
+        assert version == step + 1 == opt.version
+        assert_model_equal(weights, ref.w)  # bit-exact: the update was -lr*grad in float32
+        assert_model_equal(arrays(model), ref.w)  # and the pull landed in the module
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == pointers
+    stats = opt.stats()
+    assert (stats.steps, stats.applied, stats.dropped, stats.last_delay) == (3, 3, 0, 0)
+    assert stats.delays == {0: 3}
+
+
+def loss_closure(model: torch.nn.Module, seed: int):
+    def closure():
+        backward(model, seed)
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(16, 8, generator=g)
+        y = torch.randint(0, 3, (16,), generator=g)
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    return closure
+
+
+LOCAL_OPTIMIZERS = {
+    "adam": lambda params: torch.optim.Adam(params, lr=0.01),
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+    "lbfgs": lambda params: torch.optim.LBFGS(params, lr=0.5, max_iter=3),
+}
+
+
+@pytest.mark.parametrize("kind", list(LOCAL_OPTIMIZERS))
+def test_a_local_optimizers_step_is_pushed_as_the_parameter_change(serve, client, kind):
+    model = Net()
+    st = serve(mt.model_arrays(model))
+    twin = copy.deepcopy(model)
+    twin_opt = LOCAL_OPTIMIZERS[kind](twin.parameters())
+    local = LOCAL_OPTIMIZERS[kind](model.parameters())
+    opt = mt.DistributedOptimizer(model, client(st), local_optimizer=local)
+    ref = Reference(arrays(model), gamma=0.0)
+    for step in range(3):
+        before = arrays(twin)
+        if kind == "lbfgs":  # needs a closure: step(closure) passes it on
+            twin_opt.step(loss_closure(twin, step))
+            outcome = opt.step(loss_closure(model, step))
+        else:
+            backward(model, seed=step)
+            backward(twin, seed=step)
+            twin_opt.step()
+            outcome = opt.step()
+        assert outcome.applied
+        update = {n: arrays(twin)[n] - before[n] for n in before}
+        ref.apply(update)
+        assert_model_equal(server_model(st)[1], ref.w)
+        assert_model_equal(arrays(model), ref.w)
+        assert np.abs(update["fc1.weight"]).max() > 1e-4  # the optimizer really moved it
+        # The module now holds w + (new - w), which may differ from the twin's
+        # `new` in the last bit: give the twin the same weights to go on from.
+        np.testing.assert_allclose(arrays(twin)["fc1.weight"], ref.w["fc1.weight"], atol=1e-6)
+        with torch.no_grad():
+            for n, p in twin.named_parameters():
+                p.copy_(torch.from_numpy(ref.w[n]))
+
+
+def test_a_parameter_without_gradient_is_pushed_as_zeros(serve, client):
+    model = Net(unused=True)
+    st = serve(mt.model_arrays(model))
+    opt = mt.DistributedOptimizer(model, client(st), lr=0.1)
+    backward(model)
+    assert model.spare.grad is None
+    assert opt.step().applied
+    _, weights = server_model(st)
+    np.testing.assert_array_equal(weights["spare"], np.ones(2, np.float32))
+    assert not np.array_equal(weights["fc1.weight"], mt.model_arrays(Net())["fc1.weight"])
+
+
+def test_between_pulls_the_module_trains_on_its_own_updates(serve, client):
+    model = Net()
+    st = serve(mt.model_arrays(model))
+    opt = mt.DistributedOptimizer(model, client(st), lr=0.1, pull_every=3)
+    local = arrays(model)
+    delays = []
+    for step in range(3):
+        backward(model, seed=step)
+        for n, p in model.named_parameters():
+            local[n] = local[n] + np.float32(-0.1) * p.grad.numpy()
+        delays.append(opt.step().delay)
+        if step < 2:  # no pull yet: the module holds its own updates, version stays
+            assert opt.version == 0
+            assert_model_equal(arrays(model), local)
+    # Every update was tagged with the last pull's version: delays 0, 1, 2.
+    assert delays == [0, 1, 2]
+    assert opt.version == 3
+    assert_model_equal(arrays(model), server_model(st)[1])
+
+
+def test_a_stale_update_is_counted_and_not_applied(serve, client):
+    model_a, model_b = Net(), Net()
+    st = serve(mt.model_arrays(model_a), tau_max=0)
+    opt_a = mt.DistributedOptimizer(model_a, client(st), lr=0.1)
+    opt_b = mt.DistributedOptimizer(model_b, client(st), lr=0.1)
+    backward(model_a)
+    assert opt_a.step().applied
+    _, after_a = server_model(st)
+    backward(model_b, seed=7)
+    outcome = opt_b.step()  # computed on version 0, the server is at 1: delay 1 > tau_max 0
+    assert not outcome.applied and outcome.reason.startswith("stale: delay 1")
+    version, weights = server_model(st)
+    assert version == 1
+    assert_model_equal(weights, after_a)
+    stats = opt_b.stats()
+    assert (stats.applied, stats.dropped, stats.dropped_reasons) == (0, 1, {"stale": 1})
+    # The worker went on: it pulled the newest model and can push from it.
+    assert opt_b.version == 1
+    assert_model_equal(arrays(model_b), after_a)
+    backward(model_b, seed=8)
+    assert opt_b.step().applied
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["sgd", "local-optimizer"])
+def test_a_push_that_raises_leaves_the_module_as_before_the_step(serve, client, local):
+    model = Net()
+    st = serve(mt.model_arrays(model))
+    kwargs = ({"local_optimizer": torch.optim.SGD(model.parameters(), lr=0.1)} if local
+              else {"lr": 0.1})
+    opt = mt.DistributedOptimizer(model, client(st), **kwargs)
+    before = arrays(model)
+    backward(model)
+    model.fc1.weight.grad[0, 0] = float("nan")
+    with pytest.raises(InvalidUpdate, match="NaN"):
+        opt.step()
+    assert_model_equal(arrays(model), before)
+    assert server_model(st)[0] == 0
+    backward(model)  # a good step afterwards works
+    assert opt.step().applied
+
+
+def test_with_several_pushes_in_flight_flush_collects_them(serve, client):
+    model = Net()
+    st = serve(mt.model_arrays(model))
+    opt = mt.DistributedOptimizer(model, client(st), lr=0.1, max_in_flight=3, pull_every=0)
+    for step in range(4):
+        backward(model, seed=step)
+        opt.step()
+    assert opt.stats().in_flight == 2
+    opt.flush()
+    stats = opt.stats()
+    assert (stats.in_flight, stats.applied, stats.version) == (0, 4, 0)
+    assert opt.pull() == 4
+    assert_model_equal(arrays(model), server_model(st)[1])
+
+
+def test_a_model_that_does_not_match_the_server_is_a_config_error(serve, client):
+    st = serve({"w": np.zeros((3, 3), np.float32)})
+    with pytest.raises(ConfigError, match=r"server has no tensor 'fc1.bias'.*save_init"):
+        mt.DistributedOptimizer(Net(), client(st), lr=0.1)
+    served = mt.model_arrays(Net())
+    served["fc2.bias"] = np.zeros(4, np.float32)
+    st2 = serve(served)
+    with pytest.raises(ConfigError, match=r"'fc2.bias' has shape \(4,\).*\(3,\)"):
+        mt.DistributedOptimizer(Net(), client(st2), lr=0.1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, "exactly one of lr"),
+        ({"lr": 0.1, "local_optimizer": "x"}, "exactly one of lr"),
+        ({"lr": -1.0}, "lr must be a positive number, got -1.0"),
+        ({"lr": 0.1, "pull_every": -1}, "pull_every must be an integer >= 0, got -1"),
+        ({"lr": 0.1, "max_in_flight": 0}, "max_in_flight must be an integer >= 1, got 0"),
+    ],
+)
+def test_bad_arguments_are_config_errors(serve, client, kwargs, message):
+    model = Net()
+    st = serve(mt.model_arrays(model))
+    with pytest.raises(ConfigError, match=message):
+        mt.DistributedOptimizer(model, client(st), **kwargs)
+
+
+def test_a_local_optimizer_over_other_tensors_is_refused(serve, client):
+    model = Net()
+    st = serve(mt.model_arrays(model))
+    other = torch.optim.SGD(Net().parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="not a parameter of the module"):
+        mt.DistributedOptimizer(model, client(st), local_optimizer=other)
+
+
+def test_through_a_controller_its_drops_are_counted(serve, tmp_path):
+    from mlfabric import config
+    from mlfabric.control import PlanItem
+    from mlfabric.controller import Controller
+
+    def drop_even(snap):  # the worker's 2nd, 4th, ... request is dropped
+        return [PlanItem(t.id, start=snap.now) if t.req % 2 else
+                PlanItem(t.id, drop="deadline_missed", detail="test") for t in snap.pending]
+
+    model = Net()
+    st = serve(mt.model_arrays(model))
+    token = tmp_path / "job.token"
+    token.write_bytes(TOKEN)
+    with ServerThread(None, endpoint=Controller(drop_even, job=JOB, token=TOKEN,
+                                                tau_max=None)) as controller:
+        settings = config.resolve({"server": st.address, "controller": controller.address,
+                                   "job": JOB, "token_file": str(token)}, environ={})
+        with config.connect(settings) as ps:
+            opt = mt.DistributedOptimizer(model, ps, lr=0.1)
+            outcomes = []
+            for step in range(4):
+                backward(model, seed=step)
+                outcomes.append(opt.step())
+            assert [o.applied for o in outcomes] == [True, False, True, False]
+            assert outcomes[1].reason == "dropped by the controller: deadline_missed: test"
+            stats = opt.stats()
+            assert (stats.applied, stats.dropped) == (2, 2)
+            assert stats.dropped_reasons == {"dropped by the controller": 2}
+            assert opt.version == 2
+            assert_model_equal(arrays(model), server_model(st)[1])
