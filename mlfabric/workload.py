@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 JOB = "workload"
+CONTROLLER_PORT = 7071  # inside the server host's own namespace
 
 
 def worker_main(argv: list[str] | None = None) -> int:
@@ -43,12 +44,15 @@ def worker_main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-in-flight", type=int, default=2,
                    help="pushes handed over and not yet answered before the worker waits "
                         "(workers hand updates to mlfabric and keep computing)")
+    p.add_argument("--fallback", default="fifo", choices=["fifo", "wait"],
+                   help="what to do while the controller is unreachable")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
     records = []
     with mlfabric.connect(args.server, job=JOB, token_file=args.token_file,
-                          controller=args.controller, host=args.host, timeout=30) as ps:
+                          controller=args.controller, host=args.host, timeout=30,
+                          controller_fallback=args.fallback, controller_timeout=60) as ps:
         version, params = ps.pull(timeout=60)
         update = {n: np.full_like(a, 1e-6) for n, a in params.items()}
         in_flight: list[tuple[float, Any]] = []
@@ -132,13 +136,16 @@ def _wait_line(proc: subprocess.Popen[str], what: str, timeout: float = 60.0) ->
 
 def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: int,
                compute_ms: float = 100.0, server_host: str = "h0", seed: int = 0,
-               max_in_flight: int = 2,
+               max_in_flight: int = 2, fallback: str = "fifo",
+               restart_controller_after: float | None = None,
                link_mbit: dict[str, tuple[float, float]] | None = None,
                during: Any = None) -> tuple[Summary, list[dict[str, Any]]]:
     """Run one policy: server and controller on `server_host`, a worker on
     every other host of testbed `tb`. `during(tb)` runs once the workers are
     started (e.g. a schedule of rate changes). Returns the summary and the
-    workers' records."""
+    workers' records. With `restart_controller_after`, the controller is
+    killed (SIGKILL) that many seconds into the run and started again on the
+    same address a second later."""
     from . import auth
 
     server = tb.host(server_host)
@@ -158,9 +165,10 @@ def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: i
         links = []
         for name, (up, down) in (link_mbit or {}).items():
             links += ["--link", f"{tb.host(name).ip}={up}/{down}"]
-        ctl = tb.popen(server, [*py, "controller", "--listen", f"{server.ip}:0", "--job", JOB,
-                                "--token-file", str(token), "--tau-max", str(tau_max),
-                                "--policy", policy, *links], **kw)
+        ctl_argv = [*py, "controller", "--listen", f"{server.ip}:{CONTROLLER_PORT}", "--job",
+                    JOB, "--token-file", str(token), "--tau-max", str(tau_max), "--policy",
+                    policy, *links]
+        ctl = tb.popen(server, ctl_argv, **kw)
         try:
             srv_addr = _wait_line(srv, "server")
             ctl_addr = _wait_line(ctl, "controller")
@@ -172,11 +180,19 @@ def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: i
                     "--controller", ctl_addr, "--token-file", str(token), "--host", h.ip,
                     "--steps", str(steps), "--compute-ms", str(compute_ms),
                     "--seed", str(seed * 100 + i), "--max-in-flight", str(max_in_flight),
+                    "--fallback", fallback,
                     "--out", f"{tmp}/w{i}.json"],
                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp,
                     env=env))
             if during is not None:
                 during(tb)
+            if restart_controller_after is not None:
+                time.sleep(restart_controller_after)  # the point in the run to kill it at
+                ctl.kill()
+                ctl.wait(10)
+                time.sleep(1.0)  # a second without a controller
+                ctl = tb.popen(server, ctl_argv, **kw)
+                _wait_line(ctl, "restarted controller")
             records: list[dict[str, Any]] = []
             for i, p in enumerate(procs):
                 try:

@@ -1,0 +1,80 @@
+"""mlfabric ordering vs the plain asynchronous PS (fifo), on an emulated cluster.
+
+8 workers (one per host) push updates of one model size into a server whose
+downlink is the bottleneck (shaped with tc); the controller runs either
+policy on the same namespaces, alternated round by round. Optionally the
+server's downlink changes rate during each run. Needs root.
+
+    sudo python benchmarks/bench_controller.py [--rounds 3] [--steps 8]
+        [--compute-ms 1200] [--in-flight 1] [--model-mib 2] [--down-mbit 100]
+        [--change-to 50] [--tau-max 8]
+
+Prints per run and the medians per policy: applied and dropped updates,
+delay mean/std/max, push-to-applied mean/std, and the ratios mlfabric/fifo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from mlfabric.testbed import SetRate, Testbed, require_root
+from mlfabric.workload import Summary, run_policy
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=8, help="pushes per worker per run")
+    ap.add_argument("--compute-ms", type=float, default=1200.0)
+    ap.add_argument("--in-flight", type=int, default=1, help="pushes outstanding per worker")
+    ap.add_argument("--model-mib", type=float, default=2.0)
+    ap.add_argument("--down-mbit", type=float, default=100.0, help="server downlink")
+    ap.add_argument("--change-to", type=float, default=None,
+                    help="server downlink rate for the middle third of each run")
+    ap.add_argument("--tau-max", type=int, default=8)
+    args = ap.parse_args()
+    require_root()
+
+    runs: dict[str, list[Summary]] = {"mlfabric": [], "fifo": []}
+    expected = args.steps * (args.compute_ms / 1e3 + 0.3)
+
+    def change_rate(tb):  # type: ignore[no-untyped-def]
+        if args.change_to is not None:
+            tb.schedule([(expected / 3, SetRate("h0", down=args.change_to)),
+                         (2 * expected / 3, SetRate("h0", down=args.down_mbit))])
+
+    with Testbed(hosts=args.workers + 1, rate_mbit=1000.0,
+                 rates={"h0": (1000.0, args.down_mbit)}) as tb:
+        for r in range(args.rounds):
+            order = ["mlfabric", "fifo"] if r % 2 == 0 else ["fifo", "mlfabric"]
+            for policy in order:
+                summary, _ = run_policy(
+                    tb, policy, model_bytes=int(args.model_mib * (1 << 20)), steps=args.steps,
+                    tau_max=args.tau_max, compute_ms=args.compute_ms, seed=r,
+                    max_in_flight=args.in_flight, link_mbit={"h0": (1000, args.down_mbit)},
+                    during=change_rate)
+                runs[policy].append(summary)
+                print(f"round {r + 1}  {summary.row()}", flush=True)
+
+    def med(policy: str, field: str) -> float:
+        return statistics.median(getattr(s, field) for s in runs[policy])
+
+    print()
+    print(f"medians of {args.rounds} runs per policy ({args.workers} workers, "
+          f"{args.model_mib} MiB updates, server downlink {args.down_mbit} Mbit/s"
+          + (f", {args.change_to} Mbit/s in the middle third" if args.change_to else "") + ")")
+    fields = ["applied", "dropped", "delay_mean", "delay_std", "delay_max", "seconds_mean",
+              "seconds_std", "wall"]
+    print(f"  {'':22s}" + "".join(f"{p:>12s}" for p in ("mlfabric", "fifo", "mlf/fifo")))
+    for f in fields:
+        a, b = med("mlfabric", f), med("fifo", f)
+        ratio = f"{a / b:12.2f}" if b else f"{'-':>12s}"
+        print(f"  {f:22s}{a:12.3f}{b:12.3f}{ratio}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
