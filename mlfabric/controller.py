@@ -125,21 +125,23 @@ class Controller(Endpoint):
             conn = t.owner
             assert isinstance(conn, _ControllerProtocol)
             wait = now - t.arrival
+            # Count first, then tell the worker: whoever sees the directive's
+            # effect also sees it counted.
+            m.queue_wait.observe(wait)
             if isinstance(action, Go):
-                conn.send(Directive(req=t.req, action="go", position=action.position,
-                                    planned_seconds=action.planned_seconds))
                 m.directives.labels("go").inc()
                 m.planned_seconds.observe(action.planned_seconds)
+                conn.send(Directive(req=t.req, action="go", position=action.position,
+                                    planned_seconds=action.planned_seconds))
                 record = {"event": "go", "position": action.position,
                           "planned_seconds": round(action.planned_seconds, 6)}
             else:
                 assert isinstance(action, Drop)
-                conn.send(Directive(req=t.req, action="drop",
-                                    reason=f"{action.reason}: {action.detail}".rstrip(": ")))
                 m.directives.labels("drop").inc()
                 m.drops.labels(action.reason).inc()
+                conn.send(Directive(req=t.req, action="drop",
+                                    reason=f"{action.reason}: {action.detail}".rstrip(": ")))
                 record = {"event": "drop", "reason": action.reason, "detail": action.detail}
-            m.queue_wait.observe(wait)
             decision_log.info(json.dumps({
                 **record, "id": t.id, "host": t.host, "nbytes": t.nbytes,
                 "base_version": t.base_version, "server_version": self.state.version,

@@ -275,7 +275,8 @@ def test_asyncio_client_through_the_controller(cluster, run_async):
 
     run_async(body())
     wait_until(lambda: controller.metrics.actual_seconds._sum.get() > 0)
-    assert sample(controller.metrics.drops, reason="deadline_missed") == 2
+    wait_until(lambda: sample(controller.metrics.drops, reason="deadline_missed") == 2,
+               what="2 drops counted")
 
 
 def test_asyncio_client_falls_back_when_the_controller_dies(cluster, run_async):
