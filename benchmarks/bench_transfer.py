@@ -15,11 +15,13 @@ every repeat, and medians are compared as ratios:
           blocking-socket ping-pong of 4 KiB out, a small answer back.
 
     python benchmarks/bench_transfer.py [--mib 64] [--repeats 9] [--no-gloo]
+        [--testbed MBIT]   # across two emulated hosts (root) instead of loopback
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import socket
@@ -52,8 +54,11 @@ def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
 # --- raw socket ------------------------------------------------------------------
 
 
-def raw_receiver(port: int, nbytes: int, ctl: Any) -> None:
-    srv = socket.create_server(("127.0.0.1", port))
+HOST = "127.0.0.1"  # where receivers listen; the server host's address with --testbed
+
+
+def raw_receiver(port: int, nbytes: int, ctl: Any, host: str = HOST) -> None:
+    srv = socket.create_server((host, port))
     ctl.send("ready")
     conn, _ = srv.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -69,8 +74,8 @@ def raw_receiver(port: int, nbytes: int, ctl: Any) -> None:
         ctl.send(t1)
 
 
-def raw_sender(port: int, nbytes: int, ctl: Any) -> None:
-    sock = socket.create_connection(("127.0.0.1", port))
+def raw_sender(port: int, nbytes: int, ctl: Any, host: str = HOST) -> None:
+    sock = socket.create_connection((host, port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buf = np.full(nbytes, 7, np.uint8)
     ctl.send("ready")
@@ -82,8 +87,8 @@ def raw_sender(port: int, nbytes: int, ctl: Any) -> None:
     sock.close()
 
 
-def raw_pingpong_server(port: int, size: int, ctl: Any) -> None:
-    srv = socket.create_server(("127.0.0.1", port))
+def raw_pingpong_server(port: int, size: int, ctl: Any, host: str = HOST) -> None:
+    srv = socket.create_server((host, port))
     ctl.send("ready")
     conn, _ = srv.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -97,8 +102,8 @@ def raw_pingpong_server(port: int, size: int, ctl: Any) -> None:
         return
 
 
-def raw_pingpong_client(port: int, size: int, iters: int, ctl: Any) -> None:
-    sock = socket.create_connection(("127.0.0.1", port))
+def raw_pingpong_client(port: int, size: int, iters: int, ctl: Any, host: str = HOST) -> None:
+    sock = socket.create_connection((host, port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     msg = bytes(size)
     view = memoryview(bytearray(64))
@@ -115,7 +120,8 @@ def raw_pingpong_client(port: int, size: int, iters: int, ctl: Any) -> None:
 # --- mlfabric --------------------------------------------------------------------
 
 
-def mlfabric_server(port: int, nbytes: int, momentum: float, overlap: bool, ctl: Any) -> None:
+def mlfabric_server(port: int, nbytes: int, momentum: float, overlap: bool, ctl: Any,
+                    host: str = HOST) -> None:
     import asyncio
 
     from mlfabric import loop as loops
@@ -137,7 +143,7 @@ def mlfabric_server(port: int, nbytes: int, momentum: float, overlap: bool, ctl:
     async def main() -> None:
         server = TimedServer(store, job=JOB, token=TOKEN,
                              stage_min_bytes=STAGE_MIN_BYTES if overlap else None)
-        await server.start("127.0.0.1", port)
+        await server.start(host, port)
         ctl.send("ready")
         await asyncio.get_running_loop().run_in_executor(None, ctl.recv)  # "stop"
         await server.close()
@@ -145,10 +151,10 @@ def mlfabric_server(port: int, nbytes: int, momentum: float, overlap: bool, ctl:
     loops.run(main())
 
 
-def mlfabric_pusher(port: int, ctl: Any) -> None:
+def mlfabric_pusher(port: int, ctl: Any, host: str = HOST) -> None:
     import mlfabric
 
-    with mlfabric.connect(f"127.0.0.1:{port}", job=JOB, token=TOKEN) as ps:
+    with mlfabric.connect(f"{host}:{port}", job=JOB, token=TOKEN) as ps:
         version, params = ps.pull()
         update = {n: np.full_like(a, 1e-3) for n, a in params.items()}
         ctl.send("ready")
@@ -161,13 +167,14 @@ def mlfabric_pusher(port: int, ctl: Any) -> None:
             ctl.send((t0, t2))
 
 
-def mlfabric_small_client(port: int, iters: int, use_aio: bool, ctl: Any) -> None:
+def mlfabric_small_client(port: int, iters: int, use_aio: bool, ctl: Any,
+                          host: str = HOST) -> None:
     import mlfabric
     from mlfabric import aio
     from mlfabric import loop as loops
 
     if not use_aio:
-        with mlfabric.connect(f"127.0.0.1:{port}", job=JOB, token=TOKEN) as ps:
+        with mlfabric.connect(f"{host}:{port}", job=JOB, token=TOKEN) as ps:
             version, params = ps.pull()
             update = {n: np.zeros_like(a) for n, a in params.items()}
             ctl.send("ready")
@@ -181,7 +188,7 @@ def mlfabric_small_client(port: int, iters: int, use_aio: bool, ctl: Any) -> Non
     async def main() -> None:
         import asyncio
 
-        ps = await aio.connect(f"127.0.0.1:{port}", job=JOB, token=TOKEN)
+        ps = await aio.connect(f"{host}:{port}", job=JOB, token=TOKEN)
         version, params = await ps.pull()
         update = {n: np.zeros_like(a) for n, a in params.items()}
         loop = asyncio.get_running_loop()
@@ -196,7 +203,7 @@ def mlfabric_small_client(port: int, iters: int, use_aio: bool, ctl: Any) -> Non
     loops.run(main())
 
 
-def mlfabric_small_server(port: int, size: int, ctl: Any) -> None:
+def mlfabric_small_server(port: int, size: int, ctl: Any, host: str = HOST) -> None:
     import asyncio
 
     from mlfabric import loop as loops
@@ -207,7 +214,7 @@ def mlfabric_small_server(port: int, size: int, ctl: Any) -> None:
 
     async def main() -> None:
         server = ParameterServer(store, job=JOB, token=TOKEN)
-        await server.start("127.0.0.1", port)
+        await server.start(host, port)
         ctl.send("ready")
         await asyncio.get_running_loop().run_in_executor(None, ctl.recv)
         await server.close()
@@ -218,13 +225,14 @@ def mlfabric_small_server(port: int, size: int, ctl: Any) -> None:
 # --- PyTorch gloo ------------------------------------------------------------------
 
 
-def gloo_rank(rank: int, port: int, nbytes: int, ctl: Any) -> None:
+def gloo_rank(rank: int, port: int, nbytes: int, ctl: Any, host: str = HOST,
+              ifname: str = "lo") -> None:
     import torch
     import torch.distributed as dist
 
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    os.environ["GLOO_SOCKET_IFNAME"] = ifname
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+        "gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=2
     )
     t = torch.full((nbytes // 4,), float(rank), dtype=torch.float32)
     ctl.send("ready")
@@ -245,15 +253,20 @@ def gloo_rank(rank: int, port: int, nbytes: int, ctl: Any) -> None:
 class Procs:
     """Processes with a control pipe each; started, then driven round by round."""
 
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: Any, server_side: Any = None, client_side: Any = None) -> None:
+        """server_side/client_side: context managers that put the calling
+        thread (and so the processes it starts) into a host's namespace."""
         self.ctx = ctx
         self.procs: list[Any] = []
         self.pipes: list[Any] = []
+        self.server_side = server_side or contextlib.nullcontext
+        self.client_side = client_side or contextlib.nullcontext
 
-    def start(self, target: Any, *args: Any) -> Any:
+    def start(self, target: Any, *args: Any, side: str = "server", **kwargs: Any) -> Any:
         parent, child = self.ctx.Pipe()
-        p = self.ctx.Process(target=target, args=(*args, child), daemon=True)
-        p.start()
+        p = self.ctx.Process(target=target, args=(*args, child), kwargs=kwargs, daemon=True)
+        with (self.server_side if side == "server" else self.client_side)():
+            p.start()
         self.procs.append(p)
         self.pipes.append(parent)
         if not parent.poll(120):
@@ -261,13 +274,14 @@ class Procs:
         assert parent.recv() == "ready"
         return parent
 
-    def start_group(self, target: Any, arg_lists: list[tuple]) -> list[Any]:
+    def start_group(self, target: Any, arg_lists: list[tuple[tuple, dict, str]]) -> list[Any]:
         """Start processes that only become ready together (a gloo group)."""
         parents = []
-        for args in arg_lists:
+        for args, kwargs, side in arg_lists:
             parent, child = self.ctx.Pipe()
-            p = self.ctx.Process(target=target, args=(*args, child), daemon=True)
-            p.start()
+            p = self.ctx.Process(target=target, args=(*args, child), kwargs=kwargs, daemon=True)
+            with (self.server_side if side == "server" else self.client_side)():
+                p.start()
             self.procs.append(p)
             self.pipes.append(parent)
             parents.append(parent)
@@ -306,6 +320,9 @@ def main() -> int:
     ap.add_argument("--small-bytes", type=int, default=4096)
     ap.add_argument("--small-iters", type=int, default=2000)
     ap.add_argument("--no-gloo", action="store_true", help="skip PyTorch gloo")
+    ap.add_argument("--testbed", type=float, default=None, metavar="MBIT",
+                    help="run across two emulated hosts joined by links shaped to MBIT "
+                         "(needs root) instead of loopback")
     args = ap.parse_args()
 
     gloo = not args.no_gloo
@@ -318,19 +335,38 @@ def main() -> int:
 
     nbytes = args.mib * MiB
     ctx = mp.get_context("spawn")
-    procs = Procs(ctx)
+    testbed: Any = None
+    where: dict[str, Any] = {}
+    if args.testbed is not None:
+        from mlfabric.testbed import Testbed, require_root
+
+        require_root()
+        testbed = Testbed(hosts=2, rate_mbit=args.testbed).start()
+        srv_host, cli_host = testbed.host("h0"), testbed.host("h1")
+        where = {"host": srv_host.ip}
+        procs = Procs(ctx, srv_host.enter, cli_host.enter)
+        gloo_if = {0: cli_host.ifname, 1: srv_host.ifname}
+        gloo_store = cli_host.ip
+    else:
+        procs = Procs(ctx)
+        gloo_if = {0: "lo", 1: "lo"}
+        gloo_store = None
     try:
         raw_port, gloo_port = free_port(), free_port()
-        raw_rx = procs.start(raw_receiver, raw_port, nbytes)
-        raw_tx = procs.start(raw_sender, raw_port, nbytes)
+        raw_rx = procs.start(raw_receiver, raw_port, nbytes, **where)
+        raw_tx = procs.start(raw_sender, raw_port, nbytes, side="client", **where)
         mlf: dict[str, tuple[Any, Any]] = {}
         for overlap in (False, True):
             port = free_port()
-            srv = procs.start(mlfabric_server, port, nbytes, args.momentum, overlap)
-            mlf["overlap" if overlap else "plain"] = (srv, procs.start(mlfabric_pusher, port))
+            srv = procs.start(mlfabric_server, port, nbytes, args.momentum, overlap, **where)
+            mlf["overlap" if overlap else "plain"] = (
+                srv, procs.start(mlfabric_pusher, port, side="client", **where))
         if gloo:
-            g0p, g1p = procs.start_group(gloo_rank, [(0, gloo_port, nbytes),
-                                                     (1, gloo_port, nbytes)])
+            # Rank 0 sends (from the client side) and hosts gloo's store there.
+            store = {"host": gloo_store} if gloo_store else {}
+            g0p, g1p = procs.start_group(gloo_rank, [
+                ((0, gloo_port, nbytes), {**store, "ifname": gloo_if[0]}, "client"),
+                ((1, gloo_port, nbytes), {**store, "ifname": gloo_if[1]}, "server")])
 
         t: dict[str, list[float]] = {k: [] for k in (
             "raw", "gloo", "plain_received", "plain_applied", "plain_after",
@@ -365,12 +401,14 @@ def main() -> int:
 
         # Small messages.
         small_port_raw, small_port_mlf = free_port(), free_port()
-        procs.start(raw_pingpong_server, small_port_raw, args.small_bytes)
+        procs.start(raw_pingpong_server, small_port_raw, args.small_bytes, **where)
         raw_pp = procs.start(raw_pingpong_client, small_port_raw, args.small_bytes,
-                             args.small_iters)
-        procs.start(mlfabric_small_server, small_port_mlf, args.small_bytes)
-        mlf_sync = procs.start(mlfabric_small_client, small_port_mlf, args.small_iters, False)
-        mlf_aio = procs.start(mlfabric_small_client, small_port_mlf, args.small_iters, True)
+                             args.small_iters, side="client", **where)
+        procs.start(mlfabric_small_server, small_port_mlf, args.small_bytes, **where)
+        mlf_sync = procs.start(mlfabric_small_client, small_port_mlf, args.small_iters, False,
+                               side="client", **where)
+        mlf_aio = procs.start(mlfabric_small_client, small_port_mlf, args.small_iters, True,
+                              side="client", **where)
         small: dict[str, list[float]] = {"raw": [], "sync": [], "aio": []}
         pipes = {"raw": raw_pp, "sync": mlf_sync, "aio": mlf_aio}
         for r in range(1 + args.repeats):
@@ -384,9 +422,12 @@ def main() -> int:
                     small[name].append(value)
     finally:
         procs.stop()
+        if testbed is not None:
+            testbed.close()
 
     print()
-    print(f"Large push: {args.mib} MiB float32, loopback, median of {args.repeats} rounds "
+    path = f"emulated {args.testbed:g} Mbit/s link" if args.testbed else "loopback"
+    print(f"Large push: {args.mib} MiB float32, {path}, median of {args.repeats} rounds "
           f"(min..max), systems alternated; server momentum {args.momentum}")
     rows = [
         ("raw socket sendall/recv_into", "raw"),

@@ -102,6 +102,7 @@ class EndpointProtocol(asyncio.BufferedProtocol):
         self._nonce = b""
         self._client_nonce = b""
         self._timer: asyncio.TimerHandle | None = None
+        self.last_read = 0  # bytes of the latest read: large means data is backed up
 
     # -- hooks for subclasses -------------------------------------------------
 
@@ -136,6 +137,7 @@ class EndpointProtocol(asyncio.BufferedProtocol):
         return self.conn.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.last_read = nbytes
         self.conn.buffer_updated(nbytes)
         self.endpoint.metrics.received_bytes.inc(nbytes)
         while self.transport is not None:

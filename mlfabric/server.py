@@ -42,6 +42,12 @@ log = logging.getLogger("mlfabric.server")
 STAGE_CHUNK = 1 << 19
 # Pushes smaller than this are applied whole when complete.
 STAGE_MIN_BYTES = 1 << 20
+# Compute while bytes arrive only when reads are smaller than this: then the
+# socket is drained and the loop would otherwise wait for the network. A
+# larger read means data is backed up (the receiving CPU is the bottleneck,
+# as on loopback), and computing now would only delay the transfer; the rest
+# is computed when the last byte is in.
+STAGE_IDLE_READ = 1 << 18
 
 
 class ParameterServer(Endpoint):
@@ -159,7 +165,8 @@ class _ServerProtocol(EndpointProtocol):
                 offsets, _ = layout(partial.specs)
                 self._staged = self.server.store.begin_staged(base, partial.specs, offsets)
         staged = self._staged
-        if staged is not None and partial.received - staged.fed >= STAGE_CHUNK:
+        if (staged is not None and self.last_read < STAGE_IDLE_READ
+                and partial.received - staged.fed >= STAGE_CHUNK):
             staged.feed(partial.data, partial.received)
 
     def on_lost(self) -> None:
