@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "mlfabric.testbed_cli",
         "create or remove an emulated cluster of network namespaces",
     ),
+    "agent": ("mlfabric.agent_cli", "run the per-host bandwidth agent"),
     "controller": ("mlfabric.controller_cli", "order a job's transfers (the controller)"),
     "status": ("mlfabric.status_cli", "show a job's workers, versions, delays and bandwidth"),
 }

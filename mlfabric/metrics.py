@@ -220,3 +220,87 @@ def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0")
 
 
 # --- Agent metrics (issue 3) are declared below this line. ---
+
+
+class AgentMetrics:
+    """Metrics of one per-host bandwidth agent. `peer` takes values from the
+    agent's configured peer set (bounded); rates are in bytes per second."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        ns = NAMESPACE
+        self.probe_sent_bytes = Counter(
+            "agent_probe_sent_bytes",
+            "Probe datagram bytes sent, including IP/UDP/Ethernet headers",
+            ["peer"], namespace=ns, registry=r,
+        )
+        self.probe_sent_packets = Counter(
+            "agent_probe_sent_packets", "Probe datagrams sent", ["peer"], namespace=ns, registry=r
+        )
+        self.probe_received_bytes = Counter(
+            "agent_probe_received_bytes",
+            "Probe datagram bytes received from a peer's trains, including headers",
+            ["peer"], namespace=ns, registry=r,
+        )
+        self.probe_lost_packets = Counter(
+            "agent_probe_lost_packets",
+            "Probe datagrams the peer did not report as received",
+            ["peer"], namespace=ns, registry=r,
+        )
+        self.trains = Counter(
+            "agent_probe_trains",
+            "Probe trains by outcome "
+            "(sample, weak, unqueued, escalate, sender-limited, sender-slow, collision, lost)",
+            ["peer", "outcome"], namespace=ns, registry=r,
+        )
+        self.available_bandwidth = Gauge(
+            "agent_available_bandwidth_bytes_per_second",
+            "Estimated available bandwidth to the peer (payload bytes per second)",
+            ["peer"], namespace=ns, registry=r,
+        )
+        self.capacity = Gauge(
+            "agent_capacity_bytes_per_second",
+            "Estimated bottleneck capacity of the path to the peer",
+            ["peer"], namespace=ns, registry=r,
+        )
+        self.path_load = Gauge(
+            "agent_path_load_bytes_per_second",
+            "Other traffic on the path's edge links (this uplink, the peer's downlink)",
+            ["peer"], namespace=ns, registry=r,
+        )
+        self.rtt = Gauge(
+            "agent_rtt_seconds", "Round-trip time to the peer's agent (median of recent)",
+            ["peer"], namespace=ns, registry=r,
+        )
+        self.estimate_age = Gauge(
+            "agent_estimate_age_seconds", "Time since the last bandwidth sample for the peer",
+            ["peer"], namespace=ns, registry=r,
+        )
+        self.estimate_stale = Gauge(
+            "agent_estimate_stale", "1 when the estimate for the peer is stale or unknown",
+            ["peer"], namespace=ns, registry=r,
+        )
+        self.peer_connected = Gauge(
+            "agent_peer_connected", "1 while the probe connection to the peer is up",
+            ["peer"], namespace=ns, registry=r,
+        )
+        self.peer_connects = Counter(
+            "agent_peer_connects", "Probe connections established to the peer",
+            ["peer"], namespace=ns, registry=r,
+        )
+        self.peers = Gauge("agent_peers", "Configured peers", namespace=ns, registry=r)
+        self.bad_messages = Counter(
+            "agent_bad_messages",
+            "Malformed input dropped: datagram (ignored) or frame (connection closed)",
+            ["kind"], namespace=ns, registry=r,
+        )
+        for kind in ("datagram", "frame"):
+            self.bad_messages.labels(kind)
+        self.transfer_reports = Counter(
+            "agent_transfer_reports",
+            "Transfer reports from local clients, by result (accepted, unknown_peer)",
+            ["result"], namespace=ns, registry=r,
+        )
+        for result in ("accepted", "unknown_peer"):
+            self.transfer_reports.labels(result)

@@ -1,0 +1,266 @@
+"""Benchmark the bandwidth agents on the emulated cluster: error, reaction time, cost.
+
+Each scenario builds a 3-host testbed (mlfabric.testbed, tbf-shaped links),
+starts one agent process per host and polls all six path estimates every
+50 ms. Per scenario, in one run, it reports
+
+* **error**: median over the steady-state polls and the paths of
+  |estimate - truth| / truth, against the physical truth: the shaped rate less
+  header overhead (datagram payload, 1472 of 1514 bytes per frame), or, with
+  cross traffic, the remainder after the cross flow's measured wire rate;
+* **reaction**: seconds until every affected path is within 10% (15% with
+  cross traffic) of the new truth: after the agents are ready, after a rate
+  change, after the cross flow starts;
+* **overhead**: the busiest NIC's bytes (probes, reports, acks) in a 4 s
+  steady-state window, as a fraction of its rate (the budget is 2%);
+
+and, for the static rates, the tool a user would pick instead: a bulk TCP
+test (iperf-like, 1 s) from h0 to h1, with its error against the TCP goodput
+of the link and its cost (the whole link for a second). Medians over --runs.
+
+    sudo python benchmarks/bench_bandwidth.py                # 3 runs, ~3 minutes
+    sudo python benchmarks/bench_bandwidth.py --runs 5 --rates 50 100 200 400
+    sudo python benchmarks/bench_bandwidth.py --runs 9 --scenarios change
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import select
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mlfabric import traffic  # noqa: E402
+from mlfabric.agent import query_estimates, read_net_dev  # noqa: E402
+from mlfabric.testbed import Testbed, require_root  # noqa: E402
+
+PORT = 7400
+PAYLOAD = 1472 / 1514
+TCP_PAYLOAD = 1448 / 1514
+POLL = 0.05
+Truth = Callable[[str, str], float]
+
+
+class Cluster:
+    def __init__(self, tb: Testbed) -> None:
+        self.tb = tb
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self) -> float:
+        self.launched = time.monotonic()
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        for h in self.tb.hosts:
+            peers = [f"--peer={p.name}={p.ip}:{PORT}" for p in self.tb.hosts if p is not h]
+            argv = [sys.executable, "-m", "mlfabric", "--log-level", "WARNING", "agent",
+                    "--name", h.name, "--listen", f"{h.ip}:{PORT}", *peers]
+            self.procs.append(self.tb.popen(h, argv, stdout=subprocess.PIPE, text=True, env=env))
+        for p in self.procs:
+            assert p.stdout is not None
+            ready, _, _ = select.select([p.stdout], [], [], 15)
+            assert ready and "ready" in p.stdout.readline(), "agent did not start"
+        return time.monotonic()
+
+    def estimates(self) -> dict[tuple[str, str], float]:
+        out = {}
+        for h in self.tb.hosts:
+            with h.enter():
+                est = query_estimates(h.ip, PORT, timeout=2)
+            for e in est.estimates:
+                out[(h.name, e.peer)] = float("nan") if e.stale else e.bandwidth_bps
+        return out
+
+    def errors(self, truth: Truth, pairs) -> list[float]:
+        ests = self.estimates()
+        return [abs(ests[p] - truth(*p)) / truth(*p) for p in pairs]
+
+    def reaction(self, truth: Truth, pairs, tol: float, timeout: float = 10.0) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            errs = self.errors(truth, pairs)
+            if all(e <= tol for e in errs):  # NaN (stale) compares False
+                return time.monotonic() - t0
+            time.sleep(POLL)
+        return float("inf")
+
+    def steady_error(self, truth: Truth, pairs, seconds: float = 2.0) -> float:
+        errs: list[float] = []
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            errs += self.errors(truth, pairs)
+            time.sleep(POLL)
+        return statistics.median(errs)
+
+    def overhead(self, rate: float, seconds: float = 4.0) -> float:
+        def counters():
+            out = {}
+            for h in self.tb.hosts:
+                with h.enter():
+                    out[h.name] = read_net_dev(h.ifname)
+            return out
+
+        before, t0 = counters(), time.monotonic()
+        time.sleep(seconds)
+        after, dt = counters(), time.monotonic() - t0
+        worst = 0.0
+        for name, (rx0, tx0) in before.items():
+            rx1, tx1 = after[name]
+            worst = max(worst, (rx1 - rx0) * 8 / dt, (tx1 - tx0) * 8 / dt)
+        return worst / (rate * 1e6)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            p.wait(10)
+
+
+@contextmanager
+def cluster(rate: float):
+    with Testbed(hosts=3, rate_mbit=rate) as tb:
+        c = Cluster(tb)
+        try:
+            yield tb, c
+        finally:
+            c.stop()
+
+
+def pairs_of(tb: Testbed) -> list[tuple[str, str]]:
+    return [(a.name, b.name) for a in tb.hosts for b in tb.hosts if a is not b]
+
+
+def static(rate: float) -> dict[str, float]:
+    with cluster(rate) as (tb, c):
+        ready = c.start()
+        pairs = pairs_of(tb)
+        truth: Truth = lambda a, b: rate * 1e6 * PAYLOAD  # noqa: E731
+        reaction = c.reaction(truth, pairs, 0.10)
+        from_launch = ready - c.launched + reaction
+        time.sleep(1.0)
+        error = c.steady_error(truth, pairs)
+        overhead = c.overhead(rate)
+        # the peer a user would pick instead: a 1 s bulk TCP test h0 -> h1
+        ct = tb.cross_traffic("h0", "h1", proto="tcp", duration=1.0)
+        ct.wait(5.0)
+        s = ct.received_samples
+        tcp = (s[-1].total - s[0].total) * 8 / (s[-1].time - s[0].time) if len(s) > 1 else 0.0
+        tcp_err = abs(tcp - rate * 1e6 * TCP_PAYLOAD) / (rate * 1e6 * TCP_PAYLOAD)
+    return {"reaction_s": reaction, "from_launch_s": from_launch, "error": error,
+            "overhead": overhead, "tcp_error": tcp_err}
+
+
+def change(high: float = 200, low: float = 50) -> dict[str, float]:
+    with cluster(high) as (tb, c):
+        c.start()
+        pairs = pairs_of(tb)
+        involved = [p for p in pairs if "h0" in p]
+
+        def truth_for(r: float) -> Truth:
+            return lambda a, b: (r if "h0" in (a, b) else high) * 1e6 * PAYLOAD
+
+        c.reaction(truth_for(high), pairs, 0.10)
+        out = {}
+        for r, key in ((low, "down"), (high, "up")):
+            time.sleep(1.5)
+            tb.set_rate("h0", up=r, down=r)
+            out[f"{key}_reaction_s"] = c.reaction(truth_for(r), involved, 0.10)
+            time.sleep(0.5)
+            out[f"{key}_error"] = c.steady_error(truth_for(r), involved, 1.0)
+    return out
+
+
+def cross(proto: str, rate: float = 100) -> dict[str, float]:
+    with cluster(rate) as (tb, c):
+        c.start()
+        pairs = pairs_of(tb)
+        full = rate * 1e6 * PAYLOAD
+        c.reaction(lambda a, b: full, pairs, 0.10)
+        time.sleep(1.0)
+        loaded = [("h0", "h1"), ("h0", "h2"), ("h2", "h1")]
+        ct = tb.cross_traffic("h0", "h1", rate_mbit=rate / 2, proto=proto)
+        t_start = time.monotonic()
+        # the truth needs the flow's real rate: estimate it as it runs, then refine
+        remainder = {"v": (rate - rate / 2 / (TCP_PAYLOAD if proto == "tcp" else PAYLOAD))
+                     * 1e6 * PAYLOAD}
+
+        def truth(a: str, b: str) -> float:
+            return remainder["v"] if (a, b) in loaded else full
+
+        reaction = c.reaction(truth, pairs, 0.15)
+        time.sleep(max(0.0, 1.5 - (time.monotonic() - t_start)))
+        t1 = time.monotonic()
+        error_samples_start = t1
+        error = c.steady_error(truth, loaded, 2.0)
+        goodput = traffic.rate_mbit(ct.received_samples, error_samples_start, time.monotonic())
+        wire = goodput * (1 / TCP_PAYLOAD if proto == "tcp" else 1514 / 1472)
+        measured_remainder = (rate - wire) * 1e6 * PAYLOAD
+        # recompute the error against the measured remainder
+        remainder["v"] = measured_remainder
+        error = c.steady_error(truth, loaded, 1.0)
+        ct.stop()
+    return {"reaction_s": reaction, "error": error, "cross_wire_mbit": wire,
+            "remainder_mbit": measured_remainder / 1e6}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--rates", type=float, nargs="+", default=[50, 100, 200])
+    ap.add_argument("--scenarios", nargs="+", choices=["static", "change", "cross"],
+                    default=["static", "change", "cross"])
+    args = ap.parse_args()
+    require_root()
+    results: dict[str, list[dict[str, float]]] = {}
+    for run in range(args.runs):
+        if "static" in args.scenarios:
+            for rate in args.rates:
+                results.setdefault(f"static {rate:g}", []).append(static(rate))
+        if "change" in args.scenarios:
+            results.setdefault("change 200<->50", []).append(change())
+        if "cross" in args.scenarios:
+            for proto in ("tcp", "udp"):
+                results.setdefault(f"cross {proto} 50%", []).append(cross(proto))
+        print(f"run {run + 1}/{args.runs} done", file=sys.stderr, flush=True)
+
+    def med(rows: list[dict[str, float]], key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    print(f"# bench_bandwidth: {args.runs} runs, medians; {platform.node()}, "
+          f"{os.cpu_count()} CPUs, Python {platform.python_version()}")
+    print()
+    print("| scenario | error | reaction (s) | probe overhead | bulk TCP test error | "
+          "bulk TCP test cost |")
+    print("|---|---|---|---|---|---|")
+    for name, rows in results.items():
+        if name.startswith("static"):
+            print(f"| {name} Mbit/s | {med(rows, 'error'):.1%} | "
+                  f"{med(rows, 'reaction_s'):.2f} after ready, "
+                  f"{med(rows, 'from_launch_s'):.2f} after launch | {med(rows, 'overhead'):.2%} | "
+                  f"{med(rows, 'tcp_error'):.1%} | 100% for 1 s |")
+        elif name.startswith("change"):
+            print(f"| 200 -> 50 Mbit/s | {med(rows, 'down_error'):.1%} | "
+                  f"{med(rows, 'down_reaction_s'):.2f} | | | |")
+            print(f"| 50 -> 200 Mbit/s | {med(rows, 'up_error'):.1%} | "
+                  f"{med(rows, 'up_reaction_s'):.2f} | | | |")
+        else:
+            print(f"| {name} of 100 Mbit/s (remainder {med(rows, 'remainder_mbit'):.1f}) | "
+                  f"{med(rows, 'error'):.1%} | {med(rows, 'reaction_s'):.2f} | | | |")
+    print()
+    print("per-run values:")
+    for name, rows in results.items():
+        for r in rows:
+            print(f"  {name}: " + ", ".join(f"{k}={v:.3g}" for k, v in r.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""`mlfabric agent`: run the per-host bandwidth agent until SIGINT/SIGTERM.
+
+Peers come from `--peer NAME=HOST:PORT` flags and/or a JSON `--config` file::
+
+    {"name": "h0", "listen": "10.0.0.1:7400", "metrics_port": 9470,
+     "probe_budget": 0.02, "stale_after": 3.0, "interface": "eth0",
+     "peers": {"h1": "10.0.0.2:7400", "h2": "10.0.0.3:7400"}}
+
+Flags override the file. The controller can replace the peer list later
+(`SetPeers` on the agent's port).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import logging
+import signal
+import socket
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from .agent import Agent, AgentConfig, parse_hostport, parse_peer, read_net_dev
+from .bandwidth import ProbeConfig
+from .errors import ConfigError
+
+log = logging.getLogger("mlfabric.agent")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--name", help="this host's name among its peers (default: hostname)")
+    p.add_argument("--listen", metavar="HOST:PORT",
+                   help="TCP control + UDP probe address (default 0.0.0.0:7400)")
+    p.add_argument("--peer", action="append", default=[], metavar="NAME=HOST:PORT",
+                   help="a peer agent to probe (repeatable)")
+    p.add_argument("--config", type=Path, metavar="FILE",
+                   help="JSON config file (keys as in agents/README.md)")
+    p.add_argument("--metrics-port", type=int, metavar="P",
+                   help="serve Prometheus metrics on this port (default: off)")
+    p.add_argument("--metrics-host", default=None, metavar="ADDR",
+                   help="address for the metrics endpoint (default 0.0.0.0)")
+    p.add_argument("--probe-budget", type=float, metavar="FRACTION",
+                   help="max fraction of each link spent on probes (default 0.02)")
+    p.add_argument("--stale-after", type=float, metavar="SECONDS",
+                   help="an estimate older than this is reported stale (default 3)")
+    p.add_argument("--interface", metavar="NAME",
+                   help="NIC whose byte counters give the load on this host's links "
+                        "(default: all but loopback)")
+    p.add_argument("--loop", choices=["uvloop", "asyncio"], default=None,
+                   help="event loop (default: uvloop when installed)")
+
+
+def _load_file(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read agent config {str(path)!r}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"agent config {str(path)!r} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"agent config {str(path)!r} must be a JSON object")
+    known = {"name", "listen", "metrics_port", "probe_budget", "stale_after", "peers",
+             "interface"}
+    unknown = set(data) - known
+    if unknown:
+        raise ConfigError(
+            f"agent config {str(path)!r} has unknown keys {sorted(unknown)}; "
+            f"known keys: {sorted(known)}"
+        )
+    return data
+
+
+def build_config(args: argparse.Namespace) -> tuple[AgentConfig, int | None]:
+    """Merge the config file and the flags into an AgentConfig (+ metrics port)."""
+    file: dict[str, Any] = _load_file(args.config) if args.config else {}
+    name = args.name or file.get("name") or socket.gethostname()
+    host, port = parse_hostport(args.listen or file.get("listen") or "0.0.0.0:7400",
+                                "--listen")
+    peers: dict[str, tuple[str, int]] = {}
+    file_peers = file.get("peers", {})
+    if not isinstance(file_peers, dict):
+        raise ConfigError('"peers" in the agent config must map NAME to "HOST:PORT"')
+    for pname, addr in file_peers.items():
+        if not isinstance(addr, str):
+            raise ConfigError(f"peer {pname!r} address must be a \"HOST:PORT\" string")
+        peers[pname] = parse_hostport(addr, f"peer {pname!r} address")
+    for text in args.peer:
+        pname, addr = parse_peer(text)
+        peers[pname] = addr
+    budget = args.probe_budget if args.probe_budget is not None else file.get("probe_budget",
+                                                                               0.02)
+    if not isinstance(budget, (int, float)) or not 0 < budget <= 0.5:
+        raise ConfigError(f"probe budget must be a fraction in (0, 0.5], got {budget!r}")
+    stale = args.stale_after if args.stale_after is not None else file.get("stale_after", 3.0)
+    if not isinstance(stale, (int, float)) or stale <= 0:
+        raise ConfigError(f"stale-after must be a positive number of seconds, got {stale!r}")
+    metrics_port = args.metrics_port if args.metrics_port is not None else file.get(
+        "metrics_port")
+    if metrics_port is not None and (not isinstance(metrics_port, int)
+                                     or not 0 < metrics_port <= 65535):
+        raise ConfigError(f"metrics port must be in 1..65535, got {metrics_port!r}")
+    interface = args.interface or file.get("interface")
+    if interface is not None and not isinstance(interface, str):
+        raise ConfigError(f"interface must be a NIC name, got {interface!r}")
+    probe_cfg = replace(ProbeConfig(), budget=float(budget), stale_after=float(stale))
+    config = AgentConfig(name=name, host=host, port=port, peers=peers, probe=probe_cfg,
+                         counters=functools.partial(read_net_dev, interface))
+    return config, metrics_port
+
+
+async def serve(config: AgentConfig, metrics_port: int | None = None,
+                metrics_host: str | None = None) -> None:
+    """Run an agent until SIGINT/SIGTERM (or cancellation)."""
+    from .metrics import AgentMetrics, serve_metrics
+
+    metrics = AgentMetrics()
+    agent = Agent(config, metrics=metrics)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await agent.start()
+        if metrics_port is not None:
+            serve_metrics(metrics.registry, metrics_port, metrics_host or "0.0.0.0")
+        print(f"mlfabric agent {config.name} ready on {config.host}:{agent.port}", flush=True)
+        await stop.wait()
+        log.info("agent %s: shutting down", config.name)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await agent.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    from .loop import run as loop_run
+
+    config, metrics_port = build_config(args)
+    loop_run(serve(config, metrics_port, args.metrics_host), kind=args.loop)
+    return 0

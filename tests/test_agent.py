@@ -1,0 +1,572 @@
+"""The agent daemon on loopback: probing, API, faults, restarts, shutdown, CLI.
+
+Every async test runs on asyncio's loop and on uvloop (the `run_async` fixture
+of conftest.py; an exception reaching the loop's handler fails the test).
+Measured values on loopback mean nothing (no bottleneck); the emulated-cluster
+tests (test_agent_testbed.py) check the numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from mlfabric import probe
+from mlfabric.agent import (
+    Agent,
+    AgentClient,
+    AgentConfig,
+    parse_hostport,
+    parse_peer,
+    query_estimates,
+    read_net_dev,
+)
+from mlfabric.agent_cli import add_arguments, build_config
+from mlfabric.bandwidth import ProbeConfig
+from mlfabric.errors import ConfigError, ProtocolError
+from mlfabric.metrics import AgentMetrics
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCAL = "127.0.0.1"
+# Small trains: loopback has no bottleneck, every train is "sender-limited".
+PROBE = ProbeConfig(max_packets=64, initial_bps=50e6, stale_after=0.5)
+
+
+def _config(name: str, port: int = 0, **kw) -> AgentConfig:
+    kw.setdefault("probe", PROBE)
+    kw.setdefault("counters", None)
+    kw.setdefault("backoff_max", 0.2)
+    return AgentConfig(name=name, host=LOCAL, port=port, **kw)
+
+
+async def _pair(metrics: bool = False, **kw) -> tuple[Agent, Agent]:
+    a = Agent(_config("a", **kw), metrics=AgentMetrics() if metrics else None)
+    b = Agent(_config("b", **kw), metrics=AgentMetrics() if metrics else None)
+    await a.start()
+    await b.start()
+    a.set_peers({"b": (LOCAL, b.port)})
+    b.set_peers({"a": (LOCAL, a.port)})
+    return a, b
+
+
+async def _measured(agent: Agent, peer: str, timeout: float = 5.0) -> None:
+    """Wait (train by train, bounded) until `agent` has a fresh estimate of `peer`."""
+    deadline = time.monotonic() + timeout
+    while agent.estimates()[peer][0].stale:
+        await agent.wait_trains(peer, 1, timeout=max(0.01, deadline - time.monotonic()))
+
+
+async def _stop(*agents: Agent) -> None:
+    for ag in agents:
+        await asyncio.wait_for(ag.stop(), 10)
+
+
+async def _raw_control(port: int, data: bytes) -> bytes:
+    """Send raw bytes on a control connection; return what came back until close."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(LOCAL, port), 2)
+    writer.write(data)
+    await writer.drain()
+    if writer.can_write_eof():
+        writer.write_eof()
+    got = await asyncio.wait_for(reader.read(), 2)
+    writer.close()
+    return got
+
+
+# --- probing and the API ---------------------------------------------------------
+
+
+def test_agents_probe_each_other_and_serve_estimates(run_async) -> None:
+    async def main() -> None:
+        a, b = await _pair(metrics=True)
+        try:
+            await _measured(a, "b")
+            await _measured(b, "a")
+            async with await AgentClient.connect(LOCAL, a.port) as client:
+                est = await client.estimates()
+            assert est.agent == "a"
+            (e,) = est.estimates
+            assert e.peer == "b" and e.connected and not e.stale
+            assert e.bandwidth_bps > 0 and e.capacity_bps > 0 and e.samples >= 1
+            assert 0 <= e.age_s < PROBE.stale_after
+            assert e.rtt_s > 0
+            m = a.metrics
+            assert m is not None
+            assert m.probe_sent_bytes.labels("b")._value.get() > 0
+            assert m.peer_connected.labels("b")._value.get() == 1
+            assert b.metrics.probe_received_bytes.labels("a")._value.get() > 0  # type: ignore
+        finally:
+            await _stop(a, b)
+
+    run_async(main())
+
+
+def test_estimates_of_an_agent_without_peers_are_empty(run_async) -> None:
+    async def main() -> None:
+        a = Agent(_config("a"))
+        await a.start()
+        try:
+            async with await AgentClient.connect(LOCAL, a.port) as client:
+                est = await client.estimates()
+            assert est == probe.Estimates(1, "a", ())
+        finally:
+            await _stop(a)
+
+    run_async(main())
+
+
+def test_transfer_reports_feed_the_passive_estimate(run_async) -> None:
+    async def main() -> None:
+        metrics = AgentMetrics()
+        a = Agent(_config("a", peers={"b": (LOCAL, 9)}), metrics=metrics)  # b never answers
+        await a.start()
+        try:
+            async with await AgentClient.connect(LOCAL, a.port) as client:
+                await client.report_transfer("b", 8 * 2**20, 0.5)
+                await client.report_transfer("nobody", 8 * 2**20, 0.5)
+                est = await client.estimates()  # answered after the reports: in order
+            (e,) = est.estimates
+            assert e.bandwidth_bps == pytest.approx(8 * 2**20 * 8 / 0.5)
+            assert not e.stale and not e.connected
+            assert metrics.transfer_reports.labels("accepted")._value.get() == 1
+            assert metrics.transfer_reports.labels("unknown_peer")._value.get() == 1
+        finally:
+            await _stop(a)
+
+    run_async(main())
+
+
+def test_set_peers_from_the_controller(run_async) -> None:
+    async def main() -> None:
+        a, b = await _pair()
+        c = Agent(_config("c", peers={"a": (LOCAL, a.port)}))
+        await c.start()
+        try:
+            async with await AgentClient.connect(LOCAL, a.port) as client:
+                await client.set_peers({"c": (LOCAL, c.port), "a": (LOCAL, a.port)})
+                await a.wait_trains("c", 2, timeout=5)
+                names = [e.peer for e in (await client.estimates()).estimates]
+                assert names == ["c"]  # b dropped, itself ignored
+                with pytest.raises(ConfigError, match="port"):
+                    await client.set_peers({"x": (LOCAL, 0)})
+                assert [e.peer for e in (await client.estimates()).estimates] == ["c"]
+        finally:
+            await _stop(a, b, c)
+
+    run_async(main())
+
+
+def test_blocking_query_helper(run_async) -> None:
+    async def main() -> None:
+        a, b = await _pair()
+        try:
+            await a.wait_trains("b", 1, timeout=5)
+            est = await asyncio.get_running_loop().run_in_executor(
+                None, query_estimates, LOCAL, a.port, 2.0
+            )
+            assert [e.peer for e in est.estimates] == ["b"]
+        finally:
+            await _stop(a, b)
+
+    run_async(main())
+
+
+def test_link_load_comes_from_the_counters_less_probes(run_async) -> None:
+    async def main() -> None:
+        ticks = {"rx": 0, "tx": 0}
+
+        def counters() -> tuple[int, int]:
+            # 1 MB/s of other traffic each way, plus whatever the agent probes
+            ticks["rx"] += 100_000 + 0
+            ticks["tx"] += 100_000
+            return ticks["rx"] + a.probe_rx_bytes, ticks["tx"] + a.probe_tx_bytes
+
+        a = Agent(_config("a", counters=counters, load_interval=0.02, load_window=0.2))
+        await a.start()
+        try:
+            for _ in range(200):
+                if a.link_load() is not None and len(a.load._readings) > 5:
+                    break
+                await asyncio.sleep(0.02)  # the load task samples on its own schedule
+            down, up = a.link_load()  # type: ignore[misc]
+            # 100 kB per reading every ~20 ms: about 40 Mbit/s; probes excluded exactly
+            assert 10e6 < down < 60e6 and 10e6 < up < 60e6
+        finally:
+            await _stop(a)
+
+    run_async(main())
+
+
+def test_receiver_flags_trains_that_overlap(run_async) -> None:
+    """Two agents' trains reaching one host at once share its downlink: both reports
+    say so, and a train alone does not."""
+
+    async def main() -> None:
+        a = Agent(_config("a"))
+        await a.start()
+        try:
+            sent: list[probe.TrainReport] = []
+
+            class FakeControl:
+                peer_name = "x"
+
+                def send(self, ev) -> None:
+                    sent.append(ev)
+
+            a._sessions[1] = a._sessions[2] = FakeControl()  # type: ignore[assignment]
+
+            def train(session: int, train_id: int, start_ns: int, n: int = 5) -> list:
+                return [(probe.encode_datagram(session, train_id, i, n, 0, 100),
+                         start_ns + i * 1000) for i in range(n)]
+
+            a_train, b_train = train(1, 1, 0), train(2, 1, 2500)  # interleaved in time
+            for (d1, t1), (d2, t2) in zip(a_train, b_train, strict=True):
+                a._on_datagram(d1, t1)
+                a._on_datagram(d2, t2)
+            for d, t in train(1, 2, 10**9):  # a second later, alone
+                a._on_datagram(d, t)
+            assert [(r.session, r.train, r.overlapped) for r in sent] == [
+                (1, 1, True), (2, 1, True), (1, 2, False)
+            ]
+            assert all(len(r.arrivals) == 5 for r in sent)
+        finally:
+            await _stop(a)
+
+    run_async(main())
+
+
+# --- faults ----------------------------------------------------------------------
+
+
+def test_bad_and_truncated_datagrams_are_counted_and_ignored(run_async) -> None:
+    async def main() -> None:
+        a, b = await _pair(metrics=True)
+        try:
+            await b.wait_trains("a", 1, timeout=5)
+            good = probe.encode_datagram(1, 1, 0, 2, 0, 200)
+            junk = [b"", b"x", good[:20], b"XXXX" + good[4:], good]  # last: unknown session
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            try:
+                for d in junk:
+                    s.sendto(d, (LOCAL, a.port))
+            finally:
+                s.close()
+            await b.wait_trains("a", 2, timeout=5)  # a still answers b's trains
+            await _measured(a, "b")
+            assert a.bad_datagrams >= len(junk) - 1  # an empty datagram may not arrive
+            assert a.metrics.bad_messages.labels("datagram")._value.get() == a.bad_datagrams  # type: ignore
+            est = await (await AgentClient.connect(LOCAL, a.port)).estimates()
+            assert not est.estimates[0].stale
+        finally:
+            await _stop(a, b)
+
+    run_async(main())
+
+
+BAD_STREAMS = {
+    "garbage": b"GET / HTTP/1.1\r\n\r\n",
+    "truncated frame": probe.Connection().send(probe.Hello("x", 1))[:-3],
+    "bad type": probe.HEADER.pack(b"MA", 1, 99, 0),
+    "agent-only event": probe.Connection().send(probe.Ack(1)),
+    "oversized": probe.HEADER.pack(b"MA", 1, probe.MsgType.PING, 2**31),
+}
+
+
+@pytest.mark.parametrize("data", BAD_STREAMS.values(), ids=BAD_STREAMS.keys())
+def test_bad_frames_close_the_connection_and_the_agent_goes_on(run_async, data) -> None:
+    async def main() -> None:
+        a = Agent(_config("a"), metrics=AgentMetrics())
+        await a.start()
+        try:
+            assert await _raw_control(a.port, data) == b""  # closed, nothing answered
+            assert a.bad_frames == 1
+            async with await AgentClient.connect(LOCAL, a.port) as client:
+                assert (await client.estimates()).agent == "a"
+        finally:
+            await _stop(a)
+
+    run_async(main())
+
+
+def test_peer_that_disappears_goes_stale_and_says_so(run_async) -> None:
+    async def main() -> None:
+        a, b = await _pair()
+        try:
+            await _measured(a, "b")
+            await _stop(b)
+            deadline = time.monotonic() + 5
+            e = None
+            while time.monotonic() < deadline:
+                (e,) = (await (await AgentClient.connect(LOCAL, a.port)).estimates()).estimates
+                if e.stale and not e.connected:
+                    break
+                await asyncio.sleep(0.05)  # polling the API is what a user does
+            assert e is not None and e.stale and not e.connected
+            assert e.age_s > PROBE.stale_after
+            assert not math.isnan(e.bandwidth_bps)  # the last value, flagged stale
+        finally:
+            await _stop(a)
+
+    run_async(main())
+
+
+def test_peer_restart_reconnects_with_bounded_backoff(run_async) -> None:
+    async def main() -> None:
+        a, b = await _pair(metrics=True)
+        port = b.port
+        try:
+            await a.wait_trains("b", 2, timeout=5)
+            await _stop(b)
+            await asyncio.sleep(0.5)  # let a fail a few reconnects (backoff <= 0.2 s)
+            b = Agent(_config("b", port=port, peers={"a": (LOCAL, a.port)}))
+            await b.start()
+            t0 = time.monotonic()
+            await a.wait_trains("b", 1, timeout=5)
+            assert time.monotonic() - t0 < 2.0
+            await _measured(a, "b")
+            assert a.metrics.peer_connects.labels("b")._value.get() == 2  # type: ignore
+            (e,) = a._estimates_event(0).estimates
+            assert e.connected and not e.stale
+        finally:
+            await _stop(a, b)
+
+    run_async(main())
+
+
+def test_peer_that_stops_answering_trains_is_reconnected(run_async) -> None:
+    async def main() -> None:
+        a, b = await _pair(metrics=True, max_lost_trains=3)
+        try:
+            await a.wait_trains("b", 2, timeout=5)
+            # b keeps its control connections but stops reading probe datagrams
+            assert b._udp is not None
+            asyncio.get_running_loop().remove_reader(b._udp.fileno())
+            await a.wait_trains("b", a.config.max_lost_trains + 1, timeout=10)
+            assert a._peers["b"].estimator.outcomes.get("lost", 0) >= a.config.max_lost_trains
+            t0 = time.monotonic()
+            while a.metrics.peer_connects.labels("b")._value.get() < 2:  # type: ignore
+                assert time.monotonic() - t0 < 5
+                await asyncio.sleep(0.02)
+        finally:
+            await _stop(a, b)
+
+    run_async(main())
+
+
+def test_stop_is_clean_and_bounded(run_async) -> None:
+    async def main() -> None:
+        before = asyncio.all_tasks()
+        a, b = await _pair()
+        await a.wait_trains("b", 1, timeout=5)
+        client = await AgentClient.connect(LOCAL, a.port)
+        t0 = time.monotonic()
+        await _stop(a, b)
+        assert time.monotonic() - t0 < 3
+        assert asyncio.all_tasks() - before == set()
+        with pytest.raises((ConnectionError, ProtocolError, OSError, Exception)):
+            await client.estimates()
+        await client.close()
+
+    run_async(main())
+
+
+def test_port_in_use_is_a_config_error(run_async) -> None:
+    async def main() -> None:
+        udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        udp.bind((LOCAL, 0))
+        port = udp.getsockname()[1]
+        try:
+            a = Agent(_config("a", port=port))
+            with pytest.raises(ConfigError, match="--listen"):
+                await a.start()
+        finally:
+            udp.close()
+
+    run_async(main())
+
+
+# --- pieces -------------------------------------------------------------------------
+
+
+def test_parse_addresses() -> None:
+    assert parse_hostport("10.0.0.1:7400") == ("10.0.0.1", 7400)
+    assert parse_hostport("[::1]:80") == ("::1", 80)
+    assert parse_peer("h1=10.0.0.2:7400") == ("h1", ("10.0.0.2", 7400))
+    for bad in ("10.0.0.1", "10.0.0.1:x", ":80", "h:70000"):
+        with pytest.raises(ConfigError, match="HOST:PORT"):
+            parse_hostport(bad)
+    with pytest.raises(ConfigError, match="NAME=HOST:PORT"):
+        parse_peer("10.0.0.2:7400")
+
+
+def test_read_net_dev(tmp_path: Path) -> None:
+    f = tmp_path / "dev"
+    f.write_text(
+        "Inter-|   Receive |  Transmit\n"
+        " face |bytes    packets errs drop fifo frame compressed multicast|bytes ...\n"
+        "    lo: 999 1 0 0 0 0 0 0 999 1 0 0 0 0 0 0\n"
+        "  eth0: 100 1 0 0 0 0 0 0 200 1 0 0 0 0 0 0\n"
+        "  eth1: 10 1 0 0 0 0 0 0 20 1 0 0 0 0 0 0\n"
+    )
+    assert read_net_dev(paths=(str(f),)) == (110, 220)
+    assert read_net_dev("eth1", paths=(str(f),)) == (10, 20)
+    assert read_net_dev("nope", paths=(str(f),)) is None
+    assert read_net_dev(paths=(str(tmp_path / "missing"),)) is None
+    assert read_net_dev() is not None  # this host's own counters
+
+
+def _args(argv: list[str]):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_cli_config_from_flags_and_file(tmp_path: Path) -> None:
+    f = tmp_path / "agent.json"
+    f.write_text(json.dumps({
+        "name": "h0", "listen": "10.0.0.1:7400", "probe_budget": 0.01, "stale_after": 2,
+        "metrics_port": 9470, "peers": {"h1": "10.0.0.2:7400", "h2": "10.0.0.3:7400"},
+    }))
+    cfg, mport = build_config(_args(["--config", str(f), "--peer", "h2=10.0.0.9:7401"]))
+    assert cfg.name == "h0" and (cfg.host, cfg.port) == ("10.0.0.1", 7400)
+    assert cfg.peers == {"h1": ("10.0.0.2", 7400), "h2": ("10.0.0.9", 7401)}
+    assert cfg.probe.budget == 0.01 and cfg.probe.stale_after == 2 and mport == 9470
+    assert cfg.counters is not None and cfg.counters.keywords == {} and cfg.counters.args == (None,)
+    cfg, _ = build_config(_args(["--interface", "eth7"]))
+    assert cfg.counters.args == ("eth7",)  # type: ignore[union-attr]
+    cfg, mport = build_config(_args(["--name", "x", "--probe-budget", "0.02"]))
+    assert (cfg.host, cfg.port, cfg.peers, mport) == ("0.0.0.0", 7400, {}, None)
+
+
+@pytest.mark.parametrize(
+    ("content", "argv", "match"),
+    [
+        ("{", [], "not valid JSON"),
+        ("[]", [], "JSON object"),
+        ('{"peerz": {}}', [], "unknown keys"),
+        ('{"peers": ["h1"]}', [], "peers"),
+        ('{"peers": {"h1": 5}}', [], "HOST:PORT"),
+        ("{}", ["--probe-budget", "0.9"], "probe budget"),
+        ("{}", ["--stale-after", "-1"], "stale-after"),
+        ('{"metrics_port": "x"}', [], "metrics port"),
+        ('{"interface": 5}', [], "NIC name"),
+        ("{}", ["--peer", "h1"], "NAME=HOST:PORT"),
+    ],
+)
+def test_cli_config_errors(tmp_path: Path, content: str, argv: list[str], match: str) -> None:
+    f = tmp_path / "agent.json"
+    f.write_text(content)
+    with pytest.raises(ConfigError, match=match):
+        build_config(_args(["--config", str(f), *argv]))
+    with pytest.raises(ConfigError, match="cannot read"):
+        build_config(_args(["--config", str(tmp_path / "missing.json")]))
+
+
+def _free_port(kind: int) -> int:
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind((LOCAL, 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_cli_process_serves_metrics_and_shuts_down_cleanly(sig: int, loop: str) -> None:
+    port, mport = _free_port(socket.SOCK_STREAM), _free_port(socket.SOCK_STREAM)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    argv = [sys.executable, "-m", "mlfabric", "agent", "--name", "solo", "--loop", loop,
+            "--listen", f"{LOCAL}:{port}", "--peer", f"ghost={LOCAL}:9",
+            "--metrics-port", str(mport), "--metrics-host", LOCAL]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # bounded: the process exits on any error
+        assert "ready" in line, proc.stderr.read() if proc.stderr else line
+        est = query_estimates(LOCAL, port, timeout=5)
+        assert est.agent == "solo" and est.estimates[0].peer == "ghost"
+        with urllib.request.urlopen(f"http://{LOCAL}:{mport}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        assert "mlfabric_agent_estimate_stale{peer=\"ghost\"} 1.0" in text
+        assert "mlfabric_agent_bad_messages_total" in text
+        proc.send_signal(sig)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+
+
+def test_cli_reports_config_errors_in_one_line() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res = subprocess.run(
+        [sys.executable, "-m", "mlfabric", "agent", "--listen", "nowhere"],
+        capture_output=True, text=True, env=env, timeout=30,
+    )
+    assert res.returncode == 2
+    assert "mlfabric agent: error: --listen 'nowhere' is not HOST:PORT" in res.stderr
+
+
+def test_agent_config_is_plain_data() -> None:
+    cfg = _config("a")
+    assert replace(cfg, name="b").name == "b"
+
+
+# --- deployment files (agents/) ------------------------------------------------------
+
+
+def test_systemd_unit_runs_a_valid_agent_command() -> None:
+    import shlex
+
+    unit = (ROOT / "agents" / "mlfabric-agent.service").read_text()
+    (line,) = [x for x in unit.splitlines() if x.startswith("ExecStart=")]
+    argv = [a for a in shlex.split(line.removeprefix("ExecStart=")) if not a.startswith("$")]
+    assert argv[0] == "/usr/local/bin/mlfabric" and argv[1] == "agent"
+    args = _args(argv[2:])
+    assert args.metrics_port == 9470 and str(args.config) == "/etc/mlfabric/agent.json"
+    assert "KillSignal=SIGTERM" in unit and "WantedBy=multi-user.target" in unit
+
+
+def test_daemonset_runs_a_valid_agent_command_and_config() -> None:
+    text = (ROOT / "agents" / "daemonset.yaml").read_text()
+    lines = text.splitlines()
+    start = next(i for i, x in enumerate(lines) if x.strip() == "command:")
+    argv = []
+    for x in lines[start + 1:]:
+        if not x.strip().startswith("- "):
+            break
+        argv.append(x.strip()[2:].replace("$(NODE_NAME)", "n1").replace("$(HOST_IP)", "10.0.0.1"))
+    assert argv[:2] == ["mlfabric", "agent"]
+    args = _args(argv[2:])
+    assert (args.listen, args.metrics_port, args.name) == ("10.0.0.1:7400", 9470, "n1")
+    # the embedded agent.json is valid for build_config
+    cfg_start = next(i for i, x in enumerate(lines) if x.strip() == "agent.json: |")
+    body = []
+    for x in lines[cfg_start + 1:]:
+        if not x.startswith("    "):
+            break
+        body.append(x)
+    cfg = json.loads("\n".join(body))
+    assert set(cfg) <= {"name", "listen", "metrics_port", "probe_budget", "stale_after", "peers",
+                        "interface"}
+    assert "hostNetwork: true" in text and 'prometheus.io/port: "9470"' in text
+
+
+def test_prometheus_config_scrapes_agents_servers_and_controller() -> None:
+    text = (ROOT / "agents" / "prometheus.yml").read_text()
+    for job in ("mlfabric-agent", "mlfabric-server", "mlfabric-controller"):
+        assert f"job_name: {job}" in text
+    assert ":9470" in text and "kubernetes_sd_configs" in text

@@ -1,0 +1,480 @@
+"""The estimator (mlfabric.bandwidth): pure code, fake clock, synthetic and recorded samples."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from mlfabric.bandwidth import (
+    CapacityFilter,
+    LoadMeter,
+    PathEstimator,
+    ProbeConfig,
+    RobustFilter,
+    TrainMeasurement,
+    TrainPlan,
+    analyze_train,
+)
+from mlfabric.probe import WIRE_OVERHEAD
+
+MBIT = 1e6
+PAYLOAD = 1472 / 1514  # payload share of a full-size frame
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+# --- recorded on the emulated cluster (mlfabric.testbed, 3 hosts, tbf) --------------
+# Capacity samples (Mbit/s) of the path h0 -> h1 shaped to 200 Mbit/s, then to 50 at
+# the 7th sample (agent log, train by train).
+RECORDED_200_TO_50 = [195.4, 195.0, 197.9, 196.0, 204.0, 194.0, 48.6, 48.4, 50.2, 49.7, 50.8]
+# Capacity samples of h2 -> h1 (100 Mbit/s) while a 50 Mbit/s TCP flow h0 -> h1 shares
+# h1's downlink, with the load on the path measured from the NIC counters (Mbit/s).
+RECORDED_CROSS = [
+    (97.7, 0.0), (96.7, 0.0), (97.5, 0.0), (97.8, 0.0), (65.6, 36.3), (65.7, 48.5),
+    (59.2, 47.8), (59.0, 50.7), (64.4, 50.7), (60.0, 51.0), (72.7, 50.6), (76.2, 50.4),
+    (65.6, 50.2), (68.6, 50.1), (56.3, 49.3), (65.7, 50.4), (65.3, 50.7),
+]
+
+
+# --- filters -------------------------------------------------------------------
+
+
+def test_robust_filter_ignores_single_outliers() -> None:
+    f = RobustFilter(window=5, threshold=0.1, confirm=2)
+    for i, x in enumerate([100, 101, 99, 300, 100, 5, 100, 102]):
+        f.add(x, float(i))
+    assert f.value == pytest.approx(100.5, abs=1.5)
+    assert f.count == 8
+
+
+def test_robust_filter_follows_a_step_after_confirm_samples() -> None:
+    f = RobustFilter(window=5, threshold=0.1, confirm=2)
+    for i in range(5):
+        f.add(200, float(i))
+    f.add(50, 5.0)
+    assert f.value == 200 and f.pending == 1
+    f.add(51, 6.0)
+    assert f.value == pytest.approx(50.5)
+    assert f.pending == 0
+
+
+def test_robust_filter_pending_resets_on_direction_change() -> None:
+    f = RobustFilter(window=5, threshold=0.1, confirm=2)
+    f.add(100, 0.0)
+    f.add(50, 1.0)
+    f.add(200, 2.0)  # disagrees the other way: not a confirmation
+    assert f.value == 100 and f.pending == 1
+
+
+def test_robust_filter_noise_within_threshold_is_averaged_not_chased() -> None:
+    rng = random.Random(1)
+    f = RobustFilter(window=5, threshold=0.12, confirm=2)
+    values = []
+    for i in range(200):
+        values.append(f.add(100 * (1 + rng.gauss(0, 0.04)), float(i)))
+    assert max(abs(v - 100) for v in values[5:]) < 6
+
+
+def test_filters_reject_bad_arguments_and_samples() -> None:
+    with pytest.raises(ValueError):
+        RobustFilter(window=0)
+    f = RobustFilter()
+    for bad in (math.nan, math.inf, -1.0):
+        with pytest.raises(ValueError):
+            f.add(bad, 0.0)
+
+
+def test_capacity_filter_keeps_upper_order_statistic() -> None:
+    f = CapacityFilter(window=5, threshold=0.12, confirm=2)
+    for i, x in enumerate([97, 98, 96, 97.5, 150]):
+        f.add(x, float(i))
+    assert f.value == pytest.approx(97.5)  # 150 is held back, 2nd largest of the rest
+
+
+def test_capacity_filter_ignores_low_samples_explained_by_load() -> None:
+    f = CapacityFilter(window=5, threshold=0.12, confirm=2)
+    t = 0.0
+    for x, load in RECORDED_CROSS:
+        t += 0.5
+        f.add(x, t, slack=load)
+    assert f.value == pytest.approx(97.7, rel=0.02)
+    assert f.last_sample == t  # the ignored samples still count for the age
+
+
+def test_capacity_filter_without_load_follows_a_drop() -> None:
+    f = CapacityFilter(window=5, threshold=0.12, confirm=2)
+    for i, x in enumerate(RECORDED_200_TO_50):
+        f.add(x, float(i))
+        if i == 5:
+            assert f.value == pytest.approx(197.9, rel=0.01)
+    assert f.value == pytest.approx(50, rel=0.03)
+
+
+def test_short_low_runs_under_load_do_not_pull_the_capacity_down() -> None:
+    """Recorded on the emulated cluster: h2 -> h1 at 100 Mbit/s with a 50 Mbit/s flow
+    into h1; cross-traffic bursts left trains with 4-packet queued runs at 25 Mbit/s."""
+    clock = FakeClock()
+    est = PathEstimator(ProbeConfig(), clock)
+    _settle(est, clock, 97.6 * MBIT)
+    for c, queued in [(25.3, 4), (95.4, 6), (44.1, 5), (25.4, 4), (94.2, 6)]:
+        out = est.on_train(TrainMeasurement(23, 0, c * MBIT, 1e9, queued),
+                           peer_down_load=50e6)
+        assert out in ("sample", "weak")
+        clock.advance(0.4)
+    snap = est.snapshot()
+    assert snap.capacity_bps == pytest.approx(97.6e6, rel=0.03)
+    assert not snap.stale
+
+
+def test_capacity_filter_load_does_not_hide_a_real_drop() -> None:
+    f = CapacityFilter(window=5, threshold=0.12, confirm=2)
+    for i in range(5):
+        f.add(200, float(i))
+    f.add(40, 5.0, slack=60)  # 200 - 60 = 140 could not give 40
+    f.add(41, 6.0, slack=60)
+    assert f.value == pytest.approx(41)  # the larger of two samples
+
+
+# --- trains --------------------------------------------------------------------
+
+
+def _tbf(sent_ns: list[int], rate_bps: float, burst_bytes: int, size: int = 1472,
+         lose: set[int] | None = None, latency_ns: int = 50_000) -> list[tuple[int, int]]:
+    """Arrival times through a token bucket (tbf): a packet leaves when it is at the
+    head of the queue and the bucket holds its wire size; tokens refill at the rate."""
+    wire = size + WIRE_OVERHEAD
+    ns_per_byte = 8e9 / rate_bps
+    arrivals = []
+    t_prev = t_tok = 0.0
+    tokens = float(burst_bytes)
+    for i, a in enumerate(sent_ns):
+        t = max(float(a), t_prev)
+        tokens = min(float(burst_bytes), tokens + (t - t_tok) / ns_per_byte)
+        t_tok = t
+        if tokens < wire:
+            t += (wire - tokens) * ns_per_byte
+            tokens, t_tok = float(wire), t
+        tokens -= wire
+        t_prev = t
+        if not lose or i not in lose:
+            arrivals.append((i, int(t) + latency_ns))
+    return arrivals
+
+
+def _synthetic_train(count: int, rate_bps: float, burst_bytes: int, size: int = 1472,
+                     send_gap_ns: int = 1000, lose: set[int] | None = None):
+    sent = [i * send_gap_ns for i in range(count)]
+    return sent, _tbf(sent, rate_bps, burst_bytes, size, lose)
+
+
+@pytest.mark.parametrize("rate_mbit", [50, 100, 200, 1000])
+def test_analyze_train_skips_the_burst_and_measures_the_rate(rate_mbit: float) -> None:
+    rate = rate_mbit * MBIT
+    burst = max(2 * 1514, int(rate / 8 * 0.001))
+    plan = PathEstimator(ProbeConfig(initial_bps=rate * PAYLOAD)).plan(1)
+    sent, arrivals = _synthetic_train(plan.count, rate, burst)
+    m = analyze_train(plan, sent, arrivals)
+    assert m.received == plan.count and m.lost == 0
+    assert m.capacity_bps == pytest.approx(rate * PAYLOAD, rel=1e-3)
+    assert not m.sender_limited
+
+
+def test_analyze_train_bridges_losses_after_the_bottleneck() -> None:
+    plan = TrainPlan(1, 40)
+    sent, arrivals = _synthetic_train(40, 100 * MBIT, 12500, lose={20, 21, 30, 39})
+    m = analyze_train(plan, sent, dict(arrivals))
+    assert m.lost == 4
+    assert m.capacity_bps == pytest.approx(100 * MBIT * PAYLOAD, rel=1e-3)
+
+
+def test_analyze_train_survives_a_sender_pause() -> None:
+    """The sender is descheduled for 3 ms mid-train: the queue drains, the bucket
+    refills, and the packets after the pause pass quickly again."""
+    plan = TrainPlan(1, 60)
+    rate = 200 * MBIT
+    sent = [i * 10_000 + (3_000_000 if i >= 40 else 0) for i in range(60)]
+    arrivals = _tbf(sent, rate, 25_000)
+    m = analyze_train(plan, sent, arrivals)
+    assert m.capacity_bps == pytest.approx(rate * PAYLOAD, rel=0.01)
+
+
+def test_analyze_train_never_mistakes_a_slow_sender_for_the_bottleneck() -> None:
+    """Recorded failure: the sender was descheduled over and over and got a train out
+    at 127 Mbit/s on a 200 Mbit/s link; the arrivals mirrored the send times."""
+    plan = TrainPlan(1, 45)
+    rate = 200 * MBIT
+    gap = int(1472 * 8 / 127e6 * 1e9)
+    sent = [i * gap + 400_000 * ((i >= 20) + (i >= 30)) for i in range(45)]
+    m = analyze_train(plan, sent, _tbf(sent, rate, 25_000))
+    assert m.capacity_bps is None and m.sender_limited
+    est = PathEstimator(ProbeConfig(initial_bps=194e6))
+    assert est.on_train(m) == "sender-slow"
+
+
+def test_analyze_train_whole_train_in_the_burst_is_sender_limited() -> None:
+    plan = TrainPlan(1, 10)
+    sent, arrivals = _synthetic_train(10, 100 * MBIT, 10**6, send_gap_ns=10_000)
+    m = analyze_train(plan, sent, arrivals)
+    assert m.sender_limited
+    assert m.send_bps == pytest.approx(1472 * 8 / 10e-6, rel=1e-6)
+
+
+def test_analyze_train_ignores_foreign_sequence_numbers_and_few_arrivals() -> None:
+    plan = TrainPlan(1, 10)
+    m = analyze_train(plan, list(range(10)), [(0, 0), (99, 5), (1, 10)])
+    assert m.received == 2 and m.capacity_bps is None
+
+
+def test_train_plan_wire_bytes() -> None:
+    assert TrainPlan(1, 10, 1000).wire_bytes == 10 * (1000 + WIRE_OVERHEAD)
+
+
+# --- the path estimator: planning and budget ----------------------------------------
+
+
+def _settle(est: PathEstimator, clock: FakeClock, rate_bps: float, n: int = 8) -> None:
+    for _ in range(n):
+        est.plan(1)
+        clock.advance(est.interval())
+        est.on_train(_measure(rate_bps))
+
+
+def _measure(rate_bps: float, send_bps: float = 2e9) -> TrainMeasurement:
+    return TrainMeasurement(20, 0, rate_bps, send_bps, 12)
+
+
+@pytest.mark.parametrize("rate_mbit", [10, 50, 100, 200, 1000, 10000])
+@pytest.mark.parametrize("peers", [1, 2, 5])
+def test_steady_state_probe_traffic_stays_within_budget(rate_mbit: float, peers: int) -> None:
+    clock = FakeClock()
+    cfg = ProbeConfig(budget=0.02, share=peers)
+    est = PathEstimator(cfg, clock)
+    rate = rate_mbit * MBIT * PAYLOAD
+    _settle(est, clock, rate, 10)
+    sent = 0
+    start = clock.t
+    for _ in range(50):
+        plan = est.plan(1)
+        sent += plan.wire_bytes
+        est.on_train(_measure(rate))
+        clock.advance(est.interval())
+    wire_rate = sent * 8 / (clock.t - start)
+    # every peer probes through this uplink: together they stay under the budget
+    assert wire_rate * peers <= 0.02 * rate_mbit * MBIT
+    # and, where the budget allows a train past the burst that often, the interval
+    # still lets the estimate react within a second
+    if rate_mbit >= 50 and peers <= 2:
+        assert est.interval() <= 0.8
+
+
+def test_retry_storms_cannot_overrun_the_budget() -> None:
+    """Every train comes back useless (a descheduled sender): the quick retries are
+    held to `hard_cap` of the budget, over any 4 s window."""
+    clock = FakeClock()
+    cfg = ProbeConfig(budget=0.02, share=2)
+    est = PathEstimator(cfg, clock)
+    _settle(est, clock, 100 * MBIT * PAYLOAD)
+    sends: list[tuple[float, int]] = []
+    for _ in range(300):
+        plan = est.plan(1)
+        est.record_sent(plan.wire_bytes)
+        sends.append((clock.t, plan.wire_bytes))
+        est.on_train(TrainMeasurement(20, 0, None, 40 * MBIT, 0))  # sender-slow: retry
+        clock.advance(est.interval())
+    window = 4.0
+    budget_bytes = 0.02 * 100e6 / 8 / 2 * window  # this path's share of the budget
+    worst = max(sum(b for t, b in sends if t0 <= t < t0 + window) for t0, _ in sends)
+    assert worst <= budget_bytes
+    assert worst >= 0.7 * budget_bytes  # retries do go on, as fast as the cap allows
+
+
+def test_plan_sizes_the_train_past_the_burst() -> None:
+    est = PathEstimator(ProbeConfig(initial_bps=200 * MBIT * PAYLOAD))
+    plan = est.plan(1)
+    burst_packets = 200e6 / 8 * 0.001 / 1514
+    assert plan.count > burst_packets + 10
+    small = PathEstimator(ProbeConfig(initial_bps=1 * MBIT)).plan(1)
+    assert small.count == ProbeConfig().min_packets
+
+
+def test_quick_probes_while_starting_and_confirming() -> None:
+    clock = FakeClock()
+    cfg = ProbeConfig()
+    est = PathEstimator(cfg, clock)
+    assert est.interval() == cfg.quick_interval
+    _settle(est, clock, 100 * MBIT)
+    assert est.interval() > cfg.quick_interval
+    assert est.on_train(_measure(50 * MBIT)) == "sample"
+    assert est.capacity.pending == 1
+    assert est.interval() == cfg.quick_interval  # confirm the step soon
+
+
+# --- the path estimator: following the path ---------------------------------------
+
+
+def test_step_change_is_followed_within_two_trains_and_noise_is_not() -> None:
+    clock = FakeClock()
+    est = PathEstimator(ProbeConfig(), clock)
+    for x in RECORDED_200_TO_50[:6]:
+        est.on_train(_measure(x * MBIT))
+        clock.advance(0.4)
+    assert est.snapshot().bandwidth_bps == pytest.approx(196e6, rel=0.02)
+    est.on_train(_measure(RECORDED_200_TO_50[6] * MBIT))
+    assert est.snapshot().bandwidth_bps > 190e6  # one sample is not a step
+    clock.advance(0.03)
+    est.on_train(_measure(RECORDED_200_TO_50[7] * MBIT))
+    assert est.snapshot().bandwidth_bps == pytest.approx(48.5e6, rel=0.02)
+
+
+def test_faster_path_escalates_the_train_size() -> None:
+    clock = FakeClock()
+    est = PathEstimator(ProbeConfig(initial_bps=50 * MBIT), clock)
+    _settle(est, clock, 50 * MBIT * PAYLOAD)
+    small = est.plan(1).count
+    no_queue = TrainMeasurement(14, 0, None, 1e9, 0)
+    assert est.on_train(no_queue) == "unqueued"
+    assert est.on_train(no_queue) == "escalate"
+    assert est.plan(2).count >= 3 * small
+    assert est.on_train(_measure(194 * MBIT)) == "sample"
+    # no queue twice, then a faster path measured: the step needs no further confirmation
+    assert est.snapshot().capacity_bps == pytest.approx(194e6)
+    est.on_train(_measure(195 * MBIT))
+    assert est.snapshot().capacity_bps == pytest.approx(194.5e6, rel=0.01)
+
+
+def test_sender_limited_path_takes_the_send_rate() -> None:
+    est = PathEstimator(ProbeConfig(initial_bps=1e9), FakeClock())
+    no_queue = TrainMeasurement(100, 0, None, 1.1e9, 0)
+    assert est.on_train(no_queue) == "sender-limited"
+    assert est.snapshot().capacity_bps == pytest.approx(1.1e9)
+
+
+def test_slow_sender_teaches_nothing() -> None:
+    clock = FakeClock()
+    est = PathEstimator(ProbeConfig(), clock)
+    _settle(est, clock, 100 * MBIT)
+    assert est.on_train(TrainMeasurement(20, 0, None, 40 * MBIT, 0)) == "sender-slow"
+    assert est.snapshot().capacity_bps == pytest.approx(100 * MBIT)
+
+
+def test_trains_that_shared_the_downlink_are_retried_not_taken() -> None:
+    clock = FakeClock()
+    est = PathEstimator(ProbeConfig(), clock)
+    _settle(est, clock, 194 * MBIT)
+    assert est.on_train(_measure(97 * MBIT), overlapped=True) == "collision"
+    assert est.on_train(_measure(96 * MBIT), overlapped=True) == "collision"
+    assert est.snapshot().capacity_bps == pytest.approx(194e6)
+    assert est.interval() == est.config.quick_interval
+
+
+def test_lost_trains_are_counted_and_do_not_spin() -> None:
+    clock = FakeClock()
+    cfg = ProbeConfig()
+    est = PathEstimator(cfg, clock)
+    _settle(est, clock, 100 * MBIT)
+    lost = TrainMeasurement(0, 20, None, 2e9, 0)
+    assert est.on_train(lost) == "lost"
+    assert est.interval() == cfg.quick_interval
+    assert est.on_train(lost) == "lost"
+    assert est.interval() > cfg.quick_interval  # no retry storm
+    assert est.lost_streak == 2
+
+
+def test_estimate_goes_stale_and_says_so() -> None:
+    clock = FakeClock()
+    est = PathEstimator(ProbeConfig(stale_after=2.0), clock)
+    snap = est.snapshot()
+    assert snap.stale and math.isnan(snap.bandwidth_bps) and snap.age_s == math.inf
+    _settle(est, clock, 100 * MBIT)
+    assert not est.snapshot().stale
+    clock.advance(1.9)
+    assert not est.snapshot().stale
+    clock.advance(0.2)
+    snap = est.snapshot()
+    assert snap.stale and snap.age_s == pytest.approx(2.1, abs=1e-6)
+    assert snap.bandwidth_bps == pytest.approx(100 * MBIT)  # the last value, marked stale
+
+
+def test_available_is_capacity_less_the_busier_edge() -> None:
+    clock = FakeClock()
+    est = PathEstimator(ProbeConfig(), clock)
+    _settle(est, clock, 97.2 * MBIT)
+    est.on_train(_measure(97.2 * MBIT), peer_down_load=20e6)
+    snap = est.snapshot(local_up_load=52e6)
+    assert snap.load_bps == pytest.approx(52e6 * PAYLOAD)
+    assert snap.bandwidth_bps == pytest.approx(97.2e6 - 52e6 * PAYLOAD)
+    snap = est.snapshot(local_up_load=5e6)
+    assert snap.bandwidth_bps == pytest.approx(97.2e6 - 20e6 * PAYLOAD)
+    assert est.snapshot(local_up_load=500e6).bandwidth_bps == 0.0
+
+
+def test_recorded_cross_traffic_gives_the_remainder() -> None:
+    clock = FakeClock()
+    est = PathEstimator(ProbeConfig(), clock)
+    for c, load in RECORDED_CROSS:
+        est.on_train(_measure(c * MBIT), peer_down_load=load * MBIT / PAYLOAD)
+        clock.advance(0.45)
+    remainder = (97.7 - 50.4) * MBIT
+    assert est.snapshot(local_up_load=0.0).bandwidth_bps == pytest.approx(remainder, rel=0.05)
+
+
+def test_passive_transfers_raise_the_estimate_while_fresh() -> None:
+    clock = FakeClock()
+    cfg = ProbeConfig(passive_fresh=3.0)
+    est = PathEstimator(cfg, clock)
+    assert not est.on_passive(1000, 0.001)  # too small to mean anything
+    assert est.on_passive(10 * 2**20, 1.0)  # 83.9 Mbit/s, no probe yet
+    snap = est.snapshot()
+    assert snap.bandwidth_bps == pytest.approx(10 * 2**20 * 8)
+    assert not snap.stale
+    _settle(est, clock, 97 * MBIT)
+    # the job's own transfer loads the NIC counters; it is still available to the job
+    est.on_passive(10 * 2**20, 1.0)
+    assert est.snapshot(local_up_load=90e6).bandwidth_bps == pytest.approx(10 * 2**20 * 8)
+    clock.advance(3.5)
+    assert est.snapshot(local_up_load=90e6).bandwidth_bps < 20e6
+
+
+def test_probe_config_validates() -> None:
+    with pytest.raises(ValueError, match="budget"):
+        ProbeConfig(budget=0)
+    with pytest.raises(ValueError, match="share"):
+        ProbeConfig(share=0)
+    with pytest.raises(ValueError, match="stale_after"):
+        ProbeConfig(stale_after=0)
+
+
+# --- load meter -------------------------------------------------------------------
+
+
+def test_load_meter_rates_exclude_probe_bytes() -> None:
+    m = LoadMeter(window=0.5)
+    assert m.rates() is None
+    m.update(0.0, 0, 0, 0, 0)
+    m.update(0.5, 5_000_000, 3_000_000, 1_000_000, 125_000)
+    down, up = m.rates()  # type: ignore[misc]
+    assert down == pytest.approx(4_000_000 * 8 / 0.5)
+    assert up == pytest.approx(2_875_000 * 8 / 0.5)
+
+
+def test_load_meter_slides_its_window_and_survives_counter_reset() -> None:
+    m = LoadMeter(window=0.5)
+    for i in range(20):
+        t = i * 0.1
+        rate = 1_000_000 if t < 1.0 else 3_000_000  # bytes/s
+        m.update(t, int(rate * t), 0, 0, 0)
+    down, _ = m.rates()  # type: ignore[misc]
+    assert down == pytest.approx(3_000_000 * 8, rel=0.01)
+    m.update(2.0, 0, 0, 0, 0)  # interface re-created: counters restart
+    assert m.rates() is None
