@@ -444,23 +444,34 @@ def main() -> int:
           f"{med(t['overlap_after']) * 1e3:.2f} ms overlapped")
     print()
     raw = med(t["raw"])
-    print("Ratios")
+
+    def paired(a: str, b: str) -> float:
+        """Median over rounds of a/b measured in the same round (cancels drift)."""
+        return med([x / y for x, y in zip(t[a], t[b], strict=True)])
+
+    print("Ratios: of the medians, and (paired) the median of the per-round ratios")
     print(f"  transfer: raw time / mlfabric time   {raw / med(t['plain_received']):5.2f}x   "
-          f"(target >= 0.85)")
+          f"({paired('raw', 'plain_received'):.2f}x)   target >= 0.85")
     if gloo:
         print(f"  transfer: gloo time / mlfabric time  "
-              f"{med(t['gloo']) / med(t['plain_received']):5.2f}x   (target >= 1.1)")
+              f"{med(t['gloo']) / med(t['plain_received']):5.2f}x   "
+              f"({paired('gloo', 'plain_received'):.2f}x)   target >= 1.1")
     print(f"  push-to-applied / raw transfer       {med(t['overlap_applied']) / raw:5.2f}x   "
-          f"(target <= 1.5), {med(t['plain_applied']) / raw:.2f}x without overlap")
+          f"({paired('overlap_applied', 'raw'):.2f}x)   target <= 1.5; without overlap "
+          f"{med(t['plain_applied']) / raw:.2f}x ({paired('plain_applied', 'raw'):.2f}x)")
     print()
     print(f"Small push: {args.small_bytes} B, {args.small_iters} round trips per sample, "
           f"median of {args.repeats}")
     for name, label in (("raw", "raw socket ping-pong"), ("sync", "mlfabric blocking client"),
                         ("aio", "mlfabric asyncio client (uvloop)")):
         print(f"  {label:34s} {med(small[name]) * 1e6:8.1f} us per round trip")
+    def paired_small(name: str) -> float:
+        return med([r / x for r, x in zip(small["raw"], small[name], strict=True)])
+
     print(f"  blocking client / raw          {med(small['raw']) / med(small['sync']):5.2f}x   "
-          f"(target >= 0.5)")
-    print(f"  asyncio client / raw           {med(small['raw']) / med(small['aio']):5.2f}x")
+          f"({paired_small('sync'):.2f}x)   target >= 0.5")
+    print(f"  asyncio client / raw           {med(small['raw']) / med(small['aio']):5.2f}x   "
+          f"({paired_small('aio'):.2f}x)")
     return 0
 
 
