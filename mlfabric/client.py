@@ -10,10 +10,12 @@ straight into their buffers and resolves the futures.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,6 +54,7 @@ def connect(
     host: str | None = None,
     controller_fallback: str = "fifo",
     controller_timeout: float = 30.0,
+    agent: str | None = None,
 ) -> Client:
     """Connect to the parameter server at `address` ("HOST:PORT") for `job`.
 
@@ -65,6 +68,10 @@ def connect(
     local address of the connection to the server). If the controller is
     unreachable, `controller_fallback="fifo"` sends updates at once with a
     warning, `"wait"` waits up to `controller_timeout` seconds for it.
+
+    With `agent` ("HOST:PORT" of this host's `mlfabric agent`), every push of
+    64 KiB or more is reported to the agent as a measurement of the path to
+    the server (never delaying the push).
     """
     server_host, server_port = parse_address(address)
     secret = resolve_token(token, token_file)
@@ -83,6 +90,11 @@ def connect(
         sock.close()
         raise
     client = Client(sock, conn, welcome, address, metrics)
+    if agent is not None:
+        from .agent_report import TransferReporter
+
+        client._reporter = TransferReporter(agent)
+        client._peer_host = sock.getpeername()[0]
     if controller is not None:
         from .client_control import ControlledPushes
 
@@ -143,6 +155,8 @@ class Client:
         self._closed = False
         self._error: BaseException | None = None
         self._controlled: Any = None  # ControlledPushes when a controller is used
+        self._reporter: Any = None  # TransferReporter when an agent is given
+        self._peer_host = ""
         self.last_version = welcome.version  # newest server version seen
         sock.settimeout(None)
         self._reader = threading.Thread(
@@ -181,10 +195,19 @@ class Client:
 
     def _send_push(self, arrays: dict[str, np.ndarray], base: int
                    ) -> concurrent.futures.Future[PushOutcome]:
+        started = time.monotonic()
         fut: concurrent.futures.Future[PushOutcome] = self._request(
             "push", lambda req: Push(req, base, arrays), base)
         fut.add_done_callback(self._note_version)
+        if self._reporter is not None:
+            nbytes = sum(a.nbytes for a in arrays.values())
+            fut.add_done_callback(functools.partial(self._report, nbytes, started))
         return fut
+
+    def _report(self, nbytes: int, started: float, fut: concurrent.futures.Future[Any]) -> None:
+        """Tell the agent how long the push took (a sample of the path's rate)."""
+        if not fut.cancelled() and fut.exception() is None:
+            self._reporter.report(self._peer_host, nbytes, time.monotonic() - started)
 
     def _note_version(self, fut: concurrent.futures.Future[Any]) -> None:
         if not fut.cancelled() and fut.exception() is None:
@@ -198,6 +221,8 @@ class Client:
             self._closed = True
         if self._controlled is not None:
             self._controlled.close()
+        if self._reporter is not None:
+            self._reporter.close()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:

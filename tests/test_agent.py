@@ -570,3 +570,72 @@ def test_prometheus_config_scrapes_agents_servers_and_controller() -> None:
     for job in ("mlfabric-agent", "mlfabric-server", "mlfabric-controller"):
         assert f"job_name: {job}" in text
     assert ":9470" in text and "kubernetes_sd_configs" in text
+
+
+def test_clients_report_their_pushes_to_the_local_agent(tmp_path):
+    """A real agent process counts the reports of a real client's pushes."""
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    import numpy as np
+
+    import mlfabric
+    from mlfabric.store import ParameterStore
+
+    from support import JOB, TOKEN, ServerThread, wait_until
+
+    def port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    agent_port, metrics_port = port(), port()
+    # The agent knows the server's host as a peer (named by its address).
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "mlfabric", "agent", "--name", "me", "--listen",
+         f"127.0.0.1:{agent_port}", "--peer", f"127.0.0.1=127.0.0.1:{port()}",
+         "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def accepted() -> float:
+        try:
+            text = urllib.request.urlopen(
+                f"http://127.0.0.1:{metrics_port}/metrics", timeout=2).read().decode()
+        except OSError:
+            return -1.0
+        for line in text.splitlines():
+            if line.startswith('mlfabric_agent_transfer_reports_total{result="accepted"}'):
+                return float(line.split()[-1])
+        return -1.0
+
+    try:
+        wait_until(lambda: accepted() == 0.0, timeout=30, what="the agent's metrics")
+        model = {"w": np.zeros(1 << 16, np.float32)}  # 256 KiB: reported
+        with ServerThread(ParameterStore(model)) as server, mlfabric.connect(
+                server.address, job=JOB, token=TOKEN, agent=f"127.0.0.1:{agent_port}") as ps:
+            for v in range(3):
+                assert ps.push(model, base_version=v).result(10).applied
+        wait_until(lambda: accepted() == 3.0, timeout=10, what="3 accepted reports")
+    finally:
+        agent.terminate()
+        agent.wait(10)
+
+
+def test_transfer_reports_skip_small_pushes_and_survive_a_missing_agent(caplog):
+    import socket
+
+    from mlfabric.agent_report import MIN_REPORT_BYTES, TransferReporter
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]  # nothing listens here once closed
+    reporter = TransferReporter(f"127.0.0.1:{dead}")
+    reporter.report("peer", MIN_REPORT_BYTES - 1, 0.01)  # latency-bound: not reported
+    reporter.report("peer", MIN_REPORT_BYTES, 0.0)  # no duration: not a rate
+    reporter.report("peer", 1 << 20, 0.01)
+    reporter.report("peer", 1 << 20, 0.01)
+    reporter.close()
+    assert (reporter.sent, reporter.dropped) == (0, 2)
+    assert caplog.text.count("cannot report transfers to the agent") == 1
