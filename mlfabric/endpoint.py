@@ -103,6 +103,7 @@ class EndpointProtocol(asyncio.BufferedProtocol):
         self._client_nonce = b""
         self._timer: asyncio.TimerHandle | None = None
         self.last_read = 0  # bytes of the latest read: large means data is backed up
+        self.closing = False
 
     # -- hooks for subclasses -------------------------------------------------
 
@@ -140,7 +141,7 @@ class EndpointProtocol(asyncio.BufferedProtocol):
         self.last_read = nbytes
         self.conn.buffer_updated(nbytes)
         self.endpoint.metrics.received_bytes.inc(nbytes)
-        while self.transport is not None:
+        while self.transport is not None and not self.closing:
             try:
                 event = self.conn.next_event()
             except ProtocolError as exc:
@@ -159,7 +160,7 @@ class EndpointProtocol(asyncio.BufferedProtocol):
                 role = self.endpoint.role
                 self.refuse("internal", f"internal {role} error; see the {role}'s log")
                 return
-        if self.stage == "ready" and self.transport is not None:
+        if self.stage == "ready" and self.transport is not None and not self.closing:
             self.after_events()
 
     def eof_received(self) -> bool:
@@ -188,6 +189,9 @@ class EndpointProtocol(asyncio.BufferedProtocol):
     # -- helpers ----------------------------------------------------------------
 
     def close(self) -> None:
+        # The transport closes later; from now on nothing more this peer sent
+        # is acted on (frames already buffered behind a refused one included).
+        self.closing = True
         if self.transport is not None:
             self.transport.close()
 

@@ -483,3 +483,25 @@ def test_scalar_and_empty_tensors_round_trip(serve):
         _, params = ps.pull(timeout=5)
     assert params["scale"].shape == () and params["empty"].shape == (0, 4)
     assert_model_equal(params, ref.w)
+
+
+def test_nothing_after_a_refused_frame_is_acted_on(serve):
+    """A push sent in the same packet behind a frame the server refuses must
+    not be applied: the connection is being closed (found by the fuzz test)."""
+    from mlfabric.protocol import Connection, Hello
+
+    model = make_model()
+    st = serve(model)
+    raw = RawClient(st.port)
+    zeros_but_one = {n: np.zeros_like(a) for n, a in model.items()}
+    zeros_but_one["b"][0] = 1.0
+    raw.send_raw(Connection().send_bytes(Hello(job=JOB, client="again", nonce=b"n" * 32))
+                 + Connection().send_bytes(Push(req=1, base_version=0, tensors=zeros_but_one)))
+    answer = raw.recv_event()
+    assert answer.code == "protocol" and "unexpected Hello" in answer.message
+    assert raw.recv_event() is None
+    raw.close()
+    with mlfabric.connect(st.address, job=JOB, token=TOKEN) as ps:
+        version, params = ps.pull(timeout=5)
+    assert version == 0
+    assert_model_equal(params, model)
