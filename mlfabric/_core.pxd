@@ -46,3 +46,52 @@ cdef double sum_squares_diff_kernel(const real_t* a, const real_t* b,
 
 # True iff no element is NaN, +Inf or -Inf.
 cdef bint all_finite_kernel(const real_t* x, Py_ssize_t n) noexcept nogil
+
+
+# Scheduling: the hot loop of mlfabric.schedule (see the last section of
+# _core.pyx). Link step functions and the search state; _ss_plan fills the
+# order position by position and returns the number of sends.
+cdef struct _SLink:
+    # Segment k covers [t[k], t[k+1]); the last one runs to infinity.
+    double* t   # breakpoints
+    double* r   # residual capacity R per segment
+    double* f   # free-from capacity F per segment (suffix minimum of R)
+    Py_ssize_t n
+    long version
+
+
+cdef struct _SState:
+    _SLink* links
+    Py_ssize_t n
+    const double* size
+    const Py_ssize_t* up
+    const Py_ssize_t* down
+    const Py_ssize_t* pair   # -1: no pair link
+    const double* cap        # least capacity on the path
+    char* alive
+    char* free
+    char* in_held
+    double* end
+    double* start
+    double* rate
+    long* stamp
+    Py_ssize_t* held         # indices that may be held (scanned, compacted)
+    Py_ssize_t n_held
+    const Py_ssize_t* front  # updates by (down link, size, -cap, index)
+    Py_ssize_t* front_pos    # per update: its position in front
+    double* tree             # max-segment tree over front: cap of live free updates, else -1
+    Py_ssize_t tree_size     # leaves (a power of two >= n)
+    Py_ssize_t* front_lo     # per link: [front_lo, front_hi) in front (empty if none)
+    Py_ssize_t* front_hi
+    Py_ssize_t* dests        # links that are somebody's destination
+    Py_ssize_t n_dests
+    Py_ssize_t* users        # per link: updates using it privately (CSR)
+    Py_ssize_t* users_lo
+
+
+cdef Py_ssize_t _ss_plan(_SState* S, double ready, bint has_deadlines,
+                         const Py_ssize_t* dl, const Py_ssize_t* by_dl, double idle_factor,
+                         Py_ssize_t* send_order, Py_ssize_t* position,
+                         Py_ssize_t* drop_order, Py_ssize_t* n_drops_out,
+                         signed char* reason, double* idle_out, double* displaced_out,
+                         Py_ssize_t* forced) noexcept nogil

@@ -1,0 +1,93 @@
+"""Workers, a controller and a server on an emulated cluster (root): the
+invariants that hold under every policy, with the server's downlink shaped
+as the bottleneck."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlfabric.testbed import Testbed
+from mlfabric.workload import run_policy
+
+from testbed_helpers import needs_root
+
+TAU_MAX = 4
+
+
+@needs_root
+@pytest.mark.parametrize("policy", ["fifo", "mlfabric"])
+def test_every_push_ends_with_an_outcome_within_the_staleness_bound(policy):
+    with Testbed(hosts=5, rate_mbit=1000.0, rates={"h0": (1000.0, 100.0)}) as tb:
+        summary, records = run_policy(
+            tb, policy, model_bytes=1 << 20, steps=6, tau_max=TAU_MAX, compute_ms=50,
+            max_in_flight=2, link_mbit={"h0": (1000, 100)})
+    assert summary.pushes == len(records) == 4 * 6
+    for r in records:
+        if r["applied"]:
+            assert 0 <= r["delay"] <= TAU_MAX
+        else:  # refused stale by the server, or dropped by the controller: said why
+            assert r["reason"] and ("stale" in r["reason"] or "dropped by the controller"
+                                    in r["reason"]), r
+    assert summary.applied > 0
+    if policy == "mlfabric":
+        # The controller drops before sending; the server never sees a stale update.
+        assert all("stale" not in (r["reason"] or "") for r in records)
+
+
+@needs_root
+@pytest.mark.parametrize("fallback", ["fifo", "wait"])
+def test_killing_the_controller_mid_run_loses_no_update_silently(fallback):
+    with Testbed(hosts=4, rate_mbit=1000.0, rates={"h0": (1000.0, 100.0)}) as tb:
+        summary, records = run_policy(
+            tb, "mlfabric", model_bytes=1 << 20, steps=8, tau_max=TAU_MAX, compute_ms=150,
+            max_in_flight=2, link_mbit={"h0": (1000, 100)}, fallback=fallback,
+            restart_controller_after=1.0)
+    # Every worker finished, and every push it made ended applied or with a reason.
+    assert summary.pushes == len(records) == 3 * 8
+    assert all(r["applied"] or r["reason"] for r in records)
+    assert summary.applied > 0
+    # The workers were still pushing when the controller died (at 1 s) and
+    # through the second without it: the run spans the restart.
+    assert summary.wall > 2.0
+    assert max(r["start"] for r in records) - min(r["start"] for r in records) > 2.0
+
+
+@needs_root
+def test_controller_learns_available_bandwidth_from_agents(tmp_path):
+    import subprocess
+    import sys
+
+    from mlfabric.errors import MlfabricError
+    from mlfabric.status_cli import fetch_status
+
+    from support import JOB, TOKEN, wait_until
+
+    token = tmp_path / "job.token"
+    token.write_bytes(TOKEN)
+    token.chmod(0o600)
+    py = [sys.executable, "-m", "mlfabric", "--log-level", "WARNING"]
+    kw = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    with Testbed(hosts=2, rate_mbit=100.0) as tb:
+        h0, h1 = tb.hosts
+        for me, peer in ((h0, h1), (h1, h0)):
+            tb.popen(me, [*py, "agent", "--name", me.ip, "--listen", f"{me.ip}:7400",
+                          "--peer", f"{peer.ip}={peer.ip}:7400"], **kw)
+        tb.popen(h0, [*py, "controller", "--listen", f"{h0.ip}:7071", "--job", JOB,
+                      "--token-file", str(token), "--agent", f"{h1.ip}={h1.ip}:7400",
+                      "--agent-interval", "0.2"], **kw)
+        path = f"{h1.ip}->{h0.ip}"
+
+        def measured() -> float:
+            with h0.enter():
+                try:
+                    status = fetch_status(f"{h0.ip}:7071", JOB, TOKEN, timeout=2)
+                except (OSError, MlfabricError):
+                    return 0.0  # not up yet
+            return status["measured_paths"].get(path, 0.0)
+
+        # 100 Mbit/s of wire bytes; payload is a little less (headers).
+        wait_until(lambda: 0.85 * 12.5e6 <= measured() <= 1.05 * 12.5e6, timeout=15,
+                   what=f"the controller's picture of {path} near 100 Mbit/s")
+        tb.set_rate(h0, down=50.0)
+        wait_until(lambda: 0.85 * 6.25e6 <= measured() <= 1.05 * 6.25e6, timeout=10,
+                   what=f"the controller's picture of {path} following 50 Mbit/s")
