@@ -486,7 +486,7 @@ def _free_port(kind: int) -> int:
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 def test_cli_process_serves_metrics_and_shuts_down_cleanly(sig: int, loop: str) -> None:
     port, mport = _free_port(socket.SOCK_STREAM), _free_port(socket.SOCK_STREAM)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ)
     argv = [sys.executable, "-m", "mlfabric", "agent", "--name", "solo", "--loop", loop,
             "--listen", f"{LOCAL}:{port}", "--peer", f"ghost={LOCAL}:9",
             "--metrics-port", str(mport), "--metrics-host", LOCAL]
@@ -511,7 +511,7 @@ def test_cli_process_serves_metrics_and_shuts_down_cleanly(sig: int, loop: str) 
 
 
 def test_cli_reports_config_errors_in_one_line() -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ)
     res = subprocess.run(
         [sys.executable, "-m", "mlfabric", "agent", "--listen", "nowhere"],
         capture_output=True, text=True, env=env, timeout=30,

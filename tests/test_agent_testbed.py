@@ -67,7 +67,7 @@ class Agents:
         argv = [sys.executable, "-m", "mlfabric", "--log-level", "WARNING", "agent",
                 "--name", host.name, "--listen", f"{host.ip}:{PORT}", *peers,
                 "--metrics-port", str(METRICS_PORT), "--metrics-host", host.ip, *self.extra]
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = dict(os.environ)
         proc = self.tb.popen(host, argv, stdout=subprocess.PIPE, text=True, env=env)
         self.procs[host.name] = proc
         return proc.pid

@@ -484,7 +484,7 @@ def spawn_owner() -> Iterator[Callable[[], tuple[subprocess.Popen[str], str]]]:
     spawned: list[tuple[subprocess.Popen[str], str]] = []
 
     def spawn() -> tuple[subprocess.Popen[str], str]:
-        env = dict(os.environ, PYTHONPATH=str(REPO))
+        env = dict(os.environ)
         proc = subprocess.Popen(
             [sys.executable, "-c", code],
             stdout=subprocess.PIPE,
@@ -585,7 +585,7 @@ def test_cli_up_prints_hosts_and_tears_down_on_ctrl_c() -> None:
         sys.exit(testbed_cli.run(parser.parse_args(sys.argv[1:])))
         """
     )
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ)
     argv = [sys.executable, "-c", code, "up", "--hosts", "2", "--rate", "20", "--down-mbit", "10"]
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
