@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import signal
 
 from . import auth, loop
 from .client_core import parse_address
 from .control import POLICIES, Network, Policy, fifo_policy
 from .controller import Controller
+from .endpoint import add_listener_arguments, listen, until_stopped
 from .errors import ConfigError
 from .metrics import ControllerMetrics, serve_metrics
 
@@ -18,11 +17,7 @@ log = logging.getLogger("mlfabric.controller")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", required=True, metavar="HOST:PORT",
-                   help="address to accept workers on (port 0 picks a free port)")
-    p.add_argument("--job", required=True, help="the job's name")
-    p.add_argument("--token-file", required=True, metavar="PATH",
-                   help="file holding the job's secret token")
+    add_listener_arguments(p, "workers")
     p.add_argument("--tau-max", type=int, default=16, metavar="N",
                    help="staleness bound in versions for deadlines; -1 for none (default: 16; "
                         "use the server's value)")
@@ -110,18 +105,12 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         controller = Controller(policy, job=args.job, token=token, tau_max=tau_max,
                                 network=network, metrics=metrics, policy_name=args.policy)
-        try:
-            bound = await controller.start(host, port)
-        except OSError as exc:
-            raise ConfigError(f"cannot listen on {args.listen}: {exc.strerror}") from None
+        bound = await listen(controller, host, port, args.listen)
         if agents:
             controller.watch_agents(agents, args.agent_interval)
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         print(f"mlfabric controller: serving job {args.job!r} on {bound[0]}:{bound[1]} "
               f"(policy {args.policy}, tau_max {tau_max})", flush=True)
-        await stop.wait()
+        await until_stopped()
         await controller.close()
         print("mlfabric controller: stopped", flush=True)
 

@@ -9,12 +9,14 @@ module only moves bytes and enforces the handshake.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
+import signal
 from typing import Any
 
 from . import auth
-from .errors import ProtocolError
+from .errors import ConfigError, ProtocolError
 from .protocol import (
     NEED_DATA,
     Auth,
@@ -32,6 +34,31 @@ UNAUTHENTICATED_MAX_FRAME = 1 << 16
 # Frames up to this size are joined into one write (one syscall); larger ones
 # are written buffer by buffer so tensors are not copied.
 JOIN_LIMIT = 1 << 16
+
+
+def add_listener_arguments(p: argparse.ArgumentParser, peers: str) -> None:
+    """The flags every listening command takes: where, which job, its token."""
+    p.add_argument("--listen", required=True, metavar="HOST:PORT",
+                   help=f"address to accept {peers} on (port 0 picks a free port)")
+    p.add_argument("--job", required=True, help=f"the job's name; {peers} must name it")
+    p.add_argument("--token-file", required=True, metavar="PATH",
+                   help="file holding the job's secret token")
+
+
+async def listen(endpoint: Endpoint, host: str, port: int, address: str) -> tuple[str, int]:
+    """Start `endpoint`; an address that cannot be bound is a ConfigError naming it."""
+    try:
+        return await endpoint.start(host, port)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {address}: {exc.strerror}") from None
+
+
+async def until_stopped() -> None:
+    """Return on SIGINT or SIGTERM (Ctrl-C and a service manager's stop)."""
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
 
 
 class Endpoint:

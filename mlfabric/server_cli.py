@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import signal
 import zipfile
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import numpy as np
 from . import auth, checkpoint, loop
 from .checkpointer import Checkpointer
 from .client_core import parse_address
+from .endpoint import add_listener_arguments, listen, until_stopped
 from .errors import ConfigError
 from .metrics import ServerMetrics, serve_metrics
 from .server import ParameterServer
@@ -23,11 +22,7 @@ log = logging.getLogger("mlfabric.server")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", required=True, metavar="HOST:PORT",
-                   help="address to accept clients on (port 0 picks a free port)")
-    p.add_argument("--job", required=True, help="the job's name; clients must name it")
-    p.add_argument("--token-file", required=True, metavar="PATH",
-                   help="file holding the job's secret token")
+    add_listener_arguments(p, "clients")
     p.add_argument("--init", metavar="MODEL.npz",
                    help="initial model: named float32 arrays in a .npz file "
                         "(required unless --resume)")
@@ -119,13 +114,7 @@ def run_server(args: argparse.Namespace) -> int:
             checkpointer = Checkpointer(store, args.job, args.checkpoint_dir,
                                         interval=args.checkpoint_interval,
                                         keep=args.keep_checkpoints, metrics=metrics)
-        try:
-            bound = await server.start(host, port)
-        except OSError as exc:
-            raise ConfigError(f"cannot listen on {args.listen}: {exc.strerror}") from None
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        bound = await listen(server, host, port, args.listen)
         # The "serving" line is what scripts wait for: it carries the bound port.
         print(
             f"mlfabric server: serving job {args.job!r} on {bound[0]}:{bound[1]} "
@@ -134,7 +123,7 @@ def run_server(args: argparse.Namespace) -> int:
         )
         if checkpointer is not None:
             checkpointer.start()
-        await stop.wait()
+        await until_stopped()
         log.info("shutting down at version %d", store.version)
         await server.close()
         if checkpointer is not None:
