@@ -182,9 +182,15 @@ class Model:
 
 @dataclass(frozen=True, eq=False)
 class Push:
+    """An update computed on model version `base_version`.
+
+    `seq` is set only on pushes to a replica: the server version this update
+    produced when the server applied it (the replica applies seq v+1 next)."""
+
     req: int
     base_version: int
     tensors: Mapping[str, np.ndarray]
+    seq: int | None = None
 
 
 @dataclass(frozen=True)
@@ -412,7 +418,7 @@ def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict[str, np.nd
         return Model(req=_int(meta, "req"), version=_int(meta, "version"), tensors=tensors)
     if msg_type is MsgType.PUSH:
         return Push(req=_int(meta, "req"), base_version=_int(meta, "base_version"),
-                    tensors=tensors)
+                    tensors=tensors, seq=_opt_int(meta, "seq"))
     if msg_type is MsgType.PUSH_RESULT:
         applied = meta.get("applied")
         if not isinstance(applied, bool):
@@ -480,6 +486,8 @@ def _encode_meta(event: Event) -> tuple[MsgType, dict[str, Any], Sequence[Tensor
             meta["version"] = event.version
             return MsgType.MODEL, meta, specs, arrays
         meta["base_version"] = event.base_version
+        if event.seq is not None:
+            meta["seq"] = event.seq
         return MsgType.PUSH, meta, specs, arrays
     if isinstance(event, PushResult):
         meta = {"req": event.req, "applied": event.applied, "version": event.version,
@@ -516,6 +524,9 @@ def _fast_meta(event: Event) -> bytes | None:
     """The JSON fields of the messages sent with every step, formatted directly
     (json.dumps costs more than the rest of a small push); None for others."""
     if isinstance(event, Push):
+        if event.seq is not None:
+            return b'{"req":%d,"base_version":%d,"seq":%d}' % (
+                event.req, event.base_version, event.seq)
         return b'{"req":%d,"base_version":%d}' % (event.req, event.base_version)
     if isinstance(event, PushResult) and event.reason is None:
         delay = b"null" if event.delay is None else b"%d" % event.delay

@@ -69,6 +69,8 @@ CASES = [
             "big": np.random.default_rng(0).standard_normal(70_000).astype(np.float32),
         },
     ),
+    Push(req=11, base_version=4, tensors={"a": np.float32([0.5])}, seq=2**40),
+    Push(req=12, base_version=0, tensors={"a": np.float32([0.5])}, seq=0),
     PushResult(req=3, applied=True, version=11, delay=2),
     PushResult(req=4, applied=False, version=11, delay=None, reason="stale: delay 9 > 8"),
     Error(code="protocol", message="bad frame"),
@@ -253,6 +255,9 @@ BAD_FRAMES = {
         frame(MsgType.PUSH, {"req": 1, "base_version": 0,
                              "tensors": [["a", "f4", [1]], ["a", "f4", [1]]]}, b"\0" * 68),
         "listed twice"),
+    "negative seq": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "seq": -3, "tensors": []}),
+        "'seq'"),
     "length mismatch": (
         frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [["a", "f4", [4]]]},
               b"\0" * 12),
