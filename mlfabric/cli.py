@@ -24,7 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "agent": ("mlfabric.agent_cli", "run the per-host bandwidth agent"),
     "controller": ("mlfabric.controller_cli", "order a job's transfers (the controller)"),
-    "status": ("mlfabric.status_cli", "show a job's workers, versions, delays and bandwidth"),
+    "status": ("mlfabric.status_cli",
+               "show a job's workers, servers, agents, versions, delays and bandwidth"),
 }
 
 

@@ -142,6 +142,36 @@ class WorkerStats:
 
 
 @dataclass
+class ServerStats:
+    """A parameter server as the controller knows it: from the transfers
+    workers sent to it and the versions they reported back from it."""
+
+    host: str
+    version: int | None = None  # newest version reported after an apply there
+    transfers: int = 0  # requested to it
+    applied: int = 0
+    refused: int = 0
+    last_heard: float | None = None  # clock time of the last report from it
+
+
+@dataclass
+class AgentStats:
+    """An agent the controller polls (--agent HOST=ADDR:PORT)."""
+
+    host: str
+    address: str
+    reachable: bool = False
+    last_report: float | None = None  # clock time of the last estimates read
+    peers: int = 0  # peers in that report
+    fresh: int = 0  # of which had a fresh estimate
+    error: str = ""  # why the last poll failed, while unreachable
+
+
+def _age(then: float | None, now: float | None) -> float | None:
+    return None if then is None or now is None else max(0.0, now - then)
+
+
+@dataclass
 class DelayStats:
     count: int = 0
     total: float = 0.0
@@ -179,6 +209,11 @@ class ControlState:
         self.active: dict[int, Transfer] = {}
         self.workers: dict[Hashable, WorkerStats] = {}
         self.delays = DelayStats()
+        self.servers: dict[str, ServerStats] = {}
+        self.agents: dict[str, AgentStats] = {}
+        # Replicas (issue 6) register here: host -> a JSON-ready dict that
+        # `mlfabric status` prints as one row (host, version, lag, ...).
+        self.replicas: dict[str, dict[str, object]] = {}
         self._next_id = 1
 
     def join(self, owner: Hashable, name: str) -> None:
@@ -194,18 +229,24 @@ class ControlState:
         stats = self.workers.setdefault(owner, WorkerStats(str(owner)))
         stats.requests += 1
         stats.host = host
+        self.servers.setdefault(dst, ServerStats(dst)).transfers += 1
         self.pending[t.id] = t
         # A worker computed on base_version, so the server has reached it.
         self.version = max(self.version, base_version)
         return t
 
     def done(self, owner: Hashable, req: int, *, version: int, applied: bool = True,
-             delay: int | None = None) -> Transfer | None:
+             delay: int | None = None, now: float | None = None) -> Transfer | None:
         """An active transfer ended at the server (applied or not)."""
         for t in self.active.values():
             if t.owner == owner and t.req == req:
                 del self.active[t.id]
                 self.version = max(self.version, version)
+                server = self.servers.setdefault(t.dst, ServerStats(t.dst))
+                server.version = max(server.version or 0, version)
+                server.applied += applied
+                server.refused += not applied
+                server.last_heard = now if now is not None else server.last_heard
                 stats = self.workers.get(owner)
                 if applied and delay is not None:
                     self.delays.add(delay)
@@ -227,6 +268,17 @@ class ControlState:
 
     def set_network(self, network: Network) -> None:
         self.network = network
+
+    def add_agent(self, host: str, address: str) -> None:
+        self.agents[host] = AgentStats(host, address)
+
+    def agent_reported(self, host: str, *, now: float, peers: int, fresh: int) -> None:
+        a = self.agents[host]
+        a.reachable, a.last_report, a.peers, a.fresh, a.error = True, now, peers, fresh, ""
+
+    def agent_unreachable(self, host: str, error: str) -> None:
+        a = self.agents[host]
+        a.reachable, a.error = False, error
 
     # -- decisions ------------------------------------------------------------
 
@@ -271,17 +323,28 @@ class ControlState:
                 wake_at = min(wake_at, item.start)
         return Decisions(tuple(actions), None if wake_at == math.inf else wake_at)
 
-    def status(self) -> dict[str, object]:
-        """The job at a glance (what `mlfabric status` prints), JSON-ready."""
+    def status(self, now: float | None = None) -> dict[str, object]:
+        """The job at a glance (what `mlfabric status` prints), JSON-ready.
+        Ages (seconds) are measured to `now`; without it they are None."""
         net = self.network
         hosts = sorted({*net.up, *net.down, *(w.host for w in self.workers.values() if w.host),
-                        *(t.dst for t in (*self.pending.values(), *self.active.values()))})
+                        *self.servers})
         return {
             "server_version": self.version,
             "tau_max": self.tau_max,
             "pending": len(self.pending),
             "active": len(self.active),
-            "servers": sorted({t.dst for t in (*self.pending.values(), *self.active.values())}),
+            "servers": [
+                {"host": v.host, "version": v.version, "transfers": v.transfers,
+                 "applied": v.applied, "refused": v.refused,
+                 "last_heard_age_s": _age(v.last_heard, now)}
+                for v in sorted(self.servers.values(), key=lambda v: v.host)],
+            "replicas": [dict(r) for _, r in sorted(self.replicas.items())],
+            "agents": [
+                {"host": a.host, "address": a.address, "reachable": a.reachable,
+                 "last_report_age_s": _age(a.last_report, now), "peers": a.peers,
+                 "fresh": a.fresh, "error": a.error}
+                for a in sorted(self.agents.values(), key=lambda a: a.host)],
             "workers": [vars(w).copy() for w in sorted(self.workers.values(),
                                                         key=lambda w: w.name)],
             "delay": self.delays.summary(),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import secrets
 import time
 from typing import Any
@@ -48,6 +49,8 @@ class Controller(Endpoint):
     def watch_agents(self, agents: dict[str, tuple[str, int]], interval: float = 0.5) -> None:
         """Poll each agent (host name -> agent address) for its estimates and
         re-plan when the bandwidth picture changes."""
+        for host, (ip, port) in agents.items():
+            self.state.add_agent(host, f"{ip}:{port}")
         self._agent_tasks = [asyncio.get_running_loop().create_task(
             self._poll_agent(host, addr, interval)) for host, addr in agents.items()]
 
@@ -62,6 +65,9 @@ class Controller(Endpoint):
                 est = await client.estimates()
             except (OSError, TimeoutError, MlfabricError) as exc:
                 log.debug("agent %s at %s:%d: %s", host, *addr, exc)
+                # errno's text: the loops word the same refusal differently.
+                reason = os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno else ""
+                self.state.agent_unreachable(host, reason or str(exc) or type(exc).__name__)
                 if client is not None:
                     await client.close()
                 client = None
@@ -69,6 +75,9 @@ class Controller(Endpoint):
                 continue
             measured = {e.peer: (e.bandwidth_bps / 8, e.stale or not e.connected)
                         for e in est.estimates}
+            self.state.agent_reported(host, now=self.clock(), peers=len(measured),
+                                      fresh=sum(not stale and rate > 0
+                                                for rate, stale in measured.values()))
             network = with_estimates(self.state.network, host, measured)
             if network != self.state.network:
                 self.state.set_network(network)
@@ -95,7 +104,7 @@ class Controller(Endpoint):
 
     def on_done(self, conn: _ControllerProtocol, ev: TransferDone) -> None:
         t = self.state.done(conn, ev.req, version=ev.version, applied=ev.applied,
-                            delay=ev.delay)
+                            delay=ev.delay, now=self.clock())
         if t is not None:
             self.metrics.actual_seconds.observe(ev.seconds)
             if ev.applied and ev.delay is not None:
@@ -157,7 +166,7 @@ class Controller(Endpoint):
             self._wake = asyncio.get_running_loop().call_later(delay, self.replan)
 
     def status(self) -> dict[str, Any]:
-        status = self.state.status()
+        status = self.state.status(now=self.clock())
         status.update(job=self.job, policy=self.policy_name, connections=len(self.connections))
         return status
 

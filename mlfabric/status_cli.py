@@ -57,14 +57,60 @@ def _mbit(bytes_per_s: float) -> str:
     return f"{bytes_per_s * 8 / 1e6:g}"
 
 
+def _ago(age: float | None) -> str:
+    return "never" if age is None else f"{age:.1f} s ago"
+
+
+def _cell(value: Any) -> str:
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    rows = [header, *rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return ["  " + "  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip()
+            for r in rows]
+
+
 def format_status(s: dict[str, Any], address: str) -> str:
     lines = [
         f"job {s.get('job')!r} on controller {address}   policy {s.get('policy')}   "
         f"tau_max {s.get('tau_max')}",
         f"server version {s['server_version']}   transfers pending {s['pending']}, active "
         f"{s['active']}   connections {s.get('connections')}",
-        f"servers: {', '.join(s['servers']) or '(none seen yet)'}",
     ]
+    servers = s.get("servers") or []
+    if servers:
+        lines.append("servers (versions as their workers reported them):")
+        lines += _table(
+            ("host", "version", "transfers", "applied", "refused", "last heard"),
+            [(v["host"], _cell(v["version"]), str(v["transfers"]), str(v["applied"]),
+              str(v["refused"]), _ago(v["last_heard_age_s"])) for v in servers])
+    else:
+        lines.append("servers: none seen yet (no transfer requested)")
+    replicas = s.get("replicas") or []
+    if replicas:
+        # Whatever a replica reports, one column per key, in the order first seen.
+        keys = list(dict.fromkeys(k for r in replicas for k in r))
+        lines.append("replicas:")
+        lines += _table(tuple(keys), [tuple(_cell(r.get(k)) for k in keys) for r in replicas])
+    else:
+        lines.append("replicas: none configured (replicas are not built yet, issue 6)")
+    agents = s.get("agents") or []
+    if agents:
+        lines.append("agents:")
+        lines += _table(
+            ("host", "address", "reachable", "last report", "peers", "fresh", "error"),
+            [(a["host"], a["address"], _cell(a["reachable"]), _ago(a["last_report_age_s"]),
+              str(a["peers"]), str(a["fresh"]), _cell(a["error"])) for a in agents])
+    else:
+        lines.append("agents: none (start the controller with --agent HOST=ADDR:PORT)")
     d = s["delay"]
     if d.get("count"):
         lines.append(f"delay of applied updates: count {d['count']}  mean {d['mean']:.2f}  "
@@ -72,16 +118,11 @@ def format_status(s: dict[str, Any], address: str) -> str:
     else:
         lines.append("delay of applied updates: none reported yet")
     lines.append("workers:")
-    header = ("name", "host", "requests", "sent", "dropped", "applied", "refused",
-              "last delay")
-    rows = [header] + [
-        (w["name"], w["host"] or "-", str(w["requests"]), str(w["sent"]), str(w["dropped"]),
-         str(w["applied"]), str(w["refused"]),
-         "-" if w["last_delay"] is None else str(w["last_delay"]))
-        for w in s["workers"]]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    for r in rows:
-        lines.append("  " + "  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())
+    lines += _table(
+        ("name", "host", "requests", "sent", "dropped", "applied", "refused", "last delay"),
+        [(w["name"], w["host"] or "-", str(w["requests"]), str(w["sent"]), str(w["dropped"]),
+          str(w["applied"]), str(w["refused"]), _cell(w["last_delay"]))
+         for w in s["workers"]])
     lines.append("bandwidth picture (Mbit/s, up / down):")
     for host, bw in sorted(s["bandwidth"].items()):
         lines.append(f"  {host}  {_mbit(bw['up_bytes_per_s'])} / {_mbit(bw['down_bytes_per_s'])}")

@@ -107,5 +107,41 @@ def test_status_counts_what_each_worker_asked_for():
     assert (w["name"], w["host"], w["requests"], w["sent"], w["applied"], w["refused"],
             w["last_delay"]) == ("worker-1", "h1", 2, 2, 1, 1, 0)
     assert status["delay"] == {"count": 1, "mean": 0.0, "max": 0, "std": 0.0}
-    assert status["servers"] == [] and status["server_version"] == 1
-    assert set(status["bandwidth"]) == {"h1"}
+    assert status["server_version"] == 1
+    assert status["servers"] == [{"host": "s", "version": 1, "transfers": 2, "applied": 1,
+                                  "refused": 1, "last_heard_age_s": None}]
+    assert set(status["bandwidth"]) == {"h1", "s"}
+    assert status["replicas"] == [] and status["agents"] == []
+
+
+def test_status_lists_servers_and_agents_with_ages_on_the_given_clock():
+    state = ControlState(fifo_policy, tau_max=4)
+    state.add_agent("h1", "10.0.0.1:7400")
+    state.add_agent("h2", "10.0.0.2:7400")
+    state.request("w", 1, host="h1", dst="s2", nbytes=5, base_version=0, norm=0.0, now=0.0)
+    state.request("w", 2, host="h1", dst="s1", nbytes=5, base_version=0, norm=0.0, now=0.0)
+    state.decide(now=0.0)
+    state.done("w", 2, version=7, applied=True, delay=0, now=3.0)
+    state.agent_reported("h1", now=4.0, peers=2, fresh=1)
+    state.agent_unreachable("h2", "Connection refused")
+    status = state.status(now=10.0)
+    # Seen but not yet reported back: no version, never heard from.
+    assert status["servers"] == [
+        {"host": "s1", "version": 7, "transfers": 1, "applied": 1, "refused": 0,
+         "last_heard_age_s": 7.0},
+        {"host": "s2", "version": None, "transfers": 1, "applied": 0, "refused": 0,
+         "last_heard_age_s": None}]
+    assert status["agents"] == [
+        {"host": "h1", "address": "10.0.0.1:7400", "reachable": True, "last_report_age_s": 6.0,
+         "peers": 2, "fresh": 1, "error": ""},
+        {"host": "h2", "address": "10.0.0.2:7400", "reachable": False,
+         "last_report_age_s": None, "peers": 0, "fresh": 0, "error": "Connection refused"}]
+    # An agent that goes away keeps its last report's time; back, its error clears.
+    state.agent_unreachable("h1", "timed out")
+    assert state.status(now=11.0)["agents"][0]["last_report_age_s"] == 7.0
+    state.agent_reported("h1", now=12.0, peers=2, fresh=2)
+    assert state.status(now=12.5)["agents"][0] == {
+        "host": "h1", "address": "10.0.0.1:7400", "reachable": True, "last_report_age_s": 0.5,
+        "peers": 2, "fresh": 2, "error": ""}
+    state.replicas["r1"] = {"host": "r1", "version": 6}
+    assert state.status()["replicas"] == [{"host": "r1", "version": 6}]

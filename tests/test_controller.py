@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import mlfabric
+from mlfabric.agent import Agent, AgentConfig
 from mlfabric.control import PlanItem, Snapshot, fifo_policy
 from mlfabric.controller import Controller
 from mlfabric.errors import ConnectError, ConnectionLost
@@ -313,13 +314,33 @@ def test_status_shows_workers_versions_delays_and_bandwidth(cluster, tmp_path):
                 PlanItem(t.id, start=snap.now) for t in snap.pending]
 
     server, controller, model = cluster(drop_third)
+    # One live agent (no peers yet) and one whose address answers nothing.
+    agent = Agent(AgentConfig("hA", host="127.0.0.1", port=0, counters=None))
+    asyncio.run_coroutine_threadsafe(agent.start(), controller._loop).result(10)
+    dead = free_port()
+    controller.call(lambda: controller.server.watch_agents(
+        {"hA": ("127.0.0.1", agent.port), "hB": ("127.0.0.1", dead)}, interval=0.05))
     with mlfabric.connect(server.address, job=JOB, token=TOKEN, name="alice",
                           controller=controller.address, host="hA") as ps:
         for _ in range(4):
             ps.push(model, base_version=ps.last_version).result(10)
         wait_until(lambda: controller.metrics.actual_seconds._sum.get() > 0
                    and sum(b.get() for b in controller.metrics.delay._buckets) == 3)
+        wait_until(lambda: all(a.last_report is not None or a.error
+                               for a in controller.server.state.agents.values()))
         status = fetch_status(controller.address, JOB, TOKEN)
+        (srv,) = status["servers"]
+        assert (srv["host"], srv["version"], srv["transfers"], srv["applied"],
+                srv["refused"]) == ("127.0.0.1", 3, 4, 3, 0)
+        assert 0 <= srv["last_heard_age_s"] < 10
+        live, gone = status["agents"]
+        assert (live["host"], live["address"], live["reachable"], live["peers"]) == (
+            "hA", f"127.0.0.1:{agent.port}", True, 0)
+        assert 0 <= live["last_report_age_s"] < 10
+        assert (gone["host"], gone["address"], gone["reachable"], gone["last_report_age_s"],
+                gone["error"]) == ("hB", f"127.0.0.1:{dead}", False, None,
+                                   "Connection refused")
+        assert status["replicas"] == []
         (alice,) = [w for w in status["workers"] if w["name"].startswith("alice")]
         assert (alice["host"], alice["requests"], alice["sent"], alice["dropped"],
                 alice["applied"], alice["refused"], alice["last_delay"]) == (
@@ -338,6 +359,9 @@ def test_status_shows_workers_versions_delays_and_bandwidth(cluster, tmp_path):
             capture_output=True, text=True, timeout=60, cwd=tmp_path)
         assert out.returncode == 0, out.stderr
         assert "server version 3" in out.stdout
+        assert "replicas: none configured" in out.stdout
+        assert any(line.split()[:3] == ["hB", f"127.0.0.1:{dead}", "no"]
+                   for line in out.stdout.splitlines()), out.stdout
         assert "delay of applied updates: count 3  mean 0.00" in out.stdout
         assert any(line.split()[:1] == ["alice"] and line.split()[-6:] ==
                    ["4", "3", "1", "3", "0", "0"] for line in out.stdout.splitlines()), out.stdout
@@ -349,3 +373,4 @@ def test_status_shows_workers_versions_delays_and_bandwidth(cluster, tmp_path):
     assert bad.returncode == 2
     assert "cannot reach the controller" in bad.stderr and "--controller" in bad.stderr
     assert "Traceback" not in bad.stderr
+    asyncio.run_coroutine_threadsafe(agent.stop(), controller._loop).result(10)

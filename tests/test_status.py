@@ -1,0 +1,67 @@
+"""`mlfabric status`'s text: every section of the controller's status dict."""
+
+from __future__ import annotations
+
+from mlfabric.status_cli import format_status
+
+STATUS = {
+    "job": "mnist", "policy": "mlfabric", "tau_max": 16, "connections": 3,
+    "server_version": 42, "pending": 1, "active": 2,
+    "servers": [{"host": "10.0.0.9", "version": 42, "transfers": 50, "applied": 40,
+                 "refused": 2, "last_heard_age_s": 0.25}],
+    "replicas": [],
+    "agents": [
+        {"host": "h1", "address": "10.0.0.1:7400", "reachable": True,
+         "last_report_age_s": 0.5, "peers": 2, "fresh": 2, "error": ""},
+        {"host": "h2", "address": "10.0.0.2:7400", "reachable": False,
+         "last_report_age_s": None, "peers": 0, "fresh": 0, "error": "Connection refused"}],
+    "delay": {"count": 40, "mean": 1.5, "std": 0.5, "max": 3},
+    "workers": [{"name": "w1", "host": "h1", "requests": 50, "sent": 45, "dropped": 5,
+                 "applied": 40, "refused": 2, "last_delay": 1}],
+    "bandwidth": {"h1": {"up_bytes_per_s": 12.5e6, "down_bytes_per_s": 125e6}},
+    "default_bytes_per_s": 125e6,
+    "measured_paths": {"h1->10.0.0.9": 6.25e6},
+}
+
+
+def test_status_text_lists_servers_replicas_agents_workers_and_bandwidth():
+    assert format_status(STATUS, "ctl:7071").splitlines() == [
+        "job 'mnist' on controller ctl:7071   policy mlfabric   tau_max 16",
+        "server version 42   transfers pending 1, active 2   connections 3",
+        "servers (versions as their workers reported them):",
+        "  host      version  transfers  applied  refused  last heard",
+        "  10.0.0.9  42       50         40       2        0.2 s ago",
+        "replicas: none configured (replicas are not built yet, issue 6)",
+        "agents:",
+        "  host  address        reachable  last report  peers  fresh  error",
+        "  h1    10.0.0.1:7400  yes        0.5 s ago    2      2      -",
+        "  h2    10.0.0.2:7400  no         never        0      0      Connection refused",
+        "delay of applied updates: count 40  mean 1.50  std 0.50  max 3",
+        "workers:",
+        "  name  host  requests  sent  dropped  applied  refused  last delay",
+        "  w1    h1    50        45    5        40       2        1",
+        "bandwidth picture (Mbit/s, up / down):",
+        "  h1  100 / 1000",
+        "  any other host  1000 / 1000",
+        "measured by agents (Mbit/s available):",
+        "  h1->10.0.0.9  50",
+    ]
+
+
+def test_status_text_says_what_is_missing_and_shows_any_replica_fields():
+    empty = {**STATUS, "servers": [], "agents": [], "workers": [], "measured_paths": {},
+             "delay": {"count": 0},
+             "replicas": [{"host": "r1", "version": 40, "lag": 2},
+                          {"host": "r2", "version": None, "divergence": 0.125}]}
+    lines = format_status(empty, "ctl:7071").splitlines()
+    assert "servers: none seen yet (no transfer requested)" in lines
+    assert "agents: none (start the controller with --agent HOST=ADDR:PORT)" in lines
+    assert "delay of applied updates: none reported yet" in lines
+    assert "measured by agents: none (no --agent, or no fresh estimate yet)" in lines
+    # Replicas print whatever fields they report, one column per key.
+    i = lines.index("replicas:")
+    assert lines[i + 1:i + 4] == [
+        "  host  version  lag  divergence",
+        "  r1    40       2    -",
+        "  r2    -        -    0.125",
+    ]
