@@ -47,3 +47,8 @@ class InvalidUpdate(ServerError):
     def __init__(self, message: str, reason: str = "malformed") -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class SequenceGap(MlfabricError):
+    """A replica was handed an update too far ahead of the next one it can
+    apply: an earlier update is missing and its out-of-order buffer is full."""

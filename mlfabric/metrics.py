@@ -28,6 +28,9 @@ REJECT_REASONS = (
     "bad_shape",
     "future_version",
     "malformed",
+    "duplicate",  # a replica was sent a sequence number it already applied
+    "seq_gap",  # a replica's out-of-order buffer is full
+    "misrouted",  # a sequenced push to a server, or an unsequenced one to a replica
 )
 
 
@@ -113,6 +116,27 @@ class ServerMetrics:
         )
         self.last_checkpoint_version = Gauge(
             "server_last_checkpoint_version", "Model version of the newest checkpoint",
+            namespace=ns, registry=r,
+        )
+        # Replication (a server in chain mode, or a replica).
+        self.replica_lag = Gauge(
+            "server_replica_lag_updates",
+            "Chain replication: updates applied here that the replica has not acknowledged",
+            namespace=ns, registry=r,
+        )
+        self.replica_connected = Gauge(
+            "server_replica_connected",
+            "Chain replication: 1 while the link to the replica is up",
+            namespace=ns, registry=r,
+        )
+        self.replication_sent_bytes = Counter(
+            "server_replication_sent_bytes",
+            "Chain replication: bytes forwarded to the replica",
+            namespace=ns, registry=r,
+        )
+        self.replica_pending = Gauge(
+            "server_replica_pending_updates",
+            "Replica: updates received ahead of their turn, waiting for earlier ones",
             namespace=ns, registry=r,
         )
 

@@ -95,6 +95,14 @@ class ParameterServer(Endpoint):
                     data: memoryview | None = None) -> PushResult | Error:
         """Apply a received push; `staged` is its apply begun while it arrived."""
         m = self.metrics
+        if event.seq is not None:
+            if staged is not None:
+                staged.cancel()
+            m.updates_rejected.labels("misrouted").inc()
+            return Error(code="misrouted", req=event.req,
+                         message=f"this is the server: push {event.req} carries sequence "
+                                 f"number {event.seq}, which only a replica takes; push "
+                                 f"without one")
         started = time.perf_counter()
         outcome = staged.finish(data) if staged is not None and data is not None else None
         try:

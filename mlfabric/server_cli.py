@@ -15,6 +15,7 @@ from .client_core import parse_address
 from .endpoint import add_listener_arguments, listen, until_stopped
 from .errors import ConfigError
 from .metrics import ServerMetrics, serve_metrics
+from .replica import DEFAULT_MAX_PENDING, ReplicaServer
 from .server import ParameterServer
 from .store import ParameterStore
 
@@ -23,6 +24,15 @@ log = logging.getLogger("mlfabric.server")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_listener_arguments(p, "clients")
+    p.add_argument("--role", choices=("server", "replica"), default="server",
+                   help="server: apply pushes as they come and number them (versions); "
+                        "replica: hold the same model and apply only numbered pushes, "
+                        "strictly in the server's order, whatever order they arrive in "
+                        "(start it from the same --init or checkpoint as the server) "
+                        "(default: server)")
+    p.add_argument("--max-pending", type=int, default=DEFAULT_MAX_PENDING, metavar="N",
+                   help="replica: updates that may wait for an earlier one; a push further "
+                        f"ahead is refused (default: {DEFAULT_MAX_PENDING})")
     p.add_argument("--init", metavar="MODEL.npz",
                    help="initial model: named float32 arrays in a .npz file "
                         "(required unless --resume)")
@@ -107,8 +117,16 @@ def run_server(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         serve_metrics(metrics.registry, args.metrics_port, args.metrics_host)
 
+    if args.max_pending < 1:
+        raise ConfigError(f"--max-pending must be at least 1, got {args.max_pending}")
+
     async def main() -> None:
-        server = ParameterServer(store, job=args.job, token=token, metrics=metrics)
+        server: ParameterServer
+        if args.role == "replica":
+            server = ReplicaServer(store, job=args.job, token=token, metrics=metrics,
+                                   max_pending=args.max_pending)
+        else:
+            server = ParameterServer(store, job=args.job, token=token, metrics=metrics)
         checkpointer = None
         if args.checkpoint_dir is not None:
             checkpointer = Checkpointer(store, args.job, args.checkpoint_dir,
@@ -117,7 +135,7 @@ def run_server(args: argparse.Namespace) -> int:
         bound = await listen(server, host, port, args.listen)
         # The "serving" line is what scripts wait for: it carries the bound port.
         print(
-            f"mlfabric server: serving job {args.job!r} on {bound[0]}:{bound[1]} "
+            f"mlfabric {args.role}: serving job {args.job!r} on {bound[0]}:{bound[1]} "
             f"({len(store.specs)} tensors, {store.nbytes} bytes, version {store.version})",
             flush=True,
         )
@@ -128,7 +146,7 @@ def run_server(args: argparse.Namespace) -> int:
         await server.close()
         if checkpointer is not None:
             await checkpointer.close()
-        print(f"mlfabric server: stopped at version {store.version}", flush=True)
+        print(f"mlfabric {args.role}: stopped at version {store.version}", flush=True)
 
     loop.run(main())
     return 0

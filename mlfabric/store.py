@@ -140,6 +140,30 @@ class ParameterStore:
         reason = self.stale_reason(delay)
         if reason is not None:
             return PushOutcome(False, self.version, delay, reason, base_version)
+        self._step(update)
+        return PushOutcome(
+            applied=True, version=self.version, delay=delay, base_version=base_version
+        )
+
+    def apply_sequenced(self, seq: int, base_version: int,
+                        update: Mapping[str, np.ndarray]) -> PushOutcome:
+        """Apply the update the server applied as version `seq` (a replica).
+
+        The server already decided it is applied (staleness, finiteness), so
+        only the layout and the order are checked: `seq` must be version + 1.
+        The arithmetic is apply()'s, so the weights are bit-identical."""
+        if seq != self.version + 1:
+            raise InvalidUpdate(
+                f"sequence number {seq} is not the next one ({self.version + 1}): "
+                f"updates must reach a replica's store in the server's order",
+                reason="out_of_order",
+            )
+        update = {n: np.asarray(u) for n, u in update.items()}
+        self.check_layout((n, u.dtype, u.shape) for n, u in update.items())
+        self._step(update)
+        return PushOutcome(True, self.version, seq - 1 - base_version, None, base_version)
+
+    def _step(self, update: Mapping[str, np.ndarray]) -> None:
         gamma = self.momentum
         for name, w in self.weights.items():
             u = c_contiguous(update[name])
@@ -148,9 +172,6 @@ class ParameterStore:
             else:
                 _core.scaled_add(w, u, 1.0)
         self.version += 1
-        return PushOutcome(
-            applied=True, version=self.version, delay=delay, base_version=base_version
-        )
 
     def begin_staged(
         self, base_version: int, specs: Sequence[TensorSpec], offsets: Sequence[int]

@@ -1,0 +1,184 @@
+"""The replica role: updates applied strictly in the server's sequence,
+whatever order they arrive in, checked bit for bit against a numpy replay."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mlfabric.errors import InvalidUpdate, SequenceGap
+from mlfabric.metrics import ServerMetrics
+from mlfabric.protocol import Error, Pull, Push, PushResult
+from mlfabric.replica import ReplicaServer
+from mlfabric.sequencer import Sequencer
+from mlfabric.store import ParameterStore
+
+from support import (
+    JOB,
+    TOKEN,
+    RawClient,
+    Reference,
+    ServerThread,
+    assert_model_equal,
+    make_model,
+    random_update,
+)
+
+# -- the pure sequencer -------------------------------------------------------
+
+
+def test_sequencer_releases_in_order_whatever_the_arrival_order():
+    s: Sequencer[str] = Sequencer(5, max_pending=8)
+    released = []
+    for seq in (7, 9, 6, 8, 5):
+        assert s.offer(seq, f"u{seq}") == "accepted"
+        released += list(s.ready())
+        if seq != 5:
+            assert released == []
+    assert released == [(5, "u5"), (6, "u6"), (7, "u7"), (8, "u8"), (9, "u9")]
+    assert s.next_seq == 10 and s.pending == {}
+
+
+def test_sequencer_never_releases_a_number_twice():
+    s: Sequencer[str] = Sequencer(1, max_pending=4)
+    assert s.offer(2, "first") == "accepted"
+    assert s.offer(2, "again") == "held"
+    assert s.missing() == [1]
+    assert s.offer(1, "a") == "accepted"
+    assert list(s.ready()) == [(1, "a"), (2, "first")]
+    assert s.offer(1, "late") == "applied"
+    assert s.offer(2, "late") == "applied"
+    assert list(s.ready()) == []
+
+
+def test_sequencer_buffer_is_bounded_with_a_clear_error():
+    s: Sequencer[int] = Sequencer(10, max_pending=3)
+    s.offer(11, 0)
+    s.offer(12, 0)
+    with pytest.raises(SequenceGap, match=r"sequence number 13 .* waits for 10; it holds at "
+                                          r"most 3 .*updates 10\.\.12 first"):
+        s.offer(13, 0)
+    assert sorted(s.pending) == [11, 12]
+
+
+def test_sequencer_reset_drops_what_a_snapshot_already_holds():
+    s: Sequencer[str] = Sequencer(1, max_pending=8)
+    for seq in (3, 5, 6):
+        s.offer(seq, str(seq))
+    s.reset(5)
+    assert list(s.ready()) == [(5, "5"), (6, "6")]
+
+
+# -- the store ----------------------------------------------------------------
+
+
+def test_apply_sequenced_refuses_a_number_out_of_turn_and_skips_staleness():
+    model = make_model()
+    store = ParameterStore(model, momentum=0.9, tau_max=0)
+    with pytest.raises(InvalidUpdate, match="sequence number 2 is not the next one \\(1\\)"):
+        store.apply_sequenced(2, 0, random_update(model, 1))
+    assert store.version == 0
+    store.apply_sequenced(1, 0, random_update(model, 1))
+    # Delay 1 > tau_max 0: the server decided to apply it, so the replica does too.
+    outcome = store.apply_sequenced(2, 0, random_update(model, 2))
+    assert (outcome.applied, outcome.version, outcome.delay) == (True, 2, 1)
+
+
+# -- the replica endpoint -----------------------------------------------------
+
+
+@pytest.fixture
+def replica(loop_kind):
+    started = []
+
+    def start(model, *, momentum=0.9, max_pending=64):
+        endpoint = ReplicaServer(ParameterStore(model, momentum=momentum), job=JOB,
+                                 token=TOKEN, metrics=ServerMetrics(), max_pending=max_pending)
+        st = ServerThread(None, loop_kind=loop_kind, endpoint=endpoint)
+        started.append(st.__enter__())
+        return st
+
+    yield start
+    for st in started:
+        st.__exit__(None, None, None)
+
+
+def test_replica_applies_shuffled_pushes_in_sequence_exactly(replica):
+    model = make_model()
+    st = replica(model, momentum=0.9)
+    n = 12
+    updates = [random_update(model, seed) for seed in range(n)]
+    # Seq 1 comes last, so every other update waits for it.
+    order = [*(1 + np.random.default_rng(3).permutation(n - 1)), 0]
+    raw = RawClient(st.port)
+    try:
+        for req, i in enumerate(order, 1):
+            if i == 0:
+                # A second copy of an update that is waiting: held, applied once.
+                raw.send(Push(req=100, base_version=0, tensors=updates[n - 1], seq=n))
+            raw.send(Push(req=req, base_version=0, tensors=updates[i], seq=int(i) + 1))
+        answers = {}
+        while len(answers) < n + 1:
+            event = raw.recv_event()
+            assert isinstance(event, PushResult), event
+            answers[event.req] = event
+        # A copy of an update already applied: answered, not applied again.
+        raw.send(Push(req=101, base_version=0, tensors=updates[0], seq=1))
+        dup = raw.recv_event()
+        raw.send(Pull(req=102))
+        pulled = raw.recv_event()
+    finally:
+        raw.close()
+    for req, i in enumerate(order, 1):
+        assert (answers[req].applied, answers[req].version) == (True, i + 1)
+    assert (answers[100].applied, answers[100].version) == (True, n)
+    assert isinstance(dup, PushResult) and not dup.applied
+    assert dup.reason == f"duplicate: sequence number 1 was already applied (replica at " \
+                         f"version {n})"
+    ref = Reference(model, 0.9)
+    for u in updates:
+        ref.apply(u)
+    assert pulled.version == n
+    assert_model_equal(dict(pulled.tensors), ref.w)
+    assert st.metrics.updates_applied._value.get() == n
+    assert st.metrics.updates_rejected.labels("duplicate")._value.get() == 2
+    assert st.metrics.replica_pending._value.get() == 0
+
+
+def test_replica_refuses_unsequenced_pushes_gaps_and_bad_layouts(replica):
+    model = make_model()
+    st = replica(model, max_pending=2)
+    raw = RawClient(st.port)
+    try:
+        raw.send(Push(req=1, base_version=0, tensors=random_update(model, 0)))
+        err = raw.recv_event()
+        assert isinstance(err, Error) and err.code == "misrouted" and err.req == 1
+        assert "this is a replica at version 0" in err.message
+        raw.send(Push(req=2, base_version=0, tensors=random_update(model, 0), seq=3))
+        err = raw.recv_event()
+        assert isinstance(err, Error) and err.code == "seq_gap" and err.req == 2
+        assert "waits for 1" in err.message
+        raw.send(Push(req=3, base_version=0, tensors={"w": model["w"]}, seq=1))
+        err = raw.recv_event()
+        assert isinstance(err, Error) and err.code == "unknown_tensor"
+        # The connection stays usable, and nothing was applied.
+        raw.send(Pull(req=4))
+        pulled = raw.recv_event()
+        assert pulled.version == 0
+        assert_model_equal(dict(pulled.tensors), model)
+    finally:
+        raw.close()
+
+
+def test_the_server_refuses_a_sequenced_push(loop_kind):
+    model = make_model()
+    with ServerThread(ParameterStore(model), loop_kind=loop_kind) as st:
+        raw = RawClient(st.port)
+        try:
+            raw.send(Push(req=1, base_version=0, tensors=random_update(model, 0), seq=1))
+            err = raw.recv_event()
+        finally:
+            raw.close()
+    assert isinstance(err, Error) and err.code == "misrouted"
+    assert "this is the server" in err.message
+    assert st.store is not None and st.store.version == 0
