@@ -79,6 +79,8 @@ class ParameterServer(Endpoint):
                          max_frame_size=HEADER.size + MAX_META_LEN + store.nbytes)
         self.store = store
         self.stage_min_bytes = stage_min_bytes
+        # Chain replication: set to a ChainLink to forward every applied update.
+        self.chain: Any = None
         self.metrics.version.set(store.version)
 
     def make_protocol(self) -> _ServerProtocol:
@@ -153,6 +155,12 @@ class _ServerProtocol(EndpointProtocol):
             if isinstance(answer, Error):
                 self.log.warning("refused push %d from %s (%s): %s", event.req, self.client,
                                  self.peer, answer.message)
+            elif server.chain is not None and answer.applied:
+                # Acknowledge once the replica has it too.
+                forwarded = server.chain.forward(event, answer.version)
+                if forwarded is not None:
+                    forwarded.add_done_callback(lambda _: self.send(answer))
+                    return
             self.send(answer)
         elif isinstance(event, Pull):
             self.send(server.handle_pull(event))
@@ -184,9 +192,10 @@ class _ServerProtocol(EndpointProtocol):
         self._push_buffer = None
 
     def allocate(self, msg_type: MsgType, nbytes: int) -> Any:
-        if msg_type is MsgType.PUSH and self.stage == "ready":
+        if msg_type is MsgType.PUSH and self.stage == "ready" and self.server.chain is None:
             # One buffer per connection, reused: a push is applied before the
-            # next frame is parsed, so its bytes are no longer needed by then.
+            # next frame is parsed, so its bytes are no longer needed by then
+            # (with chain replication they are, until forwarded: fresh buffers).
             if self._push_buffer is None or len(self._push_buffer) < nbytes:
                 self._push_buffer = np.empty(max(nbytes, self.server.store.nbytes), np.uint8)
             return self._push_buffer

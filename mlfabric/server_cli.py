@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from . import auth, checkpoint, loop
+from .chain import ChainLink
 from .checkpointer import Checkpointer
 from .client_core import parse_address
 from .endpoint import add_listener_arguments, listen, until_stopped
@@ -30,6 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "strictly in the server's order, whatever order they arrive in "
                         "(start it from the same --init or checkpoint as the server) "
                         "(default: server)")
+    p.add_argument("--replicate-to", metavar="HOST:PORT", default=None,
+                   help="chain replication: forward every applied update to the replica "
+                        "there (started with --role replica from the same model) and "
+                        "acknowledge a push once the replica applied it too")
     p.add_argument("--max-pending", type=int, default=DEFAULT_MAX_PENDING, metavar="N",
                    help="replica: updates that may wait for an earlier one; a push further "
                         f"ahead is refused (default: {DEFAULT_MAX_PENDING})")
@@ -117,6 +122,9 @@ def run_server(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         serve_metrics(metrics.registry, args.metrics_port, args.metrics_host)
 
+    if args.replicate_to is not None and args.role != "server":
+        raise ConfigError("--replicate-to is for the server (--role server); a replica "
+                          "only applies what it is sent")
     if args.max_pending < 1:
         raise ConfigError(f"--max-pending must be at least 1, got {args.max_pending}")
 
@@ -127,6 +135,10 @@ def run_server(args: argparse.Namespace) -> int:
                                    max_pending=args.max_pending)
         else:
             server = ParameterServer(store, job=args.job, token=token, metrics=metrics)
+        if args.replicate_to is not None:
+            server.chain = await ChainLink.connect(args.replicate_to, job=args.job, token=token,
+                                                   store=store, metrics=metrics)
+            log.info("chain replication to %s", args.replicate_to)
         checkpointer = None
         if args.checkpoint_dir is not None:
             checkpointer = Checkpointer(store, args.job, args.checkpoint_dir,
@@ -144,6 +156,8 @@ def run_server(args: argparse.Namespace) -> int:
         await until_stopped()
         log.info("shutting down at version %d", store.version)
         await server.close()
+        if server.chain is not None:
+            await server.chain.close()
         if checkpointer is not None:
             await checkpointer.close()
         print(f"mlfabric {args.role}: stopped at version {store.version}", flush=True)
