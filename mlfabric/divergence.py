@@ -1,0 +1,141 @@
+"""A bound on ||w_server - w_replica||_2 from update norms alone, without I/O.
+
+The controller never reads the weights; workers report ||u|| with every
+transfer request. With momentum gamma, from a common state (w_0, w_-1)
+with velocity v_0 = w_0 - w_-1, applying the sequence a_1, ..., a_n gives
+
+    w_n = w_0 + sum_{t=1..n} Delta_t,   Delta_t = a_t + gamma * Delta_{t-1},  Delta_0 = v_0
+        = w_0 + gamma * c(n-1) * v_0 + sum_{j=1..n} c(n-j) * a_j
+
+with c(k) = 1 + gamma + ... + gamma^k = (1 - gamma^(k+1)) / (1 - gamma), and
+c(-1) = 0. So the weights are a linear combination of the updates, each
+weighted by how many steps ago it was applied. For the server's sequence S
+(length n) and the replica's R (length m), subtracting and using the
+triangle inequality:
+
+    ||w_s - w_r|| <= gamma * |c(n-1) - c(m-1)| * ||v_0||
+                     + sum over updates g of ||u_g|| * |c_S(g) - c_R(g)|
+
+where c_S(g) = c(n - position of g in S), or 0 if S lacks g (likewise R).
+This holds for any two sequences: a replica that lacks updates, holds them
+in another order, or both (u1, u2 at the server and u2, u1 at the replica
+gives exactly gamma * ||u1 - u2|| <= gamma * (||u1|| + ||u2||)).
+
+When the replica applies a prefix of the server's sequence (what the
+sequencer enforces), with lag L = n - m, the bound is the sum of the
+per-step bounds over the steps the replica lacks,
+||Delta_t|| <= B_t = ||a_t|| + gamma * B_{t-1} (B_0 = ||v_0||):
+
+    ||w_s - w_r|| = ||sum_{t=m+1..n} Delta_t|| <= sum_{t=m+1..n} B_t
+                  = gamma * c(L-1) * B_m + sum_{t=m+1..n} c(n-t) * ||a_t||
+
+`PrefixBound` keeps B_m and the norms of the lagging updates, so it costs
+O(lag) per evaluation.
+
+Both are exact-arithmetic bounds. The stores compute in float32: equal
+prefixes are bit-identical (a replica that has caught up has divergence 0),
+but each step the server is ahead rounds w_{t+1} by up to a few units in the
+last place, a perturbation of norm <= 2^-22 * ||w|| that momentum then
+carries forward like an update. `PrefixBound` adds that allowance,
+2^-22 * ||w|| * sum over lagging steps of c(n-t), when given ||w||.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+
+from .errors import ConfigError
+
+
+def _check_gamma(gamma: float) -> float:
+    if not 0.0 <= gamma < 1.0:
+        raise ConfigError(f"momentum must be in [0, 1), got {gamma}")
+    return float(gamma)
+
+
+def weight(k: int, gamma: float) -> float:
+    """c(k) = 1 + gamma + ... + gamma^k, the weight in w of an update applied
+    k steps before the last; c(-1) = 0."""
+    if k < 0:
+        return 0.0
+    if gamma == 0.0:
+        return 1.0
+    return (1.0 - gamma ** (k + 1)) / (1.0 - gamma)
+
+
+def sequence_bound(server: Sequence[Hashable], replica: Sequence[Hashable],
+                   norms: Mapping[Hashable, float], gamma: float,
+                   velocity_norm: float = 0.0) -> float:
+    """Bound on ||w_s - w_r|| when, from one common state whose velocity has
+    norm `velocity_norm`, the server applied `server` and the replica
+    `replica` (update ids; each id at most once per sequence)."""
+    gamma = _check_gamma(gamma)
+    n, m = len(server), len(replica)
+    coeff: dict[Hashable, float] = {}
+    for j, g in enumerate(server, 1):
+        if g in coeff:
+            raise ValueError(f"update {g!r} appears twice in the server's sequence")
+        coeff[g] = weight(n - j, gamma)
+    seen = set()
+    for j, g in enumerate(replica, 1):
+        if g in seen:
+            raise ValueError(f"update {g!r} appears twice in the replica's sequence")
+        seen.add(g)
+        coeff[g] = coeff.get(g, 0.0) - weight(m - j, gamma)
+    total = gamma * abs(weight(n - 1, gamma) - weight(m - 1, gamma)) * velocity_norm
+    for g, c in coeff.items():
+        total += abs(c) * norms[g]
+    return total
+
+
+class PrefixBound:
+    """The bound while the replica applies a prefix of the server's sequence.
+
+    Call `server_applied(norm)` as the server applies each update and
+    `replica_applied()` as the replica catches up by one; `bound()` is then
+    the current bound, `bound_after(norms)` what it would be if the server
+    applied those updates next with the replica standing still.
+    """
+
+    def __init__(self, gamma: float, *, velocity_norm: float = 0.0) -> None:
+        self.gamma = _check_gamma(gamma)
+        self.replica_velocity = float(velocity_norm)  # B_m
+        self.lagging: deque[float] = deque()  # ||a_t|| for t = m+1..n
+
+    @property
+    def lag(self) -> int:
+        """Updates the server applied that the replica has not."""
+        return len(self.lagging)
+
+    def server_applied(self, norm: float) -> None:
+        if not norm >= 0.0:
+            raise ValueError(f"an update norm must be >= 0, got {norm}")
+        self.lagging.append(float(norm))
+
+    def replica_applied(self, count: int = 1) -> None:
+        if count > len(self.lagging):
+            raise ValueError(f"the replica cannot apply {count} updates: it lags by "
+                             f"{len(self.lagging)}")
+        for _ in range(count):
+            self.replica_velocity = self.lagging.popleft() + self.gamma * self.replica_velocity
+
+    def bound(self, weights_norm: float = 0.0) -> float:
+        """The bound now; with `weights_norm` = ||w||, float32 rounding included."""
+        return self.bound_after((), weights_norm)
+
+    def bound_after(self, norms: Iterable[float], weights_norm: float = 0.0) -> float:
+        lagging = [*self.lagging, *norms]
+        n = len(lagging)
+        gamma = self.gamma
+        total = gamma * weight(n - 1, gamma) * self.replica_velocity
+        carried = 0.0
+        for t, norm in enumerate(lagging, 1):
+            c = weight(n - t, gamma)
+            total += c * norm
+            carried += c
+        return total + ROUNDING * weights_norm * carried
+
+
+# Relative size of one float32 apply's rounding, as a perturbation of w.
+ROUNDING = 2.0**-22

@@ -1,0 +1,139 @@
+"""The divergence bound against the true ||w_s - w_r|| of a numpy replay."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlfabric.divergence import PrefixBound, sequence_bound, weight
+from mlfabric.errors import ConfigError
+
+
+def replay(w0, v0, updates, order, gamma):
+    """The brief's rule in float64 from (w_0, w_-1 = w_0 - v_0)."""
+    w, prev = w0.copy(), w0 - v0
+    for g in order:
+        w, prev = w + updates[g] + gamma * (w - prev), w
+    return w
+
+
+def norms_of(updates):
+    return {g: float(np.linalg.norm(u)) for g, u in updates.items()}
+
+
+@st.composite
+def scenarios(draw):
+    n = draw(st.integers(1, 12))
+    dim = draw(st.integers(1, 6))
+    gamma = draw(st.sampled_from([0.0, 0.5, 0.9, 0.99]) | st.floats(0.0, 0.999))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    scales = rng.choice([1e-3, 1.0, 1e3], size=n)
+    updates = {g: scales[g] * rng.standard_normal(dim) for g in range(n)}
+    server = draw(st.permutations(range(n)))
+    server = server[: draw(st.integers(0, n))]
+    replica = draw(st.permutations(range(n)))
+    replica = replica[: draw(st.integers(0, n))]
+    v0 = rng.standard_normal(dim) * draw(st.sampled_from([0.0, 0.1, 10.0]))
+    return gamma, updates, list(server), list(replica), rng.standard_normal(dim), v0
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios())
+def test_bound_holds_for_any_two_sequences(case):
+    gamma, updates, server, replica, w0, v0 = case
+    true = np.linalg.norm(replay(w0, v0, updates, server, gamma)
+                          - replay(w0, v0, updates, replica, gamma))
+    bound = sequence_bound(server, replica, norms_of(updates), gamma,
+                           velocity_norm=float(np.linalg.norm(v0)))
+    assert bound >= true * (1 - 1e-9) - 1e-9
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios(), st.data())
+def test_prefix_bound_holds_and_equals_the_general_one(case, data):
+    gamma, updates, _, _, w0, v0 = case
+    order = list(updates)
+    m = data.draw(st.integers(0, len(order)))
+    pb = PrefixBound(gamma, velocity_norm=float(np.linalg.norm(v0)))
+    for g in order:
+        pb.server_applied(float(np.linalg.norm(updates[g])))
+    pb.replica_applied(m)
+    assert pb.lag == len(order) - m
+    true = np.linalg.norm(replay(w0, v0, updates, order, gamma)
+                          - replay(w0, v0, updates, order[:m], gamma))
+    general = sequence_bound(order, order[:m], norms_of(updates), gamma,
+                             velocity_norm=float(np.linalg.norm(v0)))
+    assert pb.bound() == pytest.approx(general, rel=1e-9, abs=1e-12)
+    assert pb.bound() >= true * (1 - 1e-9) - 1e-9
+
+
+def test_swapped_pair_bound_is_tight_for_opposite_updates():
+    # u1 then u2 at the server, u2 then u1 at the replica: w_s - w_r = gamma * (u1 - u2).
+    gamma = 0.9
+    u1 = np.array([3.0, 4.0])
+    updates = {1: u1, 2: -2 * u1}
+    true = np.linalg.norm(replay(np.zeros(2), np.zeros(2), updates, [1, 2], gamma)
+                          - replay(np.zeros(2), np.zeros(2), updates, [2, 1], gamma))
+    assert true == pytest.approx(gamma * 15.0)
+    assert sequence_bound([1, 2], [2, 1], norms_of(updates), gamma) == pytest.approx(true)
+
+
+def test_one_lagging_update_after_momentum_history():
+    # Replica lacks only the last update: the gap is Delta_n = a_n + gamma * Delta_{n-1}.
+    pb = PrefixBound(0.5)
+    for norm in (4.0, 2.0, 1.0):
+        pb.server_applied(norm)
+    pb.replica_applied(2)
+    # B_2 = 2 + 0.5 * 4 = 4; bound = B_3 = 1 + 0.5 * 4 = 3
+    assert pb.bound() == pytest.approx(3.0)
+    assert pb.bound_after([2.0]) == pytest.approx(3.0 + 2.0 + 0.5 * 3.0)
+    pb.replica_applied()
+    assert pb.lag == 0 and pb.bound() == 0.0
+
+
+def test_weights_and_bad_input():
+    assert [weight(k, 0.5) for k in (-1, 0, 1, 2)] == [0.0, 1.0, 1.5, 1.75]
+    assert weight(5, 0.0) == 1.0
+    with pytest.raises(ConfigError, match=r"momentum must be in \[0, 1\), got 1.0"):
+        PrefixBound(1.0)
+    pb = PrefixBound(0.9)
+    with pytest.raises(ValueError, match="cannot apply 1 updates: it lags by 0"):
+        pb.replica_applied()
+    with pytest.raises(ValueError, match="norm must be >= 0, got nan"):
+        pb.server_applied(float("nan"))
+    with pytest.raises(ValueError, match="appears twice in the server's sequence"):
+        sequence_bound([1, 1], [], {1: 1.0}, 0.5)
+
+
+def test_bound_holds_for_the_real_stores_as_the_replica_lags():
+    """Server and replica ParameterStores (float32 kernels): the measured
+    divergence stays within the bound at every lag, and is 0 once caught up."""
+    from mlfabric import _core
+    from mlfabric.store import ParameterStore
+
+    from support import make_model, random_update
+
+    model = make_model()
+    server = ParameterStore(model, momentum=0.9)
+    replica = ParameterStore(model, momentum=0.9)
+    pb = PrefixBound(0.9)
+    updates = [random_update(model, seed, scale=0.1) for seed in range(30)]
+    for i, u in enumerate(updates):
+        server.apply(server.version, u)
+        pb.server_applied(float(np.sqrt(sum(_core.l2_norm(a) ** 2 for a in u.values()))))
+        if i % 3 == 2:  # the replica catches up by one every third step
+            replica.apply_sequenced(replica.version + 1, 0, updates[replica.version])
+            pb.replica_applied()
+        true = np.sqrt(sum(_core.l2_norm_diff(server.weights[n], replica.weights[n]) ** 2
+                           for n in model))
+        w_norm = np.sqrt(sum(_core.l2_norm(w) ** 2 for w in server.weights.values()))
+        assert true <= pb.bound(w_norm), (i, true, pb.bound(w_norm))
+    while replica.version < server.version:
+        replica.apply_sequenced(replica.version + 1, 0, updates[replica.version])
+        pb.replica_applied()
+    assert pb.bound() == 0.0
+    for n in model:
+        assert _core.l2_norm_diff(server.weights[n], replica.weights[n]) == 0.0
