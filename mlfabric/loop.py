@@ -7,6 +7,8 @@ import os
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from .errors import ConfigError
+
 T = TypeVar("T")
 
 LOOP_ENV = "MLFABRIC_LOOP"  # "uvloop" (default when installed) or "asyncio"
@@ -22,10 +24,15 @@ def loop_factory(kind: str | None = None) -> Callable[[], asyncio.AbstractEventL
         return uvloop.new_event_loop
     if kind == "asyncio":
         return asyncio.new_event_loop
-    raise ValueError(f"{LOOP_ENV} must be 'uvloop' or 'asyncio', got {kind!r}")
+    raise ConfigError(f"{LOOP_ENV} must be 'uvloop' or 'asyncio', got {kind!r}: fix or unset it")
 
 
 def run(coro: Coroutine[Any, Any, T], *, kind: str | None = None) -> T:
     """Run `coro` to completion on a new loop of the chosen kind."""
-    with asyncio.Runner(loop_factory=loop_factory(kind)) as runner:
+    try:
+        factory = loop_factory(kind)
+    except ConfigError:
+        coro.close()  # never started: no "was never awaited" warning
+        raise
+    with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(coro)
