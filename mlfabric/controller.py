@@ -165,8 +165,12 @@ class Controller(Endpoint):
             delay = max(0.0, decisions.wake_at - now)
             self._wake = asyncio.get_running_loop().call_later(delay, self.replan)
 
-    def status(self) -> dict[str, Any]:
+    def status(self, asker: Any = None) -> dict[str, Any]:
+        """The job at a glance; `asker` (the connection asking) is not a worker."""
         status = self.state.status(now=self.clock())
+        if asker in self.state.workers:
+            me = self.state.workers[asker].name
+            status["workers"] = [w for w in status["workers"] if w["name"] != me]
         status.update(job=self.job, policy=self.policy_name, connections=len(self.connections))
         return status
 
@@ -190,7 +194,7 @@ class _ControllerProtocol(EndpointProtocol):
         elif isinstance(event, TransferDone):
             self.endpoint.on_done(self, event)
         elif isinstance(event, StatusRequest):
-            self.send(Status(req=event.req, status=self.endpoint.status()))
+            self.send(Status(req=event.req, status=self.endpoint.status(asker=self)))
         else:
             self.protocol_error(f"unexpected {type(event).__name__} message")
 
