@@ -139,3 +139,83 @@ class PrefixBound:
 
 # Relative size of one float32 apply's rounding, as a perturbation of w.
 ROUNDING = 2.0**-22
+
+
+def unordered_bound(replica_velocity: float, lagging: Iterable[float], gamma: float,
+                    weights_norm: float = 0.0) -> float:
+    """The prefix bound when the order of the lagging updates is unknown
+    (some are still in flight, or reported out of order): by the
+    rearrangement inequality, the largest norms take the largest weights
+    c(L-1), c(L-2), ..., c(0), which bounds every order."""
+    ordered = sorted(lagging, reverse=True)
+    n = len(ordered)
+    total = gamma * weight(n - 1, gamma) * replica_velocity
+    carried = 0.0
+    for t, norm in enumerate(ordered, 1):
+        c = weight(n - t, gamma)
+        total += c * norm
+        carried += c
+    return total + ROUNDING * weights_norm * carried
+
+
+class DivergenceGate:
+    """The controller's view of one replica under worker-driven replication.
+
+    The controller learns the server's order late (a worker reports the
+    version an update produced when the server answers) and the replica's
+    progress later still, so it bounds with `unordered_bound` over every
+    update the replica may lack: those the server applied (norm known, version
+    above the replica's) and those let go to the server but not yet reported.
+    `admit` says whether one more may go without the bound passing `div_max`.
+    """
+
+    def __init__(self, gamma: float, div_max: float) -> None:
+        self.gamma = _check_gamma(gamma)
+        if not div_max > 0:
+            raise ConfigError(f"--div-max must be positive, got {div_max}")
+        self.div_max = float(div_max)
+        self.applied: dict[int, float] = {}  # server version -> norm, above `replica`
+        self.replica = 0  # replica version folded into `velocity`
+        self.replica_reported = 0  # highest version the replica was reported at
+        self.velocity = 0.0  # B at the replica's version
+        self.overrides = 0  # updates let go with the bound past div_max (see admit)
+
+    def start(self, version: int, velocity_norm: float = 0.0) -> None:
+        """Both sides hold version `version`, with ||w - w_prev|| <= velocity_norm."""
+        self.replica = self.replica_reported = version
+        self.velocity = float(velocity_norm)
+        self.applied = {v: n for v, n in self.applied.items() if v > version}
+
+    def server_applied(self, version: int, norm: float) -> None:
+        if version > self.replica:
+            self.applied[version] = float(norm)
+        self._advance()
+
+    def replica_applied(self, version: int) -> None:
+        self.replica_reported = max(self.replica_reported, version)
+        self._advance()
+
+    def _advance(self) -> None:
+        # Fold in order, and only updates whose norm is known; the rest stay
+        # counted as lagging (an over-estimate until their report arrives).
+        while self.replica < self.replica_reported and self.replica + 1 in self.applied:
+            self.replica += 1
+            self.velocity = self.applied.pop(self.replica) + self.gamma * self.velocity
+
+    def lag(self, in_flight: int = 0) -> int:
+        return len(self.applied) + in_flight
+
+    def bound(self, in_flight: Iterable[float] = ()) -> float:
+        return unordered_bound(self.velocity, [*self.applied.values(), *in_flight], self.gamma)
+
+    def admit(self, in_flight: Iterable[float], norm: float) -> bool:
+        """May an update of norm `norm` go to the server now? Yes if the bound
+        stays within div_max, or if nothing is lagging at all: an update larger
+        than div_max on its own would otherwise never go (counted in `overrides`)."""
+        flying = list(in_flight)
+        if self.bound([*flying, norm]) <= self.div_max:
+            return True
+        if not flying and not self.applied:
+            self.overrides += 1
+            return True
+        return False

@@ -137,3 +137,39 @@ def test_bound_holds_for_the_real_stores_as_the_replica_lags():
     assert pb.bound() == 0.0
     for n in model:
         assert _core.l2_norm_diff(server.weights[n], replica.weights[n]) == 0.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0, 1e3), min_size=0, max_size=8), st.floats(0, 0.999),
+       st.floats(0, 10), st.randoms(use_true_random=False))
+def test_unordered_bound_covers_every_order(norms, gamma, velocity, rnd):
+    from mlfabric.divergence import unordered_bound
+
+    shuffled = list(norms)
+    rnd.shuffle(shuffled)
+    pb = PrefixBound(gamma, velocity_norm=velocity)
+    for norm in shuffled:
+        pb.server_applied(norm)
+    assert unordered_bound(velocity, norms, gamma) >= pb.bound() * (1 - 1e-12)
+
+
+def test_gate_holds_server_transfers_until_the_replica_catches_up():
+    from mlfabric.divergence import DivergenceGate
+
+    gate = DivergenceGate(0.5, div_max=3.0)
+    assert gate.admit([], 1.0)  # bound 1
+    assert gate.admit([1.0], 1.0)  # two in flight: c(1) + c(0) = 2.5
+    assert not gate.admit([1.0, 1.0], 1.0)  # 1.75 + 1.5 + 1 = 4.25 > 3
+    gate.server_applied(2, 1.0)  # reported out of order: version 1 still unknown
+    gate.replica_applied(2)  # the replica is at 2, but 1's norm is not known yet
+    assert gate.replica == 0 and gate.lag(in_flight=1) == 2
+    gate.server_applied(1, 1.0)
+    assert gate.replica == 2 and gate.lag() == 0
+    assert gate.velocity == pytest.approx(1.0 + 0.5 * 1.0)  # B_2 = a_2 + gamma * a_1
+    # Lag 0 but momentum: the next server step moves by up to a + gamma * B = a + 0.75.
+    assert gate.bound([1.0]) == pytest.approx(1.75)
+    assert gate.admit([], 2.0)
+    assert not gate.admit([], 2.5)  # 3.25 > 3 ...
+    gate2 = DivergenceGate(0.0, div_max=1.0)
+    assert gate2.admit([], 5.0) and gate2.overrides == 1  # ... but alone it must go
+    assert not gate2.admit([5.0], 0.1)
