@@ -75,6 +75,7 @@ class MsgType(enum.IntEnum):
     TRANSFER_DONE = 12
     STATUS_REQUEST = 13
     STATUS = 14
+    REPLICA_DONE = 15
 
 
 class _NeedData:
@@ -252,6 +253,16 @@ class TransferDone:
 
 
 @dataclass(frozen=True)
+class ReplicaDone:
+    """Client -> controller: the replica at `dst` applied the update of
+    request `req` as version `version` (worker-driven replication)."""
+
+    req: int
+    dst: str
+    version: int
+
+
+@dataclass(frozen=True)
 class StatusRequest:
     """Any authenticated peer -> controller: describe the job."""
 
@@ -267,7 +278,7 @@ class Status:
 
 
 Event = (Hello | Challenge | Auth | Welcome | Pull | Model | Push | PushResult | Error
-         | TransferRequest | Directive | TransferDone | StatusRequest | Status)
+         | TransferRequest | Directive | TransferDone | StatusRequest | Status | ReplicaDone)
 
 DIRECTIVE_ACTIONS = ("go", "drop")
 
@@ -445,6 +456,9 @@ def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict[str, np.nd
                          planned_seconds=_opt_float(meta, "planned_seconds"))
     if msg_type is MsgType.STATUS_REQUEST:
         return StatusRequest(req=_int(meta, "req"))
+    if msg_type is MsgType.REPLICA_DONE:
+        return ReplicaDone(req=_int(meta, "req"), dst=_str(meta, "dst", 256),
+                           version=_int(meta, "version"))
     if msg_type is MsgType.STATUS:
         status = meta.get("status")
         if not isinstance(status, dict):
@@ -500,10 +514,11 @@ def _encode_meta(event: Event) -> tuple[MsgType, dict[str, Any], Sequence[Tensor
         if event.req is not None:
             meta["req"] = event.req
         return MsgType.ERROR, meta, (), []
-    if isinstance(event, (TransferRequest, Directive, TransferDone, StatusRequest, Status)):
+    if isinstance(event, (TransferRequest, Directive, TransferDone, StatusRequest, Status,
+                          ReplicaDone)):
         msg_type = {TransferRequest: MsgType.TRANSFER_REQUEST, Directive: MsgType.DIRECTIVE,
                     TransferDone: MsgType.TRANSFER_DONE, StatusRequest: MsgType.STATUS_REQUEST,
-                    Status: MsgType.STATUS}[type(event)]
+                    Status: MsgType.STATUS, ReplicaDone: MsgType.REPLICA_DONE}[type(event)]
         fields = {k: v for k, v in vars(event).items() if v is not None}
         return msg_type, fields, (), []
     raise TypeError(f"not an mlfabric event: {event!r:.80}")
