@@ -18,10 +18,20 @@ import time
 from typing import Any
 
 from .control import ControlState, Drop, Go, Network, Policy, with_estimates
+from .divergence import DivergenceGate
 from .endpoint import Endpoint, EndpointProtocol
 from .errors import MlfabricError
 from .metrics import ControllerMetrics
-from .protocol import Directive, Status, StatusRequest, TransferDone, TransferRequest, Welcome
+from .protocol import (
+    Directive,
+    ReplicaDone,
+    Status,
+    StatusRequest,
+    TransferDone,
+    TransferRequest,
+    Welcome,
+)
+from .replication import gated
 
 log = logging.getLogger("mlfabric.controller")
 decision_log = logging.getLogger("mlfabric.decisions")
@@ -34,15 +44,21 @@ class Controller(Endpoint):
     def __init__(self, policy: Policy, *, job: str, token: bytes, tau_max: int | None,
                  network: Network | None = None, metrics: ControllerMetrics | None = None,
                  handshake_timeout: float = 10.0, clock: Any = time.monotonic,
-                 policy_name: str | None = None) -> None:
+                 policy_name: str | None = None, gate: DivergenceGate | None = None) -> None:
+        """`gate`: worker-driven replication with a divergence bound; server
+        transfers are held back so that it stays within gate.div_max."""
         super().__init__(job=job, token=token,
                          metrics=metrics if metrics is not None else ControllerMetrics(),
                          handshake_timeout=handshake_timeout)
+        self.gate = gate
+        if gate is not None:
+            policy = gated(policy, gate)
         self.state = ControlState(policy, tau_max=tau_max, network=network)
         self.clock = clock
         self.policy_name = policy_name or getattr(policy, "__name__", "custom")
         self._agent_tasks: list[asyncio.Task[None]] = []
         self._wake: asyncio.TimerHandle | None = None
+        self._held_seen = self._overrides_seen = 0
 
     # -- agents -------------------------------------------------------------------
 
@@ -105,6 +121,8 @@ class Controller(Endpoint):
     def on_done(self, conn: _ControllerProtocol, ev: TransferDone) -> None:
         t = self.state.done(conn, ev.req, version=ev.version, applied=ev.applied,
                             delay=ev.delay, now=self.clock())
+        if t is not None and ev.applied and self.gate is not None:
+            self.gate.server_applied(ev.version, t.norm)
         if t is not None:
             self.metrics.actual_seconds.observe(ev.seconds)
             if ev.applied and ev.delay is not None:
@@ -113,6 +131,15 @@ class Controller(Endpoint):
                 "event": "done", "id": t.id, "host": t.host, "applied": ev.applied,
                 "version": ev.version, "delay": ev.delay, "seconds": round(ev.seconds, 6),
                 "planned_seconds": t.planned_seconds}))
+        self.replan()
+
+    def on_replica_done(self, ev: ReplicaDone) -> None:
+        gate = self.gate
+        if gate is None:
+            return  # replication without a bound: nothing to decide
+        gate.replica_applied(ev.version)
+        self.state.replicas[ev.dst] = {"host": ev.dst, "version": gate.replica_reported,
+                                       "div_max": gate.div_max}
         self.replan()
 
     def on_lost(self, conn: _ControllerProtocol) -> None:
@@ -158,12 +185,28 @@ class Controller(Endpoint):
         m.pending.set(len(self.state.pending))
         m.active.set(len(self.state.active))
         m.version.set(self.state.version)
+        if self.gate is not None:
+            self._replication_metrics()
         if self._wake is not None:
             self._wake.cancel()
             self._wake = None
         if decisions.wake_at is not None:
             delay = max(0.0, decisions.wake_at - now)
             self._wake = asyncio.get_running_loop().call_later(delay, self.replan)
+
+    def _replication_metrics(self) -> None:
+        gate, m = self.gate, self.metrics
+        assert gate is not None
+        flying = [t.norm for t in self.state.active.values()]
+        lag, bound = gate.lag(len(flying)), gate.bound(flying)
+        m.replica_lag.set(lag)
+        m.divergence_bound.set(bound)
+        m.replica_version.set(gate.replica_reported)
+        m.divergence_holds.inc(gate.held - self._held_seen)
+        m.divergence_overrides.inc(gate.overrides - self._overrides_seen)
+        self._held_seen, self._overrides_seen = gate.held, gate.overrides
+        for row in self.state.replicas.values():
+            row.update(lag_updates=lag, divergence_bound=bound)
 
     def status(self, asker: Any = None) -> dict[str, Any]:
         """The job at a glance; `asker` (the connection asking) is not a worker."""
@@ -193,6 +236,8 @@ class _ControllerProtocol(EndpointProtocol):
             self.endpoint.on_request(self, event)
         elif isinstance(event, TransferDone):
             self.endpoint.on_done(self, event)
+        elif isinstance(event, ReplicaDone):
+            self.endpoint.on_replica_done(event)
         elif isinstance(event, StatusRequest):
             self.send(Status(req=event.req, status=self.endpoint.status(asker=self)))
         else:

@@ -9,6 +9,7 @@ from . import auth, loop
 from .client_core import parse_address
 from .control import POLICIES, Network, Policy, fifo_policy
 from .controller import Controller
+from .divergence import DivergenceGate
 from .endpoint import add_listener_arguments, listen, until_stopped
 from .errors import ConfigError
 from .metrics import ControllerMetrics, serve_metrics
@@ -33,6 +34,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "ADDR:PORT for measured bandwidth (repeat per host)")
     p.add_argument("--agent-interval", type=float, default=0.5, metavar="SECONDS",
                    help="seconds between polls of each agent (default: 0.5)")
+    p.add_argument("--div-max", type=float, default=None, metavar="X",
+                   help="worker-driven replication: keep a bound on ||w_server - w_replica||_2 "
+                        "at most X by holding server transfers until the replica catches up "
+                        "(workers connect with replica=...; needs --momentum)")
+    p.add_argument("--momentum", type=float, default=None, metavar="G",
+                   help="the server's momentum gamma, for the divergence bound (--div-max)")
     p.add_argument("--decision-log", metavar="PATH", default=None,
                    help="append one JSON line per decision to this file")
     p.add_argument("--metrics-port", type=int, default=None, metavar="P",
@@ -91,6 +98,12 @@ def run(args: argparse.Namespace) -> int:
     if not args.agent_interval > 0:
         raise ConfigError(f"--agent-interval must be positive, got {args.agent_interval}")
     policy = make_policy(args.policy)
+    gate = None
+    if args.div_max is not None:
+        if args.momentum is None:
+            raise ConfigError("--div-max needs --momentum G, the server's momentum (the bound "
+                              "depends on it)")
+        gate = DivergenceGate(args.momentum, args.div_max)
     if args.decision_log:
         handler = logging.FileHandler(args.decision_log)
         handler.setFormatter(logging.Formatter("%(message)s"))
@@ -104,12 +117,14 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         controller = Controller(policy, job=args.job, token=token, tau_max=tau_max,
-                                network=network, metrics=metrics, policy_name=args.policy)
+                                network=network, metrics=metrics, policy_name=args.policy,
+                                gate=gate)
         bound = await listen(controller, host, port, args.listen)
         if agents:
             controller.watch_agents(agents, args.agent_interval)
         print(f"mlfabric controller: serving job {args.job!r} on {bound[0]}:{bound[1]} "
-              f"(policy {args.policy}, tau_max {tau_max})", flush=True)
+              f"(policy {args.policy}, tau_max {tau_max}"
+              f"{'' if gate is None else f', div_max {gate.div_max}'})", flush=True)
         await until_stopped()
         await controller.close()
         print("mlfabric controller: stopped", flush=True)

@@ -179,6 +179,7 @@ class DivergenceGate:
         self.replica_reported = 0  # highest version the replica was reported at
         self.velocity = 0.0  # B at the replica's version
         self.overrides = 0  # updates let go with the bound past div_max (see admit)
+        self.held = 0  # times a server transfer was held back
 
     def start(self, version: int, velocity_norm: float = 0.0) -> None:
         """Both sides hold version `version`, with ||w - w_prev|| <= velocity_norm."""

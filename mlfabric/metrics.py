@@ -236,6 +236,26 @@ class ControllerMetrics:
         self.protocol_errors = Counter("controller_protocol_errors",
                                        "Connections closed for a malformed frame",
                                        namespace=ns, registry=r)
+        # Worker-driven replication (--div-max).
+        self.replica_lag = Gauge(
+            "controller_replica_lag_updates",
+            "Updates the server may have applied that the replica has not (in flight included)",
+            namespace=ns, registry=r)
+        self.divergence_bound = Gauge(
+            "controller_divergence_bound",
+            "Bound on ||w_server - w_replica||_2 from the reported update norms",
+            namespace=ns, registry=r)
+        self.replica_version = Gauge(
+            "controller_replica_version", "Newest version the replica was reported at",
+            namespace=ns, registry=r)
+        self.divergence_holds = Counter(
+            "controller_divergence_holds",
+            "Times a server transfer was held back because the bound would pass div_max",
+            namespace=ns, registry=r)
+        self.divergence_overrides = Counter(
+            "controller_divergence_overrides",
+            "Updates let go with nothing lagging although alone they pass div_max",
+            namespace=ns, registry=r)
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> None:
