@@ -254,10 +254,9 @@ class TransferDone:
 
 @dataclass(frozen=True)
 class ReplicaDone:
-    """Client -> controller: the replica at `dst` applied the update of
-    request `req` as version `version` (worker-driven replication)."""
+    """Client -> controller: the replica at `dst` has applied the update the
+    server applied as `version` (worker-driven replication)."""
 
-    req: int
     dst: str
     version: int
 
@@ -457,8 +456,7 @@ def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict[str, np.nd
     if msg_type is MsgType.STATUS_REQUEST:
         return StatusRequest(req=_int(meta, "req"))
     if msg_type is MsgType.REPLICA_DONE:
-        return ReplicaDone(req=_int(meta, "req"), dst=_str(meta, "dst", 256),
-                           version=_int(meta, "version"))
+        return ReplicaDone(dst=_str(meta, "dst", 256), version=_int(meta, "version"))
     if msg_type is MsgType.STATUS:
         status = meta.get("status")
         if not isinstance(status, dict):

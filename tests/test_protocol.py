@@ -82,7 +82,7 @@ CASES = [
     TransferDone(req=4, applied=True, version=9, delay=2, seconds=1.5),
     TransferDone(req=5, applied=False, version=9, delay=None, seconds=0.0),
     StatusRequest(req=3),
-    ReplicaDone(req=7, dst="10.0.0.2", version=2**33),
+    ReplicaDone(dst="10.0.0.2", version=2**33),
     Status(req=3, status={"job": "j", "workers": [{"host": "h1", "requests": 4}]}),
     Error(code="bad_shape", message="tensor 'w' has shape (2,)", req=77),
 ]
@@ -260,7 +260,7 @@ BAD_FRAMES = {
     "negative seq": (
         frame(MsgType.PUSH, {"req": 1, "base_version": 0, "seq": -3, "tensors": []}),
         "'seq'"),
-    "replica done no dst": (frame(MsgType.REPLICA_DONE, {"req": 1, "version": 2}), "'dst'"),
+    "replica done no dst": (frame(MsgType.REPLICA_DONE, {"version": 2}), "'dst'"),
     "length mismatch": (
         frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [["a", "f4", [4]]]},
               b"\0" * 12),
