@@ -55,6 +55,7 @@ def connect(
     controller_fallback: str = "fifo",
     controller_timeout: float = 30.0,
     agent: str | None = None,
+    replica: str | None = None,
 ) -> Client:
     """Connect to the parameter server at `address` ("HOST:PORT") for `job`.
 
@@ -72,6 +73,12 @@ def connect(
     With `agent` ("HOST:PORT" of this host's `mlfabric agent`), every push of
     64 KiB or more is reported to the agent as a measurement of the path to
     the server (never delaying the push).
+
+    With `replica` ("HOST:PORT" of `mlfabric server --role replica`), every
+    update the server applied is also sent from here straight to the replica
+    with the server's version as its sequence number (worker-driven
+    replication); the push's future resolves once the replica has it too.
+    push() then copies the update, which is kept until both sides have it.
     """
     server_host, server_port = parse_address(address)
     secret = resolve_token(token, token_file)
@@ -90,6 +97,16 @@ def connect(
         sock.close()
         raise
     client = Client(sock, conn, welcome, address, metrics)
+    if replica is not None:
+        from .replica_feed import ReplicaFeed
+
+        try:
+            replica_client = connect(replica, job=job, token=secret, timeout=timeout,
+                                     name=name)
+        except BaseException:
+            client.close()
+            raise
+        client._replica = ReplicaFeed(replica_client, parse_address(replica)[0])
     if agent is not None:
         from .agent_report import TransferReporter
 
@@ -106,6 +123,8 @@ def connect(
         except BaseException:
             client.close()
             raise
+        if client._replica is not None:
+            client._replica.report = client._controlled.report_replicated
     return client
 
 
@@ -156,6 +175,7 @@ class Client:
         self._error: BaseException | None = None
         self._controlled: Any = None  # ControlledPushes when a controller is used
         self._reporter: Any = None  # TransferReporter when an agent is given
+        self._replica: Any = None  # ReplicaFeed with worker-driven replication
         self._peer_host = ""
         self.last_version = welcome.version  # newest server version seen
         sock.settimeout(None)
@@ -189,15 +209,35 @@ class Client:
         """
         base = check_base_version(base_version)
         arrays = check_update(update, self.specs)
+        if self._replica is not None:
+            return self._push_replicated({n: a.copy() for n, a in arrays.items()}, base)
         if self._controlled is not None:
             return self._controlled.push(arrays, base, layout(self.specs)[1])
         return self._send_push(arrays, base)
 
-    def _send_push(self, arrays: dict[str, np.ndarray], base: int
+    def _push_replicated(self, arrays: dict[str, np.ndarray], base: int
+                         ) -> concurrent.futures.Future[PushOutcome]:
+        done: concurrent.futures.Future[PushOutcome] = concurrent.futures.Future()
+        if self._controlled is not None:
+            at_server = self._controlled.push(arrays, base, layout(self.specs)[1])
+        else:
+            at_server = self._send_push(arrays, base)
+
+        def then(f: concurrent.futures.Future[PushOutcome]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                done.set_exception(exc)
+            else:
+                self._replica.replicate(arrays, base, f.result(), done)
+
+        at_server.add_done_callback(then)
+        return done
+
+    def _send_push(self, arrays: dict[str, np.ndarray], base: int, seq: int | None = None
                    ) -> concurrent.futures.Future[PushOutcome]:
         started = time.monotonic()
         fut: concurrent.futures.Future[PushOutcome] = self._request(
-            "push", lambda req: Push(req, base, arrays), base)
+            "push", lambda req: Push(req, base, arrays, seq), base)
         fut.add_done_callback(self._note_version)
         if self._reporter is not None:
             nbytes = sum(a.nbytes for a in arrays.values())
@@ -223,6 +263,8 @@ class Client:
             self._controlled.close()
         if self._reporter is not None:
             self._reporter.close()
+        if self._replica is not None:
+            self._replica.close()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:

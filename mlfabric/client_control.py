@@ -27,7 +27,7 @@ from .client_core import Handshake, parse_address
 from .control_book import RECONNECT_EVERY, ControlBook, ControlledUpdate, controlled_update
 from .errors import ConnectError, ConnectionLost, MlfabricError
 from .outcome import PushOutcome
-from .protocol import NEED_DATA, Connection, Directive
+from .protocol import NEED_DATA, Connection, Directive, ReplicaDone
 
 log = logging.getLogger("mlfabric.client")
 
@@ -144,6 +144,11 @@ class ControlledPushes:
                 self._link.send(event)
             except OSError:
                 pass
+
+    def report_replicated(self, dst: str, version: int) -> None:
+        """Tell the controller the replica at `dst` applied `version`."""
+        with self._lock:
+            self._tell(ReplicaDone(dst=dst, version=version))
 
     # -- controller events ----------------------------------------------------------
 
