@@ -76,6 +76,10 @@ class MsgType(enum.IntEnum):
     STATUS_REQUEST = 13
     STATUS = 14
     REPLICA_DONE = 15
+    PING = 16
+    PONG = 17
+    PROMOTE = 18
+    FAILOVER = 19
 
 
 class _NeedData:
@@ -262,6 +266,39 @@ class ReplicaDone:
 
 
 @dataclass(frozen=True)
+class Ping:
+    """Controller -> server or replica: are you alive? (a heartbeat)"""
+
+    req: int
+
+
+@dataclass(frozen=True)
+class Pong:
+    """Server or replica -> controller: alive, in `role` at `version`."""
+
+    req: int
+    role: str
+    version: int
+
+
+@dataclass(frozen=True)
+class Promote:
+    """Controller -> replica: the server is gone, become the server.
+    Answered with a Pong in role "server"."""
+
+    req: int
+
+
+@dataclass(frozen=True)
+class Failover:
+    """Controller -> clients: the server is now at `server` ("HOST:PORT"),
+    the replica promoted at `version`."""
+
+    server: str
+    version: int
+
+
+@dataclass(frozen=True)
 class StatusRequest:
     """Any authenticated peer -> controller: describe the job."""
 
@@ -277,7 +314,8 @@ class Status:
 
 
 Event = (Hello | Challenge | Auth | Welcome | Pull | Model | Push | PushResult | Error
-         | TransferRequest | Directive | TransferDone | StatusRequest | Status | ReplicaDone)
+         | TransferRequest | Directive | TransferDone | StatusRequest | Status | ReplicaDone
+         | Ping | Pong | Promote | Failover)
 
 DIRECTIVE_ACTIONS = ("go", "drop")
 
@@ -455,6 +493,15 @@ def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict[str, np.nd
                          planned_seconds=_opt_float(meta, "planned_seconds"))
     if msg_type is MsgType.STATUS_REQUEST:
         return StatusRequest(req=_int(meta, "req"))
+    if msg_type is MsgType.PING:
+        return Ping(req=_int(meta, "req"))
+    if msg_type is MsgType.PONG:
+        return Pong(req=_int(meta, "req"), role=_str(meta, "role", 16),
+                    version=_int(meta, "version"))
+    if msg_type is MsgType.PROMOTE:
+        return Promote(req=_int(meta, "req"))
+    if msg_type is MsgType.FAILOVER:
+        return Failover(server=_str(meta, "server", 256), version=_int(meta, "version"))
     if msg_type is MsgType.REPLICA_DONE:
         return ReplicaDone(dst=_str(meta, "dst", 256), version=_int(meta, "version"))
     if msg_type is MsgType.STATUS:
@@ -513,10 +560,12 @@ def _encode_meta(event: Event) -> tuple[MsgType, dict[str, Any], Sequence[Tensor
             meta["req"] = event.req
         return MsgType.ERROR, meta, (), []
     if isinstance(event, (TransferRequest, Directive, TransferDone, StatusRequest, Status,
-                          ReplicaDone)):
+                          ReplicaDone, Ping, Pong, Promote, Failover)):
         msg_type = {TransferRequest: MsgType.TRANSFER_REQUEST, Directive: MsgType.DIRECTIVE,
                     TransferDone: MsgType.TRANSFER_DONE, StatusRequest: MsgType.STATUS_REQUEST,
-                    Status: MsgType.STATUS, ReplicaDone: MsgType.REPLICA_DONE}[type(event)]
+                    Status: MsgType.STATUS, ReplicaDone: MsgType.REPLICA_DONE,
+                    Ping: MsgType.PING, Pong: MsgType.PONG, Promote: MsgType.PROMOTE,
+                    Failover: MsgType.FAILOVER}[type(event)]
         fields = {k: v for k, v in vars(event).items() if v is not None}
         return msg_type, fields, (), []
     raise TypeError(f"not an mlfabric event: {event!r:.80}")
