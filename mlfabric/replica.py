@@ -8,17 +8,27 @@ when its update is applied (applied=True, version=seq), or at once when
 that sequence number was applied before (applied=False, reason
 "duplicate: ..."): an update is never applied twice, so re-sending after a
 failure is always safe. Pulls are served as on the server.
+
+Promotion (PROMOTE from the controller, when the server is gone): the
+replica becomes the server. For `recovery` seconds it still takes numbered
+pushes (updates the old server applied that are still on their way here)
+and holds new, unnumbered ones; then it applies what it holds in sequence
+order (a gap, an update no worker re-sent, is logged as lost and skipped),
+then the held new pushes in arrival order, and from then on serves as a
+server. Base versions the workers got from the old server are accepted even
+if ahead of this one (delay 0).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import InvalidUpdate, SequenceGap
 from .metrics import ServerMetrics
-from .protocol import Error, Push, PushResult, default_allocate
+from .protocol import Error, Pong, Promote, Push, PushResult, default_allocate
 from .sequencer import Sequencer
 from .server import ParameterServer, _ServerProtocol
 from .store import ParameterStore
@@ -26,6 +36,7 @@ from .store import ParameterStore
 log = logging.getLogger("mlfabric.replica")
 
 DEFAULT_MAX_PENDING = 64
+DEFAULT_RECOVERY = 0.3  # seconds a promoted replica waits for numbered pushes
 
 
 @dataclass
@@ -48,7 +59,8 @@ class ReplicaServer(ParameterServer):
 
     def __init__(self, store: ParameterStore, *, job: str, token: bytes,
                  metrics: ServerMetrics | None = None, handshake_timeout: float = 10.0,
-                 max_pending: int = DEFAULT_MAX_PENDING) -> None:
+                 max_pending: int = DEFAULT_MAX_PENDING,
+                 recovery: float = DEFAULT_RECOVERY) -> None:
         """`max_pending`: how many updates may wait for an earlier one; a push
         further ahead is refused (code "seq_gap"), so memory stays bounded."""
         # Updates are applied whole: one may wait for its turn, so applying it
@@ -57,13 +69,57 @@ class ReplicaServer(ParameterServer):
                          handshake_timeout=handshake_timeout, stage_min_bytes=None)
         self.sequencer: Sequencer[_Held] = Sequencer(store.version + 1,
                                                      max_pending=max_pending)
+        self.recovery = recovery
+        self.promoted = False  # PROMOTE received
+        self.serving = False  # recovery over: a server now
+        self._held_new: list[tuple[_ReplicaProtocol, Push]] = []
 
+    def promote(self) -> None:
+        """Become the server (see the module's docstring)."""
+        if self.promoted:
+            return
+        self.promoted = True
+        self.store.accept_future_base = True
+        log.warning("promoted to server at version %d; taking re-sent updates for %.2f s",
+                    self.store.version, self.recovery)
+        asyncio.get_running_loop().call_later(self.recovery, self.end_recovery)
+
+    def end_recovery(self) -> None:
+        """Apply what is held, in sequence order, then serve as a server."""
+        seq_held = sorted(self.sequencer.pending)
+        missing = self.sequencer.missing()
+        if missing:
+            log.error("updates %s were applied by the lost server but reached neither this "
+                      "replica nor a worker that could re-send them: lost", missing)
+        for seq in seq_held:
+            held = self.sequencer.pending.pop(seq)
+            self._apply_one(self.store.version + 1, held)
+        self.sequencer.reset(self.store.version + 1)
+        self.serving = True
+        self.role = "server"
+        held_new, self._held_new = self._held_new, []
+        for conn, event in held_new:
+            conn.send(self.handle_push(event))
+        self.metrics.version.set(self.store.version)
+        self.metrics.replica_pending.set(0)
+        log.warning("serving as the server from version %d", self.store.version)
     def make_protocol(self) -> _ReplicaProtocol:
         return _ReplicaProtocol(self)
 
     def handle_sequenced(self, conn: _ReplicaProtocol, event: Push) -> None:
         """Take one sequenced push; answer it now or when it is applied."""
         m = self.metrics
+        if event.seq is None and self.promoted:
+            self._held_new.append((conn, event))  # until recovery ends
+            return
+        if event.seq is not None and self.serving:
+            m.updates_rejected.labels("misrouted").inc()
+            conn.send(Error(
+                code="misrouted", req=event.req,
+                message=f"update {event.seq} of the lost server arrived after recovery ended "
+                        f"(replica promoted); it was not applied: push it again without a "
+                        f"sequence number"))
+            return
         if event.seq is None:
             m.updates_rejected.labels("misrouted").inc()
             conn.send(Error(
@@ -99,14 +155,17 @@ class ReplicaServer(ParameterServer):
     def _apply_ready(self) -> None:
         m = self.metrics
         for seq, held in self.sequencer.ready():
-            ev = held.event
-            outcome = self.store.apply_sequenced(seq, ev.base_version, ev.tensors)
-            m.updates_applied.inc()
-            m.delay.observe(outcome.delay or 0)
-            for conn, req in held.waiters:
-                conn.send(PushResult(req=req, applied=True, version=seq, delay=outcome.delay))
+            self._apply_one(seq, held)
         m.version.set(self.store.version)
         m.replica_pending.set(len(self.sequencer.pending))
+
+    def _apply_one(self, seq: int, held: _Held) -> None:
+        ev = held.event
+        outcome = self.store.apply_sequenced(seq, ev.base_version, ev.tensors)
+        self.metrics.updates_applied.inc()
+        self.metrics.delay.observe(outcome.delay or 0)
+        for conn, req in held.waiters:
+            conn.send(PushResult(req=req, applied=True, version=seq, delay=outcome.delay))
 
 
 class _ReplicaProtocol(_ServerProtocol):
@@ -115,8 +174,12 @@ class _ReplicaProtocol(_ServerProtocol):
     endpoint: ReplicaServer
 
     def handle(self, event: Any) -> None:
-        if isinstance(event, Push):
-            self.endpoint.handle_sequenced(self, event)
+        replica = self.endpoint
+        if isinstance(event, Push) and not (replica.serving and event.seq is None):
+            replica.handle_sequenced(self, event)
+        elif isinstance(event, Promote):
+            replica.promote()
+            self.send(Pong(req=event.req, role="server", version=replica.store.version))
         else:
             super().handle(event)
 

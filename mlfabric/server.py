@@ -25,6 +25,8 @@ from .protocol import (
     Error,
     Model,
     MsgType,
+    Ping,
+    Pong,
     Pull,
     Push,
     PushResult,
@@ -164,6 +166,8 @@ class _ServerProtocol(EndpointProtocol):
             self.send(answer)
         elif isinstance(event, Pull):
             self.send(server.handle_pull(event))
+        elif isinstance(event, Ping):
+            self.send(Pong(req=event.req, role=server.role, version=server.store.version))
         else:
             self.protocol_error(f"unexpected {type(event).__name__} message")
 

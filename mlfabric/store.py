@@ -75,6 +75,9 @@ class ParameterStore:
         # completes, so w and w_prev are never half-updated.
         self.spare = {n: np.empty_like(w) for n, w in self.weights.items()}
         self.staged: StagedApply | None = None
+        # After a failover, workers hold base versions of the lost server,
+        # which may be ahead of this one's: accepted, with delay 0.
+        self.accept_future_base = False
 
     def check_layout(self, specs: Iterable[tuple[str, np.dtype, tuple[int, ...]]]) -> None:
         """Raise InvalidUpdate unless (name, dtype, shape) triples match the model."""
@@ -107,7 +110,7 @@ class ParameterStore:
             )
 
     def check_base_version(self, base_version: int) -> None:
-        if base_version > self.version:
+        if base_version > self.version and not self.accept_future_base:
             raise InvalidUpdate(
                 f"base_version {base_version} is ahead of the server's version "
                 f"{self.version}: pass the version that pull() returned",
@@ -136,7 +139,7 @@ class ParameterStore:
         """
         update = {n: np.asarray(u) for n, u in update.items()}
         self.validate(base_version, update)
-        delay = self.version - base_version
+        delay = max(0, self.version - base_version)
         reason = self.stale_reason(delay)
         if reason is not None:
             return PushOutcome(False, self.version, delay, reason, base_version)
@@ -161,7 +164,8 @@ class ParameterStore:
         update = {n: np.asarray(u) for n, u in update.items()}
         self.check_layout((n, u.dtype, u.shape) for n, u in update.items())
         self._step(update)
-        return PushOutcome(True, self.version, seq - 1 - base_version, None, base_version)
+        return PushOutcome(True, self.version, max(0, seq - 1 - base_version), None,
+                           base_version)
 
     def _step(self, update: Mapping[str, np.ndarray]) -> None:
         gamma = self.momentum
@@ -186,7 +190,7 @@ class ParameterStore:
             self.check_base_version(base_version)
         except InvalidUpdate:
             return None
-        if self.stale_reason(self.version - base_version) is not None:
+        if self.stale_reason(max(0, self.version - base_version)) is not None:
             return None
         self.staged = StagedApply(self, base_version, specs, offsets)
         return self.staged
@@ -315,6 +319,6 @@ class StagedApply:
                     spare, w, store.previous[name])
             else:
                 store.weights[name], store.spare[name] = spare, w
-        delay = store.version - self.base_version
+        delay = max(0, store.version - self.base_version)
         store.version += 1
         return PushOutcome(True, store.version, delay, None, self.base_version)

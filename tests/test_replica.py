@@ -8,7 +8,7 @@ import pytest
 
 from mlfabric.errors import InvalidUpdate, SequenceGap
 from mlfabric.metrics import ServerMetrics
-from mlfabric.protocol import Error, Pull, Push, PushResult
+from mlfabric.protocol import Error, Ping, Pong, Promote, Pull, Push, PushResult
 from mlfabric.replica import ReplicaServer
 from mlfabric.sequencer import Sequencer
 from mlfabric.store import ParameterStore
@@ -91,9 +91,10 @@ def test_apply_sequenced_refuses_a_number_out_of_turn_and_skips_staleness():
 def replica(loop_kind):
     started = []
 
-    def start(model, *, momentum=0.9, max_pending=64):
+    def start(model, *, momentum=0.9, max_pending=64, recovery=0.3):
         endpoint = ReplicaServer(ParameterStore(model, momentum=momentum), job=JOB,
-                                 token=TOKEN, metrics=ServerMetrics(), max_pending=max_pending)
+                                 token=TOKEN, metrics=ServerMetrics(), max_pending=max_pending,
+                                 recovery=recovery)
         st = ServerThread(None, loop_kind=loop_kind, endpoint=endpoint)
         started.append(st.__enter__())
         return st
@@ -182,3 +183,44 @@ def test_the_server_refuses_a_sequenced_push(loop_kind):
     assert isinstance(err, Error) and err.code == "misrouted"
     assert "this is the server" in err.message
     assert st.store is not None and st.store.version == 0
+
+
+def test_promotion_applies_what_it_holds_then_serves(replica):
+    model = make_model()
+    st = replica(model, momentum=0.9, recovery=0.1)
+    u = [random_update(model, seed) for seed in range(6)]
+    raw = RawClient(st.port)
+    try:
+        raw.send(Ping(req=1))
+        assert raw.recv_event() == Pong(req=1, role="replica", version=0)
+        for req, seq in ((2, 1), (3, 2)):
+            raw.send(Push(req=req, base_version=0, tensors=u[seq], seq=seq))
+            assert raw.recv_event().version == seq
+        # Update 3 never arrives (its worker is gone too); 4 waits behind it.
+        raw.send(Push(req=4, base_version=0, tensors=u[4], seq=4))
+        raw.send(Promote(req=5))
+        assert raw.recv_event() == Pong(req=5, role="server", version=2)
+        # New pushes wait for the recovery; base 9 is the lost server's version.
+        raw.send(Push(req=6, base_version=9, tensors=u[5]))
+        answers = {}
+        while len(answers) < 2:
+            event = raw.recv_event()
+            answers[event.req] = event
+        raw.send(Push(req=7, base_version=0, tensors=u[3], seq=3))
+        late = raw.recv_event()
+        raw.send(Ping(req=8))
+        pong = raw.recv_event()
+        raw.send(Pull(req=9))
+        pulled = raw.recv_event()
+    finally:
+        raw.close()
+    assert (answers[4].applied, answers[4].version) == (True, 3)  # renumbered over the gap
+    assert (answers[6].applied, answers[6].version, answers[6].delay) == (True, 4, 0)
+    assert isinstance(late, Error) and late.code == "misrouted"
+    assert "arrived after recovery ended" in late.message
+    assert pong == Pong(req=8, role="server", version=4)
+    ref = Reference(model, 0.9)
+    for i in (1, 2, 4, 5):
+        ref.apply(u[i])
+    assert pulled.version == 4
+    assert_model_equal(dict(pulled.tensors), ref.w)
