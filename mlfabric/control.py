@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 POLICIES = ("mlfabric", "fifo")
 
 # Why a transfer was dropped: the fixed set of reasons (metrics label values).
-DROP_REASONS = ("deadline_missed", "would_idle_server", "worker_gone")
+DROP_REASONS = ("deadline_missed", "would_idle_server", "stalest_in_overload", "worker_gone")
 
 
 @dataclass(frozen=True)

@@ -49,8 +49,11 @@ POLICIES: tuple[str, ...] = ("mlfabric", "fifo")
 
 DEADLINE_MISSED = "deadline_missed"
 WOULD_IDLE_SERVER = "would_idle_server"
+STALEST_IN_OVERLOAD = "stalest_in_overload"
 # Every Drop carries one of these (metrics label them, so the set is fixed).
-DROP_REASONS: tuple[str, ...] = (DEADLINE_MISSED, WOULD_IDLE_SERVER)
+DROP_REASONS: tuple[str, ...] = (DEADLINE_MISSED, WOULD_IDLE_SERVER, STALEST_IN_OVERLOAD)
+# What to drop when the pending updates cannot all meet their deadlines.
+OVERLOAD_RULES: tuple[str, ...] = ("stalest", "deadline")
 
 INF = math.inf
 
@@ -115,11 +118,19 @@ class Snapshot:
 @dataclass(frozen=True, slots=True)
 class PlanConfig:
     """`idle_factor`: drop a forced update when the server idle it causes exceeds
-    idle_factor times the transfer time it displaces (None: never)."""
+    idle_factor times the transfer time it displaces (None: never).
+
+    `overload`: when the plan cannot meet every deadline, which updates go.
+    "deadline" drops the ones whose deadline passes (the brief's rule as
+    written: the others are forced in at their deadlines, at delay tau_max);
+    "stalest" drops as many updates, but the stalest ones, and plans the rest
+    again, so the updates applied are the freshest the link can carry. The
+    number of drops is never higher than under "deadline"."""
 
     policy: Policy = "mlfabric"
     tau_max: int | None = None  # None: no deadlines
     idle_factor: float | None = 1.0
+    overload: str = "stalest"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -131,6 +142,9 @@ class PlanConfig:
                 f"idle_factor must be >= 0 (or None to turn the idle rule off), "
                 f"got {self.idle_factor}"
             )
+        if self.overload not in OVERLOAD_RULES:
+            raise ConfigError(
+                f"overload must be one of {OVERLOAD_RULES}, got {self.overload!r}")
 
 
 # --- the plan (output) --------------------------------------------------------------
@@ -194,20 +208,18 @@ def plan(snapshot: Snapshot, config: PlanConfig | None = None, *, use_kernel: bo
     config = config or PlanConfig()
     pending = _sorted_pending(snapshot.pending)
     _check_times(snapshot)
-    net = _LinkTable(snapshot.network, snapshot.now)
-    net.load_running(snapshot.running)
-    paths = [net.path(u.source, u.destination) for u in pending]
     v_init = snapshot.server.version + snapshot.server.in_flight
     if config.policy == "fifo":
+        net = _LinkTable(snapshot.network, snapshot.now)
+        net.load_running(snapshot.running)
+        paths = [net.path(u.source, u.destination) for u in pending]
         sends, drops = _plan_fifo(snapshot.now, pending, paths)
     else:
-        ready = max([snapshot.now, *(r.end for r in snapshot.running)])
         kernel = _stf_kernel if use_kernel else None
-        if kernel is not None and pending:
-            sends, drops = _plan_stf_kernel(kernel, ready, pending, paths, net.links, v_init,
-                                            config)
-        else:
-            sends, drops = _plan_stf(ready, pending, paths, v_init, config)
+        sends, drops = _plan_stf_once(snapshot, pending, v_init, config, kernel)
+        if config.overload == "stalest":
+            sends, drops = _drop_stalest_instead(snapshot, pending, v_init, config, kernel,
+                                                 sends, drops)
     directives: dict[int, Directive] = {d.id: d for d in drops}
     directives.update((s.id, s) for s in sends)
     return Plan(
@@ -218,6 +230,57 @@ def plan(snapshot: Snapshot, config: PlanConfig | None = None, *, use_kernel: bo
         directives=directives,
         drops=tuple(drops),
     )
+
+
+def _plan_stf_once(
+    snapshot: Snapshot,
+    pending: Sequence[PendingUpdate],
+    v_init: int,
+    config: PlanConfig,
+    kernel: Callable[..., tuple[int, int]] | None,
+) -> tuple[list[SendAt], list[Drop]]:
+    """One shortest-transfer-first pass over `pending` on fresh link tables."""
+    net = _LinkTable(snapshot.network, snapshot.now)
+    net.load_running(snapshot.running)
+    paths = [net.path(u.source, u.destination) for u in pending]
+    ready = max([snapshot.now, *(r.end for r in snapshot.running)])
+    if kernel is not None and pending:
+        return _plan_stf_kernel(kernel, ready, pending, paths, net.links, v_init, config)
+    return _plan_stf(ready, pending, paths, v_init, config)
+
+
+def _drop_stalest_instead(
+    snapshot: Snapshot,
+    pending: Sequence[PendingUpdate],
+    v_init: int,
+    config: PlanConfig,
+    kernel: Callable[..., tuple[int, int]] | None,
+    sends: list[SendAt],
+    drops: list[Drop],
+) -> tuple[list[SendAt], list[Drop]]:
+    """The overload rule "stalest" (see PlanConfig).
+
+    When the plan drops m updates because their deadline passed while the
+    server applied others, the queue holds more than the link can deliver in
+    time: m updates go whichever rule is used. Positions are filled 0, 1, ...
+    either way, so the sum of the applied updates' delays is the sum of
+    positions minus the sum of their base versions: dropping the m stalest
+    instead minimises it (of equal base versions the higher id goes, the one
+    the tie order would place last). The rest is planned again; that plan is kept only
+    if it drops no more updates in all than the first one."""
+    late = sum(1 for d in drops if d.reason == DEADLINE_MISSED and d.position > 0)
+    if not late:
+        return sends, drops
+    hopeless = [d for d in drops if d.reason == DEADLINE_MISSED and d.position == 0]
+    gone = {d.id for d in hopeless}
+    alive = [u for u in pending if u.id not in gone]
+    stalest = sorted(alive, key=lambda u: (u.base_version, -u.id))[:late]
+    out = {u.id for u in stalest}
+    sends2, drops2 = _plan_stf_once(snapshot, [u for u in alive if u.id not in out], v_init,
+                                    config, kernel)
+    if len(hopeless) + late + len(drops2) > len(drops):
+        return sends, drops
+    return sends2, [*hopeless, *(Drop(u.id, STALEST_IN_OVERLOAD, 0) for u in stalest), *drops2]
 
 
 def _sorted_pending(pending: Sequence[PendingUpdate]) -> list[PendingUpdate]:

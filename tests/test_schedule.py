@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -27,6 +28,7 @@ from mlfabric.errors import ConfigError
 from mlfabric.schedule import (
     DEADLINE_MISSED,
     DROP_REASONS,
+    STALEST_IN_OVERLOAD,
     WOULD_IDLE_SERVER,
     Drop,
     Network,
@@ -187,6 +189,7 @@ configs = st.builds(
     policy=st.just("mlfabric"),
     tau_max=st.sampled_from([None, 0, 2, 4, 6]),
     idle_factor=st.sampled_from([None, 0.0, 0.5, 1.0, 2.0]),
+    overload=st.sampled_from(["stalest", "deadline"]),
 )
 
 # The autouse fixture only picks the implementation: the same for every example.
@@ -295,7 +298,9 @@ def idle_check(replay, by_id, candidates, forced_id, ready):
 def test_decisions_follow_the_rules(snap, config):
     """Each send is the earliest completion unless forced by its deadline; each
     drop's reason holds in the state it was taken in; kept forced updates pass
-    the idle rule."""
+    the idle rule. (One pass of the core; the overload rule, which may plan
+    twice, has its own test below.)"""
+    config = replace(config, overload="deadline")
     p = plan(snap, config)
     by_id = pending_by_id(snap)
     tau = config.tau_max
@@ -330,6 +335,62 @@ def test_decisions_follow_the_rules(snap, config):
             if check is not None:
                 idle, displaced, _ = check
                 assert idle <= config.idle_factor * displaced * (1 + 1e-9) + TOL
+
+
+def applied_delays(snap: Snapshot, p: Plan) -> list[int]:
+    by_id = pending_by_id(snap)
+    return [p.v_init + s.position - by_id[s.id].base_version for s in sends_by_position(p)]
+
+
+@prop
+@given(snapshots(), configs)
+def test_overload_drops_the_stalest_instead_never_more(snap, config):
+    """The "stalest" rule drops no more updates than "deadline"; with as many
+    applied, their delays sum to no more; what it drops is older than
+    everything it sends; the rest is exactly a one-pass plan without them."""
+    p_s = plan(snap, replace(config, overload="stalest"))
+    p_d = plan(snap, replace(config, overload="deadline"))
+    assert len(p_s.drops) <= len(p_d.drops)
+    stalest = [d for d in p_s.drops if d.reason == STALEST_IN_OVERLOAD]
+    if not stalest:
+        assert p_s == p_d
+        return
+    assert len(p_s.order) >= len(p_d.order)
+    if len(p_s.order) == len(p_d.order):
+        assert sum(applied_delays(snap, p_s)) <= sum(applied_delays(snap, p_d))
+    by_id = pending_by_id(snap)
+    oldest_sent = min((by_id[i].base_version, -i) for i in p_s.order) if p_s.order else None
+    for d in stalest:
+        assert d.position == 0
+        if oldest_sent is not None:
+            assert (by_id[d.id].base_version, -d.id) < oldest_sent
+    gone = {d.id for d in stalest} | {d.id for d in p_d.drops
+                                      if d.reason == DEADLINE_MISSED and d.position == 0}
+    rest = replace(snap, pending=[u for u in snap.pending if u.id not in gone])
+    p_rest = plan(rest, replace(config, overload="deadline"))
+    assert p_rest.order == p_s.order
+    assert all(p_s.directives[i] == d for i, d in p_rest.directives.items())
+
+
+def test_overload_drops_the_stalest_not_the_loser_of_a_tie():
+    # v_init 5, tau_max 1: update 3 (base 4) must go at position 0, updates 1
+    # and 2 (base 5) both at position 1 at the latest: one update goes either way.
+    pending = [upd(1, "a", 10, v=5), upd(2, "b", 10, v=5), upd(3, "c", 10, v=4)]
+    net = star({"a": 10.0, "b": 10.0, "c": 10.0})
+    cfg = PlanConfig(tau_max=1, idle_factor=None, overload="deadline")
+    p = plan(snap_of(pending, net, version=5), cfg)
+    assert p.order == (3, 1)
+    assert p.directives[2] == Drop(2, DEADLINE_MISSED, 2)
+    assert applied_delays(snap_of(pending, net, version=5), p) == [1, 1]
+    p = plan(snap_of(pending, net, version=5), replace(cfg, overload="stalest"))
+    assert p.order == (1, 2)
+    assert p.directives[3] == Drop(3, STALEST_IN_OVERLOAD, 0)
+    assert applied_delays(snap_of(pending, net, version=5), p) == [0, 1]
+
+
+def test_unknown_overload_rule_is_refused():
+    with pytest.raises(ConfigError, match=r"overload must be one of .*'latest'"):
+        PlanConfig(overload="latest")
 
 
 @prop
@@ -582,10 +643,14 @@ def test_deadline_forces_a_longer_update_first():
 
 
 def test_same_deadline_one_goes_the_other_misses():
-    p = plan(snap_of([upd(1, "a", 10), upd(2, "b", 10)], star({"a": 10.0, "b": 10.0})),
-             PlanConfig(tau_max=0, idle_factor=None))
+    snap = snap_of([upd(1, "a", 10), upd(2, "b", 10)], star({"a": 10.0, "b": 10.0}))
+    p = plan(snap, PlanConfig(tau_max=0, idle_factor=None, overload="deadline"))
     assert p.order == (1,)
     assert p.directives[2] == Drop(2, DEADLINE_MISSED, 1)
+    # the same update goes under the overload rule, said as such
+    p = plan(snap, PlanConfig(tau_max=0, idle_factor=None, overload="stalest"))
+    assert p.order == (1,)
+    assert p.directives[2] == Drop(2, STALEST_IN_OVERLOAD, 0)
 
 
 def test_forced_slow_update_that_would_idle_the_server_is_dropped():
