@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 
 from . import auth, loop
@@ -25,6 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=POLICIES, default="mlfabric",
                    help="mlfabric: shortest-transfer-first with deadlines and drops; fifo: "
                         "every update goes at once (the plain asynchronous PS baseline)")
+    p.add_argument("--overload", choices=("stalest", "deadline"), default="stalest",
+                   help="mlfabric policy, when not every pending update can meet its deadline: "
+                        "drop the stalest ones (default) or the ones whose deadline passes, "
+                        "forcing the rest in at delay tau_max (docs/scheduling.md)")
     p.add_argument("--link", action="append", default=[], metavar="HOST=UP[/DOWN]",
                    help="a host's uplink and downlink capacity in Mbit/s (repeat per host)")
     p.add_argument("--default-link-mbit", type=float, default=1000.0, metavar="M",
@@ -79,14 +84,16 @@ def parse_agents(specs: list[str]) -> dict[str, tuple[str, int]]:
     return agents
 
 
-def make_policy(name: str) -> Policy:
+def make_policy(name: str, overload: str = "stalest") -> Policy:
     if name == "fifo":
         return fifo_policy
     try:
         from .policies import mlfabric_policy
     except ImportError as exc:  # pragma: no cover - the module ships with the package
         raise ConfigError(f"policy 'mlfabric' is unavailable: {exc}") from None
-    return mlfabric_policy
+    if overload == "stalest":
+        return mlfabric_policy
+    return functools.partial(mlfabric_policy, overload=overload)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     agents = parse_agents(args.agent)
     if not args.agent_interval > 0:
         raise ConfigError(f"--agent-interval must be positive, got {args.agent_interval}")
-    policy = make_policy(args.policy)
+    policy = make_policy(args.policy, args.overload)
     gate = None
     if args.div_max is not None:
         if args.momentum is None:

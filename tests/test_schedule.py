@@ -836,3 +836,19 @@ def test_kernel_refuses_inconsistent_arrays():
     ]:
         with pytest.raises(ValueError, match=message):
             KERNEL(*{**args, name: bad}.values())
+
+
+def test_controller_overload_flag_selects_the_rule():
+    from mlfabric.control import Network as ControlNetwork
+    from mlfabric.control import Snapshot as ControlSnapshot
+    from mlfabric.control import Transfer
+    from mlfabric.controller_cli import make_policy
+
+    # two equal updates on one 10 B/s downlink, both with deadline position 0
+    ts = tuple(Transfer(id=i, owner=None, req=i, nbytes=10, base_version=0, norm=1.0,
+                        host=h, dst="s", arrival=float(i)) for i, h in ((1, "a"), (2, "b")))
+    snap = ControlSnapshot(now=0.0, version=0, tau_max=0, pending=ts, active=(),
+                           network=ControlNetwork(default=10.0))
+    reasons = {name: sorted(i.drop for i in make_policy("mlfabric", name)(snap) if i.drop)
+               for name in ("stalest", "deadline")}
+    assert reasons == {"stalest": ["stalest_in_overload"], "deadline": ["deadline_missed"]}
