@@ -56,6 +56,7 @@ def connect(
     controller_timeout: float = 30.0,
     agent: str | None = None,
     replica: str | None = None,
+    failover_timeout: float = 30.0,
 ) -> Client:
     """Connect to the parameter server at `address` ("HOST:PORT") for `job`.
 
@@ -79,24 +80,16 @@ def connect(
     with the server's version as its sequence number (worker-driven
     replication); the push's future resolves once the replica has it too.
     push() then copies the update, which is kept until both sides have it.
+    With both `controller` and `replica`, the client also fails over by
+    itself: when the controller says the replica was promoted, it connects
+    there, re-sends the updates the lost server never answered, and pull()
+    and push() carry on; they wait up to `failover_timeout` seconds for that.
     """
-    server_host, server_port = parse_address(address)
     secret = resolve_token(token, token_file)
-    try:
-        sock = socket.create_connection((server_host, server_port), timeout=timeout)
-    except OSError as exc:
-        raise ConnectError(
-            f"cannot reach the parameter server at {address}: {exc.strerror or exc}; is "
-            f"`mlfabric server` running there?"
-        ) from None
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = Connection()
-        welcome = _handshake(sock, conn, Handshake(job, secret, name or default_client_name()))
-    except BaseException:
-        sock.close()
-        raise
+    name = name or default_client_name()
+    sock, conn, welcome = _dial(address, job, secret, name, timeout)
     client = Client(sock, conn, welcome, address, metrics)
+    client._dial_args = (job, secret, name, timeout)
     if replica is not None:
         from .replica_feed import ReplicaFeed
 
@@ -124,8 +117,32 @@ def connect(
             client.close()
             raise
         if client._replica is not None:
+            from .client_failover import FailoverWait
+
             client._replica.report = client._controlled.report_replicated
+            client._failover = FailoverWait(failover_timeout)
     return client
+
+
+def _dial(address: str, job: str, secret: bytes, name: str, timeout: float
+          ) -> tuple[socket.socket, Connection, Welcome]:
+    """A connected, authenticated socket to the server at `address`."""
+    server_host, server_port = parse_address(address)
+    try:
+        sock = socket.create_connection((server_host, server_port), timeout=timeout)
+    except OSError as exc:
+        raise ConnectError(
+            f"cannot reach the parameter server at {address}: {exc.strerror or exc}; is "
+            f"`mlfabric server` running there?"
+        ) from None
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = Connection()
+        welcome = _handshake(sock, conn, Handshake(job, secret, name))
+    except BaseException:
+        sock.close()
+        raise
+    return sock, conn, welcome
 
 
 def _handshake(sock: socket.socket, conn: Connection, hs: Handshake) -> Welcome:
@@ -176,27 +193,36 @@ class Client:
         self._controlled: Any = None  # ControlledPushes when a controller is used
         self._reporter: Any = None  # TransferReporter when an agent is given
         self._replica: Any = None  # ReplicaFeed with worker-driven replication
+        self._retired: list[Any] = []  # feeds to a replica that became the server
+        self._failover: Any = None  # FailoverWait with a controller and a replica
+        self._dial_args: tuple[str, bytes, str, float] | None = None
         self._peer_host = ""
         self.last_version = welcome.version  # newest server version seen
         sock.settimeout(None)
         self._reader = threading.Thread(
-            target=self._read_loop, name=f"mlfabric-reader-{address}", daemon=True
-        )
+            target=self._read_loop, args=(sock, conn, self._requests),
+            name=f"mlfabric-reader-{address}", daemon=True)
         self._reader.start()
 
     # -- public API -------------------------------------------------------------
 
     def pull(self, timeout: float | None = None) -> tuple[int, dict[str, np.ndarray]]:
         """The model as (version, {name: array}), consistent at that version."""
-        fut = self._request("pull", Pull, None)
+        failover = self._failover
+        generation = failover.generation if failover is not None else 0
         try:
+            fut = self._request("pull", Pull, None)
             version, params = fut.result(timeout)
-            self.last_version = max(self.last_version, version)
-            return version, params
         except concurrent.futures.TimeoutError:
             raise TimeoutError(
                 f"pull() got no answer from {self.address} within {timeout} s"
             ) from None
+        except ConnectionLost:
+            if failover is None or not failover.wait_past(generation):
+                raise
+            return self.pull(timeout)  # from the promoted replica
+        self.last_version = max(self.last_version, version)
+        return version, params
 
     def push(
         self, update: Mapping[str, Any], *, base_version: int
@@ -209,7 +235,7 @@ class Client:
         """
         base = check_base_version(base_version)
         arrays = check_update(update, self.specs)
-        if self._replica is not None:
+        if self._replica is not None or self._failover is not None:
             return self._push_replicated({n: a.copy() for n, a in arrays.items()}, base)
         if self._controlled is not None:
             return self._controlled.push(arrays, base, layout(self.specs)[1])
@@ -218,20 +244,73 @@ class Client:
     def _push_replicated(self, arrays: dict[str, np.ndarray], base: int
                          ) -> concurrent.futures.Future[PushOutcome]:
         done: concurrent.futures.Future[PushOutcome] = concurrent.futures.Future()
-        if self._controlled is not None:
-            at_server = self._controlled.push(arrays, base, layout(self.specs)[1])
-        else:
-            at_server = self._send_push(arrays, base)
+        self._push_to_server(arrays, base, done, via_controller=True)
+        return done
+
+    def _push_to_server(self, arrays: dict[str, np.ndarray], base: int,
+                        done: concurrent.futures.Future[PushOutcome],
+                        via_controller: bool) -> None:
+        """Send to the server, then to the replica if there is one; an update
+        the server never answered is kept for the failover (re-sent directly
+        to the promoted replica, without asking the controller again)."""
+        failover = self._failover
+        generation = failover.generation if failover is not None else 0
+        feed = self._replica
+
+        def lost(exc: BaseException) -> None:
+            if failover is not None and isinstance(exc, ConnectionLost):
+                failover.park(generation, lambda: self._push_to_server(
+                    arrays, base, done, via_controller=False), done)
+            else:
+                done.set_exception(exc)
+
+        try:
+            if via_controller and self._controlled is not None:
+                at_server = self._controlled.push(arrays, base, layout(self.specs)[1])
+            else:
+                at_server = self._send_push(arrays, base)
+        except MlfabricError as exc:
+            lost(exc)
+            return
 
         def then(f: concurrent.futures.Future[PushOutcome]) -> None:
             exc = f.exception()
             if exc is not None:
-                done.set_exception(exc)
+                lost(exc)
+            elif feed is not None:
+                feed.replicate(arrays, base, f.result(), done)
             else:
-                self._replica.replicate(arrays, base, f.result(), done)
+                done.set_result(f.result())
 
         at_server.add_done_callback(then)
-        return done
+
+    def _fail_over(self, address: str) -> None:
+        """The controller promoted the replica at `address`: serve from it."""
+        assert self._dial_args is not None and self._failover is not None
+        sock, conn, welcome = _dial(address, *self._dial_args)
+        with self._lock:
+            old = self._sock
+            self._sock, self._conn = sock, conn
+            self._requests = RequestTable(self.metrics)
+            self.address, self._error = address, None
+            self.last_version = welcome.version
+            conn.max_frame_size = HEADER.size + MAX_META_LEN + layout(self.specs)[1]
+            sock.settimeout(None)
+            self._reader = threading.Thread(
+                target=self._read_loop, args=(sock, conn, self._requests),
+                name=f"mlfabric-reader-{address}", daemon=True)
+            self._reader.start()
+            # The replica is the server now: no replica until one joins. Its
+            # feed stays open until the updates on their way there are answered.
+            if self._replica is not None:
+                self._retired.append(self._replica)
+                self._replica = None
+        try:
+            old.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        log.warning("failed over to %s (version %d)", address, welcome.version)
+        self._failover.advance()
 
     def _send_push(self, arrays: dict[str, np.ndarray], base: int, seq: int | None = None
                    ) -> concurrent.futures.Future[PushOutcome]:
@@ -265,6 +344,10 @@ class Client:
             self._reporter.close()
         if self._replica is not None:
             self._replica.close()
+        for feed in self._retired:
+            feed.close()
+        if self._failover is not None:
+            self._failover.close()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -294,25 +377,25 @@ class Client:
             if self._closed or self._error is not None:
                 raise self._error or ConnectionLost(f"the client for {self.address} is closed")
             req = self._requests.add(kind, fut, base_version)
-        parts = self._conn.send(make_event(req))
+            sock, conn, requests, address = self._sock, self._conn, self._requests, self.address
+        parts = conn.send(make_event(req))
         size = sum(len(p) for p in parts)
         try:
             with self._send_lock:
                 if size <= _JOIN_LIMIT:
-                    self._sock.sendall(b"".join(parts))
+                    sock.sendall(b"".join(parts))
                 else:
                     for part in parts:
-                        self._sock.sendall(part)
+                        sock.sendall(part)
         except OSError as exc:
             with self._lock:
-                self._requests.discard(req)
-            raise connection_lost_error(self.address, exc) from None
+                requests.discard(req)
+            raise connection_lost_error(address, exc) from None
         if self.metrics is not None:
             self.metrics.sent_bytes.inc(size)
         return fut
 
-    def _read_loop(self) -> None:
-        conn, sock = self._conn, self._sock
+    def _read_loop(self, sock: socket.socket, conn: Connection, requests: RequestTable) -> None:
         error: BaseException
         try:
             while True:
@@ -326,15 +409,16 @@ class Client:
                     self.metrics.received_bytes.inc(n)
                 while (event := conn.next_event()) is not NEED_DATA:
                     with self._lock:
-                        self._requests.dispatch(event)
+                        requests.dispatch(event)
         except (MlfabricError, ProtocolError) as exc:
             error = exc
         except OSError as exc:
             error = connection_lost_error(self.address, exc)
         if self._closed:
             error = ConnectionLost(f"the client for {self.address} was closed")
-        else:
+        elif sock is self._sock:
             log.warning("connection to %s ended: %s", self.address, error)
         with self._lock:
-            self._error = error
-            self._requests.fail_all(error)
+            if sock is self._sock:  # not a connection already replaced by a failover
+                self._error = error
+            requests.fail_all(error)

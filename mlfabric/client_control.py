@@ -27,7 +27,7 @@ from .client_core import Handshake, parse_address
 from .control_book import RECONNECT_EVERY, ControlBook, ControlledUpdate, controlled_update
 from .errors import ConnectError, ConnectionLost, MlfabricError
 from .outcome import PushOutcome
-from .protocol import NEED_DATA, Connection, Directive, ReplicaDone
+from .protocol import NEED_DATA, Connection, Directive, Failover, ReplicaDone
 
 log = logging.getLogger("mlfabric.client")
 
@@ -38,7 +38,8 @@ class _Link:
 
     def __init__(self, address: str, hs: Handshake, timeout: float,
                  on_directive: Callable[[_Link, Directive], None],
-                 on_lost: Callable[[_Link, BaseException], None]) -> None:
+                 on_lost: Callable[[_Link, BaseException], None],
+                 on_failover: Callable[[Failover], None]) -> None:
         from .client import _handshake
 
         host, port = parse_address(address)
@@ -54,6 +55,7 @@ class _Link:
         self._send_lock = threading.Lock()
         self._on_directive = on_directive
         self._on_lost = on_lost
+        self._on_failover = on_failover
         self.closed = False
         threading.Thread(target=self._read, name=f"mlfabric-controller-{address}",
                          daemon=True).start()
@@ -74,6 +76,8 @@ class _Link:
                 while (event := self.conn.next_event()) is not NEED_DATA:
                     if isinstance(event, Directive):
                         self._on_directive(self, event)
+                    elif isinstance(event, Failover):
+                        self._on_failover(event)
                     else:
                         raise MlfabricError(f"controller sent {type(event).__name__}")
         except (OSError, MlfabricError) as exc:
@@ -124,7 +128,7 @@ class ControlledPushes:
 
     def _connect(self) -> _Link:
         return _Link(self.address, self.hs, min(self.book.timeout, 10.0), self._directive,
-                     self._lost)
+                     self._lost, self._failover)
 
     def push(self, arrays: dict[str, np.ndarray], base_version: int, nbytes: int
              ) -> concurrent.futures.Future[PushOutcome]:
@@ -144,6 +148,24 @@ class ControlledPushes:
                 self._link.send(event)
             except OSError:
                 pass
+
+    def _failover(self, event: Failover) -> None:
+        """The controller promoted the replica: the client moves there (in
+        its own thread: connecting must not hold up directives)."""
+        if self.client._failover is None:
+            log.warning("controller reports a failover to %s, but this client has no "
+                        "replica configured: ignoring it", event.server)
+            return
+        with self._lock:
+            self.book.dst = parse_address(event.server)[0]
+
+        def move() -> None:
+            try:
+                self.client._fail_over(event.server)
+            except MlfabricError as exc:
+                log.error("cannot fail over to %s: %s", event.server, exc)
+
+        threading.Thread(target=move, name="mlfabric-failover", daemon=True).start()
 
     def report_replicated(self, dst: str, version: int) -> None:
         """Tell the controller the replica at `dst` applied `version`."""

@@ -21,9 +21,11 @@ from .control import ControlState, Drop, Go, Network, Policy, with_estimates
 from .divergence import DivergenceGate
 from .endpoint import Endpoint, EndpointProtocol
 from .errors import MlfabricError
+from .failover import FailoverMonitor
 from .metrics import ControllerMetrics
 from .protocol import (
     Directive,
+    Failover,
     ReplicaDone,
     Status,
     StatusRequest,
@@ -59,6 +61,7 @@ class Controller(Endpoint):
         self._agent_tasks: list[asyncio.Task[None]] = []
         self._wake: asyncio.TimerHandle | None = None
         self._held_seen = self._overrides_seen = 0
+        self.monitor: FailoverMonitor | None = None
 
     # -- agents -------------------------------------------------------------------
 
@@ -102,6 +105,41 @@ class Controller(Endpoint):
                         self.metrics.bandwidth.labels(src, dst).set(rate)
                 self.replan()
             await asyncio.sleep(interval)
+
+    # -- failover -----------------------------------------------------------------
+
+    def watch_server(self, server: str, replica: str, *, interval: float = 0.2,
+                     timeout: float = 1.0) -> None:
+        """Heartbeat the server; when it is lost, promote the replica and tell
+        every worker where the server now is."""
+        self.monitor = FailoverMonitor(
+            server=server, replica=replica, job=self.job, token=self.token,
+            interval=interval, timeout=timeout, on_failover=self.on_failover,
+            on_server_up=lambda up: self.metrics.server_up.set(int(up)))
+        self.monitor.start()
+
+    def on_failover(self, address: str, version: int, silent_since: float) -> None:
+        m = self.metrics
+        m.failovers.inc()
+        if self.gate is not None:
+            self.gate.active = False  # no replica left to diverge from
+        self.state.replicas.clear()
+        # Transfers let go to the lost server are never reported: their
+        # workers re-send them to the new server directly.
+        self.state.active.clear()
+        event = Failover(server=address, version=version)
+        told = 0
+        for conn in list(self.connections):
+            if conn.stage == "ready":
+                conn.send(event)
+                told += 1
+        seconds = asyncio.get_running_loop().time() - silent_since
+        m.failover_seconds.observe(seconds)
+        log.warning("failover: the replica at %s is the server (version %d); %d peers told, "
+                    "%.2f s after the last heartbeat", address, version, told, seconds)
+        decision_log.info(json.dumps({"event": "failover", "server": address,
+                                      "version": version, "seconds": round(seconds, 6)}))
+        self.replan()
 
     def make_protocol(self) -> _ControllerProtocol:
         return _ControllerProtocol(self)
@@ -222,6 +260,8 @@ class Controller(Endpoint):
             self._wake.cancel()
         for task in self._agent_tasks:
             task.cancel()
+        if self.monitor is not None:
+            await self.monitor.close()
         await super().close()
 
 

@@ -45,6 +45,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(workers connect with replica=...; needs --momentum)")
     p.add_argument("--momentum", type=float, default=None, metavar="G",
                    help="the server's momentum gamma, for the divergence bound (--div-max)")
+    p.add_argument("--server", metavar="HOST:PORT", default=None,
+                   help="failover: send heartbeats to the server here, and when it stops "
+                        "answering promote --replica and tell the workers (needs --replica)")
+    p.add_argument("--replica", metavar="HOST:PORT", default=None,
+                   help="failover: the replica to promote (mlfabric server --role replica)")
+    p.add_argument("--heartbeat-interval", type=float, default=0.2, metavar="SECONDS",
+                   help="seconds between heartbeats to the server (default: 0.2)")
+    p.add_argument("--heartbeat-timeout", type=float, default=1.0, metavar="SECONDS",
+                   help="silence after which the server is declared lost (default: 1.0)")
     p.add_argument("--decision-log", metavar="PATH", default=None,
                    help="append one JSON line per decision to this file")
     p.add_argument("--metrics-port", type=int, default=None, metavar="P",
@@ -105,6 +114,15 @@ def run(args: argparse.Namespace) -> int:
     if not args.agent_interval > 0:
         raise ConfigError(f"--agent-interval must be positive, got {args.agent_interval}")
     policy = make_policy(args.policy, args.overload)
+    if (args.server is None) != (args.replica is None):
+        raise ConfigError("failover needs both --server HOST:PORT and --replica HOST:PORT")
+    if args.server is not None:
+        parse_address(args.server)
+        parse_address(args.replica)
+        if not 0 < args.heartbeat_interval < args.heartbeat_timeout:
+            raise ConfigError(f"--heartbeat-interval must be positive and below "
+                              f"--heartbeat-timeout ({args.heartbeat_timeout}), got "
+                              f"{args.heartbeat_interval}")
     gate = None
     if args.div_max is not None:
         if args.momentum is None:
@@ -129,6 +147,10 @@ def run(args: argparse.Namespace) -> int:
         bound = await listen(controller, host, port, args.listen)
         if agents:
             controller.watch_agents(agents, args.agent_interval)
+        if args.server is not None:
+            controller.watch_server(args.server, args.replica,
+                                    interval=args.heartbeat_interval,
+                                    timeout=args.heartbeat_timeout)
         print(f"mlfabric controller: serving job {args.job!r} on {bound[0]}:{bound[1]} "
               f"(policy {args.policy}, tau_max {tau_max}"
               f"{'' if gate is None else f', div_max {gate.div_max}'})", flush=True)

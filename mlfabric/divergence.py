@@ -180,6 +180,7 @@ class DivergenceGate:
         self.velocity = 0.0  # B at the replica's version
         self.overrides = 0  # updates let go with the bound past div_max (see admit)
         self.held = 0  # times a server transfer was held back
+        self.active = True  # False once the replica was promoted (none left)
 
     def start(self, version: int, velocity_norm: float = 0.0) -> None:
         """Both sides hold version `version`, with ||w - w_prev|| <= velocity_norm."""
@@ -214,7 +215,7 @@ class DivergenceGate:
         stays within div_max, or if nothing is lagging at all: an update larger
         than div_max on its own would otherwise never go (counted in `overrides`)."""
         flying = list(in_flight)
-        if self.bound([*flying, norm]) <= self.div_max:
+        if not self.active or self.bound([*flying, norm]) <= self.div_max:
             return True
         if not flying and not self.applied:
             self.overrides += 1

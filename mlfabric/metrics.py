@@ -256,6 +256,16 @@ class ControllerMetrics:
             "controller_divergence_overrides",
             "Updates let go with nothing lagging although alone they pass div_max",
             namespace=ns, registry=r)
+        # Failover (--server/--replica).
+        self.failovers = Counter("controller_failovers",
+                                 "Times the replica was promoted after the server was lost",
+                                 namespace=ns, registry=r)
+        self.server_up = Gauge("controller_server_up",
+                               "1 while the server answers heartbeats", namespace=ns, registry=r)
+        self.failover_seconds = Histogram(
+            "controller_failover_seconds",
+            "From the last heartbeat answered by the lost server to the clients told",
+            namespace=ns, registry=r, buckets=(0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0))
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> None:

@@ -14,6 +14,7 @@ controller can track the divergence bound.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -72,6 +73,11 @@ class ReplicaFeed:
                 self.unreplicated.pop(seq, None)
             if self.report is not None:
                 self.report(self.host, seq)
+            answer = f.result()
+            if answer.applied and answer.version != seq:
+                # A promoted replica renumbered it (an earlier update of the
+                # lost server never arrived): its history is the one that lives on.
+                outcome = dataclasses.replace(outcome, version=answer.version)
         done.set_result(outcome)
 
     def _failed(self, seq: int, exc: BaseException) -> None:

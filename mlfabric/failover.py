@@ -1,0 +1,128 @@
+"""Failover, the controller's side: heartbeats to the server, promotion of
+the replica when they stop, and telling the workers.
+
+`Heartbeat` is the decision (pure, a fake clock in tests): the server is
+dead when it has not answered for `timeout` seconds after having answered
+once (a server that never came up is not failed over: that is a deployment
+error, reported as such in the log). `FailoverMonitor` carries it out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from .aio import open_link
+from .client_core import Handshake
+from .errors import ConfigError, MlfabricError
+from .protocol import Ping, Pong, Promote
+
+log = logging.getLogger("mlfabric.controller")
+
+
+class Heartbeat:
+    def __init__(self, timeout: float) -> None:
+        if not timeout > 0:
+            raise ConfigError(f"--heartbeat-timeout must be positive, got {timeout}")
+        self.timeout = timeout
+        self.last: float | None = None  # clock time of the last answer
+
+    def heard(self, now: float) -> None:
+        self.last = now
+
+    def dead(self, now: float) -> bool:
+        return self.last is not None and now - self.last > self.timeout
+
+
+class FailoverMonitor:
+    """Pings the server every `interval` s; after `timeout` s of silence,
+    promotes the replica and calls `on_failover(replica_address, version,
+    silent_since)`. One failover per monitor: after it there is no replica."""
+
+    def __init__(self, *, server: str, replica: str, job: str, token: bytes,
+                 interval: float, timeout: float,
+                 on_failover: Callable[[str, int, float], None],
+                 on_server_up: Callable[[bool], None] = lambda up: None,
+                 clock: Callable[[], float] | None = None) -> None:
+        if not 0 < interval < timeout:
+            raise ConfigError(f"--heartbeat-interval must be positive and below "
+                              f"--heartbeat-timeout ({timeout}), got {interval}")
+        self.server, self.replica = server, replica
+        self.job, self.token = job, token
+        self.interval = interval
+        self.heartbeat = Heartbeat(timeout)
+        self.on_failover = on_failover
+        self.on_server_up = on_server_up
+        self.clock = clock or (lambda: asyncio.get_running_loop().time())
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    def _on_event(self, event: Any) -> None:
+        if isinstance(event, Pong):
+            self.heartbeat.heard(self.clock())
+
+    async def run(self) -> None:
+        link: Any = None
+        req = 0
+        up = False
+        while not self.heartbeat.dead(self.clock()):
+            if link is None or link.transport is None:
+                try:
+                    link = await open_link(self.server, self._hs(), self.heartbeat.timeout,
+                                           "parameter server", on_event=self._on_event)
+                    self.heartbeat.heard(self.clock())
+                except MlfabricError as exc:
+                    link = None
+                    if self.heartbeat.last is None:
+                        log.warning("no heartbeat from the server at %s yet: %s",
+                                    self.server, exc)
+            if link is not None and link.transport is not None:
+                req += 1
+                link.send(Ping(req))
+            now_up = link is not None and not self.heartbeat.dead(self.clock())
+            if now_up != up:
+                up = now_up
+                self.on_server_up(up)
+            await asyncio.sleep(self.interval)
+        self.on_server_up(False)
+        silent_since = self.heartbeat.last or self.clock()
+        if link is not None:
+            link.close()
+        log.error("the server at %s has not answered for %.2f s: promoting the replica at %s",
+                  self.server, self.heartbeat.timeout, self.replica)
+        version = await self._promote()
+        self.on_failover(self.replica, version, silent_since)
+
+    async def _promote(self) -> int:
+        answer: asyncio.Future[Pong] = asyncio.get_running_loop().create_future()
+
+        def on_event(event: Any) -> None:
+            if isinstance(event, Pong) and not answer.done():
+                answer.set_result(event)
+
+        while True:
+            try:
+                link = await open_link(self.replica, self._hs(), self.heartbeat.timeout,
+                                       "replica server", on_event=on_event)
+                link.send(Promote(1))
+                pong = await asyncio.wait_for(asyncio.shield(answer), self.heartbeat.timeout)
+                link.close()
+                return pong.version
+            except (MlfabricError, TimeoutError) as exc:
+                log.error("cannot promote the replica at %s: %s; retrying", self.replica, exc)
+                await asyncio.sleep(self.interval)
+
+    def _hs(self) -> Handshake:
+        return Handshake(self.job, self.token, "mlfabric-controller")

@@ -1,0 +1,104 @@
+"""Failover on real sockets: the server is lost mid-run, the controller
+promotes the replica, the workers move there by themselves, and the final
+model is a numpy replay of every acknowledged update in the order applied."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import mlfabric
+from mlfabric.control import fifo_policy
+from mlfabric.controller import Controller
+from mlfabric.divergence import DivergenceGate
+from mlfabric.failover import Heartbeat
+from mlfabric.metrics import ServerMetrics
+from mlfabric.replica import ReplicaServer
+from mlfabric.store import ParameterStore
+
+from support import (
+    JOB,
+    TOKEN,
+    Reference,
+    ServerThread,
+    assert_model_equal,
+    make_model,
+    random_update,
+)
+
+
+def test_heartbeat_declares_a_server_dead_only_after_it_answered_once():
+    hb = Heartbeat(1.0)
+    assert not hb.dead(100.0)  # never heard: not failed over
+    hb.heard(100.0)
+    assert not hb.dead(101.0)
+    assert hb.dead(101.01)
+
+
+@pytest.mark.parametrize("kill_after", [5, 17])
+def test_workers_fail_over_to_the_promoted_replica_and_lose_nothing(kill_after):
+    model = make_model()
+    gamma = 0.9
+    server = ServerThread(ParameterStore(model, momentum=gamma))
+    replica_server = ReplicaServer(ParameterStore(model, momentum=gamma), job=JOB, token=TOKEN,
+                                   metrics=ServerMetrics(), recovery=0.2)
+    replica = ServerThread(None, endpoint=replica_server)
+    controller_ep = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None,
+                               gate=DivergenceGate(gamma, 1e9))
+    controller = ServerThread(None, endpoint=controller_ep)
+    acked: dict[int, dict[str, np.ndarray]] = {}
+    acked_at: list[float] = []
+    lock = threading.Lock()
+    killed = threading.Event()
+    kill_time: list[float] = []
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            with mlfabric.connect(server.address, job=JOB, token=TOKEN,
+                                  controller=controller.address, controller_fallback="wait",
+                                  replica=replica.address, failover_timeout=10) as ps:
+                for i in range(12):
+                    version, _ = ps.pull(timeout=10)
+                    u = random_update(model, seed=100 * w + i)
+                    outcome = ps.push(u, base_version=version).result(20)
+                    assert outcome.applied, outcome
+                    with lock:
+                        assert outcome.version not in acked, outcome
+                        acked[outcome.version] = u
+                        acked_at.append(time.monotonic())
+                        if len(acked) == kill_after and not killed.is_set():
+                            killed.set()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    with replica, controller:
+        server.__enter__()
+        controller.call(lambda: controller_ep.watch_server(
+            server.address, replica.address, interval=0.05, timeout=0.3))
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(3)]
+        for t in threads:
+            t.start()
+        assert killed.wait(30)
+        kill_time.append(time.monotonic())
+        server.__exit__(None, None, None)  # every connection to it drops
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        final_version, final = replica.call(
+            lambda: (replica_server.store.version,
+                     {n: w.copy() for n, w in replica_server.store.weights.items()}))
+        metrics = controller_ep.metrics
+    assert sorted(acked) == list(range(1, 37)), sorted(acked)
+    assert final_version == 36
+    ref = Reference(model, gamma)
+    for v in sorted(acked):
+        ref.apply(acked[v])
+    assert_model_equal(final, ref.w)
+    assert metrics.failovers._value.get() == 1
+    assert replica_server.serving
+    resumed = min(t for t in acked_at if t > kill_time[0])
+    assert resumed - kill_time[0] < 2.0
