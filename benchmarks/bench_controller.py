@@ -66,8 +66,8 @@ def main() -> int:
     print(f"medians of {args.rounds} runs per policy ({args.workers} workers, "
           f"{args.model_mib} MiB updates, server downlink {args.down_mbit} Mbit/s"
           + (f", {args.change_to} Mbit/s in the middle third" if args.change_to else "") + ")")
-    fields = ["applied", "dropped", "delay_mean", "delay_std", "delay_max", "seconds_mean",
-              "seconds_std", "wall"]
+    fields = ["applied", "dropped", "applied_per_s", "delay_mean", "delay_std", "delay_max",
+              "seconds_mean", "seconds_std", "wall"]
     print(f"  {'':22s}" + "".join(f"{p:>12s}" for p in ("mlfabric", "fifo", "mlf/fifo")))
     for f in fields:
         a, b = med("mlfabric", f), med("fifo", f)

@@ -94,6 +94,13 @@ class Summary:
     seconds_std: float
     wall: float
 
+    @property
+    def applied_per_s(self) -> float:
+        """Throughput: a run is a fixed number of pushes, and a drop at the
+        controller ends its push sooner than a transfer would, so applied
+        updates per second compare policies where the applied count does not."""
+        return self.applied / self.wall if self.wall > 0 else 0.0
+
     def row(self) -> str:
         return (f"{self.policy:9s} pushes {self.pushes:4d}  applied {self.applied:4d}  "
                 f"dropped {self.dropped:3d}  delay mean {self.delay_mean:5.2f} std "
