@@ -102,3 +102,69 @@ def test_workers_fail_over_to_the_promoted_replica_and_lose_nothing(kill_after):
     assert replica_server.serving
     resumed = min(t for t in acked_at if t > kill_time[0])
     assert resumed - kill_time[0] < 2.0
+
+
+def test_sigkill_of_the_server_process(tmp_path):
+    """The commands as deployed: `mlfabric server`, `mlfabric server --role
+    replica`, `mlfabric controller --server --replica`; the server SIGKILLed."""
+    import signal
+
+    from test_replication import Serving, write_inputs
+
+    model = make_model()
+    gamma = 0.5
+    init = write_inputs(tmp_path, model)
+    replica = Serving(tmp_path, "--role", "replica", "--init", init, "--momentum", str(gamma))
+    server = Serving(tmp_path, "--init", init, "--momentum", str(gamma), "--tau-max", "-1")
+    controller = Serving(tmp_path, "--server", server.address, "--replica", replica.address,
+                         "--heartbeat-interval", "0.1", "--heartbeat-timeout", "0.5",
+                         "--policy", "fifo", "--tau-max", "-1", command="controller")
+    acked: dict[int, dict[str, np.ndarray]] = {}
+    acked_at: list[float] = []
+    lock = threading.Lock()
+    half = threading.Event()
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            with mlfabric.connect(server.address, job=JOB, token=TOKEN,
+                                  controller=controller.address, controller_fallback="wait",
+                                  replica=replica.address, failover_timeout=10) as ps:
+                for i in range(10):
+                    version, _ = ps.pull(timeout=10)
+                    u = random_update(model, seed=100 * w + i)
+                    outcome = ps.push(u, base_version=version).result(20)
+                    assert outcome.applied, outcome
+                    with lock:
+                        acked[outcome.version] = u
+                        acked_at.append(time.monotonic())
+                        if len(acked) >= 12:
+                            half.set()
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(3)]
+        for t in threads:
+            t.start()
+        assert half.wait(30)
+        server.proc.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        with mlfabric.connect(replica.address, job=JOB, token=TOKEN) as ps:
+            final_version, final = ps.pull(timeout=10)
+    finally:
+        server.stop()
+        codes = [controller.stop(), replica.stop()]
+    assert sorted(acked) == list(range(1, 31))
+    assert final_version == 30
+    ref = Reference(model, gamma)
+    for v in sorted(acked):
+        ref.apply(acked[v])
+    assert_model_equal(final, ref.w)
+    assert min(t for t in acked_at if t > killed_at) - killed_at < 2.0
+    for code, err in codes:
+        assert code == 0 and "Traceback" not in err, err
+    assert "promoting the replica" in codes[0][1]

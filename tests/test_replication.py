@@ -18,11 +18,12 @@ from support import JOB, TOKEN, Reference, assert_model_equal, make_model, rando
 
 
 class Serving:
-    """`mlfabric server ...` in a subprocess, waited for by its 'serving' line."""
+    """`mlfabric server ...` (or another listening command) in a subprocess,
+    waited for by its 'serving' line."""
 
-    def __init__(self, tmp_path, *args: str) -> None:
+    def __init__(self, tmp_path, *args: str, command: str = "server") -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlfabric", "server", "--listen", "127.0.0.1:0", "--job", JOB,
+            [sys.executable, "-m", "mlfabric", command, "--listen", "127.0.0.1:0", "--job", JOB,
              "--token-file", str(tmp_path / "job.token"), *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
         self.lines: queue.Queue = queue.Queue()
