@@ -248,7 +248,7 @@ class Controller(Endpoint):
 
     def status(self, asker: Any = None) -> dict[str, Any]:
         """The job at a glance; `asker` (the connection asking) is not a worker."""
-        status = self.state.status(now=self.clock())
+        status: dict[str, Any] = self.state.status(now=self.clock())
         if asker in self.state.workers:
             me = self.state.workers[asker].name
             status["workers"] = [w for w in status["workers"] if w["name"] != me]
