@@ -97,6 +97,12 @@ SETTINGS: tuple[Setting, ...] = (
             "file holding the job's secret token (required)"),
     Setting("controller", "address", None,
             "the job's controller, HOST:PORT (default: none; pushes go straight to the server)"),
+    Setting("replica", "address", None,
+            "the job's replica, HOST:PORT: every applied update is also sent there "
+            "(worker-driven replication; default: none)"),
+    Setting("agent", "address", None,
+            "this host's mlfabric agent, HOST:PORT: pushes are reported to it as bandwidth "
+            "samples (default: none)"),
     Setting("timeout", "float", 10.0, "seconds to wait when connecting (default: 10)",
             positive=True),
     Setting("controller_fallback", "choice", "fifo",
@@ -130,6 +136,8 @@ class Settings:
     job: str | None = None
     token_file: str | None = None
     controller: str | None = None
+    replica: str | None = None
+    agent: str | None = None
     timeout: float = 10.0
     controller_fallback: str = "fifo"
     controller_timeout: float = 30.0
@@ -421,8 +429,9 @@ def connect(settings: Settings, *, launch: Launch | None = None, **extra: Any) -
     settings.require()
     assert settings.server is not None and settings.job is not None
     token = settings.load_token()
-    if settings.controller is not None:
-        _probe(settings, "controller", "mlfabric controller")
+    for which in ("controller", "replica"):
+        if getattr(settings, which) is not None:
+            _probe(settings, which)
     name = settings.name
     if name is None:
         launch = launch or launch_info()
@@ -433,7 +442,8 @@ def connect(settings: Settings, *, launch: Launch | None = None, **extra: Any) -
             settings.server, job=settings.job, token=token, timeout=settings.timeout,
             name=name, controller=settings.controller, host=settings.host,
             controller_fallback=settings.controller_fallback,
-            controller_timeout=settings.controller_timeout, **extra,
+            controller_timeout=settings.controller_timeout, replica=settings.replica,
+            agent=settings.agent, **extra,
         )
     except ConnectError as exc:
         which = "controller" if "controller" in str(exc) else "server"
@@ -451,7 +461,7 @@ def connect(settings: Settings, *, launch: Launch | None = None, **extra: Any) -
         ) from None
 
 
-def _probe(settings: Settings, which: str, command: str) -> None:
+def _probe(settings: Settings, which: str) -> None:
     address = getattr(settings, which)
     host, port = parse_address(address)
     try:
@@ -471,7 +481,8 @@ def _unreachable(settings: Settings, which: str, exc: BaseException) -> ConfigEr
             reason = f"no answer within {settings.timeout:g} s (setting timeout)"
     else:
         reason = str(cause)
-    command = "mlfabric server" if which == "server" else "mlfabric controller"
+    command = {"server": "mlfabric server", "controller": "mlfabric controller",
+               "replica": "mlfabric server --role replica"}[which]
     address = getattr(settings, which)
     return ConfigError(
         f"cannot reach the {which} at {address} ({settings.where(which)}): {reason}; start "

@@ -254,6 +254,21 @@ def test_an_unreachable_controller_names_the_address_and_the_setting(tmp_path, t
     )
 
 
+def test_an_unreachable_replica_names_the_address_and_the_setting(token_file,
+                                                                   refused_address):
+    with ServerThread(ParameterStore(make_model())) as st:
+        s = config.resolve({"server": st.address, "job": JOB, "token_file": str(token_file)},
+                           environ={"MLFABRIC_REPLICA": refused_address})
+        assert (s.replica, s.source("replica")) == (refused_address, "MLFABRIC_REPLICA")
+        with pytest.raises(ConfigError) as exc:
+            config.connect(s)
+    assert one_line(exc) == (
+        f"cannot reach the replica at {refused_address} (setting replica (from "
+        f"MLFABRIC_REPLICA)): Connection refused; start `mlfabric server --role replica` there "
+        f"or fix MLFABRIC_REPLICA"
+    )
+
+
 def test_a_wrong_token_or_job_names_both_settings(tmp_path):
     other = write(tmp_path / "other.token", "another-token-0123456789")
     with ServerThread(ParameterStore(make_model())) as st:
