@@ -101,8 +101,8 @@ def format_status(s: dict[str, Any], address: str) -> str:
         lines.append("replicas:")
         lines += _table(tuple(keys), [tuple(_cell(r.get(k)) for k in keys) for r in replicas])
     else:
-        lines.append("replicas: none registered with the controller "
-                     "(controller-ordered replicas: issue 6)")
+        lines.append("replicas: none reported (workers replicate with replica=HOST:PORT; "
+                     "the controller tracks replicas with --div-max)")
     agents = s.get("agents") or []
     if agents:
         lines.append("agents:")

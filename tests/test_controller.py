@@ -360,7 +360,7 @@ def test_status_shows_workers_versions_delays_and_bandwidth(cluster, tmp_path):
             capture_output=True, text=True, timeout=60, cwd=tmp_path)
         assert out.returncode == 0, out.stderr
         assert "server version 3" in out.stdout
-        assert "replicas: none registered" in out.stdout
+        assert "replicas: none reported" in out.stdout
         assert any(line.split()[:3] == ["hB", f"127.0.0.1:{dead}", "no"]
                    for line in out.stdout.splitlines()), out.stdout
         assert "delay of applied updates: count 3  mean 0.00" in out.stdout

@@ -31,7 +31,8 @@ def test_status_text_lists_servers_replicas_agents_workers_and_bandwidth():
         "servers (versions as their workers reported them):",
         "  host      version  transfers  applied  refused  last heard",
         "  10.0.0.9  42       50         40       2        0.2 s ago",
-        "replicas: none registered with the controller (controller-ordered replicas: issue 6)",
+        "replicas: none reported (workers replicate with replica=HOST:PORT; the controller "
+        "tracks replicas with --div-max)",
         "agents:",
         "  host  address        reachable  last report  peers  fresh  error",
         "  h1    10.0.0.1:7400  yes        0.5 s ago    2      2      -",
