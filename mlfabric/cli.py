@@ -16,7 +16,7 @@ from .errors import MlfabricError
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "server": ("mlfabric.server_cli", "run a parameter server for one job"),
+    "server": ("mlfabric.server_cli", "run a parameter server (or its replica) for one job"),
     "demo": ("mlfabric.demo", "train a small model through a local parameter server"),
     "testbed": (
         "mlfabric.testbed_cli",

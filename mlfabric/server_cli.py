@@ -16,7 +16,7 @@ from .client_core import parse_address
 from .endpoint import add_listener_arguments, listen, until_stopped
 from .errors import ConfigError
 from .metrics import ServerMetrics, serve_metrics
-from .replica import DEFAULT_MAX_PENDING, ReplicaServer
+from .replica import DEFAULT_MAX_PENDING, DEFAULT_RECOVERY, ReplicaServer
 from .server import ParameterServer
 from .store import ParameterStore
 
@@ -24,6 +24,14 @@ log = logging.getLogger("mlfabric.server")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = (
+        "Replication: start a replica with --role replica from the same --init (or "
+        "checkpoint) and --momentum. Chain replication: give the server --replicate-to "
+        "REPLICA. Worker-driven replication (no second hop through the server): workers "
+        "connect with replica=REPLICA, and `mlfabric controller --div-max X` bounds "
+        "||w_server - w_replica||. Failover: `mlfabric controller --server S --replica R` "
+        "promotes the replica when the server stops answering heartbeats. "
+        "See docs/design.md, Replicas.")
     add_listener_arguments(p, "clients")
     p.add_argument("--role", choices=("server", "replica"), default="server",
                    help="server: apply pushes as they come and number them (versions); "
@@ -35,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chain replication: forward every applied update to the replica "
                         "there (started with --role replica from the same model) and "
                         "acknowledge a push once the replica applied it too")
+    p.add_argument("--recovery-seconds", type=float, default=DEFAULT_RECOVERY, metavar="S",
+                   help="replica: once promoted (failover), how long to take updates of the "
+                        f"lost server still on their way before serving (default: "
+                        f"{DEFAULT_RECOVERY})")
     p.add_argument("--max-pending", type=int, default=DEFAULT_MAX_PENDING, metavar="N",
                    help="replica: updates that may wait for an earlier one; a push further "
                         f"ahead is refused (default: {DEFAULT_MAX_PENDING})")
@@ -125,6 +137,8 @@ def run_server(args: argparse.Namespace) -> int:
     if args.replicate_to is not None and args.role != "server":
         raise ConfigError("--replicate-to is for the server (--role server); a replica "
                           "only applies what it is sent")
+    if not args.recovery_seconds >= 0:
+        raise ConfigError(f"--recovery-seconds must be >= 0, got {args.recovery_seconds}")
     if args.max_pending < 1:
         raise ConfigError(f"--max-pending must be at least 1, got {args.max_pending}")
 
@@ -132,7 +146,8 @@ def run_server(args: argparse.Namespace) -> int:
         server: ParameterServer
         if args.role == "replica":
             server = ReplicaServer(store, job=args.job, token=token, metrics=metrics,
-                                   max_pending=args.max_pending)
+                                   max_pending=args.max_pending,
+                                   recovery=args.recovery_seconds)
         else:
             server = ParameterServer(store, job=args.job, token=token, metrics=metrics)
         if args.replicate_to is not None:
