@@ -1,0 +1,340 @@
+"""The simulator (mlfabric.flownet, mlfabric.sim): hand-computed cases first,
+then invariants over a busy scenario, then the command line.
+
+Times are simulated seconds; nothing here sleeps or reads a clock (except
+the Ctrl-C test, which waits, bounded, for a subprocess to report progress).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import selectors
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mlfabric.errors import ConfigError
+from mlfabric.flownet import FlowNet, SlowStart, max_min_rates
+from mlfabric.sim import RateChange, Scenario, main, parse_change, simulate
+
+EXACT = 1e-9
+
+# --- the network: one link, sharing, changes, max-min ------------------------------------
+
+
+def test_one_flow_on_one_link_finishes_at_size_over_rate():
+    net = FlowNet([1e6])
+    fid = net.start((0,), 2.5e6)
+    assert net.rate(fid) == 1e6
+    assert net.next_completion() == pytest.approx(2.5, abs=EXACT)
+    assert net.advance(1.0) == []
+    assert net.left(fid) == pytest.approx(1.5e6)
+    (flow,) = net.advance(net.next_completion())
+    assert (flow.id, flow.started, flow.ended) == (fid, 0.0, pytest.approx(2.5, abs=EXACT))
+    assert len(net) == 0 and net.next_completion() == float("inf")
+
+
+def test_two_equal_flows_share_a_link_and_finish_together():
+    net = FlowNet([1e6])
+    a, b = net.start((0,), 1e6), net.start((0,), 1e6)
+    assert net.rate(a) == net.rate(b) == 5e5
+    assert net.next_completion() == pytest.approx(2.0, abs=EXACT)
+    ended = net.advance(2.0)
+    assert [f.id for f in ended] == [a, b]
+    assert all(f.ended == 2.0 for f in ended)
+
+
+def test_a_flow_joining_later_shares_from_then_on():
+    # a alone for 1 s (1e6 B sent), then a and b at 5e5 each: a's last 1e6 B
+    # take 2 s (ends at 3), b has 1e6 B left then and gets the whole link: 4.
+    net = FlowNet([1e6])
+    a = net.start((0,), 2e6)
+    net.advance(1.0)
+    b = net.start((0,), 2e6)
+    (fa,) = net.advance(net.next_completion())
+    assert (fa.id, fa.ended) == (a, pytest.approx(3.0, abs=EXACT))
+    (fb,) = net.advance(net.next_completion())
+    assert (fb.id, fb.ended) == (b, pytest.approx(4.0, abs=EXACT))
+
+
+def test_a_capacity_change_mid_flow():
+    # 2e6 B at 1e6 B/s: half done at t = 1; the rest at 2.5e5 B/s takes 4 s.
+    net = FlowNet([1e6])
+    fid = net.start((0,), 2e6)
+    net.advance(1.0)
+    net.set_capacity(0, 2.5e5)
+    assert net.rate(fid) == 2.5e5
+    (flow,) = net.advance(net.next_completion())
+    assert flow.ended == pytest.approx(5.0, abs=EXACT)
+
+
+def test_a_link_at_zero_holds_its_flows_until_it_comes_back():
+    net = FlowNet([1e6])
+    fid = net.start((0,), 1e6)
+    net.advance(0.5)
+    net.set_capacity(0, 0.0)
+    assert net.rate(fid) == 0.0 and net.next_completion() == float("inf")
+    net.advance(10.0)
+    net.set_capacity(0, 1e6)
+    (flow,) = net.advance(net.next_completion())
+    assert flow.ended == pytest.approx(10.5, abs=EXACT)
+
+
+def test_max_min_with_a_flow_bottlenecked_elsewhere():
+    # Link 0 (10 B/s) carries f0, f1, f2; link 1 (2 B/s) carries f0 too. f0 is
+    # held to 2 by link 1; f1 and f2 share the 8 left on link 0: 4 each.
+    net = FlowNet([10.0, 2.0], audit=True)
+    f0 = net.start((0, 1), 100.0)
+    f1 = net.start((0,), 100.0)
+    f2 = net.start((0,), 100.0)
+    assert [net.rate(f) for f in (f0, f1, f2)] == [2.0, 4.0, 4.0]
+    assert net.loads().tolist() == [10.0, 2.0]
+    # f1 and f2 end at 25 s; f0 then has 50 B left and is still held to 2 B/s.
+    ended = net.advance(net.next_completion())
+    assert [f.id for f in ended] == [f1, f2] and ended[0].ended == pytest.approx(25.0)
+    assert net.rate(f0) == 2.0
+    (last,) = net.advance(net.next_completion())
+    assert last.ended == pytest.approx(50.0)
+    assert net.max_utilization == pytest.approx(1.0)
+
+
+def test_max_min_reference_cases():
+    inf = float("inf")
+    # Three links 6, 4, 12 (3 is the padding link): f0 on 0+1, f1 on 1, f2 on 0+2, f3 on 2.
+    links = np.array([[0, 1], [1, 3], [0, 2], [2, 3]])
+    rates = max_min_rates(links, np.array([6.0, 4.0, 12.0, inf]))
+    # Link 1 saturates first at 2 each (f0, f1); f2 then has 4 left on link 0;
+    # f3 gets the rest of link 2: 8.
+    assert rates.tolist() == [2.0, 2.0, 4.0, 8.0]
+    # A flow's own cap below its share frees capacity for the others.
+    capped = max_min_rates(np.array([[0], [0]]), np.array([10.0, inf]), np.array([1.0, inf]))
+    assert capped.tolist() == [1.0, 9.0]
+
+
+def test_slow_start_doubles_each_round_trip_until_the_link_limits_it():
+    # IW 1000 B, RTT 1 s on an idle link of 8000 B/s: 1000, 2000, 4000 B in the
+    # first three round trips (7000 B), then the cap (8000) meets the link:
+    # 15000 B end at 4 s (at 8000 B/s without the ramp: 1.875 s).
+    net = FlowNet([8000.0], slow_start=SlowStart(initial_window=1000.0, base_rtt=1.0,
+                                                 queue_delay=0.0))
+    fid = net.start((0,), 15000.0)
+    assert net.rate(fid) == 1000.0
+    ended = []
+    while not ended:
+        ended = net.advance(net.next_completion())
+    assert ended[0].ended == pytest.approx(4.0, abs=EXACT)
+
+
+def test_slow_start_waits_a_queue_per_round_trip_on_a_busy_link():
+    ramp = SlowStart(initial_window=1000.0, base_rtt=0.001, queue_delay=0.099)
+    net = FlowNet([1e6], slow_start=ramp)
+    a = net.start((0,), 1e9)
+    net.advance(0.5)  # a has ramped up and holds the whole link
+    assert net.rate(a) == 1e6
+    b = net.start((0,), 1e9)
+    # The link is saturated: b's round trip is 0.1 s, so it starts at 1e4 B/s.
+    assert net.rate(b) == pytest.approx(1e4) and net.rate(a) == pytest.approx(1e6 - 1e4)
+    assert net.next_completion() == pytest.approx(0.6)
+
+
+def test_flownet_refuses_bad_input_clearly():
+    with pytest.raises(ConfigError, match="capacity of link 1 is -1"):
+        FlowNet([1.0, -1.0])
+    net = FlowNet([1.0])
+    with pytest.raises(ConfigError, match="no link 3"):
+        net.start((3,), 1.0)
+    with pytest.raises(ConfigError, match="size must be"):
+        net.start((0,), 0.0)
+
+
+# --- the job: fifo vs mlfabric by hand -----------------------------------------------------
+
+# Two workers, one step each, no jitter: both push at the same instant. Links
+# at 8000 Mbit/s (1e9 B/s) except the server's downlink, 8 Mbit/s = 1e6 B/s;
+# no header overhead, no TCP ramp, no message latency, so times are exact.
+# Pulls: two pulls of 1e6 B share the server's uplink: 2 ms each, two of
+# them (the initial pull and the step's): pushes at 1.004 s.
+TINY = Scenario(workers=2, update_bytes=1_000_000, steps=1, compute=1.0, jitter=0.0,
+                tau_max=None, server_up_mbit=8000.0, server_down_mbit=8.0,
+                worker_up_mbit=8000.0, worker_down_mbit=8000.0, goodput=1.0,
+                slow_start=False, message_latency=0.0)
+
+
+def by_worker(result):
+    return sorted(result.records, key=lambda r: r.worker)
+
+
+def test_fifo_by_hand_both_share_the_server_downlink():
+    r = simulate(TINY, "fifo", audit=True)
+    w0, w1 = by_worker(r)
+    assert w0.pushed == pytest.approx(1.004, abs=EXACT)
+    # Both send at 1.004 at 5e5 B/s and land together at 3.004; the server
+    # applies worker 0's first (delay 0), then worker 1's (delay 1).
+    assert (w0.sent, w1.sent) == (w0.pushed, w1.pushed)
+    assert w0.landed == w1.landed == pytest.approx(3.004, abs=EXACT)
+    assert [(r.applied, r.delay) for r in (w0, w1)] == [(True, 0), (True, 1)]
+    assert [r.seconds for r in (w0, w1)] == [pytest.approx(2.0, abs=EXACT)] * 2
+    assert r.bytes_into_server == 2e6
+    assert r.max_utilization == pytest.approx(1.0)
+
+
+def test_mlfabric_by_hand_one_after_the_other():
+    r = simulate(TINY, "mlfabric", audit=True)
+    w0, w1 = by_worker(r)
+    # Worker 0's request comes first: it goes at once and has the link to
+    # itself (1 s). Worker 1's is planned for when it ends; it goes when
+    # worker 0's completion is reported, at 2.004, and lands at 3.004.
+    assert w0.sent == pytest.approx(1.004, abs=EXACT)
+    assert w0.landed == pytest.approx(2.004, abs=EXACT)
+    assert w1.sent == pytest.approx(2.004, abs=EXACT)
+    assert w1.landed == pytest.approx(3.004, abs=EXACT)
+    assert [(r.applied, r.delay) for r in (w0, w1)] == [(True, 0), (True, 1)]
+    assert [r.seconds for r in (w0, w1)] == [pytest.approx(1.0, abs=EXACT),
+                                              pytest.approx(2.0, abs=EXACT)]
+    s_ml, s_fifo = r.summary(), simulate(TINY, "fifo").summary()
+    assert s_ml["push_to_applied"]["mean"] == pytest.approx(1.5)
+    assert s_fifo["push_to_applied"]["mean"] == pytest.approx(2.0)
+
+
+def test_tau_max_zero_fifo_server_refuses_and_mlfabric_drops_before_sending():
+    sc = dataclasses.replace(TINY, tau_max=0)
+    w0, w1 = by_worker(simulate(sc, "fifo"))
+    assert (w0.applied, w1.applied, w1.reason, w1.delay) == (True, False, "stale", 1)
+    assert w1.landed is not None  # fifo sent its bytes for nothing
+    r = simulate(sc, "mlfabric")
+    w0, w1 = by_worker(r)
+    # Behind worker 0's update, worker 1's would be applied at version 1:
+    # delay 1 > 0, so the controller drops it when it asks (no bytes sent).
+    assert (w0.applied, w1.applied, w1.reason) == (True, False, "deadline_missed")
+    assert w1.sent is None and w1.done == pytest.approx(1.004, abs=EXACT)
+    assert r.bytes_into_server == 1e6
+
+
+def test_a_rate_change_the_controller_does_not_see():
+    # The server downlink halves at 1.5 s; the static controller still plans
+    # 1 s per transfer. Worker 0 sends 5e5 B by 1.5... (0.496 s at 1e6 B/s),
+    # the other 5.04e5 B at 5e5 B/s: lands at 1.5 + 1.008 = 2.508.
+    sc = dataclasses.replace(TINY, changes=(RateChange(1.5, "h0", down_mbit=4.0),))
+    w0, w1 = by_worker(simulate(sc, "mlfabric"))
+    assert w0.landed == pytest.approx(2.508, abs=EXACT)
+    # Worker 1 goes on worker 0's report and takes 2 s at 5e5 B/s.
+    assert w1.sent == pytest.approx(2.508, abs=EXACT)
+    assert w1.landed == pytest.approx(4.508, abs=EXACT)
+
+
+# --- invariants over a busy scenario -------------------------------------------------------
+
+BUSY = Scenario(workers=12, update_bytes=1 << 20, steps=5, compute=0.3, jitter=0.3,
+                max_in_flight=2, tau_max=6, server_down_mbit=60.0, worker_up_mbit=200.0,
+                changes=(RateChange(0.8, "h0", down_mbit=20.0), RateChange(1.2, "h3", up_mbit=0.0),
+                         RateChange(1.6, "h3", up_mbit=200.0),
+                         RateChange(2.0, "h0", down_mbit=60.0)),
+                stragglers=0.25, straggler_factor=3.0, start_spread=0.2, seed=7)
+
+
+@pytest.mark.parametrize("policy", ["fifo", "mlfabric"])
+def test_invariants(policy):
+    r = simulate(BUSY, policy, audit=True)
+    # No link ever carried more than its capacity.
+    assert 0.99 < r.max_utilization <= 1 + 1e-9
+    # Every push ended, applied or not applied with a reason.
+    assert len(r.records) == BUSY.workers * BUSY.steps
+    for rec in r.records:
+        assert rec.done is not None and rec.done >= rec.pushed
+        assert rec.applied == (rec.reason is None)
+        if rec.applied:
+            assert 0 <= rec.delay <= BUSY.tau_max
+    # Bytes into the server: one update per push that was sent.
+    sent = sum(rec.landed is not None for rec in r.records)
+    assert r.bytes_into_server == sent * BUSY.update_bytes
+    # Versions: one per applied update; each applied update's delay matches.
+    assert sum(rec.applied for rec in r.records) == r.summary()["applied"]
+    # Determinism: the same scenario gives the same run, push for push.
+    again = simulate(BUSY, policy)
+    assert [dataclasses.astuple(x) for x in again.records] == \
+        [dataclasses.astuple(x) for x in r.records]
+    other = simulate(dataclasses.replace(BUSY, seed=8), policy)
+    assert [x.pushed for x in other.records] != [x.pushed for x in r.records]
+
+
+def test_mlfabric_never_has_the_server_refuse_when_the_controller_knows_the_rates():
+    sc = dataclasses.replace(BUSY, changes=(), controller_view="live")
+    r = simulate(sc, "mlfabric")
+    assert "stale" not in r.summary()["reasons"]
+
+
+def test_workers_follow_max_in_flight():
+    sc = dataclasses.replace(BUSY, changes=(), stragglers=0.0)
+    for rec_set in (simulate(sc, "fifo").records, simulate(sc, "mlfabric").records):
+        for w in range(sc.workers):
+            mine = sorted((r for r in rec_set if r.worker == w), key=lambda r: r.pushed)
+            for k, rec in enumerate(mine):
+                outstanding = [o for o in mine[:k] if o.done is None or o.done > rec.pushed]
+                assert len(outstanding) < sc.max_in_flight
+
+
+def test_decision_time_is_measured_only_when_asked():
+    ticks = iter(range(10**6))
+    r = simulate(TINY, "mlfabric", timer=lambda: float(next(ticks)))
+    assert r.decision_seconds and all(d == 1.0 for d in r.decision_seconds)
+    assert simulate(TINY, "mlfabric").decision_seconds == []
+
+
+def test_scenario_and_changes_are_checked():
+    with pytest.raises(ConfigError, match="unknown host 'h9'"):
+        Scenario(workers=2, changes=(RateChange(1.0, "h9", down_mbit=1.0),))
+    with pytest.raises(ConfigError, match="server_down_mbit must be"):
+        Scenario(server_down_mbit=0.0)
+    with pytest.raises(ConfigError, match="starts has 1 times for 2 workers"):
+        Scenario(workers=2, starts=(0.0,))
+    assert parse_change("4:h0=-/50") == RateChange(4.0, "h0", None, 50.0)
+    assert parse_change("1.5:h2=10") == RateChange(1.5, "h2", 10.0, None)
+    with pytest.raises(ConfigError, match="expected SECONDS:HOST=UP/DOWN"):
+        parse_change("h0=10")
+
+
+def test_a_link_that_never_comes_back_is_reported():
+    sc = dataclasses.replace(TINY, changes=(RateChange(1.5, "h0", down_mbit=0.0),))
+    with pytest.raises(ConfigError, match=r"stalled at t=1\.500"):
+        simulate(sc, "fifo")
+
+
+# --- the command line ---------------------------------------------------------------------
+
+
+def test_cli_prints_both_policies(capsys):
+    assert main(["--workers", "3", "--steps", "2", "--compute-ms", "100", "--update-mib",
+                 "0.5", "--change", "0.1:h0=-/20"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[2] for line in out] == ["fifo", "mlfabric"]
+    assert all("push-to-applied mean" in line and "into server" in line for line in out)
+
+
+def test_cli_bad_input_is_one_line(capsys):
+    assert main(["--workers", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "mlfabric.sim: workers must be >= 1, got 0"
+
+
+def test_cli_ctrl_c_exits_cleanly(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlfabric.sim", "--workers", "400", "--steps", "200",
+         "--server-down-mbit", "5000", "--tau-max", "400", "--policy", "fifo",
+         "--progress-every", "200"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    try:
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stderr, selectors.EVENT_READ)
+        assert sel.select(timeout=60), "no progress line within 60 s"
+        assert "pushes done" in proc.stderr.readline()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+        assert "mlfabric.sim: interrupted" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
