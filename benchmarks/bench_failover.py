@@ -1,0 +1,211 @@
+"""Failover on an emulated cluster: the server process is SIGKILLed at a
+random point of each run (needs root).
+
+h0 runs the server, h1 the replica, h2 the controller (heartbeats to the
+server, promotes the replica), h3.. one worker each; every link is shaped to
+--mbit. Workers pull, push and wait for the acknowledgement (on server and
+replica), with worker-driven replication and failover on. In every run the
+server is killed once at a uniformly random time in the middle 60% of the
+run's expected length. Per run it reports: the time from the kill to the
+next acknowledged update anywhere (training resumed), whether every
+acknowledged update is in the final model of the promoted replica, which
+must equal a numpy replay of them in version order, bit for bit, and
+whether the versions acknowledged are exactly 1..N (none lost, none twice).
+
+    sudo python benchmarks/bench_failover.py [--runs 5] [--workers 3]
+        [--steps 20] [--model-mib 1] [--mbit 200] [--heartbeat-timeout 0.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+JOB = "bench-failover"
+GAMMA = 0.9
+
+
+def make_update(shape: tuple[int, ...], seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"w": (1e-3 * rng.standard_normal(shape)).astype(np.float32)}
+
+
+def worker(argv: list[str]) -> int:
+    import mlfabric
+
+    p = argparse.ArgumentParser()
+    for flag in ("--server", "--replica", "--controller", "--token-file", "--out"):
+        p.add_argument(flag, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--index", type=int, required=True)
+    args = p.parse_args(argv)
+    records = []
+    with mlfabric.connect(args.server, job=JOB, token_file=args.token_file, timeout=30,
+                          controller=args.controller, controller_fallback="wait",
+                          replica=args.replica, failover_timeout=30) as ps:
+        for i in range(args.steps):
+            version, params = ps.pull(timeout=60)
+            seed = 1000 * args.index + i
+            outcome = ps.push(make_update(params["w"].shape, seed),
+                              base_version=version).result(120)
+            records.append({"version": outcome.version, "applied": outcome.applied,
+                            "seed": seed, "t": time.perf_counter()})
+    Path(args.out).write_text(json.dumps(records))
+    return 0
+
+
+def wait_serving(proc: subprocess.Popen[str], what: str, timeout: float = 60.0) -> str:
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    assert proc.stdout is not None
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sel.select(timeout=max(0.0, deadline - time.monotonic())):
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if "serving" in line:
+                return line.split(" on ")[1].split()[0]
+    raise RuntimeError(f"{what} did not start: {proc.stderr.read() if proc.stderr else ''}")
+
+
+def one_run(tb: Any, tmp: str, args: argparse.Namespace, rng: random.Random,
+            expected: float) -> dict[str, Any]:
+    import mlfabric
+
+    server, replica, ctl_host, *workers = tb.hosts
+    token = f"{tmp}/job.token"
+    py = [sys.executable, "-m", "mlfabric", "--log-level", "WARNING"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    kw: dict[str, Any] = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=tmp, env=env)
+    common = ["--job", JOB, "--token-file", token, "--init", f"{tmp}/init.npz",
+              "--momentum", str(GAMMA), "--tau-max", "-1"]
+    procs = []
+    try:
+        rep = tb.popen(replica, [*py, "server", "--role", "replica", "--listen",
+                                 f"{replica.ip}:0", *common], **kw)
+        procs.append(rep)
+        srv = tb.popen(server, [*py, "server", "--listen", f"{server.ip}:0", *common], **kw)
+        procs.append(srv)
+        rep_addr, srv_addr = wait_serving(rep, "replica"), wait_serving(srv, "server")
+        ctl = tb.popen(ctl_host, [*py, "controller", "--listen", f"{ctl_host.ip}:0", "--job",
+                                  JOB, "--token-file", token, "--policy", "fifo",
+                                  "--tau-max", "-1", "--server", srv_addr, "--replica",
+                                  rep_addr, "--heartbeat-interval",
+                                  str(args.heartbeat_timeout / 5), "--heartbeat-timeout",
+                                  str(args.heartbeat_timeout)], **kw)
+        procs.append(ctl)
+        ctl_addr = wait_serving(ctl, "controller")
+        workers_p = []
+        for i, h in enumerate(workers):
+            workers_p.append(tb.popen(h, [
+                sys.executable, os.path.abspath(__file__), "--worker", "--server", srv_addr,
+                "--replica", rep_addr, "--controller", ctl_addr, "--token-file", token,
+                "--steps", str(args.steps), "--index", str(i), "--out", f"{tmp}/w{i}.json"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp,
+                env=env))
+        # Start-up of the workers (imports, connect) is not training: wait for
+        # the first acknowledged update on the server before timing the kill.
+        with ctl_host.enter(), mlfabric.connect(srv_addr, job=JOB, token_file=token,
+                                                timeout=30) as probe:
+            while probe.pull(timeout=30)[0] == 0:
+                time.sleep(0.05)
+        kill_in = rng.uniform(0.2, 0.8) * expected
+        time.sleep(kill_in)
+        srv.send_signal(signal.SIGKILL)
+        killed_at = time.perf_counter()
+        records = []
+        for i, p in enumerate(workers_p):
+            if p.wait(timeout=300) != 0:
+                raise RuntimeError(f"worker {i} failed: {p.stderr.read()[-3000:]}")
+            records += json.loads(Path(f"{tmp}/w{i}.json").read_text())
+        with ctl_host.enter(), mlfabric.connect(rep_addr, job=JOB, token_file=token,
+                                                timeout=30) as ps:
+            final_version, final = ps.pull(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    acked = sorted((r for r in records if r["applied"]), key=lambda r: r["version"])
+    versions = [r["version"] for r in acked]
+    init = np.load(f"{tmp}/init.npz")["w"]
+    w, prev = init.copy(), init.copy()
+    for r in acked:
+        u = make_update(init.shape, r["seed"])["w"]
+        w, prev = w + u + np.float32(GAMMA) * (w - prev), w
+    after = [r["t"] - killed_at for r in records if r["t"] > killed_at]
+    return {"kill_at_s": kill_in, "acked": len(acked),
+            "versions_exact": versions == list(range(1, len(acked) + 1)),
+            "final_version": final_version,
+            "replay_equal": bool(np.array_equal(w.view(np.uint32),
+                                                final["w"].view(np.uint32))),
+            "resumed_after_s": min(after) if after else float("nan")}
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        return worker(sys.argv[2:])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--workers", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20, help="pushes per worker per run")
+    ap.add_argument("--model-mib", type=float, default=1.0)
+    ap.add_argument("--mbit", type=float, default=200.0)
+    ap.add_argument("--heartbeat-timeout", type=float, default=0.5)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    from mlfabric import auth
+    from mlfabric.testbed import Testbed, require_root
+
+    require_root()
+    rng = random.Random(args.seed)
+    # A step moves the model twice (pull, push) over a shared link.
+    expected = args.steps * 2 * args.model_mib * 8.4 / args.mbit * args.workers
+    results = []
+    with tempfile.TemporaryDirectory(prefix="mlfabric-bench-failover-") as tmp, \
+            Testbed(hosts=args.workers + 3, rate_mbit=args.mbit) as tb:
+        token = Path(tmp) / "job.token"
+        token.write_text(auth.generate_token())
+        token.chmod(0o600)
+        n = int(args.model_mib * (1 << 20)) // 4
+        np.savez(f"{tmp}/init.npz",
+                 w=np.random.default_rng(args.seed).standard_normal(n).astype(np.float32))
+        for r in range(args.runs):
+            res = one_run(tb, tmp, args, rng, expected)
+            results.append(res)
+            print(f"run {r + 1}: " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float)
+                                               else f"{k} {v}" for k, v in res.items()),
+                  flush=True)
+    resumed = [r["resumed_after_s"] for r in results]
+    print()
+    print(f"{args.runs} runs, {args.workers} workers x {args.steps} steps, {args.model_mib} MiB "
+          f"model, links {args.mbit:g} Mbit/s, heartbeat timeout {args.heartbeat_timeout} s")
+    print(f"  resumed after kill: median {statistics.median(resumed):.3f} s, "
+          f"max {max(resumed):.3f} s")
+    print(f"  every run: all acknowledged versions exact "
+          f"{all(r['versions_exact'] for r in results)}, final model == numpy replay "
+          f"{all(r['replay_equal'] for r in results)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
