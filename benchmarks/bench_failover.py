@@ -7,7 +7,8 @@ server, promotes the replica), h3.. one worker each; every link is shaped to
 replica), with worker-driven replication and failover on. In every run the
 server is killed once at a uniformly random time in the middle 60% of the
 run's expected length. Per run it reports: the time from the kill to the
-next acknowledged update anywhere (training resumed), whether every
+acknowledgement of a step begun after the kill (its pull and push went to
+the promoted replica: training resumed), whether every
 acknowledged update is in the final model of the promoted replica, which
 must equal a numpy replay of them in version order, bit for bit, and
 whether the versions acknowledged are exactly 1..N (none lost, none twice).
@@ -56,12 +57,13 @@ def worker(argv: list[str]) -> int:
                           controller=args.controller, controller_fallback="wait",
                           replica=args.replica, failover_timeout=30) as ps:
         for i in range(args.steps):
+            t_pull = time.perf_counter()
             version, params = ps.pull(timeout=60)
             seed = 1000 * args.index + i
             outcome = ps.push(make_update(params["w"].shape, seed),
                               base_version=version).result(120)
             records.append({"version": outcome.version, "applied": outcome.applied,
-                            "seed": seed, "t": time.perf_counter()})
+                            "seed": seed, "t_pull": t_pull, "t": time.perf_counter()})
     Path(args.out).write_text(json.dumps(records))
     return 0
 
@@ -152,7 +154,9 @@ def one_run(tb: Any, tmp: str, args: argparse.Namespace, rng: random.Random,
     for r in acked:
         u = make_update(init.shape, r["seed"])["w"]
         w, prev = w + u + np.float32(GAMMA) * (w - prev), w
-    after = [r["t"] - killed_at for r in records if r["t"] > killed_at]
+    # Training resumed: a step begun after the kill (so its pull, and its
+    # push, went to the promoted replica) acknowledged.
+    after = [r["t"] - killed_at for r in records if r["t_pull"] > killed_at]
     return {"kill_at_s": kill_in, "acked": len(acked),
             "versions_exact": versions == list(range(1, len(acked) + 1)),
             "final_version": final_version,
