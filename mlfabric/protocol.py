@@ -80,6 +80,9 @@ class MsgType(enum.IntEnum):
     PONG = 17
     PROMOTE = 18
     FAILOVER = 19
+    STATE_REQUEST = 20
+    REPLICA_JOIN = 21
+    REPLICA_AT = 22
 
 
 class _NeedData:
@@ -299,6 +302,35 @@ class Failover:
 
 
 @dataclass(frozen=True)
+class StateRequest:
+    """New replica -> server: the whole state, to start from. Answered with a
+    Model whose tensors are the weights and, under PREVIOUS_PREFIX + name, the
+    previous weights (momentum history)."""
+
+    req: int
+
+
+PREVIOUS_PREFIX: Final = "\x00previous/"
+
+
+@dataclass(frozen=True)
+class ReplicaJoin:
+    """New replica -> controller: serving at `address` from `version`."""
+
+    address: str
+    version: int
+
+
+@dataclass(frozen=True)
+class ReplicaAt:
+    """Controller -> clients: send updates above `version` to the replica at
+    `address` (those kept since the last failover included)."""
+
+    address: str
+    version: int
+
+
+@dataclass(frozen=True)
 class StatusRequest:
     """Any authenticated peer -> controller: describe the job."""
 
@@ -315,7 +347,7 @@ class Status:
 
 Event = (Hello | Challenge | Auth | Welcome | Pull | Model | Push | PushResult | Error
          | TransferRequest | Directive | TransferDone | StatusRequest | Status | ReplicaDone
-         | Ping | Pong | Promote | Failover)
+         | Ping | Pong | Promote | Failover | StateRequest | ReplicaJoin | ReplicaAt)
 
 DIRECTIVE_ACTIONS = ("go", "drop")
 
@@ -502,6 +534,12 @@ def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict[str, np.nd
         return Promote(req=_int(meta, "req"))
     if msg_type is MsgType.FAILOVER:
         return Failover(server=_str(meta, "server", 256), version=_int(meta, "version"))
+    if msg_type is MsgType.STATE_REQUEST:
+        return StateRequest(req=_int(meta, "req"))
+    if msg_type is MsgType.REPLICA_JOIN:
+        return ReplicaJoin(address=_str(meta, "address", 256), version=_int(meta, "version"))
+    if msg_type is MsgType.REPLICA_AT:
+        return ReplicaAt(address=_str(meta, "address", 256), version=_int(meta, "version"))
     if msg_type is MsgType.REPLICA_DONE:
         return ReplicaDone(dst=_str(meta, "dst", 256), version=_int(meta, "version"))
     if msg_type is MsgType.STATUS:
@@ -560,12 +598,14 @@ def _encode_meta(event: Event) -> tuple[MsgType, dict[str, Any], Sequence[Tensor
             meta["req"] = event.req
         return MsgType.ERROR, meta, (), []
     if isinstance(event, (TransferRequest, Directive, TransferDone, StatusRequest, Status,
-                          ReplicaDone, Ping, Pong, Promote, Failover)):
+                          ReplicaDone, Ping, Pong, Promote, Failover, StateRequest,
+                          ReplicaJoin, ReplicaAt)):
         msg_type = {TransferRequest: MsgType.TRANSFER_REQUEST, Directive: MsgType.DIRECTIVE,
                     TransferDone: MsgType.TRANSFER_DONE, StatusRequest: MsgType.STATUS_REQUEST,
                     Status: MsgType.STATUS, ReplicaDone: MsgType.REPLICA_DONE,
                     Ping: MsgType.PING, Pong: MsgType.PONG, Promote: MsgType.PROMOTE,
-                    Failover: MsgType.FAILOVER}[type(event)]
+                    Failover: MsgType.FAILOVER, StateRequest: MsgType.STATE_REQUEST,
+                    ReplicaJoin: MsgType.REPLICA_JOIN, ReplicaAt: MsgType.REPLICA_AT}[type(event)]
         fields = {k: v for k, v in vars(event).items() if v is not None}
         return msg_type, fields, (), []
     raise TypeError(f"not an mlfabric event: {event!r:.80}")
