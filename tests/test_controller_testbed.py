@@ -31,7 +31,8 @@ def test_every_push_ends_with_an_outcome_within_the_staleness_bound(policy):
     assert summary.applied > 0
     if policy == "mlfabric":
         # The controller drops before sending; the server never sees a stale update.
-        assert all("stale" not in (r["reason"] or "") for r in records)
+        # (The server's refusal starts "stale:"; a drop reason may say "stalest".)
+        assert not any((r["reason"] or "").startswith("stale:") for r in records), records
 
 
 @needs_root
