@@ -99,6 +99,9 @@ class Scenario:
     seed: int = 0
     idle_factor: float | None = 1.0  # the mlfabric policy's drop rule
     controller_view: str = "static"  # "static": configured rates; "live": true rates
+    # 0: the controller re-plans on every event, as mlfabric.controller does;
+    # > 0: at most once per this many seconds (events in between wait for it).
+    replan_every: float = 0.0
     until: float = math.inf  # stop the run at this simulated time
 
     def __post_init__(self) -> None:
@@ -124,8 +127,8 @@ class Scenario:
                      "worker_down_mbit", "straggler_factor"):
             positive(name, getattr(self, name))
         positive("base_rtt", self.base_rtt)
-        for name in ("compute", "message_latency", "queue_delay", "apply_seconds", "start_delay",
-                     "start_spread"):
+        for name in ("compute", "message_latency", "queue_delay", "replan_every",
+                     "apply_seconds", "start_delay", "start_spread"):
             at_least_zero(name, getattr(self, name))
         if not 0 <= self.jitter < 1:
             raise ConfigError(f"jitter must be in [0, 1), got {self.jitter}")
@@ -303,6 +306,8 @@ class _Sim:
         self.records: list[PushRecord] = []
         self.by_request: dict[tuple[int, int], PushRecord] = {}
         self._wake_gen = 0
+        self._replan_ok = 0.0  # with replan_every: the earliest next re-plan
+        self._batched = False  # a re-plan is scheduled at _replan_ok
         self.decision_seconds: list[float] = []
         self.decision_pending: list[int] = []
         self.events = 0
@@ -483,7 +488,19 @@ class _Sim:
         if gen == self._wake_gen:
             self._replan()
 
+    def _batched_replan(self) -> None:
+        self._batched = False
+        self._replan()
+
     def _replan(self) -> None:
+        every = self.sc.replan_every
+        if every > 0:
+            if self.now < self._replan_ok:
+                if not self._batched:
+                    self._batched = True
+                    self.at(self._replan_ok, self._batched_replan)
+                return
+            self._replan_ok = self.now + every
         pending = len(self.state.pending)
         if self.timer is not None:
             t0 = self.timer()
@@ -557,7 +574,7 @@ def scenario_from_args(args: argparse.Namespace, seed: int) -> Scenario:
         message_latency=args.latency_ms / 1e3, start_delay=args.start_delay,
         start_spread=args.start_spread, stragglers=args.stragglers,
         straggler_factor=args.straggler_factor, seed=seed, idle_factor=args.idle_factor,
-        controller_view=args.controller_view)
+        controller_view=args.controller_view, replan_every=args.replan_every_ms / 1e3)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -594,6 +611,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--controller-view", choices=["static", "live"], default="static",
                    help="static: the controller knows the configured rates (--link); "
                         "live: it sees every rate change at once (ideal agents)")
+    p.add_argument("--replan-every-ms", type=float, default=0.0,
+                   help="re-plan at most this often (0: on every event, as the controller "
+                        "does)")
     p.add_argument("--json", action="store_true", help="print one JSON summary per run")
     p.add_argument("--progress-every", type=int, default=20000, metavar="EVENTS",
                    help="a progress line on stderr every this many events")

@@ -338,3 +338,16 @@ def test_cli_ctrl_c_exits_cleanly(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_replan_every_batches_the_controllers_events():
+    # Re-plans at most every 0.5 s: worker 1's request (1.004) waits for the
+    # re-plan at 1.504, which plans it after worker 0's transfer; worker 0's
+    # completion report (2.004) waits for the next allowed re-plan, 2.504.
+    sc = dataclasses.replace(TINY, replan_every=0.5)
+    r = simulate(sc, "mlfabric", timer=lambda: 0.0)
+    w0, w1 = by_worker(r)
+    assert w0.sent == pytest.approx(1.004, abs=EXACT)
+    assert w1.sent == pytest.approx(2.504, abs=EXACT)
+    assert w1.landed == pytest.approx(3.504, abs=EXACT)
+    assert len(r.decision_seconds) == 4  # 1.004, 1.504, 2.004 (timer), 2.504

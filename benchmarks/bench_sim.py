@@ -1,0 +1,112 @@
+"""The simulator at scale: fifo vs mlfabric for 100, 1,000 and 10,000 workers.
+
+bench_controller.py's scenario (validated against the emulated cluster by
+sim_validate.py), scaled so the load on the server stays the same: one
+server and N workers; each worker's share of the server's downlink is
+12.5 Mbit/s (8 workers: 100 Mbit/s) and halves during the middle third of
+the expected run; the server's uplink is 10x its downlink; workers have
+1 Gbit/s links; 2 MiB updates; compute 1.2 s +-20 %; one push in flight;
+tau_max = N (8 workers: 8); the workers start uniformly over the first
+compute time. The controller re-plans on every event, as
+mlfabric.controller does (unless --replan-every-ms).
+
+    .venv/bin/python benchmarks/bench_sim.py [--scales 100,1000,10000] [--steps 8,4,2]
+
+Prints per scale and policy: pushes, applied, dropped (by reason), delay
+and push-to-applied distributions, bytes into the server, and the
+controller's decision time: the wall time of each real `decide()` call in
+the run (median, p99, max), the most updates pending at one call, and busy
+= total decision time / simulated time (above 1, a real controller that
+re-plans on every event could not keep up). Last column: the wall time the
+simulation itself took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from mlfabric.sim import MIB, RateChange, Scenario, simulate
+
+
+def scenario(n: int, steps: int, args: argparse.Namespace) -> Scenario:
+    down = n * args.share_mbit
+    expected = steps * (args.compute_ms / 1e3 + 0.3)  # as bench_controller.py
+    changes = ()
+    if args.change_factor != 1.0:
+        changes = (RateChange(expected / 3, "h0", down_mbit=down * args.change_factor),
+                   RateChange(2 * expected / 3, "h0", down_mbit=down))
+    return Scenario(workers=n, update_bytes=int(args.update_mib * MIB), steps=steps,
+                    compute=args.compute_ms / 1e3, jitter=0.2, max_in_flight=1, tau_max=n,
+                    server_down_mbit=down, server_up_mbit=10 * down, worker_up_mbit=1000.0,
+                    worker_down_mbit=1000.0, changes=changes,
+                    start_spread=args.compute_ms / 1e3, seed=args.seed,
+                    replan_every=args.replan_every_ms / 1e3)
+
+
+def fmt(s: dict[str, Any], wall: float) -> list[str]:
+    d, p = s["delay"], s["push_to_applied"]
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["reasons"].items())) or "-"
+    out = [f"  {s['policy']:9s} pushes {s['pushes']}  applied {s['applied']}  dropped "
+           f"{s['dropped']} ({reasons})  into server {s['bytes_into_server'] / MIB:.0f} MiB  "
+           f"simulated {s['end']:.2f} s  sim wall {wall:.1f} s"]
+    if d["count"]:
+        out.append(f"            delay mean {d['mean']:.1f} std {d['std']:.1f} p50 {d['p50']:.0f} "
+                   f"p99 {d['p99']:.0f} max {d['max']:.0f}   push-to-applied mean "
+                   f"{p['mean']:.3f} s std {p['std']:.3f} p50 {p['p50']:.3f} p99 "
+                   f"{p['p99']:.3f} max {p['max']:.3f}")
+    ds = s.get("decision_seconds")
+    if ds:
+        out.append(f"            decision time p50 {ds['p50'] * 1e3:.3f} ms p99 "
+                   f"{ds['p99'] * 1e3:.3f} ms max {ds['max'] * 1e3:.3f} ms over "
+                   f"{ds['count']} re-plans, pending max {s['pending_max']}, busy "
+                   f"{s['controller_busy']:.2f}")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scales", default="100,1000,10000")
+    ap.add_argument("--steps", default="8,4,2", help="pushes per worker, per scale")
+    ap.add_argument("--share-mbit", type=float, default=12.5,
+                    help="server downlink per worker (Mbit/s)")
+    ap.add_argument("--change-factor", type=float, default=0.5,
+                    help="server downlink factor in the middle third (1: no change)")
+    ap.add_argument("--update-mib", type=float, default=2.0)
+    ap.add_argument("--compute-ms", type=float, default=1200.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--replan-every-ms", type=float, default=0.0)
+    args = ap.parse_args()
+    scales = [int(x) for x in args.scales.split(",")]
+    steps = [int(x) for x in args.steps.split(",")]
+    if len(steps) != len(scales):
+        print(f"--steps needs one value per scale ({len(scales)}), got {args.steps!r}",
+              file=sys.stderr)
+        return 2
+
+    def progress(now: float, done: int, total: int) -> None:
+        print(f"    ... simulated {now:.2f} s, {done}/{total} pushes done", file=sys.stderr,
+              flush=True)
+
+    try:
+        for n, k in zip(scales, steps, strict=True):
+            sc = scenario(n, k, args)
+            print(f"{n} workers, {k} steps: server downlink {sc.server_down_mbit:g} Mbit/s "
+                  f"({args.change_factor:g}x in the middle third), tau_max {sc.tau_max}",
+                  flush=True)
+            for policy in ("fifo", "mlfabric"):
+                t0 = time.perf_counter()
+                result = simulate(sc, policy, timer=time.perf_counter, progress=progress,
+                                  progress_every=100_000)
+                for line in fmt(result.summary(), time.perf_counter() - t0):
+                    print(line, flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
