@@ -26,7 +26,9 @@ from .metrics import ControllerMetrics
 from .protocol import (
     Directive,
     Failover,
+    ReplicaAt,
     ReplicaDone,
+    ReplicaJoin,
     Status,
     StatusRequest,
     TransferDone,
@@ -139,6 +141,28 @@ class Controller(Endpoint):
                     "%.2f s after the last heartbeat", address, version, told, seconds)
         decision_log.info(json.dumps({"event": "failover", "server": address,
                                       "version": version, "seconds": round(seconds, 6)}))
+        self.replan()
+
+    def on_replica_join(self, ev: ReplicaJoin) -> None:
+        """A new replica serves from ev.version: workers send it the updates
+        above that version, and it is the one to promote at the next failover."""
+        if self.monitor is not None:
+            self.monitor.replica = ev.address
+        if self.gate is not None:
+            self.gate.start(ev.version, ev.velocity)
+            self.gate.active = True
+        host = ev.address.rsplit(":", 1)[0]
+        self.state.replicas = {host: {"host": host, "address": ev.address,
+                                      "version": ev.version}}
+        told = 0
+        for conn in list(self.connections):
+            if conn.stage == "ready":
+                conn.send(ReplicaAt(address=ev.address, version=ev.version))
+                told += 1
+        log.warning("replica joined at %s from version %d; %d peers told", ev.address,
+                    ev.version, told)
+        decision_log.info(json.dumps({"event": "replica_join", "replica": ev.address,
+                                      "version": ev.version}))
         self.replan()
 
     def make_protocol(self) -> _ControllerProtocol:
@@ -276,6 +300,8 @@ class _ControllerProtocol(EndpointProtocol):
             self.endpoint.on_request(self, event)
         elif isinstance(event, TransferDone):
             self.endpoint.on_done(self, event)
+        elif isinstance(event, ReplicaJoin):
+            self.endpoint.on_replica_join(event)
         elif isinstance(event, ReplicaDone):
             self.endpoint.on_replica_done(event)
         elif isinstance(event, StatusRequest):

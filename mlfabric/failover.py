@@ -39,7 +39,8 @@ class Heartbeat:
 class FailoverMonitor:
     """Pings the server every `interval` s; after `timeout` s of silence,
     promotes the replica and calls `on_failover(replica_address, version,
-    silent_since)`. One failover per monitor: after it there is no replica."""
+    silent_since)`, then watches the promoted replica as the server. Until a
+    new replica joins (`replica` set again) a lost server cannot be replaced."""
 
     def __init__(self, *, server: str, replica: str, job: str, token: bytes,
                  interval: float, timeout: float,
@@ -49,7 +50,8 @@ class FailoverMonitor:
         if not 0 < interval < timeout:
             raise ConfigError(f"--heartbeat-interval must be positive and below "
                               f"--heartbeat-timeout ({timeout}), got {interval}")
-        self.server, self.replica = server, replica
+        self.server: str = server
+        self.replica: str | None = replica
         self.job, self.token = job, token
         self.interval = interval
         self.heartbeat = Heartbeat(timeout)
@@ -74,6 +76,26 @@ class FailoverMonitor:
             self.heartbeat.heard(self.clock())
 
     async def run(self) -> None:
+        while True:
+            await self.watch()
+            replica = self.replica
+            if replica is None:
+                log.error("the server at %s is lost and there is no replica to promote: "
+                          "start one (mlfabric server --role replica --join-from ...) or "
+                          "restart the server from its checkpoint", self.server)
+                while self.replica is None:
+                    await asyncio.sleep(self.interval)
+                replica = self.replica
+            silent_since = self.heartbeat.last or self.clock()
+            log.error("the server at %s has not answered for %.2f s: promoting the replica "
+                      "at %s", self.server, self.heartbeat.timeout, replica)
+            version = await self._promote(replica)
+            self.server, self.replica = replica, None
+            self.heartbeat = Heartbeat(self.heartbeat.timeout)
+            self.on_failover(replica, version, silent_since)
+
+    async def watch(self) -> None:
+        """Return once the server is lost."""
         link: Any = None
         req = 0
         up = False
@@ -97,15 +119,10 @@ class FailoverMonitor:
                 self.on_server_up(up)
             await asyncio.sleep(self.interval)
         self.on_server_up(False)
-        silent_since = self.heartbeat.last or self.clock()
         if link is not None:
             link.close()
-        log.error("the server at %s has not answered for %.2f s: promoting the replica at %s",
-                  self.server, self.heartbeat.timeout, self.replica)
-        version = await self._promote()
-        self.on_failover(self.replica, version, silent_since)
 
-    async def _promote(self) -> int:
+    async def _promote(self, replica: str) -> int:
         answer: asyncio.Future[Pong] = asyncio.get_running_loop().create_future()
 
         def on_event(event: Any) -> None:
@@ -114,14 +131,14 @@ class FailoverMonitor:
 
         while True:
             try:
-                link = await open_link(self.replica, self._hs(), self.heartbeat.timeout,
+                link = await open_link(replica, self._hs(), self.heartbeat.timeout,
                                        "replica server", on_event=on_event)
                 link.send(Promote(1))
                 pong = await asyncio.wait_for(asyncio.shield(answer), self.heartbeat.timeout)
                 link.close()
                 return pong.version
             except (MlfabricError, TimeoutError) as exc:
-                log.error("cannot promote the replica at %s: %s; retrying", self.replica, exc)
+                log.error("cannot promote the replica at %s: %s; retrying", replica, exc)
                 await asyncio.sleep(self.interval)
 
     def _hs(self) -> Handshake:

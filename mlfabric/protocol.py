@@ -315,10 +315,12 @@ PREVIOUS_PREFIX: Final = "\x00previous/"
 
 @dataclass(frozen=True)
 class ReplicaJoin:
-    """New replica -> controller: serving at `address` from `version`."""
+    """New replica -> controller: serving at `address` from `version`, with
+    ||w - w_prev|| = `velocity` (for the divergence bound)."""
 
     address: str
     version: int
+    velocity: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -537,7 +539,8 @@ def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict[str, np.nd
     if msg_type is MsgType.STATE_REQUEST:
         return StateRequest(req=_int(meta, "req"))
     if msg_type is MsgType.REPLICA_JOIN:
-        return ReplicaJoin(address=_str(meta, "address", 256), version=_int(meta, "version"))
+        return ReplicaJoin(address=_str(meta, "address", 256), version=_int(meta, "version"),
+                           velocity=_opt_float(meta, "velocity") or 0.0)
     if msg_type is MsgType.REPLICA_AT:
         return ReplicaAt(address=_str(meta, "address", 256), version=_int(meta, "version"))
     if msg_type is MsgType.REPLICA_DONE:

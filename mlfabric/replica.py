@@ -26,6 +26,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from .errors import InvalidUpdate, SequenceGap
 from .metrics import ServerMetrics
 from .protocol import Error, Pong, Promote, Push, PushResult, default_allocate
@@ -186,3 +188,48 @@ class _ReplicaProtocol(_ServerProtocol):
     def allocate(self, msg_type: Any, nbytes: int) -> Any:
         # A push may be held until earlier ones arrive: it needs its own buffer.
         return default_allocate(msg_type, nbytes)
+
+
+async def fetch_state(address: str, *, job: str, token: bytes, timeout: float = 30.0,
+                      max_pending: int = DEFAULT_MAX_PENDING) -> ParameterStore:
+    """The whole state of the server at `address` (weights, momentum history,
+    version), for a replica joining a running job."""
+    from .aio import open_link
+    from .client_core import Handshake
+    from .protocol import HEADER, MAX_META_LEN, PREVIOUS_PREFIX, StateRequest, layout
+
+    link = await open_link(address, Handshake(job, token, "mlfabric-replica"), timeout,
+                           "parameter server")
+    try:
+        welcome = link.welcomed.result()
+        nbytes = layout(welcome.tensors)[1]
+        link.conn.max_frame_size = HEADER.size + MAX_META_LEN + 2 * nbytes + 128 * len(
+            welcome.tensors)
+        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        req = link.requests.add("pull", answer)
+        link.send(StateRequest(req))
+        version, tensors = await asyncio.wait_for(answer, timeout)
+    finally:
+        link.close()
+    weights = {n: np.array(a) for n, a in tensors.items() if not n.startswith(PREVIOUS_PREFIX)}
+    store = ParameterStore(weights, momentum=welcome.momentum, version=version)
+    for name in weights:
+        store.previous[name][...] = tensors[PREVIOUS_PREFIX + name]
+    return store
+
+
+async def announce(controller: str, *, address: str, store: ParameterStore, job: str,
+                   token: bytes, timeout: float = 30.0) -> None:
+    """Tell the controller a replica serves at `address` from the store's version on."""
+    from . import _core
+    from .aio import open_link
+    from .client_core import Handshake
+    from .protocol import ReplicaJoin
+
+    link = await open_link(controller, Handshake(job, token, "mlfabric-replica"), timeout,
+                           "controller")
+    velocity = float(np.sqrt(sum(
+        _core.l2_norm_diff(w, store.previous[n]) ** 2 for n, w in store.weights.items())))
+    link.send(ReplicaJoin(address=address, version=store.version, velocity=velocity))
+    link.close()
+    await link.closed

@@ -22,6 +22,7 @@ from .metrics import ServerMetrics
 from .protocol import (
     HEADER,
     MAX_META_LEN,
+    PREVIOUS_PREFIX,
     Error,
     Model,
     MsgType,
@@ -30,6 +31,7 @@ from .protocol import (
     Pull,
     Push,
     PushResult,
+    StateRequest,
     Welcome,
     default_allocate,
     layout,
@@ -166,6 +168,11 @@ class _ServerProtocol(EndpointProtocol):
             self.send(answer)
         elif isinstance(event, Pull):
             self.send(server.handle_pull(event))
+        elif isinstance(event, StateRequest):
+            ckpt = server.store.checkpoint(server.job)
+            tensors = {**ckpt.weights,
+                       **{PREVIOUS_PREFIX + n: p for n, p in ckpt.previous.items()}}
+            self.send(Model(req=event.req, version=ckpt.version, tensors=tensors))
         elif isinstance(event, Ping):
             self.send(Pong(req=event.req, role=server.role, version=server.store.version))
         else:

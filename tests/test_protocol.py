@@ -95,7 +95,7 @@ CASES = [
     Promote(req=2),
     Failover(server="10.0.0.3:7070", version=40),
     StateRequest(req=3),
-    ReplicaJoin(address="10.0.0.4:7070", version=41),
+    ReplicaJoin(address="10.0.0.4:7070", version=41, velocity=0.25),
     ReplicaAt(address="10.0.0.4:7070", version=41),
     Status(req=3, status={"job": "j", "workers": [{"host": "h1", "requests": 4}]}),
     Error(code="bad_shape", message="tensor 'w' has shape (2,)", req=77),
