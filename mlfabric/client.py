@@ -31,7 +31,7 @@ from .client_core import (
     parse_address,
     resolve_token,
 )
-from .errors import ConnectError, ConnectionLost, MlfabricError, ProtocolError
+from .errors import ConfigError, ConnectError, ConnectionLost, MlfabricError, ProtocolError
 from .metrics import ClientMetrics
 from .outcome import PushOutcome
 from .protocol import HEADER, MAX_META_LEN, NEED_DATA, Connection, Pull, Push, Welcome, layout
@@ -57,6 +57,7 @@ def connect(
     agent: str | None = None,
     replica: str | None = None,
     failover_timeout: float = 30.0,
+    replica_backlog: int = 64,
 ) -> Client:
     """Connect to the parameter server at `address` ("HOST:PORT") for `job`.
 
@@ -84,6 +85,8 @@ def connect(
     itself: when the controller says the replica was promoted, it connects
     there, re-sends the updates the lost server never answered, and pull()
     and push() carry on; they wait up to `failover_timeout` seconds for that.
+    Until a new replica joins, the newest `replica_backlog` updates the
+    server acknowledged are kept, to be sent to it when it does.
     """
     secret = resolve_token(token, token_file)
     name = name or default_client_name()
@@ -121,6 +124,9 @@ def connect(
 
             client._replica.report = client._controlled.report_replicated
             client._failover = FailoverWait(failover_timeout)
+            if replica_backlog < 0:
+                raise ConfigError(f"replica_backlog must be >= 0, got {replica_backlog}")
+            client._backlog_limit = replica_backlog
     return client
 
 
@@ -196,6 +202,11 @@ class Client:
         self._retired: list[Any] = []  # feeds to a replica that became the server
         self._failover: Any = None  # FailoverWait with a controller and a replica
         self._dial_args: tuple[str, bytes, str, float] | None = None
+        # Updates the server acknowledged while there was no replica (after a
+        # failover): version -> (arrays, base), for the next replica to join.
+        self._backlog: dict[int, tuple[dict[str, np.ndarray], int]] = {}
+        self._backlog_limit = 0
+        self._replica_lock = threading.Lock()  # guards _replica and _backlog
         self._peer_host = ""
         self.last_version = welcome.version  # newest server version seen
         sock.settimeout(None)
@@ -255,7 +266,6 @@ class Client:
         to the promoted replica, without asking the controller again)."""
         failover = self._failover
         generation = failover.generation if failover is not None else 0
-        feed = self._replica
 
         def lost(exc: BaseException) -> None:
             if failover is not None and isinstance(exc, ConnectionLost):
@@ -277,10 +287,19 @@ class Client:
             exc = f.exception()
             if exc is not None:
                 lost(exc)
-            elif feed is not None:
-                feed.replicate(arrays, base, f.result(), done)
+                return
+            outcome = f.result()
+            # The replica now, not at push time: one may have joined since.
+            with self._replica_lock:
+                feed = self._replica
+                if feed is None and outcome.applied and self._backlog_limit:
+                    self._backlog[outcome.version] = (arrays, base)
+                    while len(self._backlog) > self._backlog_limit:
+                        del self._backlog[min(self._backlog)]
+            if feed is not None:
+                feed.replicate(arrays, base, outcome, done)
             else:
-                done.set_result(f.result())
+                done.set_result(outcome)
 
         at_server.add_done_callback(then)
 
@@ -288,6 +307,14 @@ class Client:
         """The controller promoted the replica at `address`: serve from it."""
         assert self._dial_args is not None and self._failover is not None
         sock, conn, welcome = _dial(address, *self._dial_args)
+        # The replica is the server now: no replica until one joins (retired
+        # before the first answer from the new server, so every update it
+        # acknowledges is kept for the next replica). The feed stays open
+        # until the updates on their way to it are answered.
+        with self._replica_lock:
+            if self._replica is not None:
+                self._retired.append(self._replica)
+                self._replica = None
         with self._lock:
             old = self._sock
             self._sock, self._conn = sock, conn
@@ -300,17 +327,35 @@ class Client:
                 target=self._read_loop, args=(sock, conn, self._requests),
                 name=f"mlfabric-reader-{address}", daemon=True)
             self._reader.start()
-            # The replica is the server now: no replica until one joins. Its
-            # feed stays open until the updates on their way there are answered.
-            if self._replica is not None:
-                self._retired.append(self._replica)
-                self._replica = None
         try:
             old.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         log.warning("failed over to %s (version %d)", address, welcome.version)
         self._failover.advance()
+
+    def _attach_replica(self, address: str, version: int) -> None:
+        """A new replica serves from `version`: send it the kept updates above
+        that version, then every update the server acknowledges."""
+        from .replica_feed import ReplicaFeed
+
+        assert self._dial_args is not None
+        job, secret, name, timeout = self._dial_args
+        replica = connect(address, job=job, token=secret, name=name, timeout=timeout)
+        feed = ReplicaFeed(replica, parse_address(address)[0],
+                           report=self._controlled.report_replicated
+                           if self._controlled is not None else None)
+        with self._replica_lock:
+            old, self._replica = self._replica, feed
+            kept = sorted((v, x) for v, x in self._backlog.items() if v > version)
+            self._backlog.clear()
+        if old is not None:
+            self._retired.append(old)
+        for v, (arrays, base) in kept:
+            feed.replicate(arrays, base, PushOutcome(True, v, None, None, base),
+                           concurrent.futures.Future())
+        log.warning("replica at %s joined from version %d; %d kept updates sent to it",
+                    address, version, len(kept))
 
     def _send_push(self, arrays: dict[str, np.ndarray], base: int, seq: int | None = None
                    ) -> concurrent.futures.Future[PushOutcome]:
@@ -342,10 +387,13 @@ class Client:
             self._controlled.close()
         if self._reporter is not None:
             self._reporter.close()
-        if self._replica is not None:
-            self._replica.close()
-        for feed in self._retired:
-            feed.close()
+        for feed in [*self._retired, self._replica]:
+            if feed is not None:
+                feed.close()
+        if self._backlog and self._replica is None:
+            log.warning("closing with %d updates acknowledged by the server alone (no replica "
+                        "has joined since the failover): a loss of the server now loses them",
+                        len(self._backlog))
         if self._failover is not None:
             self._failover.close()
         try:

@@ -27,7 +27,7 @@ from .client_core import Handshake, parse_address
 from .control_book import RECONNECT_EVERY, ControlBook, ControlledUpdate, controlled_update
 from .errors import ConnectError, ConnectionLost, MlfabricError
 from .outcome import PushOutcome
-from .protocol import NEED_DATA, Connection, Directive, Failover, ReplicaDone
+from .protocol import NEED_DATA, Connection, Directive, Failover, ReplicaAt, ReplicaDone
 
 log = logging.getLogger("mlfabric.client")
 
@@ -39,7 +39,7 @@ class _Link:
     def __init__(self, address: str, hs: Handshake, timeout: float,
                  on_directive: Callable[[_Link, Directive], None],
                  on_lost: Callable[[_Link, BaseException], None],
-                 on_failover: Callable[[Failover], None]) -> None:
+                 on_failover: Callable[[Failover | ReplicaAt], None]) -> None:
         from .client import _handshake
 
         host, port = parse_address(address)
@@ -76,7 +76,7 @@ class _Link:
                 while (event := self.conn.next_event()) is not NEED_DATA:
                     if isinstance(event, Directive):
                         self._on_directive(self, event)
-                    elif isinstance(event, Failover):
+                    elif isinstance(event, (Failover, ReplicaAt)):
                         self._on_failover(event)
                     else:
                         raise MlfabricError(f"controller sent {type(event).__name__}")
@@ -105,6 +105,8 @@ class ControlledPushes:
         self.address = address
         self.hs = hs
         self._lock = threading.Lock()  # guards book and _link
+        self._changes: queue.Queue[Failover | ReplicaAt] = queue.Queue()
+        self._changer: threading.Thread | None = None
         self._link: _Link | None = None
         self._closed = threading.Event()
         self._reconnecting = False
@@ -149,23 +151,42 @@ class ControlledPushes:
             except OSError:
                 pass
 
-    def _failover(self, event: Failover) -> None:
-        """The controller promoted the replica: the client moves there (in
-        its own thread: connecting must not hold up directives)."""
+    def _failover(self, event: Failover | ReplicaAt) -> None:
+        """The controller promoted the replica (the client moves there) or a
+        new replica joined (the client feeds it); in a thread of its own, so
+        connecting does not hold up directives. In order: a join announced
+        right after a failover must find the client on the new server."""
         if self.client._failover is None:
-            log.warning("controller reports a failover to %s, but this client has no "
-                        "replica configured: ignoring it", event.server)
+            log.warning("controller reports a replica change (%s), but this client has no "
+                        "replica configured: ignoring it", event)
             return
+        if isinstance(event, Failover):
+            with self._lock:
+                self.book.dst = parse_address(event.server)[0]
+        self._changes.put(event)
         with self._lock:
-            self.book.dst = parse_address(event.server)[0]
+            if self._changer is None or not self._changer.is_alive():
+                self._changer = threading.Thread(target=self._change_loop,
+                                                 name="mlfabric-failover", daemon=True)
+                self._changer.start()
 
-        def move() -> None:
+    def _change_loop(self) -> None:
+        while True:
             try:
-                self.client._fail_over(event.server)
+                event = self._changes.get(timeout=1.0)
+            except queue.Empty:
+                with self._lock:
+                    if self._changes.empty():
+                        self._changer = None
+                        return
+                continue
+            try:
+                if isinstance(event, Failover):
+                    self.client._fail_over(event.server)
+                else:
+                    self.client._attach_replica(event.address, event.version)
             except MlfabricError as exc:
-                log.error("cannot fail over to %s: %s", event.server, exc)
-
-        threading.Thread(target=move, name="mlfabric-failover", daemon=True).start()
+                log.error("cannot act on %s: %s", event, exc)
 
     def report_replicated(self, dst: str, version: int) -> None:
         """Tell the controller the replica at `dst` applied `version`."""

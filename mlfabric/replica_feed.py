@@ -38,7 +38,7 @@ class ReplicaFeed:
         self.replica = replica
         self.host = host
         self.report = report
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         # version -> (arrays, base_version): applied at the server, not yet
         # known to be applied at the replica.
         self.unreplicated: dict[int, tuple[dict[str, np.ndarray], int]] = {}
@@ -71,6 +71,7 @@ class ReplicaFeed:
             # Applied now, or a duplicate: either way the replica has it.
             with self._lock:
                 self.unreplicated.pop(seq, None)
+                self._lock.notify_all()
             if self.report is not None:
                 self.report(self.host, seq)
             answer = f.result()
@@ -84,9 +85,23 @@ class ReplicaFeed:
         with self._lock:
             warn, self._warned = not self._warned, True
             held = len(self.unreplicated)
+            self._lock.notify_all()
         if warn:
             log.warning("update %d is applied at the server but did not reach the replica "
                         "%s (%s); %d updates kept for it", seq, self.replica.address, exc, held)
 
-    def close(self) -> None:
+    def drain(self, timeout: float) -> int:
+        """Wait up to `timeout` s for the updates on their way to the replica
+        to be answered; how many are still unanswered."""
+        with self._lock:
+            self._lock.wait_for(lambda: not self.unreplicated or self._warned, timeout)
+            return len(self.unreplicated)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Close, once the updates sent to the replica are answered (a worker
+        that quits right after its last push must not take them along)."""
+        left = self.drain(timeout)
+        if left:
+            log.warning("closing with %d updates not confirmed by the replica %s", left,
+                        self.replica.address)
         self.replica.close()

@@ -168,3 +168,95 @@ def test_sigkill_of_the_server_process(tmp_path):
     for code, err in codes:
         assert code == 0 and "Traceback" not in err, err
     assert "promoting the replica" in codes[0][1]
+
+
+def test_new_replicas_join_from_a_snapshot_and_take_over_again():
+    """Three servers lost in one run: after each failover a new replica joins
+    from the promoted one's state, workers send it what they kept, and it is
+    the one promoted at the next loss. (Workers run until told to stop: one
+    that quits while no replica is attached takes its kept updates along,
+    see docs/design.md.)"""
+    import asyncio
+
+    from mlfabric.replica import announce, fetch_state
+
+    model = make_model()
+    gamma = 0.9
+    kills = 3
+    stop = threading.Event()
+
+    def new_replica(store):
+        ep = ReplicaServer(store, job=JOB, token=TOKEN, metrics=ServerMetrics(), recovery=0.1)
+        return ServerThread(None, endpoint=ep).__enter__()
+
+    server = ServerThread(ParameterStore(model, momentum=gamma)).__enter__()
+    replica = new_replica(ParameterStore(model, momentum=gamma))
+    controller_ep = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None,
+                               gate=DivergenceGate(gamma, 1e9))
+    controller = ServerThread(None, endpoint=controller_ep).__enter__()
+    controller.call(lambda: controller_ep.watch_server(
+        server.address, replica.address, interval=0.05, timeout=0.3))
+    acked: dict[int, dict[str, np.ndarray]] = {}
+    lock = threading.Lock()
+    progress = threading.Condition(lock)
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            with mlfabric.connect(server.address, job=JOB, token=TOKEN,
+                                  controller=controller.address, controller_fallback="wait",
+                                  replica=replica.address, failover_timeout=10) as ps:
+                for i in range(500):  # until the test says stop
+                    if stop.is_set():
+                        break
+                    version, _ = ps.pull(timeout=10)
+                    u = random_update(model, seed=100 * w + i)
+                    outcome = ps.push(u, base_version=version).result(20)
+                    assert outcome.applied, outcome
+                    with progress:
+                        assert outcome.version not in acked, outcome
+                        acked[outcome.version] = u
+                        progress.notify_all()
+        except BaseException as exc:
+            errors.append(exc)
+
+    alive = [server, replica, controller]
+    try:
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(3)]
+        for t in threads:
+            t.start()
+        for k in range(kills):
+            with progress:
+                assert progress.wait_for(lambda k=k: len(acked) >= 8 * (k + 1), 30)
+            server.__exit__(None, None, None)  # lost
+            alive.remove(server)
+            promoted = replica
+            with progress:  # the promoted replica serves: training goes on
+                n = len(acked)
+                assert progress.wait_for(lambda n=n: len(acked) > n + 2, 10)
+            server = promoted
+            store = asyncio.run(fetch_state(promoted.address, job=JOB, token=TOKEN))
+            replica = new_replica(store)
+            alive.append(replica)
+            asyncio.run(announce(controller.address, address=replica.address, store=store,
+                                 job=JOB, token=TOKEN))
+        with progress:
+            n = len(acked)
+            assert progress.wait_for(lambda n=n: len(acked) > n + 5, 10)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        ep = server.server
+        final_version, final = server.call(
+            lambda: (ep.store.version, {n: w.copy() for n, w in ep.store.weights.items()}))
+    finally:
+        for st in alive:
+            st.__exit__(None, None, None)
+    assert controller_ep.metrics.failovers._value.get() == kills
+    assert sorted(acked) == list(range(1, len(acked) + 1))
+    assert final_version == len(acked)
+    ref = Reference(model, gamma)
+    for v in sorted(acked):
+        ref.apply(acked[v])
+    assert_model_equal(final, ref.w)
