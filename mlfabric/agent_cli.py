@@ -29,6 +29,17 @@ from .errors import ConfigError
 
 log = logging.getLogger("mlfabric.agent")
 
+#: Keys of the JSON --config file -> the flag each stands for (flags win).
+CONFIG_KEYS = {
+    "name": "--name",
+    "listen": "--listen",
+    "peers": "--peer",  # an object {"NAME": "HOST:PORT", ...}
+    "metrics_port": "--metrics-port",
+    "probe_budget": "--probe-budget",
+    "stale_after": "--stale-after",
+    "interface": "--interface",
+}
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", help="this host's name among its peers (default: hostname)")
@@ -62,13 +73,11 @@ def _load_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"agent config {str(path)!r} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"agent config {str(path)!r} must be a JSON object")
-    known = {"name", "listen", "metrics_port", "probe_budget", "stale_after", "peers",
-             "interface"}
-    unknown = set(data) - known
+    unknown = set(data) - set(CONFIG_KEYS)
     if unknown:
         raise ConfigError(
             f"agent config {str(path)!r} has unknown keys {sorted(unknown)}; "
-            f"known keys: {sorted(known)}"
+            f"known keys: {sorted(CONFIG_KEYS)}"
         )
     return data
 

@@ -175,9 +175,33 @@ def config_reference() -> str:
     ]
     lines += list(_options_table(parser))
     lines.append("")
+    commands = _subparsers(parser)
     for name in COMMANDS:
-        lines += list(_command_sections(_subparsers(parser)[name], 3))
+        lines += list(_command_sections(commands[name], 3))
+        if name == "agent":
+            lines += list(_agent_file(commands[name]))
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _agent_file(parser: argparse.ArgumentParser) -> Iterator[str]:
+    """The keys of `mlfabric agent --config FILE.json`, from the flags they stand for."""
+    from .agent_cli import CONFIG_KEYS
+
+    flags = {s: a for a in parser._actions for s in a.option_strings}
+    yield "The agent's `--config` file is a JSON object with these keys (flags win):"
+    yield ""
+    yield "| key | JSON type | same as | meaning |"
+    yield "|---|---|---|---|"
+    for key, flag in CONFIG_KEYS.items():
+        action = flags[flag]
+        if key == "peers":
+            kind = 'object `{"NAME": "HOST:PORT"}`'
+        elif action.type in (int, float):
+            kind = "number"
+        else:
+            kind = "string"
+        yield f"| `{key}` | {kind} | `{flag}` | {_help(action, parser.prog)} |"
+    yield ""
 
 
 # --- metrics ---------------------------------------------------------------------
