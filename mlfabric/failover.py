@@ -90,7 +90,9 @@ class FailoverMonitor:
             log.error("the server at %s has not answered for %.2f s: promoting the replica "
                       "at %s", self.server, self.heartbeat.timeout, replica)
             version = await self._promote(replica)
-            self.server, self.replica = replica, None
+            self.server = replica
+            if self.replica == replica:  # not replaced by a join meanwhile
+                self.replica = None
             self.heartbeat = Heartbeat(self.heartbeat.timeout)
             self.on_failover(replica, version, silent_since)
 

@@ -16,7 +16,13 @@ from .client_core import parse_address
 from .endpoint import add_listener_arguments, listen, until_stopped
 from .errors import ConfigError
 from .metrics import ServerMetrics, serve_metrics
-from .replica import DEFAULT_MAX_PENDING, DEFAULT_RECOVERY, ReplicaServer
+from .replica import (
+    DEFAULT_MAX_PENDING,
+    DEFAULT_RECOVERY,
+    ReplicaServer,
+    announce,
+    fetch_state,
+)
 from .server import ParameterServer
 from .store import ParameterStore
 
@@ -43,6 +49,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chain replication: forward every applied update to the replica "
                         "there (started with --role replica from the same model) and "
                         "acknowledge a push once the replica applied it too")
+    p.add_argument("--join-from", metavar="HOST:PORT", default=None,
+                   help="replica: start from the whole state of the running server there "
+                        "(instead of --init/--resume) and announce to --controller; the "
+                        "workers then send it every update above that state's version")
+    p.add_argument("--controller", metavar="HOST:PORT", default=None,
+                   help="replica with --join-from: the job's controller, told where this "
+                        "replica serves")
+    p.add_argument("--advertise", metavar="HOST:PORT", default=None,
+                   help="replica with --join-from: the address workers reach it at (default: "
+                        "the address it listens on)")
     p.add_argument("--recovery-seconds", type=float, default=DEFAULT_RECOVERY, metavar="S",
                    help="replica: once promoted (failover), how long to take updates of the "
                         f"lost server still on their way before serving (default: "
@@ -129,7 +145,18 @@ def run_server(args: argparse.Namespace) -> int:
     if not auth.token_file_is_private(args.token_file):
         log.warning("token file %s is readable by other users: chmod 600 it", args.token_file)
     tau_max = None if args.tau_max is not None and args.tau_max < 0 else args.tau_max
-    store = build_store(args, tau_max)
+    if args.join_from is not None:
+        if args.role != "replica" or args.controller is None:
+            raise ConfigError("--join-from is for a replica (--role replica) and needs "
+                              "--controller HOST:PORT to announce itself to")
+        if args.init is not None or args.resume is not None:
+            raise ConfigError("--join-from takes the running server's state: drop --init "
+                              "and --resume")
+        parse_address(args.join_from)
+        parse_address(args.controller)
+        store = None
+    else:
+        store = build_store(args, tau_max)
     metrics = ServerMetrics()
     if args.metrics_port is not None:
         serve_metrics(metrics.registry, args.metrics_port, args.metrics_host)
@@ -143,6 +170,10 @@ def run_server(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-pending must be at least 1, got {args.max_pending}")
 
     async def main() -> None:
+        nonlocal store
+        if store is None:
+            store = await fetch_state(args.join_from, job=args.job, token=token)
+            log.info("took the state of %s at version %d", args.join_from, store.version)
         server: ParameterServer
         if args.role == "replica":
             server = ReplicaServer(store, job=args.job, token=token, metrics=metrics,
@@ -168,6 +199,13 @@ def run_server(args: argparse.Namespace) -> int:
         )
         if checkpointer is not None:
             checkpointer.start()
+        if args.join_from is not None:
+            if args.advertise is None and bound[0] in ("0.0.0.0", "::"):
+                raise ConfigError("listening on all addresses: give --advertise HOST:PORT, "
+                                  "the address workers reach this replica at")
+            address = args.advertise or f"{bound[0]}:{bound[1]}"
+            await announce(args.controller, address=address, store=store, job=args.job,
+                           token=token)
         await until_stopped()
         log.info("shutting down at version %d", store.version)
         await server.close()
