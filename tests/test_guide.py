@@ -15,7 +15,8 @@ the rest are marks this test reads; Markdown renderers ignore them):
   before the next command. A python block without file= is not allowed: code
   in the guide runs.
 * ```` ```text output ````: lines the previous command must print (stdout or
-  stderr), in this order; ``...`` matches anything.
+  stderr; a background one, by the time it is ready), in this order; ``...``
+  matches anything.
 * ```` ```text source ````: messages the code raises that a command here cannot
   provoke; each line's fixed parts must appear in mlfabric's source.
 
@@ -279,6 +280,8 @@ def test_every_command_in_the_guide_runs(tmp_path):
                 command = subst(block.text)
                 if block.mark("background"):
                     running.append(Background(block, command, env, tmp_path))
+                    if block.output is not None:  # what it printed up to being ready
+                        check_output(block, block.output, "".join(running[-1].lines), subst)
                 else:
                     run_command(block, command, env, tmp_path, subst)
                 ran += 1
