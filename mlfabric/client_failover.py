@@ -42,7 +42,9 @@ class FailoverWait:
         if self._closed:
             future.set_exception(ConnectionLost("the client was closed"))
         else:
-            resend()
+            # Not in this thread: it may be a reader thread holding the
+            # client's lock, which sending takes.
+            threading.Thread(target=resend, name="mlfabric-resend", daemon=True).start()
 
     def advance(self) -> None:
         """The client now talks to the promoted replica: re-send what waited."""
