@@ -41,7 +41,10 @@ def fetch_status(address: str, job: str, token: bytes, timeout: float = 10.0) ->
             if isinstance(event, Status):
                 return dict(event.status)
             if isinstance(event, Error):
-                raise ProtocolError(f"the controller refused the status request: {event.message}")
+                raise ProtocolError(
+                    f"{address} refused the status request ({event.message}): give the "
+                    f"address of the job's `mlfabric controller`, not of its server "
+                    f"(--controller)")
             if event is not NEED_DATA:
                 raise ProtocolError(f"expected a status, got {type(event).__name__}")
             try:
