@@ -47,7 +47,7 @@ PAGES = ["quickstart.md", "deploying.md", "troubleshooting.md"]
 # Every port number the guide's commands use; each is replaced by a free port.
 GUIDE_PORTS = (7070, 7071, 7080, 7400, 9100, 9101, 9470, 9471, 9472)
 MAX_NORUN = 6
-COMMAND_TIMEOUT = 60.0
+COMMAND_TIMEOUT = 120.0  # bounded, and generous: the suite may share its CPUs
 READY_TIMEOUT = 30.0
 # What each long-running command prints once it is ready.
 READY = re.compile(r"serving job|ready on|press Ctrl-C")
