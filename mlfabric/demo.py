@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="let the server export Prometheus metrics on this port")
     p.add_argument("--json", metavar="PATH", default=None,
                    help="also write the summary as JSON to PATH")
+    p.add_argument("--contention", action="store_true",
+                   help="instead: FIFO vs mlfabric on an emulated cluster with other tenants' "
+                        "traffic and a straggler, ending with a comparison table (root)")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -219,6 +222,11 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.contention:
+        from .contention import run_demo
+
+        run_demo()
+        return 0
     _check(args)
     from .demo_model import accuracy, init_params, load_digits_split
 

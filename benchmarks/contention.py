@@ -1,0 +1,154 @@
+"""Time to accuracy under multi-tenant contention: mlfabric vs the FIFO PS vs DDP/gloo.
+
+On the emulated cluster (root): a server host, 8 workers on heterogeneous
+links, two other tenants whose traffic starts, stops and moves, and one
+compute straggler (`mlfabric.contention.Scenario`); and the same cluster
+uncontended. Every system runs on the same namespaces, alternated round by
+round; the medians of the rounds are compared.
+
+    sudo .venv/bin/python benchmarks/contention.py [--rounds 3] [--systems fifo,mlfabric,ddp]
+        [--scenarios contended,uncontended] [--time-limit 150] [--json out.json]
+        [--plot benchmarks/contention.png]
+
+Prints, per scenario and system: time to the target accuracy (median; runs
+that never reach it count as the time limit and are marked), delay mean, std
+and max, drops, bytes into the server; then the ratios against mlfabric.
+Needs `pip install '.[torch]'` for ddp and matplotlib for --plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import replace
+
+from mlfabric.contention import (
+    SYSTEMS,
+    RunResult,
+    Scenario,
+    run_system,
+    cluster_hosts,
+    cluster_rates,
+    uncontended,
+)
+from mlfabric.testbed import Testbed, require_root
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def ttt(r: RunResult, limit: float) -> float:
+    return r.time_to_target if r.time_to_target is not None else limit
+
+
+def table(sc: Scenario, runs: dict[str, list[RunResult]]) -> str:
+    lines = [f"scenario {sc.name}: medians of {max(len(v) for v in runs.values())} runs, "
+             f"target accuracy {sc.target}, time limit {sc.time_limit:.0f} s"]
+    head = (f"  {'system':9s} {'time to target':>15s} {'reached':>8s} {'delay mean':>11s} "
+            f"{'std':>6s} {'max':>4s} {'applied':>8s} {'dropped':>8s} {'server MB in':>13s}")
+    lines.append(head)
+    for system, rs in runs.items():
+        if not rs:
+            continue
+        reached = sum(r.reached for r in rs)
+        t = med([ttt(r, sc.time_limit) for r in rs])
+        mark = "" if reached == len(rs) else " (>=)"
+        if system == "ddp":
+            rest = f"{'-':>11s} {'-':>6s} {'-':>4s} {'-':>8s} {'-':>8s} {'-':>13s}"
+        else:
+            b = [r.server_bytes_in for r in rs if r.server_bytes_in is not None]
+            rest = (f"{med([r.delay_mean for r in rs]):11.2f} {med([r.delay_std for r in rs]):6.2f} "
+                    f"{med([r.delay_max for r in rs]):4.0f} {med([r.applied for r in rs]):8.0f} "
+                    f"{med([r.dropped for r in rs]):8.0f} {med(b) / 1e6:13.1f}")
+        lines.append(f"  {system:9s} {t:13.1f} s{mark:5s}{reached:>3d}/{len(rs):<3d} {rest}")
+    if runs.get("mlfabric"):
+        m = med([ttt(r, sc.time_limit) for r in runs["mlfabric"]])
+        for other in ("fifo", "ddp"):
+            if runs.get(other):
+                o = med([ttt(r, sc.time_limit) for r in runs[other]])
+                lines.append(f"  time to target, {other} / mlfabric: {o / m:.2f}x "
+                             f"(mlfabric reaches the target {o / m:.2f}x sooner)")
+    return "\n".join(lines)
+
+
+def plot(path: str, results: dict[str, dict[str, list[RunResult]]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.2), squeeze=False)
+    colours = {"fifo": "tab:red", "mlfabric": "tab:blue", "ddp": "tab:green"}
+    for ax, (name, runs) in zip(axes[0], results.items(), strict=True):
+        for system, rs in runs.items():
+            for k, r in enumerate(rs):
+                ts, accs = zip(*r.curve, strict=True) if r.curve else ((), ())
+                ax.plot(ts, accs, color=colours.get(system), alpha=0.8,
+                        label=system if k == 0 else None)
+        ax.set_title(f"{name}")
+        ax.set_xlabel("wall time (s)")
+        ax.set_ylabel("held-out accuracy")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--scenarios", default="contended,uncontended")
+    ap.add_argument("--time-limit", type=float, default=150.0)
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--json", default=None, help="write every run's result here")
+    ap.add_argument("--plot", default=None, help="write the accuracy-over-time plot (PNG)")
+    args = ap.parse_args()
+    require_root()
+    systems = [s for s in args.systems.split(",") if s]
+    for s in systems:
+        if s not in SYSTEMS:
+            ap.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+    base = Scenario(time_limit=args.time_limit, workers=args.workers)
+    scenarios = {"contended": base, "uncontended": uncontended(base)}
+    chosen = [scenarios[n] for n in args.scenarios.split(",") if n]
+    results: dict[str, dict[str, list[RunResult]]] = {}
+    hosts = cluster_hosts(base)
+    with Testbed(hosts=hosts, rate_mbit=1000.0, rates=cluster_rates(base)) as tb:
+        for sc in chosen:
+            runs: dict[str, list[RunResult]] = {s: [] for s in systems}
+            for r in range(args.rounds):
+                order = systems[r % len(systems):] + systems[:r % len(systems)]
+                for system in order:
+                    res = run_system(tb, replace(sc, seed=r), system,
+                                     progress=lambda m: print(f"\r  {m}", end="",
+                                                              file=sys.stderr, flush=True))
+                    print(file=sys.stderr)
+                    runs[system].append(res)
+                    t = f"{res.time_to_target:.1f} s" if res.reached else "not reached"
+                    extra = ("" if system == "ddp" else
+                             f"  delay mean {res.delay_mean:.2f} std {res.delay_std:.2f} max "
+                             f"{res.delay_max}  applied {res.applied} dropped {res.dropped}  "
+                             f"server MB in {(res.server_bytes_in or 0) / 1e6:.1f}")
+                    print(f"{sc.name} round {r + 1} {system:8s} time to target {t}  wall "
+                          f"{res.wall:.1f} s{extra}", flush=True)
+            results[sc.name] = runs
+            print()
+            print(table(sc, runs), flush=True)
+            print()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({n: {s: [r.as_dict() for r in rs] for s, rs in runs.items()}
+                       for n, runs in results.items()}, f)
+    if args.plot:
+        plot(args.plot, results)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""The contention benchmark's scenario (pure) and one small real run per system (root)."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+
+import pytest
+
+from mlfabric import contention
+from mlfabric.contention import (
+    Flow,
+    Scenario,
+    first_reach,
+    run_system,
+    summarise_outcomes,
+    tenant_flows,
+    cluster_hosts,
+    cluster_rates,
+    uncontended,
+)
+from mlfabric.errors import ConfigError
+
+from testbed_helpers import needs_root
+
+
+def test_default_model_is_a_few_megabytes():
+    assert Scenario().model_bytes == 4 * (64 * 8192 + 8192 + 8192 * 10 + 10) == 2_457_640
+
+
+def test_tenant_flows_move_every_third_of_a_period_and_stop_at_the_limit():
+    sc = Scenario(time_limit=95.0, period=30.0)
+    flows = tenant_flows(sc)
+    # 6 flows per 30 s period; the 4th period starts at 90 s and only its first
+    # third (90-95 s, cut at the limit) fits.
+    assert len(flows) == 3 * 6 + 2
+    assert all(0 <= f.start < f.stop <= 95.0 for f in flows)
+    assert flows[-1] == Flow(90.0, 95.0, 10, 3, 0.6 * sc.worker_links[2][1])
+    # the server's downlink is loaded in the first and last third of each period
+    into_server = sorted((f.start, f.stop) for f in flows if f.dst == 0)
+    assert into_server[:2] == [(0.0, 10.0), (20.0, 30.0)]
+    assert all(f.rate_mbit == 0.6 * sc.server_link[1] for f in flows if f.dst == 0)
+    # no link carries two tenant flows at once
+    for a, b in itertools.combinations(flows, 2):
+        if a.start < b.stop and b.start < a.stop:
+            assert a.dst != b.dst and a.src != b.src
+
+
+def test_uncontended_has_no_tenants_and_no_straggler():
+    sc = uncontended(Scenario())
+    assert sc.name == "uncontended" and tenant_flows(sc) == []
+    assert [sc.slowdown(i) for i in range(sc.workers)] == [1.0] * sc.workers
+    assert Scenario().slowdown(3) == 3.0
+
+
+def test_cluster_layout():
+    sc = Scenario(workers=3, straggler=2)
+    assert cluster_hosts(sc) == 6
+    assert cluster_rates(sc) == {"h0": (1000.0, 200.0), "h1": (1000.0, 1000.0),
+                                 "h2": (200.0, 200.0), "h3": (1000.0, 1000.0)}
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"workers": 1}, "at least 2 workers, got 1"),
+    ({"workers": 9}, "lists 8 links for 9 workers"),
+    ({"workers": 3}, "straggler must be a worker index below 3, got 3"),
+    ({"straggler": 8}, "straggler must be a worker index below 8, got 8"),
+    ({"target": 1.5}, "between 0 and 1, got 1.5"),
+])
+def test_bad_scenarios_are_refused(kw, message):
+    with pytest.raises(ConfigError, match=message):
+        Scenario(**kw)
+
+
+def test_outcome_summary_and_first_reach():
+    records = [{"applied": True, "delay": 2}, {"applied": False, "delay": -1},
+               {"applied": True, "delay": 6}, {"applied": True, "delay": 4}]
+    assert summarise_outcomes(records) == {"applied": 3, "dropped": 1, "delay_mean": 4.0,
+                                           "delay_std": pytest.approx((8 / 3) ** 0.5),
+                                           "delay_max": 6}
+    assert first_reach([(0.5, 0.2), (1.0, 0.91), (1.5, 0.95)], 0.9) == 1.0
+    assert first_reach([(0.5, 0.2)], 0.9) is None
+
+
+def test_demo_without_root_says_what_it_needs(monkeypatch):
+    monkeypatch.setattr(contention.os, "geteuid", lambda: 1000)
+    with pytest.raises(ConfigError, match=r"needs root: it builds an emulated cluster .*sudo "
+                                          r"mlfabric demo --contention"):
+        contention.run_demo()
+
+
+SYSTEMS = ["fifo", "mlfabric"] + (["ddp"] if importlib.util.find_spec("torch") else [])
+
+
+@needs_root
+def test_each_system_really_trains_on_the_emulated_cluster():
+    """A small scenario end to end: every system reaches a modest target, the
+    servers' byte counters account for every applied update, and the tenants'
+    traffic and the straggler are running."""
+    from mlfabric.testbed import Testbed
+
+    sc = Scenario(name="smoke", workers=2, hidden=64, eta=0.1, target=0.6, time_limit=40.0,
+                  worker_links=((1000.0, 1000.0), (200.0, 200.0)), straggler=1,
+                  server_link=(1000.0, 100.0), period=6.0, ddp_lr=0.5)
+    with Testbed(hosts=cluster_hosts(sc), rate_mbit=1000.0, rates=cluster_rates(sc)) as tb:
+        for system in SYSTEMS:
+            r = run_system(tb, sc, system)
+            assert r.reached, f"{system} did not reach {sc.target}: {r.curve[-3:]}"
+            times = [t for t, _ in r.curve]
+            assert times == sorted(times) and r.time_to_target == first_reach(r.curve, 0.6)
+            if system != "ddp":
+                assert r.applied > 0 and r.delay_max <= sc.tau_max
+                assert r.server_bytes_in is not None
+                assert r.server_bytes_in >= r.applied * sc.model_bytes
