@@ -134,6 +134,17 @@ class ServerMetrics:
             "Chain replication: bytes forwarded to the replica",
             namespace=ns, registry=r,
         )
+        self.replica_divergence = Gauge(
+            "server_replica_divergence",
+            "Measured ||w_server - w_replica||_2 at the last sample (--sample-replica)",
+            namespace=ns, registry=r)
+        self.replica_divergence_lag = Gauge(
+            "server_replica_divergence_lag_updates",
+            "Server version minus replica version in the last divergence sample",
+            namespace=ns, registry=r)
+        self.replica_divergence_samples = Counter(
+            "server_replica_divergence_samples", "Divergence samples taken",
+            namespace=ns, registry=r)
         self.replica_pending = Gauge(
             "server_replica_pending_updates",
             "Replica: updates received ahead of their turn, waiting for earlier ones",

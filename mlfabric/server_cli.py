@@ -23,6 +23,7 @@ from .replica import (
     announce,
     fetch_state,
 )
+from .sampling import ReplicaSampler
 from .server import ParameterServer
 from .store import ParameterStore
 
@@ -49,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chain replication: forward every applied update to the replica "
                         "there (started with --role replica from the same model) and "
                         "acknowledge a push once the replica applied it too")
+    p.add_argument("--sample-replica", metavar="HOST:PORT", default=None,
+                   help="server: every --sample-interval seconds pull the replica's model and "
+                        "export the measured ||w_server - w_replica||_2 (a whole model over "
+                        "this server's downlink per sample)")
+    p.add_argument("--sample-interval", type=float, default=5.0, metavar="SECONDS",
+                   help="seconds between divergence samples (default: 5)")
     p.add_argument("--join-from", metavar="HOST:PORT", default=None,
                    help="replica: start from the whole state of the running server there "
                         "(instead of --init/--resume) and announce to --controller; the "
@@ -166,6 +173,8 @@ def run_server(args: argparse.Namespace) -> int:
                           "only applies what it is sent")
     if not args.recovery_seconds >= 0:
         raise ConfigError(f"--recovery-seconds must be >= 0, got {args.recovery_seconds}")
+    if not args.sample_interval > 0:
+        raise ConfigError(f"--sample-interval must be positive, got {args.sample_interval}")
     if args.max_pending < 1:
         raise ConfigError(f"--max-pending must be at least 1, got {args.max_pending}")
 
@@ -199,6 +208,11 @@ def run_server(args: argparse.Namespace) -> int:
         )
         if checkpointer is not None:
             checkpointer.start()
+        sampler = None
+        if args.sample_replica is not None:
+            sampler = ReplicaSampler(store, args.sample_replica, job=args.job, token=token,
+                                     interval=args.sample_interval, metrics=metrics)
+            sampler.start()
         if args.join_from is not None:
             if args.advertise is None and bound[0] in ("0.0.0.0", "::"):
                 raise ConfigError("listening on all addresses: give --advertise HOST:PORT, "
@@ -208,6 +222,8 @@ def run_server(args: argparse.Namespace) -> int:
                            token=token)
         await until_stopped()
         log.info("shutting down at version %d", store.version)
+        if sampler is not None:
+            await sampler.close()
         await server.close()
         if server.chain is not None:
             await server.chain.close()
