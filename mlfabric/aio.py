@@ -9,6 +9,7 @@ the push's future is done.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -31,6 +32,7 @@ from .outcome import PushOutcome
 from .protocol import HEADER, MAX_META_LEN, NEED_DATA, Connection, Pull, Push, layout
 
 _JOIN_LIMIT = 1 << 16
+log = logging.getLogger("mlfabric.client")
 
 
 async def connect(
@@ -46,14 +48,25 @@ async def connect(
     host: str | None = None,
     controller_fallback: str = "fifo",
     controller_timeout: float = 30.0,
+    replica: str | None = None,
 ) -> AsyncClient:
     """Connect to the parameter server at `address` ("HOST:PORT") for `job`.
 
-    The controller arguments work as in mlfabric.connect()."""
+    The controller arguments work as in mlfabric.connect(), and so does
+    `replica` (worker-driven replication: a push's future resolves once the
+    replica applied the update too); the asyncio client does not fail over."""
     secret = resolve_token(token, token_file)
     hs = Handshake(job, secret, name or default_client_name())
     proto = await open_link(address, hs, timeout, "parameter server", metrics=metrics)
     client = AsyncClient(proto)
+    if replica is not None:
+        try:
+            client._replica = await connect(replica, job=job, token=secret, timeout=timeout,
+                                            name=name)
+        except BaseException:
+            await client.close()
+            raise
+        client._replica_host = parse_address(replica)[0]
     if controller is not None:
         from .aio_control import AsyncControlledPushes
 
@@ -214,6 +227,9 @@ class AsyncClient:
         self.session = welcome.session
         self.last_version = welcome.version
         self._controlled: Any = None  # AsyncControlledPushes with a controller
+        self._replica: AsyncClient | None = None  # worker-driven replication
+        self._replica_host = ""
+        self._replica_warned = False
 
     async def pull(self) -> tuple[int, dict[str, np.ndarray]]:
         """The model as (version, {name: array}), consistent at that version."""
@@ -227,14 +243,66 @@ class AsyncClient:
         """Hand an update over; returns a future of its PushOutcome at once."""
         base = check_base_version(base_version)
         arrays = check_update(update, self.specs)
+        if self._replica is not None:
+            return self._push_replicated({n: a.copy() for n, a in arrays.items()}, base)
         if self._controlled is not None:
             return self._controlled.push(arrays, base, layout(self.specs)[1])
         return self._send_push(arrays, base)
 
-    def _send_push(self, arrays: dict[str, np.ndarray], base: int
+    def _push_replicated(self, arrays: dict[str, np.ndarray], base: int
+                         ) -> asyncio.Future[PushOutcome]:
+        """To the server, then, numbered with the version it produced,
+        straight to the replica; resolved once the replica has it."""
+        done: asyncio.Future[PushOutcome] = asyncio.get_running_loop().create_future()
+        if self._controlled is not None:
+            at_server = self._controlled.push(arrays, base, layout(self.specs)[1])
+        else:
+            at_server = self._send_push(arrays, base)
+
+        def replicated(f: asyncio.Future[PushOutcome], outcome: PushOutcome) -> None:
+            if f.cancelled() or f.exception() is not None:
+                self._replica_failed(outcome.version, f.exception() if not f.cancelled()
+                                     else None)
+            elif self._controlled is not None:
+                self._controlled.report_replicated(self._replica_host, outcome.version)
+            if not done.done():
+                done.set_result(outcome)
+
+        def at_server_done(f: asyncio.Future[PushOutcome]) -> None:
+            if done.done():
+                return
+            if f.cancelled():
+                done.cancel()
+                return
+            exc = f.exception()
+            if exc is not None:
+                done.set_exception(exc)
+                return
+            outcome = f.result()
+            if not outcome.applied or self._replica is None:
+                done.set_result(outcome)
+                return
+            try:
+                sent = self._replica._send_push(arrays, base, seq=outcome.version)
+            except MlfabricError as exc2:
+                self._replica_failed(outcome.version, exc2)
+                done.set_result(outcome)
+                return
+            sent.add_done_callback(lambda r: replicated(r, outcome))
+
+        at_server.add_done_callback(at_server_done)
+        return done
+
+    def _replica_failed(self, version: int, exc: BaseException | None) -> None:
+        if not self._replica_warned:
+            self._replica_warned = True
+            log.warning("update %d is applied at the server but did not reach the replica "
+                        "(%s)", version, exc)
+
+    def _send_push(self, arrays: dict[str, np.ndarray], base: int, seq: int | None = None
                    ) -> asyncio.Future[PushOutcome]:
         fut: asyncio.Future[PushOutcome] = self._request(
-            "push", lambda req: Push(req, base, arrays), base)
+            "push", lambda req: Push(req, base, arrays, seq), base)
         fut.add_done_callback(self._note_version)
         return fut
 
@@ -261,6 +329,8 @@ class AsyncClient:
     async def close(self) -> None:
         if self._controlled is not None:
             await self._controlled.close()
+        if self._replica is not None:
+            await self._replica.close()
         self._proto.close()
         await self._proto.closed
 

@@ -10,6 +10,7 @@ once with a warning (fallback "fifo") or wait for it up to `timeout` seconds
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -19,7 +20,9 @@ from .client_core import Handshake
 from .control_book import RECONNECT_EVERY, ControlBook, ControlledUpdate, controlled_update
 from .errors import ConnectError, MlfabricError
 from .outcome import PushOutcome
-from .protocol import Directive
+from .protocol import Directive, Failover, ReplicaAt, ReplicaDone
+
+log = logging.getLogger("mlfabric.client")
 
 
 class AsyncControlledPushes:
@@ -67,7 +70,16 @@ class AsyncControlledPushes:
 
     # -- controller events ------------------------------------------------------------
 
+    def report_replicated(self, dst: str, version: int) -> None:
+        """Tell the controller the replica at `dst` applied `version`."""
+        if self._link is not None:
+            self._link.send(ReplicaDone(dst=dst, version=version))
+
     def _directive(self, d: Any) -> None:
+        if isinstance(d, (Failover, ReplicaAt)):
+            log.warning("the controller reports a replica change (%s); the asyncio client "
+                        "does not fail over or switch replicas: use the blocking client", d)
+            return
         if not isinstance(d, Directive):
             raise MlfabricError(f"controller sent {type(d).__name__}")
         u, outcome = self.book.directive(d, self.client.last_version)

@@ -5,6 +5,7 @@ one instant, never passes --div-max."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import numpy as np
@@ -141,3 +142,39 @@ def test_a_div_max_below_one_step_lets_updates_go_one_at_a_time():
     assert gate.overrides > 0
     assert metrics.divergence_overrides._value.get() == gate.overrides
     assert max(vs - vr for vs, vr, *_ in samples) <= 1
+
+
+def test_the_asyncio_client_replicates_too(run_async, loop_kind):
+    from mlfabric import aio
+
+    model = make_model()
+    gate = DivergenceGate(GAMMA, 1e9)
+    server = ServerThread(ParameterStore(model, momentum=GAMMA), loop_kind=loop_kind)
+    replica = ServerThread(None, loop_kind=loop_kind, endpoint=ReplicaServer(
+        ParameterStore(model, momentum=GAMMA), job=JOB, token=TOKEN, metrics=ServerMetrics()))
+    controller = ServerThread(None, loop_kind=loop_kind, endpoint=Controller(
+        fifo_policy, job=JOB, token=TOKEN, tau_max=None, gate=gate))
+    updates = [random_update(model, seed) for seed in range(8)]
+
+    async def train():
+        async with await aio.connect(server.address, job=JOB, token=TOKEN,
+                                     controller=controller.address, controller_fallback="wait",
+                                     replica=replica.address) as ps:
+            version, _ = await ps.pull()
+            # All at once: the replica gets them in whatever order they are acknowledged.
+            return await asyncio.gather(*(ps.push(u, base_version=version) for u in updates))
+
+    with server, replica, controller:
+        outcomes = run_async(train())
+        store = replica.server.store
+        rv, rw = replica.call(lambda: (store.version,
+                                       {n: w.copy() for n, w in store.weights.items()}))
+        # Each replica apply was reported to the controller.
+        reported = controller.call(lambda: gate.replica_reported)
+    assert sorted(o.version for o in outcomes) == list(range(1, 9))
+    assert all(o.applied for o in outcomes)
+    ref = Reference(model, GAMMA)
+    for o in sorted(outcomes, key=lambda o: o.version):
+        ref.apply(updates[outcomes.index(o)])
+    assert rv == 8 and reported == 8
+    assert_model_equal(rw, ref.w)
