@@ -322,7 +322,7 @@ def _run_ps(tb: Any, sc: Scenario, policy: str, tmp: Path,
         for i, w in enumerate(workers):
             links += ["--link", f"{w.ip}={sc.worker_links[i][0]}/{sc.worker_links[i][1]}"]
         agents: list[str] = []
-        if policy == "mlfabric" and not os.environ.get("MLF_NOAGENTS"):
+        if policy == "mlfabric":
             for w in workers:
                 helpers.append(_popen(tb, w, [*py, "agent", "--name", w.ip, "--listen",
                                               f"{w.ip}:{AGENT_PORT}", "--peer",
