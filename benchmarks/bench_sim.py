@@ -11,6 +11,7 @@ compute time. The controller re-plans on every event, as
 mlfabric.controller does (unless --replan-every-ms).
 
     .venv/bin/python benchmarks/bench_sim.py [--scales 100,1000,10000] [--steps 8,4,2]
+        [--replan-every-ms 0,0,0]
 
 Prints per scale and policy: pushes, applied, dropped (by reason), delay
 and push-to-applied distributions, bytes into the server, and the
@@ -31,7 +32,7 @@ from typing import Any
 from mlfabric.sim import MIB, RateChange, Scenario, simulate
 
 
-def scenario(n: int, steps: int, args: argparse.Namespace) -> Scenario:
+def scenario(n: int, steps: int, replan_ms: float, args: argparse.Namespace) -> Scenario:
     down = n * args.share_mbit
     expected = steps * (args.compute_ms / 1e3 + 0.3)  # as bench_controller.py
     changes = ()
@@ -43,7 +44,7 @@ def scenario(n: int, steps: int, args: argparse.Namespace) -> Scenario:
                     server_down_mbit=down, server_up_mbit=10 * down, worker_up_mbit=1000.0,
                     worker_down_mbit=1000.0, changes=changes,
                     start_spread=args.compute_ms / 1e3, seed=args.seed,
-                    replan_every=args.replan_every_ms / 1e3)
+                    replan_every=replan_ms / 1e3)
 
 
 def fmt(s: dict[str, Any], wall: float) -> list[str]:
@@ -77,12 +78,16 @@ def main() -> int:
     ap.add_argument("--update-mib", type=float, default=2.0)
     ap.add_argument("--compute-ms", type=float, default=1200.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--replan-every-ms", type=float, default=0.0)
+    ap.add_argument("--policies", default="fifo,mlfabric")
+    ap.add_argument("--replan-every-ms", default="0,0,0",
+                    help="per scale: the controller re-plans at most this often (0: on "
+                         "every event, as mlfabric.controller does)")
     args = ap.parse_args()
     scales = [int(x) for x in args.scales.split(",")]
     steps = [int(x) for x in args.steps.split(",")]
-    if len(steps) != len(scales):
-        print(f"--steps needs one value per scale ({len(scales)}), got {args.steps!r}",
+    replan = [float(x) for x in args.replan_every_ms.split(",")]
+    if not len(steps) == len(replan) == len(scales):
+        print(f"--steps and --replan-every-ms need one value per scale ({len(scales)})",
               file=sys.stderr)
         return 2
 
@@ -91,12 +96,13 @@ def main() -> int:
               flush=True)
 
     try:
-        for n, k in zip(scales, steps, strict=True):
-            sc = scenario(n, k, args)
+        for n, k, every in zip(scales, steps, replan, strict=True):
+            sc = scenario(n, k, every, args)
+            how = f"at most every {every:g} ms" if every else "on every event"
             print(f"{n} workers, {k} steps: server downlink {sc.server_down_mbit:g} Mbit/s "
-                  f"({args.change_factor:g}x in the middle third), tau_max {sc.tau_max}",
-                  flush=True)
-            for policy in ("fifo", "mlfabric"):
+                  f"({args.change_factor:g}x in the middle third), tau_max {sc.tau_max}, "
+                  f"re-plans {how}", flush=True)
+            for policy in args.policies.split(","):
                 t0 = time.perf_counter()
                 result = simulate(sc, policy, timer=time.perf_counter, progress=progress,
                                   progress_every=100_000)
