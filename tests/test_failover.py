@@ -27,6 +27,7 @@ from support import (
     assert_model_equal,
     make_model,
     random_update,
+    wait_until,
 )
 
 
@@ -260,3 +261,79 @@ def test_new_replicas_join_from_a_snapshot_and_take_over_again():
     for v in sorted(acked):
         ref.apply(acked[v])
     assert_model_equal(final, ref.w)
+
+
+def test_training_through_two_server_losses_reaches_the_target_accuracy():
+    """The demo model (scikit-learn digits) trained by 3 asynchronous workers
+    while the server is lost twice (a replica joining in between) reaches the
+    held-out accuracy a run without losses reaches (>= 0.9 here)."""
+    import asyncio
+
+    from mlfabric import demo_model as dm
+    from mlfabric.replica import announce, fetch_state
+
+    X, y, X_test, y_test = dm.load_digits_split()
+    init = dm.init_params(seed=0)
+    gamma, workers, steps = dm.DEFAULTS["gamma"], 3, 200
+
+    def new_replica(store):
+        ep = ReplicaServer(store, job=JOB, token=TOKEN, metrics=ServerMetrics(), recovery=0.1)
+        return ServerThread(None, endpoint=ep).__enter__()
+
+    server = ServerThread(ParameterStore(init, momentum=gamma, tau_max=8)).__enter__()
+    replica = new_replica(ParameterStore(init, momentum=gamma))
+    controller_ep = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None)
+    controller = ServerThread(None, endpoint=controller_ep).__enter__()
+    controller.call(lambda: controller_ep.watch_server(
+        server.address, replica.address, interval=0.05, timeout=0.3))
+    applied = [0]
+    lock = threading.Condition()
+    errors: list[BaseException] = []
+
+    def count(outcome):
+        with lock:
+            applied[0] += outcome.applied
+            lock.notify_all()
+
+    def worker(w: int) -> None:
+        try:
+            with mlfabric.connect(server.address, job=JOB, token=TOKEN,
+                                  controller=controller.address, controller_fallback="wait",
+                                  replica=replica.address, failover_timeout=10) as ps:
+                Xs, ys = dm.shard(X, y, workers, w)
+                dm.train_worker(ps, Xs, ys, steps=steps, batch_size=32,
+                                eta=dm.DEFAULTS["eta"], seed=w, on_outcome=count)
+        except BaseException as exc:
+            errors.append(exc)
+
+    alive = [server, replica, controller]
+    try:
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(workers)]
+        for t in threads:
+            t.start()
+        for k, at in enumerate((workers * steps // 3, 2 * workers * steps // 3)):
+            with lock:
+                assert lock.wait_for(lambda at=at: applied[0] >= at, 60)
+            server.__exit__(None, None, None)
+            alive.remove(server)
+            server = replica
+            if k == 0:
+                promoted = server.server
+                wait_until(lambda p=promoted: p.serving, 10, "the promotion")
+                store = asyncio.run(fetch_state(server.address, job=JOB, token=TOKEN))
+                replica = new_replica(store)
+                alive.append(replica)
+                asyncio.run(announce(controller.address, address=replica.address,
+                                     store=store, job=JOB, token=TOKEN))
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        ep = server.server
+        final = server.call(lambda: {n: w.copy() for n, w in ep.store.weights.items()})
+    finally:
+        for st in alive:
+            st.__exit__(None, None, None)
+    assert controller_ep.metrics.failovers._value.get() == 2
+    # 0.94-0.95 measured; the demo's own run without losses reaches 0.95-0.96
+    # with 1,400 updates, this one has 600.
+    assert dm.accuracy(final, X_test, y_test) >= 0.9
