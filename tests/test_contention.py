@@ -56,7 +56,7 @@ def test_uncontended_has_no_tenants_and_no_straggler():
 def test_cluster_layout():
     sc = Scenario(workers=3, straggler=2)
     assert cluster_hosts(sc) == 6
-    assert cluster_rates(sc) == {"h0": (1000.0, 200.0), "h1": (1000.0, 1000.0),
+    assert cluster_rates(sc) == {"h0": (1000.0, 100.0), "h1": (1000.0, 1000.0),
                                  "h2": (200.0, 200.0), "h3": (1000.0, 1000.0)}
 
 
