@@ -508,8 +508,7 @@ class _Sim:
             self.decision_seconds.append(self.timer() - t0)
         else:
             decisions = self.state.decide(self.now)
-        if pending:
-            self.decision_pending.append(pending)
+        self.decision_pending.append(pending)
         lat = self.sc.message_latency
         for action in decisions.actions:
             t = action.transfer
