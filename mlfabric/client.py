@@ -124,6 +124,7 @@ def connect(
 
             client._replica.report = client._controlled.report_replicated
             client._failover = FailoverWait(failover_timeout)
+            client._replica.on_lost = client._replica_lost
             if replica_backlog < 0:
                 raise ConfigError(f"replica_backlog must be >= 0, got {replica_backlog}")
             client._backlog_limit = replica_backlog
@@ -334,6 +335,19 @@ class Client:
         log.warning("failed over to %s (version %d)", address, welcome.version)
         self._failover.advance()
 
+    def _replica_lost(self, feed: Any) -> None:
+        """The replica is unreachable: from now on keep what the server
+        acknowledges (and what never reached the replica) for the next one."""
+        kept = feed.take_unreplicated()
+        with self._replica_lock:
+            if self._replica is not feed:
+                return
+            self._replica = None
+            self._retired.append(feed)
+            self._backlog.update(kept)
+            while len(self._backlog) > self._backlog_limit:
+                del self._backlog[min(self._backlog)]
+
     def _attach_replica(self, address: str, version: int) -> None:
         """A new replica serves from `version`: send it the kept updates above
         that version, then every update the server acknowledges."""
@@ -345,6 +359,7 @@ class Client:
         feed = ReplicaFeed(replica, parse_address(address)[0],
                            report=self._controlled.report_replicated
                            if self._controlled is not None else None)
+        feed.on_lost = self._replica_lost
         with self._replica_lock:
             old, self._replica = self._replica, feed
             kept = sorted((v, x) for v, x in self._backlog.items() if v > version)

@@ -117,7 +117,8 @@ class Controller(Endpoint):
         self.monitor = FailoverMonitor(
             server=server, replica=replica, job=self.job, token=self.token,
             interval=interval, timeout=timeout, on_failover=self.on_failover,
-            on_server_up=lambda up: self.metrics.server_up.set(int(up)))
+            on_server_up=lambda up: self.metrics.server_up.set(int(up)),
+            on_replica_lost=self.on_replica_lost)
         self.monitor.start()
 
     def on_failover(self, address: str, version: int, silent_since: float) -> None:
@@ -141,6 +142,16 @@ class Controller(Endpoint):
                     "%.2f s after the last heartbeat", address, version, told, seconds)
         decision_log.info(json.dumps({"event": "failover", "server": address,
                                       "version": version, "seconds": round(seconds, 6)}))
+        self.replan()
+
+    def on_replica_lost(self, address: str) -> None:
+        """No replica any more: nothing to bound the divergence from, so server
+        transfers are no longer held (training goes on, unreplicated)."""
+        self.metrics.replicas_lost.inc()
+        if self.gate is not None:
+            self.gate.active = False
+        self.state.replicas.clear()
+        decision_log.info(json.dumps({"event": "replica_lost", "replica": address}))
         self.replan()
 
     def on_replica_join(self, ev: ReplicaJoin) -> None:

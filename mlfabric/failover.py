@@ -10,6 +10,7 @@ error, reported as such in the log). `FailoverMonitor` carries it out.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -40,12 +41,14 @@ class FailoverMonitor:
     """Pings the server every `interval` s; after `timeout` s of silence,
     promotes the replica and calls `on_failover(replica_address, version,
     silent_since)`, then watches the promoted replica as the server. Until a
-    new replica joins (`replica` set again) a lost server cannot be replaced."""
+    new replica joins (`replica` set again) a lost server cannot be replaced.
+    The replica is pinged too: when it is lost, `on_replica_lost(address)`."""
 
     def __init__(self, *, server: str, replica: str, job: str, token: bytes,
                  interval: float, timeout: float,
                  on_failover: Callable[[str, int, float], None],
                  on_server_up: Callable[[bool], None] = lambda up: None,
+                 on_replica_lost: Callable[[str], None] = lambda address: None,
                  clock: Callable[[], float] | None = None) -> None:
         if not 0 < interval < timeout:
             raise ConfigError(f"--heartbeat-interval must be positive and below "
@@ -57,23 +60,21 @@ class FailoverMonitor:
         self.heartbeat = Heartbeat(timeout)
         self.on_failover = on_failover
         self.on_server_up = on_server_up
+        self.on_replica_lost = on_replica_lost
         self.clock = clock or (lambda: asyncio.get_running_loop().time())
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self.run())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self.run()), loop.create_task(self.run_replica())]
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
             try:
-                await self._task
+                await task
             except (asyncio.CancelledError, Exception):
                 pass
-
-    def _on_event(self, event: Any) -> None:
-        if isinstance(event, Pong):
-            self.heartbeat.heard(self.clock())
 
     async def run(self) -> None:
         while True:
@@ -98,31 +99,64 @@ class FailoverMonitor:
 
     async def watch(self) -> None:
         """Return once the server is lost."""
+        await self._beat(self.server, "parameter server", self.heartbeat, self.on_server_up,
+                         lambda: False)
+        self.on_server_up(False)
+
+    async def run_replica(self) -> None:
+        """Ping the replica; when it is lost (not promoted, not replaced by a
+        join), forget it and say so."""
+        while True:
+            replica = self.replica
+            if replica is None:
+                await asyncio.sleep(self.interval)
+                continue
+            hb = Heartbeat(self.heartbeat.timeout)
+            await self._beat(replica, "replica server", hb, lambda up: None,
+                             functools.partial(self._replaced, replica))
+            if self.replica == replica:
+                log.error("the replica at %s has not answered for %.2f s: the job runs "
+                          "without one until another joins", replica, hb.timeout)
+                self.replica = None
+                self.on_replica_lost(replica)
+
+    def _replaced(self, replica: str) -> bool:
+        return self.replica != replica
+
+    async def _beat(self, address: str, what: str, hb: Heartbeat,
+                    on_up: Callable[[bool], None], stop: Callable[[], bool]) -> None:
+        """Ping `address` every interval until `hb` says it is dead or `stop()`."""
         link: Any = None
         req = 0
         up = False
-        while not self.heartbeat.dead(self.clock()):
-            if link is None or link.transport is None:
-                try:
-                    link = await open_link(self.server, self._hs(), self.heartbeat.timeout,
-                                           "parameter server", on_event=self._on_event)
-                    self.heartbeat.heard(self.clock())
-                except MlfabricError as exc:
-                    link = None
-                    if self.heartbeat.last is None:
-                        log.warning("no heartbeat from the server at %s yet: %s",
-                                    self.server, exc)
-            if link is not None and link.transport is not None:
-                req += 1
-                link.send(Ping(req))
-            now_up = link is not None and not self.heartbeat.dead(self.clock())
-            if now_up != up:
-                up = now_up
-                self.on_server_up(up)
-            await asyncio.sleep(self.interval)
-        self.on_server_up(False)
-        if link is not None:
-            link.close()
+
+        def on_event(event: Any) -> None:
+            if isinstance(event, Pong):
+                hb.heard(self.clock())
+
+        try:
+            while not hb.dead(self.clock()) and not stop():
+                if link is None or link.transport is None:
+                    try:
+                        link = await open_link(address, self._hs(), hb.timeout, what,
+                                               on_event=on_event)
+                        hb.heard(self.clock())
+                    except MlfabricError as exc:
+                        link = None
+                        if hb.last is None:
+                            log.warning("no heartbeat from the %s at %s yet: %s", what,
+                                        address, exc)
+                if link is not None and link.transport is not None:
+                    req += 1
+                    link.send(Ping(req))
+                now_up = link is not None and not hb.dead(self.clock())
+                if now_up != up:
+                    up = now_up
+                    on_up(up)
+                await asyncio.sleep(self.interval)
+        finally:
+            if link is not None:
+                link.close()
 
     async def _promote(self, replica: str) -> int:
         answer: asyncio.Future[Pong] = asyncio.get_running_loop().create_future()

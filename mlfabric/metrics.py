@@ -271,6 +271,9 @@ class ControllerMetrics:
         self.failovers = Counter("controller_failovers",
                                  "Times the replica was promoted after the server was lost",
                                  namespace=ns, registry=r)
+        self.replicas_lost = Counter("controller_replicas_lost",
+                                     "Times the replica stopped answering heartbeats",
+                                     namespace=ns, registry=r)
         self.server_up = Gauge("controller_server_up",
                                "1 while the server answers heartbeats", namespace=ns, registry=r)
         self.failover_seconds = Histogram(

@@ -38,6 +38,9 @@ class ReplicaFeed:
         self.replica = replica
         self.host = host
         self.report = report
+        # Called once, outside any lock of this feed, when the replica is
+        # found unreachable (the client then keeps updates for the next one).
+        self.on_lost: Callable[[ReplicaFeed], None] | None = None
         self._lock = threading.Condition()
         # version -> (arrays, base_version): applied at the server, not yet
         # known to be applied at the replica.
@@ -89,6 +92,12 @@ class ReplicaFeed:
         if warn:
             log.warning("update %d is applied at the server but did not reach the replica "
                         "%s (%s); %d updates kept for it", seq, self.replica.address, exc, held)
+            if self.on_lost is not None:
+                self.on_lost(self)
+
+    def take_unreplicated(self) -> dict[int, tuple[dict[str, np.ndarray], int]]:
+        with self._lock:
+            return dict(self.unreplicated)
 
     def drain(self, timeout: float) -> int:
         """Wait up to `timeout` s for the updates on their way to the replica

@@ -337,3 +337,92 @@ def test_training_through_two_server_losses_reaches_the_target_accuracy():
     # 0.94-0.95 measured; the demo's own run without losses reaches 0.95-0.96
     # with 1,400 updates, this one has 600.
     assert dm.accuracy(final, X_test, y_test) >= 0.9
+
+
+def test_a_lost_replica_does_not_stall_training_and_a_new_one_catches_up():
+    """With a tight --div-max, server transfers wait for the replica; when the
+    replica is lost the controller lets them go (no replica to diverge from),
+    workers keep what the server acknowledges, and a replica joining later
+    gets it and ends equal to the server."""
+    import asyncio
+
+    from mlfabric.replica import announce, fetch_state
+
+    model = make_model()
+    gamma = 0.9
+    stop = threading.Event()
+
+    def new_replica(store):
+        ep = ReplicaServer(store, job=JOB, token=TOKEN, metrics=ServerMetrics())
+        return ServerThread(None, endpoint=ep).__enter__()
+
+    server = ServerThread(ParameterStore(model, momentum=gamma)).__enter__()
+    replica = new_replica(ParameterStore(model, momentum=gamma))
+    gate = DivergenceGate(gamma, 1e-9)  # every update waits for the replica
+    controller_ep = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None, gate=gate)
+    controller = ServerThread(None, endpoint=controller_ep).__enter__()
+    controller.call(lambda: controller_ep.watch_server(
+        server.address, replica.address, interval=0.05, timeout=0.3))
+    acked: dict[int, dict[str, np.ndarray]] = {}
+    progress = threading.Condition()
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            with mlfabric.connect(server.address, job=JOB, token=TOKEN,
+                                  controller=controller.address, controller_fallback="wait",
+                                  replica=replica.address, failover_timeout=10) as ps:
+                for i in range(500):
+                    if stop.is_set():
+                        break
+                    version, _ = ps.pull(timeout=10)
+                    u = random_update(model, seed=100 * w + i)
+                    outcome = ps.push(u, base_version=version).result(20)
+                    assert outcome.applied, outcome
+                    with progress:
+                        acked[outcome.version] = u
+                        progress.notify_all()
+        except BaseException as exc:
+            errors.append(exc)
+
+    def wait_acked(more: int) -> None:
+        with progress:
+            n = len(acked)
+            assert progress.wait_for(lambda: len(acked) >= n + more, 10), "training stalled"
+
+    alive = [server, replica, controller]
+    try:
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(3)]
+        for t in threads:
+            t.start()
+        wait_acked(10)
+        replica.__exit__(None, None, None)
+        alive.remove(replica)
+        wait_until(lambda: controller_ep.metrics.replicas_lost._value.get() == 1, 10,
+                   "the controller noticing the lost replica")
+        wait_acked(10)  # not stalled behind the gate
+        store = asyncio.run(fetch_state(server.address, job=JOB, token=TOKEN))
+        replica = new_replica(store)
+        alive.append(replica)
+        asyncio.run(announce(controller.address, address=replica.address, store=store,
+                             job=JOB, token=TOKEN))
+        wait_acked(10)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        sv, sw = server.call(lambda: (server.store.version,
+                                      {n: w.copy() for n, w in server.store.weights.items()}))
+        rep = replica.server.store
+        rv, rw = replica.call(lambda: (rep.version,
+                                       {n: w.copy() for n, w in rep.weights.items()}))
+    finally:
+        for st in alive:
+            st.__exit__(None, None, None)
+    assert sorted(acked) == list(range(1, len(acked) + 1)) and sv == len(acked)
+    assert rv == sv  # everything acknowledged since the join is on the new replica
+    ref = Reference(model, gamma)
+    for v in sorted(acked):
+        ref.apply(acked[v])
+    assert_model_equal(sw, ref.w)
+    assert_model_equal(rw, ref.w)
