@@ -28,9 +28,9 @@ from mlfabric.contention import (
     SYSTEMS,
     RunResult,
     Scenario,
-    run_system,
     cluster_hosts,
     cluster_rates,
+    run_system,
     uncontended,
 )
 from mlfabric.testbed import Testbed, require_root
@@ -60,7 +60,8 @@ def table(sc: Scenario, runs: dict[str, list[RunResult]]) -> str:
             rest = f"{'-':>11s} {'-':>6s} {'-':>4s} {'-':>8s} {'-':>8s} {'-':>13s}"
         else:
             b = [r.server_bytes_in for r in rs if r.server_bytes_in is not None]
-            rest = (f"{med([r.delay_mean for r in rs]):11.2f} {med([r.delay_std for r in rs]):6.2f} "
+            rest = (f"{med([r.delay_mean for r in rs]):11.2f} "
+                    f"{med([r.delay_std for r in rs]):6.2f} "
                     f"{med([r.delay_max for r in rs]):4.0f} {med([r.applied for r in rs]):8.0f} "
                     f"{med([r.dropped for r in rs]):8.0f} {med(b) / 1e6:13.1f}")
         lines.append(f"  {system:9s} {t:13.1f} s{mark:5s}{reached:>3d}/{len(rs):<3d} {rest}")

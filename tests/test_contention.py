@@ -11,12 +11,12 @@ from mlfabric import contention
 from mlfabric.contention import (
     Flow,
     Scenario,
+    cluster_hosts,
+    cluster_rates,
     first_reach,
     run_system,
     summarise_outcomes,
     tenant_flows,
-    cluster_hosts,
-    cluster_rates,
     uncontended,
 )
 from mlfabric.errors import ConfigError
