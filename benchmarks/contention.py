@@ -125,10 +125,15 @@ def main() -> int:
             for r in range(args.rounds):
                 order = systems[r % len(systems):] + systems[:r % len(systems)]
                 for system in order:
-                    res = run_system(tb, replace(sc, seed=r), system,
-                                     progress=lambda m: print(f"\r  {m}", end="",
-                                                              file=sys.stderr, flush=True))
-                    print(file=sys.stderr)
+                    try:
+                        res = run_system(tb, replace(sc, seed=r), system,
+                                         progress=lambda m: print(f"\r  {m}", end="",
+                                                                  file=sys.stderr, flush=True))
+                    except RuntimeError as exc:  # reported, counted, and the next run goes on
+                        print(f"{sc.name} round {r + 1} {system:8s} FAILED: {exc}", flush=True)
+                        continue
+                    finally:
+                        print(file=sys.stderr)
                     runs[system].append(res)
                     t = f"{res.time_to_target:.1f} s" if res.reached else "not reached"
                     extra = ("" if system == "ddp" else

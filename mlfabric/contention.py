@@ -364,7 +364,7 @@ def _run_ps(tb: Any, sc: Scenario, policy: str, tmp: Path,
             wall = time.monotonic() - t0
         finally:
             monitor.close()
-        _stop(procs)
+        _stop(procs, timeout=45.0)
         records: list[dict[str, Any]] = []
         for i, p in enumerate(procs):
             out = p.stdout.read() if p.stdout else ""
@@ -521,10 +521,14 @@ def ps_worker(args: argparse.Namespace) -> int:
             lambda: loss_and_grads(params, x[idx], y[idx]))
         print("ready", flush=True)
         _wait_go()
-        train_worker(_Straggler(ps, extra), x, y, steps=10**9, batch_size=args.batch,
-                     eta=args.eta, seed=args.seed * 100 + args.index, on_outcome=record,
-                     stop=stop, max_in_flight=args.in_flight)
-    print(json.dumps({"outcomes": outcomes}), flush=True)
+        unresolved = 0
+        try:
+            train_worker(_Straggler(ps, extra), x, y, steps=10**9, batch_size=args.batch,
+                         eta=args.eta, seed=args.seed * 100 + args.index, on_outcome=record,
+                         stop=stop, max_in_flight=args.in_flight, timeout=15.0)
+        except TimeoutError:
+            unresolved = 1  # a push still without its outcome when the run ended
+    print(json.dumps({"outcomes": outcomes, "unresolved": unresolved}), flush=True)
     return 0
 
 
