@@ -67,7 +67,7 @@ def table(sc: Scenario, runs: dict[str, list[RunResult]]) -> str:
         lines.append(f"  {system:9s} {t:13.1f} s{mark:5s}{reached:>3d}/{len(rs):<3d} {rest}")
     if runs.get("mlfabric"):
         m = med([ttt(r, sc.time_limit) for r in runs["mlfabric"]])
-        for other in ("fifo", "ddp"):
+        for other in ("fifo", "ddp", "mlfabric-static"):
             if runs.get(other):
                 o = med([ttt(r, sc.time_limit) for r in runs[other]])
                 lines.append(f"  time to target, {other} / mlfabric: {o / m:.2f}x "

@@ -11,6 +11,9 @@ accuracy reaches the target or the time limit passes:
   fifo``: every update goes at once);
 * ``mlfabric``: the controller's ordering with deadlines and drops, fed by
   agents on every host;
+* ``mlfabric-static``: the same policy without agents: the controller plans
+  on the configured link capacities only (to see what the agents' picture
+  adds or costs);
 * ``ddp``: synchronous data parallelism, PyTorch DistributedDataParallel over
   gloo, one rank per worker host (needs ``mlfabric[torch]``).
 
@@ -47,7 +50,7 @@ import numpy as np
 from .demo_model import accuracy, init_params, load_digits_split, loss_and_grads, shard
 from .errors import ConfigError
 
-SYSTEMS: tuple[str, ...] = ("fifo", "mlfabric", "ddp")
+SYSTEMS: tuple[str, ...] = ("fifo", "mlfabric", "ddp", "mlfabric-static")
 JOB = "contention"
 CONTROLLER_PORT = 7071
 AGENT_PORT = 7400
@@ -300,9 +303,11 @@ def _write_common(tmp: Path, sc: Scenario) -> tuple[Path, Path]:
     return token, init
 
 
-def _run_ps(tb: Any, sc: Scenario, policy: str, tmp: Path,
+def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
             progress: Callable[[str], None] | None) -> RunResult:
     from . import client
+
+    policy = "fifo" if system == "fifo" else "mlfabric"
 
     token, init = _write_common(tmp, sc)
     h0 = tb.host("h0")
@@ -322,7 +327,7 @@ def _run_ps(tb: Any, sc: Scenario, policy: str, tmp: Path,
         for i, w in enumerate(workers):
             links += ["--link", f"{w.ip}={sc.worker_links[i][0]}/{sc.worker_links[i][1]}"]
         agents: list[str] = []
-        if policy == "mlfabric":
+        if system == "mlfabric":
             for w in workers:
                 helpers.append(_popen(tb, w, [*py, "agent", "--name", w.ip, "--listen",
                                               f"{w.ip}:{AGENT_PORT}", "--peer",
@@ -359,8 +364,8 @@ def _run_ps(tb: Any, sc: Scenario, policy: str, tmp: Path,
             t0 = time.monotonic()
             _go(procs)
             if progress is not None:
-                progress(f"{policy:8s} started")
-            curve = _watch_server(monitor, sc, t0, progress, f"{policy:8s}", x_test, y_test)
+                progress(f"{system:8s} started")
+            curve = _watch_server(monitor, sc, t0, progress, f"{system:8s}", x_test, y_test)
             wall = time.monotonic() - t0
         finally:
             monitor.close()
@@ -379,7 +384,7 @@ def _run_ps(tb: Any, sc: Scenario, policy: str, tmp: Path,
             sched.cancel()
         _stop(procs)
         _stop(helpers)
-    return RunResult(system=policy, scenario=sc.name,
+    return RunResult(system=system, scenario=sc.name,
                      reached=first_reach(curve, sc.target) is not None,
                      time_to_target=first_reach(curve, sc.target), wall=wall, curve=curve,
                      server_bytes_in=bytes_in, **summarise_outcomes(records))
