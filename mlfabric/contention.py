@@ -280,6 +280,17 @@ def _start_traffic(tb: Any, sc: Scenario) -> Any:
     return tb.schedule(events) if events else None
 
 
+def _stop_traffic(sched: Any) -> None:
+    """Cancel what the schedule has not done yet and end the flows it started:
+    a cancelled schedule leaves its traffic running, and the next run must
+    start on quiet links."""
+    if sched is None:
+        return
+    sched.cancel()
+    for handle in list(sched.handles.values()):
+        handle.stop()
+
+
 def run_system(tb: Any, sc: Scenario, system: str, *, progress: Callable[[str], None] | None = None
                ) -> RunResult:
     """Run `system` once on testbed `tb` (built with `cluster_hosts`/`cluster_rates`)."""
@@ -380,8 +391,7 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
             records += json.loads(lines[-1])["outcomes"]
         bytes_in = _server_bytes_in(h0)
     finally:
-        if sched is not None:
-            sched.cancel()
+        _stop_traffic(sched)
         _stop(procs)
         _stop(helpers)
     return RunResult(system=system, scenario=sc.name,
@@ -466,8 +476,7 @@ def _run_ddp(tb: Any, sc: Scenario, tmp: Path, progress: Callable[[str], None] |
             except subprocess.TimeoutExpired:
                 raise RuntimeError(f"ddp rank {i} did not stop") from None
     finally:
-        if sched is not None:
-            sched.cancel()
+        _stop_traffic(sched)
         _stop(procs)
     reach = first_reach(curve, sc.target)
     return RunResult(system="ddp", scenario=sc.name, reached=reach is not None,

@@ -97,6 +97,9 @@ def test_each_system_really_trains_on_the_emulated_cluster():
     """A small scenario end to end: every system reaches a modest target, the
     servers' byte counters account for every applied update, and the tenants'
     traffic and the straggler are running."""
+    import subprocess
+
+    from mlfabric import traffic
     from mlfabric.testbed import Testbed
 
     sc = Scenario(name="smoke", workers=2, hidden=64, eta=0.1, target=0.6, time_limit=40.0,
@@ -105,6 +108,10 @@ def test_each_system_really_trains_on_the_emulated_cluster():
     with Testbed(hosts=cluster_hosts(sc), rate_mbit=1000.0, rates=cluster_rates(sc)) as tb:
         for system in SYSTEMS:
             r = run_system(tb, sc, system)
+            # the tenants' flows of a run end with it
+            left = subprocess.run(["pgrep", "-f", traffic.__file__], capture_output=True,
+                                  text=True, check=False).stdout.split()
+            assert left == [], f"cross-traffic still running after the {system} run"
             assert r.reached, f"{system} did not reach {sc.target}: {r.curve[-3:]}"
             times = [t for t, _ in r.curve]
             assert times == sorted(times) and r.time_to_target == first_reach(r.curve, 0.6)
