@@ -71,7 +71,7 @@ def table(sc: Scenario, runs: dict[str, list[RunResult]]) -> str:
             if runs.get(other):
                 o = med([ttt(r, sc.time_limit) for r in runs[other]])
                 lines.append(f"  time to target, {other} / mlfabric: {o / m:.2f}x "
-                             f"(mlfabric reaches the target {o / m:.2f}x sooner)")
+                             f"({'mlfabric sooner' if o > m else 'mlfabric later'})")
     return "\n".join(lines)
 
 
