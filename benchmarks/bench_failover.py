@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from mlfabric.workload import serving_address
+
 JOB = "bench-failover"
 GAMMA = 0.9
 
@@ -68,23 +70,6 @@ def worker(argv: list[str]) -> int:
                             "seed": seed, "t_pull": t_pull, "t": time.perf_counter()})
     Path(args.out).write_text(json.dumps(records))
     return 0
-
-
-def wait_serving(proc: subprocess.Popen[str], what: str, timeout: float = 60.0) -> str:
-    import selectors
-
-    sel = selectors.DefaultSelector()
-    assert proc.stdout is not None
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if sel.select(timeout=max(0.0, deadline - time.monotonic())):
-            line = proc.stdout.readline()
-            if not line:
-                break
-            if "serving" in line:
-                return line.split(" on ")[1].split()[0]
-    raise RuntimeError(f"{what} did not start: {proc.stderr.read() if proc.stderr else ''}")
 
 
 async def _role(address: str, token: bytes) -> str:
@@ -146,7 +131,7 @@ def one_run(tb: Any, tmp: str, args: argparse.Namespace, rng: random.Random,
         procs.append(rep)
         srv = tb.popen(h0, [*py, "server", "--listen", f"{h0.ip}:0", *common, *init], **kw)
         procs.append(srv)
-        rep_addr, srv_addr = wait_serving(rep, "replica"), wait_serving(srv, "server")
+        rep_addr, srv_addr = serving_address(rep, "replica"), serving_address(srv, "server")
         ctl = tb.popen(ctl_host, [*py, "controller", "--listen", f"{ctl_host.ip}:0", "--job",
                                   JOB, "--token-file", token, "--policy", "fifo",
                                   "--tau-max", "-1", "--server", srv_addr, "--replica",
@@ -154,7 +139,7 @@ def one_run(tb: Any, tmp: str, args: argparse.Namespace, rng: random.Random,
                                   str(args.heartbeat_timeout / 5), "--heartbeat-timeout",
                                   str(args.heartbeat_timeout)], **kw)
         procs.append(ctl)
-        ctl_addr = wait_serving(ctl, "controller")
+        ctl_addr = serving_address(ctl, "controller")
         workers_p = []
         for i, h in enumerate(workers):
             workers_p.append(tb.popen(h, [
@@ -184,7 +169,7 @@ def one_run(tb: Any, tmp: str, args: argparse.Namespace, rng: random.Random,
                 *py, "server", "--role", "replica", "--listen", f"{server_host.ip}:0",
                 *common, "--join-from", replica_addr, "--controller", ctl_addr], **kw)
             procs.append(new)
-            new_addr = wait_serving(new, "joining replica")
+            new_addr = serving_address(new, "joining replica")
             server_proc, server_host, replica_proc, replica_addr, replica_host = (
                 replica_proc, replica_host, new, new_addr, server_host)
         records = []

@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from mlfabric.workload import serving_address
+
 JOB = "bench-replication"
 MODES = ("none", "chain", "worker")
 
@@ -71,23 +73,6 @@ def worker(argv: list[str]) -> int:
     return 0
 
 
-def wait_serving(proc: subprocess.Popen[str], what: str, timeout: float = 60.0) -> str:
-    import selectors
-
-    sel = selectors.DefaultSelector()
-    assert proc.stdout is not None
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if sel.select(timeout=max(0.0, deadline - time.monotonic())):
-            line = proc.stdout.readline()
-            if not line:
-                break
-            if "serving" in line:
-                return line.split(" on ")[1].split()[0]
-    raise RuntimeError(f"{what} did not start: {proc.stderr.read() if proc.stderr else ''}")
-
-
 def tx_bytes(tb: Any, host: Any) -> int:
     out = subprocess.run(host.exec_argv(["cat", f"/sys/class/net/{host.ifname}/statistics/"
                                                 "tx_bytes"]),
@@ -112,12 +97,12 @@ def run_mode(tb: Any, mode: str, tmp: str, args: argparse.Namespace, seed: int
             rep = tb.popen(replica_host, [*py, "server", "--role", "replica", "--listen",
                                           f"{replica_host.ip}:0", *common], **kw)
             procs.append(rep)
-            rep_addr = wait_serving(rep, "replica")
+            rep_addr = serving_address(rep, "replica")
         chain = ["--replicate-to", rep_addr] if mode == "chain" and rep_addr else []
         srv = tb.popen(server, [*py, "server", "--listen", f"{server.ip}:0", *common, *chain],
                        **kw)
         procs.append(srv)
-        srv_addr = wait_serving(srv, "server")
+        srv_addr = serving_address(srv, "server")
         sent_before = tx_bytes(tb, server)
         workers_p = []
         for i, h in enumerate(workers):

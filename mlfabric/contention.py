@@ -41,7 +41,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ import numpy as np
 
 from .demo_model import accuracy, init_params, load_digits_split, loss_and_grads, shard
 from .errors import ConfigError
+from .workload import serving_address, wait_for_line
 
 SYSTEMS: tuple[str, ...] = ("fifo", "mlfabric", "ddp", "mlfabric-static")
 JOB = "contention"
@@ -106,8 +107,6 @@ class Scenario:
 
 def uncontended(sc: Scenario) -> Scenario:
     """The same cluster without other tenants' traffic and without the straggler."""
-    from dataclasses import replace
-
     return replace(sc, name="uncontended", contention=False, straggler=None)
 
 
@@ -235,26 +234,6 @@ def _wait_go() -> None:
         raise SystemExit("stdin closed before the start signal")
 
 
-def _wait_for(proc: subprocess.Popen[str], word: str, what: str, timeout: float = 90.0) -> str:
-    """The first stdout line of `proc` containing `word`."""
-    import selectors
-
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if sel.select(timeout=max(0.0, deadline - time.monotonic())):
-            line = proc.stdout.readline()
-            if not line:
-                break
-            if word in line:
-                return line.strip()
-    proc.kill()
-    err = proc.stderr.read() if proc.stderr else ""
-    raise RuntimeError(f"{what} did not report {word!r} within {timeout:.0f} s: {err[-1500:]}")
-
-
 def _stop(procs: Sequence[subprocess.Popen[str]], sig: int = signal.SIGTERM,
           timeout: float = 20.0) -> None:
     for p in procs:
@@ -333,7 +312,7 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
                               str(sc.gamma), "--tau-max", str(sc.tau_max), "--metrics-port",
                               str(METRICS_PORT), "--metrics-host", "127.0.0.1"], tmp)
         helpers.append(srv)
-        srv_addr = _wait_for(srv, "serving", "the server").split(" on ")[1].split()[0]
+        srv_addr = serving_address(srv, "the server", timeout=90.0)
         links = ["--link", f"{h0.ip}={sc.server_link[0]}/{sc.server_link[1]}"]
         for i, w in enumerate(workers):
             links += ["--link", f"{w.ip}={sc.worker_links[i][0]}/{sc.worker_links[i][1]}"]
@@ -351,7 +330,7 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
                               "--job", JOB, "--token-file", str(token), "--tau-max",
                               str(sc.tau_max), "--policy", policy, *links, *agents], tmp)
         helpers.append(ctl)
-        ctl_addr = _wait_for(ctl, "serving", "the controller").split(" on ")[1].split()[0]
+        ctl_addr = serving_address(ctl, "the controller", timeout=90.0)
         for i, w in enumerate(workers):
             # With agents, each client reports its finished transfers to its host's
             # agent: the NIC counters count the job's own traffic as load, and
@@ -366,7 +345,7 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
                 str(sc.in_flight), "--slowdown", str(sc.slowdown(i)), "--seed", str(sc.seed)],
                 tmp))
         for i, p in enumerate(procs):
-            _wait_for(p, "ready", f"worker {i}")
+            wait_for_line(p, "ready", f"worker {i}", timeout=90.0)
         _, _, x_test, y_test = load_digits_split(seed=sc.seed)
         with h0.enter():  # the monitor's pulls stay on the server's host
             monitor = client.connect(srv_addr, job=JOB, token_file=str(token))
@@ -450,7 +429,7 @@ def _run_ddp(tb: Any, sc: Scenario, tmp: Path, progress: Callable[[str], None] |
                 str(sc.seed), "--target", str(sc.target), "--time-limit", str(sc.time_limit)],
                 tmp))
         for i, p in enumerate(procs):
-            _wait_for(p, "ready", f"ddp rank {i}", timeout=180)
+            wait_for_line(p, "ready", f"ddp rank {i}", timeout=180)
         _go(procs)
         sched = _start_traffic(tb, sc)  # rank 0 starts its clock at the first step's barrier
         curve: list[tuple[float, float]] = []

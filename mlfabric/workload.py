@@ -123,8 +123,9 @@ def summarise(policy: str, records: list[dict[str, Any]], wall: float) -> Summar
         wall=wall)
 
 
-def _wait_line(proc: subprocess.Popen[str], what: str, timeout: float = 60.0) -> str:
-    """The HOST:PORT of a server or controller, from its 'serving' line."""
+def wait_for_line(proc: subprocess.Popen[str], word: str, what: str,
+                  timeout: float = 60.0) -> str:
+    """The first stdout line of `proc` containing `word`, within `timeout` seconds."""
     import selectors
 
     sel = selectors.DefaultSelector()
@@ -136,9 +137,15 @@ def _wait_line(proc: subprocess.Popen[str], what: str, timeout: float = 60.0) ->
             line = proc.stdout.readline()
             if not line:
                 break
-            if "serving" in line:
-                return line.split(" on ")[1].split()[0]
-    raise RuntimeError(f"{what} did not start: {proc.stderr.read() if proc.stderr else ''}")
+            if word in line:
+                return line.strip()
+    err = proc.stderr.read() if proc.stderr else ""
+    raise RuntimeError(f"{what} did not report {word!r} within {timeout:.0f} s: {err[-1500:]}")
+
+
+def serving_address(proc: subprocess.Popen[str], what: str, timeout: float = 60.0) -> str:
+    """The HOST:PORT of a server or controller, from its 'serving ... on HOST:PORT' line."""
+    return wait_for_line(proc, "serving", what, timeout).split(" on ")[1].split()[0]
 
 
 def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: int,
@@ -177,8 +184,8 @@ def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: i
                     policy, *links]
         ctl = tb.popen(server, ctl_argv, **kw)
         try:
-            srv_addr = _wait_line(srv, "server")
-            ctl_addr = _wait_line(ctl, "controller")
+            srv_addr = serving_address(srv, "server")
+            ctl_addr = serving_address(ctl, "controller")
             started = time.monotonic()
             procs = []
             for i, h in enumerate(workers):
@@ -199,7 +206,7 @@ def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: i
                 ctl.wait(10)
                 time.sleep(1.0)  # a second without a controller
                 ctl = tb.popen(server, ctl_argv, **kw)
-                _wait_line(ctl, "restarted controller")
+                serving_address(ctl, "restarted controller")
             records: list[dict[str, Any]] = []
             for i, p in enumerate(procs):
                 try:
