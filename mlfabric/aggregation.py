@@ -126,22 +126,19 @@ def plan_groups(order: Sequence[Slot], server: Host, aggregators: Sequence[Host]
         best: tuple[int, float, Host, float] | None = None  # (-k, forward time, agg, ready)
         for agg in candidates:
             fwd_rate = links.rate(agg, server)
-            k_best = 0
+            fwd = order[i].size / fwd_rate
+            largest: tuple[int, float] | None = None  # (k, ready) of the largest valid group
             for k in range(config.min_fan_in, min(config.max_fan_in, len(order) - i) + 1):
                 members = order[i:i + k]
                 if len({m.size for m in members}) != 1:
                     break  # one aggregate holds the same tensors as each member
                 direct = sum(m.size / links.rate(m.source, server) for m in members)
-                fwd = members[0].size / fwd_rate
                 t_ready = _arrival(members, agg, links, now) + sum(
                     m.size for m in members) / config.sum_rate
                 if t_ready <= done and fwd < direct:
-                    k_best = k
-            if k_best:
-                members = order[i:i + k_best]
-                t_ready = _arrival(members, agg, links, now) + sum(
-                    m.size for m in members) / config.sum_rate
-                key = (-k_best, members[0].size / fwd_rate, agg, t_ready)
+                    largest = (k, t_ready)
+            if largest is not None:
+                key = (-largest[0], fwd, agg, largest[1])
                 if best is None or key[:2] < best[:2]:
                     best = key
         if best is not None:
