@@ -19,10 +19,11 @@ import json
 import logging
 import signal
 import socket
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from . import auth
 from .agent import Agent, AgentConfig, parse_hostport, parse_peer, read_net_dev
 from .bandwidth import ProbeConfig
 from .errors import ConfigError
@@ -38,6 +39,10 @@ CONFIG_KEYS = {
     "probe_budget": "--probe-budget",
     "stale_after": "--stale-after",
     "interface": "--interface",
+    "aggregate": "--aggregate",
+    "job": "--job",
+    "token_file": "--token-file",
+    "group_timeout": "--group-timeout",
 }
 
 
@@ -60,6 +65,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interface", metavar="NAME",
                    help="NIC whose byte counters give the load on this host's links "
                         "(default: all but loopback)")
+    p.add_argument("--aggregate", metavar="HOST:PORT",
+                   help="also act as the job's aggregator on this address: sum the updates "
+                        "the controller routes here and forward one aggregate to the server "
+                        "(needs --job and --token-file)")
+    p.add_argument("--job", help="the job whose updates are aggregated (with --aggregate)")
+    p.add_argument("--token-file", metavar="PATH",
+                   help="the job's token file (with --aggregate)")
+    p.add_argument("--group-timeout", type=float, metavar="SECONDS",
+                   help="with --aggregate: seconds from a group's first member after which "
+                        "the members in are forwarded and the rest go straight to the server "
+                        "(default 2)")
     p.add_argument("--loop", choices=["uvloop", "asyncio"], default=None,
                    help="event loop (default: uvloop when installed)")
 
@@ -80,6 +96,40 @@ def _load_file(path: Path) -> dict[str, Any]:
             f"known keys: {sorted(CONFIG_KEYS)}"
         )
     return data
+
+
+@dataclass(frozen=True)
+class AggregateConfig:
+    """The agent's aggregator (--aggregate)."""
+
+    host: str
+    port: int
+    job: str
+    token: bytes
+    group_timeout: float
+
+
+def build_aggregate(args: argparse.Namespace, file: dict[str, Any]) -> AggregateConfig | None:
+    address = args.aggregate or file.get("aggregate")
+    job = args.job or file.get("job")
+    token_file = args.token_file or file.get("token_file")
+    timeout = args.group_timeout if args.group_timeout is not None else file.get(
+        "group_timeout", 2.0)
+    if address is None:
+        if job is not None or token_file is not None or args.group_timeout is not None:
+            raise ConfigError("--job, --token-file and --group-timeout belong to --aggregate "
+                              "HOST:PORT (the agent's aggregator); give it too")
+        return None
+    if not isinstance(address, str):
+        raise ConfigError(f"aggregate must be a \"HOST:PORT\" string, got {address!r}")
+    host, port = parse_hostport(address, "--aggregate")
+    if not job or not token_file:
+        raise ConfigError(f"--aggregate {address} needs the job's --job NAME and "
+                          f"--token-file PATH (the aggregator speaks to workers and the "
+                          f"server with the job's token)")
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+        raise ConfigError(f"group timeout must be a positive number of seconds, got {timeout!r}")
+    return AggregateConfig(host, port, str(job), auth.load_token(token_file), float(timeout))
 
 
 def build_config(args: argparse.Namespace) -> tuple[AgentConfig, int | None]:
@@ -121,26 +171,42 @@ def build_config(args: argparse.Namespace) -> tuple[AgentConfig, int | None]:
 
 
 async def serve(config: AgentConfig, metrics_port: int | None = None,
-                metrics_host: str | None = None) -> None:
-    """Run an agent until SIGINT/SIGTERM (or cancellation)."""
-    from .metrics import AgentMetrics, serve_metrics
+                metrics_host: str | None = None,
+                aggregate: AggregateConfig | None = None) -> None:
+    """Run an agent (and its aggregator) until SIGINT/SIGTERM (or cancellation)."""
+    from .aggregator import Aggregator
+    from .metrics import AgentMetrics, AggregatorMetrics, serve_metrics
 
     metrics = AgentMetrics()
     agent = Agent(config, metrics=metrics)
+    aggregator = None if aggregate is None else Aggregator(
+        job=aggregate.job, token=aggregate.token, group_timeout=aggregate.group_timeout,
+        metrics=AggregatorMetrics(metrics.registry), name=config.name)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
         await agent.start()
+        extra = ""
+        if aggregator is not None and aggregate is not None:
+            try:
+                host, port = await aggregator.start(aggregate.host, aggregate.port)
+            except OSError as exc:
+                raise ConfigError(f"cannot listen on --aggregate {aggregate.host}:"
+                                  f"{aggregate.port}: {exc.strerror or exc}") from None
+            extra = f"; aggregating job {aggregate.job!r} on {host}:{port}"
         if metrics_port is not None:
             serve_metrics(metrics.registry, metrics_port, metrics_host or "0.0.0.0")
-        print(f"mlfabric agent {config.name} ready on {config.host}:{agent.port}", flush=True)
+        print(f"mlfabric agent {config.name} ready on {config.host}:{agent.port}{extra}",
+              flush=True)
         await stop.wait()
         log.info("agent %s: shutting down", config.name)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+        if aggregator is not None:
+            await aggregator.close()
         await agent.stop()
 
 
@@ -148,5 +214,6 @@ def run(args: argparse.Namespace) -> int:
     from .loop import run as loop_run
 
     config, metrics_port = build_config(args)
-    loop_run(serve(config, metrics_port, args.metrics_host), kind=args.loop)
+    aggregate = build_aggregate(args, _load_file(args.config) if args.config else {})
+    loop_run(serve(config, metrics_port, args.metrics_host, aggregate), kind=args.loop)
     return 0

@@ -4,8 +4,8 @@ Pure code: from the order the scheduling core decided (positions 0, 1, ...
 into one server), the network picture and the hosts whose agents can
 aggregate, decide which runs of consecutive positions go through an
 aggregator, which sums them and forwards one aggregate, and which go
-directly. Not wired into the controller yet (issue 5): the agent's
-aggregation path and the server's aggregate apply come next.
+directly. `route_groups` applies it to a policy's plan (the controller's
+side); `GroupSum` is the aggregator's sum of one group's members.
 
 Model. The server's downlink is the shared resource that aggregation saves:
 the server receives position after position on it, so position i is
@@ -39,12 +39,16 @@ in numpy, the reference the server is tested against.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from . import _core
+from .control import PlanItem, Policy, Route, Snapshot
 from .errors import ConfigError
 
 Host = Hashable
@@ -177,9 +181,153 @@ def apply_aggregate(w: dict[str, np.ndarray], w_prev: dict[str, np.ndarray], ver
     g = np.float32(gamma)
     new = {}
     for name, cur in w.items():
-        total = np.zeros_like(cur)
-        for update, _ in members:
-            total = total + update[name]
+        # Left to right in member order, as the aggregator's sum_into kernel.
+        total = functools.reduce(np.add, [update[name] for update, _ in members])
         new[name] = (cur + total + g * (cur - w_prev[name])).astype(np.float32)
     delays = [version - base for _, base in members]
     return new, {n: v.copy() for n, v in w.items()}, version + len(members), delays
+
+
+# -- the controller's side: routing grouped positions through aggregators -------
+
+
+def _links(snap: Snapshot, hosts: set[str]) -> Links:
+    net = snap.network
+    pair: dict[tuple[Host, Host], float] = dict(net.pair.items())
+    return Links(up={h: net.up.get(h, net.default) for h in hosts},
+                 down={h: net.down.get(h, net.default) for h in hosts}, pair=pair)
+
+
+def route_groups(snap: Snapshot, items: list[PlanItem],
+                 config: AggregationConfig | None = None) -> tuple[list[PlanItem], list[Group]]:
+    """Turn a policy's plan into one with aggregation: per server, the
+    transfers it plans to send (now or later) are taken in plan order and
+    grouped by `plan_groups` over the aggregators available in the snapshot;
+    every member of a group goes now, to its aggregator (a `Route`). Returns
+    the new plan and the groups formed."""
+    if not snap.aggregators:
+        return items, []
+    pending = {t.id: t for t in snap.pending}
+    by_dst: dict[str, list[PlanItem]] = {}
+    for item in items:
+        if item.drop is None and item.start is not None and item.id in pending:
+            by_dst.setdefault(pending[item.id].dst, []).append(item)
+    routed: dict[int, PlanItem] = {}
+    formed: list[Group] = []
+    for dst, sends in sorted(by_dst.items()):
+        if len(sends) < 2:
+            continue
+        sends.sort(key=lambda i: (i.start, i.position if i.position is not None else 0, i.id))
+        order = [Slot(i.id, pending[i.id].host, pending[i.id].nbytes,
+                      pending[i.id].base_version) for i in sends]
+        hosts = {pending[i.id].host for i in sends} | {dst} | set(snap.aggregators)
+        ready = min(i.start for i in sends if i.start is not None)
+        groups, _ = plan_groups(order, dst, sorted(snap.aggregators), _links(snap, hosts),
+                                snap.now, ready, config)
+        plan_of = {i.id: i for i in sends}
+        for g in groups:
+            if g.aggregator is None:
+                continue
+            formed.append(g)
+            for index, tid in enumerate(g.ids):
+                route = Route(str(g.aggregator), snap.aggregators[str(g.aggregator)],
+                              group=g.ids[0], fan_in=len(g.ids), index=index)
+                routed[tid] = dataclasses.replace(plan_of[tid], start=snap.now,
+                                                  planned_seconds=g.delivered - snap.now,
+                                                  route=route)
+    return [routed.get(i.id, i) for i in items], formed
+
+
+def aggregating(policy: Policy, config: AggregationConfig | None = None,
+                on_groups: Callable[[list[Group]], None] | None = None) -> Policy:
+    """`policy` with aggregation (`route_groups`) on top; `on_groups` is told
+    of the groups each plan forms (for metrics)."""
+
+    def aggregating_policy(snap: Snapshot) -> list[PlanItem]:
+        items, groups = route_groups(snap, policy(snap), config)
+        if groups and on_groups is not None:
+            on_groups(groups)
+        return items
+
+    aggregating_policy.__name__ = f"{getattr(policy, '__name__', 'policy')}+aggregation"
+    return aggregating_policy
+
+
+# -- the aggregator's side: summing a group's members ------------------------------
+
+SUM_CHUNK = 1 << 17  # elements (512 KiB of float32) summed at once while members arrive
+
+
+class GroupSum:
+    """The members of one group at an aggregator, and their sum.
+
+    Each member's data block (its tensors laid out as on the wire) is
+    received into a buffer of its own; the sum is accumulated in index order
+    (u_0 + u_1 + ... + u_{k-1}, left to right with the sum_into kernel), so it
+    is the same bit for bit whatever order the members' bytes arrive in, and
+    a numpy replay reproduces it. The sum advances as the members' bytes
+    arrive: every element all k members have received is summed once
+    `SUM_CHUNK` new ones are in, so little is left to add when the last byte
+    arrives. Members are kept apart (not summed into one accumulator on
+    arrival) because only that order-fixed sum is reproducible, and because a
+    member that never arrives must be left out of the aggregate."""
+
+    def __init__(self, fan_in: int, nbytes: int, chunk: int = SUM_CHUNK) -> None:
+        if fan_in < 1:
+            raise ConfigError(f"a group needs at least one member, got fan_in={fan_in}")
+        if nbytes % 4:
+            raise ConfigError(f"members hold float32 tensors, so their size is a multiple "
+                              f"of 4 bytes; got {nbytes}")
+        self.fan_in = fan_in
+        self.nbytes = nbytes
+        self.chunk = chunk
+        self.data: list[np.ndarray | None] = [None] * fan_in  # float32 view of each block
+        self.received = [0] * fan_in  # bytes of each member in
+        self.complete = [False] * fan_in
+        self.acc = np.empty(nbytes // 4, np.float32)
+        self.summed = 0  # acc[:summed] holds the sum of all k members
+
+    def progress(self, index: int, block: np.ndarray | memoryview, received: int) -> None:
+        """Member `index`'s data block (`nbytes` long) has `received` bytes in."""
+        if self.data[index] is None:
+            view = np.frombuffer(block, np.float32)
+            if view.nbytes != self.nbytes:
+                raise ConfigError(f"member {index} carries {view.nbytes} bytes, the group's "
+                                  f"members {self.nbytes}")
+            self.data[index] = view
+        self.received[index] = max(self.received[index], received)
+        self._advance(final=False)
+
+    def member_done(self, index: int, block: np.ndarray | memoryview) -> None:
+        self.progress(index, block, self.nbytes)
+        self.complete[index] = True
+
+    @property
+    def all_in(self) -> bool:
+        return all(self.complete)
+
+    def _advance(self, final: bool) -> None:
+        if any(d is None for d in self.data):
+            return
+        upto = min(self.received) // 4
+        if upto - self.summed >= self.chunk or (final and upto > self.summed):
+            _core.sum_into(self.acc[self.summed:upto],
+                           tuple(d[self.summed:upto] for d in self.data if d is not None))
+            self.summed = upto
+
+    def total(self) -> np.ndarray:
+        """The sum of all k members (call when all are in)."""
+        if not self.all_in:
+            raise ConfigError("the group's sum is asked for before all its members are in")
+        self._advance(final=True)
+        return self.acc
+
+    def total_of(self, indices: Sequence[int]) -> np.ndarray:
+        """The sum of some complete members, in index order (a group that
+        closes without all its members)."""
+        members = [self.data[i] for i in sorted(indices) if self.complete[i]]
+        if not indices or len(members) != len(indices):
+            raise ConfigError(f"members {sorted(indices)} are not all complete")
+        out = np.empty(self.nbytes // 4, np.float32)
+        _core.sum_into(out, tuple(m for m in members if m is not None))
+        return out

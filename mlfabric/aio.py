@@ -74,7 +74,8 @@ async def connect(
         controlled = AsyncControlledPushes(
             client, controller, Handshake(job, secret, name or default_client_name()),
             host=host or sock.getsockname()[0], dst=sock.getpeername()[0],
-            fallback=controller_fallback, timeout=controller_timeout)
+            fallback=controller_fallback, timeout=controller_timeout,
+            aggregation=replica is None)
         try:
             await controlled.start()
         except BaseException:
@@ -299,10 +300,11 @@ class AsyncClient:
             log.warning("update %d is applied at the server but did not reach the replica "
                         "(%s)", version, exc)
 
-    def _send_push(self, arrays: dict[str, np.ndarray], base: int, seq: int | None = None
-                   ) -> asyncio.Future[PushOutcome]:
+    def _send_push(self, arrays: dict[str, np.ndarray], base: int, seq: int | None = None,
+                   **fields: Any) -> asyncio.Future[PushOutcome]:
+        """`fields`: a push's uid and aggregation fields (protocol.Push)."""
         fut: asyncio.Future[PushOutcome] = self._request(
-            "push", lambda req: Push(req, base, arrays, seq), base)
+            "push", lambda req: Push(req, base, arrays, seq, **fields), base)
         fut.add_done_callback(self._note_version)
         return fut
 

@@ -30,9 +30,10 @@ class AsyncControlledPushes:
     ControlBook decides, this class does the I/O on the event loop."""
 
     def __init__(self, client: Any, address: str, hs: Handshake, *, host: str, dst: str,
-                 fallback: str = "fifo", timeout: float = 30.0) -> None:
+                 fallback: str = "fifo", timeout: float = 30.0, aggregation: bool = True) -> None:
         self.book = ControlBook(address, host=host, dst=dst, fallback=fallback,
-                                timeout=timeout)
+                                timeout=timeout, aggregation=aggregation)
+        self._aggregators: dict[str, asyncio.Task[Any]] = {}  # address -> link
         self.client = client
         self.address = address
         self.hs = hs
@@ -117,14 +118,47 @@ class AsyncControlledPushes:
     # -- sending ------------------------------------------------------------------------
 
     def _send(self, u: ControlledUpdate) -> None:
-        started = time.monotonic()
+        if u.sent is None:
+            u.sent = time.monotonic()
+        if u.via is not None:
+            asyncio.get_running_loop().create_task(self._send_member(u))
+            return
         try:
-            server_future = self.client._send_push(u.arrays, u.base_version)
+            server_future = self.client._send_push(u.arrays, u.base_version, uid=u.uid)
         except MlfabricError as exc:
             if not u.future.done():
                 u.future.set_exception(exc)
             return
-        server_future.add_done_callback(lambda f: self._finish(u, f, started))
+        server_future.add_done_callback(lambda f: self._finish(u, f, u.sent or 0.0))
+
+    async def _send_member(self, u: ControlledUpdate) -> None:
+        """To the aggregator the controller chose; straight to the server
+        (same uid) if it cannot be reached."""
+        assert u.via is not None
+        try:
+            link = await self._aggregator(u.via)
+            fut = link._send_push(u.arrays, u.base_version,
+                                  **self.book.member_fields(u, self.client.address))
+        except MlfabricError as exc:
+            self.book.via_failed(u, exc)
+            self._send(u)
+            return
+        fut.add_done_callback(lambda f: self._finish(u, f, u.sent or 0.0))
+
+    async def _aggregator(self, address: str) -> Any:
+        """The link to the aggregator at `address`, dialled on first use (and
+        again after it failed)."""
+        from .aio import AsyncClient, open_link
+
+        async def dial() -> AsyncClient:
+            return AsyncClient(await open_link(address, self.hs, 2.0, "aggregator"))
+
+        task = self._aggregators.get(address)
+        if task is None or (task.done() and (task.exception() is not None
+                                             or task.result().closed)):
+            task = asyncio.get_running_loop().create_task(dial())
+            self._aggregators[address] = task
+        return await asyncio.shield(task)
 
     def _finish(self, u: ControlledUpdate, server_future: asyncio.Future[Any],
                 started: float) -> None:
@@ -134,6 +168,11 @@ class AsyncControlledPushes:
             u.future.cancel()
             return
         exc = server_future.exception()
+        if exc is not None and u.via is not None and not self.book.closed:
+            # The aggregator failed it (or died): straight to the server, same uid.
+            self.book.via_failed(u, exc)
+            self._send(u)
+            return
         if exc is not None:
             u.future.set_exception(exc)
             return
@@ -147,6 +186,11 @@ class AsyncControlledPushes:
         if self._reconnect_task is not None:
             self._reconnect_task.cancel()
         link, self._link = self._link, None
+        for task in self._aggregators.values():
+            if task.done() and task.exception() is None:
+                await task.result().close()
+            else:
+                task.cancel()
         for u, exc in self.book.close():
             if not u.future.done():
                 u.future.set_exception(exc)

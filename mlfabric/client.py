@@ -115,7 +115,8 @@ def connect(
             client._controlled = ControlledPushes(
                 client, controller, Handshake(job, secret, name or default_client_name()),
                 host=host or sock.getsockname()[0], dst=sock.getpeername()[0],
-                fallback=controller_fallback, timeout=controller_timeout)
+                fallback=controller_fallback, timeout=controller_timeout,
+                aggregation=replica is None)
         except BaseException:
             client.close()
             raise
@@ -372,11 +373,12 @@ class Client:
         log.warning("replica at %s joined from version %d; %d kept updates sent to it",
                     address, version, len(kept))
 
-    def _send_push(self, arrays: dict[str, np.ndarray], base: int, seq: int | None = None
-                   ) -> concurrent.futures.Future[PushOutcome]:
+    def _send_push(self, arrays: dict[str, np.ndarray], base: int, seq: int | None = None,
+                   **fields: Any) -> concurrent.futures.Future[PushOutcome]:
+        """`fields`: a push's uid and aggregation fields (protocol.Push)."""
         started = time.monotonic()
         fut: concurrent.futures.Future[PushOutcome] = self._request(
-            "push", lambda req: Push(req, base, arrays, seq), base)
+            "push", lambda req: Push(req, base, arrays, seq, **fields), base)
         fut.add_done_callback(self._note_version)
         if self._reporter is not None:
             nbytes = sum(a.nbytes for a in arrays.values())

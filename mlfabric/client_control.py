@@ -98,10 +98,11 @@ class ControlledPushes:
     ControlBook decides, this class does the sockets and threads."""
 
     def __init__(self, client: Any, address: str, hs: Handshake, *, host: str, dst: str,
-                 fallback: str = "fifo", timeout: float = 30.0) -> None:
+                 fallback: str = "fifo", timeout: float = 30.0, aggregation: bool = True) -> None:
         self.book = ControlBook(address, host=host, dst=dst, fallback=fallback,
-                                timeout=timeout)
+                                timeout=timeout, aggregation=aggregation)
         self.client = client
+        self._aggregators: dict[str, Any] = {}  # address -> Client (sender thread only)
         self.address = address
         self.hs = hs
         self._lock = threading.Lock()  # guards book and _link
@@ -240,18 +241,53 @@ class ControlledPushes:
 
     def _send_loop(self) -> None:
         while (u := self._sendq.get()) is not None:
-            started = time.monotonic()
+            if u.sent is None:
+                u.sent = time.monotonic()
+            t0 = u.sent
             try:
-                server_future = self.client._send_push(u.arrays, u.base_version)
+                if u.via is not None:
+                    try:
+                        server_future = self._aggregator(u.via)._send_push(
+                            u.arrays, u.base_version,
+                            **self.book.member_fields(u, self.client.address))
+                    except MlfabricError as exc:
+                        self.book.via_failed(u, exc)
+                        server_future = self.client._send_push(u.arrays, u.base_version,
+                                                               uid=u.uid)
+                else:
+                    server_future = self.client._send_push(u.arrays, u.base_version, uid=u.uid)
             except MlfabricError as exc:
                 u.future.set_exception(exc)
                 continue
             server_future.add_done_callback(
-                lambda f, u=u, t=started: self._finish(u, f, t))
+                lambda f, u=u, t=t0: self._finish(u, f, t))
+
+    def _aggregator(self, address: str) -> Any:
+        """The link to the aggregator at `address`, dialled on first use (and
+        again after it failed)."""
+        from .client import Client, _dial
+
+        link = self._aggregators.get(address)
+        if link is None or link.closed or link._error is not None:
+            assert self.client._dial_args is not None
+            job, secret, name, timeout = self.client._dial_args
+            try:
+                sock, conn, welcome = _dial(address, job, secret, name, min(timeout, 2.0))
+            except ConnectError as exc:
+                raise ConnectError(str(exc).replace("parameter server", "aggregator")
+                                   .replace("mlfabric server", "mlfabric agent --aggregate")
+                                   ) from None
+            link = self._aggregators[address] = Client(sock, conn, welcome, address)
+        return link
 
     def _finish(self, u: ControlledUpdate, server_future: concurrent.futures.Future[Any],
                 started: float) -> None:
         exc = server_future.exception()
+        if exc is not None and u.via is not None and not self._closed.is_set():
+            # The aggregator failed it (or died): straight to the server, same uid.
+            self.book.via_failed(u, exc)
+            self._sendq.put(u)
+            return
         if exc is not None:
             u.future.set_exception(exc)
             return
@@ -274,3 +310,5 @@ class ControlledPushes:
             if not u.future.done():
                 u.future.set_exception(exc)
         self._sender.join(10)
+        for agg in self._aggregators.values():
+            agg.close()

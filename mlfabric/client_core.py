@@ -228,6 +228,9 @@ class RequestTable:
                 m.pushes.labels("applied" if event.applied else "rejected").inc()
             if not fut.done():
                 fut.set_result(outcome)
+        elif isinstance(event, PushResult) and pending.kind == "aggregate":
+            if not fut.done():
+                fut.set_result(event)  # the aggregator needs every member's delay
         elif isinstance(event, Model) and pending.kind == "pull":
             if m is not None:
                 m.pull_seconds.observe(elapsed)

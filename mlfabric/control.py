@@ -53,6 +53,18 @@ def with_estimates(net: Network, host: str,
     return Network(default=net.default, up=net.up, down=net.down, pair=pair)
 
 
+@dataclass(frozen=True)
+class Route:
+    """A transfer that goes through an aggregator: the agent on `host` at
+    `address`, as member `index` of group `group` (`fan_in` members)."""
+
+    host: str
+    address: str
+    group: int
+    fan_in: int
+    index: int
+
+
 @dataclass
 class Transfer:
     """One update a worker asked to send."""
@@ -70,6 +82,7 @@ class Transfer:
     started: float | None = None
     position: int | None = None
     planned_seconds: float | None = None
+    route: Route | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +90,7 @@ class Go:
     transfer: Transfer
     position: int
     planned_seconds: float
+    route: Route | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,7 @@ class Snapshot:
     pending: tuple[Transfer, ...]
     active: tuple[Transfer, ...]
     network: Network
+    aggregators: Mapping[str, str] = field(default_factory=dict)  # host -> address, usable now
 
 
 @dataclass(frozen=True)
@@ -109,6 +124,7 @@ class PlanItem:
     planned_seconds: float | None = None
     drop: str | None = None
     detail: str = ""
+    route: Route | None = None  # go through an aggregator
 
 
 Policy = Callable[[Snapshot], list[PlanItem]]
@@ -214,6 +230,11 @@ class ControlState:
         # Replicas (issue 6) register here: host -> a JSON-ready dict that
         # `mlfabric status` prints as one row (host, version, lag, ...).
         self.replicas: dict[str, dict[str, object]] = {}
+        # Aggregators (agents that sum updates): host -> address, and the
+        # hosts benched after a failure: host -> until when.
+        self.aggregators: dict[str, str] = {}
+        self.benched: dict[str, float] = {}
+        self.bench_seconds = 10.0
         self._next_id = 1
 
     def join(self, owner: Hashable, name: str) -> None:
@@ -236,11 +257,15 @@ class ControlState:
         return t
 
     def done(self, owner: Hashable, req: int, *, version: int, applied: bool = True,
-             delay: int | None = None, now: float | None = None) -> Transfer | None:
-        """An active transfer ended at the server (applied or not)."""
+             delay: int | None = None, now: float | None = None,
+             via_failed: str | None = None) -> Transfer | None:
+        """An active transfer ended at the server (applied or not).
+        `via_failed`: its aggregator failed it (it was then sent directly)."""
         for t in self.active.values():
             if t.owner == owner and t.req == req:
                 del self.active[t.id]
+                if via_failed is not None and t.route is not None and now is not None:
+                    self.aggregator_failed(t.route.host, now)
                 self.version = max(self.version, version)
                 server = self.servers.setdefault(t.dst, ServerStats(t.dst))
                 server.version = max(server.version or 0, version)
@@ -266,6 +291,16 @@ class ControlState:
         self.workers.pop(owner, None)
         return gone
 
+    def aggregator_failed(self, host: str, now: float) -> None:
+        """Route nothing through `host` for `bench_seconds`."""
+        self.benched[host] = now + self.bench_seconds
+
+    def usable_aggregators(self, now: float) -> dict[str, str]:
+        """Aggregators neither benched nor on a host whose agent is unreachable."""
+        return {h: a for h, a in self.aggregators.items()
+                if self.benched.get(h, -math.inf) <= now
+                and (h not in self.agents or self.agents[h].reachable)}
+
     def set_network(self, network: Network) -> None:
         self.network = network
 
@@ -290,6 +325,7 @@ class ControlState:
             pending=tuple(sorted(self.pending.values(), key=lambda t: t.id)),
             active=tuple(sorted(self.active.values(), key=lambda t: t.id)),
             network=self.network,
+            aggregators=self.usable_aggregators(now),
         )
 
     def decide(self, now: float) -> Decisions:
@@ -315,8 +351,10 @@ class ControlState:
                 del self.pending[t.id]
                 t.started, t.position = now, item.position
                 t.planned_seconds = item.planned_seconds
+                t.route = item.route
                 self.active[t.id] = t
-                actions.append(Go(t, item.position or 0, item.planned_seconds or 0.0))
+                actions.append(Go(t, item.position or 0, item.planned_seconds or 0.0,
+                                  item.route))
                 if stats is not None:
                     stats.sent += 1
             elif item.start is not None:

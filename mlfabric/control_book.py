@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,12 @@ class ControlledUpdate:
     future: Any  # concurrent.futures.Future or asyncio.Future of a PushOutcome
     requested: float = field(default_factory=time.monotonic)
     creq: int | None = None  # the controller's request id, once asked
+    uid: str | None = None  # unique: a server applies it at most once
+    # Set by a "go" through an aggregator (cleared when it fails the update):
+    via: str | None = None
+    member: dict[str, Any] = field(default_factory=dict)  # group, fan_in, index
+    via_failed: str | None = None  # why the aggregator did not deliver it
+    sent: float | None = None  # when it was first sent (a re-send keeps it)
 
 
 def controlled_update(arrays: dict[str, np.ndarray], base_version: int, nbytes: int,
@@ -51,7 +58,10 @@ def controlled_update(arrays: dict[str, np.ndarray], base_version: int, nbytes: 
 
 class ControlBook:
     def __init__(self, address: str, *, host: str, dst: str, fallback: str,
-                 timeout: float) -> None:
+                 timeout: float, aggregation: bool = True) -> None:
+        """`aggregation`: follow directives through an aggregator (a client
+        that replicates does not: a replica cannot replay an aggregate, so
+        its updates go straight to the server)."""
         if fallback not in FALLBACKS:
             raise ConfigError(f"controller fallback must be one of {FALLBACKS}, got {fallback!r}")
         self.address = address
@@ -65,6 +75,10 @@ class ControlBook:
         self._asked: dict[int, ControlledUpdate] = {}  # waiting for a directive
         self._orphans: list[ControlledUpdate] = []  # waiting for the controller to return
         self._warned = False
+        self.aggregation = aggregation
+        self._uid_prefix = secrets.token_hex(8)
+        self._uids = itertools.count(1)
+        self._failed_aggregators: set[str] = set()  # warned about once each
 
     def ask(self, u: ControlledUpdate) -> TransferRequest:
         u.creq = next(self._ids)
@@ -77,6 +91,7 @@ class ControlBook:
         the updates to send to the server now."""
         if self.closed:
             raise ConnectionLost("the client is closed")
+        u.uid = f"{self._uid_prefix}-{next(self._uids)}"
         if self.connected:
             return self.ask(u), []
         return None, self._without_controller([u])
@@ -103,6 +118,14 @@ class ControlBook:
             log.warning("controller sent a directive for unknown request %d", d.req)
             return None, None
         if d.action == "go":
+            if d.via is not None and self.aggregation:
+                u.via = d.via
+                u.member = {"group": d.group, "fan_in": d.fan_in, "index": d.index}
+            elif d.via is not None and d.via not in self._failed_aggregators:
+                self._failed_aggregators.add(d.via)
+                log.warning("the controller routes updates through the aggregator %s, but this "
+                            "client replicates (a replica cannot replay an aggregate): sending "
+                            "them straight to the server", d.via)
             return u, None
         return u, PushOutcome(applied=False, version=last_version, delay=None,
                               reason=f"dropped by the controller: {d.reason}",
@@ -150,9 +173,24 @@ class ControlBook:
         return [(u, ConnectionLost("the client was closed before the controller let this "
                                    "update go")) for u in waiting]
 
+    def member_fields(self, u: ControlledUpdate, server: str) -> dict[str, Any]:
+        """The push fields of `u` as a member of its group at the aggregator."""
+        return {"uid": u.uid, "dst": server, **u.member}
+
+    def via_failed(self, u: ControlledUpdate, exc: BaseException) -> None:
+        """The aggregator did not deliver `u` (it failed it, or died): `u` now
+        goes straight to the server with its uid, so it is applied once
+        whether or not the aggregate was (the server remembers uids)."""
+        via, u.via, u.member = u.via, None, {}
+        u.via_failed = f"{type(exc).__name__}: {exc}"[:200]
+        if via not in self._failed_aggregators:
+            self._failed_aggregators.add(str(via))
+            log.warning("aggregator %s did not deliver an update (%s): sending it straight to "
+                        "the server; the controller is told", via, u.via_failed)
+
     @staticmethod
     def report(u: ControlledUpdate, outcome: PushOutcome, seconds: float) -> TransferDone | None:
         if u.creq is None:
             return None  # sent without the controller: nothing to report
         return TransferDone(req=u.creq, applied=outcome.applied, version=outcome.version,
-                            delay=outcome.delay, seconds=seconds)
+                            delay=outcome.delay, seconds=seconds, via_failed=u.via_failed)

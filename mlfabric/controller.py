@@ -17,10 +17,11 @@ import secrets
 import time
 from typing import Any
 
+from .aggregation import AggregationConfig, Group, aggregating
 from .control import ControlState, Drop, Go, Network, Policy, with_estimates
 from .divergence import DivergenceGate
 from .endpoint import Endpoint, EndpointProtocol
-from .errors import MlfabricError
+from .errors import ConfigError, MlfabricError
 from .failover import FailoverMonitor
 from .metrics import ControllerMetrics
 from .protocol import (
@@ -48,16 +49,27 @@ class Controller(Endpoint):
     def __init__(self, policy: Policy, *, job: str, token: bytes, tau_max: int | None,
                  network: Network | None = None, metrics: ControllerMetrics | None = None,
                  handshake_timeout: float = 10.0, clock: Any = time.monotonic,
-                 policy_name: str | None = None, gate: DivergenceGate | None = None) -> None:
+                 policy_name: str | None = None, gate: DivergenceGate | None = None,
+                 aggregators: dict[str, str] | None = None,
+                 aggregation: AggregationConfig | None = None) -> None:
         """`gate`: worker-driven replication with a divergence bound; server
-        transfers are held back so that it stays within gate.div_max."""
+        transfers are held back so that it stays within gate.div_max.
+        `aggregators` (host -> "ADDR:PORT" of its agent's aggregator): the
+        policy's order is grouped and routed through them (aggregation.py)."""
         super().__init__(job=job, token=token,
                          metrics=metrics if metrics is not None else ControllerMetrics(),
                          handshake_timeout=handshake_timeout)
         self.gate = gate
         if gate is not None:
             policy = gated(policy, gate)
+        if aggregators:
+            if gate is not None:
+                raise ConfigError("aggregation and worker-driven replication (--div-max) do not "
+                                  "combine yet: a replica cannot replay an aggregate; use one "
+                                  "of them")
+            policy = aggregating(policy, aggregation, on_groups=self._groups_formed)
         self.state = ControlState(policy, tau_max=tau_max, network=network)
+        self.state.aggregators = dict(aggregators or {})
         self.clock = clock
         self.policy_name = policy_name or getattr(policy, "__name__", "custom")
         self._agent_tasks: list[asyncio.Task[None]] = []
@@ -176,6 +188,16 @@ class Controller(Endpoint):
                                       "version": ev.version}))
         self.replan()
 
+    def _groups_formed(self, groups: list[Group]) -> None:
+        m = self.metrics
+        for g in groups:
+            m.aggregation_groups.inc()
+            m.aggregation_fan_in.observe(len(g.ids))
+            decision_log.info(json.dumps({"event": "group", "aggregator": g.aggregator,
+                                          "ids": list(g.ids), "first_position": g.first,
+                                          "ready": round(g.ready, 6),
+                                          "delivered": round(g.delivered, 6)}))
+
     def make_protocol(self) -> _ControllerProtocol:
         return _ControllerProtocol(self)
 
@@ -193,7 +215,12 @@ class Controller(Endpoint):
 
     def on_done(self, conn: _ControllerProtocol, ev: TransferDone) -> None:
         t = self.state.done(conn, ev.req, version=ev.version, applied=ev.applied,
-                            delay=ev.delay, now=self.clock())
+                            delay=ev.delay, now=self.clock(), via_failed=ev.via_failed)
+        if t is not None and ev.via_failed is not None and t.route is not None:
+            self.metrics.aggregator_failures.inc()
+            log.warning("aggregator on %s failed update %d (%s); routing nothing through it "
+                        "for %.0f s", t.route.host, t.id, ev.via_failed,
+                        self.state.bench_seconds)
         if t is not None and ev.applied and self.gate is not None:
             self.gate.server_applied(ev.version, t.norm)
         if t is not None:
@@ -240,10 +267,18 @@ class Controller(Endpoint):
             if isinstance(action, Go):
                 m.directives.labels("go").inc()
                 m.planned_seconds.observe(action.planned_seconds)
-                conn.send(Directive(req=t.req, action="go", position=action.position,
-                                    planned_seconds=action.planned_seconds))
+                route = action.route
+                conn.send(Directive(
+                    req=t.req, action="go", position=action.position,
+                    planned_seconds=action.planned_seconds,
+                    via=route.address if route else None, group=route.group if route else None,
+                    fan_in=route.fan_in if route else None,
+                    index=route.index if route else None))
                 record = {"event": "go", "position": action.position,
                           "planned_seconds": round(action.planned_seconds, 6)}
+                if route is not None:
+                    m.aggregation_members.inc()
+                    record.update(via=route.host, group=route.group, index=route.index)
             else:
                 assert isinstance(action, Drop)
                 m.directives.labels("drop").inc()

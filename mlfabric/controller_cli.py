@@ -7,6 +7,7 @@ import functools
 import logging
 
 from . import auth, loop
+from .aggregation import AggregationConfig
 from .client_core import parse_address
 from .control import POLICIES, Network, Policy, fifo_policy
 from .controller import Controller
@@ -14,6 +15,7 @@ from .divergence import DivergenceGate
 from .endpoint import add_listener_arguments, listen, until_stopped
 from .errors import ConfigError
 from .metrics import ControllerMetrics, serve_metrics
+from .protocol import MAX_FAN_IN
 
 log = logging.getLogger("mlfabric.controller")
 
@@ -39,6 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "ADDR:PORT for measured bandwidth (repeat per host)")
     p.add_argument("--agent-interval", type=float, default=0.5, metavar="SECONDS",
                    help="seconds between polls of each agent (default: 0.5)")
+    p.add_argument("--aggregator", action="append", default=[], metavar="HOST=ADDR:PORT",
+                   help="mlfabric policy: route groups of consecutive updates through the "
+                        "aggregator of the agent on HOST (mlfabric agent --aggregate ADDR:PORT), "
+                        "which sums them and forwards one update (repeat per host)")
+    p.add_argument("--max-fan-in", type=int, default=8, metavar="K",
+                   help="most updates summed into one aggregate (default: 8)")
     p.add_argument("--div-max", type=float, default=None, metavar="X",
                    help="worker-driven replication: keep a bound on ||w_server - w_replica||_2 "
                         "at most X by holding server transfers until the replica catches up "
@@ -82,12 +90,12 @@ def parse_links(specs: list[str], default_mbit: float) -> Network:
     return Network(default=default_mbit * 1e6 / 8, up=up, down=down)
 
 
-def parse_agents(specs: list[str]) -> dict[str, tuple[str, int]]:
+def parse_agents(specs: list[str], flag: str = "--agent") -> dict[str, tuple[str, int]]:
     agents = {}
     for spec in specs:
         host, sep, addr = spec.partition("=")
         if not host or not sep:
-            raise ConfigError(f"--agent {spec!r}: expected HOST=ADDR:PORT, e.g. "
+            raise ConfigError(f"{flag} {spec!r}: expected HOST=ADDR:PORT, e.g. "
                               f"10.0.0.5=10.0.0.5:7400")
         agents[host] = parse_address(addr)
     return agents
@@ -114,6 +122,16 @@ def run(args: argparse.Namespace) -> int:
     if not args.agent_interval > 0:
         raise ConfigError(f"--agent-interval must be positive, got {args.agent_interval}")
     policy = make_policy(args.policy, args.overload)
+    aggregators = {h: f"{a}:{p}" for h, (a, p) in
+                   parse_agents(args.aggregator, "--aggregator").items()}
+    if aggregators and args.policy != "mlfabric":
+        raise ConfigError(f"--aggregator needs --policy mlfabric (got {args.policy}): "
+                          f"aggregation groups the mlfabric policy's order")
+    if aggregators and args.div_max is not None:
+        raise ConfigError("--aggregator and --div-max do not combine yet: a replica cannot "
+                          "replay an aggregate; use one of them")
+    if not 2 <= args.max_fan_in <= MAX_FAN_IN:
+        raise ConfigError(f"--max-fan-in must be in 2..{MAX_FAN_IN}, got {args.max_fan_in}")
     if (args.server is None) != (args.replica is None):
         raise ConfigError("failover needs both --server HOST:PORT and --replica HOST:PORT")
     if args.server is not None:
@@ -143,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         controller = Controller(policy, job=args.job, token=token, tau_max=tau_max,
                                 network=network, metrics=metrics, policy_name=args.policy,
-                                gate=gate)
+                                gate=gate, aggregators=aggregators,
+                                aggregation=AggregationConfig(max_fan_in=args.max_fan_in))
         bound = await listen(controller, host, port, args.listen)
         if agents:
             controller.watch_agents(agents, args.agent_interval)
@@ -153,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
                                     timeout=args.heartbeat_timeout)
         print(f"mlfabric controller: serving job {args.job!r} on {bound[0]}:{bound[1]} "
               f"(policy {args.policy}, tau_max {tau_max}"
-              f"{'' if gate is None else f', div_max {gate.div_max}'})", flush=True)
+              f"{'' if gate is None else f', div_max {gate.div_max}'}"
+              f"{f', {len(aggregators)} aggregators' if aggregators else ''})", flush=True)
         await until_stopped()
         await controller.close()
         print("mlfabric controller: stopped", flush=True)

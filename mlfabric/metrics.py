@@ -19,6 +19,9 @@ APPLY_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
 # A transfer: a 4 KiB round trip on loopback to a GB model on a slow link.
 TRANSFER_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
 
+# Members of one aggregate (2..64).
+FAN_IN_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+
 # Why a push was not applied: the fixed set of `reason` label values.
 REJECT_REASONS = (
     "stale",
@@ -28,7 +31,7 @@ REJECT_REASONS = (
     "bad_shape",
     "future_version",
     "malformed",
-    "duplicate",  # a replica was sent a sequence number it already applied
+    "duplicate",  # a sequence number or update uid that was applied already
     "seq_gap",  # a replica's out-of-order buffer is full
     "misrouted",  # a sequenced push to a server, or an unsequenced one to a replica
 )
@@ -44,6 +47,10 @@ class ServerMetrics:
         self.updates_applied = Counter(
             "server_updates_applied", "Updates applied to the model", namespace=ns, registry=r
         )
+        self.aggregates_applied = Counter(
+            "server_aggregates_applied",
+            "Aggregates applied (each also counts its members in updates_applied)",
+            namespace=ns, registry=r)
         self.updates_rejected = Counter(
             "server_updates_rejected",
             "Pushes not applied, by reason",
@@ -205,6 +212,19 @@ class ControllerMetrics:
                              namespace=ns, registry=r)
         for reason in DROP_REASONS:
             self.drops.labels(reason)
+        self.aggregation_groups = Counter(
+            "controller_aggregation_groups", "Groups routed through an aggregator",
+            namespace=ns, registry=r)
+        self.aggregation_fan_in = Histogram(
+            "controller_aggregation_fan_in", "Members per group routed through an aggregator",
+            namespace=ns, registry=r, buckets=FAN_IN_BUCKETS)
+        self.aggregation_members = Counter(
+            "controller_aggregation_members", "Updates told to go through an aggregator",
+            namespace=ns, registry=r)
+        self.aggregator_failures = Counter(
+            "controller_aggregator_failures",
+            "Updates whose aggregator failed them (sent directly instead); each benches "
+            "that aggregator for a while", namespace=ns, registry=r)
         self.queue_wait = Histogram(
             "controller_queue_wait_seconds", "Time from a request to its directive",
             namespace=ns, registry=r, buckets=TRANSFER_BUCKETS)
@@ -288,6 +308,53 @@ def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0")
 
 
 # --- Agent metrics (issue 3) are declared below this line. ---
+
+
+class AggregatorMetrics:
+    """Metrics of an aggregator (it runs in the agent process: pass the
+    agent's registry to export both on one port)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        ns = NAMESPACE
+        self.aggregates = Counter(
+            "aggregator_aggregates", "Aggregates forwarded to a server, by outcome (applied; "
+            "refused by the server; failed: not delivered)", ["outcome"], namespace=ns,
+            registry=r)
+        for outcome in ("applied", "refused", "failed"):
+            self.aggregates.labels(outcome)
+        self.fan_in = Histogram(
+            "aggregator_fan_in", "Members per applied aggregate", namespace=ns, registry=r,
+            buckets=FAN_IN_BUCKETS)
+        self.members = Counter(
+            "aggregator_members", "Updates applied as members of an aggregate", namespace=ns,
+            registry=r)
+        self.saved_bytes = Counter(
+            "aggregator_saved_bytes", "Bytes the server did not receive thanks to aggregation: "
+            "(members - 1) x update size per applied aggregate", namespace=ns, registry=r)
+        self.aggregation_seconds = Histogram(
+            "aggregator_aggregation_seconds", "From a group's first member arriving to the "
+            "server's answer to its aggregate", namespace=ns, registry=r,
+            buckets=TRANSFER_BUCKETS)
+        self.group_timeouts = Counter(
+            "aggregator_group_timeouts", "Groups forwarded without all members (a member did "
+            "not arrive within the group timeout)", namespace=ns, registry=r)
+        self.late_members = Counter(
+            "aggregator_late_members", "Members that arrived after their group closed (sent "
+            "back to go straight to the server)", namespace=ns, registry=r)
+        # What every endpoint counts (endpoint.py).
+        self.received_bytes = Counter("aggregator_received_bytes", "Bytes received",
+                                      namespace=ns, registry=r)
+        self.sent_bytes = Counter("aggregator_sent_bytes", "Bytes sent to workers",
+                                  namespace=ns, registry=r)
+        self.connected_clients = Gauge("aggregator_connected_clients", "Connected workers",
+                                       namespace=ns, registry=r)
+        self.auth_failures = Counter("aggregator_auth_failures", "Failed handshakes",
+                                     namespace=ns, registry=r)
+        self.protocol_errors = Counter("aggregator_protocol_errors",
+                                       "Connections closed for a protocol error",
+                                       namespace=ns, registry=r)
 
 
 class AgentMetrics:

@@ -21,6 +21,7 @@ _MIN_SECONDS = 1e-6
 def _network(snap: Snapshot) -> schedule.Network:
     hosts = {t.host for t in (*snap.pending, *snap.active)}
     hosts |= {t.dst for t in (*snap.pending, *snap.active)}
+    hosts |= {t.route.host for t in snap.active if t.route is not None}
     net = snap.network
     return schedule.Network(
         up={h: net.up.get(h, net.default) for h in hosts},
@@ -33,13 +34,27 @@ def mlfabric_policy(snap: Snapshot, *, idle_factor: float | None = 1.0,
                     overload: str = "stalest") -> list[PlanItem]:
     """Shortest-transfer-first with deadlines and drops (docs/scheduling.md)."""
     running = []
+    forwards: dict[int, schedule.RunningTransfer] = {}
     for t in snap.active:
         planned = max(t.planned_seconds or _MIN_SECONDS, _MIN_SECONDS)
         started = t.started if t.started is not None else snap.now
         end = max(started + planned, snap.now + _OVERDUE_EXTENSION * planned)
         # Running ids only need to differ from each other (pending ids are ranks).
-        running.append(schedule.RunningTransfer(-t.id, t.host, t.dst, rate=t.nbytes / planned,
-                                                end=end))
+        if t.route is None:
+            running.append(schedule.RunningTransfer(-t.id, t.host, t.dst,
+                                                    rate=t.nbytes / planned, end=end))
+            continue
+        # Through an aggregator: the member's leg to it, and once per group
+        # the aggregate's forward into the server (its downlink is what the
+        # group's plan reserved).
+        running.append(schedule.RunningTransfer(-t.id, t.host, t.route.host,
+                                                rate=t.nbytes / planned, end=end))
+        fwd_id = -(1 << 40) - t.route.group
+        if fwd_id not in forwards:
+            forwards[fwd_id] = schedule.RunningTransfer(
+                fwd_id, t.route.host, t.dst, rate=snap.network.rate(t.route.host, t.dst),
+                end=end)
+    running.extend(forwards.values())
     # The core breaks ties between equal transfers by id. Hand it ids ranked
     # earliest deadline first (oldest base version, then earliest arrival):
     # among equal transfers the stalest goes first, which spreads delays

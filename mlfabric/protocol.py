@@ -49,6 +49,8 @@ MAX_META_LEN: Final = 1 << 20
 DEFAULT_MAX_FRAME_SIZE: Final = 1 << 34  # 16 GiB; servers set the model's size
 MAX_NAME_LEN: Final = 256
 MAX_TENSORS: Final = 4096
+MAX_FAN_IN: Final = 64  # members of one aggregate
+MAX_UID_LEN: Final = 128
 _SCRATCH_SIZE = 1 << 16
 _MAX_U64 = (1 << 64) - 1
 
@@ -193,21 +195,39 @@ class Push:
     """An update computed on model version `base_version`.
 
     `seq` is set only on pushes to a replica: the server version this update
-    produced when the server applied it (the replica applies seq v+1 next)."""
+    produced when the server applied it (the replica applies seq v+1 next).
+
+    Aggregation (docs/design.md, "Aggregation"): `uid` names the update
+    uniquely (a server applies a uid at most once, so re-sending after a
+    failed aggregate is safe). A member pushed to an aggregator carries its
+    `group` id, the group's `fan_in`, its `index` in the group (the order of
+    the sum) and the server address `dst` the aggregate goes to. An
+    aggregate pushed to the server carries `members`: (uid, base_version) of
+    each member, in index order; its tensors are their sum."""
 
     req: int
     base_version: int
     tensors: Mapping[str, np.ndarray]
     seq: int | None = None
+    uid: str | None = None
+    group: int | None = None
+    fan_in: int | None = None
+    index: int | None = None
+    dst: str | None = None
+    members: tuple[tuple[str, int], ...] | None = None
 
 
 @dataclass(frozen=True)
 class PushResult:
+    """The answer to a push. For an aggregate, `delays` holds each member's
+    delay, in member order (`delay` is the smallest)."""
+
     req: int
     applied: bool
     version: int
     delay: int | None
     reason: str | None = None
+    delays: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -239,24 +259,33 @@ class Directive:
 
     action "go": send it now; "drop": do not send it (`reason` says why).
     `position` is its place in the planned order, `planned_seconds` the
-    transfer time the plan expects (both for metrics and the decision log)."""
+    transfer time the plan expects (both for metrics and the decision log).
+    A "go" with `via` sends the update to the aggregator at that address as
+    member `index` of group `group` (`fan_in` members), not to the server."""
 
     req: int
     action: str
     reason: str | None = None
     position: int | None = None
     planned_seconds: float | None = None
+    via: str | None = None
+    group: int | None = None
+    fan_in: int | None = None
+    index: int | None = None
 
 
 @dataclass(frozen=True)
 class TransferDone:
-    """Client -> controller: a transfer it let go has ended at the server."""
+    """Client -> controller: a transfer it let go has ended at the server.
+    `via_failed`: it was to go through an aggregator, which failed it (the
+    update was then sent straight to the server)."""
 
     req: int
     applied: bool
     version: int
     delay: int | None
     seconds: float  # from "go" to the server's answer
+    via_failed: str | None = None
 
 
 @dataclass(frozen=True)
@@ -411,6 +440,37 @@ def _opt_str(meta: Mapping[str, Any], key: str) -> str | None:
     return None if meta.get(key) is None else _str(meta, key)
 
 
+def _check_membership(fan_in: int | None, index: int | None, what: str) -> None:
+    if fan_in is None or index is None or not 1 <= fan_in <= MAX_FAN_IN \
+            or not 0 <= index < fan_in:
+        raise ProtocolError(f"a {what} to an aggregator needs 1 <= fan_in <= {MAX_FAN_IN} and "
+                            f"0 <= index < fan_in, got fan_in={fan_in!r} index={index!r}")
+
+
+def _aggregation_fields(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """A push's optional aggregation fields (see Push), checked."""
+    fields: dict[str, Any] = {}
+    if meta.get("uid") is not None:
+        fields["uid"] = _str(meta, "uid", MAX_UID_LEN)
+    if meta.get("group") is not None:
+        fields["group"] = _int(meta, "group")
+        fields["fan_in"], fields["index"] = _opt_int(meta, "fan_in"), _opt_int(meta, "index")
+        _check_membership(fields["fan_in"], fields["index"], "push")
+        fields["dst"] = _str(meta, "dst", 256)
+        if "uid" not in fields:
+            raise ProtocolError("a push to an aggregator needs a 'uid'")
+    members = meta.get("members")
+    if members is not None:
+        if (not isinstance(members, list) or not 1 <= len(members) <= MAX_FAN_IN
+                or not all(isinstance(m, list) and len(m) == 2 and isinstance(m[0], str)
+                           and len(m[0]) <= MAX_UID_LEN and type(m[1]) is int and m[1] >= 0
+                           for m in members)):
+            raise ProtocolError(f"field 'members' must be 1 to {MAX_FAN_IN} [uid, base_version] "
+                                f"pairs, got {members!r:.80}")
+        fields["members"] = tuple((uid, base) for uid, base in members)
+    return fields
+
+
 def _specs(meta: Mapping[str, Any]) -> tuple[TensorSpec, ...]:
     raw = meta.get("tensors")
     if not isinstance(raw, list) or len(raw) > MAX_TENSORS:
@@ -500,7 +560,7 @@ def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict[str, np.nd
         return Model(req=_int(meta, "req"), version=_int(meta, "version"), tensors=tensors)
     if msg_type is MsgType.PUSH:
         return Push(req=_int(meta, "req"), base_version=_int(meta, "base_version"),
-                    tensors=tensors, seq=_opt_int(meta, "seq"))
+                    tensors=tensors, seq=_opt_int(meta, "seq"), **_aggregation_fields(meta))
     if msg_type is MsgType.PUSH_RESULT:
         applied = meta.get("applied")
         if not isinstance(applied, bool):
@@ -508,8 +568,14 @@ def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict[str, np.nd
         reason = meta.get("reason")
         if reason is not None:
             reason = _str(meta, "reason")
+        delays = meta.get("delays")
+        if delays is not None and (not isinstance(delays, list) or len(delays) > MAX_FAN_IN
+                                   or not all(type(d) is int for d in delays)):
+            raise ProtocolError(f"field 'delays' must be a list of at most {MAX_FAN_IN} "
+                                f"integers, got {delays!r:.60}")
         return PushResult(req=_int(meta, "req"), applied=applied, version=_int(meta, "version"),
-                          delay=_opt_int(meta, "delay"), reason=reason)
+                          delay=_opt_int(meta, "delay"), reason=reason,
+                          delays=None if delays is None else tuple(delays))
     if msg_type is MsgType.ERROR:
         return Error(code=_str(meta, "code", 64), message=_str(meta, "message"),
                      req=_opt_int(meta, "req"))
@@ -522,9 +588,16 @@ def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict[str, np.nd
         action = _str(meta, "action", 16)
         if action not in DIRECTIVE_ACTIONS:
             raise ProtocolError(f"unknown directive action {action!r}")
+        via = meta.get("via")
+        group = {k: _opt_int(meta, k) for k in ("group", "fan_in", "index")}
+        if via is not None:
+            _check_membership(group["fan_in"], group["index"], "directive")
+            if group["group"] is None:
+                raise ProtocolError("a directive with 'via' needs 'group'")
         return Directive(req=_int(meta, "req"), action=action, reason=_opt_str(meta, "reason"),
                          position=_opt_int(meta, "position"),
-                         planned_seconds=_opt_float(meta, "planned_seconds"))
+                         planned_seconds=_opt_float(meta, "planned_seconds"),
+                         via=None if via is None else _str(meta, "via", 256), **group)
     if msg_type is MsgType.STATUS_REQUEST:
         return StatusRequest(req=_int(meta, "req"))
     if msg_type is MsgType.PING:
@@ -554,9 +627,12 @@ def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict[str, np.nd
         applied = meta.get("applied")
         if not isinstance(applied, bool):
             raise ProtocolError(f"field 'applied' must be a boolean, got {applied!r:.40}")
+        via_failed = meta.get("via_failed")
         return TransferDone(req=_int(meta, "req"), applied=applied,
                             version=_int(meta, "version"), delay=_opt_int(meta, "delay"),
-                            seconds=_float(meta, "seconds"))
+                            seconds=_float(meta, "seconds"),
+                            via_failed=None if via_failed is None else _str(meta, "via_failed",
+                                                                            256))
     raise AssertionError(msg_type)  # pragma: no cover - MsgType() already checked
 
 
@@ -586,14 +662,20 @@ def _encode_meta(event: Event) -> tuple[MsgType, dict[str, Any], Sequence[Tensor
             meta["version"] = event.version
             return MsgType.MODEL, meta, specs, arrays
         meta["base_version"] = event.base_version
-        if event.seq is not None:
-            meta["seq"] = event.seq
+        for key in ("seq", "uid", "group", "fan_in", "index", "dst"):
+            value = getattr(event, key)
+            if value is not None:
+                meta[key] = value
+        if event.members is not None:
+            meta["members"] = [list(m) for m in event.members]
         return MsgType.PUSH, meta, specs, arrays
     if isinstance(event, PushResult):
         meta = {"req": event.req, "applied": event.applied, "version": event.version,
                 "delay": event.delay}
         if event.reason is not None:
             meta["reason"] = event.reason
+        if event.delays is not None:
+            meta["delays"] = list(event.delays)
         return MsgType.PUSH_RESULT, meta, (), []
     if isinstance(event, Error):
         meta = {"code": event.code, "message": event.message}
@@ -629,11 +711,13 @@ def _fast_meta(event: Event) -> bytes | None:
     """The JSON fields of the messages sent with every step, formatted directly
     (json.dumps costs more than the rest of a small push); None for others."""
     if isinstance(event, Push):
+        if event.uid is not None or event.members is not None:
+            return None
         if event.seq is not None:
             return b'{"req":%d,"base_version":%d,"seq":%d}' % (
                 event.req, event.base_version, event.seq)
         return b'{"req":%d,"base_version":%d}' % (event.req, event.base_version)
-    if isinstance(event, PushResult) and event.reason is None:
+    if isinstance(event, PushResult) and event.reason is None and event.delays is None:
         delay = b"null" if event.delay is None else b"%d" % event.delay
         applied = b"true" if event.applied else b"false"
         return b'{"req":%d,"applied":%s,"version":%d,"delay":%s}' % (

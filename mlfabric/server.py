@@ -109,11 +109,23 @@ class ParameterServer(Endpoint):
                          message=f"this is the server: push {event.req} carries sequence "
                                  f"number {event.seq}, which only a replica takes; push "
                                  f"without one")
+        if event.members is not None:
+            return self._apply_aggregate(event)
+        before = self.store.applied_before(event.uid)
+        if before is not None:
+            # Re-sent after its aggregate failed, but the aggregate was applied.
+            if staged is not None:
+                staged.cancel()
+            m.updates_rejected.labels("duplicate").inc()
+            return PushResult(req=event.req, applied=True, version=before.version,
+                              delay=before.delay)
         started = time.perf_counter()
         outcome = staged.finish(data) if staged is not None and data is not None else None
         try:
             if outcome is None:
-                outcome = self.store.apply(event.base_version, event.tensors)
+                outcome = self.store.apply(event.base_version, event.tensors, event.uid)
+            else:
+                self.store.remember(event.uid, outcome)
         except InvalidUpdate as exc:
             m.updates_rejected.labels(exc.reason).inc()
             return Error(code=exc.reason, message=str(exc), req=event.req)
@@ -131,6 +143,29 @@ class ParameterServer(Endpoint):
             delay=outcome.delay,
             reason=outcome.reason,
         )
+
+    def _apply_aggregate(self, event: Push) -> PushResult | Error:
+        """An aggregator's sum of k members: one step, version + k."""
+        m = self.metrics
+        assert event.members is not None
+        started = time.perf_counter()
+        try:
+            outcome = self.store.apply_aggregate(event.members, event.tensors)
+        except InvalidUpdate as exc:
+            m.updates_rejected.labels(exc.reason).inc()
+            return Error(code=exc.reason, message=str(exc), req=event.req)
+        if not outcome.applied:
+            m.updates_rejected.labels("stale").inc()
+        else:
+            m.apply_seconds.observe(time.perf_counter() - started)
+            m.updates_applied.inc(len(event.members))
+            m.aggregates_applied.inc()
+            for delay in outcome.delays:
+                m.delay.observe(delay)
+            m.version.set(outcome.version)
+        return PushResult(req=event.req, applied=outcome.applied, version=outcome.version,
+                          delay=min(outcome.delays), reason=outcome.reason,
+                          delays=outcome.delays)
 
     def handle_pull(self, event: Pull) -> Model:
         version, tensors = self.store.snapshot()
@@ -188,7 +223,14 @@ class _ServerProtocol(EndpointProtocol):
             self._staged = None
             base = partial.meta.get("base_version")
             threshold = self.server.stage_min_bytes
-            if threshold is not None and len(partial.data) >= threshold and type(base) is int:
+            # Aggregates take the whole-update path (it checks their members),
+            # and so does a uid applied already (answered, never applied twice).
+            uid = partial.meta.get("uid")
+            plain = "members" not in partial.meta and (
+                uid is None or (isinstance(uid, str)
+                                and self.server.store.applied_before(uid) is None))
+            if (threshold is not None and len(partial.data) >= threshold and type(base) is int
+                    and plain):
                 offsets, _ = layout(partial.specs)
                 self._staged = self.server.store.begin_staged(base, partial.specs, offsets)
         staged = self._staged

@@ -8,10 +8,18 @@ it with the Cython kernels:
 
 Every applied update advances the version by one. The delay of an update is
 the version it is applied to minus the version it was computed on.
+
+An aggregate of k updates (their sum, formed at an aggregator) is applied as
+one step with the sum and advances the version by k; each member's delay is
+the version before the step minus its base version (docs/design.md,
+"Aggregation"). Updates that carry a `uid` are applied at most once: the
+store remembers the outcome of the newest `dedup_window` uids, so a member
+re-sent directly after its aggregate failed is never applied twice.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +32,21 @@ from .outcome import PushOutcome
 from .protocol import TensorSpec, layout
 
 MODEL_DTYPE = np.dtype(np.float32)
+# How many applied uids the store remembers. A re-sent update older than
+# that would be applied again, but with a staleness bound it is refused as
+# stale long before (its base version is that many versions old).
+DEDUP_WINDOW = 1 << 16
+
+
+@dataclass(frozen=True)
+class AggregateOutcome:
+    """What became of an aggregate: applied (version after it) or not (reason);
+    `delays` are the members' delays, in member order."""
+
+    applied: bool
+    version: int
+    delays: tuple[int, ...]
+    reason: str | None = None
 
 
 def c_contiguous(a: np.ndarray) -> np.ndarray:
@@ -43,6 +66,7 @@ class ParameterStore:
         tau_max: int | None = None,
         allow_nonfinite: bool = False,
         version: int = 0,
+        dedup_window: int = DEDUP_WINDOW,
     ) -> None:
         if not tensors:
             raise ConfigError("the model has no tensors: give at least one named float32 array")
@@ -78,6 +102,8 @@ class ParameterStore:
         # After a failover, workers hold base versions of the lost server,
         # which may be ahead of this one's: accepted, with delay 0.
         self.accept_future_base = False
+        self.dedup_window = dedup_window
+        self._applied_uids: OrderedDict[str, PushOutcome] = OrderedDict()
 
     def check_layout(self, specs: Iterable[tuple[str, np.dtype, tuple[int, ...]]]) -> None:
         """Raise InvalidUpdate unless (name, dtype, shape) triples match the model."""
@@ -131,22 +157,82 @@ class ParameterStore:
             return f"stale: delay {delay} exceeds tau_max {self.tau_max}; pull a fresher model"
         return None
 
-    def apply(self, base_version: int, update: Mapping[str, np.ndarray]) -> PushOutcome:
+    def apply(self, base_version: int, update: Mapping[str, np.ndarray],
+              uid: str | None = None) -> PushOutcome:
         """Validate, check staleness, and apply one update.
 
         Raises InvalidUpdate (model untouched) for a malformed update; returns
-        an outcome with applied=False for one that is too stale.
+        an outcome with applied=False for one that is too stale. An update
+        whose `uid` was applied before is not applied again: call
+        `applied_before(uid)` first for its outcome.
         """
         update = {n: np.asarray(u) for n, u in update.items()}
         self.validate(base_version, update)
+        if uid is not None and uid in self._applied_uids:
+            raise InvalidUpdate(f"update {uid!r} was applied already (version "
+                                f"{self._applied_uids[uid].version})", reason="duplicate")
         delay = max(0, self.version - base_version)
         reason = self.stale_reason(delay)
         if reason is not None:
             return PushOutcome(False, self.version, delay, reason, base_version)
         self._step(update)
-        return PushOutcome(
+        outcome = PushOutcome(
             applied=True, version=self.version, delay=delay, base_version=base_version
         )
+        self.remember(uid, outcome)
+        return outcome
+
+    def applied_before(self, uid: str | None) -> PushOutcome | None:
+        """The outcome of the update `uid` if this store applied it already."""
+        return None if uid is None else self._applied_uids.get(uid)
+
+    def remember(self, uid: str | None, outcome: PushOutcome) -> None:
+        """Record that update `uid` was applied with `outcome`."""
+        if uid is None or not outcome.applied:
+            return
+        self._applied_uids[uid] = outcome
+        while len(self._applied_uids) > self.dedup_window:
+            self._applied_uids.popitem(last=False)
+
+    def apply_aggregate(self, members: Sequence[tuple[str, int]],
+                        total: Mapping[str, np.ndarray]) -> AggregateOutcome:
+        """Apply the sum `total` of k members ((uid, base_version) each) as one
+        momentum step; the version advances by k.
+
+        Raises InvalidUpdate (model untouched) for a malformed sum, a member
+        from the future, a uid listed twice or one applied already (its
+        members must then be re-sent one by one). Returns applied=False when
+        a member would exceed tau_max: the aggregate is not applied, so the
+        members can be judged one by one."""
+        if not members:
+            raise InvalidUpdate("an aggregate needs at least one member", reason="malformed")
+        uids = [uid for uid, _ in members]
+        if len(set(uids)) != len(uids):
+            raise InvalidUpdate(f"an aggregate lists a member twice: {uids}", reason="malformed")
+        total = {n: np.asarray(u) for n, u in total.items()}
+        self.check_layout((n, u.dtype, u.shape) for n, u in total.items())
+        for uid, base in members:
+            self.check_base_version(base)
+            done = self._applied_uids.get(uid)
+            if done is not None:
+                raise InvalidUpdate(f"aggregate member {uid!r} was applied already (version "
+                                    f"{done.version}): send the members one by one",
+                                    reason="duplicate")
+        if not self.allow_nonfinite:
+            for name, u in total.items():
+                if not _core.all_finite(c_contiguous(u)):
+                    raise InvalidUpdate(_nonfinite_message(name), reason="nonfinite")
+        delays = tuple(max(0, self.version - base) for _, base in members)
+        for (uid, _), delay in zip(members, delays, strict=True):
+            reason = self.stale_reason(delay)
+            if reason is not None:
+                return AggregateOutcome(False, self.version, delays,
+                                        f"{reason} (aggregate member {uid!r})")
+        self._step(total)
+        self.version += len(members) - 1
+        for (uid, base), delay in zip(members, delays, strict=True):
+            self.remember(uid, PushOutcome(True, self.version, delay, None, base))
+        return AggregateOutcome(True, self.version, delays)
 
     def apply_sequenced(self, seq: int, base_version: int,
                         update: Mapping[str, np.ndarray]) -> PushOutcome:

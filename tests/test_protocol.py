@@ -79,15 +79,24 @@ CASES = [
     ),
     Push(req=11, base_version=4, tensors={"a": np.float32([0.5])}, seq=2**40),
     Push(req=12, base_version=0, tensors={"a": np.float32([0.5])}, seq=0),
+    Push(req=13, base_version=4, tensors={"a": np.float32([0.5])}, uid="c0ffee-7"),
+    Push(req=14, base_version=4, tensors={"a": np.float32([0.5, 1])}, uid="c0ffee-8", group=21,
+         fan_in=3, index=2, dst="10.0.0.1:7070"),
+    Push(req=15, base_version=2, tensors={"a": np.float32([1.5])},
+         members=(("c0ffee-8", 4), ("beef-1", 2))),
     PushResult(req=3, applied=True, version=11, delay=2),
+    PushResult(req=6, applied=True, version=14, delay=1, delays=(1, 3, 2)),
     PushResult(req=4, applied=False, version=11, delay=None, reason="stale: delay 9 > 8"),
     Error(code="protocol", message="bad frame"),
     TransferRequest(req=4, host="h1", dst="10.0.0.1:7070", nbytes=2**40, base_version=3,
                     norm=0.125),
     Directive(req=4, action="go", position=2, planned_seconds=0.5),
     Directive(req=5, action="drop", reason="deadline_missed"),
+    Directive(req=6, action="go", position=3, planned_seconds=0.25, via="10.0.0.7:7401",
+              group=40, fan_in=4, index=0),
     TransferDone(req=4, applied=True, version=9, delay=2, seconds=1.5),
     TransferDone(req=5, applied=False, version=9, delay=None, seconds=0.0),
+    TransferDone(req=6, applied=True, version=12, delay=0, seconds=0.5, via_failed="10.0.0.7"),
     StatusRequest(req=3),
     ReplicaDone(dst="10.0.0.2", version=2**33),
     Ping(req=1),
@@ -274,6 +283,30 @@ BAD_FRAMES = {
     "negative seq": (
         frame(MsgType.PUSH, {"req": 1, "base_version": 0, "seq": -3, "tensors": []}),
         "'seq'"),
+    "member without uid": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "group": 1, "fan_in": 2, "index": 0,
+                             "dst": "s:1", "tensors": []}), "needs a 'uid'"),
+    "member index past fan-in": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "uid": "u", "group": 1, "fan_in": 2,
+                             "index": 2, "dst": "s:1", "tensors": []}), "0 <= index < fan_in"),
+    "member without dst": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "uid": "u", "group": 1, "fan_in": 2,
+                             "index": 0, "tensors": []}), "'dst'"),
+    "fan-in too large": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "uid": "u", "group": 1, "fan_in": 65,
+                             "index": 0, "dst": "s:1", "tensors": []}), "fan_in <= 64"),
+    "members not pairs": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "members": [["u", -1]],
+                             "tensors": []}), "'members'"),
+    "members empty": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "members": [], "tensors": []}),
+        "'members'"),
+    "delays not ints": (
+        frame(MsgType.PUSH_RESULT, {"req": 1, "applied": True, "version": 1, "delays": [1.5]}),
+        "'delays'"),
+    "via without group": (
+        frame(MsgType.DIRECTIVE, {"req": 1, "action": "go", "via": "a:1", "fan_in": 2,
+                                  "index": 0}), "needs 'group'"),
     "replica done no dst": (frame(MsgType.REPLICA_DONE, {"version": 2}), "'dst'"),
     "length mismatch": (
         frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [["a", "f4", [4]]]},

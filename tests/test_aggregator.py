@@ -1,0 +1,214 @@
+"""The aggregation path, live: workers, controller, aggregator and server on
+loopback. A test policy routes every k pending updates as one group, so what
+is tested is the I/O (members in, one aggregate out, each worker told its own
+outcome, failures re-sent straight to the server), not the planner's timing
+(tests/test_aggregation.py tests the planner)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+import mlfabric
+from mlfabric.aggregation import apply_aggregate
+from mlfabric.aggregator import Aggregator
+from mlfabric.control import PlanItem, Route, Snapshot
+from mlfabric.controller import Controller
+from mlfabric.metrics import AggregatorMetrics
+from mlfabric.protocol import Push, PushResult
+from mlfabric.store import ParameterStore
+
+from support import (
+    JOB,
+    TOKEN,
+    RawClient,
+    Reference,
+    ServerThread,
+    assert_model_equal,
+    make_model,
+    random_update,
+    wait_until,
+)
+
+GAMMA = 0.5
+
+
+def grouping_policy(k: int, address: str, fan_in: int | None = None):
+    """Hold updates until k are pending, then send all k through the
+    aggregator at `address` as one group (claiming `fan_in` members)."""
+
+    def policy(snap: Snapshot) -> list[PlanItem]:
+        if len(snap.pending) < k:
+            return []
+        first = snap.pending[0].id
+        return [PlanItem(t.id, start=snap.now, position=i, planned_seconds=0.01,
+                         route=Route("agg", address, first, fan_in or k, i))
+                for i, t in enumerate(snap.pending[:k])]
+
+    return policy
+
+
+@pytest.fixture
+def live(loop_kind):
+    threads = []
+
+    def start(k: int, *, fan_in: int | None = None, group_timeout: float = 5.0,
+              tau_max: int | None = None):
+        model = make_model()
+        server = ServerThread(ParameterStore(model, momentum=GAMMA, tau_max=tau_max),
+                              loop_kind=loop_kind).__enter__()
+        threads.append(server)
+        agg = ServerThread(None, loop_kind=loop_kind, endpoint=Aggregator(
+            job=JOB, token=TOKEN, group_timeout=group_timeout,
+            metrics=AggregatorMetrics())).__enter__()
+        threads.append(agg)
+        controller = ServerThread(None, loop_kind=loop_kind, endpoint=Controller(
+            grouping_policy(k, agg.address, fan_in), job=JOB, token=TOKEN,
+            tau_max=tau_max)).__enter__()
+        threads.append(controller)
+        return server, agg, controller, model
+
+    yield start
+    for t in reversed(threads):
+        if t._thread.is_alive():
+            t.__exit__(None, None, None)
+
+
+def test_a_group_is_summed_forwarded_once_and_each_member_told(live):
+    server, agg, controller, model = live(4)
+    w, prev, version = dict(model), dict(model), 0
+    with mlfabric.connect(server.address, job=JOB, token=TOKEN,
+                          controller=controller.address) as ps:
+        for rnd in range(2):
+            updates = [random_update(model, seed=10 * rnd + i) for i in range(4)]
+            futures = [ps.push(u, base_version=version) for u in updates]
+            outcomes = [f.result(10) for f in futures]
+            w, prev, version, delays = apply_aggregate(
+                w, prev, version, [(u, version) for u in updates], GAMMA)
+            assert [(o.applied, o.version, o.delay) for o in outcomes] == \
+                [(True, version, d) for d in delays]
+        assert_model_equal(ps.pull(timeout=10)[1], w)
+    sm, am = server.metrics, agg.metrics
+    assert sm.aggregates_applied._value.get() == 2
+    assert sm.updates_applied._value.get() == 8
+    assert am.aggregates.labels("applied")._value.get() == 2
+    assert am.members._value.get() == 8
+    update_bytes = sum(a.nbytes for a in model.values())
+    assert am.saved_bytes._value.get() == 2 * 3 * update_bytes
+    # The server received 2 aggregates, not 8 updates.
+    assert sm.received_bytes._value.get() < 3 * update_bytes + 64 * 1024
+
+
+def test_members_from_several_workers_with_different_base_versions(live):
+    """Members are summed in the controller's order (request order here),
+    and each gets its own delay: version before the step minus its base."""
+    server, _agg, controller, model = live(3)
+    clients = [mlfabric.connect(server.address, job=JOB, token=TOKEN,
+                                controller=controller.address, name=f"w{i}") for i in range(3)]
+
+    def push_in_order(updates, bases):
+        futures = []
+        for i, (c, u, b) in enumerate(zip(clients, updates, bases, strict=True)):
+            futures.append(c.push(u, base_version=b))
+            if i < 2:  # the next request only once this one is pending
+                wait_until(lambda i=i: len(controller.server.state.pending) == i + 1,
+                           what=f"request {i + 1} at the controller")
+        return [f.result(10) for f in futures]
+
+    try:
+        first = [random_update(model, seed=i) for i in range(3)]
+        got = push_in_order(first, [0, 0, 0])
+        w, prev, version, _ = apply_aggregate(model, model, 0, [(u, 0) for u in first], GAMMA)
+        assert version == 3
+        assert [(o.version, o.delay) for o in got] == [(3, 0)] * 3
+        second = [random_update(model, seed=10 + i) for i in range(3)]
+        got = push_in_order(second, [0, 3, 3])
+        w, prev, version, delays = apply_aggregate(
+            w, prev, 3, [(second[0], 0), (second[1], 3), (second[2], 3)], GAMMA)
+        assert (version, delays) == (6, [3, 0, 0])
+        assert [(o.version, o.delay) for o in got] == [(6, 3), (6, 0), (6, 0)]
+        assert_model_equal(clients[0].pull(timeout=10)[1], w)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_a_group_missing_a_member_is_forwarded_after_the_timeout(live):
+    server, agg, controller, model = live(3, fan_in=4, group_timeout=0.3)
+    updates = [random_update(model, seed=i) for i in range(3)]
+    with mlfabric.connect(server.address, job=JOB, token=TOKEN,
+                          controller=controller.address) as ps:
+        outcomes = [f.result(10) for f in [ps.push(u, base_version=0) for u in updates]]
+        w, _, _version, _ = apply_aggregate(model, model, 0, [(u, 0) for u in updates], GAMMA)
+        assert [(o.applied, o.version) for o in outcomes] == [(True, 3)] * 3
+        assert_model_equal(ps.pull(timeout=10)[1], w)
+    assert agg.metrics.group_timeouts._value.get() == 1
+
+
+def test_a_stopped_aggregator_fails_its_members_and_they_go_straight_to_the_server(
+        live, caplog):
+    """The aggregator stops with 3 of 4 members in: each worker is told, sends
+    its update to the server directly (applied once), and the controller
+    hears of the failure."""
+    server, agg, controller, model = live(3, fan_in=4, group_timeout=30)
+    caplog.set_level(logging.WARNING)
+    updates = [random_update(model, seed=i) for i in range(3)]
+    with mlfabric.connect(server.address, job=JOB, token=TOKEN,
+                          controller=controller.address) as ps:
+        futures = [ps.push(u, base_version=0) for u in updates]
+        wait_until(lambda: len(agg.server.groups) == 1
+                   and len(next(iter(agg.server.groups.values())).members) == 3,
+                   what="three members at the aggregator")
+        agg.__exit__(None, None, None)
+        outcomes = [f.result(10) for f in futures]
+        assert sorted(o.version for o in outcomes) == [1, 2, 3]
+        assert all(o.applied for o in outcomes)
+        ref = Reference(model, GAMMA)
+        for _, u in sorted(zip(outcomes, updates, strict=True), key=lambda x: x[0].version):
+            ref.apply(u)
+        assert_model_equal(ps.pull(timeout=10)[1], ref.w)
+    cm = controller.metrics
+    wait_until(lambda: cm.aggregator_failures._value.get() == 3, what="failures reported")
+    assert "agg" in controller.server.state.benched
+    assert server.metrics.aggregates_applied._value.get() == 0
+    assert any("straight to the server" in r.getMessage() for r in caplog.records)
+
+
+def test_a_member_resent_after_its_aggregate_was_applied_is_not_applied_again(loop_kind):
+    """The aggregate was applied but the answer was lost (the aggregator died
+    after forwarding): the worker re-sends with the same uid and gets the
+    aggregate's outcome; the model does not change."""
+    model = make_model()
+    with ServerThread(ParameterStore(model, momentum=GAMMA), loop_kind=loop_kind) as server:
+        raw = RawClient(server.port)
+        u1, u2 = random_update(model, 1), random_update(model, 2)
+        total = {n: u1[n] + u2[n] for n in model}
+        raw.send(Push(1, 0, total, members=(("a-1", 0), ("b-1", 0))))
+        assert raw.recv_event() == PushResult(1, True, 2, 0, None, (0, 0))
+        raw.send(Push(2, 0, u2, uid="b-1"))
+        assert raw.recv_event() == PushResult(2, True, 2, 0)
+        w, _, _, _ = apply_aggregate(model, model, 0, [(u1, 0), (u2, 0)], GAMMA)
+        assert_model_equal(server.call(lambda: server.store.snapshot()[1]), w)
+        # An aggregate naming a member applied already is refused whole.
+        raw.send(Push(3, 0, total, members=(("c-1", 0), ("a-1", 0))))
+        err = raw.recv_event()
+        assert err.code == "duplicate" and "'a-1' was applied already" in err.message
+        assert server.metrics.updates_rejected.labels("duplicate")._value.get() == 2
+        raw.close()
+
+
+def test_the_aggregator_refuses_pushes_without_a_group(loop_kind):
+    model = make_model()
+    with ServerThread(None, loop_kind=loop_kind,
+                      endpoint=Aggregator(job=JOB, token=TOKEN)) as agg:
+        raw = RawClient(agg.port)
+        raw.send(Push(1, 0, model))
+        err = raw.recv_event()
+        assert err.code == "misrouted" and "this is an aggregator" in err.message
+        raw.send(Push(2, 0, {"w": np.zeros(3)}, uid="u", group=1, fan_in=2, index=0,
+                      dst="127.0.0.1:1"))
+        err = raw.recv_event()
+        assert err.code == "bad_dtype" and "float32" in err.message
+        raw.close()
