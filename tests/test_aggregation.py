@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -10,12 +12,15 @@ from hypothesis import strategies as st
 from mlfabric.aggregation import (
     AggregationConfig,
     Group,
+    GroupSum,
     Links,
     Slot,
     apply_aggregate,
     direct_delivery,
     plan_groups,
+    route_groups,
 )
+from mlfabric.control import ControlState, Network, PlanItem, Route, Snapshot, Transfer
 from mlfabric.errors import ConfigError
 
 TOL = 1e-9
@@ -136,3 +141,123 @@ def test_applying_an_aggregate_is_one_momentum_step_that_advances_by_k():
         apply_aggregate(w, w_prev, 12, [], gamma=0.5)
 
 
+
+
+# -- GroupSum: the aggregator's sum --------------------------------------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(k=st.integers(1, 6), n=st.integers(1, 3000), chunk=st.sampled_from([1, 7, 64, 1 << 17]),
+       seed=st.integers(0, 2**31), data=st.data())
+def test_group_sum_is_the_left_to_right_sum_whatever_the_arrival_order(k, n, chunk, seed,
+                                                                       data):
+    rng = np.random.default_rng(seed)
+    members = [(rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
+               for _ in range(k)]
+    blocks = [np.empty(4 * n, np.uint8) for _ in range(k)]  # as the wire delivers them
+    gs = GroupSum(k, 4 * n, chunk=chunk)
+    received = [0] * k
+    while not gs.all_in:
+        i = data.draw(st.sampled_from([j for j in range(k) if not gs.complete[j]]))
+        step = data.draw(st.integers(1, 4 * n))
+        received[i] = min(4 * n, received[i] + step)
+        blocks[i][:received[i]] = members[i].view(np.uint8)[:received[i]]
+        if received[i] == 4 * n:
+            gs.member_done(i, blocks[i])
+        else:
+            gs.progress(i, blocks[i], received[i])
+        # Only what every member has in is ever summed.
+        assert gs.summed * 4 <= min(received)
+    want = functools.reduce(np.add, members)
+    assert np.array_equal(gs.total().view(np.uint32), want.view(np.uint32))
+
+
+def test_group_sum_of_a_subset_and_its_errors():
+    a, c = (np.full(5, x, np.float32) for x in (1.0, 4.0))
+    gs = GroupSum(3, 20)
+    gs.member_done(0, a.view(np.uint8))
+    gs.member_done(2, c.view(np.uint8))
+    np.testing.assert_array_equal(gs.total_of([2, 0]), a + c)
+    with pytest.raises(ConfigError, match="before all its members are in"):
+        gs.total()
+    with pytest.raises(ConfigError, match=r"members \[0, 1\] are not all complete"):
+        gs.total_of([0, 1])
+    with pytest.raises(ConfigError, match="member 1 carries 16 bytes, the group's members 20"):
+        gs.progress(1, np.zeros(4, np.float32).view(np.uint8), 4)
+    with pytest.raises(ConfigError, match="multiple of 4"):
+        GroupSum(2, 10)
+    with pytest.raises(ConfigError, match="fan_in=0"):
+        GroupSum(0, 8)
+
+
+# -- route_groups: the planner applied to a policy's plan -------------------------------
+
+MB = 1_000_000
+
+
+def _snapshot(pending, aggregators, down_server=12.5 * MB, now=0.0, active=()):
+    net = Network(default=125 * MB, down={"s": down_server})
+    return Snapshot(now=now, version=0, tau_max=None, pending=tuple(pending),
+                    active=tuple(active), network=net, aggregators=aggregators)
+
+
+def _transfers(n, size=2 * MB):
+    return [Transfer(i + 1, "owner", i, f"w{i}", "s", size, 0, 1.0, 0.0) for i in range(n)]
+
+
+def _back_to_back(ts, snap):
+    """A plan that sends into s one after another (what the core does when
+    the server's downlink is the bottleneck)."""
+    t, items = snap.now, []
+    for pos, tr in enumerate(ts):
+        d = tr.nbytes / snap.network.rate(tr.host, tr.dst)
+        items.append(PlanItem(tr.id, start=t, position=pos, planned_seconds=d))
+        t += d
+    return items
+
+
+def test_route_groups_sends_the_positions_behind_the_first_through_the_aggregator():
+    ts = _transfers(5)
+    snap = _snapshot(ts, {"a": "10.0.0.9:7401"})
+    items, groups = route_groups(snap, _back_to_back(ts, snap))
+    # Position 0 goes straight in (0.16 s on the 100 Mbit/s downlink); while it
+    # does, positions 1-4 reach the 1 Gbit/s aggregator (4 x 2 MB in 0.064 s)
+    # and are summed: one forward of 0.16 s instead of four.
+    assert [g.ids for g in groups] == [(2, 3, 4, 5)]
+    assert items[0] == _back_to_back(ts, snap)[0]
+    for index, item in enumerate(items[1:]):
+        assert item.start == 0.0 and item.route == Route("a", "10.0.0.9:7401", 2, 4, index)
+        assert item.planned_seconds == pytest.approx(0.32)  # D_0 + one forward
+        assert item.position == index + 1
+
+
+def test_route_groups_forms_no_group_that_would_not_pay_or_without_aggregators():
+    ts = _transfers(4)
+    plan = _back_to_back(ts, _snapshot(ts, {}))
+    assert route_groups(_snapshot(ts, {}), plan) == (plan, [])
+    # An aggregator whose forward is no faster than the direct transfers:
+    # the server's downlink is not the bottleneck (every link 1 Gbit/s).
+    snap = _snapshot(ts, {"a": "x:1"}, down_server=125 * MB)
+    plan = _back_to_back(ts, snap)
+    assert route_groups(snap, plan) == (plan, [])
+
+
+def test_route_groups_keeps_drops_and_ignores_other_servers_singletons():
+    ts = _transfers(3)
+    ts[2].dst = "s2"
+    snap = _snapshot(ts, {"a": "x:1"})
+    plan = [PlanItem(1, start=0.0, position=0, planned_seconds=0.16),
+            PlanItem(2, drop="deadline_missed", detail="at position 1"),
+            PlanItem(3, start=0.0, position=0, planned_seconds=0.016)]
+    assert route_groups(snap, plan) == (plan, [])
+
+
+def test_benched_and_unreachable_aggregators_are_not_offered():
+    state = ControlState(lambda snap: [], tau_max=None)
+    state.aggregators = {"a": "x:1", "b": "y:1", "c": "z:1"}
+    state.add_agent("c", "z:7400")  # its agent was never reached
+    state.aggregator_failed("a", now=5.0)
+    assert state.snapshot(now=6.0).aggregators == {"b": "y:1"}
+    assert state.snapshot(now=15.0).aggregators == {"a": "x:1", "b": "y:1"}
+    state.agent_reported("c", now=15.0, peers=1, fresh=1)
+    assert set(state.snapshot(now=15.0).aggregators) == {"a", "b", "c"}

@@ -3,6 +3,8 @@ the staged apply that runs while an update's bytes arrive."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -131,3 +133,80 @@ def test_store_keeps_its_own_copy_of_the_initial_model():
     store = ParameterStore(model)
     model["w"][:] = 0
     assert not np.all(store.weights["w"] == 0)
+
+
+# -- aggregates and update ids -----------------------------------------------------
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.9])
+@settings(max_examples=30, deadline=None)
+@given(plan=st.lists(st.integers(1, 5), min_size=1, max_size=6), seed=st.integers(0, 99))
+def test_aggregates_and_single_updates_match_the_numpy_definition(gamma, plan, seed):
+    """A run of aggregates (k > 1) and single updates (k = 1) leaves exactly
+    the weights of aggregation.apply_aggregate, with its versions and delays."""
+    from mlfabric.aggregation import apply_aggregate
+
+    model = make_model(seed, SIZES)
+    store = ParameterStore(model, momentum=gamma)
+    w, prev, version = dict(model), dict(model), 0
+    for step, k in enumerate(plan):
+        updates = [random_update(model, seed=100 * step + j) for j in range(k)]
+        bases = [max(0, version - j) for j in range(k)]
+        uids = [f"{step}-{j}" for j in range(k)]
+        w, prev, version, delays = apply_aggregate(
+            w, prev, version, list(zip(updates, bases, strict=True)), gamma)
+        if k == 1:
+            outcome = store.apply(bases[0], updates[0], uids[0])
+            assert (outcome.version, outcome.delay) == (version, delays[0])
+        else:
+            total = {n: functools.reduce(np.add, [u[n] for u in updates]) for n in model}
+            agg = store.apply_aggregate(list(zip(uids, bases, strict=True)), total)
+            assert (agg.applied, agg.version, list(agg.delays)) == (True, version, delays)
+        for uid, delay in zip(uids, delays, strict=True):
+            assert store.applied_before(uid).version == version
+            assert store.applied_before(uid).delay == delay
+    assert_model_equal(store.weights, w)
+
+
+def test_an_aggregate_with_a_stale_member_is_not_applied():
+    model = make_model(0, SIZES)
+    store = ParameterStore(model, tau_max=2, version=5)
+    total = random_update(model, 1)
+    out = store.apply_aggregate([("fresh", 5), ("old", 2)], total)
+    assert (out.applied, out.version, out.delays) == (False, 5, (0, 3))
+    assert out.reason == "stale: delay 3 exceeds tau_max 2; pull a fresher model (aggregate " \
+                         "member 'old')"
+    assert_model_equal(store.weights, model)
+    assert store.applied_before("fresh") is None
+
+
+@pytest.mark.parametrize(("members", "reason", "message"), [
+    ([], "malformed", "at least one member"),
+    ([("a", 0), ("a", 0)], "malformed", "lists a member twice"),
+    ([("a", 0), ("b", 9)], "future_version", "base_version 9 is ahead"),
+    ([("x", 0), ("done", 0)], "duplicate", "member 'done' was applied already"),
+])
+def test_a_malformed_aggregate_is_refused_and_the_model_untouched(members, reason, message):
+    model = make_model(0, SIZES)
+    store = ParameterStore(model)
+    store.apply(0, random_update(model, 1), uid="done")
+    before = {n: w.copy() for n, w in store.weights.items()}
+    with pytest.raises(InvalidUpdate, match=message) as info:
+        store.apply_aggregate(members, random_update(model, 2))
+    assert info.value.reason == reason
+    assert_model_equal(store.weights, before)
+    assert store.version == 1
+
+
+def test_an_update_id_is_applied_once_and_the_window_is_bounded():
+    model = make_model(0, SIZES)
+    store = ParameterStore(model, dedup_window=2)
+    first = store.apply(0, random_update(model, 1), uid="u1")
+    with pytest.raises(InvalidUpdate, match="'u1' was applied already") as info:
+        store.apply(0, random_update(model, 1), uid="u1")
+    assert info.value.reason == "duplicate" and store.version == 1
+    assert store.applied_before("u1") == first
+    store.apply(1, random_update(model, 2), uid="u2")
+    store.apply(2, random_update(model, 3), uid="u3")
+    assert store.applied_before("u1") is None  # the oldest is forgotten past the window
+    assert [store.applied_before(u).version for u in ("u2", "u3")] == [2, 3]
