@@ -67,7 +67,7 @@ def table(sc: Scenario, runs: dict[str, list[RunResult]]) -> str:
         lines.append(f"  {system:9s} {t:13.1f} s{mark:5s}{reached:>3d}/{len(rs):<3d} {rest}")
     if runs.get("mlfabric"):
         m = med([ttt(r, sc.time_limit) for r in runs["mlfabric"]])
-        for other in ("fifo", "ddp", "mlfabric-static"):
+        for other in ("fifo", "ddp", "mlfabric-agg", "mlfabric-static"):
             if runs.get(other):
                 o = med([ttt(r, sc.time_limit) for r in runs[other]])
                 lines.append(f"  time to target, {other} / mlfabric: {o / m:.2f}x "
@@ -82,7 +82,8 @@ def plot(path: str, results: dict[str, dict[str, list[RunResult]]]) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.2), squeeze=False)
-    colours = {"fifo": "tab:red", "mlfabric": "tab:blue", "ddp": "tab:green"}
+    colours = {"fifo": "tab:red", "mlfabric": "tab:blue", "ddp": "tab:green",
+               "mlfabric-agg": "tab:purple", "mlfabric-static": "tab:gray"}
     for ax, (name, runs) in zip(axes[0], results.items(), strict=True):
         for system, rs in runs.items():
             for k, r in enumerate(rs):

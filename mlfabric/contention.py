@@ -11,6 +11,9 @@ accuracy reaches the target or the time limit passes:
   fifo``: every update goes at once);
 * ``mlfabric``: the controller's ordering with deadlines and drops, fed by
   agents on every host;
+* ``mlfabric-agg``: ``mlfabric`` with aggregation: every worker host's agent
+  is also an aggregator (``--aggregate``), and the controller routes groups
+  of updates through them when that pays (docs/design.md, "Aggregation");
 * ``mlfabric-static``: the same policy without agents: the controller plans
   on the configured link capacities only (to see what the agents' picture
   adds or costs);
@@ -51,10 +54,11 @@ from .demo_model import accuracy, init_params, load_digits_split, loss_and_grads
 from .errors import ConfigError
 from .workload import serving_address, wait_for_line
 
-SYSTEMS: tuple[str, ...] = ("fifo", "mlfabric", "ddp", "mlfabric-static")
+SYSTEMS: tuple[str, ...] = ("fifo", "mlfabric", "mlfabric-agg", "ddp", "mlfabric-static")
 JOB = "contention"
 CONTROLLER_PORT = 7071
 AGENT_PORT = 7400
+AGGREGATE_PORT = 7401
 DDP_PORT = 29511
 METRICS_PORT = 9109
 
@@ -317,11 +321,17 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
         for i, w in enumerate(workers):
             links += ["--link", f"{w.ip}={sc.worker_links[i][0]}/{sc.worker_links[i][1]}"]
         agents: list[str] = []
-        if system == "mlfabric":
+        if system in ("mlfabric", "mlfabric-agg"):
             for w in workers:
+                aggregate = []
+                if system == "mlfabric-agg":
+                    aggregate = ["--aggregate", f"{w.ip}:{AGGREGATE_PORT}", "--job", JOB,
+                                 "--token-file", str(token)]
+                    agents += ["--aggregator", f"{w.ip}={w.ip}:{AGGREGATE_PORT}"]
                 helpers.append(_popen(tb, w, [*py, "agent", "--name", w.ip, "--listen",
                                               f"{w.ip}:{AGENT_PORT}", "--peer",
-                                              f"{h0.ip}={h0.ip}:{AGENT_PORT}"], tmp))
+                                              f"{h0.ip}={h0.ip}:{AGENT_PORT}", *aggregate],
+                                      tmp))
                 agents += ["--agent", f"{w.ip}={w.ip}:{AGENT_PORT}"]
             peers = [a for w in workers for a in ("--peer", f"{w.ip}={w.ip}:{AGENT_PORT}")]
             helpers.append(_popen(tb, h0, [*py, "agent", "--name", h0.ip, "--listen",
