@@ -87,8 +87,9 @@ async def connect(
 
 async def open_link(address: str, hs: Handshake, timeout: float, what: str, *,
                     metrics: ClientMetrics | None = None, on_event: Any = None,
-                    on_lost: Any = None) -> _ClientProtocol:
-    """Connect to an mlfabric server or controller and complete the handshake."""
+                    on_lost: Any = None, command: str | None = None) -> _ClientProtocol:
+    """Connect to an mlfabric server or controller and complete the handshake.
+    `command`: what should be running there (default: mlfabric + what's last word)."""
     host, port = parse_address(address)
     loop = asyncio.get_running_loop()
     try:
@@ -99,10 +100,9 @@ async def open_link(address: str, hs: Handshake, timeout: float, what: str, *,
         )
     except (TimeoutError, OSError) as exc:
         detail = getattr(exc, "strerror", None) or str(exc) or "timed out"
-        command = what.split()[-1]
+        command = command or f"mlfabric {what.split()[-1]}"
         raise ConnectError(
-            f"cannot reach the {what} at {address}: {detail}; is `mlfabric {command}` "
-            f"running there?"
+            f"cannot reach the {what} at {address}: {detail}; is `{command}` running there?"
         ) from None
     try:
         await asyncio.wait_for(asyncio.shield(proto.welcomed), timeout)

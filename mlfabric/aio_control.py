@@ -151,7 +151,8 @@ class AsyncControlledPushes:
         from .aio import AsyncClient, open_link
 
         async def dial() -> AsyncClient:
-            return AsyncClient(await open_link(address, self.hs, 2.0, "aggregator"))
+            return AsyncClient(await open_link(address, self.hs, 2.0, "aggregator",
+                                               command="mlfabric agent --aggregate"))
 
         task = self._aggregators.get(address)
         if task is None or (task.done() and (task.exception() is not None

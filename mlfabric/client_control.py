@@ -273,9 +273,9 @@ class ControlledPushes:
             job, secret, name, timeout = self.client._dial_args
             try:
                 sock, conn, welcome = _dial(address, job, secret, name, min(timeout, 2.0))
-            except ConnectError as exc:
+            except ConnectError as exc:  # the dialer speaks of a server
                 raise ConnectError(str(exc).replace("parameter server", "aggregator")
-                                   .replace("mlfabric server", "mlfabric agent --aggregate")
+                                   .replace("`mlfabric server`", "`mlfabric agent --aggregate`")
                                    ) from None
             link = self._aggregators[address] = Client(sock, conn, welcome, address)
         return link

@@ -6,6 +6,7 @@ outcome, failures re-sent straight to the server), not the planner's timing
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import numpy as np
@@ -212,3 +213,32 @@ def test_the_aggregator_refuses_pushes_without_a_group(loop_kind):
         err = raw.recv_event()
         assert err.code == "bad_dtype" and "float32" in err.message
         raw.close()
+
+
+def test_asyncio_client_through_the_aggregator_and_its_fallback(live, run_async):
+    """The asyncio client follows the same routes: one group applied as an
+    aggregate, then, with the aggregator gone, the next group's members go
+    straight to the server and each is applied once."""
+    from mlfabric import aio
+
+    server, agg, controller, model = live(2)
+    first = [random_update(model, seed=i) for i in range(2)]
+    second = [random_update(model, seed=10 + i) for i in range(2)]
+
+    async def body():
+        async with await aio.connect(server.address, job=JOB, token=TOKEN,
+                                     controller=controller.address) as ps:
+            got = await asyncio.gather(*[ps.push(u, base_version=0) for u in first])
+            assert [(o.applied, o.version, o.delay) for o in got] == [(True, 2, 0)] * 2
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, agg.__exit__, None, None, None)
+            got = await asyncio.gather(*[ps.push(u, base_version=2) for u in second])
+            assert sorted(o.version for o in got) == [3, 4] and all(o.applied for o in got)
+            return got, (await ps.pull())[1]
+
+    got, final = run_async(body())
+    w, prev, _, _ = apply_aggregate(model, model, 0, [(u, 0) for u in first], GAMMA)
+    for _, u in sorted(zip(got, second, strict=True), key=lambda x: x[0].version):
+        w, prev, _, _ = apply_aggregate(w, prev, 0, [(u, 0)], GAMMA)
+    assert_model_equal(final, w)
+    assert server.metrics.aggregates_applied._value.get() == 1
