@@ -8,6 +8,8 @@ takes unbounded values: reasons and kinds come from fixed sets, never ids.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 NAMESPACE = "mlfabric"
@@ -35,6 +37,25 @@ REJECT_REASONS = (
     "seq_gap",  # a replica's out-of-order buffer is full
     "misrouted",  # a sequenced push to a server, or an unsequenced one to a replica
 )
+
+
+def _listener_metrics(m: Any, prefix: str, peers: str, r: CollectorRegistry) -> None:
+    """What every listener counts (endpoint.py), as attributes of `m`."""
+    ns = NAMESPACE
+    m.received_bytes = Counter(f"{prefix}_received_bytes",
+                               f"Bytes received on {peers} connections", namespace=ns,
+                               registry=r)
+    m.sent_bytes = Counter(f"{prefix}_sent_bytes", f"Bytes sent on {peers} connections",
+                           namespace=ns, registry=r)
+    m.connected_clients = Gauge(f"{prefix}_connected_clients",
+                                f"Authenticated {peers} connections open now", namespace=ns,
+                                registry=r)
+    m.auth_failures = Counter(f"{prefix}_auth_failures",
+                              "Connections refused at the handshake (wrong token or job)",
+                              namespace=ns, registry=r)
+    m.protocol_errors = Counter(f"{prefix}_protocol_errors",
+                                "Connections closed for a malformed or oversized frame",
+                                namespace=ns, registry=r)
 
 
 class ServerMetrics:
@@ -74,32 +95,10 @@ class ServerMetrics:
             registry=r,
             buckets=APPLY_BUCKETS,
         )
-        self.received_bytes = Counter(
-            "server_received_bytes", "Bytes received on client connections",
-            namespace=ns, registry=r,
-        )
-        self.sent_bytes = Counter(
-            "server_sent_bytes", "Bytes sent on client connections", namespace=ns, registry=r
-        )
-        self.connected_clients = Gauge(
-            "server_connected_clients", "Authenticated client connections open now",
-            namespace=ns, registry=r,
-        )
+        _listener_metrics(self, "server", "client", r)
         self.pulls = Counter("server_pulls", "Pulls served", namespace=ns, registry=r)
         self.version = Gauge(
             "server_model_version", "Current model version", namespace=ns, registry=r
-        )
-        self.auth_failures = Counter(
-            "server_auth_failures",
-            "Connections refused at the handshake (wrong token or job)",
-            namespace=ns,
-            registry=r,
-        )
-        self.protocol_errors = Counter(
-            "server_protocol_errors",
-            "Connections closed for a malformed or oversized frame",
-            namespace=ns,
-            registry=r,
         )
         self.checkpoints = Counter(
             "server_checkpoints", "Checkpoints written", namespace=ns, registry=r
@@ -253,20 +252,7 @@ class ControllerMetrics:
         self.bandwidth = Gauge("controller_path_bandwidth_bytes_per_second",
                                "Available bandwidth per path, as agents measured it",
                                ["src", "dst"], namespace=ns, registry=r)
-        # What every listener counts (see endpoint.py).
-        self.received_bytes = Counter("controller_received_bytes", "Bytes received",
-                                      namespace=ns, registry=r)
-        self.sent_bytes = Counter("controller_sent_bytes", "Bytes sent", namespace=ns,
-                                  registry=r)
-        self.connected_clients = Gauge("controller_connected_clients",
-                                       "Authenticated connections open now",
-                                       namespace=ns, registry=r)
-        self.auth_failures = Counter("controller_auth_failures",
-                                     "Connections refused at the handshake",
-                                     namespace=ns, registry=r)
-        self.protocol_errors = Counter("controller_protocol_errors",
-                                       "Connections closed for a malformed frame",
-                                       namespace=ns, registry=r)
+        _listener_metrics(self, "controller", "peer", r)
         # Worker-driven replication (--div-max).
         self.replica_lag = Gauge(
             "controller_replica_lag_updates",
@@ -343,18 +329,7 @@ class AggregatorMetrics:
         self.late_members = Counter(
             "aggregator_late_members", "Members that arrived after their group closed (sent "
             "back to go straight to the server)", namespace=ns, registry=r)
-        # What every endpoint counts (endpoint.py).
-        self.received_bytes = Counter("aggregator_received_bytes", "Bytes received",
-                                      namespace=ns, registry=r)
-        self.sent_bytes = Counter("aggregator_sent_bytes", "Bytes sent to workers",
-                                  namespace=ns, registry=r)
-        self.connected_clients = Gauge("aggregator_connected_clients", "Connected workers",
-                                       namespace=ns, registry=r)
-        self.auth_failures = Counter("aggregator_auth_failures", "Failed handshakes",
-                                     namespace=ns, registry=r)
-        self.protocol_errors = Counter("aggregator_protocol_errors",
-                                       "Connections closed for a protocol error",
-                                       namespace=ns, registry=r)
+        _listener_metrics(self, "aggregator", "worker", r)
 
 
 class AgentMetrics:
