@@ -81,6 +81,12 @@ class AggregationConfig:
     min_fan_in: int = 2
     max_fan_in: int = 8
     sum_rate: float = 2e9  # bytes/s the aggregator's kernel sums (measured: bench_kernels)
+    # route_groups: keep the last group of the order pending while it can
+    # still take members (fewer than max_fan_in) and its aggregate would be
+    # ready more than `hold_guard` seconds before the server needs it; it goes
+    # at its latest start (minus the guard) or at an earlier re-plan.
+    hold: bool = False
+    hold_guard: float = 0.05
 
     def __post_init__(self) -> None:
         if not 2 <= self.min_fan_in <= self.max_fan_in:
@@ -88,6 +94,8 @@ class AggregationConfig:
                               f"and {self.max_fan_in}")
         if not self.sum_rate > 0:
             raise ConfigError(f"sum_rate must be positive bytes/s, got {self.sum_rate}")
+        if not self.hold_guard >= 0:
+            raise ConfigError(f"hold_guard must be >= 0 seconds, got {self.hold_guard}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,9 +212,17 @@ def route_groups(snap: Snapshot, items: list[PlanItem],
     transfers it plans to send (now or later) are taken in plan order and
     grouped by `plan_groups` over the aggregators available in the snapshot;
     every member of a group goes now, to its aggregator (a `Route`). Returns
-    the new plan and the groups formed."""
+    the new plan and the groups formed.
+
+    With `config.hold`, the last group of a server's order is not sent yet
+    while it could take more members and has time to spare: requests arrive
+    one at a time and each re-plans, so without holding a group would go as
+    soon as two updates wait (fan-in 2). Its members stay pending, planned to
+    start at the group's latest start less `hold_guard` (the controller
+    re-plans then, or at the next request, which may join the group)."""
     if not snap.aggregators:
         return items, []
+    config = config or AggregationConfig()
     pending = {t.id: t for t in snap.pending}
     by_dst: dict[str, list[PlanItem]] = {}
     for item in items:
@@ -225,8 +241,17 @@ def route_groups(snap: Snapshot, items: list[PlanItem],
         groups, _ = plan_groups(order, dst, sorted(snap.aggregators), _links(snap, hosts),
                                 snap.now, ready, config)
         plan_of = {i.id: i for i in sends}
-        for g in groups:
+        before = max(snap.now, ready)  # D_{i-1} of each group in turn
+        for n, g in enumerate(groups):
+            before, due = g.delivered, before
             if g.aggregator is None:
+                continue
+            slack = due - g.ready  # how long its members could still wait
+            if (config.hold and n == len(groups) - 1 and len(g.ids) < config.max_fan_in
+                    and slack > config.hold_guard):
+                at = snap.now + slack - config.hold_guard
+                for tid in g.ids:
+                    routed[tid] = dataclasses.replace(plan_of[tid], start=at)
                 continue
             formed.append(g)
             for index, tid in enumerate(g.ids):

@@ -47,6 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "which sums them and forwards one update (repeat per host)")
     p.add_argument("--max-fan-in", type=int, default=8, metavar="K",
                    help="most updates summed into one aggregate (default: 8)")
+    p.add_argument("--hold-groups", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --aggregator: keep the last group of the order waiting for more "
+                        "members while its aggregate would still reach the server in time "
+                        "(larger groups; with --no-hold-groups a group goes as soon as two "
+                        "updates wait) (default: on)")
     p.add_argument("--div-max", type=float, default=None, metavar="X",
                    help="worker-driven replication: keep a bound on ||w_server - w_replica||_2 "
                         "at most X by holding server transfers until the replica catches up "
@@ -162,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
         controller = Controller(policy, job=args.job, token=token, tau_max=tau_max,
                                 network=network, metrics=metrics, policy_name=args.policy,
                                 gate=gate, aggregators=aggregators,
-                                aggregation=AggregationConfig(max_fan_in=args.max_fan_in))
+                                aggregation=AggregationConfig(max_fan_in=args.max_fan_in,
+                                                              hold=args.hold_groups))
         bound = await listen(controller, host, port, args.listen)
         if agents:
             controller.watch_agents(agents, args.agent_interval)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -261,3 +262,27 @@ def test_benched_and_unreachable_aggregators_are_not_offered():
     assert state.snapshot(now=15.0).aggregators == {"a": "x:1", "b": "y:1"}
     state.agent_reported("c", now=15.0, peers=1, fresh=1)
     assert set(state.snapshot(now=15.0).aggregators) == {"a", "b", "c"}
+
+
+def test_holding_keeps_a_growing_last_group_pending_until_its_latest_start():
+    """Requests arrive one at a time; with `hold` a group that could still
+    take members waits (re-planned at its latest start less the guard, or at
+    the next request); a full group, or one without slack, goes at once."""
+    ts = _transfers(4)
+    snap = _snapshot(ts, {"a": "x:1"})
+    busy = [PlanItem(ts[0].id, start=0.0, position=0, planned_seconds=0.16)]
+    later = busy + _back_to_back(ts[1:], replace(snap, now=0.16))
+    items, groups = route_groups(replace(snap, pending=tuple(ts)), later,
+                                 AggregationConfig(hold=False))
+    assert [g.ids for g in groups] == [(2, 3, 4)]
+    items, groups = route_groups(replace(snap, pending=tuple(ts)), later,
+                                 AggregationConfig(hold=True, hold_guard=0.05))
+    assert groups == []
+    # ready at 3 x 2 MB / 125 MB/s + 6 MB / 2 GB/s = 0.051 s, needed at 0.16 s
+    assert [i.start for i in items[1:]] == [pytest.approx(0.16 - 0.051 - 0.05)] * 3
+    assert all(i.route is None for i in items)
+    # Full at max_fan_in: it goes now.
+    items, groups = route_groups(replace(snap, pending=tuple(ts)), later,
+                                 AggregationConfig(hold=True, max_fan_in=3))
+    assert [g.ids for g in groups] == [(2, 3, 4)]
+    assert all(i.start == 0.0 for i in items)
