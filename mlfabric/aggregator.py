@@ -54,7 +54,8 @@ log = logging.getLogger("mlfabric.aggregator")
 GROUP_TIMEOUT = 2.0  # seconds from a group's first member to giving up on the rest
 MAX_UPDATE_BYTES = 1 << 32
 _CLOSED_MEMORY = 4096  # closed groups remembered, so a late member is told at once
-FAILED = "aggregate_failed"
+FAILED = "aggregate_failed"  # the aggregator could not deliver: re-send, and say so
+REFUSED = "aggregate_refused"  # the server refused the aggregate: re-send, no one's fault
 
 
 @dataclass
@@ -199,7 +200,7 @@ class Aggregator(Endpoint):
         m.aggregation_seconds.observe(time.monotonic() - group.started)
         if not result.applied or result.delays is None or len(result.delays) != len(members):
             m.aggregates.labels("refused").inc()
-            self._fail(members, f"the server did not apply the aggregate: {result.reason}")
+            self._refused(members, result, proto.welcomed.result().tau_max)
             return
         m.aggregates.labels("applied").inc()
         m.fan_in.observe(len(members))
@@ -208,6 +209,25 @@ class Aggregator(Endpoint):
         for mb, delay in zip(members, result.delays, strict=True):
             mb.conn.send(PushResult(req=mb.req, applied=True, version=result.version,
                                     delay=delay))
+
+    def _refused(self, members: list[_Member], result: PushResult, tau_max: int | None) -> None:
+        """The server refused the aggregate (a member past tau_max): the stale
+        members are answered as such (alone they would be refused too), the
+        others go straight to the server, judged one by one."""
+        delays = result.delays if result.delays is not None and len(result.delays) == len(
+            members) else (None,) * len(members)
+        log.info("the server refused an aggregate of %d members: %s", len(members),
+                 result.reason)
+        for mb, delay in zip(members, delays, strict=True):
+            if delay is not None and tau_max is not None and delay > tau_max:
+                mb.conn.send(PushResult(
+                    req=mb.req, applied=False, version=result.version, delay=delay,
+                    reason=f"stale: delay {delay} exceeds tau_max {tau_max}; pull a fresher "
+                           f"model (its aggregate was refused)"))
+            else:
+                mb.conn.send(Error(code=REFUSED, req=mb.req,
+                                   message=f"the server refused the aggregate ({result.reason}); "
+                                           f"send update {mb.uid} straight to the server"))
 
     def _fail(self, members: list[_Member], why: str) -> None:
         log.warning("%s; %d members go straight to the server", why, len(members))

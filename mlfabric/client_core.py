@@ -70,7 +70,7 @@ def error_from_event(event: Error, context: str = "") -> MlfabricError:
         return AuthenticationError(message)
     if event.code == "protocol":
         return ProtocolError(message)
-    return ServerError(f"{message} (server error code {event.code!r})")
+    return ServerError(f"{message} (server error code {event.code!r})", code=event.code)
 
 
 class Handshake:

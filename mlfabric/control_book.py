@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import _core
-from .errors import ConfigError, ConnectionLost
+from .errors import ConfigError, ConnectionLost, ServerError
 from .outcome import PushOutcome
 from .protocol import Directive, TransferDone, TransferRequest
 
@@ -178,10 +178,16 @@ class ControlBook:
         return {"uid": u.uid, "dst": server, **u.member}
 
     def via_failed(self, u: ControlledUpdate, exc: BaseException) -> None:
-        """The aggregator did not deliver `u` (it failed it, or died): `u` now
-        goes straight to the server with its uid, so it is applied once
-        whether or not the aggregate was (the server remembers uids)."""
+        """The aggregator did not deliver `u` (it failed it, or died), or the
+        server refused its aggregate: `u` now goes straight to the server with
+        its uid, so it is applied once whether or not the aggregate was (the
+        server remembers uids). Only a failure of the aggregator is reported
+        to the controller as one (`via_failed`)."""
         via, u.via, u.member = u.via, None, {}
+        if isinstance(exc, ServerError) and exc.code == "aggregate_refused":
+            log.info("the server refused the aggregate update %s was part of: sending it "
+                     "straight to the server", u.uid)
+            return
         u.via_failed = f"{type(exc).__name__}: {exc}"[:200]
         if via not in self._failed_aggregators:
             self._failed_aggregators.add(str(via))

@@ -35,7 +35,12 @@ class ConnectionLost(MlfabricError):
 
 
 class ServerError(MlfabricError):
-    """The server answered a request with an error."""
+    """The server answered a request with an error; `code` is the error's code
+    on the wire, when it came from one."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class InvalidUpdate(ServerError):
@@ -45,7 +50,7 @@ class InvalidUpdate(ServerError):
     `reason` is one short code from mlfabric.metrics.REJECT_REASONS."""
 
     def __init__(self, message: str, reason: str = "malformed") -> None:
-        super().__init__(message)
+        super().__init__(message, code=reason)
         self.reason = reason
 
 

@@ -242,3 +242,26 @@ def test_asyncio_client_through_the_aggregator_and_its_fallback(live, run_async)
         w, prev, _, _ = apply_aggregate(w, prev, 0, [(u, 0)], GAMMA)
     assert_model_equal(final, w)
     assert server.metrics.aggregates_applied._value.get() == 1
+
+
+def test_an_aggregate_refused_for_a_stale_member_blames_no_one(live):
+    """The server refuses an aggregate whose member is past tau_max: that
+    member is answered stale, the others are applied straight, one by one,
+    and the aggregator is not benched (it did nothing wrong)."""
+    server, agg, controller, model = live(3, tau_max=1)
+    with mlfabric.connect(server.address, job=JOB, token=TOKEN,
+                          controller=controller.address) as ps:
+        first = [ps.push(random_update(model, seed=i), base_version=0) for i in range(3)]
+        assert [f.result(10).version for f in first] == [3, 3, 3]
+        late = [random_update(model, seed=10 + i) for i in range(3)]
+        outcomes = [f.result(10) for f in [ps.push(u, base_version=b)
+                                           for u, b in zip(late, [0, 3, 3], strict=True)]]
+    assert (outcomes[0].applied, outcomes[0].delay) == (False, 3)
+    assert outcomes[0].reason == ("stale: delay 3 exceeds tau_max 1; pull a fresher model (its "
+                                  "aggregate was refused)")
+    assert [(o.applied, o.version) for o in outcomes[1:]] == [(True, 4), (True, 5)]
+    assert agg.metrics.aggregates.labels("refused")._value.get() == 1
+    wait_until(lambda: sum(b.get() for b in controller.metrics.actual_seconds._buckets) == 6,
+               what="6 outcomes reported")
+    assert controller.server.state.benched == {}
+    assert controller.metrics.aggregator_failures._value.get() == 0
