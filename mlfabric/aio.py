@@ -9,6 +9,7 @@ the push's future is done.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 from collections.abc import Mapping
@@ -26,10 +27,20 @@ from .client_core import (
     parse_address,
     resolve_token,
 )
-from .errors import ConnectError, ConnectionLost, MlfabricError
+from .errors import ConfigError, ConnectError, ConnectionLost, MlfabricError
 from .metrics import ClientMetrics
 from .outcome import PushOutcome
-from .protocol import HEADER, MAX_META_LEN, NEED_DATA, Connection, Pull, Push, layout
+from .protocol import (
+    HEADER,
+    MAX_META_LEN,
+    NEED_DATA,
+    Connection,
+    Failover,
+    Pull,
+    Push,
+    ReplicaAt,
+    layout,
+)
 
 _JOIN_LIMIT = 1 << 16
 log = logging.getLogger("mlfabric.client")
@@ -49,24 +60,43 @@ async def connect(
     controller_fallback: str = "fifo",
     controller_timeout: float = 30.0,
     replica: str | None = None,
+    failover_timeout: float = 30.0,
+    replica_backlog: int = 64,
 ) -> AsyncClient:
     """Connect to the parameter server at `address` ("HOST:PORT") for `job`.
 
-    The controller arguments work as in mlfabric.connect(), and so does
+    The controller arguments work as in mlfabric.connect(), and so do
     `replica` (worker-driven replication: a push's future resolves once the
-    replica applied the update too); the asyncio client does not fail over."""
+    replica applied the update too), `failover_timeout` and
+    `replica_backlog`: with both `controller` and `replica` the client fails
+    over by itself to the replica the controller promotes, re-sends what the
+    lost server never answered, and feeds a replica that joins later."""
     secret = resolve_token(token, token_file)
     hs = Handshake(job, secret, name or default_client_name())
     proto = await open_link(address, hs, timeout, "parameter server", metrics=metrics)
     client = AsyncClient(proto)
+    client._dial = (job, secret, hs.name, timeout, metrics)
     if replica is not None:
+        from .replica_feed import ReplicaFeed, ReplicaFeeds
+
         try:
-            client._replica = await connect(replica, job=job, token=secret, timeout=timeout,
-                                            name=name)
+            replica_client = await connect(replica, job=job, token=secret, timeout=timeout,
+                                           name=name)
         except BaseException:
             await client.close()
             raise
-        client._replica_host = parse_address(replica)[0]
+        feed = ReplicaFeed(replica_client, parse_address(replica)[0])
+        client._feeds = ReplicaFeeds(feed)
+        if controller is not None:
+            from .client_failover import AsyncFailoverWait
+
+            try:
+                client._feeds = ReplicaFeeds(feed, replica_backlog)
+                client._failover = AsyncFailoverWait(failover_timeout)
+            except ConfigError:
+                await client.close()
+                raise
+            feed.on_lost = client._feeds.lost
     if controller is not None:
         from .aio_control import AsyncControlledPushes
 
@@ -82,6 +112,8 @@ async def connect(
             await client.close()
             raise
         client._controlled = controlled
+        if client._feeds is not None and client._feeds.current is not None:
+            client._feeds.current.report = controlled.report_replicated
     return client
 
 
@@ -228,13 +260,26 @@ class AsyncClient:
         self.session = welcome.session
         self.last_version = welcome.version
         self._controlled: Any = None  # AsyncControlledPushes with a controller
-        self._replica: AsyncClient | None = None  # worker-driven replication
-        self._replica_host = ""
-        self._replica_warned = False
+        self._feeds: Any = None  # ReplicaFeeds with worker-driven replication
+        self._failover: Any = None  # AsyncFailoverWait with a controller and a replica
+        # (job, token, name, timeout, metrics), to connect to servers and
+        # replicas the controller names later.
+        self._dial: tuple[str, bytes, str, float, ClientMetrics | None] | None = None
+        # Replica changes the controller announced, acted on one at a time:
+        # a join announced right after a failover must find the new server.
+        self._changes: collections.deque[Failover | ReplicaAt] = collections.deque()
+        self._changer: asyncio.Task[None] | None = None
 
     async def pull(self) -> tuple[int, dict[str, np.ndarray]]:
         """The model as (version, {name: array}), consistent at that version."""
-        version, params = await self._request("pull", Pull, None)
+        failover = self._failover
+        generation = failover.generation if failover is not None else 0
+        try:
+            version, params = await self._request("pull", Pull, None)
+        except ConnectionLost:
+            if failover is None or not await failover.wait_past(generation):
+                raise
+            return await self.pull()  # from the promoted replica
         self.last_version = max(self.last_version, version)
         return version, params
 
@@ -244,7 +289,7 @@ class AsyncClient:
         """Hand an update over; returns a future of its PushOutcome at once."""
         base = check_base_version(base_version)
         arrays = check_update(update, self.specs)
-        if self._replica is not None:
+        if self._feeds is not None:
             return self._push_replicated({n: a.copy() for n, a in arrays.items()}, base)
         if self._controlled is not None:
             return self._controlled.push(arrays, base, layout(self.specs)[1])
@@ -255,21 +300,36 @@ class AsyncClient:
         """To the server, then, numbered with the version it produced,
         straight to the replica; resolved once the replica has it."""
         done: asyncio.Future[PushOutcome] = asyncio.get_running_loop().create_future()
-        if self._controlled is not None:
-            at_server = self._controlled.push(arrays, base, layout(self.specs)[1])
-        else:
-            at_server = self._send_push(arrays, base)
+        self._push_to_server(arrays, base, done, via_controller=True)
+        return done
 
-        def replicated(f: asyncio.Future[PushOutcome], outcome: PushOutcome) -> None:
-            if f.cancelled() or f.exception() is not None:
-                self._replica_failed(outcome.version, f.exception() if not f.cancelled()
-                                     else None)
-            elif self._controlled is not None:
-                self._controlled.report_replicated(self._replica_host, outcome.version)
-            if not done.done():
-                done.set_result(outcome)
+    def _push_to_server(self, arrays: dict[str, np.ndarray], base: int,
+                        done: asyncio.Future[PushOutcome], via_controller: bool) -> None:
+        """As the blocking client's: an update the server never answered is
+        parked for the failover and then re-sent straight to the promoted
+        replica, without asking the controller again."""
+        failover = self._failover
+        generation = failover.generation if failover is not None else 0
 
-        def at_server_done(f: asyncio.Future[PushOutcome]) -> None:
+        def lost(exc: BaseException) -> None:
+            if failover is not None and isinstance(exc, ConnectionLost):
+                failover.park(generation, lambda: self._push_to_server(
+                    arrays, base, done, via_controller=False), done)
+            elif not done.done():
+                done.set_exception(exc)
+
+        if done.done():  # cancelled by the caller while parked
+            return
+        try:
+            if via_controller and self._controlled is not None:
+                at_server = self._controlled.push(arrays, base, layout(self.specs)[1])
+            else:
+                at_server = self._send_push(arrays, base)
+        except MlfabricError as exc:
+            lost(exc)
+            return
+
+        def then(f: asyncio.Future[PushOutcome]) -> None:
             if done.done():
                 return
             if f.cancelled():
@@ -277,28 +337,77 @@ class AsyncClient:
                 return
             exc = f.exception()
             if exc is not None:
-                done.set_exception(exc)
+                lost(exc)
                 return
             outcome = f.result()
-            if not outcome.applied or self._replica is None:
+            feed = self._feeds.acknowledged(arrays, base, outcome)
+            if feed is not None:
+                feed.replicate(arrays, base, outcome, done)
+            else:
                 done.set_result(outcome)
-                return
-            try:
-                sent = self._replica._send_push(arrays, base, seq=outcome.version)
-            except MlfabricError as exc2:
-                self._replica_failed(outcome.version, exc2)
-                done.set_result(outcome)
-                return
-            sent.add_done_callback(lambda r: replicated(r, outcome))
 
-        at_server.add_done_callback(at_server_done)
-        return done
+        at_server.add_done_callback(then)
 
-    def _replica_failed(self, version: int, exc: BaseException | None) -> None:
-        if not self._replica_warned:
-            self._replica_warned = True
-            log.warning("update %d is applied at the server but did not reach the replica "
-                        "(%s)", version, exc)
+    def _replica_change(self, event: Failover | ReplicaAt) -> None:
+        """The controller promoted the replica (move there) or a new replica
+        joined (feed it)."""
+        if self._failover is None:
+            log.warning("controller reports a replica change (%s), but this client has no "
+                        "replica configured: ignoring it", event)
+            return
+        if isinstance(event, Failover) and self._controlled is not None:
+            self._controlled.book.dst = parse_address(event.server)[0]
+        self._changes.append(event)
+        if self._changer is None:
+            self._changer = asyncio.get_running_loop().create_task(self._change_loop())
+
+    async def _change_loop(self) -> None:
+        try:
+            while self._changes:
+                event = self._changes.popleft()
+                try:
+                    if isinstance(event, Failover):
+                        await self._fail_over(event.server)
+                    else:
+                        await self._attach_replica(event.address, event.version)
+                except MlfabricError as exc:
+                    log.error("cannot act on %s: %s", event, exc)
+        finally:
+            self._changer = None
+
+    async def _fail_over(self, address: str) -> None:
+        """The controller promoted the replica at `address`: serve from it."""
+        assert self._dial is not None and self._failover is not None
+        job, secret, name, timeout, metrics = self._dial
+        proto = await open_link(address, Handshake(job, secret, name), timeout,
+                                "parameter server", metrics=metrics)
+        self._feeds.retire()  # before the first answer from the new server
+        old, self._proto = self._proto, proto
+        welcome = proto.welcomed.result()
+        self.address, self.last_version = address, welcome.version
+        old.close()
+        log.warning("failed over to %s (version %d)", address, welcome.version)
+        self._failover.advance()
+
+    async def _attach_replica(self, address: str, version: int) -> None:
+        """A new replica serves from `version`: send it the kept updates above
+        that version, then every update the server acknowledges."""
+        from .replica_feed import ReplicaFeed
+
+        assert self._dial is not None
+        job, secret, name, timeout, _ = self._dial
+        replica = await connect(address, job=job, token=secret, name=name, timeout=timeout)
+        feed = ReplicaFeed(replica, parse_address(address)[0],
+                           report=self._controlled.report_replicated
+                           if self._controlled is not None else None)
+        feed.on_lost = self._feeds.lost
+        kept = self._feeds.attach(feed, version)
+        loop = asyncio.get_running_loop()
+        for v, (arrays, base) in kept:
+            feed.replicate(arrays, base, PushOutcome(True, v, None, None, base),
+                           loop.create_future())
+        log.warning("replica at %s joined from version %d; %d kept updates sent to it",
+                    address, version, len(kept))
 
     def _send_push(self, arrays: dict[str, np.ndarray], base: int, seq: int | None = None,
                    **fields: Any) -> asyncio.Future[PushOutcome]:
@@ -331,8 +440,14 @@ class AsyncClient:
     async def close(self) -> None:
         if self._controlled is not None:
             await self._controlled.close()
-        if self._replica is not None:
-            await self._replica.close()
+        if self._changer is not None:
+            self._changer.cancel()
+        if self._feeds is not None:
+            for feed in self._feeds.all():
+                await feed.aclose()
+            self._feeds.warn_unprotected()
+        if self._failover is not None:
+            self._failover.close()
         self._proto.close()
         await self._proto.closed
 

@@ -78,8 +78,7 @@ class AsyncControlledPushes:
 
     def _directive(self, d: Any) -> None:
         if isinstance(d, (Failover, ReplicaAt)):
-            log.warning("the controller reports a replica change (%s); the asyncio client "
-                        "does not fail over or switch replicas: use the blocking client", d)
+            self.client._replica_change(d)
             return
         if not isinstance(d, Directive):
             raise MlfabricError(f"controller sent {type(d).__name__}")

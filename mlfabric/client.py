@@ -94,7 +94,7 @@ def connect(
     client = Client(sock, conn, welcome, address, metrics)
     client._dial_args = (job, secret, name, timeout)
     if replica is not None:
-        from .replica_feed import ReplicaFeed
+        from .replica_feed import ReplicaFeed, ReplicaFeeds
 
         try:
             replica_client = connect(replica, job=job, token=secret, timeout=timeout,
@@ -102,7 +102,7 @@ def connect(
         except BaseException:
             client.close()
             raise
-        client._replica = ReplicaFeed(replica_client, parse_address(replica)[0])
+        client._feeds = ReplicaFeeds(ReplicaFeed(replica_client, parse_address(replica)[0]))
     if agent is not None:
         from .agent_report import TransferReporter
 
@@ -120,15 +120,20 @@ def connect(
         except BaseException:
             client.close()
             raise
-        if client._replica is not None:
+        if client._feeds is not None:
             from .client_failover import FailoverWait
+            from .replica_feed import ReplicaFeeds
 
-            client._replica.report = client._controlled.report_replicated
-            client._failover = FailoverWait(failover_timeout)
-            client._replica.on_lost = client._replica_lost
-            if replica_backlog < 0:
-                raise ConfigError(f"replica_backlog must be >= 0, got {replica_backlog}")
-            client._backlog_limit = replica_backlog
+            feed = client._feeds.current
+            assert feed is not None
+            try:
+                client._feeds = ReplicaFeeds(feed, replica_backlog)
+                client._failover = FailoverWait(failover_timeout)
+            except ConfigError:
+                client.close()
+                raise
+            feed.report = client._controlled.report_replicated
+            feed.on_lost = client._feeds.lost
     return client
 
 
@@ -200,15 +205,9 @@ class Client:
         self._error: BaseException | None = None
         self._controlled: Any = None  # ControlledPushes when a controller is used
         self._reporter: Any = None  # TransferReporter when an agent is given
-        self._replica: Any = None  # ReplicaFeed with worker-driven replication
-        self._retired: list[Any] = []  # feeds to a replica that became the server
+        self._feeds: Any = None  # ReplicaFeeds with worker-driven replication
         self._failover: Any = None  # FailoverWait with a controller and a replica
         self._dial_args: tuple[str, bytes, str, float] | None = None
-        # Updates the server acknowledged while there was no replica (after a
-        # failover): version -> (arrays, base), for the next replica to join.
-        self._backlog: dict[int, tuple[dict[str, np.ndarray], int]] = {}
-        self._backlog_limit = 0
-        self._replica_lock = threading.Lock()  # guards _replica and _backlog
         self._peer_host = ""
         self.last_version = welcome.version  # newest server version seen
         sock.settimeout(None)
@@ -248,7 +247,7 @@ class Client:
         """
         base = check_base_version(base_version)
         arrays = check_update(update, self.specs)
-        if self._replica is not None or self._failover is not None:
+        if self._feeds is not None:
             return self._push_replicated({n: a.copy() for n, a in arrays.items()}, base)
         if self._controlled is not None:
             return self._controlled.push(arrays, base, layout(self.specs)[1])
@@ -291,13 +290,7 @@ class Client:
                 lost(exc)
                 return
             outcome = f.result()
-            # The replica now, not at push time: one may have joined since.
-            with self._replica_lock:
-                feed = self._replica
-                if feed is None and outcome.applied and self._backlog_limit:
-                    self._backlog[outcome.version] = (arrays, base)
-                    while len(self._backlog) > self._backlog_limit:
-                        del self._backlog[min(self._backlog)]
+            feed = self._feeds.acknowledged(arrays, base, outcome)
             if feed is not None:
                 feed.replicate(arrays, base, outcome, done)
             else:
@@ -309,14 +302,9 @@ class Client:
         """The controller promoted the replica at `address`: serve from it."""
         assert self._dial_args is not None and self._failover is not None
         sock, conn, welcome = _dial(address, *self._dial_args)
-        # The replica is the server now: no replica until one joins (retired
-        # before the first answer from the new server, so every update it
-        # acknowledges is kept for the next replica). The feed stays open
+        # Before the first answer from the new server. The feed stays open
         # until the updates on their way to it are answered.
-        with self._replica_lock:
-            if self._replica is not None:
-                self._retired.append(self._replica)
-                self._replica = None
+        self._feeds.retire()
         with self._lock:
             old = self._sock
             self._sock, self._conn = sock, conn
@@ -336,19 +324,6 @@ class Client:
         log.warning("failed over to %s (version %d)", address, welcome.version)
         self._failover.advance()
 
-    def _replica_lost(self, feed: Any) -> None:
-        """The replica is unreachable: from now on keep what the server
-        acknowledges (and what never reached the replica) for the next one."""
-        kept = feed.take_unreplicated()
-        with self._replica_lock:
-            if self._replica is not feed:
-                return
-            self._replica = None
-            self._retired.append(feed)
-            self._backlog.update(kept)
-            while len(self._backlog) > self._backlog_limit:
-                del self._backlog[min(self._backlog)]
-
     def _attach_replica(self, address: str, version: int) -> None:
         """A new replica serves from `version`: send it the kept updates above
         that version, then every update the server acknowledges."""
@@ -360,13 +335,8 @@ class Client:
         feed = ReplicaFeed(replica, parse_address(address)[0],
                            report=self._controlled.report_replicated
                            if self._controlled is not None else None)
-        feed.on_lost = self._replica_lost
-        with self._replica_lock:
-            old, self._replica = self._replica, feed
-            kept = sorted((v, x) for v, x in self._backlog.items() if v > version)
-            self._backlog.clear()
-        if old is not None:
-            self._retired.append(old)
+        feed.on_lost = self._feeds.lost
+        kept = self._feeds.attach(feed, version)
         for v, (arrays, base) in kept:
             feed.replicate(arrays, base, PushOutcome(True, v, None, None, base),
                            concurrent.futures.Future())
@@ -404,13 +374,10 @@ class Client:
             self._controlled.close()
         if self._reporter is not None:
             self._reporter.close()
-        for feed in [*self._retired, self._replica]:
-            if feed is not None:
+        if self._feeds is not None:
+            for feed in self._feeds.all():
                 feed.close()
-        if self._backlog and self._replica is None:
-            log.warning("closing with %d updates acknowledged by the server alone (no replica "
-                        "has joined since the failover): a loss of the server now loses them",
-                        len(self._backlog))
+            self._feeds.warn_unprotected()
         if self._failover is not None:
             self._failover.close()
         try:

@@ -9,11 +9,17 @@ replica cannot be reached the future still resolves (the server has the
 update), the update stays in `unreplicated` and a warning says so, once.
 With a controller, each replica apply is reported (REPLICA_DONE) so the
 controller can track the divergence bound.
+
+`ReplicaFeed` works for both clients: it needs only the replica client's
+`_send_push`, which returns a concurrent or an asyncio future, and those
+futures' callbacks. `ReplicaFeeds` is what a client keeps across failovers
+and joins: the current feed, the retired ones and the updates acknowledged
+while no replica was attached.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import asyncio
 import dataclasses
 import logging
 import threading
@@ -22,19 +28,20 @@ from typing import Any
 
 import numpy as np
 
-from .errors import MlfabricError
+from .errors import ConfigError, ConnectionLost, MlfabricError
 from .outcome import PushOutcome
 
 log = logging.getLogger("mlfabric.client")
 
 
 class ReplicaFeed:
-    """Sends a blocking client's applied updates to the replica."""
+    """Sends a client's applied updates to the replica."""
 
     def __init__(self, replica: Any, host: str,
                  report: Callable[[str, int], None] | None = None) -> None:
-        """`replica`: a Client connected to the replica; `host` its address as
-        named to the controller; `report(host, version)` tells the controller."""
+        """`replica`: a Client or AsyncClient connected to the replica; `host`
+        its address as named to the controller; `report(host, version)` tells
+        the controller."""
         self.replica = replica
         self.host = host
         self.report = report
@@ -46,13 +53,17 @@ class ReplicaFeed:
         # known to be applied at the replica.
         self.unreplicated: dict[int, tuple[dict[str, np.ndarray], int]] = {}
         self._warned = False
+        # Called after every answer or failure (an asyncio client's close
+        # waits on them; the blocking one on the condition).
+        self._watchers: list[Callable[[], None]] = []
 
     def replicate(self, arrays: dict[str, np.ndarray], base_version: int,
-                  outcome: PushOutcome, done: concurrent.futures.Future[PushOutcome]) -> None:
-        """Send an update the server answered; resolve `done` with `outcome`
-        once the replica has it (at once if the server did not apply it)."""
+                  outcome: PushOutcome, done: Any) -> None:
+        """Send an update the server answered; resolve `done` (a concurrent or
+        asyncio future) with `outcome` once the replica has it (at once if
+        the server did not apply it)."""
         if not outcome.applied:
-            done.set_result(outcome)
+            _resolve(done, outcome)
             return
         seq = outcome.version
         with self._lock:
@@ -61,13 +72,12 @@ class ReplicaFeed:
             sent = self.replica._send_push(arrays, base_version, seq=seq)
         except MlfabricError as exc:
             self._failed(seq, exc)
-            done.set_result(outcome)
+            _resolve(done, outcome)
             return
         sent.add_done_callback(lambda f: self._answered(f, seq, outcome, done))
 
-    def _answered(self, f: concurrent.futures.Future[PushOutcome], seq: int,
-                  outcome: PushOutcome, done: concurrent.futures.Future[PushOutcome]) -> None:
-        exc = f.exception()
+    def _answered(self, f: Any, seq: int, outcome: PushOutcome, done: Any) -> None:
+        exc = ConnectionLost("cancelled") if f.cancelled() else f.exception()
         if exc is not None:
             self._failed(seq, exc)
         else:
@@ -75,6 +85,7 @@ class ReplicaFeed:
             with self._lock:
                 self.unreplicated.pop(seq, None)
                 self._lock.notify_all()
+            self._changed()
             if self.report is not None:
                 self.report(self.host, seq)
             answer = f.result()
@@ -82,13 +93,18 @@ class ReplicaFeed:
                 # A promoted replica renumbered it (an earlier update of the
                 # lost server never arrived): its history is the one that lives on.
                 outcome = dataclasses.replace(outcome, version=answer.version)
-        done.set_result(outcome)
+        _resolve(done, outcome)
+
+    def _changed(self) -> None:
+        for watcher in self._watchers:
+            watcher()
 
     def _failed(self, seq: int, exc: BaseException) -> None:
         with self._lock:
             warn, self._warned = not self._warned, True
             held = len(self.unreplicated)
             self._lock.notify_all()
+        self._changed()
         if warn:
             log.warning("update %d is applied at the server but did not reach the replica "
                         "%s (%s); %d updates kept for it", seq, self.replica.address, exc, held)
@@ -109,8 +125,117 @@ class ReplicaFeed:
     def close(self, timeout: float = 10.0) -> None:
         """Close, once the updates sent to the replica are answered (a worker
         that quits right after its last push must not take them along)."""
-        left = self.drain(timeout)
+        self._closing(self.drain(timeout))
+        self.replica.close()
+
+    async def aclose(self, timeout: float = 10.0) -> None:
+        """close() for a feed of an asyncio client (its answers arrive on
+        this event loop, so waiting on the condition would block them)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        changed = asyncio.Event()
+        self._watchers.append(changed.set)
+        try:
+            while True:
+                with self._lock:
+                    left = 0 if self._warned else len(self.unreplicated)
+                    changed.clear()
+                if not left or loop.time() >= deadline:
+                    break
+                try:
+                    await asyncio.wait_for(changed.wait(), deadline - loop.time())
+                except TimeoutError:
+                    pass
+        finally:
+            self._watchers.remove(changed.set)
+        self._closing(len(self.unreplicated) if not self._warned else 0)
+        await self.replica.close()
+
+    def _closing(self, left: int) -> None:
         if left:
             log.warning("closing with %d updates not confirmed by the replica %s", left,
                         self.replica.address)
-        self.replica.close()
+
+
+def _resolve(done: Any, outcome: PushOutcome) -> None:
+    # An asyncio caller may have cancelled its future.
+    if not done.done():
+        done.set_result(outcome)
+
+
+class ReplicaFeeds:
+    """A client's replicas over failovers and joins: the current feed (None
+    while no replica is attached), feeds retired (open until what was sent
+    to them is answered) and, while none is attached, the newest `limit`
+    updates the server acknowledged, for the next replica to join. Thread-safe."""
+
+    def __init__(self, current: ReplicaFeed | None, limit: int = 0) -> None:
+        if limit < 0:
+            raise ConfigError(f"replica_backlog must be >= 0, got {limit}")
+        self.current = current
+        self.limit = limit
+        self.retired: list[ReplicaFeed] = []
+        self.backlog: dict[int, tuple[dict[str, np.ndarray], int]] = {}
+        self._lock = threading.Lock()
+
+    def acknowledged(self, arrays: dict[str, np.ndarray], base: int, outcome: PushOutcome
+                     ) -> ReplicaFeed | None:
+        """The server answered an update: the feed to send it to, or None
+        (kept for the next replica if it was applied)."""
+        with self._lock:
+            # The replica now, not at push time: one may have joined since.
+            feed = self.current
+            if feed is None and outcome.applied and self.limit:
+                self.backlog[outcome.version] = (arrays, base)
+                self._trim()
+            return feed
+
+    def _trim(self) -> None:
+        while len(self.backlog) > self.limit:
+            del self.backlog[min(self.backlog)]
+
+    def retire(self) -> None:
+        """The replica became the server: no replica until one joins (call
+        before the first answer from the new server, so every update it
+        acknowledges is kept)."""
+        with self._lock:
+            if self.current is not None:
+                self.retired.append(self.current)
+                self.current = None
+
+    def lost(self, feed: ReplicaFeed) -> None:
+        """`feed`'s replica is unreachable: from now on keep what the server
+        acknowledges, and what never reached that replica, for the next one."""
+        kept = feed.take_unreplicated()
+        with self._lock:
+            if self.current is not feed:
+                return
+            self.current = None
+            self.retired.append(feed)
+            self.backlog.update(kept)
+            self._trim()
+
+    def attach(self, feed: ReplicaFeed, version: int
+               ) -> list[tuple[int, tuple[dict[str, np.ndarray], int]]]:
+        """A new replica serves from `version`: the kept updates above it, in
+        version order, to send it before anything else."""
+        with self._lock:
+            old, self.current = self.current, feed
+            kept = sorted(((v, x) for v, x in self.backlog.items() if v > version),
+                          key=lambda item: item[0])
+            self.backlog.clear()
+            if old is not None:
+                self.retired.append(old)
+        return kept
+
+    def all(self) -> list[ReplicaFeed]:
+        with self._lock:
+            return [*self.retired, *([self.current] if self.current is not None else [])]
+
+    def warn_unprotected(self) -> None:
+        """At close: say so if updates were acknowledged by the server alone."""
+        with self._lock:
+            n = len(self.backlog) if self.current is None else 0
+        if n:
+            log.warning("closing with %d updates acknowledged by the server alone (no replica "
+                        "has joined since the failover): a loss of the server now loses them", n)
