@@ -180,7 +180,7 @@ class Aggregator(Endpoint):
         tensors = {sp.name: np.frombuffer(data, np.float32, count=sp.nbytes // 4,
                                           offset=off).reshape(sp.shape)
                    for sp, off in zip(group.specs, offsets, strict=True)}
-        push_members = tuple((mb.uid, mb.base_version) for mb in members)
+        push_members = tuple((mb.uid, mb.base_version, mb.conn.client) for mb in members)
         base = min(mb.base_version for mb in members)
         dst = group.key[0]
         try:

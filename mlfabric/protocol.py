@@ -202,8 +202,9 @@ class Push:
     failed aggregate is safe). A member pushed to an aggregator carries its
     `group` id, the group's `fan_in`, its `index` in the group (the order of
     the sum) and the server address `dst` the aggregate goes to. An
-    aggregate pushed to the server carries `members`: (uid, base_version) of
-    each member, in index order; its tensors are their sum."""
+    aggregate pushed to the server carries `members`: (uid, base_version,
+    source) of each member, in index order, the source being the worker's
+    client name; its tensors are their sum."""
 
     req: int
     base_version: int
@@ -214,7 +215,7 @@ class Push:
     fan_in: int | None = None
     index: int | None = None
     dst: str | None = None
-    members: tuple[tuple[str, int], ...] | None = None
+    members: tuple[tuple[str, int, str], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -462,12 +463,13 @@ def _aggregation_fields(meta: Mapping[str, Any]) -> dict[str, Any]:
     members = meta.get("members")
     if members is not None:
         if (not isinstance(members, list) or not 1 <= len(members) <= MAX_FAN_IN
-                or not all(isinstance(m, list) and len(m) == 2 and isinstance(m[0], str)
+                or not all(isinstance(m, list) and len(m) == 3 and isinstance(m[0], str)
                            and len(m[0]) <= MAX_UID_LEN and type(m[1]) is int and m[1] >= 0
+                           and isinstance(m[2], str) and len(m[2]) <= MAX_NAME_LEN
                            for m in members)):
-            raise ProtocolError(f"field 'members' must be 1 to {MAX_FAN_IN} [uid, base_version] "
-                                f"pairs, got {members!r:.80}")
-        fields["members"] = tuple((uid, base) for uid, base in members)
+            raise ProtocolError(f"field 'members' must be 1 to {MAX_FAN_IN} [uid, base_version, "
+                                f"source] triples, got {members!r:.80}")
+        fields["members"] = tuple((uid, base, source) for uid, base, source in members)
     return fields
 
 

@@ -150,12 +150,15 @@ class ParameterServer(Endpoint):
         assert event.members is not None
         started = time.perf_counter()
         try:
-            outcome = self.store.apply_aggregate(event.members, event.tensors)
+            outcome = self.store.apply_aggregate([(uid, base) for uid, base, _ in event.members],
+                                                 event.tensors)
         except InvalidUpdate as exc:
             m.updates_rejected.labels(exc.reason).inc()
             return Error(code=exc.reason, message=str(exc), req=event.req)
         if not outcome.applied:
             m.updates_rejected.labels("stale").inc()
+            self.log.info("refused an aggregate of updates from %s: %s",
+                          ", ".join(source for _, _, source in event.members), outcome.reason)
         else:
             m.apply_seconds.observe(time.perf_counter() - started)
             m.updates_applied.inc(len(event.members))

@@ -186,14 +186,14 @@ def test_a_member_resent_after_its_aggregate_was_applied_is_not_applied_again(lo
         raw = RawClient(server.port)
         u1, u2 = random_update(model, 1), random_update(model, 2)
         total = {n: u1[n] + u2[n] for n in model}
-        raw.send(Push(1, 0, total, members=(("a-1", 0), ("b-1", 0))))
+        raw.send(Push(1, 0, total, members=(("a-1", 0, "w1"), ("b-1", 0, "w2"))))
         assert raw.recv_event() == PushResult(1, True, 2, 0, None, (0, 0))
         raw.send(Push(2, 0, u2, uid="b-1"))
         assert raw.recv_event() == PushResult(2, True, 2, 0)
         w, _, _, _ = apply_aggregate(model, model, 0, [(u1, 0), (u2, 0)], GAMMA)
         assert_model_equal(server.call(lambda: server.store.snapshot()[1]), w)
         # An aggregate naming a member applied already is refused whole.
-        raw.send(Push(3, 0, total, members=(("c-1", 0), ("a-1", 0))))
+        raw.send(Push(3, 0, total, members=(("c-1", 0, "w3"), ("a-1", 0, "w1"))))
         err = raw.recv_event()
         assert err.code == "duplicate" and "'a-1' was applied already" in err.message
         assert server.metrics.updates_rejected.labels("duplicate")._value.get() == 2
@@ -244,12 +244,14 @@ def test_asyncio_client_through_the_aggregator_and_its_fallback(live, run_async)
     assert server.metrics.aggregates_applied._value.get() == 1
 
 
-def test_an_aggregate_refused_for_a_stale_member_blames_no_one(live):
+def test_an_aggregate_refused_for_a_stale_member_blames_no_one(live, caplog):
     """The server refuses an aggregate whose member is past tau_max: that
     member is answered stale, the others are applied straight, one by one,
-    and the aggregator is not benched (it did nothing wrong)."""
+    and the aggregator is not benched (it did nothing wrong). The server's
+    log names the members' sources."""
     server, agg, controller, model = live(3, tau_max=1)
-    with mlfabric.connect(server.address, job=JOB, token=TOKEN,
+    caplog.set_level(logging.INFO, logger="mlfabric.server")
+    with mlfabric.connect(server.address, job=JOB, token=TOKEN, name="worker-x",
                           controller=controller.address) as ps:
         first = [ps.push(random_update(model, seed=i), base_version=0) for i in range(3)]
         assert [f.result(10).version for f in first] == [3, 3, 3]
@@ -265,3 +267,6 @@ def test_an_aggregate_refused_for_a_stale_member_blames_no_one(live):
                what="6 outcomes reported")
     assert controller.server.state.benched == {}
     assert controller.metrics.aggregator_failures._value.get() == 0
+    assert any(r.getMessage().startswith("refused an aggregate of updates from worker-x, "
+                                         "worker-x, worker-x: stale: delay 3")
+               for r in caplog.records)

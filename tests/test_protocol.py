@@ -83,7 +83,7 @@ CASES = [
     Push(req=14, base_version=4, tensors={"a": np.float32([0.5, 1])}, uid="c0ffee-8", group=21,
          fan_in=3, index=2, dst="10.0.0.1:7070"),
     Push(req=15, base_version=2, tensors={"a": np.float32([1.5])},
-         members=(("c0ffee-8", 4), ("beef-1", 2))),
+         members=(("c0ffee-8", 4, "h1:4242"), ("beef-1", 2, "h2:77"))),
     PushResult(req=3, applied=True, version=11, delay=2),
     PushResult(req=6, applied=True, version=14, delay=1, delays=(1, 3, 2)),
     PushResult(req=4, applied=False, version=11, delay=None, reason="stale: delay 9 > 8"),
@@ -295,8 +295,11 @@ BAD_FRAMES = {
     "fan-in too large": (
         frame(MsgType.PUSH, {"req": 1, "base_version": 0, "uid": "u", "group": 1, "fan_in": 65,
                              "index": 0, "dst": "s:1", "tensors": []}), "fan_in <= 64"),
-    "members not pairs": (
-        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "members": [["u", -1]],
+    "members not triples": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "members": [["u", 1]],
+                             "tensors": []}), "'members'"),
+    "member base negative": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "members": [["u", -1, "h"]],
                              "tensors": []}), "'members'"),
     "members empty": (
         frame(MsgType.PUSH, {"req": 1, "base_version": 0, "members": [], "tensors": []}),
