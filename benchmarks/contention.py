@@ -47,7 +47,7 @@ def ttt(r: RunResult, limit: float) -> float:
 def table(sc: Scenario, runs: dict[str, list[RunResult]]) -> str:
     lines = [f"scenario {sc.name}: medians of {max(len(v) for v in runs.values())} runs, "
              f"target accuracy {sc.target}, time limit {sc.time_limit:.0f} s"]
-    head = (f"  {'system':9s} {'time to target':>15s} {'reached':>8s} {'delay mean':>11s} "
+    head = (f"  {'system':12s} {'time to target':>15s} {'reached':>8s} {'delay mean':>11s} "
             f"{'std':>6s} {'max':>4s} {'applied':>8s} {'dropped':>8s} {'server MB in':>13s}")
     lines.append(head)
     for system, rs in runs.items():
@@ -64,7 +64,7 @@ def table(sc: Scenario, runs: dict[str, list[RunResult]]) -> str:
                     f"{med([r.delay_std for r in rs]):6.2f} "
                     f"{med([r.delay_max for r in rs]):4.0f} {med([r.applied for r in rs]):8.0f} "
                     f"{med([r.dropped for r in rs]):8.0f} {med(b) / 1e6:13.1f}")
-        lines.append(f"  {system:9s} {t:13.1f} s{mark:5s}{reached:>3d}/{len(rs):<3d} {rest}")
+        lines.append(f"  {system:12s} {t:13.1f} s{mark:5s}{reached:>3d}/{len(rs):<3d} {rest}")
     if runs.get("mlfabric"):
         m = med([ttt(r, sc.time_limit) for r in runs["mlfabric"]])
         for other in ("fifo", "ddp", "mlfabric-agg", "mlfabric-static"):

@@ -82,6 +82,7 @@ def worker_main(argv: list[str] | None = None) -> int:
                           controller=args.controller, host=args.host, timeout=30,
                           controller_fallback=args.fallback, controller_timeout=60) as ps:
         version, params = ps.pull(timeout=60)
+        print("ready", flush=True)  # connected: run_policy may start its clock
         update = {n: np.full_like(a, 1e-6) for n, a in params.items()}
         in_flight: list[tuple[float, int, Any]] = []
 
@@ -249,8 +250,8 @@ def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: i
     every other host of testbed `tb`. `during(tb)` runs once the workers are
     started (e.g. a schedule of rate changes). Returns the summary and the
     workers' records. With `restart_controller_after`, the controller is
-    killed (SIGKILL) that many seconds into the run and started again on the
-    same address a second later.
+    killed (SIGKILL) that many seconds after every worker has connected, and
+    started again on the same address a second later.
 
     Aggregation: `aggregator` names a host that runs `mlfabric agent
     --aggregate` (and no worker) and that the controller routes groups
@@ -336,13 +337,18 @@ def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: i
                     "--seed", str(seed * 100 + i), "--max-in-flight", str(max_in_flight),
                     "--fallback", fallback, *extra,
                     "--out", f"{tmp}/w{i}.json"],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp,
                     env=env))
             if during is not None:
                 during(tb)
             if during_run is not None:
                 during_run(info)
             if restart_controller_after is not None:
+                # From when every worker is connected: a worker still starting
+                # up when the controller dies is refused at connect() with
+                # fallback "wait", which is not what this run is about.
+                for i, p in enumerate(workers_procs):
+                    wait_for_line(p, "ready", f"worker {i}", timeout=60.0)
                 time.sleep(restart_controller_after)  # the point in the run to kill it at
                 ctl.kill()
                 ctl.wait(10)

@@ -47,7 +47,7 @@ def test_killing_the_controller_mid_run_loses_no_update_silently(fallback):
     assert summary.pushes == len(records) == 3 * 8
     assert all(r["applied"] or r["reason"] for r in records)
     assert summary.applied > 0
-    # The run spans the kill (1 s after the workers started) and the second
+    # The run spans the kill (1 s after the workers connected) and the second
     # without a controller, and workers kept pushing after the kill.
     assert summary.wall > 2.0
     assert max(r["start"] for r in records) - min(r["start"] for r in records) > 1.0
