@@ -206,13 +206,16 @@ def _links(snap: Snapshot, hosts: set[str]) -> Links:
                  down={h: net.down.get(h, net.default) for h in hosts}, pair=pair)
 
 
-def route_groups(snap: Snapshot, items: list[PlanItem],
-                 config: AggregationConfig | None = None) -> tuple[list[PlanItem], list[Group]]:
+def route_groups(snap: Snapshot, items: list[PlanItem], config: AggregationConfig | None = None,
+                 epoch: int = 0) -> tuple[list[PlanItem], list[Group]]:
     """Turn a policy's plan into one with aggregation: per server, the
     transfers it plans to send (now or later) are taken in plan order and
     grouped by `plan_groups` over the aggregators available in the snapshot;
     every member of a group goes now, to its aggregator (a `Route`). Returns
-    the new plan and the groups formed.
+    the new plan and the groups formed. A group's id is its first member's
+    transfer id, above `epoch` << 32: a controller that restarts (its ids start
+    at 1 again) takes a new epoch, so an aggregator never mistakes its groups
+    for ones it closed before the restart.
 
     With `config.hold`, the last group of a server's order is not sent yet
     while it could take more members and has time to spare: requests arrive
@@ -256,7 +259,7 @@ def route_groups(snap: Snapshot, items: list[PlanItem],
             formed.append(g)
             for index, tid in enumerate(g.ids):
                 route = Route(str(g.aggregator), snap.aggregators[str(g.aggregator)],
-                              group=g.ids[0], fan_in=len(g.ids), index=index)
+                              group=(epoch << 32) | g.ids[0], fan_in=len(g.ids), index=index)
                 routed[tid] = dataclasses.replace(plan_of[tid], start=snap.now,
                                                   planned_seconds=g.delivered - snap.now,
                                                   route=route)
@@ -264,12 +267,13 @@ def route_groups(snap: Snapshot, items: list[PlanItem],
 
 
 def aggregating(policy: Policy, config: AggregationConfig | None = None,
-                on_groups: Callable[[list[Group]], None] | None = None) -> Policy:
+                on_groups: Callable[[list[Group]], None] | None = None,
+                epoch: int = 0) -> Policy:
     """`policy` with aggregation (`route_groups`) on top; `on_groups` is told
     of the groups each plan forms (for metrics)."""
 
     def aggregating_policy(snap: Snapshot) -> list[PlanItem]:
-        items, groups = route_groups(snap, policy(snap), config)
+        items, groups = route_groups(snap, policy(snap), config, epoch)
         if groups and on_groups is not None:
             on_groups(groups)
         return items

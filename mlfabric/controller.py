@@ -67,7 +67,9 @@ class Controller(Endpoint):
                 raise ConfigError("aggregation and worker-driven replication (--div-max) do not "
                                   "combine yet: a replica cannot replay an aggregate; use one "
                                   "of them")
-            policy = aggregating(policy, aggregation, on_groups=self._groups_formed)
+            # A new epoch per controller: group ids stay unique across restarts.
+            policy = aggregating(policy, aggregation, on_groups=self._groups_formed,
+                                 epoch=secrets.randbits(24))
         self.state = ControlState(policy, tau_max=tau_max, network=network)
         self.state.aggregators = dict(aggregators or {})
         self.clock = clock

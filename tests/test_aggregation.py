@@ -230,6 +230,9 @@ def test_route_groups_sends_the_positions_behind_the_first_through_the_aggregato
         assert item.start == 0.0 and item.route == Route("a", "10.0.0.9:7401", 2, 4, index)
         assert item.planned_seconds == pytest.approx(0.32)  # D_0 + one forward
         assert item.position == index + 1
+    # A restarted controller's epoch keeps its group ids apart from earlier ones.
+    items, _ = route_groups(snap, _back_to_back(ts, snap), epoch=5)
+    assert {i.route.group for i in items[1:]} == {(5 << 32) | 2}
 
 
 def test_route_groups_forms_no_group_that_would_not_pay_or_without_aggregators():
