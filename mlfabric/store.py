@@ -210,18 +210,14 @@ class ParameterStore:
         if len(set(uids)) != len(uids):
             raise InvalidUpdate(f"an aggregate lists a member twice: {uids}", reason="malformed")
         total = {n: np.asarray(u) for n, u in total.items()}
-        self.check_layout((n, u.dtype, u.shape) for n, u in total.items())
-        for uid, base in members:
-            self.check_base_version(base)
+        # Layout, finiteness, and no member from the future (the newest base).
+        self.validate(max(base for _, base in members), total)
+        for uid, _ in members:
             done = self._applied_uids.get(uid)
             if done is not None:
                 raise InvalidUpdate(f"aggregate member {uid!r} was applied already (version "
                                     f"{done.version}): send the members one by one",
                                     reason="duplicate")
-        if not self.allow_nonfinite:
-            for name, u in total.items():
-                if not _core.all_finite(c_contiguous(u)):
-                    raise InvalidUpdate(_nonfinite_message(name), reason="nonfinite")
         delays = tuple(max(0, self.version - base) for _, base in members)
         for (uid, _), delay in zip(members, delays, strict=True):
             reason = self.stale_reason(delay)
