@@ -161,16 +161,10 @@ class Aggregator(Endpoint):
         task.add_done_callback(self._forwards.discard)
 
     async def _link(self, dst: str) -> Any:
-        from . import aio
+        from .aio import reuse_or_dial
 
-        task = self._links.get(dst)
-        if task is None or (task.done() and (task.exception() is not None
-                                             or task.result().transport is None)):
-            hs = Handshake(self.job, self.token, f"{self.name} aggregator")
-            task = asyncio.get_running_loop().create_task(
-                aio.open_link(dst, hs, 10.0, "parameter server"))
-            self._links[dst] = task
-        return await asyncio.shield(task)
+        hs = Handshake(self.job, self.token, f"{self.name} aggregator")
+        return await reuse_or_dial(self._links, dst, hs, 10.0, "parameter server")
 
     async def _send_aggregate(self, group: _Group, total: np.ndarray) -> None:
         m = self.metrics
@@ -184,15 +178,12 @@ class Aggregator(Endpoint):
         base = min(mb.base_version for mb in members)
         dst = group.key[0]
         try:
-            proto = await self._link(dst)
-            if proto.error is not None or proto.transport is None:
-                raise proto.error or MlfabricError(f"the link to {dst} is closed")
-            fut = asyncio.get_running_loop().create_future()
-            req = proto.requests.add("aggregate", fut, base)
-            proto.send(Push(req, base, tensors, members=push_members))
-            result = await fut
+            server = await self._link(dst)
+            result = await server._request(
+                "aggregate", lambda req: Push(req, base, tensors, members=push_members), base)
         except (OSError, MlfabricError) as exc:
-            self._links.pop(dst, None)
+            # A lost link is dialled again next time (reuse_or_dial); one
+            # that carried a refusal is still good and is kept.
             m.aggregates.labels("failed").inc()
             self._fail(members, f"the aggregate could not be delivered to {dst}: {exc}")
             return
@@ -200,7 +191,7 @@ class Aggregator(Endpoint):
         m.aggregation_seconds.observe(time.monotonic() - group.started)
         if not result.applied or result.delays is None or len(result.delays) != len(members):
             m.aggregates.labels("refused").inc()
-            self._refused(members, result, proto.welcomed.result().tau_max)
+            self._refused(members, result, server.tau_max)
             return
         m.aggregates.labels("applied").inc()
         m.fan_in.observe(len(members))
@@ -241,11 +232,9 @@ class Aggregator(Endpoint):
             self._fail(list(group.members.values()), "the aggregator stopped")
         for forward in list(self._forwards):
             forward.cancel()
-        for link in self._links.values():
-            if link.done() and link.exception() is None:
-                link.result().close()  # a _ClientProtocol
-            else:
-                link.cancel()
+        from .aio import close_links
+
+        await close_links(self._links)
         await super().close()
 
 
@@ -277,10 +266,8 @@ class _AggregatorProtocol(EndpointProtocol):
         if not (isinstance(key[0], str) and type(key[1]) is int and type(fan_in) is int
                 and type(index) is int and 0 <= index < fan_in):
             return  # checked properly when the frame is complete
-        group = self.aggregator.groups.get(key)  # type: ignore[arg-type]
-        if group is None:
-            group = self.aggregator.group_for(key, fan_in, len(partial.data),  # type: ignore[arg-type]
-                                              partial.specs)
+        group = self.aggregator.group_for(key, fan_in, len(partial.data),  # type: ignore[arg-type]
+                                          partial.specs)
         if (group is not None and group.specs == partial.specs and index not in group.members
                 and group.sum.fan_in == fan_in):
             group.sum.progress(index, partial.data, partial.received)

@@ -147,6 +147,30 @@ async def open_link(address: str, hs: Handshake, timeout: float, what: str, *,
     return proto
 
 
+async def reuse_or_dial(links: dict[str, asyncio.Task[AsyncClient]], address: str,
+                        hs: Handshake, timeout: float, what: str,
+                        command: str | None = None) -> AsyncClient:
+    """The client to `address` kept in `links`, dialled on first use and again
+    once it failed or closed; callers asking meanwhile share one dial."""
+    task = links.get(address)
+    if task is None or (task.done() and (task.exception() is not None
+                                         or task.result().closed)):
+        async def dial() -> AsyncClient:
+            return AsyncClient(await open_link(address, hs, timeout, what, command=command))
+
+        task = links[address] = asyncio.get_running_loop().create_task(dial())
+    return await asyncio.shield(task)
+
+
+async def close_links(links: dict[str, asyncio.Task[AsyncClient]]) -> None:
+    """Close every client `reuse_or_dial` kept in `links` (or stop its dial)."""
+    for task in links.values():
+        if task.done() and task.exception() is None:
+            await task.result().close()
+        else:
+            task.cancel()
+
+
 class _ClientProtocol(asyncio.BufferedProtocol):
     """A connection to a server (answers resolve requests) or, with `on_event`,
     to a controller (events go to that callback)."""

@@ -145,20 +145,10 @@ class AsyncControlledPushes:
         fut.add_done_callback(lambda f: self._finish(u, f, u.sent or 0.0))
 
     async def _aggregator(self, address: str) -> Any:
-        """The link to the aggregator at `address`, dialled on first use (and
-        again after it failed)."""
-        from .aio import AsyncClient, open_link
+        from .aio import reuse_or_dial
 
-        async def dial() -> AsyncClient:
-            return AsyncClient(await open_link(address, self.hs, 2.0, "aggregator",
-                                               command="mlfabric agent --aggregate"))
-
-        task = self._aggregators.get(address)
-        if task is None or (task.done() and (task.exception() is not None
-                                             or task.result().closed)):
-            task = asyncio.get_running_loop().create_task(dial())
-            self._aggregators[address] = task
-        return await asyncio.shield(task)
+        return await reuse_or_dial(self._aggregators, address, self.hs, 2.0, "aggregator",
+                                   command="mlfabric agent --aggregate")
 
     def _finish(self, u: ControlledUpdate, server_future: asyncio.Future[Any],
                 started: float) -> None:
@@ -186,11 +176,9 @@ class AsyncControlledPushes:
         if self._reconnect_task is not None:
             self._reconnect_task.cancel()
         link, self._link = self._link, None
-        for task in self._aggregators.values():
-            if task.done() and task.exception() is None:
-                await task.result().close()
-            else:
-                task.cancel()
+        from .aio import close_links
+
+        await close_links(self._aggregators)
         for u, exc in self.book.close():
             if not u.future.done():
                 u.future.set_exception(exc)
