@@ -141,7 +141,13 @@ def test_a_div_max_below_one_step_lets_updates_go_one_at_a_time():
     # Updates too large for div_max go alone with nothing lagging (counted).
     assert gate.overrides > 0
     assert metrics.divergence_overrides._value.get() == gate.overrides
-    assert max(vs - vr for vs, vr, *_ in samples) <= 1
+    # Past div_max only by such an override, so with at most one update lagging.
+    # (Two small updates may go together while their bound fits: at the start,
+    # with no velocity yet, two of the smallest ones do.)
+    assert len(samples) >= 20
+    for vs, vr, measured, w_norm in samples:
+        allowance = ROUNDING * w_norm * (vs - vr + 1) * 10
+        assert vs - vr <= 1 or measured <= div_max + allowance, (vs, vr, measured, div_max)
 
 
 def test_the_asyncio_client_replicates_too(run_async, loop_kind):
