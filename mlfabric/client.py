@@ -172,10 +172,16 @@ def _handshake(sock: socket.socket, conn: Connection, hs: Handshake) -> Welcome:
                 raise ConnectionLost("the server closed the connection during the handshake")
             conn.receive_data(data)
 
-    sock.sendall(conn.send_bytes(hs.hello()))
-    sock.sendall(conn.send_bytes(hs.on_challenge(next_event())))
-    hs.verify_server()
-    return hs.on_welcome(next_event())
+    try:
+        sock.sendall(conn.send_bytes(hs.hello()))
+        sock.sendall(conn.send_bytes(hs.on_challenge(next_event())))
+        hs.verify_server()
+        return hs.on_welcome(next_event())
+    except OSError as exc:
+        # A peer that dies mid-handshake resets the socket: callers fall back
+        # on MlfabricError (an aggregator's members go straight to the server).
+        raise ConnectionLost(f"the connection was lost during the handshake: "
+                             f"{exc.strerror or exc}") from None
 
 
 class Client:

@@ -256,7 +256,9 @@ class ControlledPushes:
                                                                uid=u.uid)
                 else:
                     server_future = self.client._send_push(u.arrays, u.base_version, uid=u.uid)
-            except MlfabricError as exc:
+            except Exception as exc:  # this thread must outlive any one push
+                if not isinstance(exc, MlfabricError):
+                    log.exception("sending update %s failed", u.creq)
                 u.future.set_exception(exc)
                 continue
             server_future.add_done_callback(

@@ -98,12 +98,16 @@ def _nap(bucket: TokenBucket, wait: float) -> None:
 # --------------------------------------------------------------------------- processes
 
 
-class _Stop(Exception):
-    """Raised from the SIGTERM/SIGINT handler to leave blocking calls at once."""
+# Set by SIGTERM/SIGINT; the loops check it between calls. The handler must
+# not raise: an exception between `sock.send()` returning and `total +=`
+# would lose a chunk from the count. Every blocking call is bounded (select
+# and socket timeouts, naps), so a stop takes effect within one interval.
+_stopping = False
 
 
-def _raise_stop(signum: int, frame: object) -> None:
-    raise _Stop
+def _request_stop(signum: int, frame: object) -> None:
+    global _stopping
+    _stopping = True
 
 
 class _Reporter:
@@ -140,7 +144,7 @@ def run_sink(proto: str, bind: str, port: int, interval: float) -> int:
     sel.register(lsock, selectors.EVENT_READ)
     print(f"ready {lsock.getsockname()[1]}", flush=True)
     try:
-        while True:
+        while not _stopping:
             for key, _ in sel.select(interval):
                 sock = key.fileobj
                 assert isinstance(sock, socket.socket)
@@ -160,8 +164,6 @@ def run_sink(proto: str, bind: str, port: int, interval: float) -> int:
                     sock.close()
                 rep.total += n
             rep.maybe()
-    except _Stop:
-        pass
     finally:
         rep.done()
     return 0
@@ -191,8 +193,6 @@ def run_send(
             sock.settimeout(None)
             bucket = pacing_bucket(rate_mbit, size) if rate_mbit is not None else None
             _send_tcp(sock, bucket, end, rep)
-    except _Stop:
-        pass
     except ConnectionError as exc:
         print(f"error {exc}", file=sys.stderr, flush=True)
     finally:
@@ -204,7 +204,7 @@ def _send_udp(
     sock: socket.socket, bucket: TokenBucket, size: int, end: float, rep: _Reporter
 ) -> None:
     payload = bytes(size)
-    while time.monotonic() < end:
+    while not _stopping and time.monotonic() < end:
         wait = bucket.delay(size)
         if wait > 0:
             _nap(bucket, wait)
@@ -226,8 +226,8 @@ def _send_tcp(sock: socket.socket, bucket: TokenBucket | None, end: float, rep: 
         # Chunks of about 1 ms at the rate keep the pacing smooth.
         chunk = int(max(1448, min(64 * 1024, bucket.rate * 0.001)))
     payload = memoryview(bytes(chunk))
-    sock.settimeout(0.2)  # wake up to report and to check the deadline
-    while time.monotonic() < end:
+    sock.settimeout(0.2)  # wake up to report and to check the deadline and stop
+    while not _stopping and time.monotonic() < end:
         if bucket is not None:
             wait = bucket.delay(chunk)
             if wait > 0:
@@ -264,8 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_stop)
-    signal.signal(signal.SIGINT, _raise_stop)
+    signal.signal(signal.SIGTERM, _request_stop)
+    signal.signal(signal.SIGINT, _request_stop)
     if args.role == "sink":
         return run_sink(args.proto, args.bind, args.port, args.report_interval)
     if args.rate_mbit is not None and not args.rate_mbit > 0:

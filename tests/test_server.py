@@ -285,6 +285,39 @@ def test_server_shutdown_fails_pending_requests_and_later_calls(loop_kind):
         mlfabric.connect(address, job=JOB, token=TOKEN, timeout=2)
 
 
+def test_a_peer_that_resets_mid_handshake_is_a_lost_connection(run_async):
+    """A server (or aggregator) killed between accept and welcome resets the
+    socket: both clients raise ConnectionLost, never a bare OSError, so the
+    callers' fallbacks (members straight to the server) take over."""
+    import socket
+    import struct
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+
+    def reset_each(n):
+        for _ in range(n):
+            conn, _ = listener.accept()
+            conn.recv(1 << 16)  # the client's hello
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()  # RST
+
+    peer = threading.Thread(target=reset_each, args=(2,), daemon=True)
+    peer.start()
+    try:
+        with pytest.raises(ConnectionLost, match="during the handshake"):
+            mlfabric.connect(address, job=JOB, token=TOKEN, timeout=5)
+
+        async def body():
+            with pytest.raises(ConnectionLost):
+                await aio.connect(address, job=JOB, token=TOKEN, timeout=5)
+
+        run_async(body())
+    finally:
+        peer.join(10)
+        listener.close()
+
+
 def test_closing_the_client_fails_its_pending_futures(serve):
     st = serve()
     ps = mlfabric.connect(st.address, job=JOB, token=TOKEN)
