@@ -140,7 +140,9 @@ def main() -> int:
                     extra = ("" if system == "ddp" else
                              f"  delay mean {res.delay_mean:.2f} std {res.delay_std:.2f} max "
                              f"{res.delay_max}  applied {res.applied} dropped {res.dropped}  "
-                             f"server MB in {(res.server_bytes_in or 0) / 1e6:.1f}")
+                             f"server MB in {(res.server_bytes_in or 0) / 1e6:.1f}"
+                             + (f"  groups {res.groups} of {res.grouped} updates"
+                                if res.groups else ""))
                     print(f"{sc.name} round {r + 1} {system:8s} time to target {t}  wall "
                           f"{res.wall:.1f} s{extra}", flush=True)
             results[sc.name] = runs

@@ -47,8 +47,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _core
-from .control import PlanItem, Policy, Route, Snapshot
+from . import _core, schedule
+from .control import PlanItem, Policy, Route, Snapshot, Transfer
 from .errors import ConfigError
 
 Host = Hashable
@@ -87,6 +87,10 @@ class AggregationConfig:
     # at its latest start (minus the guard) or at an earlier re-plan.
     hold: bool = False
     hold_guard: float = 0.05
+    # route_groups: an update the policy dropped in overload joins a group
+    # that goes anyway, when it meets its deadline there and delays no
+    # later transfer past its own (see `rescue_drops`).
+    rescue: bool = False
 
     def __post_init__(self) -> None:
         if not 2 <= self.min_fan_in <= self.max_fan_in:
@@ -107,6 +111,7 @@ class Group:
     aggregator: Host | None
     ready: float  # when the aggregate is ready at the aggregator (direct: start)
     delivered: float  # when the server has received it
+    rescued: int = 0  # members the policy had dropped (the last ones of `ids`)
 
 
 def _arrival(members: Sequence[Slot], agg: Host, links: Links, now: float) -> float:
@@ -169,6 +174,70 @@ def plan_groups(order: Sequence[Slot], server: Host, aggregators: Sequence[Host]
     return groups, saved
 
 
+def rescue_drops(groups: Sequence[Group], order: Sequence[Slot], dropped: Sequence[Slot],
+                 links: Links, now: float, ready: float, *, first_version: int, tau_max: int,
+                 config: AggregationConfig | None = None) -> list[Group]:
+    """Add updates the policy dropped to the aggregated `groups` of `order`
+    (from `plan_groups`), so that the server's downlink takes them at no cost.
+
+    Position j of `order` is applied at version `first_version + j`. Dropped
+    in overload, an update costs its worker a gradient; as a member it costs
+    the server nothing (the aggregate has one member's size). An update
+    joins a group, at its end, when
+
+    * the group has room (`max_fan_in`) and holds updates of its size;
+    * its delay there, `first_version + first position + members added
+      before - base_version`, is at most tau_max - 1 (one version of margin:
+      a stale member makes the server refuse the whole aggregate);
+    * the aggregate is still ready by the time the server needs it;
+    * every later position still meets its deadline, although each added
+      member advances the server's version by one more.
+
+    Freshest first: they have the most slack, and fresher gradients are
+    worth more. Pure: the groups with their new members, in order."""
+    config = config or AggregationConfig()
+    by_id = {s.id: s for s in order}
+    # slack[j]: how many versions later every position from j on may go.
+    slack = [math.inf] * (len(order) + 1)
+    for j in range(len(order) - 1, -1, -1):
+        slack[j] = min(slack[j + 1], order[j].base_version + tau_max - (first_version + j))
+    candidates = sorted(dropped, key=lambda s: (-s.base_version, s.id))
+    out: list[Group] = []
+    added_before = 0
+    due = max(now, ready)  # D_{i-1} of each group in turn
+    for g in groups:
+        due, previous = g.delivered, due
+        room = config.max_fan_in - len(g.ids)
+        if g.aggregator is None or room <= 0 or not candidates:
+            out.append(g)
+            continue
+        members = [by_id[i] for i in g.ids]
+        version = first_version + g.first + added_before
+        after = slack[g.first + len(g.ids)]
+        joined: list[Slot] = []
+        t_ready = g.ready
+        for c in list(candidates):
+            if len(joined) == room or after < added_before + len(joined) + 1:
+                break
+            if c.base_version + tau_max - 1 < version:
+                candidates.remove(c)  # too stale here, and later groups come later
+                continue
+            if c.size != members[0].size:
+                continue
+            trial = [*members, *joined, c]
+            t = _arrival(trial, g.aggregator, links, now) + sum(m.size for m in trial) / (
+                config.sum_rate)
+            if t > previous:
+                continue
+            joined.append(c)
+            candidates.remove(c)
+            t_ready = t
+        added_before += len(joined)
+        out.append(dataclasses.replace(g, ids=(*g.ids, *(c.id for c in joined)), ready=t_ready,
+                                       rescued=len(joined)) if joined else g)
+    return out
+
+
 def direct_delivery(order: Sequence[Slot], server: Host, links: Links, now: float,
                     ready: float) -> float:
     """When the last position is delivered with every update sent directly."""
@@ -206,6 +275,15 @@ def _links(snap: Snapshot, hosts: set[str]) -> Links:
                  down={h: net.down.get(h, net.default) for h in hosts}, pair=pair)
 
 
+# Drops an aggregate can take back: the update was fine, the server's
+# downlink had no room for it (not: its deadline had passed).
+RESCUABLE = (schedule.STALEST_IN_OVERLOAD, schedule.WOULD_IDLE_SERVER)
+
+
+def _slot(t: Transfer) -> Slot:
+    return Slot(t.id, t.host, t.nbytes, t.base_version)
+
+
 def route_groups(snap: Snapshot, items: list[PlanItem], config: AggregationConfig | None = None,
                  epoch: int = 0) -> tuple[list[PlanItem], list[Group]]:
     """Turn a policy's plan into one with aggregation: per server, the
@@ -228,22 +306,35 @@ def route_groups(snap: Snapshot, items: list[PlanItem], config: AggregationConfi
     config = config or AggregationConfig()
     pending = {t.id: t for t in snap.pending}
     by_dst: dict[str, list[PlanItem]] = {}
+    dropped: dict[str, list[PlanItem]] = {}
     for item in items:
-        if item.drop is None and item.start is not None and item.id in pending:
+        if item.id not in pending:
+            continue
+        if item.drop is None and item.start is not None:
             by_dst.setdefault(pending[item.id].dst, []).append(item)
+        elif item.drop in RESCUABLE:
+            dropped.setdefault(pending[item.id].dst, []).append(item)
     routed: dict[int, PlanItem] = {}
     formed: list[Group] = []
     for dst, sends in sorted(by_dst.items()):
         if len(sends) < 2:
             continue
         sends.sort(key=lambda i: (i.start, i.position if i.position is not None else 0, i.id))
-        order = [Slot(i.id, pending[i.id].host, pending[i.id].nbytes,
-                      pending[i.id].base_version) for i in sends]
+        order = [_slot(pending[i.id]) for i in sends]
         hosts = {pending[i.id].host for i in sends} | {dst} | set(snap.aggregators)
         ready = min(i.start for i in sends if i.start is not None)
-        groups, _ = plan_groups(order, dst, sorted(snap.aggregators), _links(snap, hosts),
-                                snap.now, ready, config)
+        links = _links(snap, hosts | {pending[i.id].host for i in dropped.get(dst, [])})
+        groups, _ = plan_groups(order, dst, sorted(snap.aggregators), links, snap.now, ready,
+                                config)
         plan_of = {i.id: i for i in sends}
+        if config.rescue and snap.tau_max is not None and dropped.get(dst):
+            # Positions count from the version after everything in flight.
+            groups = rescue_drops(
+                groups, order, [_slot(pending[i.id]) for i in dropped[dst]], links, snap.now,
+                ready, first_version=snap.version + len(snap.active), tau_max=snap.tau_max,
+                config=config)
+            for i in dropped[dst]:
+                plan_of[i.id] = PlanItem(i.id, start=snap.now)
         before = max(snap.now, ready)  # D_{i-1} of each group in turn
         for n, g in enumerate(groups):
             before, due = g.delivered, before

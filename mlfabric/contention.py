@@ -184,6 +184,8 @@ class RunResult:
     delay_std: float = 0.0
     delay_max: int = 0
     server_bytes_in: float | None = None  # None for ddp: there is no server
+    groups: int = 0  # aggregation groups the controller formed
+    grouped: int = 0  # updates routed through an aggregator as members of those
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -198,6 +200,18 @@ def summarise_outcomes(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "delay_std": float(delays.std()) if delays.size else 0.0,
         "delay_max": int(delays.max()) if delays.size else 0,
     }
+
+
+def read_groups(decision_log: Path) -> list[int]:
+    """The member count of every aggregation group in a controller's decision log."""
+    if not decision_log.exists():
+        return []
+    sizes = []
+    for line in decision_log.read_text().splitlines():
+        event = json.loads(line)
+        if event.get("event") == "group":
+            sizes.append(len(event["ids"]))
+    return sizes
 
 
 def first_reach(curve: Sequence[tuple[float, float]], target: float) -> float | None:
@@ -338,7 +352,8 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
                                            f"{h0.ip}:{AGENT_PORT}", *peers], tmp))
         ctl = _popen(tb, h0, [*py, "controller", "--listen", f"{h0.ip}:{CONTROLLER_PORT}",
                               "--job", JOB, "--token-file", str(token), "--tau-max",
-                              str(sc.tau_max), "--policy", policy, *links, *agents], tmp)
+                              str(sc.tau_max), "--policy", policy, "--decision-log",
+                              str(tmp / "decisions.jsonl"), *links, *agents], tmp)
         helpers.append(ctl)
         ctl_addr = serving_address(ctl, "the controller", timeout=90.0)
         for i, w in enumerate(workers):
@@ -379,6 +394,7 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
                 raise RuntimeError(f"worker {i} failed ({p.returncode}): {err[-1500:]}")
             records += json.loads(lines[-1])["outcomes"]
         bytes_in = _server_bytes_in(h0)
+        groups = read_groups(tmp / "decisions.jsonl")
     finally:
         _stop_traffic(sched)
         _stop(procs)
@@ -386,7 +402,8 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
     return RunResult(system=system, scenario=sc.name,
                      reached=first_reach(curve, sc.target) is not None,
                      time_to_target=first_reach(curve, sc.target), wall=wall, curve=curve,
-                     server_bytes_in=bytes_in, **summarise_outcomes(records))
+                     server_bytes_in=bytes_in, groups=len(groups), grouped=sum(groups),
+                     **summarise_outcomes(records))
 
 
 def _watch_server(ps: Any, sc: Scenario, t0: float, progress: Callable[[str], None] | None,

@@ -195,8 +195,10 @@ class Controller(Endpoint):
         for g in groups:
             m.aggregation_groups.inc()
             m.aggregation_fan_in.observe(len(g.ids))
+            m.aggregation_rescued.inc(g.rescued)
             decision_log.info(json.dumps({"event": "group", "aggregator": g.aggregator,
-                                          "ids": list(g.ids), "first_position": g.first,
+                                          "ids": list(g.ids), "rescued": g.rescued,
+                                          "first_position": g.first,
                                           "ready": round(g.ready, 6),
                                           "delivered": round(g.delivered, 6)}))
 

@@ -52,6 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "members while its aggregate would still reach the server in time "
                         "(larger groups; with --no-hold-groups a group goes as soon as two "
                         "updates wait) (default: on)")
+    p.add_argument("--rescue-drops", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --aggregator: an update the policy would drop because the "
+                        "server's downlink is overloaded joins an aggregate that goes anyway, "
+                        "when it meets its deadline there and delays no other past its own "
+                        "(default: on)")
     p.add_argument("--div-max", type=float, default=None, metavar="X",
                    help="worker-driven replication: keep a bound on ||w_server - w_replica||_2 "
                         "at most X by holding server transfers until the replica catches up "
@@ -168,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
                                 network=network, metrics=metrics, policy_name=args.policy,
                                 gate=gate, aggregators=aggregators,
                                 aggregation=AggregationConfig(max_fan_in=args.max_fan_in,
-                                                              hold=args.hold_groups))
+                                                              hold=args.hold_groups,
+                                                              rescue=args.rescue_drops))
         bound = await listen(controller, host, port, args.listen)
         if agents:
             controller.watch_agents(agents, args.agent_interval)

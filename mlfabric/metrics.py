@@ -217,6 +217,10 @@ class ControllerMetrics:
         self.aggregation_fan_in = Histogram(
             "controller_aggregation_fan_in", "Members per group routed through an aggregator",
             namespace=ns, registry=r, buckets=FAN_IN_BUCKETS)
+        self.aggregation_rescued = Counter(
+            "controller_aggregation_rescued",
+            "Updates the policy dropped in overload that joined an aggregate instead",
+            namespace=ns, registry=r)
         self.aggregation_members = Counter(
             "controller_aggregation_members", "Updates told to go through an aggregator",
             namespace=ns, registry=r)

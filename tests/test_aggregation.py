@@ -19,6 +19,7 @@ from mlfabric.aggregation import (
     apply_aggregate,
     direct_delivery,
     plan_groups,
+    rescue_drops,
     route_groups,
 )
 from mlfabric.control import ControlState, Network, PlanItem, Route, Snapshot, Transfer
@@ -110,6 +111,85 @@ def test_hand_example_groups_behind_the_first_transfer():
     assert all(g.aggregator is None for g in plan_groups(order, "s", [], links, 0.0, 0.0)[0])
     slow = Links(up={**links.up, "a": 5.0}, down=links.down, pair={})
     assert all(g.aggregator is None for g in plan_groups(order, "s", ["a"], slow, 0.0, 0.0)[0])
+
+
+def _hand_links():
+    return Links(up={h: 100.0 for h in ("w1", "w2", "w3", "w4", "w5", "a", "s")},
+                 down={**{h: 100.0 for h in ("w1", "w2", "w3", "w4", "w5", "a")}, "s": 10.0},
+                 pair={})
+
+
+def test_a_dropped_update_joins_the_aggregate_when_its_deadline_and_the_others_allow():
+    links = _hand_links()
+    order = [Slot(1, "w1", 10, 5), Slot(2, "w2", 10, 5), Slot(3, "w3", 10, 5)]
+    config = AggregationConfig(sum_rate=1e3)
+    groups, _ = plan_groups(order, "s", ["a"], links, 0.0, 0.0, config)
+    assert groups[1] == Group(1, (2, 3), "a", 0.22, 2.0)
+
+    def rescue(dropped, tau_max=4, first_version=6, cfg=config, order=order, groups=groups):
+        return rescue_drops(groups, order, dropped, links, 0.0, 0.0,
+                            first_version=first_version, tau_max=tau_max, config=cfg)
+
+    # The group's members are applied at version 6 + 1 = 7: a dropped update
+    # of base 4 has delay 3 = tau_max - 1 there and joins (ready 30/100 + 30/1e3
+    # = 0.33 s, before the server is free at 1.0 s); base 3 would be
+    # exactly tau_max, refused (one version of margin), and so is another size.
+    fresh, stale, other_size = Slot(7, "w4", 10, 4), Slot(8, "w5", 10, 3), Slot(9, "w5", 20, 6)
+    out = rescue([stale, fresh, other_size])
+    assert out[0] == groups[0]
+    assert out[1] == Group(1, (2, 3, 7), "a", pytest.approx(0.33), 2.0, rescued=1)
+    # Freshest first, up to max_fan_in.
+    assert rescue([Slot(7, "w4", 10, 4), Slot(8, "w5", 10, 6)],
+                  cfg=replace(config, max_fan_in=3))[1].ids == (2, 3, 8)
+    # A later position with no slack left: nothing joins before it.
+    tight = [*order, Slot(4, "w1", 20, 3)]  # direct, position 3: version 9 = 3 + tau_max 6
+    groups_tight, _ = plan_groups(tight, "s", ["a"], links, 0.0, 0.0, config)
+    assert rescue([fresh], tau_max=6, order=tight, groups=groups_tight) == groups_tight
+    assert rescue([fresh], tau_max=7, order=tight, groups=groups_tight)[1].rescued == 1
+    # Not when the aggregate would then be ready after the server is free:
+    # a member whose uplink takes 2 s (20x slower than the others).
+    slow = replace(links, up={**links.up, "w4": 5.0})
+    assert rescue_drops(groups, order, [fresh], slow, 0.0, 0.0, first_version=6, tau_max=4,
+                        config=config) == groups
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases(), st.integers(0, 9), st.integers(1, 9), st.data())
+def test_rescued_members_meet_their_deadlines_and_keep_every_later_one(case, first, tau, data):
+    order, links, now, ready, aggs, config = case
+    # The policy's order meets every deadline; the drops are updates of any staleness.
+    order = [replace(s, base_version=max(s.base_version, first + j - tau))
+             for j, s in enumerate(order)]
+    dropped = [Slot(100 + i, data.draw(st.sampled_from(sorted(links.up))),
+                    data.draw(st.sampled_from([10, 40, 20])), data.draw(st.integers(0, 12)))
+               for i in range(data.draw(st.integers(0, 6)))]
+    groups, _ = plan_groups(order, "s", aggs, links, now, ready, config)
+    out = rescue_drops(groups, order, dropped, links, now, ready, first_version=first,
+                       tau_max=tau, config=config)
+    by_id = {s.id: s for s in [*order, *dropped]}
+    assert len(out) == len(groups)
+    added = 0
+    rescued_ids = []
+    due = max(now, ready)
+    for g, h in zip(groups, out, strict=True):
+        # Rescued members only join aggregated groups, at their end.
+        assert h.ids[:len(g.ids)] == g.ids and h.rescued == len(h.ids) - len(g.ids)
+        assert (g.first, g.aggregator, g.delivered) == (h.first, h.aggregator, h.delivered)
+        version = first + g.first + added
+        if h.rescued:
+            assert g.aggregator is not None and len(h.ids) <= config.max_fan_in
+            assert len({by_id[i].size for i in h.ids}) == 1
+            assert h.ready <= due + TOL
+            for i in h.ids[len(g.ids):]:
+                assert version - by_id[i].base_version <= tau - 1
+                rescued_ids.append(i)
+        # Every position of the order is still applied within its deadline.
+        for i in g.ids:
+            assert version - by_id[i].base_version <= tau
+        added += h.rescued
+        due = h.delivered
+    assert len(set(rescued_ids)) == len(rescued_ids)
+    assert set(rescued_ids) <= {s.id for s in dropped}
 
 
 def test_bad_settings_are_refused():
@@ -254,6 +334,24 @@ def test_route_groups_keeps_drops_and_ignores_other_servers_singletons():
             PlanItem(2, drop="deadline_missed", detail="at position 1"),
             PlanItem(3, start=0.0, position=0, planned_seconds=0.016)]
     assert route_groups(snap, plan) == (plan, [])
+
+
+def test_route_groups_routes_an_update_dropped_in_overload_through_the_aggregate():
+    ts = _transfers(5)
+    for t in ts:
+        t.base_version = 3  # positions 0-3 at versions 4-7: within tau_max 4
+    snap = replace(_snapshot(ts, {"a": "10.0.0.9:7401"}), version=4, tau_max=4)
+    plan = [*_back_to_back(ts[:4], snap),
+            PlanItem(5, drop="stalest_in_overload", detail="base version 3")]
+    without = route_groups(snap, plan)
+    assert without[0][4] == plan[4] and [g.ids for g in without[1]] == [(2, 3, 4)]
+    items, groups = route_groups(snap, plan, AggregationConfig(rescue=True))
+    assert [(g.ids, g.rescued) for g in groups] == [((2, 3, 4, 5), 1)]
+    assert items[4].drop is None and items[4].start == 0.0
+    assert items[4].route == Route("a", "10.0.0.9:7401", 2, 4, 3)
+    # A drop for a missed deadline stays a drop.
+    missed = [*plan[:4], PlanItem(5, drop="deadline_missed", detail="at position 4")]
+    assert route_groups(snap, missed, AggregationConfig(rescue=True))[0][4] == missed[4]
 
 
 def test_benched_and_unreachable_aggregators_are_not_offered():
