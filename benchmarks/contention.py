@@ -141,8 +141,10 @@ def main() -> int:
                              f"  delay mean {res.delay_mean:.2f} std {res.delay_std:.2f} max "
                              f"{res.delay_max}  applied {res.applied} dropped {res.dropped}  "
                              f"server MB in {(res.server_bytes_in or 0) / 1e6:.1f}"
-                             + (f"  groups {res.groups} of {res.grouped} updates"
-                                if res.groups else ""))
+                             + (f"  groups {res.groups} of {res.grouped} updates "
+                                f"({res.rescued} rescued)" if res.groups else "")
+                             + "".join(f"  {n} {reason}" for reason, n in
+                                       sorted(res.drop_reasons.items())))
                     print(f"{sc.name} round {r + 1} {system:8s} time to target {t}  wall "
                           f"{res.wall:.1f} s{extra}", flush=True)
             results[sc.name] = runs

@@ -186,6 +186,8 @@ class RunResult:
     server_bytes_in: float | None = None  # None for ddp: there is no server
     groups: int = 0  # aggregation groups the controller formed
     grouped: int = 0  # updates routed through an aggregator as members of those
+    rescued: int = 0  # of those, updates the policy had dropped (--rescue-drops)
+    drop_reasons: dict[str, int] = field(default_factory=dict)  # the controller's drops
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -202,16 +204,22 @@ def summarise_outcomes(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def read_groups(decision_log: Path) -> list[int]:
-    """The member count of every aggregation group in a controller's decision log."""
+def read_decisions(decision_log: Path) -> dict[str, Any]:
+    """From a controller's decision log: the aggregation groups formed, their
+    members, how many of those were rescued drops, and the drops by reason."""
+    out: dict[str, Any] = {"groups": 0, "grouped": 0, "rescued": 0, "drop_reasons": {}}
     if not decision_log.exists():
-        return []
-    sizes = []
+        return out
     for line in decision_log.read_text().splitlines():
         event = json.loads(line)
         if event.get("event") == "group":
-            sizes.append(len(event["ids"]))
-    return sizes
+            out["groups"] += 1
+            out["grouped"] += len(event["ids"])
+            out["rescued"] += event.get("rescued", 0)
+        elif event.get("event") == "drop":
+            reasons = out["drop_reasons"]
+            reasons[event["reason"]] = reasons.get(event["reason"], 0) + 1
+    return out
 
 
 def first_reach(curve: Sequence[tuple[float, float]], target: float) -> float | None:
@@ -394,7 +402,7 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
                 raise RuntimeError(f"worker {i} failed ({p.returncode}): {err[-1500:]}")
             records += json.loads(lines[-1])["outcomes"]
         bytes_in = _server_bytes_in(h0)
-        groups = read_groups(tmp / "decisions.jsonl")
+        decisions = read_decisions(tmp / "decisions.jsonl")
     finally:
         _stop_traffic(sched)
         _stop(procs)
@@ -402,8 +410,7 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
     return RunResult(system=system, scenario=sc.name,
                      reached=first_reach(curve, sc.target) is not None,
                      time_to_target=first_reach(curve, sc.target), wall=wall, curve=curve,
-                     server_bytes_in=bytes_in, groups=len(groups), grouped=sum(groups),
-                     **summarise_outcomes(records))
+                     server_bytes_in=bytes_in, **decisions, **summarise_outcomes(records))
 
 
 def _watch_server(ps: Any, sc: Scenario, t0: float, progress: Callable[[str], None] | None,
