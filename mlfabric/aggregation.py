@@ -124,6 +124,12 @@ def _arrival(members: Sequence[Slot], agg: Host, links: Links, now: float) -> fl
     return now + max(total / links.down[agg], slowest)
 
 
+def _ready(members: Sequence[Slot], agg: Host, links: Links, now: float,
+           config: AggregationConfig) -> float:
+    """ready(A, G): every member arrived at `agg`, and summed."""
+    return _arrival(members, agg, links, now) + sum(m.size for m in members) / config.sum_rate
+
+
 def plan_groups(order: Sequence[Slot], server: Host, aggregators: Sequence[Host], links: Links,
                 now: float, ready: float, config: AggregationConfig | None = None
                 ) -> tuple[list[Group], int]:
@@ -150,8 +156,7 @@ def plan_groups(order: Sequence[Slot], server: Host, aggregators: Sequence[Host]
                 if len({m.size for m in members}) != 1:
                     break  # one aggregate holds the same tensors as each member
                 direct = sum(m.size / links.rate(m.source, server) for m in members)
-                t_ready = _arrival(members, agg, links, now) + sum(
-                    m.size for m in members) / config.sum_rate
+                t_ready = _ready(members, agg, links, now, config)
                 if t_ready <= done and fwd < direct:
                     largest = (k, t_ready)
             if largest is not None:
@@ -224,9 +229,7 @@ def rescue_drops(groups: Sequence[Group], order: Sequence[Slot], dropped: Sequen
                 continue
             if c.size != members[0].size:
                 continue
-            trial = [*members, *joined, c]
-            t = _arrival(trial, g.aggregator, links, now) + sum(m.size for m in trial) / (
-                config.sum_rate)
+            t = _ready([*members, *joined, c], g.aggregator, links, now, config)
             if t > previous:
                 continue
             joined.append(c)
