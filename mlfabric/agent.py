@@ -131,6 +131,9 @@ class AgentConfig:
     counters: Callable[[], tuple[int, int] | None] | None = read_net_dev
     load_interval: float = 0.1  # how often the counters are read
     load_window: float = 0.3  # load is averaged over this long
+    # the job's own TCP traffic (rx, tx) in wire bytes, subtracted from the load like
+    # probes (mlfabric.job_traffic); None: every byte on the NIC is someone else's
+    job_traffic: Callable[[], tuple[int, int]] | None = None
     max_lost_trains: int = 5  # then the connection is dropped and re-established
 
 
@@ -191,6 +194,8 @@ class Agent:
         self.bad_frames = 0
         self.probe_tx_bytes = 0  # wire bytes, for subtracting from the NIC counters
         self.probe_rx_bytes = 0
+        self.job_rx_bytes = 0  # wire bytes of the job's own connections, same purpose
+        self.job_tx_bytes = 0
         self.load = LoadMeter(config.load_window)
         self._load_task: asyncio.Task[None] | None = None
         self._progress = asyncio.Condition()
@@ -270,6 +275,7 @@ class Agent:
         counters = self.config.counters
         assert counters is not None
         while not self._stopping.is_set():
+            self._read_job_traffic()  # first: its bytes must not lag the NIC's
             try:
                 reading = counters()
             except (OSError, ValueError) as exc:  # an odd /proc line: no load this round
@@ -277,12 +283,32 @@ class Agent:
                 reading = None
             if reading is not None:
                 rx, tx = reading
-                self.load.update(self.clock(), rx, tx, self.probe_rx_bytes, self.probe_tx_bytes)
+                self.load.update(self.clock(), rx, tx, self.probe_rx_bytes + self.job_rx_bytes,
+                                 self.probe_tx_bytes + self.job_tx_bytes)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), self.config.load_interval)
 
+    def _read_job_traffic(self) -> None:
+        read = self.config.job_traffic
+        if read is None:
+            return
+        try:
+            rx, tx = read()
+        except (OSError, ValueError) as exc:
+            # Without the socket counters the job's traffic counts as load: the
+            # estimates are low while the job transfers, as before --job-port.
+            log.warning("agent %s: cannot read the job's TCP counters (%s); its own "
+                        "traffic now counts as load on this host's links", self.name, exc)
+            self.config = replace(self.config, job_traffic=None)
+            return
+        if self.metrics is not None:
+            self.metrics.job_traffic_bytes.labels("rx").inc(max(0, rx - self.job_rx_bytes))
+            self.metrics.job_traffic_bytes.labels("tx").inc(max(0, tx - self.job_tx_bytes))
+        self.job_rx_bytes, self.job_tx_bytes = rx, tx
+
     def link_load(self) -> tuple[float, float] | None:
-        """(downlink, uplink) load of this host in wire bit/s, probes excluded."""
+        """(downlink, uplink) load of this host in wire bit/s, probes and the job's
+        own traffic excluded."""
         return self.load.rates()
 
     # -- peers -----------------------------------------------------------------
@@ -346,7 +372,17 @@ class Agent:
                 )
                 for n, (e, connected) in sorted(self.estimates().items())
             ),
+            *self.host_load(),
         )
+
+    def host_load(self) -> tuple[float, float]:
+        """(downlink, uplink) load of this host in payload bit/s, as the
+        estimates count it (probes and the job excluded); -1 until measured."""
+        load = self.link_load()
+        if load is None:
+            return -1.0, -1.0
+        ratio = self.config.probe.payload_ratio
+        return load[0] * ratio, load[1] * ratio
 
     async def _peer_loop(self, st: _PeerState) -> None:
         c = self.config

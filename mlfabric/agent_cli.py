@@ -27,6 +27,7 @@ from . import auth
 from .agent import Agent, AgentConfig, parse_hostport, parse_peer, read_net_dev
 from .bandwidth import ProbeConfig
 from .errors import ConfigError
+from .job_traffic import JobTrafficReader
 
 log = logging.getLogger("mlfabric.agent")
 
@@ -39,6 +40,7 @@ CONFIG_KEYS = {
     "probe_budget": "--probe-budget",
     "stale_after": "--stale-after",
     "interface": "--interface",
+    "job_ports": "--job-port",  # a list of port numbers
     "aggregate": "--aggregate",
     "job": "--job",
     "token_file": "--token-file",
@@ -65,6 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interface", metavar="NAME",
                    help="NIC whose byte counters give the load on this host's links "
                         "(default: all but loopback)")
+    p.add_argument("--job-port", type=int, action="append", default=[], metavar="PORT",
+                   help="a port of the job's servers (parameter server, replica); TCP "
+                        "traffic to or from it is the job's own and not counted as load on "
+                        "this host's links (repeatable; --aggregate adds its own port)")
     p.add_argument("--aggregate", metavar="HOST:PORT",
                    help="also act as the job's aggregator on this address: sum the updates "
                         "the controller routes here and forward one aggregate to the server "
@@ -164,10 +170,33 @@ def build_config(args: argparse.Namespace) -> tuple[AgentConfig, int | None]:
     interface = args.interface or file.get("interface")
     if interface is not None and not isinstance(interface, str):
         raise ConfigError(f"interface must be a NIC name, got {interface!r}")
+    ports = parse_job_ports(file.get("job_ports", []), args.job_port)
     probe_cfg = replace(ProbeConfig(), budget=float(budget), stale_after=float(stale))
     config = AgentConfig(name=name, host=host, port=port, peers=peers, probe=probe_cfg,
-                         counters=functools.partial(read_net_dev, interface))
+                         counters=functools.partial(read_net_dev, interface),
+                         job_traffic=JobTrafficReader(ports) if ports else None)
     return config, metrics_port
+
+
+def parse_job_ports(from_file: Any, from_flags: list[int]) -> list[int]:
+    if not isinstance(from_file, list):
+        raise ConfigError(f'"job_ports" in the agent config must be a list of port numbers, '
+                          f"got {from_file!r}")
+    values = [*from_file, *from_flags]
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= 65535:
+            raise ConfigError(f"job port must be a port number in 1..65535, got {v!r}")
+    return sorted(set(values))
+
+
+def with_aggregate_port(config: AgentConfig, aggregate: AggregateConfig | None) -> AgentConfig:
+    """The aggregator's port carries the job's updates: its traffic is not load."""
+    if aggregate is None or aggregate.port == 0:
+        return config
+    ports = {aggregate.port}
+    if isinstance(config.job_traffic, JobTrafficReader):
+        ports |= config.job_traffic.traffic.ports
+    return replace(config, job_traffic=JobTrafficReader(sorted(ports)))
 
 
 async def serve(config: AgentConfig, metrics_port: int | None = None,
@@ -215,5 +244,6 @@ def run(args: argparse.Namespace) -> int:
 
     config, metrics_port = build_config(args)
     aggregate = build_aggregate(args, _load_file(args.config) if args.config else {})
+    config = with_aggregate_port(config, aggregate)
     loop_run(serve(config, metrics_port, args.metrics_host, aggregate), kind=args.loop)
     return 0

@@ -274,8 +274,8 @@ def apply_aggregate(w: dict[str, np.ndarray], w_prev: dict[str, np.ndarray], ver
 def _links(snap: Snapshot, hosts: set[str]) -> Links:
     net = snap.network
     pair: dict[tuple[Host, Host], float] = dict(net.pair.items())
-    return Links(up={h: net.up.get(h, net.default) for h in hosts},
-                 down={h: net.down.get(h, net.default) for h in hosts}, pair=pair)
+    return Links(up={h: net.up_rate(h) for h in hosts},
+                 down={h: net.down_rate(h) for h in hosts}, pair=pair)
 
 
 # Drops an aggregate can take back: the update was fine, the server's

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 POLICIES = ("mlfabric", "fifo")
 
@@ -21,22 +21,43 @@ POLICIES = ("mlfabric", "fifo")
 DROP_REASONS = ("deadline_missed", "would_idle_server", "stalest_in_overload", "worker_gone")
 
 
+# A link never looks fully taken by others: TCP still gets a share of it, and
+# the planner needs a rate above zero to place a transfer at all.
+MIN_LEFT = 0.05
+
+
 @dataclass(frozen=True)
 class Network:
     """Link capacities in bytes per second (big-switch model).
 
     A host missing from `up`/`down` gets `default`; `pair[(a, b)]` is a
-    measured end-to-end rate from a to b when an agent reported one."""
+    measured end-to-end rate from a to b when an agent reported one.
+    `load_up`/`load_down` are other tenants' traffic on a host's edge links,
+    measured by the agent on that host: the job gets what is left of the
+    capacity (at least `MIN_LEFT` of it)."""
 
     default: float = 125e6  # 1 Gbit/s
     up: Mapping[str, float] = field(default_factory=dict)
     down: Mapping[str, float] = field(default_factory=dict)
     pair: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    load_up: Mapping[str, float] = field(default_factory=dict)
+    load_down: Mapping[str, float] = field(default_factory=dict)
+
+    def up_rate(self, host: str) -> float:
+        """What the job can send from `host`: its uplink less others' load."""
+        return _left(self.up.get(host, self.default), self.load_up.get(host, 0.0))
+
+    def down_rate(self, host: str) -> float:
+        return _left(self.down.get(host, self.default), self.load_down.get(host, 0.0))
 
     def rate(self, src: str, dst: str) -> float:
-        r = min(self.up.get(src, self.default), self.down.get(dst, self.default))
+        r = min(self.up_rate(src), self.down_rate(dst))
         measured = self.pair.get((src, dst))
         return min(r, measured) if measured is not None else r
+
+
+def _left(capacity: float, load: float) -> float:
+    return max(capacity - load, MIN_LEFT * capacity)
 
 
 def with_estimates(net: Network, host: str,
@@ -50,7 +71,20 @@ def with_estimates(net: Network, host: str,
             pair.pop((host, peer), None)
         else:
             pair[(host, peer)] = rate
-    return Network(default=net.default, up=net.up, down=net.down, pair=pair)
+    return replace(net, pair=pair)
+
+
+def with_host_load(net: Network, host: str, down: float, up: float) -> Network:
+    """`net` with other tenants' load (bytes/s) on `host`'s downlink and uplink,
+    as its agent measured them; a negative or NaN value (not measured) removes
+    what was known."""
+    load_down, load_up = dict(net.load_down), dict(net.load_up)
+    for table, value in ((load_down, down), (load_up, up)):
+        if not value >= 0:
+            table.pop(host, None)
+        else:
+            table[host] = max(0.0, value)
+    return replace(net, load_up=load_up, load_down=load_down)
 
 
 @dataclass(frozen=True)
@@ -387,7 +421,9 @@ class ControlState:
                                                         key=lambda w: w.name)],
             "delay": self.delays.summary(),
             "bandwidth": {h: {"up_bytes_per_s": net.up.get(h, net.default),
-                              "down_bytes_per_s": net.down.get(h, net.default)} for h in hosts},
+                              "down_bytes_per_s": net.down.get(h, net.default),
+                              "up_left_bytes_per_s": net.up_rate(h),
+                              "down_left_bytes_per_s": net.down_rate(h)} for h in hosts},
             "default_bytes_per_s": net.default,
             "measured_paths": {f"{a}->{b}": rate for (a, b), rate in sorted(net.pair.items())},
         }

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from .aggregation import AggregationConfig, Group, aggregating
-from .control import ControlState, Drop, Go, Network, Policy, with_estimates
+from .control import ControlState, Drop, Go, Network, Policy, with_estimates, with_host_load
 from .divergence import DivergenceGate
 from .endpoint import Endpoint, EndpointProtocol
 from .errors import ConfigError, MlfabricError
@@ -113,7 +113,8 @@ class Controller(Endpoint):
             self.state.agent_reported(host, now=self.clock(), peers=len(measured),
                                       fresh=sum(not stale and rate > 0
                                                 for rate, stale in measured.values()))
-            network = with_estimates(self.state.network, host, measured)
+            network = with_host_load(with_estimates(self.state.network, host, measured),
+                                     host, est.down_load_bps / 8, est.up_load_bps / 8)
             if network != self.state.network:
                 self.state.set_network(network)
                 for (src, dst), rate in network.pair.items():

@@ -418,3 +418,11 @@ class AgentMetrics:
         )
         for result in ("accepted", "unknown_peer"):
             self.transfer_reports.labels(result)
+        self.job_traffic_bytes = Counter(
+            "agent_job_traffic_bytes",
+            "Wire bytes of the job's own TCP connections through this host's NICs, by "
+            "direction (rx, tx); not counted as load (--job-port)",
+            ["direction"], namespace=ns, registry=r,
+        )
+        for direction in ("rx", "tx"):
+            self.job_traffic_bytes.labels(direction)

@@ -24,8 +24,8 @@ def _network(snap: Snapshot) -> schedule.Network:
     hosts |= {t.route.host for t in snap.active if t.route is not None}
     net = snap.network
     return schedule.Network(
-        up={h: net.up.get(h, net.default) for h in hosts},
-        down={h: net.down.get(h, net.default) for h in hosts},
+        up={h: net.up_rate(h) for h in hosts},
+        down={h: net.down_rate(h) for h in hosts},
         pair={(a, b): r for (a, b), r in net.pair.items()},
     )
 

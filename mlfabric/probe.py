@@ -31,7 +31,7 @@ from typing import Any, Final
 
 from .errors import FrameTooLarge, ProtocolError
 
-VERSION: Final = 1
+VERSION: Final = 2  # 2: Estimates carry the host's own link loads
 MAGIC: Final = b"MA"
 HEADER = struct.Struct(">2sBBI")
 MAX_FRAME: Final = 1 << 20  # a report of 64 Ki arrivals fits; anything larger is an error
@@ -145,6 +145,10 @@ class Estimates:
     request_id: int
     agent: str
     estimates: tuple[PeerEstimate, ...]
+    # other traffic on this host's own downlink and uplink, payload bit/s (probes
+    # and the job's own connections excluded); -1 when the agent cannot tell
+    down_load_bps: float = -1.0
+    up_load_bps: float = -1.0
 
 
 @dataclass(frozen=True)
@@ -280,6 +284,7 @@ def _encode_payload(event: Event) -> tuple[MsgType, bytes]:
     if isinstance(event, Estimates):
         w.pack("I", event.request_id)
         w.string(event.agent)
+        w.pack("dd", event.down_load_bps, event.up_load_bps)
         w.pack("H", len(event.estimates))
         for e in event.estimates:
             w.string(e.peer)
@@ -335,6 +340,7 @@ def _decode_payload(msg_type: int, payload: bytes) -> Event:
     elif kind is MsgType.ESTIMATES:
         (request_id,) = r.unpack("I")
         agent = r.string()
+        down_load, up_load = r.unpack("dd")
         (n,) = r.unpack("H")
         entries = []
         for _ in range(n):
@@ -345,7 +351,7 @@ def _decode_payload(msg_type: int, payload: bytes) -> Event:
                 PeerEstimate(peer, bw, cap, load, rtt, age, bool(stale), bool(connected),
                              samples)
             )
-        event = Estimates(request_id, agent, tuple(entries))
+        event = Estimates(request_id, agent, tuple(entries), down_load, up_load)
     elif kind is MsgType.SET_PEERS:
         request_id, n = r.unpack("IH")
         peers = []

@@ -209,7 +209,84 @@ def test_link_load_comes_from_the_counters_less_probes(run_async) -> None:
     run_async(main())
 
 
-def test_receiver_flags_trains_that_overlap(run_async) -> None:
+def test_the_jobs_own_traffic_is_not_load_and_estimates_carry_the_host_load(
+        run_async) -> None:
+    """NIC counters move 100 kB per reading each way, 60 kB of it the job's
+    own down and 100 kB of it up: the load left is the other 40 kB down, 0 up;
+    the Estimates event carries it (payload bit/s), and the metric counts the
+    job's bytes."""
+    async def main() -> None:
+        ticks = {"nic": 0, "job_rx": 0, "job_tx": 0}
+
+        def counters() -> tuple[int, int]:
+            return ticks["nic"] + a.probe_rx_bytes, ticks["nic"] + a.probe_tx_bytes
+
+        def job() -> tuple[int, int]:
+            # called first in each reading: the step happens here
+            ticks["nic"] += 100_000
+            ticks["job_rx"] += 60_000
+            ticks["job_tx"] += 100_000
+            return ticks["job_rx"], ticks["job_tx"]
+
+        metrics = AgentMetrics()
+        a = Agent(_config("a", counters=counters, job_traffic=job, load_interval=0.02,
+                          load_window=0.2), metrics=metrics)
+        await a.start()
+        try:
+            for _ in range(200):
+                if a.link_load() is not None and len(a.load._readings) > 5:
+                    break
+                await asyncio.sleep(0.02)  # the load task samples on its own schedule
+            down, up = a.link_load()  # type: ignore[misc]
+            readings = a.load._readings
+            dt = readings[-1][0] - readings[0][0]
+            steps = len(readings) - 1
+            assert down == pytest.approx(steps * 40_000 * 8 / dt) and up == 0.0
+            est = a._estimates_event(7)  # no await: the same readings as link_load()
+            ratio = a.config.probe.payload_ratio
+            assert (est.down_load_bps, est.up_load_bps) == (down * ratio, 0.0)
+            rx = metrics.registry.get_sample_value("mlfabric_agent_job_traffic_bytes_total",
+                                                   {"direction": "rx"})
+            assert rx == a.job_rx_bytes > 0
+        finally:
+            await _stop(a)
+
+    run_async(main())
+
+
+def test_unreadable_job_counters_warn_once_and_count_as_load(run_async, caplog) -> None:
+    async def main() -> None:
+        calls = []
+
+        def job() -> tuple[int, int]:
+            calls.append(1)
+            raise PermissionError(1, "Operation not permitted")
+
+        nic = {"n": 0}
+
+        def counters() -> tuple[int, int]:
+            nic["n"] += 50_000
+            return nic["n"], nic["n"]
+
+        a = Agent(_config("a", counters=counters, job_traffic=job, load_interval=0.02))
+        await a.start()
+        try:
+            for _ in range(200):
+                if a.link_load() is not None and len(a.load._readings) > 3:
+                    break
+                await asyncio.sleep(0.02)
+            down, up = a.link_load()  # type: ignore[misc]
+            assert down > 0 and up > 0 and len(calls) == 1
+        finally:
+            await _stop(a)
+
+    with caplog.at_level("WARNING", logger="mlfabric.agent"):
+        run_async(main())
+    warnings = [r.message for r in caplog.records if "job's TCP counters" in r.message]
+    assert len(warnings) == 1 and "Operation not permitted" in warnings[0]
+
+
+
     """Two agents' trains reaching one host at once share its downlink: both reports
     say so, and a train alone does not."""
 
@@ -278,9 +355,9 @@ def test_bad_and_truncated_datagrams_are_counted_and_ignored(run_async) -> None:
 BAD_STREAMS = {
     "garbage": b"GET / HTTP/1.1\r\n\r\n",
     "truncated frame": probe.Connection().send(probe.Hello("x", 1))[:-3],
-    "bad type": probe.HEADER.pack(b"MA", 1, 99, 0),
+    "bad type": probe.HEADER.pack(b"MA", probe.VERSION, 99, 0),
     "agent-only event": probe.Connection().send(probe.Ack(1)),
-    "oversized": probe.HEADER.pack(b"MA", 1, probe.MsgType.PING, 2**31),
+    "oversized": probe.HEADER.pack(b"MA", probe.VERSION, probe.MsgType.PING, 2**31),
 }
 
 
@@ -450,6 +527,23 @@ def test_cli_config_from_flags_and_file(tmp_path: Path) -> None:
     assert cfg.counters.args == ("eth7",)  # type: ignore[union-attr]
     cfg, mport = build_config(_args(["--name", "x", "--probe-budget", "0.02"]))
     assert (cfg.host, cfg.port, cfg.peers, mport) == ("0.0.0.0", 7400, {}, None)
+    assert cfg.job_traffic is None  # no job ports: every byte on the NIC is load
+
+
+def test_cli_job_ports_from_flags_file_and_aggregator(tmp_path: Path) -> None:
+    from mlfabric.agent_cli import AggregateConfig, with_aggregate_port
+
+    f = tmp_path / "agent.json"
+    f.write_text(json.dumps({"job_ports": [7100]}))
+    cfg, _ = build_config(_args(["--config", str(f), "--job-port", "7200", "--job-port",
+                                 "7100"]))
+    assert cfg.job_traffic.traffic.ports == {7100, 7200}  # type: ignore[union-attr]
+    agg = AggregateConfig("10.0.0.2", 7401, "job", b"t" * 32, 2.0)
+    assert with_aggregate_port(cfg, agg).job_traffic.traffic.ports == {  # type: ignore
+        7100, 7200, 7401}
+    cfg, _ = build_config(_args([]))
+    assert with_aggregate_port(cfg, agg).job_traffic.traffic.ports == {7401}  # type: ignore
+    assert with_aggregate_port(cfg, None) is cfg
 
 
 @pytest.mark.parametrize(
@@ -464,6 +558,9 @@ def test_cli_config_from_flags_and_file(tmp_path: Path) -> None:
         ("{}", ["--stale-after", "-1"], "stale-after"),
         ('{"metrics_port": "x"}', [], "metrics port"),
         ('{"interface": 5}', [], "NIC name"),
+        ('{"job_ports": 7100}', [], "list of port numbers"),
+        ('{"job_ports": ["x"]}', [], "job port must be a port number in 1..65535, got 'x'"),
+        ("{}", ["--job-port", "0"], "job port must be a port number in 1..65535, got 0"),
         ("{}", ["--peer", "h1"], "NAME=HOST:PORT"),
     ],
 )

@@ -248,7 +248,48 @@ def test_cross_traffic_leaves_the_remainder(proto: str) -> None:
         wait_for(lambda: within(agents.estimates(), pairs, lambda a, b: full, 0.10), 3.0)
 
 
-def test_survives_bad_input_a_dead_peer_and_its_restart() -> None:
+def test_the_jobs_own_tcp_traffic_is_not_load() -> None:
+    """The same paced flow as above, but to a --job-port: it is the job's own.
+    Its paths keep their full estimate, h0 and h1 report (almost) no load on
+    their links, and the agents count its bytes, while the flow demonstrably
+    runs at its rate."""
+    rate = 100
+    with cluster(rate) as (tb, agents):
+        ct = tb.cross_traffic("h0", "h1", rate_mbit=rate / 2, proto="tcp")
+        agents.extra += ["--job-port", str(ct.port)]
+        t0 = time.monotonic()
+        agents.start_all()
+        pairs = all_pairs(tb)
+        full = rate * 1e6 * PAYLOAD
+        wait_for(lambda: within(agents.estimates(), pairs, lambda a, b: full, 0.10), 5.0)
+        t1 = time.monotonic()
+        time.sleep(1.0)  # the flow's rate over this second, measured at its sink
+        est = {h.name: agents.query(h) for h in tb.hosts}
+        goodput = traffic.rate_mbit(ct.received_samples, t1, time.monotonic())
+        ok, note = within(agents.estimates(), pairs, lambda a, b: full, 0.10)
+        print(f"\njob flow at {goodput:.1f} Mbit/s: h1 down load "
+              f"{est['h1'].down_load_bps / 1e6:.2f}, h0 up load "
+              f"{est['h0'].up_load_bps / 1e6:.2f} Mbit/s; {note}")
+        assert goodput > 0.8 * rate / 2
+        assert ok, note
+        assert 0 <= est["h1"].down_load_bps < 0.05 * rate * 1e6
+        assert 0 <= est["h0"].up_load_bps < 0.05 * rate * 1e6
+        # counted since each agent's first reading (the socket's whole history then)
+        wire = ct.bytes_received / TCP_PAYLOAD
+        got = _metric(agents.metrics(tb.hosts[1]),
+                      'mlfabric_agent_job_traffic_bytes_total{direction="rx"}')
+        assert wire * 0.9 < got < wire * 1.1, (got, wire, time.monotonic() - t0)
+        ct.stop()
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in the metrics")
+
+
+
     with cluster(100, "--stale-after", "1.0") as (tb, agents):
         agents.start_all()
         h0, h1, h2 = tb.hosts

@@ -94,7 +94,39 @@ def test_agent_estimates_set_and_clear_pair_rates():
     assert net.pair == {} and net.rate("a", "s") == 50 * MB
 
 
-def test_status_counts_what_each_worker_asked_for():
+def test_host_load_leaves_the_remainder_of_each_edge_link_to_the_job():
+    from mlfabric.control import MIN_LEFT, with_estimates, with_host_load
+
+    net = Network(default=100 * MB, down={"s": 50 * MB})
+    net = with_host_load(net, "s", down=30 * MB, up=float("nan"))
+    assert net.load_down == {"s": 30 * MB} and net.load_up == {}
+    assert net.down_rate("s") == 20 * MB and net.up_rate("s") == 100 * MB
+    assert net.rate("a", "s") == 20 * MB and net.rate("s", "a") == 100 * MB
+    # a measured pair rate still bounds its path
+    assert with_estimates(net, "a", {"s": (5 * MB, False)}).rate("a", "s") == 5 * MB
+    # a link others fill entirely still leaves the job MIN_LEFT of it, never zero
+    full = with_host_load(net, "a", down=0.0, up=500 * MB)
+    assert full.up_rate("a") == MIN_LEFT * 100 * MB and full.rate("a", "s") == 5 * MB
+    # not measured any more (an agent says -1): the capacity applies again
+    net = with_host_load(net, "s", down=-1.0, up=-1.0)
+    assert net.load_down == {} and net.down_rate("s") == 50 * MB
+
+
+def test_planner_sees_the_host_load():
+    """The mlfabric policy plans a transfer into a loaded downlink at what is left."""
+    from mlfabric.control import with_host_load
+    from mlfabric.policies import mlfabric_policy
+
+    state = ControlState(mlfabric_policy, tau_max=4,
+                         network=Network(default=100 * MB, down={"s": 10 * MB}))
+    state.set_network(with_host_load(state.network, "s", down=6 * MB, up=0.0))
+    state.join("w", "w1")
+    state.request("w", 1, host="w1", dst="s", nbytes=4 * MB, base_version=0, norm=1.0, now=0.0)
+    (go,) = state.decide(now=0.0).actions
+    assert go.planned_seconds == pytest.approx(1.0)  # 4 MB at the 4 MB/s left
+
+
+
     state = ControlState(fifo_policy, tau_max=4, network=Network(default=10 * MB))
     state.join("w", "worker-1")
     for req in (1, 2):

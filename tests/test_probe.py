@@ -102,7 +102,8 @@ def test_nan_survives_round_trip() -> None:
     assert _eq(rx.next_event(), ev)
 
 
-def _frame(msg_type: int, payload: bytes, magic: bytes = b"MA", version: int = 1) -> bytes:
+def _frame(msg_type: int, payload: bytes, magic: bytes = b"MA",
+           version: int = probe.VERSION) -> bytes:
     return probe.HEADER.pack(magic, version, msg_type, len(payload)) + payload
 
 
@@ -139,7 +140,7 @@ def test_malformed_frame_raises_and_stays_broken(data: bytes) -> None:
 
 def test_oversized_frame_is_refused_from_its_header() -> None:
     rx = probe.Connection(max_frame=100)
-    rx.receive_data(probe.HEADER.pack(b"MA", 1, probe.MsgType.PING, 101))
+    rx.receive_data(probe.HEADER.pack(b"MA", probe.VERSION, probe.MsgType.PING, 101))
     with pytest.raises(FrameTooLarge, match="101 bytes exceeds the maximum 100"):
         rx.next_event()
 
@@ -221,8 +222,8 @@ BAD_DATAGRAMS = {
     "short": probe.encode_datagram(1, 1, 0, 1, 0, 64)[: probe.DATAGRAM_HEADER.size - 1],
     "bad magic": b"XXXX" + probe.encode_datagram(1, 1, 0, 1, 0, 64)[4:],
     "bad version": probe.DATAGRAM_HEADER.pack(b"MFPB", 9, 1, 1, 0, 1, 0),
-    "seq beyond count": probe.DATAGRAM_HEADER.pack(b"MFPB", 1, 1, 1, 5, 5, 0),
-    "zero count": probe.DATAGRAM_HEADER.pack(b"MFPB", 1, 1, 1, 0, 0, 0),
+    "seq beyond count": probe.DATAGRAM_HEADER.pack(b"MFPB", probe.VERSION, 1, 1, 5, 5, 0),
+    "zero count": probe.DATAGRAM_HEADER.pack(b"MFPB", probe.VERSION, 1, 1, 0, 0, 0),
 }
 
 

@@ -1,0 +1,144 @@
+"""The job's own TCP traffic: parsing sock_diag dumps, per-socket accounting,
+and the live kernel counters of a real connection against getsockopt(TCP_INFO).
+
+The emulated-cluster check (socket counters against the NIC counters of a
+shaped veth link) is in test_agent_testbed.py.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+
+import pytest
+
+from mlfabric import job_traffic as jt
+from mlfabric.job_traffic import JobTraffic, TcpSocketBytes
+
+
+def _info(received: int, sent: int, segs_out: int, segs_in: int, *, length: int = 232,
+          acked: int = 0) -> bytes:
+    info = bytearray(length)
+    struct.pack_into("=Q", info, jt._BYTES_ACKED, acked)
+    struct.pack_into("=Q", info, jt._BYTES_RECEIVED, received)
+    struct.pack_into("=II", info, jt._SEGS, segs_out, segs_in)
+    if length >= jt._BYTES_SENT + 8:
+        struct.pack_into("=Q", info, jt._BYTES_SENT, sent)
+    return bytes(info)
+
+
+def _diag_msg(sport: int, dport: int, src: str, dst: str, cookie: int,
+              info: bytes | None, family: int = socket.AF_INET) -> bytes:
+    raw = socket.inet_pton(family, src).ljust(16, b"\0"), socket.inet_pton(family, dst).ljust(
+        16, b"\0")
+    body = (jt._DIAG_MSG_HEAD.pack(family, 1, 0, 0) + jt._SOCKID.pack(sport, dport, *raw)
+            + jt._SOCKID_REST.pack(0, cookie & 0xFFFFFFFF, cookie >> 32)
+            + jt._DIAG_MSG_TAIL.pack(0, 0, 0, 0, 0))
+    if info is not None:
+        attr = jt._RTATTR.pack(jt._RTATTR.size + len(info), jt.INET_DIAG_INFO) + info
+        body += attr + bytes(-len(attr) % 4)
+    return jt._NLMSGHDR.pack(jt._NLMSGHDR.size + len(body), jt.SOCK_DIAG_BY_FAMILY, 2, 1,
+                             0) + body
+
+
+def _done() -> bytes:
+    return jt._NLMSGHDR.pack(jt._NLMSGHDR.size + 4, jt.NLMSG_DONE, 2, 1, 0) + bytes(4)
+
+
+def test_request_asks_for_tcp_info_of_every_tcp_socket() -> None:
+    req = jt.build_request(socket.AF_INET6, 7)
+    length, kind, flags, seq, _ = jt._NLMSGHDR.unpack_from(req)
+    assert (length, kind, seq) == (len(req), jt.SOCK_DIAG_BY_FAMILY, 7)
+    assert flags == jt.NLM_F_REQUEST | jt.NLM_F_DUMP
+    family, proto, ext, _, states = jt._REQ_V2.unpack_from(req, jt._NLMSGHDR.size)
+    assert (family, proto, ext, states) == (socket.AF_INET6, socket.IPPROTO_TCP, 2, 0xFFFFFFFF)
+
+
+def test_parse_dump_reads_endpoints_and_wire_bytes() -> None:
+    data = (_diag_msg(7100, 40000, "10.0.0.1", "10.0.0.2", (3 << 32) | 5,
+                      _info(received=1_000_000, sent=2000, segs_out=400, segs_in=700))
+            + _diag_msg(7100, 0, "10.0.0.1", "0.0.0.0", 9, None)  # listening: no info
+            + _done())
+    sockets, done = jt.parse_dump(data)
+    assert done
+    assert sockets == [TcpSocketBytes(cookie=(3 << 32) | 5, local=("10.0.0.1", 7100),
+                                      remote=("10.0.0.2", 40000),
+                                      rx_bytes=1_000_000 + 700 * 66, tx_bytes=2000 + 400 * 66)]
+
+
+def test_parse_dump_of_an_old_kernel_counts_acked_bytes_and_ipv6() -> None:
+    old = _info(received=10, sent=999, segs_out=1, segs_in=2, length=jt._MIN_INFO, acked=20)
+    data = _diag_msg(1, 2, "fd00::1", "fd00::2", 1, old, family=socket.AF_INET6)
+    sockets, done = jt.parse_dump(data)
+    assert not done  # more messages follow in the next recv()
+    assert sockets[0].remote == ("fd00::2", 2)
+    assert (sockets[0].rx_bytes, sockets[0].tx_bytes) == (10 + 2 * 66, 20 + 66)
+    too_old = _info(1, 1, 1, 1, length=jt._MIN_INFO)[:-8]
+    assert jt.parse_dump(_diag_msg(1, 2, "10.0.0.1", "10.0.0.2", 1, too_old)) == ([], False)
+
+
+def test_parse_dump_raises_on_a_netlink_error_and_a_truncated_message() -> None:
+    err = jt._NLMSGHDR.pack(jt._NLMSGHDR.size + 4, jt.NLMSG_ERROR, 0, 1, 0) + struct.pack(
+        "=i", -13)
+    with pytest.raises(OSError, match="sock_diag dump failed"):
+        jt.parse_dump(err)
+    msg = _diag_msg(1, 2, "10.0.0.1", "10.0.0.2", 1, _info(1, 1, 1, 1))
+    with pytest.raises(ValueError, match="truncated netlink message"):
+        jt.parse_dump(msg[:-8])
+
+
+def _sock(cookie: int, lport: int, rport: int, rx: int, tx: int,
+          local: str = "10.0.0.1", remote: str = "10.0.0.2") -> TcpSocketBytes:
+    return TcpSocketBytes(cookie, (local, lport), (remote, rport), rx, tx)
+
+
+def test_job_traffic_adds_each_sockets_growth_on_the_jobs_ports_only() -> None:
+    t = JobTraffic([7100])
+    assert t.update([_sock(1, 7100, 5000, 100, 10), _sock(2, 6000, 80, 999, 999)]) == (100, 10)
+    # socket 1 grew, socket 3 is new (counted in full), the other port never counts
+    assert t.update([_sock(1, 7100, 5000, 150, 15), _sock(3, 5001, 7100, 40, 4000),
+                     _sock(2, 6000, 80, 5000, 5000)]) == (190, 4015)
+    # socket 1 closed: what it had is kept, nothing is taken back
+    assert t.update([_sock(3, 5001, 7100, 41, 4000)]) == (191, 4015)
+    # a socket that reappears after a gap is a new socket (its cookie was forgotten)
+    assert t.update([_sock(1, 7100, 5000, 10, 0)]) == (201, 4015)
+
+
+def test_job_traffic_ignores_connections_that_stay_on_the_host() -> None:
+    t = JobTraffic([7401])
+    same = _sock(1, 7401, 5000, 100, 100, local="10.0.0.1", remote="10.0.0.1")
+    loop = _sock(2, 5000, 7401, 100, 100, local="127.0.0.1", remote="127.0.0.1")
+    loop6 = _sock(3, 5000, 7401, 100, 100, local="::1", remote="::1")
+    assert t.update([same, loop, loop6]) == (0, 0)
+
+
+def test_live_counters_match_the_sockets_own_tcp_info() -> None:
+    """The dump's numbers for a real connection are the kernel's own (TCP_INFO)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+    with srv, socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+        s, _ = srv.accept()
+        with s:
+            n = 3_000_000
+            got = bytearray()
+
+            def read() -> None:
+                while len(got) < n:
+                    got.extend(s.recv(1 << 20))
+
+            t = threading.Thread(target=read)
+            t.start()
+            c.sendall(b"x" * n)
+            t.join(10)
+            assert len(got) == n
+            found = {x.local: x for x in jt.read_tcp_sockets() if port in (x.local[1],
+                                                                             x.remote[1])}
+            for sock in (c, s):
+                info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 512)
+                want = jt._tcp_info_bytes(info)
+                entry = found[sock.getsockname()]
+                assert (entry.rx_bytes, entry.tx_bytes) == want
+            assert found[s.getsockname()].rx_bytes >= n  # payload plus headers
