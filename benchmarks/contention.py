@@ -23,6 +23,7 @@ import json
 import statistics
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from mlfabric.contention import (
     SYSTEMS,
@@ -83,7 +84,8 @@ def plot(path: str, results: dict[str, dict[str, list[RunResult]]]) -> None:
 
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.2), squeeze=False)
     colours = {"fifo": "tab:red", "mlfabric": "tab:blue", "ddp": "tab:green",
-               "mlfabric-agg": "tab:purple", "mlfabric-static": "tab:gray"}
+               "mlfabric-agg": "tab:purple", "mlfabric-static": "tab:gray",
+               "mlfabric-agg-static": "tab:brown"}
     for ax, (name, runs) in zip(axes[0], results.items(), strict=True):
         for system, rs in runs.items():
             for k, r in enumerate(rs):
@@ -109,6 +111,8 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--json", default=None, help="write every run's result here")
     ap.add_argument("--plot", default=None, help="write the accuracy-over-time plot (PNG)")
+    ap.add_argument("--keep-logs", default=None, metavar="DIR",
+                    help="copy each run's controller decision log into DIR")
     args = ap.parse_args()
     require_root()
     systems = [s for s in args.systems.split(",") if s]
@@ -129,7 +133,8 @@ def main() -> int:
                     try:
                         res = run_system(tb, replace(sc, seed=r), system,
                                          progress=lambda m: print(f"\r  {m}", end="",
-                                                                  file=sys.stderr, flush=True))
+                                                                  file=sys.stderr, flush=True),
+                                         keep=Path(args.keep_logs) if args.keep_logs else None)
                     except RuntimeError as exc:  # reported, counted, and the next run goes on
                         print(f"{sc.name} round {r + 1} {system:8s} FAILED: {exc}", flush=True)
                         continue

@@ -10,13 +10,17 @@ accuracy reaches the target or the time limit passes:
 * ``fifo``: the plain asynchronous parameter server (controller ``--policy
   fifo``: every update goes at once);
 * ``mlfabric``: the controller's ordering with deadlines and drops, fed by
-  agents on every host;
+  agents on every host (the server's host included: it reports the other
+  tenants' load on the server's downlink; every agent is told the server's
+  port, ``--job-port``, so the job's own pushes do not count as load);
 * ``mlfabric-agg``: ``mlfabric`` with aggregation: every worker host's agent
   is also an aggregator (``--aggregate``), and the controller routes groups
   of updates through them when that pays (docs/design.md, "Aggregation");
 * ``mlfabric-static``: the same policy without agents: the controller plans
   on the configured link capacities only (to see what the agents' picture
   adds or costs);
+* ``mlfabric-agg-static``: ``mlfabric-agg`` planned on the configured
+  capacities only (the agents run, as aggregators);
 * ``ddp``: synchronous data parallelism, PyTorch DistributedDataParallel over
   gloo, one rank per worker host (needs ``mlfabric[torch]``).
 
@@ -36,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,7 +59,8 @@ from .demo_model import accuracy, init_params, load_digits_split, loss_and_grads
 from .errors import ConfigError
 from .workload import serving_address, wait_for_line
 
-SYSTEMS: tuple[str, ...] = ("fifo", "mlfabric", "mlfabric-agg", "ddp", "mlfabric-static")
+SYSTEMS: tuple[str, ...] = ("fifo", "mlfabric", "mlfabric-agg", "ddp", "mlfabric-static",
+                             "mlfabric-agg-static")
 JOB = "contention"
 CONTROLLER_PORT = 7071
 AGENT_PORT = 7400
@@ -74,7 +80,7 @@ class Scenario:
     eta: float = 0.05  # parameter server: each push is -eta * grad
     gamma: float = 0.3  # server momentum
     tau_max: int = 8
-    in_flight: int = 2  # pushes a PS worker may have outstanding
+    in_flight: int = 1  # pushes a PS worker may have outstanding (2: half are dropped stale)
     ddp_lr: float = 0.3  # ddp: SGD on the averaged gradient of workers * batch samples
     ddp_momentum: float = 0.3
     target: float = 0.90
@@ -296,16 +302,23 @@ def _stop_traffic(sched: Any) -> None:
         handle.stop()
 
 
-def run_system(tb: Any, sc: Scenario, system: str, *, progress: Callable[[str], None] | None = None
-               ) -> RunResult:
-    """Run `system` once on testbed `tb` (built with `cluster_hosts`/`cluster_rates`)."""
+def run_system(tb: Any, sc: Scenario, system: str, *, progress: Callable[[str], None] | None = None,
+               keep: Path | None = None) -> RunResult:
+    """Run `system` once on testbed `tb` (built with `cluster_hosts`/`cluster_rates`).
+    With `keep`, the controller's decision log is copied there (to study a run)."""
     if system not in SYSTEMS:
         raise ConfigError(f"system must be one of {SYSTEMS}, got {system!r}")
     with tempfile.TemporaryDirectory(prefix="mlfabric-contention-") as d:
         tmp = Path(d)
         if system == "ddp":
             return _run_ddp(tb, sc, tmp, progress)
-        return _run_ps(tb, sc, system, tmp, progress)
+        try:
+            return _run_ps(tb, sc, system, tmp, progress)
+        finally:
+            if keep is not None and (tmp / "decisions.jsonl").exists():
+                keep.mkdir(parents=True, exist_ok=True)
+                shutil.copy(tmp / "decisions.jsonl",
+                            keep / f"{sc.name}-{system}-seed{sc.seed}.decisions.jsonl")
 
 
 def _write_common(tmp: Path, sc: Scenario) -> tuple[Path, Path]:
@@ -343,21 +356,28 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
         for i, w in enumerate(workers):
             links += ["--link", f"{w.ip}={sc.worker_links[i][0]}/{sc.worker_links[i][1]}"]
         agents: list[str] = []
-        if system in ("mlfabric", "mlfabric-agg"):
+        # the server's traffic is the job's own: the agents do not count it as load
+        job_port = ["--job-port", srv_addr.rpartition(":")[2]]
+        if system in ("mlfabric", "mlfabric-agg", "mlfabric-agg-static"):
             for w in workers:
                 aggregate = []
-                if system == "mlfabric-agg":
+                if system.startswith("mlfabric-agg"):
                     aggregate = ["--aggregate", f"{w.ip}:{AGGREGATE_PORT}", "--job", JOB,
                                  "--token-file", str(token)]
                     agents += ["--aggregator", f"{w.ip}={w.ip}:{AGGREGATE_PORT}"]
                 helpers.append(_popen(tb, w, [*py, "agent", "--name", w.ip, "--listen",
                                               f"{w.ip}:{AGENT_PORT}", "--peer",
-                                              f"{h0.ip}={h0.ip}:{AGENT_PORT}", *aggregate],
+                                              f"{h0.ip}={h0.ip}:{AGENT_PORT}", *job_port,
+                                              *aggregate],
                                       tmp))
-                agents += ["--agent", f"{w.ip}={w.ip}:{AGENT_PORT}"]
+                if system != "mlfabric-agg-static":
+                    agents += ["--agent", f"{w.ip}={w.ip}:{AGENT_PORT}"]
             peers = [a for w in workers for a in ("--peer", f"{w.ip}={w.ip}:{AGENT_PORT}")]
             helpers.append(_popen(tb, h0, [*py, "agent", "--name", h0.ip, "--listen",
-                                           f"{h0.ip}:{AGENT_PORT}", *peers], tmp))
+                                           f"{h0.ip}:{AGENT_PORT}", *job_port, *peers], tmp))
+            if system != "mlfabric-agg-static":
+                # the server host's agent measures others' load on its downlink
+                agents += ["--agent", f"{h0.ip}={h0.ip}:{AGENT_PORT}"]
         ctl = _popen(tb, h0, [*py, "controller", "--listen", f"{h0.ip}:{CONTROLLER_PORT}",
                               "--job", JOB, "--token-file", str(token), "--tau-max",
                               str(sc.tau_max), "--policy", policy, "--decision-log",
@@ -366,8 +386,7 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
         ctl_addr = serving_address(ctl, "the controller", timeout=90.0)
         for i, w in enumerate(workers):
             # With agents, each client reports its finished transfers to its host's
-            # agent: the NIC counters count the job's own traffic as load, and
-            # these samples tell the agent that bandwidth is the job's to use.
+            # agent (passive samples of what the path delivers to the job).
             report = ["--agent", f"{w.ip}:{AGENT_PORT}"] if agents else []
             procs.append(_popen(tb, w, [
                 sys.executable, "-m", "mlfabric.contention", "ps-worker", *report,
