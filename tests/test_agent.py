@@ -183,6 +183,15 @@ def test_blocking_query_helper(run_async) -> None:
     run_async(main())
 
 
+async def _load_readings(a: Agent, n: int, timeout: float = 4.0) -> None:
+    """Until the agent's load meter holds `n` readings (its task samples on its
+    own schedule, so this polls, bounded)."""
+    deadline = time.monotonic() + timeout
+    while len(a.load._readings) < n:
+        assert time.monotonic() < deadline, f"{len(a.load._readings)} of {n} load readings"
+        await asyncio.sleep(0.01)
+
+
 def test_link_load_comes_from_the_counters_less_probes(run_async) -> None:
     async def main() -> None:
         ticks = {"rx": 0, "tx": 0}
@@ -196,10 +205,7 @@ def test_link_load_comes_from_the_counters_less_probes(run_async) -> None:
         a = Agent(_config("a", counters=counters, load_interval=0.02, load_window=0.2))
         await a.start()
         try:
-            for _ in range(200):
-                if a.link_load() is not None and len(a.load._readings) > 5:
-                    break
-                await asyncio.sleep(0.02)  # the load task samples on its own schedule
+            await _load_readings(a, 6)
             down, up = a.link_load()  # type: ignore[misc]
             # 100 kB per reading every ~20 ms: about 40 Mbit/s; probes excluded exactly
             assert 10e6 < down < 60e6 and 10e6 < up < 60e6
@@ -233,10 +239,7 @@ def test_the_jobs_own_traffic_is_not_load_and_estimates_carry_the_host_load(
                           load_window=0.2), metrics=metrics)
         await a.start()
         try:
-            for _ in range(200):
-                if a.link_load() is not None and len(a.load._readings) > 5:
-                    break
-                await asyncio.sleep(0.02)  # the load task samples on its own schedule
+            await _load_readings(a, 6)
             down, up = a.link_load()  # type: ignore[misc]
             readings = a.load._readings
             dt = readings[-1][0] - readings[0][0]
@@ -271,10 +274,7 @@ def test_unreadable_job_counters_warn_once_and_count_as_load(run_async, caplog) 
         a = Agent(_config("a", counters=counters, job_traffic=job, load_interval=0.02))
         await a.start()
         try:
-            for _ in range(200):
-                if a.link_load() is not None and len(a.load._readings) > 3:
-                    break
-                await asyncio.sleep(0.02)
+            await _load_readings(a, 4)
             down, up = a.link_load()  # type: ignore[misc]
             assert down > 0 and up > 0 and len(calls) == 1
         finally:
