@@ -233,7 +233,8 @@ class Controller(Endpoint):
             if ev.applied and ev.delay is not None:
                 self.metrics.delay.observe(ev.delay)
             decision_log.info(json.dumps({
-                "event": "done", "id": t.id, "host": t.host, "applied": ev.applied,
+                "event": "done", "at": round(self.clock(), 6), "id": t.id, "host": t.host,
+                "applied": ev.applied,
                 "version": ev.version, "delay": ev.delay, "seconds": round(ev.seconds, 6),
                 "planned_seconds": t.planned_seconds}))
         self.replan()
@@ -279,7 +280,7 @@ class Controller(Endpoint):
                     via=route.address if route else None, group=route.group if route else None,
                     fan_in=route.fan_in if route else None,
                     index=route.index if route else None))
-                record = {"event": "go", "position": action.position,
+                record = {"event": "go", "at": round(now, 6), "position": action.position,
                           "planned_seconds": round(action.planned_seconds, 6)}
                 if route is not None:
                     m.aggregation_members.inc()
@@ -290,7 +291,8 @@ class Controller(Endpoint):
                 m.drops.labels(action.reason).inc()
                 conn.send(Directive(req=t.req, action="drop",
                                     reason=f"{action.reason}: {action.detail}".rstrip(": ")))
-                record = {"event": "drop", "reason": action.reason, "detail": action.detail}
+                record = {"event": "drop", "at": round(now, 6), "reason": action.reason,
+                          "detail": action.detail}
             decision_log.info(json.dumps({
                 **record, "id": t.id, "host": t.host, "nbytes": t.nbytes,
                 "base_version": t.base_version, "server_version": self.state.version,

@@ -222,8 +222,9 @@ def test_controller_command_serves_and_stops_cleanly(tmp_path):
             assert ps.push(params, base_version=version).result(10).applied
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
-        events = [json.loads(x)["event"] for x in log_file.read_text().splitlines()]
-        assert events == ["go", "done"]
+        records = [json.loads(x) for x in log_file.read_text().splitlines()]
+        assert [r["event"] for r in records] == ["go", "done"]
+        assert 0 < records[1]["at"] - records[0]["at"] < 10  # the controller's clock
         # 2600 bytes at 50 Mbit/s (the server host's downlink): the planned time.
         planned = json.loads(log_file.read_text().splitlines()[0])["planned_seconds"]
         assert planned == pytest.approx(2600 / (50e6 / 8), rel=0.01)
