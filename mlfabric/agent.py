@@ -196,6 +196,7 @@ class Agent:
         self.probe_rx_bytes = 0
         self.job_rx_bytes = 0  # wire bytes of the job's own connections, same purpose
         self.job_tx_bytes = 0
+        self._job_traffic = config.job_traffic  # None once unreadable
         self.load = LoadMeter(config.load_window)
         self._load_task: asyncio.Task[None] | None = None
         self._progress = asyncio.Condition()
@@ -289,17 +290,16 @@ class Agent:
                 await asyncio.wait_for(self._stopping.wait(), self.config.load_interval)
 
     def _read_job_traffic(self) -> None:
-        read = self.config.job_traffic
-        if read is None:
+        if self._job_traffic is None:
             return
         try:
-            rx, tx = read()
+            rx, tx = self._job_traffic()
         except (OSError, ValueError) as exc:
             # Without the socket counters the job's traffic counts as load: the
             # estimates are low while the job transfers, as before --job-port.
             log.warning("agent %s: cannot read the job's TCP counters (%s); its own "
                         "traffic now counts as load on this host's links", self.name, exc)
-            self.config = replace(self.config, job_traffic=None)
+            self._job_traffic = None
             return
         if self.metrics is not None:
             self.metrics.job_traffic_bytes.labels("rx").inc(max(0, rx - self.job_rx_bytes))

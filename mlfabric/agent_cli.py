@@ -138,8 +138,10 @@ def build_aggregate(args: argparse.Namespace, file: dict[str, Any]) -> Aggregate
     return AggregateConfig(host, port, str(job), auth.load_token(token_file), float(timeout))
 
 
-def build_config(args: argparse.Namespace) -> tuple[AgentConfig, int | None]:
-    """Merge the config file and the flags into an AgentConfig (+ metrics port)."""
+def build_config(args: argparse.Namespace, aggregate: AggregateConfig | None = None
+                 ) -> tuple[AgentConfig, int | None]:
+    """Merge the config file and the flags into an AgentConfig (+ metrics port).
+    With `aggregate`, its port is one of the job's: its traffic is not load."""
     file: dict[str, Any] = _load_file(args.config) if args.config else {}
     name = args.name or file.get("name") or socket.gethostname()
     host, port = parse_hostport(args.listen or file.get("listen") or "0.0.0.0:7400",
@@ -171,6 +173,8 @@ def build_config(args: argparse.Namespace) -> tuple[AgentConfig, int | None]:
     if interface is not None and not isinstance(interface, str):
         raise ConfigError(f"interface must be a NIC name, got {interface!r}")
     ports = parse_job_ports(file.get("job_ports", []), args.job_port)
+    if aggregate is not None and aggregate.port != 0:
+        ports = sorted({*ports, aggregate.port})
     probe_cfg = replace(ProbeConfig(), budget=float(budget), stale_after=float(stale))
     config = AgentConfig(name=name, host=host, port=port, peers=peers, probe=probe_cfg,
                          counters=functools.partial(read_net_dev, interface),
@@ -187,16 +191,6 @@ def parse_job_ports(from_file: Any, from_flags: list[int]) -> list[int]:
         if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= 65535:
             raise ConfigError(f"job port must be a port number in 1..65535, got {v!r}")
     return sorted(set(values))
-
-
-def with_aggregate_port(config: AgentConfig, aggregate: AggregateConfig | None) -> AgentConfig:
-    """The aggregator's port carries the job's updates: its traffic is not load."""
-    if aggregate is None or aggregate.port == 0:
-        return config
-    ports = {aggregate.port}
-    if isinstance(config.job_traffic, JobTrafficReader):
-        ports |= config.job_traffic.traffic.ports
-    return replace(config, job_traffic=JobTrafficReader(sorted(ports)))
 
 
 async def serve(config: AgentConfig, metrics_port: int | None = None,
@@ -242,8 +236,7 @@ async def serve(config: AgentConfig, metrics_port: int | None = None,
 def run(args: argparse.Namespace) -> int:
     from .loop import run as loop_run
 
-    config, metrics_port = build_config(args)
     aggregate = build_aggregate(args, _load_file(args.config) if args.config else {})
-    config = with_aggregate_port(config, aggregate)
+    config, metrics_port = build_config(args, aggregate)
     loop_run(serve(config, metrics_port, args.metrics_host, aggregate), kind=args.loop)
     return 0

@@ -359,6 +359,7 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
         # the server's traffic is the job's own: the agents do not count it as load
         job_port = ["--job-port", srv_addr.rpartition(":")[2]]
         if system in ("mlfabric", "mlfabric-agg", "mlfabric-agg-static"):
+            measured = system != "mlfabric-agg-static"  # the controller reads the agents
             for w in workers:
                 aggregate = []
                 if system.startswith("mlfabric-agg"):
@@ -370,12 +371,12 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
                                               f"{h0.ip}={h0.ip}:{AGENT_PORT}", *job_port,
                                               *aggregate],
                                       tmp))
-                if system != "mlfabric-agg-static":
+                if measured:
                     agents += ["--agent", f"{w.ip}={w.ip}:{AGENT_PORT}"]
             peers = [a for w in workers for a in ("--peer", f"{w.ip}={w.ip}:{AGENT_PORT}")]
             helpers.append(_popen(tb, h0, [*py, "agent", "--name", h0.ip, "--listen",
                                            f"{h0.ip}:{AGENT_PORT}", *job_port, *peers], tmp))
-            if system != "mlfabric-agg-static":
+            if measured:
                 # the server host's agent measures others' load on its downlink
                 agents += ["--agent", f"{h0.ip}={h0.ip}:{AGENT_PORT}"]
         ctl = _popen(tb, h0, [*py, "controller", "--listen", f"{h0.ip}:{CONTROLLER_PORT}",

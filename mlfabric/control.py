@@ -80,10 +80,10 @@ def with_host_load(net: Network, host: str, down: float, up: float) -> Network:
     what was known."""
     load_down, load_up = dict(net.load_down), dict(net.load_up)
     for table, value in ((load_down, down), (load_up, up)):
-        if not value >= 0:
-            table.pop(host, None)
+        if value >= 0:
+            table[host] = value
         else:
-            table[host] = max(0.0, value)
+            table.pop(host, None)
     return replace(net, load_up=load_up, load_down=load_down)
 
 

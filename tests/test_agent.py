@@ -531,19 +531,20 @@ def test_cli_config_from_flags_and_file(tmp_path: Path) -> None:
 
 
 def test_cli_job_ports_from_flags_file_and_aggregator(tmp_path: Path) -> None:
-    from mlfabric.agent_cli import AggregateConfig, with_aggregate_port
+    from mlfabric.agent_cli import AggregateConfig
 
     f = tmp_path / "agent.json"
     f.write_text(json.dumps({"job_ports": [7100]}))
-    cfg, _ = build_config(_args(["--config", str(f), "--job-port", "7200", "--job-port",
-                                 "7100"]))
+    args = _args(["--config", str(f), "--job-port", "7200", "--job-port", "7100"])
+    cfg, _ = build_config(args)
     assert cfg.job_traffic.traffic.ports == {7100, 7200}  # type: ignore[union-attr]
     agg = AggregateConfig("10.0.0.2", 7401, "job", b"t" * 32, 2.0)
-    assert with_aggregate_port(cfg, agg).job_traffic.traffic.ports == {  # type: ignore
-        7100, 7200, 7401}
-    cfg, _ = build_config(_args([]))
-    assert with_aggregate_port(cfg, agg).job_traffic.traffic.ports == {7401}  # type: ignore
-    assert with_aggregate_port(cfg, None) is cfg
+    cfg, _ = build_config(args, agg)
+    assert cfg.job_traffic.traffic.ports == {7100, 7200, 7401}  # type: ignore[union-attr]
+    cfg, _ = build_config(_args([]), agg)
+    assert cfg.job_traffic.traffic.ports == {7401}  # type: ignore[union-attr]
+    cfg, _ = build_config(_args([]), None)
+    assert cfg.job_traffic is None
 
 
 @pytest.mark.parametrize(
