@@ -289,7 +289,7 @@ def _metric(text: str, name: str) -> float:
     raise AssertionError(f"{name} not in the metrics")
 
 
-
+def test_survives_bad_input_a_dead_peer_and_its_restart() -> None:
     with cluster(100, "--stale-after", "1.0") as (tb, agents):
         agents.start_all()
         h0, h1, h2 = tb.hosts
