@@ -145,6 +145,8 @@ class _PeerState:
     task: asyncio.Task[None] | None = None
     connected: bool = False
     trains: int = 0  # trains whose outcome was folded into the estimator
+    # agents probing the peer (its last report): they share its downlink's budget
+    peer_senders: int = 1
 
 
 @dataclass
@@ -316,7 +318,6 @@ class Agent:
     def set_peers(self, peers: Mapping[str, tuple[str, int]]) -> None:
         """Replace the peer set (flags, config file or the controller)."""
         peers = {n: a for n, a in peers.items() if n != self.name}
-        share = max(1, len(peers))
         for name in list(self._peers):
             st = self._peers[name]
             if name not in peers or peers[name] != st.addr:
@@ -329,17 +330,27 @@ class Agent:
         for name, addr in peers.items():
             known = self._peers.get(name)
             if known is None:
-                est = PathEstimator(replace(self.config.probe, share=share), clock=self.clock)
+                est = PathEstimator(self.config.probe, clock=self.clock)
                 st = self._peers[name] = _PeerState(name, addr, est)
                 st.task = asyncio.get_running_loop().create_task(
                     self._peer_loop(st), name=f"agent-peer-{name}"
                 )
                 self._export(st)
-            else:
-                st = known
-            st.estimator.config = replace(st.estimator.config, share=share)
+        for st in self._peers.values():
+            self._share_budget(st)
         if self.metrics is not None:
             self.metrics.peers.set(len(self._peers))
+
+    def _share_budget(self, st: _PeerState, peer_senders: int | None = None) -> None:
+        """A path's trains cross this host's uplink, which the trains to every other
+        peer cross too, and the peer's downlink, which every agent probing the peer
+        crosses: the path's budget is divided by the larger of the two counts, so
+        that neither link carries more than the budget."""
+        if peer_senders is not None:
+            st.peer_senders = max(1, peer_senders)
+        share = max(1, len(self._peers), st.peer_senders)
+        if st.estimator.config.share != share:
+            st.estimator.config = replace(st.estimator.config, share=share)
 
     async def wait_trains(self, peer: str, count: int, timeout: float) -> None:
         """Wait until `count` more trains to `peer` have been measured (tools, tests)."""
@@ -482,6 +493,7 @@ class Agent:
                     m = analyze_train(plan, sent_ns, report.arrivals)
                     peer_load = report.rx_load_bps
                     overlapped = report.overlapped
+                    self._share_budget(st, report.senders)
                 else:
                     m = analyze_train(plan, sent_ns, ())
                     fut.cancel()
@@ -668,7 +680,9 @@ class Agent:
             for k, other in self._rx.items()
         )
         self._spans.append((key[0], t0, t1))
-        ctl.send(probe.TrainReport(key[0], key[1], rx.count, down, overlapped, arrivals))
+        senders = min(len({c.peer_name for c in self._sessions.values()}), 0xFFFF)
+        ctl.send(probe.TrainReport(key[0], key[1], rx.count, down, overlapped, arrivals,
+                                   senders))
 
     # -- control connections ---------------------------------------------------
 

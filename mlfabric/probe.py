@@ -31,7 +31,7 @@ from typing import Any, Final
 
 from .errors import FrameTooLarge, ProtocolError
 
-VERSION: Final = 2  # 2: Estimates carry the host's own link loads
+VERSION: Final = 3  # 2: Estimates carry the host's own link loads; 3: TrainReport.senders
 MAGIC: Final = b"MA"
 HEADER = struct.Struct(">2sBBI")
 MAX_FRAME: Final = 1 << 20  # a report of 64 Ki arrivals fits; anything larger is an error
@@ -88,8 +88,9 @@ class HelloAck:
 class TrainReport:
     """Receiver -> sender: the arrivals of one train, as (seq, receive time in ns)
     on the receiver's clock (only differences are meaningful), the load on the
-    receiver's downlink in wire bit/s excluding probes (NaN if unknown), and
-    whether another agent's train overlapped it (then it shared the downlink)."""
+    receiver's downlink in wire bit/s excluding probes (NaN if unknown),
+    whether another agent's train overlapped it (then it shared the downlink),
+    and how many agents probe the receiver (they share its downlink's budget)."""
 
     session: int
     train: int
@@ -97,6 +98,7 @@ class TrainReport:
     rx_load_bps: float
     overlapped: bool  # another train arrived at the receiver at the same time
     arrivals: tuple[tuple[int, int], ...]
+    senders: int = 1  # agents with a probe session open to the receiver
 
 
 @dataclass(frozen=True)
@@ -263,8 +265,8 @@ def _encode_payload(event: Event) -> tuple[MsgType, bytes]:
         w.string(event.name)
         return MsgType.HELLO_ACK, w.bytes()
     if isinstance(event, TrainReport):
-        w.pack("QIHdBI", event.session, event.train, event.count, event.rx_load_bps,
-               int(event.overlapped), len(event.arrivals))
+        w.pack("QIHdBHI", event.session, event.train, event.count, event.rx_load_bps,
+               int(event.overlapped), event.senders, len(event.arrivals))
         for seq, t in event.arrivals:
             w.pack("HQ", seq, t)
         return MsgType.TRAIN_REPORT, w.bytes()
@@ -322,11 +324,11 @@ def _decode_payload(msg_type: int, payload: bytes) -> Event:
     elif kind is MsgType.HELLO_ACK:
         event = HelloAck(r.string())
     elif kind is MsgType.TRAIN_REPORT:
-        session, train, count, load, overlapped, n = r.unpack("QIHdBI")
+        session, train, count, load, overlapped, senders, n = r.unpack("QIHdBHI")
         if n > count:
             raise ProtocolError(f"TrainReport lists {n} arrivals for a train of {count}")
         arrivals = tuple(r.unpack("HQ") for _ in range(n))
-        event = TrainReport(session, train, count, load, bool(overlapped), arrivals)
+        event = TrainReport(session, train, count, load, bool(overlapped), arrivals, senders)
     elif kind is MsgType.PING:
         event = Ping(*r.unpack("QQ"))
     elif kind is MsgType.PONG:

@@ -168,6 +168,33 @@ def test_set_peers_from_the_controller(run_async) -> None:
     run_async(main())
 
 
+def test_agents_probing_one_host_divide_the_budget_by_its_senders(run_async) -> None:
+    """Two agents probe the hub (one peer each): the hub's reports tell them they
+    are two, so each plans for half the budget, as the hub does for its two
+    peers through its uplink; when one goes, the other is told it is alone."""
+    async def main() -> None:
+        hub = Agent(_config("hub"))
+        await hub.start()
+        a = Agent(_config("a", peers={"hub": (LOCAL, hub.port)}))
+        b = Agent(_config("b", peers={"hub": (LOCAL, hub.port)}))
+        await a.start()
+        await b.start()
+        hub.set_peers({"a": (LOCAL, a.port), "b": (LOCAL, b.port)})
+        try:
+            await b.wait_trains("hub", 1, timeout=5)
+            await a.wait_trains("hub", 1, timeout=5)  # reported once both were there
+            for ag in (a, b, hub):
+                assert {st.estimator.config.share for st in ag._peers.values()} == {2}
+            await _stop(b)
+            deadline = time.monotonic() + 5
+            while a._peers["hub"].estimator.config.share != 1:
+                await a.wait_trains("hub", 1, timeout=max(0.01, deadline - time.monotonic()))
+        finally:
+            await _stop(a, b, hub)
+
+    run_async(main())
+
+
 def test_blocking_query_helper(run_async) -> None:
     async def main() -> None:
         a, b = await _pair()

@@ -62,8 +62,10 @@ class Agents:
         self.procs: dict[str, subprocess.Popen[str]] = {}
         self.ready_at: dict[str, float] = {}
 
-    def start(self, host: Host, timeout: float = 10.0) -> float:
-        peers = [f"--peer={p.name}={p.ip}:{PORT}" for p in self.tb.hosts if p is not host]
+    def start(self, host: Host, peers_of: list[Host] | None = None) -> float:
+        """Start `host`'s agent probing `peers_of` (default: every other host)."""
+        others = [p for p in self.tb.hosts if p is not host] if peers_of is None else peers_of
+        peers = [f"--peer={p.name}={p.ip}:{PORT}" for p in others]
         argv = [sys.executable, "-m", "mlfabric", "--log-level", "WARNING", "agent",
                 "--name", host.name, "--listen", f"{host.ip}:{PORT}", *peers,
                 "--metrics-port", str(METRICS_PORT), "--metrics-host", host.ip, *self.extra]
@@ -154,8 +156,8 @@ def nic_bytes(host: Host) -> tuple[int, int]:
 
 
 @contextmanager
-def cluster(rate: float, *extra: str) -> Iterator[tuple[Testbed, Agents]]:
-    with Testbed(hosts=3, rate_mbit=rate) as tb:
+def cluster(rate: float, *extra: str, hosts: int = 3) -> Iterator[tuple[Testbed, Agents]]:
+    with Testbed(hosts=hosts, rate_mbit=rate) as tb:
         agents = Agents(tb, *extra)
         yield tb, agents
         # clean shutdown on SIGTERM (on failure, the testbed teardown kills them)
@@ -193,6 +195,34 @@ def test_estimates_within_10pct_within_2s_and_probes_within_budget(rate: float) 
                   f"down {down / rate / 1e4:.2f}% of {rate} Mbit/s")
             assert up <= 0.02 * rate * 1e6 and down <= 0.02 * rate * 1e6
         ok, note = within(agents.estimates(), pairs, lambda a, b: rate * 1e6 * PAYLOAD, 0.10)
+        assert ok, note
+
+
+def test_agents_probing_one_host_share_its_downlink_budget() -> None:
+    """A star, as a parameter server's host sees it: four agents probe only the
+    hub, the hub probes all four. Each spoke's uplink carries one path's trains,
+    but the hub's downlink carries all four: together they stay within the
+    budget there too (each spoke alone at the full budget would put 4 x 1.2% on
+    it), and the estimates stay within 10%."""
+    rate = 100
+    with cluster(rate, hosts=5) as (tb, agents):
+        hub, *spokes = tb.hosts
+        agents.start(hub)
+        for h in spokes:
+            agents.start(h, peers_of=[hub])
+        agents.wait_ready()
+        pairs = [(h.name, hub.name) for h in spokes] + [(hub.name, h.name) for h in spokes]
+        full = rate * 1e6 * PAYLOAD
+        wait_for(lambda: within(agents.estimates(), pairs, lambda a, b: full, 0.10), 3.0)
+        time.sleep(2.0)  # steady state: each spoke has heard how many probe the hub
+        (rx0, tx0), t0 = nic_bytes(hub), time.monotonic()
+        time.sleep(6.0)
+        (rx1, tx1), dt = nic_bytes(hub), time.monotonic() - t0
+        down, up = (rx1 - rx0) * 8 / dt, (tx1 - tx0) * 8 / dt
+        ok, note = within(agents.estimates(), pairs, lambda a, b: full, 0.10)
+        print(f"\nhub of 4: probe overhead down {down / rate / 1e4:.2f}%, "
+              f"up {up / rate / 1e4:.2f}% of {rate} Mbit/s; {note}")
+        assert down <= 0.02 * rate * 1e6 and up <= 0.02 * rate * 1e6
         assert ok, note
 
 
