@@ -12,7 +12,11 @@ round; the medians of the rounds are compared.
 
 Prints, per scenario and system: time to the target accuracy (median; runs
 that never reach it count as the time limit and are marked), delay mean, std
-and max, drops, bytes into the server; then the ratios against mlfabric.
+and max, updates applied (in all and per second of the run), drops, bytes
+into the server; then the ratios against mlfabric. Time to target swings
+with how many updates a run needs (asynchronous SGD on a noisy curve);
+applied/s is the network-bound part, steadier from run to run.
+`--from-json out.json` prints the tables (and --plot) of a saved run again.
 Needs `pip install '.[torch]'` for ddp and matplotlib for --plot.
 """
 
@@ -49,7 +53,8 @@ def table(sc: Scenario, runs: dict[str, list[RunResult]]) -> str:
     lines = [f"scenario {sc.name}: medians of {max(len(v) for v in runs.values())} runs, "
              f"target accuracy {sc.target}, time limit {sc.time_limit:.0f} s"]
     head = (f"  {'system':12s} {'time to target':>15s} {'reached':>8s} {'delay mean':>11s} "
-            f"{'std':>6s} {'max':>4s} {'applied':>8s} {'dropped':>8s} {'server MB in':>13s}")
+            f"{'std':>6s} {'max':>4s} {'applied':>8s} {'applied/s':>10s} {'dropped':>8s} "
+            f"{'server MB in':>13s}")
     lines.append(head)
     for system, rs in runs.items():
         if not rs:
@@ -58,12 +63,13 @@ def table(sc: Scenario, runs: dict[str, list[RunResult]]) -> str:
         t = med([ttt(r, sc.time_limit) for r in rs])
         mark = "" if reached == len(rs) else " (>=)"
         if system == "ddp":
-            rest = f"{'-':>11s} {'-':>6s} {'-':>4s} {'-':>8s} {'-':>8s} {'-':>13s}"
+            rest = f"{'-':>11s} {'-':>6s} {'-':>4s} {'-':>8s} {'-':>10s} {'-':>8s} {'-':>13s}"
         else:
             b = [r.server_bytes_in for r in rs if r.server_bytes_in is not None]
             rest = (f"{med([r.delay_mean for r in rs]):11.2f} "
                     f"{med([r.delay_std for r in rs]):6.2f} "
                     f"{med([r.delay_max for r in rs]):4.0f} {med([r.applied for r in rs]):8.0f} "
+                    f"{med([r.applied / r.wall for r in rs]):10.2f} "
                     f"{med([r.dropped for r in rs]):8.0f} {med(b) / 1e6:13.1f}")
         lines.append(f"  {system:12s} {t:13.1f} s{mark:5s}{reached:>3d}/{len(rs):<3d} {rest}")
     if runs.get("mlfabric"):
@@ -102,6 +108,28 @@ def plot(path: str, results: dict[str, dict[str, list[RunResult]]]) -> None:
     fig.savefig(path, dpi=110)
 
 
+def report(path: str, plot_path: str | None, time_limit: float) -> int:
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        results = {name: {system: [RunResult(**{**r, "curve": [tuple(p) for p in r["curve"]]})
+                                   for r in rs]
+                          for system, rs in runs.items()}
+                   for name, runs in saved.items()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        print(f"cannot read the runs saved in {path}: {exc}; give a file written by --json",
+              file=sys.stderr)
+        return 2
+    base = Scenario(time_limit=time_limit)
+    for name, runs in results.items():
+        print(table(replace(base, name=name), runs))
+        print()
+    if plot_path:
+        plot(plot_path, results)
+        print(f"plot: {plot_path}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -113,7 +141,11 @@ def main() -> int:
     ap.add_argument("--plot", default=None, help="write the accuracy-over-time plot (PNG)")
     ap.add_argument("--keep-logs", default=None, metavar="DIR",
                     help="copy each run's controller decision log into DIR")
+    ap.add_argument("--from-json", default=None, metavar="FILE",
+                    help="print the tables of the runs saved in FILE (by --json); run nothing")
     args = ap.parse_args()
+    if args.from_json:
+        return report(args.from_json, args.plot, args.time_limit)
     require_root()
     systems = [s for s in args.systems.split(",") if s]
     for s in systems:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +26,8 @@ from mlfabric.contention import (
 from mlfabric.errors import ConfigError
 
 from testbed_helpers import needs_root
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_default_model_is_a_few_megabytes():
@@ -80,6 +86,36 @@ def test_outcome_summary_and_first_reach():
                                            "delay_max": 6}
     assert first_reach([(0.5, 0.2), (1.0, 0.91), (1.5, 0.95)], 0.9) == 1.0
     assert first_reach([(0.5, 0.2)], 0.9) is None
+
+
+def test_benchmark_reprints_saved_runs_with_their_update_rate(tmp_path):
+    """`benchmarks/contention.py --from-json` (no root, runs nothing): medians of
+    the saved runs, applied/s as applied over wall time; a bad file is refused."""
+    def run(system, ttt, wall, applied):
+        return contention.RunResult(system, "contended", ttt is not None, ttt, wall,
+                                    curve=[(0.0, 0.1), (wall, 0.9)], applied=applied,
+                                    server_bytes_in=1e6).as_dict()
+
+    saved = {"contended": {"fifo": [run("fifo", 10.0, 10.0, 40), run("fifo", 30.0, 30.0, 60),
+                                    run("fifo", None, 50.0, 100)],
+                           "mlfabric": [run("mlfabric", 20.0, 20.0, 100)]}}
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps(saved))
+    script = [sys.executable, str(ROOT / "benchmarks" / "contention.py"), "--from-json",
+              str(path), "--time-limit", "50"]
+    out = subprocess.run(script, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = {ln.split()[0]: ln.split() for ln in out.stdout.splitlines()
+            if ln.startswith("  ") and not ln.strip().startswith(("system", "time"))}
+    # fifo: time to target 10, 30 and the limit 50 -> 30; 2 of 3 reached;
+    # applied/s 4.0, 2.0, 2.0 -> 2.00; applied 40, 60, 100 -> 60
+    assert rows["fifo"][1:3] == ["30.0", "s"] and "2/3" in rows["fifo"]
+    assert rows["fifo"][-4:-2] == ["60", "2.00"]
+    assert rows["mlfabric"][-4:-2] == ["100", "5.00"]
+    assert "time to target, fifo / mlfabric: 1.50x (mlfabric sooner)" in out.stdout
+    path.write_text("{not json")
+    bad = subprocess.run(script, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and f"cannot read the runs saved in {path}" in bad.stderr
 
 
 def test_demo_without_root_says_what_it_needs(monkeypatch):
