@@ -313,7 +313,7 @@ def test_unreadable_job_counters_warn_once_and_count_as_load(run_async, caplog) 
     assert len(warnings) == 1 and "Operation not permitted" in warnings[0]
 
 
-
+def test_receiver_flags_trains_that_overlap(run_async) -> None:
     """Two agents' trains reaching one host at once share its downlink: both reports
     say so, and a train alone does not."""
 

@@ -126,7 +126,7 @@ def test_planner_sees_the_host_load():
     assert go.planned_seconds == pytest.approx(1.0)  # 4 MB at the 4 MB/s left
 
 
-
+def test_status_counts_what_each_worker_asked_for():
     state = ControlState(fifo_policy, tau_max=4, network=Network(default=10 * MB))
     state.join("w", "worker-1")
     for req in (1, 2):
