@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +26,7 @@ import pytest
 from mlfabric import probe
 from mlfabric.agent import query_estimates, read_net_dev
 from mlfabric.errors import ConfigError
+from mlfabric.workload import scrape_metrics
 
 try:
     from mlfabric import traffic
@@ -111,12 +111,6 @@ class Agents:
                 for e in self.query(h).estimates:
                     out[(h.name, e.peer)] = e
         return out
-
-    def metrics(self, host: Host) -> str:
-        with host.enter(), urllib.request.urlopen(
-            f"http://{host.ip}:{METRICS_PORT}/metrics", timeout=2
-        ) as r:
-            return r.read().decode()
 
 
 def wait_for(check: Callable[[], tuple[bool, str]], timeout: float) -> tuple[float, str]:
@@ -306,17 +300,10 @@ def test_the_jobs_own_tcp_traffic_is_not_load() -> None:
         assert 0 <= est["h0"].up_load_bps < 0.05 * rate * 1e6
         # counted since each agent's first reading (the socket's whole history then)
         wire = ct.bytes_received / TCP_PAYLOAD
-        got = _metric(agents.metrics(tb.hosts[1]),
-                      'mlfabric_agent_job_traffic_bytes_total{direction="rx"}')
+        got = scrape_metrics(tb.hosts[1], METRICS_PORT)[
+            'mlfabric_agent_job_traffic_bytes_total{direction="rx"}']
         assert wire * 0.9 < got < wire * 1.1, (got, wire, time.monotonic() - t0)
         ct.stop()
-
-
-def _metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    raise AssertionError(f"{name} not in the metrics")
 
 
 def test_survives_bad_input_a_dead_peer_and_its_restart() -> None:
@@ -340,10 +327,9 @@ def test_survives_bad_input_a_dead_peer_and_its_restart() -> None:
                     s.sendall(data)
                     s.shutdown(socket.SHUT_WR)
                     assert s.recv(100) == b""  # dropped without an answer
-        text = agents.metrics(h1)
-        bad = {k: float(line.split()[-1]) for line in text.splitlines()
-               for k in ("datagram", "frame")
-               if line.startswith(f'mlfabric_agent_bad_messages_total{{kind="{k}"}}')}
+        samples = scrape_metrics(h1, METRICS_PORT)
+        bad = {k: samples[f'mlfabric_agent_bad_messages_total{{kind="{k}"}}']
+               for k in ("datagram", "frame")}
         assert bad["datagram"] >= 4 and bad["frame"] >= 3, bad
         assert agents.procs["h1"].poll() is None
         ok, note = within(agents.estimates(), pairs, lambda a, b: full, 0.10)
