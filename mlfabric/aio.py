@@ -152,6 +152,13 @@ async def reuse_or_dial(links: dict[str, asyncio.Task[AsyncClient]], address: st
                         command: str | None = None) -> AsyncClient:
     """The client to `address` kept in `links`, dialled on first use and again
     once it failed or closed; callers asking meanwhile share one dial."""
+    return await asyncio.shield(dial_ahead(links, address, hs, timeout, what, command))
+
+
+def dial_ahead(links: dict[str, asyncio.Task[AsyncClient]], address: str, hs: Handshake,
+               timeout: float, what: str, command: str | None = None) -> asyncio.Task[AsyncClient]:
+    """Start dialling `address` unless `links` holds a live or pending link to it;
+    returns the dial. A failed dial is only kept for `reuse_or_dial` to replace."""
     task = links.get(address)
     if task is None or (task.done() and (task.exception() is not None
                                          or task.result().closed)):
@@ -159,7 +166,9 @@ async def reuse_or_dial(links: dict[str, asyncio.Task[AsyncClient]], address: st
             return AsyncClient(await open_link(address, hs, timeout, what, command=command))
 
         task = links[address] = asyncio.get_running_loop().create_task(dial())
-    return await asyncio.shield(task)
+        # Nobody may await a dial made ahead; its failure is seen at the next use.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
 
 
 async def close_links(links: dict[str, asyncio.Task[AsyncClient]]) -> None:

@@ -177,6 +177,27 @@ def test_a_stopped_aggregator_fails_its_members_and_they_go_straight_to_the_serv
     assert any("straight to the server" in r.getMessage() for r in caplog.records)
 
 
+def test_the_link_to_the_server_is_dialled_while_members_arrive(live):
+    """The group's first member starts the aggregator's dial to the server, so
+    the handshake overlaps the wait for the other members instead of
+    following it."""
+    server, agg, controller, model = live(1, fan_in=2, group_timeout=30)
+    update = random_update(model, seed=0)
+    with mlfabric.connect(server.address, job=JOB, token=TOKEN,
+                          controller=controller.address) as ps:
+        assert server.metrics.connected_clients._value.get() == 1  # the worker only
+        future = ps.push(update, base_version=0)
+        wait_until(lambda: server.metrics.connected_clients._value.get() == 2,
+                   what="the aggregator's link to the server")
+        # ... with the group still waiting for its second member.
+        assert [len(g.members) for g in agg.server.groups.values()] == [1]
+        assert agg.metrics.aggregates.labels("applied")._value.get() == 0
+        agg.__exit__(None, None, None)  # the member goes straight to the server
+        outcome = future.result(10)
+        assert (outcome.applied, outcome.version) == (True, 1)
+    assert server.metrics.aggregates_applied._value.get() == 0
+
+
 def test_a_member_resent_after_its_aggregate_was_applied_is_not_applied_again(loop_kind):
     """The aggregate was applied but the answer was lost (the aggregator died
     after forwarding): the worker re-sends with the same uid and gets the
