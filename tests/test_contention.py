@@ -35,7 +35,7 @@ def test_default_model_is_a_few_megabytes():
 
 
 def test_tenant_flows_move_every_third_of_a_period_and_stop_at_the_limit():
-    sc = Scenario(time_limit=95.0, period=30.0)
+    sc = Scenario(time_limit=95.0, period=30.0, tenant_max_mbit=None)
     flows = tenant_flows(sc)
     # 6 flows per 30 s period; the 4th period starts at 90 s and only its first
     # third (90-95 s, cut at the limit) fits.
@@ -50,6 +50,20 @@ def test_tenant_flows_move_every_third_of_a_period_and_stop_at_the_limit():
     for a, b in itertools.combinations(flows, 2):
         if a.start < b.stop and b.start < a.stop:
             assert a.dst != b.dst and a.src != b.src
+
+
+def test_tenant_flows_are_bounded_so_the_machine_can_emulate_them():
+    # 60% of each loaded link, at most tenant_max_mbit: the 1000 Mbit/s worker
+    # links get 150, the 200 Mbit/s uplink its 120, the server's downlink 60.
+    bounded = tenant_flows(Scenario(time_limit=30.0))
+    unbounded = tenant_flows(Scenario(time_limit=30.0, tenant_max_mbit=None))
+    assert [(f.start, f.src, f.dst) for f in bounded] == [
+        (f.start, f.src, f.dst) for f in unbounded]
+    assert [f.rate_mbit for f in unbounded] == [60.0, 600.0, 600.0, 120.0, 60.0, 300.0]
+    assert [f.rate_mbit for f in bounded] == [60.0, 150.0, 150.0, 120.0, 60.0, 150.0]
+    with pytest.raises(ConfigError, match=r"tenant_max_mbit must be a positive rate in "
+                                          r"Mbit/s \(or None: no bound\), got 0"):
+        Scenario(tenant_max_mbit=0)
 
 
 def test_uncontended_has_no_tenants_and_no_straggler():
