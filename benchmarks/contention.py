@@ -98,6 +98,16 @@ def table(sc: Scenario, runs: dict[str, list[RunResult]]) -> str:
                     f"{med([r.dropped for r in rs]):8.0f} {med(b) / 1e6:13.1f}")
         lines.append(f"  {system:12s} {t:13.1f} s{mark:5s}{reached:>3d}/{len(rs):<3d} {rest}")
     lines += milestones(sc, runs)
+    for system, rs in runs.items():
+        parts = {k: [getattr(r, k) for r in rs if getattr(r, k) is not None]
+                 for k in ("gather_mean", "forward_mean", "planned_gather_mean",
+                           "planned_forward_mean")}
+        if parts["gather_mean"] and parts["planned_gather_mean"]:
+            lines.append(
+                f"  {system} groups, mean seconds per group (median of runs), measured by the "
+                f"aggregators vs planned: gather {med(parts['gather_mean']):.3f} vs "
+                f"{med(parts['planned_gather_mean']):.3f}, forward "
+                f"{med(parts['forward_mean']):.3f} vs {med(parts['planned_forward_mean']):.3f}")
     if runs.get("mlfabric"):
         m = med([ttt(r, sc.time_limit) for r in runs["mlfabric"]])
         for other in ("fifo", "ddp", "mlfabric-agg", "mlfabric-static"):

@@ -139,6 +139,7 @@ class Aggregator(Endpoint):
 
     def member_in(self, group: _Group) -> None:
         if group.sum.all_in:
+            self.metrics.gather_seconds.observe(time.monotonic() - group.started)
             self._close(group, "its aggregate was forwarded")
             self._forward(group, group.sum.total())
 
@@ -149,6 +150,7 @@ class Aggregator(Endpoint):
         if group is None:
             return
         self.metrics.group_timeouts.inc()
+        self.metrics.gather_seconds.observe(time.monotonic() - group.started)
         missing = sorted(set(range(group.sum.fan_in)) - set(group.members))
         log.warning("group %d for %s: members %s did not arrive within %.1f s; forwarding the "
                     "other %d", key[1], key[0], missing, self.group_timeout, len(group.members))
@@ -189,6 +191,7 @@ class Aggregator(Endpoint):
         push_members = tuple((mb.uid, mb.base_version, mb.conn.client) for mb in members)
         base = min(mb.base_version for mb in members)
         dst = group.key[0]
+        forwarded = time.monotonic()
         try:
             server = await self._link(dst)
             result = await server._request(
@@ -200,7 +203,9 @@ class Aggregator(Endpoint):
             self._fail(members, f"the aggregate could not be delivered to {dst}: {exc}")
             return
         assert isinstance(result, PushResult)
-        m.aggregation_seconds.observe(time.monotonic() - group.started)
+        answered = time.monotonic()
+        m.forward_seconds.observe(answered - forwarded)
+        m.aggregation_seconds.observe(answered - group.started)
         if not result.applied or result.delays is None or len(result.delays) != len(members):
             m.aggregates.labels("refused").inc()
             self._refused(members, result, server.tau_max)

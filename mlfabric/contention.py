@@ -57,7 +57,7 @@ import numpy as np
 
 from .demo_model import accuracy, init_params, load_digits_split, loss_and_grads, shard
 from .errors import ConfigError
-from .workload import serving_address, wait_for_line
+from .workload import scrape_metrics, serving_address, wait_for_line
 
 SYSTEMS: tuple[str, ...] = ("fifo", "mlfabric", "mlfabric-agg", "ddp", "mlfabric-static",
                              "mlfabric-agg-static")
@@ -67,6 +67,7 @@ AGENT_PORT = 7400
 AGGREGATE_PORT = 7401
 DDP_PORT = 29511
 METRICS_PORT = 9109
+AGENT_METRICS_PORT = 9110
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,13 @@ class RunResult:
     grouped: int = 0  # updates routed through an aggregator as members of those
     rescued: int = 0  # of those, updates the policy had dropped (--rescue-drops)
     drop_reasons: dict[str, int] = field(default_factory=dict)  # the controller's drops
+    # Aggregation, mean seconds per group: measured by the aggregators (first
+    # member in -> last member in; forward -> the server's answer) and as the
+    # controller planned them (a member's go -> ready; ready -> delivered).
+    gather_mean: float | None = None
+    forward_mean: float | None = None
+    planned_gather_mean: float | None = None
+    planned_forward_mean: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -227,15 +235,37 @@ def read_decisions(decision_log: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"groups": 0, "grouped": 0, "rescued": 0, "drop_reasons": {}}
     if not decision_log.exists():
         return out
+    planned: list[dict[str, Any]] = []  # groups, until their first member's go
+    gather, forward = [], []
     for line in decision_log.read_text().splitlines():
         event = json.loads(line)
         if event.get("event") == "group":
             out["groups"] += 1
             out["grouped"] += len(event["ids"])
             out["rescued"] += event.get("rescued", 0)
+            planned.append(event)
+        elif event.get("event") == "go" and "via" in event:
+            for g in [g for g in planned if g["ids"][0] == event["id"]]:
+                planned.remove(g)
+                gather.append(g["ready"] - event["at"])
+                forward.append(g["delivered"] - g["ready"])
         elif event.get("event") == "drop":
             reasons = out["drop_reasons"]
             reasons[event["reason"]] = reasons.get(event["reason"], 0) + 1
+    if gather:
+        out["planned_gather_mean"] = float(np.mean(gather))
+        out["planned_forward_mean"] = float(np.mean(forward))
+    return out
+
+
+def aggregator_seconds(samples: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Mean gather and forward seconds per group over the aggregators' metrics."""
+    out = {}
+    for part in ("gather", "forward"):
+        count = sum(s.get(f"mlfabric_aggregator_{part}_seconds_count", 0.0) for s in samples)
+        total = sum(s.get(f"mlfabric_aggregator_{part}_seconds_sum", 0.0) for s in samples)
+        if count:
+            out[f"{part}_mean"] = total / count
     return out
 
 
@@ -375,7 +405,8 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
                 aggregate = []
                 if system.startswith("mlfabric-agg"):
                     aggregate = ["--aggregate", f"{w.ip}:{AGGREGATE_PORT}", "--job", JOB,
-                                 "--token-file", str(token)]
+                                 "--token-file", str(token), "--metrics-port",
+                                 str(AGENT_METRICS_PORT), "--metrics-host", w.ip]
                     agents += ["--aggregator", f"{w.ip}={w.ip}:{AGGREGATE_PORT}"]
                 helpers.append(_popen(tb, w, [*py, "agent", "--name", w.ip, "--listen",
                                               f"{w.ip}:{AGENT_PORT}", "--peer",
@@ -434,6 +465,9 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
             records += json.loads(lines[-1])["outcomes"]
         bytes_in = _server_bytes_in(h0)
         decisions = read_decisions(tmp / "decisions.jsonl")
+        if system.startswith("mlfabric-agg"):
+            decisions.update(aggregator_seconds(
+                [scrape_metrics(w, AGENT_METRICS_PORT) for w in workers]))
     finally:
         _stop_traffic(sched)
         _stop(procs)

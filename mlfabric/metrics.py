@@ -327,6 +327,16 @@ class AggregatorMetrics:
             "aggregator_aggregation_seconds", "From a group's first member arriving to the "
             "server's answer to its aggregate", namespace=ns, registry=r,
             buckets=TRANSFER_BUCKETS)
+        # The two parts of aggregation_seconds, to tell a slow member from a
+        # slow path to the server.
+        self.gather_seconds = Histogram(
+            "aggregator_gather_seconds", "From a group's first member arriving to its last "
+            "member received (or to the group timing out)", namespace=ns, registry=r,
+            buckets=TRANSFER_BUCKETS)
+        self.forward_seconds = Histogram(
+            "aggregator_forward_seconds", "From forwarding an aggregate to the server's answer "
+            "(the link, the transfer into the server and its apply)", namespace=ns, registry=r,
+            buckets=TRANSFER_BUCKETS)
         self.group_timeouts = Counter(
             "aggregator_group_timeouts", "Groups forwarded without all members (a member did "
             "not arrive within the group timeout)", namespace=ns, registry=r)

@@ -100,6 +100,12 @@ def test_a_group_is_summed_forwarded_once_and_each_member_told(live):
     assert am.saved_bytes._value.get() == 2 * 3 * update_bytes
     # The server received 2 aggregates, not 8 updates.
     assert sm.received_bytes._value.get() < 3 * update_bytes + 64 * 1024
+    # Each group's time splits into the wait for its members and the forward.
+    seconds = {part: [am.registry.get_sample_value(f"mlfabric_aggregator_{part}_seconds_{s}")
+                      for s in ("count", "sum")]
+               for part in ("gather", "forward", "aggregation")}
+    assert [seconds[p][0] for p in seconds] == [2, 2, 2]
+    assert 0 < seconds["gather"][1] + seconds["forward"][1] <= seconds["aggregation"][1]
 
 
 def test_members_from_several_workers_with_different_base_versions(live):
@@ -146,6 +152,10 @@ def test_a_group_missing_a_member_is_forwarded_after_the_timeout(live):
         assert [(o.applied, o.version) for o in outcomes] == [(True, 3)] * 3
         assert_model_equal(ps.pull(timeout=10)[1], w)
     assert agg.metrics.group_timeouts._value.get() == 1
+    # The group's wait for its members lasted the timeout.
+    r = agg.metrics.registry
+    assert r.get_sample_value("mlfabric_aggregator_gather_seconds_count") == 1
+    assert r.get_sample_value("mlfabric_aggregator_gather_seconds_sum") >= 0.3
 
 
 def test_a_stopped_aggregator_fails_its_members_and_they_go_straight_to_the_server(

@@ -102,31 +102,74 @@ def test_outcome_summary_and_first_reach():
     assert first_reach([(0.5, 0.2)], 0.9) is None
 
 
+def test_decision_log_and_aggregators_give_planned_and_measured_group_times(tmp_path):
+    log = tmp_path / "decisions.jsonl"
+    events = [
+        {"event": "go", "at": 0.5, "id": 1, "position": 0},
+        {"event": "group", "ids": [2, 3], "rescued": 0, "ready": 1.25, "delivered": 1.5},
+        {"event": "go", "at": 1.0, "id": 2, "via": "h2", "index": 0},
+        {"event": "go", "at": 1.0, "id": 3, "via": "h2", "index": 1},
+        {"event": "drop", "at": 1.1, "id": 4, "reason": "deadline_missed"},
+        {"event": "group", "ids": [5, 6, 7], "rescued": 1, "ready": 2.5, "delivered": 3.5},
+        {"event": "go", "at": 2.0, "id": 5, "via": "h3", "index": 0},
+    ]
+    log.write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert contention.read_decisions(log) == {
+        "groups": 2, "grouped": 5, "rescued": 1, "drop_reasons": {"deadline_missed": 1},
+        # go -> ready: 0.25 and 0.5; ready -> delivered: 0.25 and 1.0
+        "planned_gather_mean": 0.375, "planned_forward_mean": 0.625}
+    agents = [{"mlfabric_aggregator_gather_seconds_count": 2.0,
+               "mlfabric_aggregator_gather_seconds_sum": 1.0,
+               "mlfabric_aggregator_forward_seconds_count": 2.0,
+               "mlfabric_aggregator_forward_seconds_sum": 0.5},
+              {"mlfabric_aggregator_gather_seconds_count": 1.0,
+               "mlfabric_aggregator_gather_seconds_sum": 0.5,
+               "mlfabric_aggregator_forward_seconds_count": 1.0,
+               "mlfabric_aggregator_forward_seconds_sum": 1.0},
+              {}]  # an agent that aggregated nothing
+    assert contention.aggregator_seconds(agents) == {"gather_mean": 0.5, "forward_mean": 0.5}
+    assert contention.aggregator_seconds([{}]) == {}
+
+
 def test_benchmark_reprints_saved_runs_with_their_update_rate(tmp_path):
     """`benchmarks/contention.py --from-json` (no root, runs nothing): medians of
     the saved runs, applied/s as applied over wall time; a bad file is refused."""
-    def run(system, ttt, wall, applied):
+    def run(system, ttt, wall, applied, **kw):
+        curve = [(0.0, 0.1), (wall / 2, 0.82), (wall, 0.9 if ttt is not None else 0.84)]
         return contention.RunResult(system, "contended", ttt is not None, ttt, wall,
-                                    curve=[(0.0, 0.1), (wall, 0.9)], applied=applied,
-                                    server_bytes_in=1e6).as_dict()
+                                    curve=curve, applied=applied, server_bytes_in=1e6,
+                                    **kw).as_dict()
 
+    agg = dict(gather_mean=0.4, forward_mean=0.5, planned_gather_mean=0.1,
+               planned_forward_mean=0.3)
     saved = {"contended": {"fifo": [run("fifo", 10.0, 10.0, 40), run("fifo", 30.0, 30.0, 60),
                                     run("fifo", None, 50.0, 100)],
-                           "mlfabric": [run("mlfabric", 20.0, 20.0, 100)]}}
+                           "mlfabric": [run("mlfabric", 20.0, 20.0, 100)],
+                           "mlfabric-agg": [run("mlfabric-agg", 8.0, 8.0, 40, **agg)]}}
     path = tmp_path / "runs.json"
     path.write_text(json.dumps(saved))
     script = [sys.executable, str(ROOT / "benchmarks" / "contention.py"), "--from-json",
               str(path), "--time-limit", "50"]
     out = subprocess.run(script, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    rows = {ln.split()[0]: ln.split() for ln in out.stdout.splitlines()
-            if ln.startswith("  ") and not ln.strip().startswith(("system", "time"))}
+    rows: dict[str, list[str]] = {}
+    marks: dict[str, list[str]] = {}  # the second table: time to each accuracy
+    for ln in out.stdout.splitlines():
+        if ln.startswith("  ") and not ln.strip().startswith(("system", "time")):
+            words = ln.split()
+            (marks if words[0] in rows else rows).setdefault(words[0], words)
     # fifo: time to target 10, 30 and the limit 50 -> 30; 2 of 3 reached;
     # applied/s 4.0, 2.0, 2.0 -> 2.00; applied 40, 60, 100 -> 60
     assert rows["fifo"][1:3] == ["30.0", "s"] and "2/3" in rows["fifo"]
     assert rows["fifo"][-4:-2] == ["60", "2.00"]
     assert rows["mlfabric"][-4:-2] == ["100", "5.00"]
     assert "time to target, fifo / mlfabric: 1.50x (mlfabric sooner)" in out.stdout
+    # to 0.80 at half the wall (5, 15, 25 -> 15); to 0.85 only in the 2 runs
+    # that reached the target (10, 30, and the limit 50 -> 30, marked)
+    assert marks["fifo"] == ["fifo", "15.0", "s", ">=30.0", "s", ">=30.0", "s"]
+    assert marks["mlfabric"] == ["mlfabric", "10.0", "s", "20.0", "s", "20.0", "s"]
+    assert ("mlfabric-agg groups, mean seconds per group (median of runs), measured by the "
+            "aggregators vs planned: gather 0.400 vs 0.100, forward 0.500 vs 0.300") in out.stdout
     path.write_text("{not json")
     bad = subprocess.run(script, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and f"cannot read the runs saved in {path}" in bad.stderr
