@@ -215,3 +215,6 @@ def test_each_system_really_trains_on_the_emulated_cluster():
                 # Aggregates carry k updates in one transfer; the others, one each.
                 if system != "mlfabric-agg":
                     assert r.server_bytes_in >= r.applied * sc.model_bytes
+                elif r.groups:  # the aggregators' metrics were read, and the plan's parts
+                    assert r.gather_mean is not None and r.forward_mean is not None
+                    assert r.forward_mean > 0 and r.planned_forward_mean > 0
