@@ -23,6 +23,7 @@ from .outcome import PushOutcome
 from .protocol import Directive, Failover, ReplicaAt, ReplicaDone
 
 log = logging.getLogger("mlfabric.client")
+AGGREGATOR_DIAL_TIMEOUT = 2.0  # seconds; past it, a member goes straight to the server
 
 
 class AsyncControlledPushes:
@@ -53,10 +54,17 @@ class AsyncControlledPushes:
             self.book.reconnected()
 
     async def _connect(self) -> Any:
-        from .aio import open_link
+        from .aio import dial_ahead, open_link
 
-        return await open_link(self.address, self.hs, min(self.book.timeout, 10.0),
+        link = await open_link(self.address, self.hs, min(self.book.timeout, 10.0),
                                "controller", on_event=self._directive, on_lost=self._lost)
+        if self.book.aggregation:
+            # Every aggregator the controller may route through, dialled ahead
+            # of use (a member then does not wait for the handshake).
+            for address in link.welcomed.result().aggregators:
+                dial_ahead(self._aggregators, address, self.hs, AGGREGATOR_DIAL_TIMEOUT,
+                           "aggregator", command="mlfabric agent --aggregate")
+        return link
 
     def push(self, arrays: dict[str, np.ndarray], base_version: int, nbytes: int
              ) -> asyncio.Future[PushOutcome]:
@@ -147,8 +155,8 @@ class AsyncControlledPushes:
     async def _aggregator(self, address: str) -> Any:
         from .aio import reuse_or_dial
 
-        return await reuse_or_dial(self._aggregators, address, self.hs, 2.0, "aggregator",
-                                   command="mlfabric agent --aggregate")
+        return await reuse_or_dial(self._aggregators, address, self.hs, AGGREGATOR_DIAL_TIMEOUT,
+                                   "aggregator", command="mlfabric agent --aggregate")
 
     def _finish(self, u: ControlledUpdate, server_future: asyncio.Future[Any],
                 started: float) -> None:

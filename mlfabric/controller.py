@@ -208,7 +208,8 @@ class Controller(Endpoint):
 
     def welcome(self, conn: EndpointProtocol) -> Welcome:
         return Welcome(session=secrets.token_hex(8), version=self.state.version, tensors=(),
-                       tau_max=self.state.tau_max)
+                       tau_max=self.state.tau_max,
+                       aggregators=tuple(sorted(set(self.state.aggregators.values()))))
 
     # -- events -------------------------------------------------------------------
 

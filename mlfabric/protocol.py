@@ -51,6 +51,7 @@ MAX_NAME_LEN: Final = 256
 MAX_TENSORS: Final = 4096
 MAX_FAN_IN: Final = 64  # members of one aggregate
 MAX_UID_LEN: Final = 128
+MAX_ADDRESSES: Final = 4096  # aggregators a controller's welcome may list
 _SCRATCH_SIZE = 1 << 16
 _MAX_U64 = (1 << 64) - 1
 
@@ -167,13 +168,16 @@ class Auth:
 
 @dataclass(frozen=True)
 class Welcome:
-    """Server -> client: authenticated; the model's layout and current version."""
+    """Server -> client: authenticated; the model's layout and current version.
+    From a controller, `aggregators`: the addresses it may route pushes through
+    (a client dials them ahead, not when its first member is due)."""
 
     session: str
     version: int
     tensors: tuple[TensorSpec, ...]
     tau_max: int | None = None
     momentum: float = 0.0
+    aggregators: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -437,6 +441,15 @@ def _opt_float(meta: Mapping[str, Any], key: str) -> float | None:
     return None if meta.get(key) is None else _float(meta, key)
 
 
+def _addresses(meta: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    value = meta.get(key, [])
+    if not (isinstance(value, list) and len(value) <= MAX_ADDRESSES
+            and all(isinstance(a, str) and len(a) <= 256 for a in value)):
+        raise ProtocolError(f"field {key!r} must be a list of at most {MAX_ADDRESSES} "
+                            f"addresses of at most 256 characters")
+    return tuple(value)
+
+
 def _opt_str(meta: Mapping[str, Any], key: str) -> str | None:
     return None if meta.get(key) is None else _str(meta, key)
 
@@ -555,6 +568,7 @@ def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict[str, np.nd
             tensors=_specs(meta),
             tau_max=_opt_int(meta, "tau_max"),
             momentum=float(momentum),
+            aggregators=_addresses(meta, "aggregators"),
         )
     if msg_type is MsgType.PULL:
         return Pull(req=_int(meta, "req"))
@@ -652,6 +666,8 @@ def _encode_meta(event: Event) -> tuple[MsgType, dict[str, Any], Sequence[Tensor
                 "tensors": _meta_specs(event.tensors), "momentum": event.momentum}
         if event.tau_max is not None:
             meta["tau_max"] = event.tau_max
+        if event.aggregators:
+            meta["aggregators"] = list(event.aggregators)
         return MsgType.WELCOME, meta, (), []
     if isinstance(event, Pull):
         return MsgType.PULL, {"req": event.req}, (), []

@@ -208,6 +208,44 @@ def test_the_link_to_the_server_is_dialled_while_members_arrive(live):
     assert server.metrics.aggregates_applied._value.get() == 0
 
 
+@pytest.mark.parametrize("api", ["blocking", "asyncio"])
+def test_workers_dial_the_controllers_aggregators_before_any_push(loop_kind, api, run_async):
+    """The controller's welcome lists its aggregators and each client dials
+    them at once, so a member's send never waits for a handshake; a client
+    that does not aggregate (it replicates) dials none."""
+    from mlfabric import aio
+
+    model = make_model()
+    with ServerThread(ParameterStore(model), loop_kind=loop_kind) as server, \
+            ServerThread(None, loop_kind=loop_kind, endpoint=Aggregator(
+                job=JOB, token=TOKEN, metrics=AggregatorMetrics())) as agg, \
+            ServerThread(None, loop_kind=loop_kind, endpoint=Controller(
+                lambda snap: [], job=JOB, token=TOKEN, tau_max=None,
+                aggregators={"h1": agg.address})) as controller:
+        dialled = agg.metrics.connected_clients._value.get
+        if api == "blocking":
+            with mlfabric.connect(server.address, job=JOB, token=TOKEN,
+                                  controller=controller.address):
+                wait_until(lambda: dialled() == 1, what="the client's link to the aggregator")
+        else:
+            async def body():
+                async with await aio.connect(server.address, job=JOB, token=TOKEN,
+                                             controller=controller.address):
+                    loop = asyncio.get_running_loop()
+                    await loop.run_in_executor(None, lambda: wait_until(
+                        lambda: dialled() == 1, what="the client's link to the aggregator"))
+
+            run_async(body())
+        wait_until(lambda: dialled() == 0, what="the link closed with the client")
+        # A replicating client does not aggregate: it has no use for the links.
+        with ServerThread(ParameterStore(model), loop_kind=loop_kind) as replica, \
+                mlfabric.connect(server.address, job=JOB, token=TOKEN,
+                                 controller=controller.address, replica=replica.address):
+            wait_until(lambda: controller.metrics.connected_clients._value.get() == 1,
+                       what="the client at the controller")
+            assert dialled() == 0
+
+
 def test_a_member_resent_after_its_aggregate_was_applied_is_not_applied_again(loop_kind):
     """The aggregate was applied but the answer was lost (the aggregator died
     after forwarding): the worker re-sends with the same uid and gets the

@@ -61,6 +61,8 @@ CASES = [
         tau_max=8,
         momentum=0.9,
     ),
+    Welcome(session="c", version=3, tensors=(), tau_max=8,
+            aggregators=("10.0.0.2:7401", "10.0.0.3:7401")),
     Pull(req=1),
     Pull(req=2**64 - 1),
     Model(req=5, version=7, tensors={}),
@@ -311,6 +313,13 @@ BAD_FRAMES = {
         frame(MsgType.DIRECTIVE, {"req": 1, "action": "go", "via": "a:1", "fan_in": 2,
                                   "index": 0}), "needs 'group'"),
     "replica done no dst": (frame(MsgType.REPLICA_DONE, {"version": 2}), "'dst'"),
+    "aggregators not a list": (
+        frame(MsgType.WELCOME, {"session": "s", "version": 0, "tensors": [],
+                                "aggregators": "a:1"}),
+        r"'aggregators' must be a list of at most 4096 addresses"),
+    "aggregator not a string": (
+        frame(MsgType.WELCOME, {"session": "s", "version": 0, "tensors": [],
+                                "aggregators": ["a:1", 7]}), "'aggregators'"),
     "length mismatch": (
         frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [["a", "f4", [4]]]},
               b"\0" * 12),
