@@ -17,13 +17,18 @@ from typing import Any
 import numpy as np
 
 from .client_core import Handshake
-from .control_book import RECONNECT_EVERY, ControlBook, ControlledUpdate, controlled_update
+from .control_book import (
+    AGGREGATOR_DIAL_TIMEOUT,
+    RECONNECT_EVERY,
+    ControlBook,
+    ControlledUpdate,
+    controlled_update,
+)
 from .errors import ConnectError, MlfabricError
 from .outcome import PushOutcome
 from .protocol import Directive, Failover, ReplicaAt, ReplicaDone
 
 log = logging.getLogger("mlfabric.client")
-AGGREGATOR_DIAL_TIMEOUT = 2.0  # seconds; past it, a member goes straight to the server
 
 
 class AsyncControlledPushes:

@@ -24,7 +24,13 @@ from typing import Any
 import numpy as np
 
 from .client_core import Handshake, parse_address
-from .control_book import RECONNECT_EVERY, ControlBook, ControlledUpdate, controlled_update
+from .control_book import (
+    AGGREGATOR_DIAL_TIMEOUT,
+    RECONNECT_EVERY,
+    ControlBook,
+    ControlledUpdate,
+    controlled_update,
+)
 from .errors import ConnectError, ConnectionLost, MlfabricError
 from .outcome import PushOutcome
 from .protocol import NEED_DATA, Connection, Directive, Failover, ReplicaAt, ReplicaDone
@@ -296,7 +302,8 @@ class ControlledPushes:
         assert self.client._dial_args is not None
         job, secret, name, timeout = self.client._dial_args
         try:
-            sock, conn, welcome = _dial(address, job, secret, name, min(timeout, 2.0))
+            sock, conn, welcome = _dial(address, job, secret, name,
+                                       min(timeout, AGGREGATOR_DIAL_TIMEOUT))
         except ConnectError as exc:  # the dialer speaks of a server
             raise ConnectError(str(exc).replace("parameter server", "aggregator")
                                .replace("`mlfabric server`", "`mlfabric agent --aggregate`")

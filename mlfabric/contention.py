@@ -235,7 +235,7 @@ def read_decisions(decision_log: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"groups": 0, "grouped": 0, "rescued": 0, "drop_reasons": {}}
     if not decision_log.exists():
         return out
-    planned: list[dict[str, Any]] = []  # groups, until their first member's go
+    planned: dict[int, dict[str, Any]] = {}  # group by its first member, until that one's go
     gather, forward = [], []
     for line in decision_log.read_text().splitlines():
         event = json.loads(line)
@@ -243,12 +243,11 @@ def read_decisions(decision_log: Path) -> dict[str, Any]:
             out["groups"] += 1
             out["grouped"] += len(event["ids"])
             out["rescued"] += event.get("rescued", 0)
-            planned.append(event)
-        elif event.get("event") == "go" and "via" in event:
-            for g in [g for g in planned if g["ids"][0] == event["id"]]:
-                planned.remove(g)
-                gather.append(g["ready"] - event["at"])
-                forward.append(g["delivered"] - g["ready"])
+            planned[event["ids"][0]] = event
+        elif event.get("event") == "go" and "via" in event and event["id"] in planned:
+            g = planned.pop(event["id"])
+            gather.append(g["ready"] - event["at"])
+            forward.append(g["delivered"] - g["ready"])
         elif event.get("event") == "drop":
             reasons = out["drop_reasons"]
             reasons[event["reason"]] = reasons.get(event["reason"], 0) + 1
