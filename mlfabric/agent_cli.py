@@ -231,6 +231,8 @@ async def serve(config: AgentConfig, metrics_port: int | None = None,
         if aggregator is not None:
             await aggregator.close()
         await agent.stop()
+        if isinstance(config.job_traffic, JobTrafficReader):
+            config.job_traffic.close()  # its netlink socket
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+from collections.abc import Sequence
 
 import pytest
 
@@ -88,6 +89,45 @@ def test_parse_dump_raises_on_a_netlink_error_and_a_truncated_message() -> None:
         jt.parse_dump(msg[:-8])
 
 
+def _error_msg(code: int) -> bytes:
+    return jt._NLMSGHDR.pack(jt._NLMSGHDR.size + 4, jt.NLMSG_ERROR, 0, 1, 0) + struct.pack(
+        "=i", -code)
+
+
+@pytest.mark.parametrize("family, local, remote", [
+    (socket.AF_INET, "10.0.0.1", "10.0.0.2"),
+    (socket.AF_INET6, "fd00::1", "fd00::2"),
+    (socket.AF_INET6, "::ffff:10.0.0.1", "::ffff:10.0.0.2"),  # a dual-stack socket
+])
+def test_lookup_asks_for_one_socket_by_its_endpoints_and_cookie(family: int, local: str,
+                                                                remote: str) -> None:
+    s = TcpSocketBytes((7 << 32) | 9, (local, 7100), (remote, 40000), 0, 0)
+    req = jt.build_lookup(s, 5)
+    length, kind, flags, seq, _ = jt._NLMSGHDR.unpack_from(req)
+    assert (length, kind, flags, seq) == (len(req), jt.SOCK_DIAG_BY_FAMILY, jt.NLM_F_REQUEST, 5)
+    fam, proto, ext, _, _ = jt._REQ_V2.unpack_from(req, jt._NLMSGHDR.size)
+    assert (fam, proto, ext) == (family, socket.IPPROTO_TCP, 2)
+    off = jt._NLMSGHDR.size + jt._REQ_V2.size
+    sport, dport, src, dst = jt._SOCKID.unpack_from(req, off)
+    _ifc, c0, c1 = jt._SOCKID_REST.unpack_from(req, off + jt._SOCKID.size)
+    assert (sport, dport, (c1 << 32) | c0) == (7100, 40000, (7 << 32) | 9)
+    assert src == socket.inet_pton(family, local).ljust(16, b"\0")
+    assert dst == socket.inet_pton(family, remote).ljust(16, b"\0")
+
+
+def test_parse_lookups_counts_every_answer_and_raises_on_a_real_error() -> None:
+    live = _diag_msg(7100, 40000, "10.0.0.1", "10.0.0.2", 3, _info(10, 20, 1, 1))
+    time_wait = _diag_msg(7100, 40001, "10.0.0.1", "10.0.0.2", 4, None)  # no tcp_info
+    sockets, answers = jt.parse_lookups(live + time_wait + _error_msg(2))  # 2: ENOENT, gone
+    assert answers == 3
+    assert [x.cookie for x in sockets] == [3]
+    assert jt.parse_lookups(b"") == ([], 0)
+    with pytest.raises(OSError, match="sock_diag lookup failed: Permission denied"):
+        jt.parse_lookups(_error_msg(13))
+    with pytest.raises(OSError, match="sock_diag dump failed: Permission denied"):
+        jt.parse_dump(_error_msg(13))
+
+
 def _sock(cookie: int, lport: int, rport: int, rx: int, tx: int,
           local: str = "10.0.0.1", remote: str = "10.0.0.2") -> TcpSocketBytes:
     return TcpSocketBytes(cookie, (local, lport), (remote, rport), rx, tx)
@@ -142,3 +182,87 @@ def test_live_counters_match_the_sockets_own_tcp_info() -> None:
                 entry = found[sock.getsockname()]
                 assert (entry.rx_bytes, entry.tx_bytes) == want
             assert found[s.getsockname()].rx_bytes >= n  # payload plus headers
+
+
+class _CountingDiag(jt.SockDiag):
+    """The real netlink socket, counting what the reader asks it for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def dump(self) -> list[TcpSocketBytes]:
+        self.calls.append("dump")
+        return super().dump()
+
+    def lookup(self, sockets: Sequence[TcpSocketBytes]) -> list[TcpSocketBytes]:
+        self.calls.append(f"lookup {len(sockets)}")
+        return super().lookup(sockets)
+
+
+def _connected_pair(srv: socket.socket) -> tuple[socket.socket, socket.socket]:
+    c = socket.create_connection(srv.getsockname()[:2], timeout=5)
+    s, _ = srv.accept()
+    return c, s
+
+
+def _send(a: socket.socket, b: socket.socket, n: int) -> None:
+    a.sendall(b"x" * n)
+    got = 0
+    while got < n:
+        got += len(b.recv(1 << 20))
+
+
+def test_lookups_follow_known_sockets_and_a_dump_finds_new_ones() -> None:
+    """Live sockets on this host's loopback (so every port is counted: the
+    loopback filter is tested above). Between dumps the reader asks for the
+    sockets it knows, whose counters stay exact; a connection opened since is
+    found by the next dump and counted in full, a closed one is forgotten."""
+    now = [0.0]
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    diag = _CountingDiag()
+    reader = jt.JobTrafficReader([port], rediscover=1.0, clock=lambda: now[0], diag=diag)
+    # the listening socket (remote port 0) moves nothing: left out, as the agent's is
+    reader.traffic.is_job = (  # type: ignore[method-assign]
+        lambda s: s.remote[1] != 0 and port in (s.local[1], s.remote[1]))
+
+    def tcp_info_total(*socks: socket.socket) -> tuple[int, int]:
+        rx = tx = 0
+        for sock in socks:
+            got = jt._tcp_info_bytes(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 512))
+            assert got is not None
+            rx, tx = rx + got[0], tx + got[1]
+        return rx, tx
+
+    try:
+        c1, s1 = _connected_pair(srv)
+        _send(c1, s1, 100_000)
+        assert reader() == tcp_info_total(c1, s1)
+        assert diag.calls == ["dump"]
+        # known sockets: looked up, exact
+        now[0] = 0.5
+        _send(s1, c1, 300_000)
+        c2, s2 = _connected_pair(srv)
+        _send(c2, s2, 50_000)
+        assert reader() == tcp_info_total(c1, s1)  # the new pair is not known yet
+        assert diag.calls == ["dump", "lookup 2"]
+        # the next dump finds the new pair, its bytes in full
+        now[0] = 1.0
+        assert reader() == tcp_info_total(c1, s1, c2, s2)
+        assert diag.calls[-1] == "dump"
+        # a closed pair: its last bytes stay counted, nothing is taken back
+        before = reader()
+        c1.close()
+        s1.close()
+        now[0] = 1.5
+        assert reader() == before
+        assert {s.local for s in reader.traffic.known()} == {c2.getsockname(),
+                                                             s2.getsockname()}
+        assert diag.calls[-2:] == ["lookup 4", "lookup 4"]
+        c2.close()
+        s2.close()
+    finally:
+        srv.close()
+        reader.close()
+    assert reader.dumps == 2 and reader.lookups == 3
