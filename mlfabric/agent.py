@@ -351,6 +351,8 @@ class Agent:
         share = max(1, len(self._peers), st.peer_senders)
         if st.estimator.config.share != share:
             st.estimator.config = replace(st.estimator.config, share=share)
+        if self.metrics is not None and self._peers.get(st.name) is st:
+            self.metrics.probe_share.labels(st.name).set(share)
 
     async def wait_trains(self, peer: str, count: int, timeout: float) -> None:
         """Wait until `count` more trains to `peer` have been measured (tools, tests)."""
@@ -560,7 +562,7 @@ class Agent:
         if m is None:
             return
         for g in (m.available_bandwidth, m.capacity, m.path_load, m.rtt, m.estimate_age,
-                  m.estimate_stale, m.peer_connected):
+                  m.estimate_stale, m.peer_connected, m.probe_share):
             with contextlib.suppress(KeyError):
                 g.remove(name)
 

@@ -409,6 +409,12 @@ class AgentMetrics:
             "agent_peer_connected", "1 while the probe connection to the peer is up",
             ["peer"], namespace=ns, registry=r,
         )
+        self.probe_share = Gauge(
+            "agent_probe_share",
+            "Paths that share the probe budget of the path to the peer: the larger of this "
+            "agent's peers (its uplink) and the agents probing the peer (the peer's downlink)",
+            ["peer"], namespace=ns, registry=r,
+        )
         self.peer_connects = Counter(
             "agent_peer_connects", "Probe connections established to the peer",
             ["peer"], namespace=ns, registry=r,

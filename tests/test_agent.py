@@ -171,11 +171,17 @@ def test_set_peers_from_the_controller(run_async) -> None:
 def test_agents_probing_one_host_divide_the_budget_by_its_senders(run_async) -> None:
     """Two agents probe the hub (one peer each): the hub's reports tell them they
     are two, so each plans for half the budget, as the hub does for its two
-    peers through its uplink; when one goes, the other is told it is alone."""
+    peers through its uplink; when one goes, the other is told it is alone. The
+    share is exported (agent_probe_share) for operators and the testbed's tests."""
     async def main() -> None:
         hub = Agent(_config("hub"))
         await hub.start()
-        a = Agent(_config("a", peers={"hub": (LOCAL, hub.port)}))
+        am = AgentMetrics()
+        a = Agent(_config("a", peers={"hub": (LOCAL, hub.port)}), metrics=am)
+
+        def exported() -> float | None:
+            return am.registry.get_sample_value("mlfabric_agent_probe_share", {"peer": "hub"})
+
         b = Agent(_config("b", peers={"hub": (LOCAL, hub.port)}))
         await a.start()
         await b.start()
@@ -185,10 +191,12 @@ def test_agents_probing_one_host_divide_the_budget_by_its_senders(run_async) -> 
             await a.wait_trains("hub", 1, timeout=5)  # reported once both were there
             for ag in (a, b, hub):
                 assert {st.estimator.config.share for st in ag._peers.values()} == {2}
+            assert exported() == 2
             await _stop(b)
             deadline = time.monotonic() + 5
             while a._peers["hub"].estimator.config.share != 1:
                 await a.wait_trains("hub", 1, timeout=max(0.01, deadline - time.monotonic()))
+            assert exported() == 1
         finally:
             await _stop(a, b, hub)
 

@@ -208,7 +208,14 @@ def test_agents_probing_one_host_share_its_downlink_budget() -> None:
         pairs = [(h.name, hub.name) for h in spokes] + [(hub.name, h.name) for h in spokes]
         full = rate * 1e6 * PAYLOAD
         wait_for(lambda: within(agents.estimates(), pairs, lambda a, b: full, 0.10), 3.0)
-        time.sleep(2.0)  # steady state: each spoke has heard how many probe the hub
+
+        def spokes_share_the_hub() -> tuple[bool, str]:
+            got = [scrape_metrics(h, METRICS_PORT).get(
+                f'mlfabric_agent_probe_share{{peer="{hub.name}"}}') for h in spokes]
+            return all(g == len(spokes) for g in got), f"spokes' shares of the hub: {got}"
+
+        # steady state: each spoke has heard from the hub how many probe it
+        wait_for(spokes_share_the_hub, 3.0)
         (rx0, tx0), t0 = nic_bytes(hub), time.monotonic()
         time.sleep(6.0)
         (rx1, tx1), dt = nic_bytes(hub), time.monotonic() - t0
