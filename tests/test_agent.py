@@ -580,6 +580,13 @@ def test_cli_job_ports_from_flags_file_and_aggregator(tmp_path: Path) -> None:
     assert cfg.job_traffic.traffic.ports == {7401}  # type: ignore[union-attr]
     cfg, _ = build_config(_args([]), None)
     assert cfg.job_traffic is None
+    # how often all sockets are listed: 1 s unless the file or a flag says otherwise
+    assert build_config(args)[0].job_traffic.rediscover == 1.0  # type: ignore[union-attr]
+    f.write_text(json.dumps({"job_ports": [7100], "job_rediscover": 0}))
+    cfg, _ = build_config(_args(["--config", str(f)]))
+    assert cfg.job_traffic.rediscover == 0.0  # type: ignore[union-attr]
+    cfg, _ = build_config(_args(["--config", str(f), "--job-rediscover", "2.5"]))
+    assert cfg.job_traffic.rediscover == 2.5  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(
@@ -598,6 +605,9 @@ def test_cli_job_ports_from_flags_file_and_aggregator(tmp_path: Path) -> None:
         ('{"job_ports": ["x"]}', [], "job port must be a port number in 1..65535, got 'x'"),
         ("{}", ["--job-port", "0"], "job port must be a port number in 1..65535, got 0"),
         ("{}", ["--peer", "h1"], "NAME=HOST:PORT"),
+        ("{}", ["--job-rediscover", "-1"],
+         r"job-rediscover must be a number of seconds in \[0, 3600\], got -1.0"),
+        ('{"job_rediscover": "1"}', [], "job-rediscover must be .* got '1'"),
     ],
 )
 def test_cli_config_errors(tmp_path: Path, content: str, argv: list[str], match: str) -> None:
