@@ -80,6 +80,25 @@ def test_cluster_layout():
                                  "h2": (200.0, 200.0), "h3": (1000.0, 1000.0)}
 
 
+def test_every_process_computes_on_one_thread_unless_the_user_says_otherwise(tmp_path,
+                                                                           monkeypatch):
+    """As the DDP ranks (torch.set_num_threads(1)): OpenBLAS's extra threads spin
+    after every product and took half the workers' CPU on this 2-core machine."""
+    class Local:  # runs the process here instead of in a namespace
+        @staticmethod
+        def popen(host, argv, **kw):
+            return subprocess.Popen(argv, **kw)
+
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    show = "import os; print([os.environ.get(k) for k in ('OPENBLAS_NUM_THREADS', " \
+           "'MKL_NUM_THREADS', 'OMP_NUM_THREADS', 'PYTHONPATH')])"
+    proc = contention._popen(Local, None, [sys.executable, "-c", show], tmp_path)
+    out, _ = proc.communicate(timeout=30)
+    assert out.strip() == "['1', '1', '2', None]"
+
+
 @pytest.mark.parametrize("kw, message", [
     ({"workers": 1}, "at least 2 workers, got 1"),
     ({"workers": 9}, "lists 8 links for 9 workers"),
