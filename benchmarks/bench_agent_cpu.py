@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import select
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from mlfabric.contention import Scenario, cluster_rates  # noqa: E402
 from mlfabric.testbed import Testbed, require_root  # noqa: E402
-from mlfabric.workload import scrape_metrics  # noqa: E402
+from mlfabric.workload import scrape_metrics, wait_for_line  # noqa: E402
 
 PORT = 7400
 METRICS_PORT = 9471
@@ -74,11 +73,7 @@ def one_run(tb: Testbed, workers: int, mode: str, flow_mbit: float, settle: floa
                                     "--metrics-port", str(METRICS_PORT), "--metrics-host",
                                     h0.ip, *peers], stdout=subprocess.PIPE, text=True)
         for name, p in procs.items():
-            assert p.stdout is not None
-            readable, _, _ = select.select([p.stdout], [], [], 30.0)
-            line = p.stdout.readline() if readable else ""
-            if "ready" not in line:
-                raise RuntimeError(f"agent {name} not ready: {line!r} (exit {p.poll()})")
+            wait_for_line(p, "ready", f"agent {name}", timeout=30.0)
         time.sleep(settle)  # past the agents' start-up: imports, first trains
         c0 = {n: cpu_seconds(p.pid) for n, p in procs.items()}
         rx0 = sum(f.bytes_received for f in flows)
