@@ -337,8 +337,6 @@ class JobTrafficReader:
         self.traffic = JobTraffic(ports)
         self.rediscover = rediscover
         self.clock = clock
-        self.dumps = 0
-        self.lookups = 0
         self._diag = diag  # opened at the first call, in the namespace that calls
         self._next_dump = -float("inf")
 
@@ -349,10 +347,8 @@ class JobTrafficReader:
         if now >= self._next_dump:
             sockets = self._diag.dump()
             self._next_dump = now + self.rediscover
-            self.dumps += 1
         else:
             sockets = self._diag.lookup(self.traffic.known())
-            self.lookups += 1
         return self.traffic.update(sockets)
 
     def close(self) -> None:

@@ -265,4 +265,4 @@ def test_lookups_follow_known_sockets_and_a_dump_finds_new_ones() -> None:
     finally:
         srv.close()
         reader.close()
-    assert reader.dumps == 2 and reader.lookups == 3
+    assert diag.calls == ["dump", "lookup 2", "dump", "lookup 4", "lookup 4"]
