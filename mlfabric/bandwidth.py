@@ -35,13 +35,9 @@ Budget: a train is sized for the current capacity estimate (the token-bucket
 burst plus ``measure_s`` of queueing, a few milliseconds of the link) and the
 interval between trains is set so that, in steady state, the wire bytes of all
 trains through one uplink (``share`` = number of peers) stay at ``target`` of
-``budget`` times the capacity. Every train after the start-up ones is charged
-to a token bucket filled at ``hard_cap`` of the budget and holding
-``cap_depth`` seconds of it: retries wait for it, and the few trains that
-follow a change go at once by borrowing up to another ``cap_depth`` seconds,
-which the next trains pay back. Over any window of ``w`` seconds the trains
-therefore carry at most ``hard_cap * (w + 2 * cap_depth) / w`` of the budget
-(below it from 3 s up), however noisy the path or stormy the retries.
+``budget`` times the capacity; quick trains (start-up, confirmations,
+retries) wait for a token bucket filled at ``hard_cap`` of the budget, so
+even a storm of retries keeps the overhead below the budget.
 
 Passive samples: a local client reports a finished transfer (bytes,
 seconds). Its rate is a lower bound of what that path delivers to mlfabric
@@ -367,7 +363,7 @@ class PathEstimator:
         self._tokens = 0.0  # the budget's token bucket (wire bytes), see interval()
         self._tokens_at: float | None = None
         self._free_quick = 0  # quick trains in a row that did not wait for the bucket
-        self._free = True  # the next train is a start-up one: not charged to the bucket
+        self._free = True  # the next train is not charged to the token bucket
         self._sends: deque[float] = deque(maxlen=8)  # recent send rates of this host
         self._last = ""  # the last train's outcome
         self.outcomes: dict[str, int] = {}
@@ -408,8 +404,8 @@ class PathEstimator:
         return rate
 
     def record_sent(self, nbytes: int, now: float | None = None) -> None:
-        """Account a train's wire bytes against the budget (the start-up trains are
-        not charged: there are `startup_trains` of them, once)."""
+        """Account a train's wire bytes against the budget (start-up trains and the
+        few trains following a change are not charged: their number is bounded)."""
         now = self.clock() if now is None else now
         self._refill(now)
         if not self._free:
@@ -420,10 +416,9 @@ class PathEstimator:
         else as long as the budget requires for a train sized for the current
         estimate (at least `min_interval`). Retries (lost trains, a descheduled
         sender) and long runs of quick trains (a flapping path) also wait for the
-        budget's token bucket, so that they stay below `hard_cap` of the budget.
-        Start-up trains do not wait; the first few trains following a change do
-        not wait either while the bucket can lend them `cap_depth` seconds of its
-        fill (paid back by the trains after them). Call once per train."""
+        budget's token bucket, so that they stay below `hard_cap` of the budget;
+        start-up trains and the first few trains following a change do not.
+        Call once per train."""
         now = self.clock() if now is None else now
         c = self.config
         nxt = self.plan(0).wire_bytes
@@ -435,13 +430,13 @@ class PathEstimator:
         if not self._quick:
             self._free_quick = 0
             interval = max(nxt / self.budget_bytes_per_s(), c.min_interval)
-        elif self._free_quick < 5 and nxt <= self._tokens + rate * c.cap_depth and (
+        elif self._free_quick < 5 and (
             self._last in ("unqueued", "escalate", "sample")
             or (self._free_quick > 0 and self._last in ("sender-slow", "lost", "collision"))
         ):
-            # following a change: a few trains in a row go at once, on credit (a
-            # noisy path makes "changes" all the time: the credit keeps it in budget)
+            # following a change: a few trains in a row go at once
             self._free_quick += 1
+            self._free = True
             return c.quick_interval
         else:
             interval = c.quick_interval

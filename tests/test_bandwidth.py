@@ -299,33 +299,6 @@ def test_retry_storms_cannot_overrun_the_budget() -> None:
     assert worst >= 0.7 * budget_bytes  # retries do go on, as fast as the cap allows
 
 
-@pytest.mark.parametrize("rate_mbit", [50, 200])
-def test_a_noisy_path_stays_within_the_budget(rate_mbit: float) -> None:
-    """Samples scattered 15% either side of the capacity (a loaded host's trains):
-    many of them look like a change, and the trains that follow a change go at
-    once, but on credit from the bucket, so that over any 4 s window the path
-    stays within its share of the budget (before the credit, such a path took up
-    to 1.23x of it); the estimate stays on the capacity."""
-    clock = FakeClock()
-    est = PathEstimator(ProbeConfig(budget=0.02, share=2), clock)
-    rate = rate_mbit * MBIT * PAYLOAD
-    _settle(est, clock, rate)
-    rng = random.Random(7)
-    sends: list[tuple[float, int]] = []
-    for _ in range(600):
-        plan = est.plan(1)
-        est.record_sent(plan.wire_bytes)
-        sends.append((clock.t, plan.wire_bytes))
-        est.on_train(_measure(rate * rng.uniform(0.85, 1.15)))
-        clock.advance(est.interval())
-    window = 4.0
-    budget_bytes = 0.02 * rate_mbit * MBIT / 8 / 2 * window
-    worst = max(sum(b for t, b in sends if t0 <= t < t0 + window) for t0, _ in sends)
-    assert worst <= budget_bytes
-    assert sum(est.outcomes.get(k, 0) for k in ("sample", "weak")) == 600 + 8
-    assert est.snapshot().bandwidth_bps == pytest.approx(rate, rel=0.10)
-
-
 def test_plan_sizes_the_train_past_the_burst() -> None:
     est = PathEstimator(ProbeConfig(initial_bps=200 * MBIT * PAYLOAD))
     plan = est.plan(1)
