@@ -272,7 +272,8 @@ LOOKUP_BATCH = 32
 
 
 class SockDiag:
-    """A sock_diag netlink socket of the network namespace it was opened in."""
+    """A sock_diag netlink socket of the network namespace it was opened in.
+    Raises OSError if sock_diag is unavailable."""
 
     def __init__(self) -> None:
         self._nl = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG)
@@ -309,16 +310,6 @@ class SockDiag:
 
     def close(self) -> None:
         self._nl.close()
-
-
-def read_tcp_sockets() -> list[TcpSocketBytes]:
-    """All TCP sockets (IPv4 and IPv6) of the calling thread's network namespace,
-    with their byte counters. Raises OSError if sock_diag is unavailable."""
-    diag = SockDiag()
-    try:
-        return diag.dump()
-    finally:
-        diag.close()
 
 
 class JobTrafficReader:

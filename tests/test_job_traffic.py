@@ -174,8 +174,11 @@ def test_live_counters_match_the_sockets_own_tcp_info() -> None:
             c.sendall(b"x" * n)
             t.join(10)
             assert len(got) == n
-            found = {x.local: x for x in jt.read_tcp_sockets() if port in (x.local[1],
-                                                                             x.remote[1])}
+            diag = jt.SockDiag()
+            try:
+                found = {x.local: x for x in diag.dump() if port in (x.local[1], x.remote[1])}
+            finally:
+                diag.close()
             for sock in (c, s):
                 info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 512)
                 want = jt._tcp_info_bytes(info)
