@@ -187,6 +187,7 @@ class TrainMeasurement:
     capacity_bps: float | None  # dispersion after the burst; None if it never queued
     send_bps: float | None  # how fast the sender got the train out
     queued: int  # packets that arrived spaced by the bottleneck
+    spacing_bps: float | None = None  # rate of the typical queued gap, even if too few queued
 
     @property
     def sender_limited(self) -> bool:
@@ -210,7 +211,13 @@ def analyze_train(
     the queued gaps (above half their upper quartile) is the typical spacing,
     and the longest run of consecutive queued gaps within [0.6, 1.5] of it is
     the clean queued phase: a pause of the sender (the queue drained) or cross
-    traffic slipping in ends a run instead of diluting the sample.
+    traffic slipping in ends a run instead of diluting the sample. A receiver
+    that was held up gets the next packets bunched (a long gap, then short
+    ones); once they are back on schedule they stay in the run: at 50 Mbit/s a
+    train queues only 6-8 packets, and such a hold-up (recorded in about one
+    train in 50 on a busy host) would otherwise leave it unmeasured.
+    `spacing_bps` is the rate of the typical queued gap, also when too few
+    packets queued for a capacity sample.
     """
     items = arrivals.items() if isinstance(arrivals, Mapping) else arrivals
     got = sorted((s, t) for s, t in items if 0 <= s < plan.count)
@@ -219,6 +226,7 @@ def analyze_train(
     if len(sent_ns) >= 2 and sent_ns[-1] > sent_ns[0]:
         send_bps = (len(sent_ns) - 1) * bits * 1e9 / (sent_ns[-1] - sent_ns[0])
     capacity = None
+    spacing = None
     queued = 0
     have_send = len(sent_ns) == plan.count
     steps = []  # (packets, receive ns, send ns) between consecutive arrivals
@@ -237,21 +245,49 @@ def analyze_train(
             m = statistics.median([g for g in cand if g >= 0.5 * q75])
         best = (0, 0)  # (packets, ns) of the longest clean run
         run_k = run_t = 0
+        late_k = late_t = 0  # a late arrival and the bunched ones after it, not yet in a run
+        prev_g = 0.0  # the gap of the run's last step
         for (k, dr, _), g, w in zip(steps, gaps, waited, strict=True):
-            # a run does not start with a short gap: it may be shortened by the
-            # tokens left in the bucket when the queue began
-            low = 0.9 * m if run_k == 0 else 0.6 * m
-            if w and m > 0 and low <= g <= 1.5 * m:
+            if late_k:
+                if g < 0.85 * m:
+                    late_k += k
+                    late_t += dr
+                    if late_t <= 1.1 * m * late_k:
+                        # caught up: the receiver was held up and got these bunched,
+                        # but they left the queue on schedule
+                        run_k, run_t, late_k, late_t = run_k + late_k, run_t + late_t, 0, 0
+                        prev_g = m
+                        if run_k > best[0]:
+                            best = (run_k, run_t)
+                    continue
+                # a long gap and then regular ones: cross traffic slipped in
+                run_k = run_t = late_k = late_t = 0
+            if run_k and w and 0.6 * m <= g <= 1.5 * m:
                 run_k += k
                 run_t += dr
-                if run_k > best[0]:
-                    best = (run_k, run_t)
+            elif m > 0 and g > 1.5 * m:
+                late_k, late_t = k, dr  # a pause; whether it ends the run, the next gaps tell
+                continue
+            elif run_k and g < 0.6 * m and prev_g > 1.15 * m and (
+                    0.75 * m <= (prev_g + dr) / (1 + k) <= 1.25 * m):
+                run_k += k  # one packet a little late, the next early: on schedule
+                run_t += dr
+            elif w and m > 0 and 0.9 * m <= g <= 1.5 * m:
+                # a run does not start with a short gap: it may be shortened by the
+                # tokens left in the bucket when the queue began
+                run_k, run_t = k, dr
             else:
                 run_k = run_t = 0
+            prev_g = g
+            if run_k > best[0]:
+                best = (run_k, run_t)
         queued = best[0]
         if queued >= min_queued and best[1] > 0:
             capacity = queued * bits * 1e9 / best[1]
-    return TrainMeasurement(len(got), plan.count - len(got), capacity, send_bps, queued)
+        if m > 0:
+            spacing = bits * 1e9 / m
+    return TrainMeasurement(len(got), plan.count - len(got), capacity, send_bps, queued,
+                            spacing)
 
 
 class LoadMeter:
@@ -457,6 +493,8 @@ class PathEstimator:
         * "sender-limited": no queue although the train was sized for as fast
           as this host sends: the send rate is the sample;
         * "weak": a short queued run far below the estimate (ignored);
+        * "short": no measurable queue, but the few queued packets were spaced at
+          the current estimate: the path is no faster (nothing learnt, no re-probe);
         * "sender-slow": the sender could not send fast enough (descheduled);
         * "collision": another agent's train reached the peer at the same time
           (they shared its downlink): retried;
@@ -485,6 +523,16 @@ class PathEstimator:
                 # the sender was slower than the path we expect (descheduled): no news
                 self._escalated = escalated
                 return self._outcome("sender-slow", quick=True)
+            v = self.capacity.value
+            if (m.queued >= 2 and m.spacing_bps is not None and v is not None
+                    and abs(m.spacing_bps - v) <= c.threshold * v):
+                # a queue did form, spaced at the known capacity, but a hold-up at
+                # the sender or the receiver cut it short: the path is no faster
+                # (re-probing at once would spend the budget on a path that has
+                # not changed, typically a small train on a busy host)
+                self._unqueued = 0
+                self.capacity.touch(now)
+                return self._outcome("short", quick=False)
             self._unqueued += 1
             fastest = max(self._sends, default=send)
             if self.hint_bps < 0.9 * fastest and self.hint_bps < c.max_bps:

@@ -222,6 +222,65 @@ def test_analyze_train_never_mistakes_a_slow_sender_for_the_bottleneck() -> None
     assert est.on_train(m) == "sender-slow"
 
 
+# Trains recorded on the emulated cluster at 50 Mbit/s (3 hosts, agents at DEBUG):
+# microseconds between consecutive sends, and (sequence, microseconds since the
+# previous arrival). Each formed a queue spaced at 48.6 Mbit/s, but the receiver
+# was held up once and got the next packets bunched (a long gap, then short ones).
+RECORDED_BUNCHED = [
+    ([111, 65, 30, 17, 10, 6, 5, 5, 6, 5, 6],
+     [77, 29, 27, 82, 848, 2, 2, 120, 238, 243, 241]),
+    ([113, 17, 49, 17, 9, 5, 4, 4, 4, 4, 4],
+     [42, 42, 26, 104, 962, 3, 2, 2, 250, 249, 232]),
+    ([125, 18, 13, 12, 11, 6, 7, 6, 5, 5, 6],
+     [50, 15, 11, 247, 135, 243, 573, 3, 169, 221, 247]),
+    ([113, 19, 13, 12, 16, 6, 6, 6, 6, 6, 6],
+     [46, 15, 12, 144, 242, 242, 742, 3, 2, 244, 223]),
+    ([105, 16, 12, 11, 10, 5, 5, 5, 7, 5, 5],
+     [33, 13, 11, 159, 241, 242, 243, 833, 3, 2, 129]),
+]
+# Recorded the same way: the sender was slow or paused, so only 2-3 packets queued,
+# spaced at the path's 48.6 Mbit/s.
+RECORDED_SHORT = [
+    ([396, 168, 117, 152, 96, 83, 83, 14, 7, 702, 21],
+     [352, 152, 151, 114, 90, 83, 114, 245, 236, 243, 242]),
+    ([520, 350, 138, 140, 112, 98, 87, 125, 22, 7, 121],
+     [591, 215, 136, 134, 107, 98, 85, 172, 239, 250, 240]),
+]
+
+
+def _recorded(send_gaps_us: list[int], recv_gaps_us: list[int]):
+    sent = [0]
+    for g in send_gaps_us:
+        sent.append(sent[-1] + g * 1000)
+    arrivals = [(0, 50_000)]
+    for seq, g in enumerate(recv_gaps_us, start=1):
+        arrivals.append((seq, arrivals[-1][1] + g * 1000))
+    return TrainPlan(1, len(sent)), sent, arrivals
+
+
+@pytest.mark.parametrize("train", range(len(RECORDED_BUNCHED)))
+def test_analyze_train_bridges_arrivals_the_receiver_got_bunched(train: int) -> None:
+    """Before, the long gap ended the queued run and the train looked unqueued (the
+    path faster than estimated): a re-probe and an escalated train, 4x the bytes."""
+    plan, sent, arrivals = _recorded(*RECORDED_BUNCHED[train])
+    m = analyze_train(plan, sent, arrivals)
+    assert m.queued >= 5
+    assert m.capacity_bps == pytest.approx(48.6 * MBIT, rel=0.02)
+
+
+def test_analyze_train_does_not_bridge_cross_traffic() -> None:
+    """A packet of another flow slipped into the queue: one gap twice as long, and
+    regular ones after it. That is no bunching: the run ends there, and the sample
+    is measured on the longer side only, not diluted."""
+    rate = 100 * MBIT
+    sent, arrivals = _synthetic_train(40, rate, 12_500)
+    gap = int(1514 * 8 / rate * 1e9)
+    arrivals = [(s, t + (gap if s >= 25 else 0)) for s, t in arrivals]
+    m = analyze_train(TrainPlan(1, 40), sent, arrivals)
+    assert m.capacity_bps == pytest.approx(rate * PAYLOAD, rel=1e-3)
+    assert m.queued == 16  # the gaps up to packet 25; the 14 after it are the shorter side
+
+
 def test_analyze_train_whole_train_in_the_burst_is_sender_limited() -> None:
     plan = TrainPlan(1, 10)
     sent, arrivals = _synthetic_train(10, 100 * MBIT, 10**6, send_gap_ns=10_000)
@@ -351,6 +410,33 @@ def test_faster_path_escalates_the_train_size() -> None:
     assert est.snapshot().capacity_bps == pytest.approx(194e6)
     est.on_train(_measure(195 * MBIT))
     assert est.snapshot().capacity_bps == pytest.approx(194.5e6, rel=0.01)
+
+
+@pytest.mark.parametrize("train", range(len(RECORDED_SHORT)))
+def test_a_short_queue_at_the_known_rate_is_no_news(train: int) -> None:
+    """The train formed too short a queue to measure, but its few queued packets
+    were spaced at the estimate: the path is not faster. No re-probe, no escalation
+    (before, each such train cost the budget a quick train and often a 4x one)."""
+    clock = FakeClock()
+    est = PathEstimator(ProbeConfig(share=2), clock)
+    _settle(est, clock, 48.6 * MBIT)
+    count = est.plan(1).count
+    plan, sent, arrivals = _recorded(*RECORDED_SHORT[train])
+    m = analyze_train(plan, sent, arrivals)
+    assert m.sender_limited and m.queued >= 2
+    assert est.on_train(m) == "short"
+    assert est.interval() >= ProbeConfig().min_interval
+    assert est.plan(2).count == count
+    assert est.snapshot().capacity_bps == pytest.approx(48.6 * MBIT)
+
+
+def test_a_short_queue_at_another_rate_still_means_a_faster_path() -> None:
+    clock = FakeClock()
+    est = PathEstimator(ProbeConfig(), clock)
+    _settle(est, clock, 48.6 * MBIT)
+    jitter = TrainMeasurement(12, 0, None, 1e9, 2, spacing_bps=190 * MBIT)
+    assert est.on_train(jitter) == "unqueued"
+    assert est.on_train(jitter) == "escalate"
 
 
 def test_sender_limited_path_takes_the_send_rate() -> None:
