@@ -92,6 +92,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="event loop (default: uvloop when installed)")
 
 
+def _pick(flag: Any, file: dict[str, Any], key: str, default: Any = None) -> Any:
+    """A setting: the flag if given, else the config file's key, else the default."""
+    return flag if flag is not None else file.get(key, default)
+
+
+def _is_number(value: Any) -> bool:
+    """An int or a float; not a bool, which JSON's true would otherwise pass as 1."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _load_file(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
@@ -125,8 +135,7 @@ def build_aggregate(args: argparse.Namespace, file: dict[str, Any]) -> Aggregate
     address = args.aggregate or file.get("aggregate")
     job = args.job or file.get("job")
     token_file = args.token_file or file.get("token_file")
-    timeout = args.group_timeout if args.group_timeout is not None else file.get(
-        "group_timeout", 2.0)
+    timeout = _pick(args.group_timeout, file, "group_timeout", 2.0)
     if address is None:
         if job is not None or token_file is not None or args.group_timeout is not None:
             raise ConfigError("--job, --token-file and --group-timeout belong to --aggregate "
@@ -139,7 +148,7 @@ def build_aggregate(args: argparse.Namespace, file: dict[str, Any]) -> Aggregate
         raise ConfigError(f"--aggregate {address} needs the job's --job NAME and "
                           f"--token-file PATH (the aggregator speaks to workers and the "
                           f"server with the job's token)")
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+    if not _is_number(timeout) or not timeout > 0:
         raise ConfigError(f"group timeout must be a positive number of seconds, got {timeout!r}")
     return AggregateConfig(host, port, str(job), auth.load_token(token_file), float(timeout))
 
@@ -163,25 +172,22 @@ def build_config(args: argparse.Namespace, aggregate: AggregateConfig | None = N
     for text in args.peer:
         pname, addr = parse_peer(text)
         peers[pname] = addr
-    budget = args.probe_budget if args.probe_budget is not None else file.get("probe_budget",
-                                                                               0.02)
-    if not isinstance(budget, (int, float)) or not 0 < budget <= 0.5:
+    budget = _pick(args.probe_budget, file, "probe_budget", 0.02)
+    if not _is_number(budget) or not 0 < budget <= 0.5:
         raise ConfigError(f"probe budget must be a fraction in (0, 0.5], got {budget!r}")
-    stale = args.stale_after if args.stale_after is not None else file.get("stale_after", 3.0)
-    if not isinstance(stale, (int, float)) or stale <= 0:
+    stale = _pick(args.stale_after, file, "stale_after", 3.0)
+    if not _is_number(stale) or not stale > 0:  # also NaN, which compares false
         raise ConfigError(f"stale-after must be a positive number of seconds, got {stale!r}")
-    metrics_port = args.metrics_port if args.metrics_port is not None else file.get(
-        "metrics_port")
-    if metrics_port is not None and (not isinstance(metrics_port, int)
+    metrics_port = _pick(args.metrics_port, file, "metrics_port")
+    if metrics_port is not None and (isinstance(metrics_port, bool)
+                                     or not isinstance(metrics_port, int)
                                      or not 0 < metrics_port <= 65535):
         raise ConfigError(f"metrics port must be in 1..65535, got {metrics_port!r}")
     interface = args.interface or file.get("interface")
     if interface is not None and not isinstance(interface, str):
         raise ConfigError(f"interface must be a NIC name, got {interface!r}")
-    rediscover = args.job_rediscover if args.job_rediscover is not None else file.get(
-        "job_rediscover", 1.0)
-    if (isinstance(rediscover, bool) or not isinstance(rediscover, (int, float))
-            or not 0 <= rediscover <= 3600):
+    rediscover = _pick(args.job_rediscover, file, "job_rediscover", 1.0)
+    if not _is_number(rediscover) or not 0 <= rediscover <= 3600:
         raise ConfigError(f"job-rediscover must be a number of seconds in [0, 3600], "
                           f"got {rediscover!r}")
     ports = parse_job_ports(file.get("job_ports", []), args.job_port)

@@ -599,7 +599,15 @@ def test_cli_job_ports_from_flags_file_and_aggregator(tmp_path: Path) -> None:
         ('{"peers": {"h1": 5}}', [], "HOST:PORT"),
         ("{}", ["--probe-budget", "0.9"], "probe budget"),
         ("{}", ["--stale-after", "-1"], "stale-after"),
+        ("{}", ["--stale-after", "nan"], "stale-after must be a positive number of seconds, "
+         "got nan"),
         ('{"metrics_port": "x"}', [], "metrics port"),
+        # JSON true is an int to Python: it must not pass as port 1 or 1 second
+        ('{"metrics_port": true}', [], "metrics port must be in 1..65535, got True"),
+        ('{"stale_after": true}', [], "stale-after must be a positive number of seconds, "
+         "got True"),
+        ('{"probe_budget": false}', [], r"probe budget must be a fraction in \(0, 0.5\], "
+         "got False"),
         ('{"interface": 5}', [], "NIC name"),
         ('{"job_ports": 7100}', [], "list of port numbers"),
         ('{"job_ports": ["x"]}', [], "job port must be a port number in 1..65535, got 'x'"),
