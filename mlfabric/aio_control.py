@@ -18,6 +18,7 @@ import numpy as np
 
 from .client_core import Handshake
 from .control_book import (
+    AGGREGATOR_COMMAND,
     AGGREGATOR_DIAL_TIMEOUT,
     RECONNECT_EVERY,
     ControlBook,
@@ -68,7 +69,7 @@ class AsyncControlledPushes:
             # of use (a member then does not wait for the handshake).
             for address in link.welcomed.result().aggregators:
                 dial_ahead(self._aggregators, address, self.hs, AGGREGATOR_DIAL_TIMEOUT,
-                           "aggregator", command="mlfabric agent --aggregate")
+                           "aggregator", command=AGGREGATOR_COMMAND)
         return link
 
     def push(self, arrays: dict[str, np.ndarray], base_version: int, nbytes: int
@@ -161,7 +162,7 @@ class AsyncControlledPushes:
         from .aio import reuse_or_dial
 
         return await reuse_or_dial(self._aggregators, address, self.hs, AGGREGATOR_DIAL_TIMEOUT,
-                                   "aggregator", command="mlfabric agent --aggregate")
+                                   "aggregator", command=AGGREGATOR_COMMAND)
 
     def _finish(self, u: ControlledUpdate, server_future: asyncio.Future[Any],
                 started: float) -> None:

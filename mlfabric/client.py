@@ -137,16 +137,18 @@ def connect(
     return client
 
 
-def _dial(address: str, job: str, secret: bytes, name: str, timeout: float
+def _dial(address: str, job: str, secret: bytes, name: str, timeout: float, *,
+          what: str = "parameter server", command: str = "mlfabric server"
           ) -> tuple[socket.socket, Connection, Welcome]:
-    """A connected, authenticated socket to the server at `address`."""
+    """A connected, authenticated socket to the server at `address` (`what` and
+    `command`, for errors: what is expected there, and what runs it)."""
     server_host, server_port = parse_address(address)
     try:
         sock = socket.create_connection((server_host, server_port), timeout=timeout)
     except OSError as exc:
         raise ConnectError(
-            f"cannot reach the parameter server at {address}: {exc.strerror or exc}; is "
-            f"`mlfabric server` running there?"
+            f"cannot reach the {what} at {address}: {exc.strerror or exc}; is "
+            f"`{command}` running there?"
         ) from None
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

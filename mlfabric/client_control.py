@@ -25,6 +25,7 @@ import numpy as np
 
 from .client_core import Handshake, parse_address
 from .control_book import (
+    AGGREGATOR_COMMAND,
     AGGREGATOR_DIAL_TIMEOUT,
     RECONNECT_EVERY,
     ControlBook,
@@ -301,13 +302,9 @@ class ControlledPushes:
             return known
         assert self.client._dial_args is not None
         job, secret, name, timeout = self.client._dial_args
-        try:
-            sock, conn, welcome = _dial(address, job, secret, name,
-                                       min(timeout, AGGREGATOR_DIAL_TIMEOUT))
-        except ConnectError as exc:  # the dialer speaks of a server
-            raise ConnectError(str(exc).replace("parameter server", "aggregator")
-                               .replace("`mlfabric server`", "`mlfabric agent --aggregate`")
-                               ) from None
+        sock, conn, welcome = _dial(address, job, secret, name,
+                                    min(timeout, AGGREGATOR_DIAL_TIMEOUT), what="aggregator",
+                                    command=AGGREGATOR_COMMAND)
         new = Client(sock, conn, welcome, address)
         with self._agg_lock:
             link: Any = self._aggregators.get(address)

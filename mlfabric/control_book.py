@@ -29,6 +29,7 @@ log = logging.getLogger("mlfabric.client")
 FALLBACKS = ("fifo", "wait")
 RECONNECT_EVERY = 0.5  # seconds between attempts to reach a lost controller
 AGGREGATOR_DIAL_TIMEOUT = 2.0  # seconds; past it, a member goes straight to the server
+AGGREGATOR_COMMAND = "mlfabric agent --aggregate"  # what runs one, for dial errors
 
 
 @dataclass

@@ -318,6 +318,33 @@ def test_a_peer_that_resets_mid_handshake_is_a_lost_connection(run_async):
         listener.close()
 
 
+def test_both_dialers_name_an_absent_aggregator_and_what_runs_one(run_async):
+    """A member's dial to its aggregator fails: the sync and the asyncio client
+    say the same, naming the aggregator and `mlfabric agent --aggregate` (not
+    the parameter server the dialers speak of by default)."""
+    import socket
+
+    from mlfabric.client import _dial
+    from mlfabric.client_core import Handshake
+    from mlfabric.control_book import AGGREGATOR_COMMAND
+
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        address = f"127.0.0.1:{probe.getsockname()[1]}"  # closed again: refused
+    want = (rf"^cannot reach the aggregator at {re.escape(address)}: .*; "
+            r"is `mlfabric agent --aggregate` running there\?$")
+    with pytest.raises(ConnectError, match=want):
+        _dial(address, JOB, TOKEN, "w0", 2.0, what="aggregator", command=AGGREGATOR_COMMAND)
+    with pytest.raises(ConnectError, match=r"the parameter server .* `mlfabric server`"):
+        _dial(address, JOB, TOKEN, "w0", 2.0)
+
+    async def body():
+        with pytest.raises(ConnectError, match=want):
+            await aio.open_link(address, Handshake(JOB, TOKEN, "w0"), 2.0, "aggregator",
+                                command=AGGREGATOR_COMMAND)
+
+    run_async(body())
+
+
 def test_closing_the_client_fails_its_pending_futures(serve):
     st = serve()
     ps = mlfabric.connect(st.address, job=JOB, token=TOKEN)
