@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -132,7 +134,17 @@ class ServerThread:
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)
-        assert not self._thread.is_alive(), "server thread did not stop within 10 s"
+        if self._thread.is_alive():
+            # Seen once in CI (a controller with an in-loop agent, at teardown), not
+            # reproduced since: say where the thread is stuck, and which tasks remain.
+            frame = sys._current_frames().get(self._thread.ident or -1)
+            stack = "".join(traceback.format_stack(frame)) if frame else "(no frame)"
+            try:
+                tasks = [repr(t) for t in asyncio.all_tasks(self._loop)] if self._loop else []
+            except RuntimeError:  # the set changed while we read it from this thread
+                tasks = ["(changing)"]
+            raise AssertionError(f"{self.server.role} thread did not stop within 10 s; it is "
+                                 f"at:\n{stack}\ntasks left: {tasks}")
         if self._failure is not None:
             raise self._failure
         assert not self.loop_errors, f"unhandled exception in the server loop: {self.loop_errors}"
