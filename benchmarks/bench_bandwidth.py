@@ -110,7 +110,7 @@ class Cluster:
         return statistics.median(errs)
 
     def overhead(self, rate: float, seconds: float = WINDOW) -> float:
-        """The busiest NIC direction's rate over the worst WINDOW s of `seconds`."""
+        """The busiest NIC direction's rate over the worst WINDOW s of `seconds` (>= WINDOW)."""
         def counters() -> dict[str, tuple[int, int]]:
             out = {}
             for h in self.tb.hosts:
@@ -122,15 +122,15 @@ class Cluster:
 
         readings = [(time.monotonic(), counters())]
         while readings[-1][0] - readings[0][0] < seconds:
-            time.sleep(min(0.1, seconds))
+            time.sleep(0.1)
             readings.append((time.monotonic(), counters()))
         worst = 0.0
         for i, (t0, before) in enumerate(readings):
             # the first reading at least WINDOW s later closes this window
-            later = [r for r in readings[i:] if r[0] - t0 >= min(WINDOW, seconds)]
-            if not later:
+            closing = next((r for r in readings[i:] if r[0] - t0 >= WINDOW), None)
+            if closing is None:
                 break
-            t1, after = later[0]
+            t1, after = closing
             for name, (rx0, tx0) in before.items():
                 rx1, tx1 = after[name]
                 worst = max(worst, (rx1 - rx0) * 8 / (t1 - t0), (tx1 - tx0) * 8 / (t1 - t0))

@@ -102,6 +102,11 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _is_port(value: Any) -> bool:
+    """A TCP port number, 1..65535 (an int; not a bool)."""
+    return _is_number(value) and isinstance(value, int) and 0 < value <= 65535
+
+
 def _load_file(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
@@ -179,9 +184,7 @@ def build_config(args: argparse.Namespace, aggregate: AggregateConfig | None = N
     if not _is_number(stale) or not stale > 0:  # also NaN, which compares false
         raise ConfigError(f"stale-after must be a positive number of seconds, got {stale!r}")
     metrics_port = _pick(args.metrics_port, file, "metrics_port")
-    if metrics_port is not None and (isinstance(metrics_port, bool)
-                                     or not isinstance(metrics_port, int)
-                                     or not 0 < metrics_port <= 65535):
+    if metrics_port is not None and not _is_port(metrics_port):
         raise ConfigError(f"metrics port must be in 1..65535, got {metrics_port!r}")
     interface = args.interface or file.get("interface")
     if interface is not None and not isinstance(interface, str):
@@ -207,7 +210,7 @@ def parse_job_ports(from_file: Any, from_flags: list[int]) -> list[int]:
                           f"got {from_file!r}")
     values = [*from_file, *from_flags]
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= 65535:
+        if not _is_port(v):
             raise ConfigError(f"job port must be a port number in 1..65535, got {v!r}")
     return sorted(set(values))
 
