@@ -41,6 +41,7 @@ from .bandwidth import (
     analyze_train,
 )
 from .errors import ConfigError, ConnectionLost, ProtocolError
+from .loop import within
 
 if TYPE_CHECKING:
     from .metrics import AgentMetrics
@@ -268,7 +269,7 @@ class Agent:
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+                await within(self._server.wait_closed(), 2.0)
             self._server = None
 
     async def wait_stopped(self) -> None:
@@ -289,7 +290,7 @@ class Agent:
                 self.load.update(self.clock(), rx, tx, self.probe_rx_bytes + self.job_rx_bytes,
                                  self.probe_tx_bytes + self.job_tx_bytes)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), self.config.load_interval)
+                await within(self._stopping.wait(), self.config.load_interval)
 
     def _read_job_traffic(self) -> None:
         if self._job_traffic is None:
@@ -365,7 +366,7 @@ class Agent:
             async with self._progress:
                 await self._progress.wait_for(lambda: st.trains >= target)
 
-        await asyncio.wait_for(reached(), timeout)
+        await within(reached(), timeout)
 
     def estimates(self) -> dict[str, tuple[PathEstimate, bool]]:
         now = self.clock()
@@ -419,12 +420,12 @@ class Agent:
             delay = min(c.backoff_max, c.backoff_min * (2**attempt)) * random.uniform(0.8, 1.2)
             attempt = min(attempt + 1, 16)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), delay)
+                await within(self._stopping.wait(), delay)
 
     async def _probe_session(self, st: _PeerState) -> None:
         c = self.config
         host, port = st.addr
-        reader, writer = await asyncio.wait_for(
+        reader, writer = await within(
             asyncio.open_connection(host, port), c.connect_timeout
         )
         conn = probe.Connection()
@@ -517,7 +518,7 @@ class Agent:
                 pings[train_id] = time.perf_counter()
                 writer.write(conn.send(probe.Ping(train_id, time.monotonic_ns())))
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), interval)
+                    await within(self._stopping.wait(), interval)
                 if self._stopping.is_set():
                     return
         finally:
@@ -526,7 +527,7 @@ class Agent:
                 await reader_task
             writer.close()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(writer.wait_closed(), 1.0)
+                await within(writer.wait_closed(), 1.0)
 
     def _send_train(self, st: _PeerState, session: int, plan: TrainPlan) -> list[int]:
         """Send one train back to back; returns the send time of each packet (ns)."""
@@ -776,13 +777,13 @@ class AgentClient:
 
     @classmethod
     async def connect(cls, host: str, port: int, timeout: float = 2.0) -> AgentClient:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        reader, writer = await within(asyncio.open_connection(host, port), timeout)
         return cls(reader, writer, timeout)
 
     async def close(self) -> None:
         self._writer.close()
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._writer.wait_closed(), self.timeout)
+            await within(self._writer.wait_closed(), self.timeout)
 
     async def __aenter__(self) -> AgentClient:
         return self
@@ -792,7 +793,7 @@ class AgentClient:
 
     async def _request(self, event: probe.Event) -> probe.Event:
         self._writer.write(self._conn.send(event))
-        return await asyncio.wait_for(self._read_event(), self.timeout)
+        return await within(self._read_event(), self.timeout)
 
     async def _read_event(self) -> probe.Event:
         while True:
@@ -815,7 +816,7 @@ class AgentClient:
 
     async def report_transfer(self, peer: str, nbytes: int, seconds: float) -> None:
         self._writer.write(self._conn.send(probe.TransferReport(peer, nbytes, seconds)))
-        await asyncio.wait_for(self._writer.drain(), self.timeout)
+        await within(self._writer.drain(), self.timeout)
 
     async def set_peers(self, peers: Mapping[str, tuple[str, int]]) -> None:
         ev = await self._request(

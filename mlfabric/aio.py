@@ -28,6 +28,7 @@ from .client_core import (
     resolve_token,
 )
 from .errors import ConfigError, ConnectError, ConnectionLost, MlfabricError
+from .loop import within
 from .metrics import ClientMetrics
 from .outcome import PushOutcome
 from .protocol import (
@@ -125,7 +126,7 @@ async def open_link(address: str, hs: Handshake, timeout: float, what: str, *,
     host, port = parse_address(address)
     loop = asyncio.get_running_loop()
     try:
-        _, proto = await asyncio.wait_for(
+        _, proto = await within(
             loop.create_connection(
                 lambda: _ClientProtocol(address, hs, metrics, on_event, on_lost), host, port),
             timeout,
@@ -137,7 +138,7 @@ async def open_link(address: str, hs: Handshake, timeout: float, what: str, *,
             f"cannot reach the {what} at {address}: {detail}; is `{command}` running there?"
         ) from None
     try:
-        await asyncio.wait_for(asyncio.shield(proto.welcomed), timeout)
+        await within(asyncio.shield(proto.welcomed), timeout)
     except TimeoutError:
         proto.close()
         raise ConnectError(f"the {what} did not complete the handshake in time") from None

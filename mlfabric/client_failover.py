@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import ConfigError, ConnectionLost
+from .loop import within
 
 PARKED, RESEND, CLOSED = "parked", "resend", "closed"
 
@@ -175,7 +176,7 @@ class AsyncFailoverWait:
         """Wait until a failover after `generation`; False on timeout or close."""
         if self.book.generation == generation and not self.book.closed:
             try:
-                await asyncio.wait_for(self._changed.wait(), self.timeout)
+                await within(self._changed.wait(), self.timeout)
             except TimeoutError:
                 return False
         return self.book.generation > generation and not self.book.closed

@@ -338,6 +338,8 @@ class Controller(Endpoint):
             self._wake.cancel()
         for task in self._agent_tasks:
             task.cancel()
+        if self._agent_tasks:  # no re-plan from an agent's report after close
+            await asyncio.wait(self._agent_tasks, timeout=5.0)
         if self.monitor is not None:
             await self.monitor.close()
         await super().close()

@@ -18,6 +18,7 @@ from typing import Any
 from .aio import open_link
 from .client_core import Handshake
 from .errors import ConfigError, MlfabricError
+from .loop import within
 from .protocol import Ping, Pong, Promote
 
 log = logging.getLogger("mlfabric.controller")
@@ -174,7 +175,7 @@ class FailoverMonitor:
                 link = await open_link(replica, self._hs(), self.heartbeat.timeout,
                                        "replica server", on_event=on_event)
                 link.send(Promote(1))
-                pong = await asyncio.wait_for(asyncio.shield(answer), self.heartbeat.timeout)
+                pong = await within(asyncio.shield(answer), self.heartbeat.timeout)
                 link.close()
                 return pong.version
             except (MlfabricError, TimeoutError) as exc:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from .errors import ConfigError
@@ -36,3 +36,12 @@ def run(coro: Coroutine[Any, Any, T], *, kind: str | None = None) -> T:
         raise
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(coro)
+
+
+async def within(aw: Awaitable[T], seconds: float | None) -> T:
+    """``asyncio.wait_for`` without its Python 3.11 flaw: there, a cancel that
+    lands just as `aw` completes is lost (cpython issue 86296, fixed in 3.12),
+    so a task in a polling loop may never stop. ``asyncio.timeout`` counts
+    cancels and keeps every one. Raises TimeoutError after `seconds`."""
+    async with asyncio.timeout(seconds):
+        return await aw

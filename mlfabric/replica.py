@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InvalidUpdate, SequenceGap
+from .loop import within
 from .metrics import ServerMetrics
 from .protocol import Error, Pong, Promote, Push, PushResult, default_allocate
 from .sequencer import Sequencer
@@ -208,7 +209,7 @@ async def fetch_state(address: str, *, job: str, token: bytes, timeout: float = 
         answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         req = link.requests.add("pull", answer)
         link.send(StateRequest(req))
-        version, tensors = await asyncio.wait_for(answer, timeout)
+        version, tensors = await within(answer, timeout)
     finally:
         link.close()
     weights = {n: np.array(a) for n, a in tensors.items() if not n.startswith(PREVIOUS_PREFIX)}

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ConfigError, ConnectionLost, MlfabricError
+from .loop import within
 from .outcome import PushOutcome
 
 log = logging.getLogger("mlfabric.client")
@@ -143,7 +144,7 @@ class ReplicaFeed:
                 if not left or loop.time() >= deadline:
                     break
                 try:
-                    await asyncio.wait_for(changed.wait(), deadline - loop.time())
+                    await within(changed.wait(), deadline - loop.time())
                 except TimeoutError:
                     pass
         finally:

@@ -21,6 +21,7 @@ from . import _core
 from .aio import open_link
 from .client_core import Handshake
 from .errors import ConfigError, MlfabricError
+from .loop import within
 from .metrics import ServerMetrics
 from .protocol import Pull
 from .store import ParameterStore
@@ -62,7 +63,7 @@ class ReplicaSampler:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         req = link.requests.add("pull", fut)
         link.send(Pull(req))
-        replica_version, tensors = await asyncio.wait_for(fut, 30.0)
+        replica_version, tensors = await within(fut, 30.0)
         # No await from here on: the server's weights are of one instant.
         server_version = self.store.version
         d = divergence(self.store.weights, tensors)

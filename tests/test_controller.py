@@ -376,3 +376,32 @@ def test_status_shows_workers_versions_delays_and_bandwidth(cluster, tmp_path):
     assert "cannot reach the controller" in bad.stderr and "--controller" in bad.stderr
     assert "Traceback" not in bad.stderr
     asyncio.run_coroutine_threadsafe(agent.stop(), controller._loop).result(10)
+
+
+def test_close_ends_agent_polling_whenever_it_lands(run_async):
+    """Python 3.11's asyncio.wait_for loses a cancel that lands just as the
+    awaited answer arrives (cpython issue 86296). The controller's poll of an
+    agent then polled on after close(), and a loop's shutdown waited for it
+    forever: a test teardown hung on CI. Here the close lands at 40 different
+    points of a poll with no pause between requests; with wait_for, about a
+    third of such closes left the poll running."""
+    import random
+
+    async def body():
+        agent = Agent(AgentConfig("hA", host="127.0.0.1", port=0, counters=None))
+        await agent.start()
+        rng = random.Random(86296)
+        try:
+            for trial in range(40):
+                controller = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None)
+                await controller.start("127.0.0.1", 0)
+                controller.watch_agents({"hA": ("127.0.0.1", agent.port)}, interval=0.0)
+                for _ in range(rng.randrange(200)):
+                    await asyncio.sleep(0)  # a random number of loop turns into the poll
+                await controller.close()
+                running = [t for t in controller._agent_tasks if not t.done()]
+                assert not running, f"close {trial} left the agent poll running: {running}"
+        finally:
+            await agent.stop()
+
+    run_async(body())
