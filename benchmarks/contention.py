@@ -39,6 +39,7 @@ from mlfabric.contention import (
     run_system,
     uncontended,
 )
+from mlfabric.errors import ConfigError
 from mlfabric.testbed import Testbed, require_root
 
 
@@ -180,11 +181,18 @@ def tenant_rate(text: str) -> float | None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
-    ap.add_argument("--scenarios", default="contended,uncontended")
-    ap.add_argument("--time-limit", type=float, default=150.0)
-    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="runs of each system per scenario; the systems alternate within a "
+                         "round (default %(default)s)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS),
+                    help="comma-separated, from: %(default)s (default: all)")
+    ap.add_argument("--scenarios", default="contended,uncontended",
+                    help="comma-separated, from: %(default)s (default: both)")
+    ap.add_argument("--time-limit", type=float, default=150.0,
+                    help="seconds a run may take to reach the target accuracy "
+                         "(default %(default)s)")
+    ap.add_argument("--workers", type=int, default=8,
+                    help="worker hosts (2-8; default %(default)s)")
     ap.add_argument("--tenant-max-mbit", type=tenant_rate, default=Scenario.tenant_max_mbit,
                     metavar="MBIT|none",
                     help="bound on each tenant flow's rate (default %(default)s Mbit/s; none: "
@@ -198,15 +206,24 @@ def main() -> int:
     args = ap.parse_args()
     if args.from_json:
         return report(args.from_json, args.plot, args.time_limit)
-    require_root()
     systems = [s for s in args.systems.split(",") if s]
     for s in systems:
         if s not in SYSTEMS:
             ap.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
-    base = Scenario(time_limit=args.time_limit, workers=args.workers,
-                    tenant_max_mbit=args.tenant_max_mbit)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    names = [n for n in args.scenarios.split(",") if n]
+    for n in names:
+        if n not in ("contended", "uncontended"):
+            ap.error(f"unknown scenario {n!r}; choose from contended, uncontended")
+    try:
+        base = Scenario(time_limit=args.time_limit, workers=args.workers,
+                        tenant_max_mbit=args.tenant_max_mbit)
+    except ConfigError as exc:
+        ap.error(str(exc))
+    require_root()
     scenarios = {"contended": base, "uncontended": uncontended(base)}
-    chosen = [scenarios[n] for n in args.scenarios.split(",") if n]
+    chosen = [scenarios[n] for n in names]
     results: dict[str, dict[str, list[RunResult]]] = {}
     hosts = cluster_hosts(base)
     with Testbed(hosts=hosts, rate_mbit=1000.0, rates=cluster_rates(base)) as tb:

@@ -113,6 +113,9 @@ class Scenario:
                               f"got {self.straggler}")
         if not 0 < self.target < 1:
             raise ConfigError(f"target accuracy must be between 0 and 1, got {self.target}")
+        if not self.time_limit > 0:
+            raise ConfigError(f"time_limit must be a positive number of seconds, got "
+                              f"{self.time_limit}")
         if self.tenant_max_mbit is not None and not self.tenant_max_mbit > 0:
             raise ConfigError(f"tenant_max_mbit must be a positive rate in Mbit/s (or None: "
                               f"no bound), got {self.tenant_max_mbit}")

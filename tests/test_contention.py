@@ -105,6 +105,8 @@ def test_every_process_computes_on_one_thread_unless_the_user_says_otherwise(tmp
     ({"workers": 3}, "straggler must be a worker index below 3, got 3"),
     ({"straggler": 8}, "straggler must be a worker index below 8, got 8"),
     ({"target": 1.5}, "between 0 and 1, got 1.5"),
+    ({"time_limit": -5}, "time_limit must be a positive number of seconds, got -5"),
+    ({"time_limit": float("nan")}, "time_limit must be a positive number of seconds, got nan"),
 ])
 def test_bad_scenarios_are_refused(kw, message):
     with pytest.raises(ConfigError, match=message):
@@ -192,6 +194,22 @@ def test_benchmark_reprints_saved_runs_with_their_update_rate(tmp_path):
     path.write_text("{not json")
     bad = subprocess.run(script, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and f"cannot read the runs saved in {path}" in bad.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--scenarios", "contended,busy"],
+     "unknown scenario 'busy'; choose from contended, uncontended"),
+    (["--systems", "fifo,gloo"], "unknown system 'gloo'; choose from fifo, mlfabric"),
+    (["--rounds", "0"], "--rounds must be at least 1, got 0"),
+    (["--workers", "9"], "worker_links lists 8 links for 9 workers"),
+    (["--time-limit", "0"], "time_limit must be a positive number of seconds, got 0.0"),
+])
+def test_benchmark_refuses_bad_arguments_before_building_anything(args, message):
+    """Checked before the root check, so a typo is told as such, root or not."""
+    script = [sys.executable, str(ROOT / "benchmarks" / "contention.py"), *args]
+    out = subprocess.run(script, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr
 
 
 def test_demo_without_root_says_what_it_needs(monkeypatch):
