@@ -179,6 +179,9 @@ def tenant_rate(text: str) -> float | None:
     return rate
 
 
+SCENARIOS = ("contended", "uncontended")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3,
@@ -186,7 +189,7 @@ def main() -> int:
                          "round (default %(default)s)")
     ap.add_argument("--systems", default=",".join(SYSTEMS),
                     help="comma-separated, from: %(default)s (default: all)")
-    ap.add_argument("--scenarios", default="contended,uncontended",
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS),
                     help="comma-separated, from: %(default)s (default: both)")
     ap.add_argument("--time-limit", type=float, default=150.0,
                     help="seconds a run may take to reach the target accuracy "
@@ -214,8 +217,8 @@ def main() -> int:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
     names = [n for n in args.scenarios.split(",") if n]
     for n in names:
-        if n not in ("contended", "uncontended"):
-            ap.error(f"unknown scenario {n!r}; choose from contended, uncontended")
+        if n not in SCENARIOS:
+            ap.error(f"unknown scenario {n!r}; choose from {', '.join(SCENARIOS)}")
     try:
         base = Scenario(time_limit=args.time_limit, workers=args.workers,
                         tenant_max_mbit=args.tenant_max_mbit)

@@ -135,8 +135,8 @@ class ServerThread:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)
         if self._thread.is_alive():
-            # Seen once in CI (a controller with an in-loop agent, at teardown), not
-            # reproduced since: say where the thread is stuck, and which tasks remain.
+            # Say where the thread is stuck and which tasks remain: this is how a
+            # cancel lost by asyncio.wait_for on Python 3.11 was found (see loop.within).
             frame = sys._current_frames().get(self._thread.ident or -1)
             stack = "".join(traceback.format_stack(frame)) if frame else "(no frame)"
             try:
