@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument(
         "--delay-ms", type=float, default=0.0, help="one-way latency added on every uplink"
     )
+    up.add_argument(
+        "--mtu", type=int, default=1500, help="every link's MTU, 1280-9000 bytes (default: 1500)"
+    )
     down = sub.add_parser("down", help="remove testbeds left by crashed runs")
     down.add_argument(
         "--all", action="store_true", help="also remove testbeds whose owner is still running"
@@ -52,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     if args.unshaped:
-        tb = Testbed(hosts=args.hosts, rate_mbit=None, delay_ms=args.delay_ms)
+        tb = Testbed(hosts=args.hosts, rate_mbit=None, delay_ms=args.delay_ms, mtu=args.mtu)
     else:
         tb = Testbed(
             hosts=args.hosts,
@@ -60,6 +63,7 @@ def _up(args: argparse.Namespace) -> int:
             delay_ms=args.delay_ms,
             up_mbit=args.up_mbit,
             down_mbit=args.down_mbit,
+            mtu=args.mtu,
         )
     try:
         with tb:
@@ -70,6 +74,7 @@ def _up(args: argparse.Namespace) -> int:
                     f"  {h.name:<6}  netns={h.netns}  ip={h.ip}  if={h.ifname}"
                     f"  up={_fmt(h.up_mbit)}  down={_fmt(h.down_mbit)}"
                     + (f"  delay={tb.delay_ms:g}ms" if tb.delay_ms else "")
+                    + (f"  mtu={tb.mtu}" if tb.mtu != 1500 else "")
                 )
             print(f"run a command in a host: ip netns exec {tb.hosts[0].netns} <command>")
             print("press Ctrl-C to tear it down", flush=True)

@@ -51,6 +51,7 @@ from testbed_helpers import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
+IP_MTU_DISCOVER, IP_PMTUDISC_DO = 10, 2  # <linux/in.h>; the socket module lacks them
 
 
 # --------------------------------------------------------------------------- without root
@@ -76,6 +77,10 @@ def test_require_root_refuses_non_root(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"rates": {"h9": (10, 10)}}, "rates names host 'h9'"),
         ({"rates": {"h0": 10}}, r"rates\['h0'\] must be \(up_mbit, down_mbit\)"),
         ({"run_id": "XYZ!"}, "run_id must be 4 lowercase hex"),
+        ({"mtu": 1000}, r"mtu must be an integer number of bytes from 1280 to 9000 \(1500 is "
+                        r"Ethernet's, 9000 a jumbo frame\), got 1000"),
+        ({"mtu": 65535}, "mtu must be .* got 65535"),
+        ({"mtu": "9000"}, "mtu must be .* got '9000'"),
     ],
 )
 def test_bad_settings_are_config_errors(kwargs: dict, match: str) -> None:
@@ -95,6 +100,9 @@ def test_shaping_keeps_bucket_small_and_queue_moderate() -> None:
     assert fast.limit_bytes == 1_250_000  # 50 ms at 200 Mbit/s
     assert slow.limit_bytes == 64 * 1024  # floor
     assert fast.tbf_args()[:3] == ["tbf", "rate", "200000kbit"]
+    # tbf drops a packet larger than its bucket: with jumbo frames it holds two of them.
+    assert Shaping.for_rate(10, frame_bytes=9014).burst_bytes == 2 * 9014
+    assert Shaping.for_rate(200, frame_bytes=9014).burst_bytes == 25_000
 
 
 class FakeClock:
@@ -334,6 +342,35 @@ def test_tcp_bulk_transfer_measures_the_shaped_rate(rate: float) -> None:
     )
     assert median == pytest.approx(expected, rel=0.10)
     assert mean == pytest.approx(expected, rel=0.20)  # looser: includes receiver stalls
+
+
+@pytest.mark.root
+@needs_root
+def test_jumbo_frames_cross_the_switch_whole_at_the_shaped_rate() -> None:
+    with Testbed(hosts=2, rate_mbit=50, mtu=9000) as tb:
+        h0, h1 = tb.host("h0"), tb.host("h1")
+        for h in tb.hosts:
+            for ns, dev in ((h.netns, h.ifname), (tb.switch_netns, h.switch_port)):
+                assert " mtu 9000 " in _ip("-n", ns, "-o", "link", "show", dev)
+        # One 9000-byte IP packet, not to be fragmented: it arrives only if every
+        # hop (both veths, the bridge, tbf's bucket) takes a jumbo frame.
+        with h1.enter():
+            rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        with h0.enter():
+            tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        with rx, tx:
+            rx.bind((h1.ip, 0))
+            rx.settimeout(2.0)
+            tx.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
+            tx.sendto(bytes(9000 - 28), (h1.ip, rx.getsockname()[1]))
+            assert len(rx.recv(65536)) == 9000 - 28
+        transfer = TcpFlow(h0, h1).run_for(1.6)
+    t0 = transfer.marks[0][0]
+    median = transfer.median_mbit(t0 + 0.4, t0 + 1.6)
+    expected = 50 * (9000 - 52) / 9014  # TCP payload per jumbo frame on the wire
+    print(f"shaped 50 Mbit/s, MTU 9000: TCP goodput median {median:.1f} Mbit/s "
+          f"(expected {expected:.1f})")
+    assert median == pytest.approx(expected, rel=0.10)
 
 
 @pytest.mark.root
