@@ -47,6 +47,7 @@ from testbed_helpers import (
     median_sample_mbit,
     needs_root,
     our_namespaces,
+    udp_pair,
     udp_train_mbit,
 )
 
@@ -354,15 +355,10 @@ def test_jumbo_frames_cross_the_switch_whole_at_the_shaped_rate() -> None:
                 assert " mtu 9000 " in _ip("-n", ns, "-o", "link", "show", dev)
         # One 9000-byte IP packet, not to be fragmented: it arrives only if every
         # hop (both veths, the bridge, tbf's bucket) takes a jumbo frame.
-        with h1.enter():
-            rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        with h0.enter():
-            tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        tx, rx = udp_pair(h0, h1)
         with rx, tx:
-            rx.bind((h1.ip, 0))
-            rx.settimeout(2.0)
             tx.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
-            tx.sendto(bytes(9000 - 28), (h1.ip, rx.getsockname()[1]))
+            tx.send(bytes(9000 - 28))
             assert len(rx.recv(65536)) == 9000 - 28
         transfer = TcpFlow(h0, h1).run_for(1.6)
     t0 = transfer.marks[0][0]

@@ -181,22 +181,29 @@ def _checksum(data: bytes) -> int:
 SO_TIMESTAMPNS = 35  # socket.SO_TIMESTAMPNS is missing from some Python builds
 
 
+def udp_pair(src: Host, dst: Host) -> tuple[socket.socket, socket.socket]:
+    """(tx in src, rx in dst): rx bound on dst's address with a 2 s timeout, tx
+    connected to it. The caller closes both."""
+    with dst.enter():
+        rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with src.enter():
+        tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.bind((dst.ip, 0))
+    rx.settimeout(2.0)
+    tx.connect((dst.ip, rx.getsockname()[1]))
+    return tx, rx
+
+
 def udp_train_mbit(src: Host, dst: Host, packets: int = 60, size: int = 1400) -> float:
     """Send ``packets`` datagrams back to back; the rate their second half arrived at.
 
     Uses kernel receive timestamps and counts wire bytes (UDP + IP + Ethernet
     headers). The first half is skipped: it includes the token bucket's burst.
     """
-    with dst.enter():
-        rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    with src.enter():
-        tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    tx, rx = udp_pair(src, dst)
     with rx, tx:
-        rx.bind((dst.ip, 0))
         rx.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
         rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
-        rx.settimeout(2.0)
-        tx.connect((dst.ip, rx.getsockname()[1]))
         tx.send(b"warm-up")  # resolves ARP before the train
         rx.recv(16)
         payload = bytes(size)
