@@ -27,7 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mlfabric.testbed import MTU_RANGE, Testbed, require_root  # noqa: E402
+from mlfabric.errors import ConfigError  # noqa: E402
+from mlfabric.testbed import MTU_RANGE, Testbed, check_mtu, require_root  # noqa: E402
 
 CHUNK = 1 << 20
 
@@ -93,8 +94,10 @@ def main() -> int:
     except ValueError:
         ap.error(f"--mtus takes comma-separated integers, got {args.mtus!r}")
     for m in mtus:
-        if not MTU_RANGE[0] <= m <= MTU_RANGE[1]:
-            ap.error(f"MTU {m} is outside {MTU_RANGE[0]}-{MTU_RANGE[1]}")
+        try:
+            check_mtu(m)
+        except ConfigError as exc:
+            ap.error(str(exc))
     if not (args.rate > 0 and args.mb > 0 and args.runs > 0):
         ap.error("--rate, --mb and --runs must be positive")
     require_root()

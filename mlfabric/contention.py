@@ -122,12 +122,9 @@ class Scenario:
         if not self.time_limit > 0:
             raise ConfigError(f"time_limit must be a positive number of seconds, got "
                               f"{self.time_limit}")
-        from .testbed import MTU_RANGE
+        from .testbed import check_mtu
 
-        lo, hi = MTU_RANGE
-        if isinstance(self.mtu, bool) or not isinstance(self.mtu, int) or not lo <= self.mtu <= hi:
-            raise ConfigError(f"mtu must be an integer number of bytes from {lo} to {hi}, "
-                              f"got {self.mtu!r}")
+        check_mtu(self.mtu)
         if self.tenant_max_mbit is not None and not self.tenant_max_mbit > 0:
             raise ConfigError(f"tenant_max_mbit must be a positive rate in Mbit/s (or None: "
                               f"no bound), got {self.tenant_max_mbit}")

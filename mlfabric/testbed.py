@@ -145,6 +145,17 @@ class Shaping:
         ]
 
 
+def check_mtu(mtu: Any) -> int:
+    """`mtu` if it is a link MTU the testbed builds, else a ConfigError that says why."""
+    lo, hi = MTU_RANGE
+    if isinstance(mtu, bool) or not isinstance(mtu, int) or not lo <= mtu <= hi:
+        raise ConfigError(
+            f"mtu must be an integer number of bytes from {lo} to {hi} "
+            f"(1500 is Ethernet's, 9000 a jumbo frame), got {mtu!r}"
+        )
+    return mtu
+
+
 def _check_rate(what: str, value: Any) -> float | None:
     if value is None:
         return None
@@ -510,12 +521,7 @@ class Testbed:
             raise ConfigError(f"delay_ms must be >= 0, got {delay_ms!r}")
         if not (math.isfinite(queue_ms) and queue_ms > 0):
             raise ConfigError(f"queue_ms must be > 0, got {queue_ms!r}")
-        lo, hi = MTU_RANGE
-        if isinstance(mtu, bool) or not isinstance(mtu, int) or not lo <= mtu <= hi:
-            raise ConfigError(
-                f"mtu must be an integer number of bytes from {lo} to {hi} "
-                f"(1500 is Ethernet's, 9000 a jumbo frame), got {mtu!r}"
-            )
+        check_mtu(mtu)
         if run_id is not None and not re.fullmatch(r"[0-9a-f]{4}", run_id):
             raise ConfigError(f"run_id must be 4 lowercase hex digits, got {run_id!r}")
         if subnet is not None and not 0 <= subnet <= 511:
