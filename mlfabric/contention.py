@@ -752,7 +752,8 @@ def demo_scenario(time_limit: float = 60.0) -> Scenario:
                     straggler=3, server_link=(1000.0, 100.0))
 
 
-def run_demo(systems: Sequence[str] = ("fifo", "mlfabric"), time_limit: float = 60.0,
+def run_demo(systems: Sequence[str] = ("fifo", "mlfabric", "mlfabric-agg"),
+             time_limit: float = 60.0,
              out: Any = sys.stdout) -> list[RunResult]:
     """Run each system once on a fresh emulated cluster and print a comparison."""
     from .testbed import Testbed, require_root
@@ -786,15 +787,15 @@ def run_demo(systems: Sequence[str] = ("fifo", "mlfabric"), time_limit: float = 
 
 
 def format_results(sc: Scenario, results: Sequence[RunResult]) -> str:
-    lines = [f"  {'system':9s} {'time to ' + str(sc.target):>16s} {'delay mean':>10s} "
+    lines = [f"  {'system':12s} {'time to ' + str(sc.target):>16s} {'delay mean':>10s} "
              f"{'std':>5s} {'max':>4s} {'applied':>8s} {'dropped':>8s} {'server MB in':>13s}"]
     for r in results:
         t = f"{r.time_to_target:.1f} s" if r.time_to_target is not None else (
             f"> {sc.time_limit:.0f} s")
         if r.system == "ddp":
-            lines.append(f"  {r.system:9s} {t:>16s}")
+            lines.append(f"  {r.system:12s} {t:>16s}")
             continue
         mb = f"{r.server_bytes_in / 1e6:.0f}" if r.server_bytes_in is not None else "?"
-        lines.append(f"  {r.system:9s} {t:>16s} {r.delay_mean:10.2f} {r.delay_std:5.2f} "
+        lines.append(f"  {r.system:12s} {t:>16s} {r.delay_mean:10.2f} {r.delay_std:5.2f} "
                      f"{r.delay_max:4d} {r.applied:8d} {r.dropped:8d} {mb:>13s}")
     return "\n".join(lines)
