@@ -3,7 +3,7 @@
 On one machine the whole cluster's network (both veths, the bridge, the tbf
 qdiscs, TCP on both ends) runs on the same cores as the job. With GSO capped
 at one frame, so that tbf meters wire-size packets, that work is per packet:
-a 1500-byte MTU costs about six times the CPU of a 9000-byte one per byte
+a 1500-byte MTU costs about five times the CPU of a 9000-byte one per byte
 moved. This measures it: one bulk TCP flow between two testbed hosts over a
 link shaped to --rate, the machine's busy CPU (all cores, from /proc/stat)
 over the transfer, per MB delivered, and the goodput against what the wire

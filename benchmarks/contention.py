@@ -202,7 +202,7 @@ def main() -> int:
                          "60%% of the link it loads, whatever that costs the machine's CPU)")
     ap.add_argument("--mtu", type=int, default=Scenario.mtu,
                     help="every link's MTU in bytes, 1280-9000 (default %(default)s, jumbo "
-                         "frames; 1500 costs the emulation six times the CPU per byte)")
+                         "frames; 1500 costs the emulation 5x the CPU per byte)")
     ap.add_argument("--json", default=None, help="write every run's result here")
     ap.add_argument("--plot", default=None, help="write the accuracy-over-time plot (PNG)")
     ap.add_argument("--keep-logs", default=None, metavar="DIR",

@@ -102,7 +102,7 @@ class Scenario:
     tenant_max_mbit: float | None = 150.0
     # Every link's MTU: jumbo frames, as in most training clusters (and AWS's
     # default inside a VPC). At 1500 the emulated network's per-packet work costs
-    # this 2-core machine six times the CPU per byte (benchmarks/bench_testbed_mtu.py),
+    # this 2-core machine 5.3x the CPU per byte (benchmarks/bench_testbed_mtu.py),
     # which every system then pays in slower steps: a limit of the emulation, not
     # of the network modelled. 1500: the scenario before 2026-11-24.
     mtu: int = 9000

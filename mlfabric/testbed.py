@@ -20,7 +20,7 @@ The testbed builds exactly that::
   and the ``tbf`` as its child (kernels without sch_netem get a
   ConfigError). GSO is capped at one segment on every port so the qdisc
   sees wire-size packets. ``mtu`` is 1500 by default; 9000 (jumbo frames, as
-  many training clusters run) costs the kernel about a sixth of the CPU per
+  many training clusters run) costs the kernel about a fifth of the CPU per
   byte, which matters when a 2-core machine emulates a whole cluster. Live
   changes (:meth:`Testbed.set_rate`, schedules) are one netlink message each
   (well under a millisecond), with `tc` as the fallback.
