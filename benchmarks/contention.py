@@ -200,6 +200,9 @@ def main() -> int:
                     metavar="MBIT|none",
                     help="bound on each tenant flow's rate (default %(default)s Mbit/s; none: "
                          "60%% of the link it loads, whatever that costs the machine's CPU)")
+    ap.add_argument("--tau-max", type=int, default=Scenario.tau_max,
+                    help="the staleness bound of the PS systems, in versions (default "
+                         "%(default)s)")
     ap.add_argument("--mtu", type=int, default=Scenario.mtu,
                     help="every link's MTU in bytes, 1280-9000 (default %(default)s, jumbo "
                          "frames; 1500 costs the emulation 5x the CPU per byte)")
@@ -224,7 +227,8 @@ def main() -> int:
             ap.error(f"unknown scenario {n!r}; choose from {', '.join(SCENARIOS)}")
     try:
         base = Scenario(time_limit=args.time_limit, workers=args.workers,
-                        tenant_max_mbit=args.tenant_max_mbit, mtu=args.mtu)
+                        tenant_max_mbit=args.tenant_max_mbit, mtu=args.mtu,
+                        tau_max=args.tau_max)
     except ConfigError as exc:
         ap.error(str(exc))
     require_root()

@@ -117,6 +117,9 @@ class Scenario:
         if self.straggler is not None and not 0 <= self.straggler < self.workers:
             raise ConfigError(f"straggler must be a worker index below {self.workers}, "
                               f"got {self.straggler}")
+        if isinstance(self.tau_max, bool) or not isinstance(self.tau_max, int) or self.tau_max < 1:
+            raise ConfigError(f"tau_max must be a whole number of versions >= 1, got "
+                              f"{self.tau_max!r}")
         if not 0 < self.target < 1:
             raise ConfigError(f"target accuracy must be between 0 and 1, got {self.target}")
         if not self.time_limit > 0:

@@ -107,6 +107,7 @@ def test_every_process_computes_on_one_thread_unless_the_user_says_otherwise(tmp
     ({"target": 1.5}, "between 0 and 1, got 1.5"),
     ({"time_limit": -5}, "time_limit must be a positive number of seconds, got -5"),
     ({"time_limit": float("nan")}, "time_limit must be a positive number of seconds, got nan"),
+    ({"tau_max": 0}, "tau_max must be a whole number of versions >= 1, got 0"),
     ({"mtu": 9216}, r"mtu must be an integer number of bytes from 1280 to 9000 \(1500 is "
                     r"Ethernet's, 9000 a jumbo frame\), got 9216"),
     ({"mtu": 1500.0}, "mtu must be .* got 1500.0"),
@@ -206,6 +207,7 @@ def test_benchmark_reprints_saved_runs_with_their_update_rate(tmp_path):
     (["--rounds", "0"], "--rounds must be at least 1, got 0"),
     (["--workers", "9"], "worker_links lists 8 links for 9 workers"),
     (["--time-limit", "0"], "time_limit must be a positive number of seconds, got 0.0"),
+    (["--tau-max", "0"], "tau_max must be a whole number of versions >= 1, got 0"),
     (["--mtu", "600"], "mtu must be an integer number of bytes from 1280 to 9000 (1500 is "
                        "Ethernet's, 9000 a jumbo frame), got 600"),
     (["--mtu", "jumbo"], "argument --mtu: invalid int value: 'jumbo'"),
