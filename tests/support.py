@@ -21,6 +21,11 @@ from mlfabric.store import ParameterStore
 
 TOKEN = b"test-token-0123456789abcdef"
 JOB = "testjob"
+# How early an event-loop timer may fire by time.monotonic(): uvloop reads its
+# clock once per loop iteration, in whole milliseconds, so a 0.5 s timer can
+# end 0.4998 s after a monotonic start (CI saw 0.2997 s for 0.3 and 0.49985 s
+# for 0.5). A test that says "it waited the timeout" allows this much.
+LOOP_CLOCK_SLACK = 0.01
 
 
 def make_model(seed: int = 0, sizes: Mapping[str, tuple[int, ...]] | None = None):
