@@ -72,7 +72,8 @@ PREFIX = "mlfabric-"
 NETNS_DIR = "/var/run/netns"
 STATE_DIR = "/run/mlfabric"
 ETHERNET_HEADER = 14
-MTU_FRAME = 1500 + ETHERNET_HEADER  # bytes on the wire for a 1500-byte MTU (the qdisc's view)
+DEFAULT_MTU = 1500  # Ethernet's
+MTU_FRAME = DEFAULT_MTU + ETHERNET_HEADER  # bytes on the wire per full frame (the qdisc's view)
 MTU_RANGE = (1280, 9000)  # IPv6's minimum to the usual jumbo frame
 SUBNET_BASE = (198, 18)  # 198.18.0.0/15: RFC 2544 benchmarking range
 CLONE_NEWNET = 0x40000000
@@ -145,15 +146,14 @@ class Shaping:
         ]
 
 
-def check_mtu(mtu: Any) -> int:
-    """`mtu` if it is a link MTU the testbed builds, else a ConfigError that says why."""
+def check_mtu(mtu: Any) -> None:
+    """A ConfigError that says why, unless `mtu` is a link MTU the testbed builds."""
     lo, hi = MTU_RANGE
     if isinstance(mtu, bool) or not isinstance(mtu, int) or not lo <= mtu <= hi:
         raise ConfigError(
             f"mtu must be an integer number of bytes from {lo} to {hi} "
-            f"(1500 is Ethernet's, 9000 a jumbo frame), got {mtu!r}"
+            f"({DEFAULT_MTU} is Ethernet's, 9000 a jumbo frame), got {mtu!r}"
         )
-    return mtu
 
 
 def _check_rate(what: str, value: Any) -> float | None:
@@ -501,7 +501,7 @@ class Testbed:
         rates: dict[str, tuple[float | None, float | None]] | None = None,
         *,
         queue_ms: float = 50.0,
-        mtu: int = 1500,
+        mtu: int = DEFAULT_MTU,
         run_id: str | None = None,
         subnet: int | None = None,
         ip: str = "ip",
@@ -547,7 +547,6 @@ class Testbed:
         self.delay_ms = float(delay_ms)
         self.queue_ms = float(queue_ms)
         self.mtu = mtu
-        self.frame_bytes = mtu + ETHERNET_HEADER
         self.ip = ip
         self.tc = tc
         self.netns_dir = netns_dir
@@ -580,6 +579,11 @@ class Testbed:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def frame_bytes(self) -> int:
+        """Bytes on the wire of one full frame: what tbf meters."""
+        return self.mtu + ETHERNET_HEADER
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("up" if self._started else "new")

@@ -15,7 +15,7 @@ import sys
 import threading
 
 from .errors import ConfigError
-from .testbed import Testbed, cleanup, list_runs
+from .testbed import DEFAULT_MTU, MTU_RANGE, Testbed, cleanup, list_runs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--delay-ms", type=float, default=0.0, help="one-way latency added on every uplink"
     )
     up.add_argument(
-        "--mtu", type=int, default=1500, help="every link's MTU, 1280-9000 bytes (default: 1500)"
+        "--mtu", type=int, default=DEFAULT_MTU,
+        help=f"every link's MTU, {MTU_RANGE[0]}-{MTU_RANGE[1]} bytes (default: {DEFAULT_MTU})",
     )
     down = sub.add_parser("down", help="remove testbeds left by crashed runs")
     down.add_argument(
@@ -74,7 +75,7 @@ def _up(args: argparse.Namespace) -> int:
                     f"  {h.name:<6}  netns={h.netns}  ip={h.ip}  if={h.ifname}"
                     f"  up={_fmt(h.up_mbit)}  down={_fmt(h.down_mbit)}"
                     + (f"  delay={tb.delay_ms:g}ms" if tb.delay_ms else "")
-                    + (f"  mtu={tb.mtu}" if tb.mtu != 1500 else "")
+                    + (f"  mtu={tb.mtu}" if tb.mtu != DEFAULT_MTU else "")
                 )
             print(f"run a command in a host: ip netns exec {tb.hosts[0].netns} <command>")
             print("press Ctrl-C to tear it down", flush=True)
