@@ -20,9 +20,12 @@ G = positions i..j through aggregator A:
 * **the constraint** (aggregation never stalls the server's order): the
   aggregate is ready no later than the moment every earlier position is
   delivered, ready(A, G) <= D_{i-1}, so the server's downlink goes from
-  position i - 1 straight to the aggregate;
-* A forwards one update of the members' size: D_j = D_{i-1} + size / rate(A ->
-  server).
+  position i - 1 straight to the aggregate. With a group wait W > 0
+  (`AggregationConfig.wait`, default 0), ready(A, G) <= D_{i-1} + W instead,
+  and only if the group is still delivered sooner than its members sent
+  directly: the downlink idles up to W to buy a larger group;
+* A forwards one update of the members' size: D_j = max(D_{i-1}, ready(A, G))
+  + size / rate(A -> server).
 
 A group pays when its forward is shorter than the direct transfers it
 replaces; a group is formed only then, with at least `min_fan_in` members.
@@ -87,6 +90,11 @@ class AggregationConfig:
     # at its latest start (minus the guard) or at an earlier re-plan.
     hold: bool = False
     hold_guard: float = 0.05
+    # How long the server's downlink may wait for an aggregate (the brief's
+    # rule, 0: never), to buy larger groups. With `hold`, the last group is
+    # also kept pending until `wait` after its oldest member asked (or until
+    # it is full), and so is a lone update, which may get company.
+    wait: float = 0.0
     # route_groups: an update the policy dropped in overload joins a group
     # that goes anyway, when it meets its deadline there and delays no
     # later transfer past its own (see `rescue_drops`).
@@ -100,6 +108,9 @@ class AggregationConfig:
             raise ConfigError(f"sum_rate must be positive bytes/s, got {self.sum_rate}")
         if not self.hold_guard >= 0:
             raise ConfigError(f"hold_guard must be >= 0 seconds, got {self.hold_guard}")
+        if not 0 <= self.wait < math.inf:
+            raise ConfigError(f"the group wait must be a finite number of seconds >= 0 "
+                              f"(0: aggregation never stalls the server), got {self.wait}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +146,12 @@ def plan_groups(order: Sequence[Slot], server: Host, aggregators: Sequence[Host]
                 ) -> tuple[list[Group], int]:
     """Group `order` (positions 0, 1, ... into `server`); `ready` is when the
     server's downlink has delivered everything before position 0. Returns the
-    groups, in position order, and the bytes the server does not receive."""
+    groups, in position order, and the bytes the server does not receive.
+
+    A group's aggregate must be ready when the server's downlink has
+    delivered every earlier position (the brief: aggregation never stalls the
+    server's order), or at most `config.wait` later, and only if its members
+    then still reach the server sooner than sent one by one."""
     config = config or AggregationConfig()
     for s in order:
         if s.size <= 0:
@@ -146,27 +162,28 @@ def plan_groups(order: Sequence[Slot], server: Host, aggregators: Sequence[Host]
     done = max(now, ready)  # D_{i-1}
     i = 0
     while i < len(order):
-        best: tuple[int, float, Host, float] | None = None  # (-k, forward time, agg, ready)
+        best: tuple[int, float, Host, float] | None = None  # (-k, delivered, agg, ready)
         for agg in candidates:
-            fwd_rate = links.rate(agg, server)
-            fwd = order[i].size / fwd_rate
-            largest: tuple[int, float] | None = None  # (k, ready) of the largest valid group
+            fwd = order[i].size / links.rate(agg, server)
+            largest: tuple[int, float, float] | None = None  # (k, ready, delivered)
             for k in range(config.min_fan_in, min(config.max_fan_in, len(order) - i) + 1):
                 members = order[i:i + k]
                 if len({m.size for m in members}) != 1:
                     break  # one aggregate holds the same tensors as each member
                 direct = sum(m.size / links.rate(m.source, server) for m in members)
                 t_ready = _ready(members, agg, links, now, config)
-                if t_ready <= done and fwd < direct:
-                    largest = (k, t_ready)
+                # The downlink may wait for the aggregate at most `wait`, and
+                # only if the members still arrive sooner than sent directly.
+                delivered = max(done, t_ready) + fwd
+                if t_ready <= done + config.wait and delivered < done + direct:
+                    largest = (k, t_ready, delivered)
             if largest is not None:
-                key = (-largest[0], fwd, agg, largest[1])
+                key = (-largest[0], largest[2], agg, largest[1])
                 if best is None or key[:2] < best[:2]:
                     best = key
         if best is not None:
-            k, fwd, agg, t_ready = -best[0], best[1], best[2], best[3]
+            k, done, agg, t_ready = -best[0], best[1], best[2], best[3]
             members = order[i:i + k]
-            done += fwd
             groups.append(Group(i, tuple(m.id for m in members), agg, t_ready, done))
             saved += sum(m.size for m in members) - members[0].size
             i += k
@@ -230,7 +247,7 @@ def rescue_drops(groups: Sequence[Group], order: Sequence[Slot], dropped: Sequen
             if c.size != members[0].size:
                 continue
             t = _ready([*members, *joined, c], g.aggregator, links, now, config)
-            if t > previous:
+            if t > max(previous, g.ready):  # the group's delivery stays as planned
                 continue
             joined.append(c)
             candidates.remove(c)
@@ -303,7 +320,11 @@ def route_groups(snap: Snapshot, items: list[PlanItem], config: AggregationConfi
     one at a time and each re-plans, so without holding a group would go as
     soon as two updates wait (fan-in 2). Its members stay pending, planned to
     start at the group's latest start less `hold_guard` (the controller
-    re-plans then, or at the next request, which may join the group)."""
+    re-plans then, or at the next request, which may join the group). With
+    `config.wait` > 0 as well, the last group (or a lone update) is held at
+    least until `wait` after its oldest member asked, even while the
+    server's downlink is free: the price of a larger group is that idle time,
+    at most `wait` per group (`plan_groups`)."""
     if not snap.aggregators:
         return items, []
     config = config or AggregationConfig()
@@ -321,6 +342,12 @@ def route_groups(snap: Snapshot, items: list[PlanItem], config: AggregationConfi
     formed: list[Group] = []
     for dst, sends in sorted(by_dst.items()):
         if len(sends) < 2:
+            if config.hold and config.wait > 0 and sends:
+                # A lone update waits for company as a group would.
+                (item,) = sends
+                until = pending[item.id].arrival + config.wait
+                if snap.now < until and item.start is not None and item.start < until:
+                    routed[item.id] = dataclasses.replace(item, start=until)
             continue
         sends.sort(key=lambda i: (i.start, i.position if i.position is not None else 0, i.id))
         order = [_slot(pending[i.id]) for i in sends]
@@ -344,9 +371,10 @@ def route_groups(snap: Snapshot, items: list[PlanItem], config: AggregationConfi
             if g.aggregator is None:
                 continue
             slack = due - g.ready  # how long its members could still wait
+            until = min(pending[tid].arrival for tid in g.ids) + config.wait
             if (config.hold and n == len(groups) - 1 and len(g.ids) < config.max_fan_in
-                    and slack > config.hold_guard):
-                at = snap.now + slack - config.hold_guard
+                    and (slack > config.hold_guard or snap.now < until)):
+                at = max(snap.now + slack - config.hold_guard, until)
                 for tid in g.ids:
                     routed[tid] = dataclasses.replace(plan_of[tid], start=at)
                 continue

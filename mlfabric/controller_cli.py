@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import math
 
 from . import auth, loop
 from .aggregation import AggregationConfig
@@ -52,6 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "members while its aggregate would still reach the server in time "
                         "(larger groups; with --no-hold-groups a group goes as soon as two "
                         "updates wait) (default: on)")
+    p.add_argument("--group-wait", type=float, default=0.0, metavar="SECONDS",
+                   help="with --aggregator: how long the server's downlink may wait for an "
+                        "aggregate, to get larger groups; with --hold-groups a group (or a lone "
+                        "update) is also held this long after its first member asked, unless "
+                        "it fills up. 0 keeps the design's rule that aggregation never stalls "
+                        "the server (default: 0)")
     p.add_argument("--rescue-drops", action=argparse.BooleanOptionalAction, default=True,
                    help="with --aggregator: an update the policy would drop because the "
                         "server's downlink is overloaded joins an aggregate that goes anyway, "
@@ -142,6 +149,11 @@ def run(args: argparse.Namespace) -> int:
                           "replay an aggregate; use one of them")
     if not 2 <= args.max_fan_in <= MAX_FAN_IN:
         raise ConfigError(f"--max-fan-in must be in 2..{MAX_FAN_IN}, got {args.max_fan_in}")
+    if not 0 <= args.group_wait < math.inf:
+        raise ConfigError(f"--group-wait must be a finite number of seconds >= 0 (0: "
+                          f"aggregation never stalls the server), got {args.group_wait}")
+    aggregation = AggregationConfig(max_fan_in=args.max_fan_in, hold=args.hold_groups,
+                                    wait=args.group_wait, rescue=args.rescue_drops)
     if (args.server is None) != (args.replica is None):
         raise ConfigError("failover needs both --server HOST:PORT and --replica HOST:PORT")
     if args.server is not None:
@@ -172,9 +184,7 @@ def run(args: argparse.Namespace) -> int:
         controller = Controller(policy, job=args.job, token=token, tau_max=tau_max,
                                 network=network, metrics=metrics, policy_name=args.policy,
                                 gate=gate, aggregators=aggregators,
-                                aggregation=AggregationConfig(max_fan_in=args.max_fan_in,
-                                                              hold=args.hold_groups,
-                                                              rescue=args.rescue_drops))
+                                aggregation=aggregation)
         bound = await listen(controller, host, port, args.listen)
         if agents:
             controller.watch_agents(agents, args.agent_interval)

@@ -47,13 +47,14 @@ def cases(draw):
     ready = now + draw(st.sampled_from([0.0, 0.5, 3.0]))
     aggs = draw(st.lists(st.sampled_from(["a0", "a1", "s", "w0"]), unique=True, max_size=3))
     config = AggregationConfig(min_fan_in=draw(st.integers(2, 3)),
-                               max_fan_in=draw(st.integers(3, 6)), sum_rate=1e3)
+                               max_fan_in=draw(st.integers(3, 6)), sum_rate=1e3,
+                               wait=draw(st.sampled_from([0.0, 0.0, 0.3, 2.0])))
     return order, Links(up, down, pair), now, ready, aggs, config
 
 
 @settings(max_examples=300, deadline=None)
 @given(cases())
-def test_groups_keep_the_order_never_stall_the_server_and_pay(case):
+def test_groups_keep_the_order_stall_the_server_at_most_the_wait_and_pay(case):
     order, links, now, ready, aggs, config = case
     groups, saved = plan_groups(order, "s", aggs, links, now, ready, config)
     # every position exactly once, consecutive, in order
@@ -72,11 +73,14 @@ def test_groups_keep_the_order_never_stall_the_server_and_pay(case):
             assert g.aggregator in aggs and g.aggregator != "s"
             assert config.min_fan_in <= len(g.ids) <= config.max_fan_in
             assert len({m.size for m in members}) == 1
-            # the constraint: ready at the aggregator before the server is free
-            assert g.ready <= done + TOL
+            # the constraint: ready at the aggregator before the server is
+            # free (wait 0: the brief's never-stall rule), or at most `wait` after
+            assert g.ready <= done + config.wait + TOL
             fwd = members[0].size / links.rate(g.aggregator, "s")
-            assert fwd < sum(m.size / links.rate(m.source, "s") for m in members)
-            assert g.delivered == pytest.approx(done + fwd)
+            assert g.delivered == pytest.approx(max(done, g.ready) + fwd)
+            # it pays: sooner than the members sent one by one
+            assert g.delivered < done + sum(m.size / links.rate(m.source, "s")
+                                            for m in members)
             expect_saved += (len(g.ids) - 1) * members[0].size
         done = g.delivered
     assert saved == expect_saved
@@ -111,6 +115,34 @@ def test_hand_example_groups_behind_the_first_transfer():
     assert all(g.aggregator is None for g in plan_groups(order, "s", [], links, 0.0, 0.0)[0])
     slow = Links(up={**links.up, "a": 5.0}, down=links.down, pair={})
     assert all(g.aggregator is None for g in plan_groups(order, "s", ["a"], slow, 0.0, 0.0)[0])
+
+
+def test_a_group_wait_lets_the_free_server_wait_for_an_aggregate_up_to_the_wait():
+    links = Links(up={"w1": 100.0, "w2": 100.0, "w3": 100.0, "a": 100.0, "s": 100.0},
+                  down={"w1": 100.0, "w2": 100.0, "w3": 100.0, "a": 100.0, "s": 10.0}, pair={})
+    order = [Slot(1, "w1", 10, 0), Slot(2, "w2", 10, 0), Slot(3, "w3", 10, 0)]
+    # All three are at a by 30/100 = 0.3 s and summed by 0.33 s: the free
+    # server waits 0.33 s and receives one forward instead of three transfers.
+    groups, saved = plan_groups(order, "s", ["a"], links, now=0.0, ready=0.0,
+                                config=AggregationConfig(sum_rate=1e3, wait=0.5))
+    assert groups == [Group(0, (1, 2, 3), "a", pytest.approx(0.33), pytest.approx(1.33))]
+    assert saved == 20
+    # A wait of 0.3 s is too short for three (0.33 s), long enough for two (0.22 s).
+    groups, _ = plan_groups(order, "s", ["a"], links, now=0.0, ready=0.0,
+                            config=AggregationConfig(sum_rate=1e3, wait=0.3))
+    assert groups == [Group(0, (1, 2), "a", pytest.approx(0.22), pytest.approx(1.22)),
+                      Group(2, (3,), None, pytest.approx(1.22), pytest.approx(2.22))]
+    # A group whose wait would make it later than its members sent directly
+    # is not formed: a's uplink forwards in 10/5.5 = 1.82 s, so 0.22 s of
+    # waiting gives 2.04 s against 2.0 s for two direct transfers...
+    slow = Links(up={**links.up, "a": 5.5}, down=links.down, pair={})
+    two = order[:2]
+    config = AggregationConfig(sum_rate=1e3, wait=0.5)
+    assert [g.aggregator for g in plan_groups(two, "s", ["a"], slow, 0.0, 0.0, config)[0]] == [
+        None, None]
+    # ...while behind a busy downlink (free at 1.0 s) it waits for nothing and pays.
+    assert plan_groups(two, "s", ["a"], slow, 0.0, 1.0, config)[0] == [
+        Group(0, (1, 2), "a", pytest.approx(0.22), pytest.approx(1.0 + 10 / 5.5))]
 
 
 def _hand_links():
@@ -197,6 +229,10 @@ def test_bad_settings_are_refused():
         AggregationConfig(min_fan_in=3, max_fan_in=2)
     with pytest.raises(ConfigError, match="sum_rate must be positive bytes/s, got 0"):
         AggregationConfig(sum_rate=0)
+    for wait in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match=rf"group wait must be a finite number of "
+                                              rf"seconds >= 0 .*, got {wait}"):
+            AggregationConfig(wait=wait)
     links = Links({"w": 1.0, "s": 1.0}, {"w": 1.0, "s": 1.0}, {})
     with pytest.raises(ConfigError, match="update 7 has size 0"):
         plan_groups([Slot(7, "w", 0, 0)], "s", [], links, 0.0, 0.0)
@@ -387,3 +423,40 @@ def test_holding_keeps_a_growing_last_group_pending_until_its_latest_start():
                                  AggregationConfig(hold=True, max_fan_in=3))
     assert [g.ids for g in groups] == [(2, 3, 4)]
     assert all(i.start == 0.0 for i in items)
+
+
+def test_a_group_wait_holds_the_last_group_and_a_lone_update_for_company():
+    """With a wait, the last group is held until `wait` after its oldest
+    member asked, though the server's downlink is free, and then goes with
+    the server waiting for its aggregate; a lone update is held likewise."""
+    ts = [replace(t, arrival=a) for t, a in zip(_transfers(3), (0.0, 0.1, 0.2), strict=True)]
+    snap = _snapshot(ts, {"a": "x:1"}, now=0.25)
+    plan = _back_to_back(ts, snap)  # the downlink is free: the first would go now
+    # Without a wait the first goes straight in at once; the two behind it are
+    # held until their latest start, as they can be summed while it goes.
+    items, groups = route_groups(snap, plan, AggregationConfig(hold=True))
+    assert groups == [] and items[0] == plan[0] and items[0].start == 0.25
+    # With a 0.5 s wait all three wait until 0.5 s (0.0 + 0.5) for more members.
+    config = AggregationConfig(hold=True, wait=0.5)
+    items, groups = route_groups(snap, plan, config)
+    assert groups == []
+    assert [i.start for i in items] == [0.5] * 3 and all(i.route is None for i in items)
+    # At 0.5 s they go as one group: 3 x 2 MB reach a (1 Gbit/s) in 0.048 s,
+    # summed in 0.003 s; the downlink waits that long, then takes one 0.16 s forward.
+    later = replace(snap, now=0.5)
+    items, groups = route_groups(later, _back_to_back(ts, later), config)
+    assert [g.ids for g in groups] == [(1, 2, 3)]
+    assert [i.start for i in items] == [0.5] * 3
+    assert [i.route.index for i in items] == [0, 1, 2]
+    assert items[0].planned_seconds == pytest.approx(0.048 + 0.003 + 0.16)
+    # A lone update waits for company until 0.5 s too; then it goes, alone.
+    lone = _snapshot(ts[:1], {"a": "x:1"}, now=0.25)
+    (item,), _ = route_groups(lone, _back_to_back(ts[:1], lone), config)
+    assert item.start == 0.5 and item.route is None
+    lone = replace(lone, now=0.5)
+    assert route_groups(lone, _back_to_back(ts[:1], lone), config) == (
+        _back_to_back(ts[:1], lone), [])
+    # Without holding, nothing is held back; the downlink still waits for the
+    # aggregate formed now.
+    items, groups = route_groups(snap, plan, AggregationConfig(hold=False, wait=0.5))
+    assert [g.ids for g in groups] == [(1, 2, 3)] and [i.start for i in items] == [0.25] * 3

@@ -340,3 +340,42 @@ def test_an_aggregate_refused_for_a_stale_member_blames_no_one(live, caplog):
     assert any(r.getMessage().startswith("refused an aggregate of updates from worker-x, "
                                          "worker-x, worker-x: stale: delay 3")
                for r in caplog.records)
+
+
+@pytest.mark.parametrize("wait", [0.0, 1.0])
+def test_with_a_group_wait_the_free_server_waits_for_one_aggregate_of_all(loop_kind, wait):
+    """The real planner (mlfabric policy, holding groups), three updates
+    pushed at once. On loopback each transfer ends long before the planner
+    expects, so the server is always free when it plans: without a wait
+    aggregation never stalls it and every update goes straight in; with a
+    1 s wait the first is held for company and all three go as one aggregate."""
+    from mlfabric.aggregation import AggregationConfig
+    from mlfabric.control import Network
+    from mlfabric.policies import mlfabric_policy
+
+    model = make_model()
+    # About 2.7 kB an update: planned at 0.5 s each into the server.
+    network = Network(default=1e9, down={"127.0.0.1": 5e3})
+    with ServerThread(ParameterStore(model, momentum=GAMMA), loop_kind=loop_kind) as server, \
+            ServerThread(None, loop_kind=loop_kind, endpoint=Aggregator(
+                job=JOB, token=TOKEN, metrics=AggregatorMetrics())) as agg, \
+            ServerThread(None, loop_kind=loop_kind, endpoint=Controller(
+                mlfabric_policy, job=JOB, token=TOKEN, tau_max=None, network=network,
+                aggregators={"h1": agg.address},
+                aggregation=AggregationConfig(hold=True, wait=wait))) as controller, \
+            mlfabric.connect(server.address, job=JOB, token=TOKEN, host="w1",
+                             controller=controller.address) as ps:
+        updates = [random_update(model, seed=i) for i in range(3)]
+        outcomes = [f.result(20) for f in [ps.push(u, base_version=0) for u in updates]]
+        w, prev, version = dict(model), dict(model), 0
+        if wait == 0.0:
+            for u in updates:
+                w, prev, version, _ = apply_aggregate(w, prev, version, [(u, 0)], GAMMA)
+            assert [(o.version, o.delay) for o in outcomes] == [(1, 0), (2, 1), (3, 2)]
+        else:
+            w, prev, version, _ = apply_aggregate(
+                w, prev, version, [(u, 0) for u in updates], GAMMA)
+            assert [(o.version, o.delay) for o in outcomes] == [(3, 0)] * 3
+        assert_model_equal(ps.pull(timeout=10)[1], w)
+    assert server.metrics.aggregates_applied._value.get() == (0 if wait == 0.0 else 1)
+    assert agg.metrics.members._value.get() == (0 if wait == 0.0 else 3)

@@ -234,12 +234,15 @@ def test_controller_command_serves_and_stops_cleanly(tmp_path):
         server.stop()
 
 
-@pytest.mark.parametrize(("link", "message"), [
-    ("hostonly", "expected HOST=UP or HOST=UP/DOWN"),
-    ("h=fast", "expected HOST=UP or HOST=UP/DOWN"),
-    ("h=10/0", "expected HOST=UP or HOST=UP/DOWN"),
+@pytest.mark.parametrize(("args", "message"), [
+    (["--link", "hostonly"], "expected HOST=UP or HOST=UP/DOWN"),
+    (["--link", "h=fast"], "expected HOST=UP or HOST=UP/DOWN"),
+    (["--link", "h=10/0"], "expected HOST=UP or HOST=UP/DOWN"),
+    (["--group-wait", "-0.5"], "--group-wait must be a finite number of seconds >= 0 (0: "
+                               "aggregation never stalls the server), got -0.5"),
+    (["--group-wait", "nan"], "--group-wait must be a finite number of seconds >= 0"),
 ])
-def test_controller_rejects_bad_links_in_one_line(tmp_path, link, message):
+def test_controller_rejects_bad_settings_in_one_line(tmp_path, args, message):
     import subprocess
 
     from test_cli import mlfabric_cmd
@@ -249,7 +252,7 @@ def test_controller_rejects_bad_links_in_one_line(tmp_path, link, message):
     token.chmod(0o600)
     proc = subprocess.run(
         mlfabric_cmd("controller", "--listen", "127.0.0.1:0", "--job", JOB, "--token-file",
-                     str(token), "--link", link),
+                     str(token), *args),
         capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 2
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
