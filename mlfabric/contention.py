@@ -16,6 +16,9 @@ accuracy reaches the target or the time limit passes:
 * ``mlfabric-agg``: ``mlfabric`` with aggregation: every worker host's agent
   is also an aggregator (``--aggregate``), and the controller routes groups
   of updates through them when that pays (docs/design.md, "Aggregation");
+* ``mlfabric-agg-wait``: ``mlfabric-agg`` whose controller lets the server's
+  downlink wait up to ``Scenario.group_wait`` for a group (``--group-wait``),
+  so groups take nearly every worker (docs/design.md, "Waiting for a group");
 * ``mlfabric-static``: the same policy without agents: the controller plans
   on the configured link capacities only (to see what the agents' picture
   adds or costs);
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -59,8 +63,8 @@ from .demo_model import accuracy, init_params, load_digits_split, loss_and_grads
 from .errors import ConfigError
 from .workload import scrape_metrics, serving_address, wait_for_line
 
-SYSTEMS: tuple[str, ...] = ("fifo", "mlfabric", "mlfabric-agg", "ddp", "mlfabric-static",
-                             "mlfabric-agg-static")
+SYSTEMS: tuple[str, ...] = ("fifo", "mlfabric", "mlfabric-agg", "mlfabric-agg-wait", "ddp",
+                             "mlfabric-static", "mlfabric-agg-static")
 JOB = "contention"
 CONTROLLER_PORT = 7071
 AGENT_PORT = 7400
@@ -82,6 +86,7 @@ class Scenario:
     gamma: float = 0.3  # server momentum
     tau_max: int = 8
     in_flight: int = 1  # pushes a PS worker may have outstanding (2: half are dropped stale)
+    group_wait: float = 0.4  # mlfabric-agg-wait: the controller's --group-wait, seconds
     ddp_lr: float = 0.3  # ddp: SGD on the averaged gradient of workers * batch samples
     ddp_momentum: float = 0.3
     target: float = 0.90
@@ -125,6 +130,9 @@ class Scenario:
         if not self.time_limit > 0:
             raise ConfigError(f"time_limit must be a positive number of seconds, got "
                               f"{self.time_limit}")
+        if not 0 < self.group_wait < math.inf:
+            raise ConfigError(f"group_wait must be a positive number of seconds, got "
+                              f"{self.group_wait}")
         from .testbed import check_mtu
 
         check_mtu(self.mtu)
@@ -420,7 +428,7 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
         agents: list[str] = []
         # the server's traffic is the job's own: the agents do not count it as load
         job_port = ["--job-port", srv_addr.rpartition(":")[2]]
-        if system in ("mlfabric", "mlfabric-agg", "mlfabric-agg-static"):
+        if system in ("mlfabric", "mlfabric-agg", "mlfabric-agg-wait", "mlfabric-agg-static"):
             measured = system != "mlfabric-agg-static"  # the controller reads the agents
             for w in workers:
                 aggregate = []
@@ -442,10 +450,11 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
             if measured:
                 # the server host's agent measures others' load on its downlink
                 agents += ["--agent", f"{h0.ip}={h0.ip}:{AGENT_PORT}"]
+        wait = ["--group-wait", str(sc.group_wait)] if system == "mlfabric-agg-wait" else []
         ctl = _popen(tb, h0, [*py, "controller", "--listen", f"{h0.ip}:{CONTROLLER_PORT}",
                               "--job", JOB, "--token-file", str(token), "--tau-max",
                               str(sc.tau_max), "--policy", policy, "--decision-log",
-                              str(tmp / "decisions.jsonl"), *links, *agents], tmp)
+                              str(tmp / "decisions.jsonl"), *links, *agents, *wait], tmp)
         helpers.append(ctl)
         ctl_addr = serving_address(ctl, "the controller", timeout=90.0)
         for i, w in enumerate(workers):

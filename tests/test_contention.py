@@ -111,6 +111,8 @@ def test_every_process_computes_on_one_thread_unless_the_user_says_otherwise(tmp
     ({"mtu": 9216}, r"mtu must be an integer number of bytes from 1280 to 9000 \(1500 is "
                     r"Ethernet's, 9000 a jumbo frame\), got 9216"),
     ({"mtu": 1500.0}, "mtu must be .* got 1500.0"),
+    ({"group_wait": -0.1}, "group_wait must be a positive number of seconds, got -0.1"),
+    ({"group_wait": float("inf")}, "group_wait must be a positive number of seconds, got inf"),
 ])
 def test_bad_scenarios_are_refused(kw, message):
     with pytest.raises(ConfigError, match=message):
@@ -189,6 +191,8 @@ def test_benchmark_reprints_saved_runs_with_their_update_rate(tmp_path):
     assert rows["fifo"][-4:-2] == ["60", "2.00"]
     assert rows["mlfabric"][-4:-2] == ["100", "5.00"]
     assert "time to target, fifo / mlfabric: 1.50x (mlfabric sooner)" in out.stdout
+    assert "time to target, fifo / mlfabric-agg: 3.75x (mlfabric-agg sooner)" in out.stdout
+    assert "time to target, mlfabric-agg / mlfabric: 0.40x (mlfabric later)" in out.stdout
     # to 0.80 at half the wall (5, 15, 25 -> 15); to 0.85 only in the 2 runs
     # that reached the target (10, 30, and the limit 50 -> 30, marked)
     assert marks["fifo"] == ["fifo", "15.0", "s", ">=30.0", "s", ">=30.0", "s"]
@@ -211,6 +215,7 @@ def test_benchmark_reprints_saved_runs_with_their_update_rate(tmp_path):
     (["--mtu", "600"], "mtu must be an integer number of bytes from 1280 to 9000 (1500 is "
                        "Ethernet's, 9000 a jumbo frame), got 600"),
     (["--mtu", "jumbo"], "argument --mtu: invalid int value: 'jumbo'"),
+    (["--group-wait", "0"], "group_wait must be a positive number of seconds, got 0.0"),
 ])
 def test_benchmark_refuses_bad_arguments_before_building_anything(args, message):
     """Checked before the root check, so a typo is told as such, root or not."""
@@ -227,7 +232,7 @@ def test_demo_without_root_says_what_it_needs(monkeypatch):
         contention.run_demo()
 
 
-SYSTEMS = ["fifo", "mlfabric", "mlfabric-agg"] + (
+SYSTEMS = ["fifo", "mlfabric", "mlfabric-agg", "mlfabric-agg-wait"] + (
     ["ddp"] if importlib.util.find_spec("torch") else [])
 
 
@@ -258,7 +263,7 @@ def test_each_system_really_trains_on_the_emulated_cluster():
                 assert r.applied > 0 and r.delay_max <= sc.tau_max
                 assert r.server_bytes_in is not None
                 # Aggregates carry k updates in one transfer; the others, one each.
-                if system != "mlfabric-agg":
+                if not system.startswith("mlfabric-agg"):
                     assert r.server_bytes_in >= r.applied * sc.model_bytes
                 elif r.groups:  # the aggregators' metrics were read, and the plan's parts
                     assert r.gather_mean is not None and r.forward_mean is not None
