@@ -450,7 +450,9 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
             if measured:
                 # the server host's agent measures others' load on its downlink
                 agents += ["--agent", f"{h0.ip}={h0.ip}:{AGENT_PORT}"]
-        wait = ["--group-wait", str(sc.group_wait)] if system == "mlfabric-agg-wait" else []
+        # A group of every worker is full: it goes without waiting out the rest.
+        wait = (["--group-wait", str(sc.group_wait), "--max-fan-in", str(sc.workers)]
+                if system == "mlfabric-agg-wait" else [])
         ctl = _popen(tb, h0, [*py, "controller", "--listen", f"{h0.ip}:{CONTROLLER_PORT}",
                               "--job", JOB, "--token-file", str(token), "--tau-max",
                               str(sc.tau_max), "--policy", policy, "--decision-log",
@@ -764,7 +766,7 @@ def demo_scenario(time_limit: float = 60.0) -> Scenario:
                     straggler=3, server_link=(1000.0, 100.0))
 
 
-def run_demo(systems: Sequence[str] = ("fifo", "mlfabric", "mlfabric-agg"),
+def run_demo(systems: Sequence[str] = ("fifo", "mlfabric", "mlfabric-agg", "mlfabric-agg-wait"),
              time_limit: float = 60.0,
              out: Any = sys.stdout) -> list[RunResult]:
     """Run each system once on a fresh emulated cluster and print a comparison."""
@@ -799,15 +801,16 @@ def run_demo(systems: Sequence[str] = ("fifo", "mlfabric", "mlfabric-agg"),
 
 
 def format_results(sc: Scenario, results: Sequence[RunResult]) -> str:
-    lines = [f"  {'system':12s} {'time to ' + str(sc.target):>16s} {'delay mean':>10s} "
+    w = max([len("system"), *(len(r.system) for r in results)])
+    lines = [f"  {'system':{w}s} {'time to ' + str(sc.target):>16s} {'delay mean':>10s} "
              f"{'std':>5s} {'max':>4s} {'applied':>8s} {'dropped':>8s} {'server MB in':>13s}"]
     for r in results:
         t = f"{r.time_to_target:.1f} s" if r.time_to_target is not None else (
             f"> {sc.time_limit:.0f} s")
         if r.system == "ddp":
-            lines.append(f"  {r.system:12s} {t:>16s}")
+            lines.append(f"  {r.system:{w}s} {t:>16s}")
             continue
         mb = f"{r.server_bytes_in / 1e6:.0f}" if r.server_bytes_in is not None else "?"
-        lines.append(f"  {r.system:12s} {t:>16s} {r.delay_mean:10.2f} {r.delay_std:5.2f} "
+        lines.append(f"  {r.system:{w}s} {t:>16s} {r.delay_mean:10.2f} {r.delay_std:5.2f} "
                      f"{r.delay_max:4d} {r.applied:8d} {r.dropped:8d} {mb:>13s}")
     return "\n".join(lines)

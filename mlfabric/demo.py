@@ -53,9 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", default=None,
                    help="also write the summary as JSON to PATH")
     p.add_argument("--contention", action="store_true",
-                   help="instead: FIFO vs mlfabric (without and with aggregation at agents) "
-                        "on an emulated cluster with other tenants' traffic and a straggler, "
-                        "ending with a comparison table (root)")
+                   help="instead: FIFO vs mlfabric (without aggregation, with aggregation at "
+                        "agents, and with aggregation that waits for every worker: "
+                        "--group-wait) on an emulated cluster with other tenants' traffic and "
+                        "a straggler, ending with a comparison table (root)")
 
 
 def _check(args: argparse.Namespace) -> None:

@@ -225,6 +225,22 @@ def test_benchmark_refuses_bad_arguments_before_building_anything(args, message)
     assert message in out.stderr and "Traceback" not in out.stderr
 
 
+def test_the_demo_table_keeps_its_columns_under_the_longest_system_name():
+    sc = Scenario(time_limit=60.0)
+    results = [contention.RunResult("fifo", "contended", True, 15.0, 15.0, applied=102,
+                                    server_bytes_in=125e6, delay_mean=2.75, delay_std=1.09,
+                                    delay_max=6),
+               contention.RunResult("mlfabric-agg-wait", "contended", False, None, 60.0,
+                                    applied=92, dropped=1, server_bytes_in=28e6),
+               contention.RunResult("ddp", "contended", True, 3.5, 3.6)]
+    header, fifo, wait, ddp = contention.format_results(sc, results).splitlines()
+    assert fifo.split() == ["fifo", "15.0", "s", "2.75", "1.09", "6", "102", "0", "125"]
+    assert wait.split()[:3] == ["mlfabric-agg-wait", ">", "60"]
+    # every row's time column ends where the header's does
+    end = header.index("time to 0.9") + len("time to 0.9")
+    assert [row.index(" s") + 2 for row in (fifo, wait, ddp)] == [end] * 3
+
+
 def test_demo_without_root_says_what_it_needs(monkeypatch):
     monkeypatch.setattr(contention.os, "geteuid", lambda: 1000)
     with pytest.raises(ConfigError, match=r"needs root: it builds an emulated cluster .*sudo "
