@@ -18,7 +18,7 @@ accuracy reaches the target or the time limit passes:
   of updates through them when that pays (docs/design.md, "Aggregation");
 * ``mlfabric-agg-wait``: ``mlfabric-agg`` whose controller lets the server's
   downlink wait up to ``Scenario.group_wait`` for a group (``--group-wait``),
-  so groups take nearly every worker (docs/design.md, "Waiting for a group");
+  so groups take nearly every worker (docs/design.md, "Aggregation");
 * ``mlfabric-static``: the same policy without agents: the controller plans
   on the configured link capacities only (to see what the agents' picture
   adds or costs);

@@ -57,8 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --aggregator: how long the server's downlink may wait for an "
                         "aggregate, to get larger groups; with --hold-groups a group (or a lone "
                         "update) is also held this long after its first member asked, unless "
-                        "it fills up. 0 keeps the design's rule that aggregation never stalls "
-                        "the server (default: 0)")
+                        "it fills up (set --max-fan-in to the number of workers). 0 keeps the "
+                        "design's rule that aggregation never stalls the server (default: 0)")
     p.add_argument("--rescue-drops", action=argparse.BooleanOptionalAction, default=True,
                    help="with --aggregator: an update the policy would drop because the "
                         "server's downlink is overloaded joins an aggregate that goes anyway, "
