@@ -342,7 +342,7 @@ def route_groups(snap: Snapshot, items: list[PlanItem], config: AggregationConfi
     formed: list[Group] = []
     for dst, sends in sorted(by_dst.items()):
         if len(sends) < 2:
-            if config.hold and config.wait > 0 and sends:
+            if config.hold and config.wait > 0:
                 # A lone update waits for company as a group would.
                 (item,) = sends
                 until = pending[item.id].arrival + config.wait

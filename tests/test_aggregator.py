@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 
 import mlfabric
-from mlfabric.aggregation import apply_aggregate
+from mlfabric.aggregation import AggregationConfig, apply_aggregate
 from mlfabric.aggregator import Aggregator
-from mlfabric.control import PlanItem, Route, Snapshot
+from mlfabric.control import Network, PlanItem, Route, Snapshot
 from mlfabric.controller import Controller
 from mlfabric.metrics import AggregatorMetrics
+from mlfabric.policies import mlfabric_policy
 from mlfabric.protocol import Push, PushResult
 from mlfabric.store import ParameterStore
 
@@ -349,10 +350,6 @@ def test_with_a_group_wait_the_free_server_waits_for_one_aggregate_of_all(loop_k
     expects, so the server is always free when it plans: without a wait
     aggregation never stalls it and every update goes straight in; with a
     1 s wait the first is held for company and all three go as one aggregate."""
-    from mlfabric.aggregation import AggregationConfig
-    from mlfabric.control import Network
-    from mlfabric.policies import mlfabric_policy
-
     model = make_model()
     # About 2.7 kB an update: planned at 0.5 s each into the server.
     network = Network(default=1e9, down={"127.0.0.1": 5e3})
