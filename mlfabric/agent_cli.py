@@ -86,8 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the job's token file (with --aggregate)")
     p.add_argument("--group-timeout", type=float, metavar="SECONDS",
                    help="with --aggregate: seconds from a group's first member after which "
-                        "the members in are forwarded and the rest go straight to the server "
-                        "(default 2)")
+                        "the members in are forwarded and the rest go straight to the server; "
+                        "if all had begun (their sum is already streaming to the server), all "
+                        "go straight to it (default 2)")
     p.add_argument("--loop", choices=["uvloop", "asyncio"], default=None,
                    help="event loop (default: uvloop when installed)")
 

@@ -4,10 +4,17 @@ It runs inside `mlfabric agent --aggregate HOST:PORT` and speaks the job's
 protocol with its token. Workers the controller routed through it push
 their update here as member `index` of group `group` (`fan_in` members,
 bound for the server `dst`); each member is received straight into a buffer
-of its own and summed, in index order, as its bytes arrive. When all members
-are in, one aggregate (their sum, with the list of members) goes to the
-server, and each member is answered with its own outcome (applied, the
-version, its delay).
+of its own and summed, in index order, as its bytes arrive. One aggregate
+(their sum, with the list of members) goes to the server, and each member is
+answered with its own outcome (applied, the version, its delay).
+
+The aggregate is streamed: once every member's update has begun to arrive
+(so the list of members is known), its frame goes out and each stretch of
+the sum follows as soon as all members' bytes for it are in. The forward
+into the server, usually the slowest link, then overlaps the gather instead
+of following it. A group that cannot finish (a member stalls past the group
+timeout or disconnects, the server link fails) drops its partial frame with
+the link, so the server never applies part of one.
 
 Nothing is lost and nothing is applied twice: when the aggregate is not
 applied (the server refused it, the server link failed, or the group timed
@@ -33,7 +40,7 @@ import numpy as np
 from .aggregation import GroupSum
 from .client_core import Handshake
 from .endpoint import Endpoint, EndpointProtocol
-from .errors import ConfigError, MlfabricError
+from .errors import ConfigError, ConnectionLost, MlfabricError
 from .metrics import AggregatorMetrics
 from .protocol import (
     HEADER,
@@ -65,6 +72,7 @@ class _Member:
     req: int
     uid: str
     base_version: int
+    index: int
 
 
 @dataclass
@@ -73,8 +81,12 @@ class _Group:
     specs: tuple[TensorSpec, ...]
     sum: GroupSum
     started: float
-    members: dict[int, _Member] = field(default_factory=dict)
+    members: dict[int, _Member] = field(default_factory=dict)  # received whole
+    heads: dict[int, _Member] = field(default_factory=dict)  # begun to arrive
     timer: asyncio.TimerHandle | None = None
+    streaming: bool = False  # its aggregate is going out while members arrive
+    progress: asyncio.Event = field(default_factory=asyncio.Event)  # more of the sum is final
+    given_up: str | None = None  # why a streamed aggregate must be abandoned
 
 
 class Aggregator(Endpoint):
@@ -102,6 +114,7 @@ class Aggregator(Endpoint):
         self.groups: dict[tuple[str, int], _Group] = {}
         self._closed: OrderedDict[tuple[str, int], str] = OrderedDict()
         self._links: dict[str, asyncio.Task[Any]] = {}
+        self._writing: dict[str, asyncio.Lock] = {}  # one frame at a time on a server link
         self._forwards: set[asyncio.Task[None]] = set()
 
     def make_protocol(self) -> _AggregatorProtocol:
@@ -137,11 +150,37 @@ class Aggregator(Endpoint):
         while len(self._closed) > _CLOSED_MEMORY:
             self._closed.popitem(last=False)
 
+    def member_started(self, group: _Group, member: _Member) -> None:
+        """A member's update has begun to arrive; with every member's begun,
+        the aggregate starts out to the server."""
+        group.heads[member.index] = member
+        if len(group.heads) == group.sum.fan_in and not group.streaming:
+            group.streaming = True
+            members = [group.heads[i] for i in range(group.sum.fan_in)]
+            self._forward(group, members, group.sum.acc, lambda: 4 * group.sum.summed)
+
     def member_in(self, group: _Group) -> None:
         if group.sum.all_in:
             self.metrics.gather_seconds.observe(time.monotonic() - group.started)
             self._close(group, "its aggregate was forwarded")
-            self._forward(group, group.sum.total())
+            group.sum.total()  # sums the rest
+            assert group.streaming  # every member has begun
+            group.progress.set()
+
+    def member_lost(self, group: _Group, member: _Member) -> None:
+        """A member's connection dropped mid-update: a streamed aggregate
+        cannot be finished, so it is given up now rather than at the timeout."""
+        if group.streaming and group.key in self.groups:
+            self._give_up(group, f"member {member.index} ({member.conn.client}) disconnected "
+                                 f"before its update was in")
+
+    def _give_up(self, group: _Group, why: str) -> None:
+        """Stop a streamed group: its partial frame is dropped with the link,
+        and every member is told to go straight to the server (those still
+        arriving when their update is in)."""
+        self._close(group, why)
+        group.given_up = why
+        group.progress.set()
 
     def _expire(self, key: tuple[str, int]) -> None:
         """A member did not arrive in time: forward what is in, and tell the
@@ -152,17 +191,32 @@ class Aggregator(Endpoint):
         self.metrics.group_timeouts.inc()
         self.metrics.gather_seconds.observe(time.monotonic() - group.started)
         missing = sorted(set(range(group.sum.fan_in)) - set(group.members))
+        if group.streaming:
+            # Its frame went out as a sum of all members: it cannot become a
+            # smaller aggregate, so no aggregate is applied this time.
+            log.warning("group %d for %s: members %s did not finish within %.1f s; its "
+                        "streamed aggregate is abandoned and the members go straight to the "
+                        "server", key[1], key[0], missing, self.group_timeout)
+            self._give_up(group, f"it timed out after {self.group_timeout:.1f} s without "
+                                 f"member(s) {missing}")
+            return
         log.warning("group %d for %s: members %s did not arrive within %.1f s; forwarding the "
                     "other %d", key[1], key[0], missing, self.group_timeout, len(group.members))
         self._close(group, f"it timed out after {self.group_timeout:.1f} s without member(s) "
                            f"{missing}")
         if group.members:
-            self._forward(group, group.sum.total_of(list(group.members)))
+            members = [group.members[i] for i in sorted(group.members)]
+            total = group.sum.total_of(list(group.members))
+            self._forward(group, members, total, lambda: total.nbytes)
 
     # -- forwarding ----------------------------------------------------------------
 
-    def _forward(self, group: _Group, total: np.ndarray) -> None:
-        task = asyncio.get_running_loop().create_task(self._send_aggregate(group, total))
+    def _forward(self, group: _Group, members: list[_Member], total: np.ndarray,
+                 final: Any) -> None:
+        """Send `total`, the sum of `members`, to the server; `final()`: how
+        many of its bytes are summed for good (all, unless streamed)."""
+        task = asyncio.get_running_loop().create_task(
+            self._send_aggregate(group, members, total, final))
         self._forwards.add(task)
         task.add_done_callback(self._forwards.discard)
 
@@ -180,9 +234,9 @@ class Aggregator(Endpoint):
     def _handshake(self) -> Handshake:
         return Handshake(self.job, self.token, f"{self.name} aggregator")
 
-    async def _send_aggregate(self, group: _Group, total: np.ndarray) -> None:
+    async def _send_aggregate(self, group: _Group, members: list[_Member], total: np.ndarray,
+                              final: Any) -> None:
         m = self.metrics
-        members = [group.members[i] for i in sorted(group.members)]
         offsets, _ = layout(group.specs)
         data = total.view(np.uint8)
         tensors = {sp.name: np.frombuffer(data, np.float32, count=sp.nbytes // 4,
@@ -194,13 +248,33 @@ class Aggregator(Endpoint):
         forwarded = time.monotonic()
         try:
             server = await self._link(dst)
-            result = await server._request(
-                "aggregate", lambda req: Push(req, base, tensors, members=push_members), base)
+            async with self._writing.setdefault(dst, asyncio.Lock()):
+                answer, frame = server._request_streamed(
+                    "aggregate", lambda req: Push(req, base, tensors, members=push_members), base)
+                try:
+                    await self._stream(group, frame, data, final)
+                except BaseException:
+                    # A partial frame must not stay on the link (the server
+                    # would read the next frame as its rest): drop the link.
+                    frame.abort()
+                    answer.add_done_callback(lambda f: f.cancelled() or f.exception())  # dropped
+                    task = self._links.get(dst)
+                    if task is not None and task.done() and task.result() is server:
+                        del self._links[dst]  # it closes a moment later: not to be reused
+                    raise
+            result = await answer
         except (OSError, MlfabricError) as exc:
             # A lost link is dialled again next time (reuse_or_dial); one
             # that carried a refusal is still good and is kept.
             m.aggregates.labels("failed").inc()
-            self._fail(members, f"the aggregate could not be delivered to {dst}: {exc}")
+            why = (f"the aggregate could not be delivered to {dst}: {exc}"
+                   if group.given_up is None else f"its aggregate was abandoned: {exc}")
+            self._abandon(group, members, why)
+            return
+        except Exception:  # a bug: the members must still hear, or their workers hang
+            log.exception("internal error forwarding group %d to %s", group.key[1], dst)
+            m.aggregates.labels("failed").inc()
+            self._abandon(group, members, "internal aggregator error (see its log)")
             return
         assert isinstance(result, PushResult)
         answered = time.monotonic()
@@ -217,6 +291,26 @@ class Aggregator(Endpoint):
         for mb, delay in zip(members, result.delays, strict=True):
             mb.conn.send(PushResult(req=mb.req, applied=True, version=result.version,
                                     delay=delay))
+
+    async def _stream(self, group: _Group, frame: Any, data: np.ndarray, final: Any) -> None:
+        """Write the aggregate's bytes as they become final; raises if the
+        group is given up first."""
+        while frame.sent < frame.nbytes:
+            if group.given_up is not None:
+                raise ConnectionLost(group.given_up)
+            upto = final()
+            if upto > frame.sent:
+                if not group.sum.all_in:
+                    self.metrics.streamed_bytes.inc(upto - frame.sent)
+                frame.write(data[frame.sent:upto].data)
+            else:
+                group.progress.clear()
+                await group.progress.wait()
+
+    def _abandon(self, group: _Group, members: list[_Member], why: str) -> None:
+        if group.key in self.groups:  # streamed, members still arriving
+            self._close(group, why)
+        self._fail([mb for mb in members if group.sum.complete[mb.index]], why)
 
     def _refused(self, members: list[_Member], result: PushResult, tau_max: int | None) -> None:
         """The server refused the aggregate (a member past tau_max): the stale
@@ -238,6 +332,7 @@ class Aggregator(Endpoint):
                                            f"send update {mb.uid} straight to the server"))
 
     def _fail(self, members: list[_Member], why: str) -> None:
+        """Members still arriving are told when their update is in (the group is closed)."""
         log.warning("%s; %d members go straight to the server", why, len(members))
         for mb in members:
             mb.conn.send(Error(code=FAILED, req=mb.req,
@@ -280,14 +375,32 @@ class _AggregatorProtocol(EndpointProtocol):
         meta = partial.meta
         key, fan_in, index = (meta.get("dst"), meta.get("group")), meta.get("fan_in"), \
             meta.get("index")
+        req, uid, base = meta.get("req"), meta.get("uid"), meta.get("base_version")
         if not (isinstance(key[0], str) and type(key[1]) is int and type(fan_in) is int
-                and type(index) is int and 0 <= index < fan_in):
+                and type(index) is int and 0 <= index < fan_in and type(req) is int
+                and isinstance(uid, str) and type(base) is int
+                and all(sp.dtype == np.dtype("<f4") for sp in partial.specs)):
             return  # checked properly when the frame is complete
-        group = self.aggregator.group_for(key, fan_in, len(partial.data),  # type: ignore[arg-type]
-                                          partial.specs)
-        if (group is not None and group.specs == partial.specs and index not in group.members
-                and group.sum.fan_in == fan_in):
-            group.sum.progress(index, partial.data, partial.received)
+        agg = self.aggregator
+        group = agg.group_for(key, fan_in, len(partial.data),  # type: ignore[arg-type]
+                              partial.specs)
+        if group is None or group.specs != partial.specs or group.sum.fan_in != fan_in:
+            return
+        head = group.heads.get(index)
+        if head is None:
+            head = _Member(self, req, uid, base, index)
+            agg.member_started(group, head)
+        elif head.conn is not self or head.req != req:
+            return  # the index is taken: refused when the frame is complete
+        group.sum.progress(index, partial.data, partial.received)
+        group.progress.set()
+
+    def on_lost(self) -> None:
+        for group in list(self.aggregator.groups.values()):
+            for index, head in group.heads.items():
+                if head.conn is self and index not in group.members:
+                    self.aggregator.member_lost(group, head)
+                    break
 
     def handle(self, event: Any) -> None:
         if not isinstance(event, Push):
@@ -315,10 +428,14 @@ class _AggregatorProtocol(EndpointProtocol):
                                     f"straight to the server"))
             return
         problem = None
+        head = group.heads.get(event.index)
         if group.sum.fan_in != event.fan_in:
             problem = f"fan_in {event.fan_in}, the group's is {group.sum.fan_in}"
-        elif event.index in group.members:
-            problem = f"index {event.index} is taken by update {group.members[event.index].uid}"
+        elif event.index in group.members or (head is not None and (
+                head.conn is not self or head.req != event.req)):
+            taken = group.members.get(event.index) or head
+            assert taken is not None
+            problem = f"index {event.index} is taken by update {taken.uid}"
         elif group.specs != specs:
             problem = "its tensors differ from the group's first member's"
         if problem is not None:
@@ -327,7 +444,10 @@ class _AggregatorProtocol(EndpointProtocol):
                                     f"({problem}); send it straight to the server"))
             return
         group.sum.member_done(event.index, block)
-        group.members[event.index] = _Member(self, event.req, event.uid, event.base_version)
+        member = _Member(self, event.req, event.uid, event.base_version, event.index)
+        group.members[event.index] = member
+        if head is None:
+            agg.member_started(group, member)
         agg.member_in(group)
 
     def _refuse(self, event: Push, code: str, message: str) -> None:

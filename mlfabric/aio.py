@@ -281,6 +281,38 @@ class _ClientProtocol(asyncio.BufferedProtocol):
             self.transport.close()
 
 
+class FrameWriter:
+    """The data block of a frame whose header is already sent, written in
+    order as its bytes become final (an aggregator forwards an aggregate
+    while its members are still arriving)."""
+
+    def __init__(self, proto: _ClientProtocol, nbytes: int) -> None:
+        self._proto = proto
+        self.nbytes = nbytes
+        self.sent = 0
+
+    def write(self, data: memoryview) -> None:
+        """Send the next `len(data)` bytes of the block (not copied: keep them
+        unchanged until the frame is answered)."""
+        if self.sent + len(data) > self.nbytes:
+            raise ValueError(f"{self.sent + len(data)} bytes written to a {self.nbytes}-byte "
+                             f"data block")
+        proto = self._proto
+        if proto.error is not None or proto.transport is None:
+            raise proto.error or ConnectionLost(f"the link to {proto.address} is closed")
+        proto.transport.write(data)
+        self.sent += len(data)
+        if proto.metrics is not None:
+            proto.metrics.sent_bytes.inc(len(data))
+
+    def abort(self) -> None:
+        """Give up on the frame: the link is dropped at once, so the far end
+        discards the partial frame (a request already waiting on this link
+        fails with the link)."""
+        if self._proto.transport is not None:
+            self._proto.transport.abort()
+
+
 class AsyncClient:
     """A connection to one parameter server, for asyncio programs."""
 
@@ -463,6 +495,23 @@ class AsyncClient:
         req = proto.requests.add(kind, fut, base_version)
         proto.send(make_event(req))
         return fut
+
+    def _request_streamed(self, kind: str, make_event: Any, base_version: int | None
+                          ) -> tuple[asyncio.Future[Any], FrameWriter]:
+        """Like `_request`, but only the frame's header and fields go out now:
+        its data block follows through the returned writer, as it becomes
+        final. Nothing else may be sent on this link until the writer is
+        done (the caller serialises)."""
+        proto = self._proto
+        if proto.error is not None or proto.transport is None:
+            raise proto.error or ConnectionLost(f"the client for {self.address} is closed")
+        fut = asyncio.get_running_loop().create_future()
+        req = proto.requests.add(kind, fut, base_version)
+        head, *data = proto.conn.send(make_event(req))
+        proto.transport.write(head)
+        if proto.metrics is not None:
+            proto.metrics.sent_bytes.inc(len(head))
+        return fut, FrameWriter(proto, sum(len(p) for p in data))
 
     async def drain(self) -> None:
         """Wait until the transport's write buffer is below its high-water

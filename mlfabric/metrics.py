@@ -328,15 +328,20 @@ class AggregatorMetrics:
             "server's answer to its aggregate", namespace=ns, registry=r,
             buckets=TRANSFER_BUCKETS)
         # The two parts of aggregation_seconds, to tell a slow member from a
-        # slow path to the server.
+        # slow path to the server. A streamed aggregate's forward starts while
+        # its members arrive, so the two overlap.
         self.gather_seconds = Histogram(
             "aggregator_gather_seconds", "From a group's first member arriving to its last "
             "member received (or to the group timing out)", namespace=ns, registry=r,
             buckets=TRANSFER_BUCKETS)
         self.forward_seconds = Histogram(
             "aggregator_forward_seconds", "From forwarding an aggregate to the server's answer "
-            "(the link, the transfer into the server and its apply)", namespace=ns, registry=r,
-            buckets=TRANSFER_BUCKETS)
+            "(the link, the transfer into the server and its apply); it starts once every "
+            "member has begun to arrive", namespace=ns, registry=r, buckets=TRANSFER_BUCKETS)
+        self.streamed_bytes = Counter(
+            "aggregator_streamed_bytes", "Aggregate bytes sent to the server before the "
+            "group's last member was in (the forward overlapping the gather)", namespace=ns,
+            registry=r)
         self.group_timeouts = Counter(
             "aggregator_group_timeouts", "Groups forwarded without all members (a member did "
             "not arrive within the group timeout)", namespace=ns, registry=r)

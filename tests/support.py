@@ -179,6 +179,11 @@ class RawClient:
     def send(self, event: object) -> None:
         self.sock.sendall(self.conn.send_bytes(event))
 
+    @staticmethod
+    def frame(event: object) -> bytes:
+        """An event's frame, to send in pieces with send_raw."""
+        return Connection().send_bytes(event)
+
     def send_raw(self, data: bytes) -> None:
         self.sock.sendall(data)
 
