@@ -392,6 +392,19 @@ def _member_frames(model, group: int, dst: str, fan_in: int = 2, seed: int = 0):
     return updates, frames
 
 
+def _member_1_partly_in(server, agg, model):
+    """Group 7 of two members: member 0 whole, member 1 70% sent, and the
+    first MiB of their aggregate at the server already."""
+    updates, frames = _member_frames(model, 7, server.address)
+    members = [RawClient(agg.port) for _ in frames]
+    members[0].send_raw(frames[0])
+    rest = frames[1][len(frames[1]) * 7 // 10:]
+    members[1].send_raw(frames[1][:-len(rest)])
+    wait_until(lambda: server.metrics.received_bytes._value.get() >= 1 << 20,
+               what="the first MiB of the aggregate at the server")
+    return updates, members, rest
+
+
 @pytest.fixture
 def streaming(loop_kind):
     """start(group_timeout): a server with a 2.4 MB model and an aggregator,
@@ -417,18 +430,10 @@ def streaming(loop_kind):
 
 def test_the_aggregate_streams_to_the_server_while_a_member_is_still_arriving(streaming):
     server, agg, model = streaming()
-    updates, frames = _member_frames(model, 7, server.address)
-    members = [RawClient(agg.port) for _ in frames]
-    members[0].send_raw(frames[0])
-    cut = len(frames[1]) * 7 // 10
-    members[1].send_raw(frames[1][:cut])
-    # 70% of member 1 is in: most of that is summed and on its way.
-    wait_until(lambda: agg.metrics.streamed_bytes._value.get() >= 1 << 20,
-               what="the first MiB of the aggregate streamed")
-    wait_until(lambda: server.metrics.received_bytes._value.get() >= 1 << 20,
-               what="the first MiB of the aggregate at the server")
+    updates, members, rest = _member_1_partly_in(server, agg, model)
+    assert agg.metrics.streamed_bytes._value.get() >= 1 << 20
     assert server.call(lambda: server.store.version) == 0
-    members[1].send_raw(frames[1][cut:])
+    members[1].send_raw(rest)
     assert [m.recv_event() for m in members] == [PushResult(1, True, 2, 0)] * 2
     w, _, _, _ = apply_aggregate(model, model, 0, [(u, 0) for u in updates], GAMMA)
     assert_model_equal(server.call(lambda: server.store.snapshot()[1]), w)
@@ -446,13 +451,7 @@ def test_a_member_lost_mid_update_abandons_the_streamed_aggregate(streaming, how
     the next group is forwarded on a fresh link and applied whole."""
     # Stalling ends at the group timeout; a disconnect ends the group at once.
     server, agg, model = streaming(2.0 if how == "stalls" else 30.0)
-    _, frames = _member_frames(model, 7, server.address)
-    members = [RawClient(agg.port) for _ in frames]
-    members[0].send_raw(frames[0])
-    cut = len(frames[1]) * 7 // 10
-    members[1].send_raw(frames[1][:cut])
-    wait_until(lambda: server.metrics.received_bytes._value.get() >= 1 << 20,
-               what="the first MiB of the aggregate at the server")
+    _, members, rest = _member_1_partly_in(server, agg, model)
     if how == "disconnects":
         members[1].close()
     failed = members[0].recv_event()  # the group timeout is 2 s; recv_event's bound 5 s
@@ -462,7 +461,7 @@ def test_a_member_lost_mid_update_abandons_the_streamed_aggregate(streaming, how
     assert failed.message == (f"its aggregate was abandoned: {reason}; send update u7-0 "
                               f"straight to the server")
     if how == "stalls":
-        members[1].send_raw(frames[1][cut:])
+        members[1].send_raw(rest)
         late = members[1].recv_event()
         assert late.code == "aggregate_failed" and late.message == (
             f"group 7 is closed: {reason}; send update u7-1 straight to the server")
