@@ -295,6 +295,8 @@ class Aggregator(Endpoint):
     async def _stream(self, group: _Group, frame: Any, data: np.ndarray, final: Any) -> None:
         """Write the aggregate's bytes as they become final; raises if the
         group is given up first."""
+        if frame.nbytes != data.nbytes:  # would wait forever for bytes that never come
+            raise AssertionError(f"a {frame.nbytes}-byte frame for a {data.nbytes}-byte sum")
         while frame.sent < frame.nbytes:
             if group.given_up is not None:
                 raise ConnectionLost(group.given_up)
