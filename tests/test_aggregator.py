@@ -53,20 +53,26 @@ def grouping_policy(k: int, address: str, fan_in: int | None = None):
     return policy
 
 
+def _server_and_aggregator(threads: list, loop_kind: str, model, group_timeout: float,
+                           tau_max: int | None = None):
+    server = ServerThread(ParameterStore(model, momentum=GAMMA, tau_max=tau_max),
+                          loop_kind=loop_kind).__enter__()
+    threads.append(server)
+    agg = ServerThread(None, loop_kind=loop_kind, endpoint=Aggregator(
+        job=JOB, token=TOKEN, group_timeout=group_timeout,
+        metrics=AggregatorMetrics())).__enter__()
+    threads.append(agg)
+    return server, agg
+
+
 @pytest.fixture
 def live(loop_kind):
-    threads = []
+    threads: list = []
 
     def start(k: int, *, fan_in: int | None = None, group_timeout: float = 5.0,
               tau_max: int | None = None):
         model = make_model()
-        server = ServerThread(ParameterStore(model, momentum=GAMMA, tau_max=tau_max),
-                              loop_kind=loop_kind).__enter__()
-        threads.append(server)
-        agg = ServerThread(None, loop_kind=loop_kind, endpoint=Aggregator(
-            job=JOB, token=TOKEN, group_timeout=group_timeout,
-            metrics=AggregatorMetrics())).__enter__()
-        threads.append(agg)
+        server, agg = _server_and_aggregator(threads, loop_kind, model, group_timeout, tau_max)
         controller = ServerThread(None, loop_kind=loop_kind, endpoint=Controller(
             grouping_policy(k, agg.address, fan_in), job=JOB, token=TOKEN,
             tau_max=tau_max)).__enter__()
@@ -410,18 +416,11 @@ def streaming(loop_kind):
     """start(group_timeout): a server with a 2.4 MB model and an aggregator,
     both live; the members are raw sockets, so a test decides how much of
     each update is in."""
-    threads = []
+    threads: list = []
 
     def start(group_timeout: float = 30.0):
         model = make_model(sizes=BIG)
-        server = ServerThread(ParameterStore(model, momentum=GAMMA),
-                              loop_kind=loop_kind).__enter__()
-        threads.append(server)
-        agg = ServerThread(None, loop_kind=loop_kind, endpoint=Aggregator(
-            job=JOB, token=TOKEN, group_timeout=group_timeout,
-            metrics=AggregatorMetrics())).__enter__()
-        threads.append(agg)
-        return server, agg, model
+        return (*_server_and_aggregator(threads, loop_kind, model, group_timeout), model)
 
     yield start
     for t in reversed(threads):
