@@ -84,9 +84,13 @@ class _Group:
     members: dict[int, _Member] = field(default_factory=dict)  # received whole
     heads: dict[int, _Member] = field(default_factory=dict)  # begun to arrive
     timer: asyncio.TimerHandle | None = None
-    streaming: bool = False  # its aggregate is going out while members arrive
     progress: asyncio.Event = field(default_factory=asyncio.Event)  # more of the sum is final
     given_up: str | None = None  # why a streamed aggregate must be abandoned
+
+    @property
+    def streaming(self) -> bool:
+        """Every member has begun, so the aggregate is on its way (heads only grow)."""
+        return len(self.heads) == self.sum.fan_in
 
 
 class Aggregator(Endpoint):
@@ -154,8 +158,7 @@ class Aggregator(Endpoint):
         """A member's update has begun to arrive; with every member's begun,
         the aggregate starts out to the server."""
         group.heads[member.index] = member
-        if len(group.heads) == group.sum.fan_in and not group.streaming:
-            group.streaming = True
+        if group.streaming:  # this was the last to begin: each index begins once
             members = [group.heads[i] for i in range(group.sum.fan_in)]
             self._forward(group, members, group.sum.acc, lambda: 4 * group.sum.summed)
 

@@ -488,13 +488,18 @@ class AsyncClient:
             self.last_version = max(self.last_version, fut.result().version)
 
     def _request(self, kind: str, make_event: Any, base_version: int | None) -> Any:
+        fut, event = self._new_request(kind, make_event, base_version)
+        self._proto.send(event)
+        return fut
+
+    def _new_request(self, kind: str, make_event: Any, base_version: int | None
+                     ) -> tuple[asyncio.Future[Any], Any]:
+        """A future registered for the answer, and the event to send for it."""
         proto = self._proto
         if proto.error is not None or proto.transport is None:
             raise proto.error or ConnectionLost(f"the client for {self.address} is closed")
         fut = asyncio.get_running_loop().create_future()
-        req = proto.requests.add(kind, fut, base_version)
-        proto.send(make_event(req))
-        return fut
+        return fut, make_event(proto.requests.add(kind, fut, base_version))
 
     def _request_streamed(self, kind: str, make_event: Any, base_version: int | None
                           ) -> tuple[asyncio.Future[Any], FrameWriter]:
@@ -502,12 +507,9 @@ class AsyncClient:
         its data block follows through the returned writer, as it becomes
         final. Nothing else may be sent on this link until the writer is
         done (the caller serialises)."""
+        fut, event = self._new_request(kind, make_event, base_version)
         proto = self._proto
-        if proto.error is not None or proto.transport is None:
-            raise proto.error or ConnectionLost(f"the client for {self.address} is closed")
-        fut = asyncio.get_running_loop().create_future()
-        req = proto.requests.add(kind, fut, base_version)
-        head, *data = proto.conn.send(make_event(req))
+        head, *data = proto.conn.send(event)
         proto.transport.write(head)
         if proto.metrics is not None:
             proto.metrics.sent_bytes.inc(len(head))
