@@ -38,6 +38,8 @@ from mlfabric.bandwidth import ProbeConfig
 from mlfabric.errors import ConfigError, ProtocolError
 from mlfabric.metrics import AgentMetrics
 
+from support import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL = "127.0.0.1"
 # Small trains: loopback has no bottleneck, every train is "sender-limited".
@@ -627,16 +629,10 @@ def test_cli_config_errors(tmp_path: Path, content: str, argv: list[str], match:
         build_config(_args(["--config", str(tmp_path / "missing.json")]))
 
 
-def _free_port(kind: int) -> int:
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind((LOCAL, 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 def test_cli_process_serves_metrics_and_shuts_down_cleanly(sig: int, loop: str) -> None:
-    port, mport = _free_port(socket.SOCK_STREAM), _free_port(socket.SOCK_STREAM)
+    port, mport = free_port(), free_port()
     env = dict(os.environ)
     argv = [sys.executable, "-m", "mlfabric", "agent", "--name", "solo", "--loop", loop,
             "--listen", f"{LOCAL}:{port}", "--peer", f"ghost={LOCAL}:9",
@@ -725,7 +721,6 @@ def test_prometheus_config_scrapes_agents_servers_and_controller() -> None:
 
 def test_clients_report_their_pushes_to_the_local_agent(tmp_path):
     """A real agent process counts the reports of a real client's pushes."""
-    import socket
     import subprocess
     import sys
     import urllib.request
@@ -737,16 +732,11 @@ def test_clients_report_their_pushes_to_the_local_agent(tmp_path):
 
     from support import JOB, TOKEN, ServerThread, wait_until
 
-    def port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    agent_port, metrics_port = port(), port()
+    agent_port, metrics_port = free_port(), free_port()
     # The agent knows the server's host as a peer (named by its address).
     agent = subprocess.Popen(
         [sys.executable, "-m", "mlfabric", "agent", "--name", "me", "--listen",
-         f"127.0.0.1:{agent_port}", "--peer", f"127.0.0.1=127.0.0.1:{port()}",
+         f"127.0.0.1:{agent_port}", "--peer", f"127.0.0.1=127.0.0.1:{free_port()}",
          "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1"],
         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
@@ -775,13 +765,10 @@ def test_clients_report_their_pushes_to_the_local_agent(tmp_path):
 
 
 def test_transfer_reports_skip_small_pushes_and_survive_a_missing_agent(caplog):
-    import socket
 
     from mlfabric.agent_report import MIN_REPORT_BYTES, TransferReporter
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]  # nothing listens here once closed
+    dead = free_port()  # nothing listens here
     reporter = TransferReporter(f"127.0.0.1:{dead}")
     reporter.report("peer", MIN_REPORT_BYTES - 1, 0.01)  # latency-bound: not reported
     reporter.report("peer", MIN_REPORT_BYTES, 0.0)  # no duration: not a rate

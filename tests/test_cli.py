@@ -16,7 +16,7 @@ import pytest
 
 import mlfabric
 
-from support import JOB, TOKEN, make_model
+from support import JOB, TOKEN, free_port, make_model
 
 
 def mlfabric_cmd(*args: str) -> list[str]:
@@ -74,11 +74,7 @@ def test_server_serves_and_shuts_down_cleanly_on_signals(tmp_path, sig):
 
 
 def test_server_exports_prometheus_metrics(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = Server(tmp_path, "--metrics-port", str(port), "--metrics-host", "127.0.0.1")
     try:
         with mlfabric.connect(server.address, job=JOB, token_file=server.token_file) as ps:

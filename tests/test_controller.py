@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 import threading
 
 import numpy as np
@@ -24,16 +23,11 @@ from support import (
     Reference,
     ServerThread,
     assert_model_equal,
+    free_port,
     make_model,
     random_update,
     wait_until,
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

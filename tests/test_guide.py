@@ -32,7 +32,6 @@ import fnmatch
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -40,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from support import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "guide"
@@ -159,12 +160,6 @@ def test_quoted_source_messages_are_still_in_the_code():
 # --- running the guide ------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Substitutions:
     ports: dict[int, int] = field(default_factory=dict)
@@ -172,7 +167,7 @@ class Substitutions:
     def __call__(self, text: str) -> str:
         for port in GUIDE_PORTS:
             if re.search(rf"\b{port}\b", text):
-                new = self.ports.setdefault(port, _free_port())
+                new = self.ports.setdefault(port, free_port())
                 text = re.sub(rf"\b{port}\b", str(new), text)
         # The example cluster's hosts 10.0.0.N become loopback addresses.
         return re.sub(r"\b10\.0\.0\.(\d+)\b", r"127.0.0.\1", text)

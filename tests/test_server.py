@@ -23,6 +23,7 @@ from support import (
     Reference,
     ServerThread,
     assert_model_equal,
+    free_port,
     make_model,
     random_update,
     wait_until,
@@ -322,14 +323,12 @@ def test_both_dialers_name_an_absent_aggregator_and_what_runs_one(run_async):
     """A member's dial to its aggregator fails: the sync and the asyncio client
     say the same, naming the aggregator and `mlfabric agent --aggregate` (not
     the parameter server the dialers speak of by default)."""
-    import socket
 
     from mlfabric.client import _dial
     from mlfabric.client_core import Handshake
     from mlfabric.control_book import AGGREGATOR_COMMAND
 
-    with socket.create_server(("127.0.0.1", 0)) as probe:
-        address = f"127.0.0.1:{probe.getsockname()[1]}"  # closed again: refused
+    address = f"127.0.0.1:{free_port()}"  # nothing listens: refused
     want = (rf"^cannot reach the aggregator at {re.escape(address)}: .*; "
             r"is `mlfabric agent --aggregate` running there\?$")
     with pytest.raises(ConnectError, match=want):
