@@ -408,6 +408,11 @@ def _member_1_partly_in(server, agg, model):
     members[1].send_raw(frames[1][:-len(rest)])
     wait_until(lambda: server.metrics.received_bytes._value.get() >= 1 << 20,
                what="the first MiB of the aggregate at the server")
+    # The aggregate at the server shows only that both members are past 1 MiB;
+    # member 0's last bytes may still be in flight (then, when the group fails,
+    # it is told so only once its update is in, with another message).
+    wait_until(lambda: agg.call(lambda: any(0 in g.members for g in agg.server.groups.values())),
+               what="member 0's whole update at the aggregator")
     return updates, members, rest
 
 
