@@ -765,7 +765,6 @@ def test_clients_report_their_pushes_to_the_local_agent(tmp_path):
 
 
 def test_transfer_reports_skip_small_pushes_and_survive_a_missing_agent(caplog):
-
     from mlfabric.agent_report import MIN_REPORT_BYTES, TransferReporter
 
     dead = free_port()  # nothing listens here
