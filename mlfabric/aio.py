@@ -268,13 +268,17 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         parts = self.conn.send(event)
         size = sum(len(p) for p in parts)
         if size <= _JOIN_LIMIT:
-            self.transport.write(b"".join(parts))
+            self.write(b"".join(parts))
         else:
             for part in parts:
-                self.transport.write(part)
-        if self.metrics is not None:
-            self.metrics.sent_bytes.inc(size)
+                self.write(part)
         return size
+
+    def write(self, data: Any) -> None:
+        """Put bytes of a frame on the link, counted as sent."""
+        self.transport.write(data)
+        if self.metrics is not None:
+            self.metrics.sent_bytes.inc(len(data))
 
     def close(self) -> None:
         if self.transport is not None:
@@ -300,10 +304,8 @@ class FrameWriter:
         proto = self._proto
         if proto.error is not None or proto.transport is None:
             raise proto.error or ConnectionLost(f"the link to {proto.address} is closed")
-        proto.transport.write(data)
+        proto.write(data)
         self.sent += len(data)
-        if proto.metrics is not None:
-            proto.metrics.sent_bytes.inc(len(data))
 
     def abort(self) -> None:
         """Give up on the frame: the link is dropped at once, so the far end
@@ -510,9 +512,7 @@ class AsyncClient:
         fut, event = self._new_request(kind, make_event, base_version)
         proto = self._proto
         head, *data = proto.conn.send(event)
-        proto.transport.write(head)
-        if proto.metrics is not None:
-            proto.metrics.sent_bytes.inc(len(head))
+        proto.write(head)
         return fut, FrameWriter(proto, sum(len(p) for p in data))
 
     async def drain(self) -> None:
