@@ -110,7 +110,7 @@ class ParameterServer(Endpoint):
                                  f"number {event.seq}, which only a replica takes; push "
                                  f"without one")
         if event.members is not None:
-            return self._apply_aggregate(event)
+            return self._apply_aggregate(event, staged, data)
         before = self.store.applied_before(event.uid)
         if before is not None:
             # Re-sent after its aggregate failed, but the aggregate was applied.
@@ -144,14 +144,22 @@ class ParameterServer(Endpoint):
             reason=outcome.reason,
         )
 
-    def _apply_aggregate(self, event: Push) -> PushResult | Error:
+    def _apply_aggregate(self, event: Push, staged: StagedApply | None = None,
+                         data: memoryview | None = None) -> PushResult | Error:
         """An aggregator's sum of k members: one step, version + k."""
         m = self.metrics
         assert event.members is not None
+        members = [(uid, base) for uid, base, _ in event.members]
         started = time.perf_counter()
+        outcome = None
+        if staged is not None and data is not None:
+            if staged.members == tuple(members):
+                outcome = staged.finish_aggregate(data)
+            else:
+                staged.cancel()
         try:
-            outcome = self.store.apply_aggregate([(uid, base) for uid, base, _ in event.members],
-                                                 event.tensors)
+            if outcome is None:
+                outcome = self.store.apply_aggregate(members, event.tensors)
         except InvalidUpdate as exc:
             m.updates_rejected.labels(exc.reason).inc()
             return Error(code=exc.reason, message=str(exc), req=event.req)
@@ -226,16 +234,18 @@ class _ServerProtocol(EndpointProtocol):
             self._staged = None
             base = partial.meta.get("base_version")
             threshold = self.server.stage_min_bytes
-            # Aggregates take the whole-update path (it checks their members),
-            # and so does a uid applied already (answered, never applied twice).
+            # A uid applied already takes the whole-update path (answered,
+            # never applied twice), and so does a malformed member list.
             uid = partial.meta.get("uid")
+            members = _members_of(partial.meta.get("members"))
             plain = "members" not in partial.meta and (
                 uid is None or (isinstance(uid, str)
                                 and self.server.store.applied_before(uid) is None))
-            if (threshold is not None and len(partial.data) >= threshold and type(base) is int
-                    and plain):
+            if (threshold is not None and len(partial.data) >= threshold
+                    and ((plain and type(base) is int) or members is not None)):
                 offsets, _ = layout(partial.specs)
-                self._staged = self.server.store.begin_staged(base, partial.specs, offsets)
+                self._staged = self.server.store.begin_staged(
+                    base if type(base) is int else 0, partial.specs, offsets, members)
         staged = self._staged
         if (staged is not None and self.last_read < STAGE_IDLE_READ
                 and partial.received - staged.fed >= STAGE_CHUNK):
@@ -256,3 +266,18 @@ class _ServerProtocol(EndpointProtocol):
                 self._push_buffer = np.empty(max(nbytes, self.server.store.nbytes), np.uint8)
             return self._push_buffer
         return default_allocate(msg_type, nbytes)
+
+
+def _members_of(raw: Any) -> list[tuple[str, int]] | None:
+    """An aggregate's (uid, base_version) pairs from a frame's meta as it
+    arrives (not yet validated), or None when they are not well formed: the
+    complete frame's decoder then says what is wrong."""
+    if not isinstance(raw, list) or not raw:
+        return None
+    pairs = []
+    for m in raw:
+        if not (isinstance(m, list) and len(m) == 3 and isinstance(m[0], str)
+                and type(m[1]) is int and m[1] >= 0):
+            return None
+        pairs.append((m[0], m[1]))
+    return pairs

@@ -212,20 +212,33 @@ class ParameterStore:
         total = {n: np.asarray(u) for n, u in total.items()}
         # Layout, finiteness, and no member from the future (the newest base).
         self.validate(max(base for _, base in members), total)
+        self._check_members_new(members)
+        delays = tuple(max(0, self.version - base) for _, base in members)
+        reason = self._members_stale_reason(members, delays)
+        if reason is not None:
+            return AggregateOutcome(False, self.version, delays, reason)
+        self._step(total)
+        self.version += len(members) - 1
+        return self._remember_members(members, delays)
+
+    def _check_members_new(self, members: Sequence[tuple[str, int]]) -> None:
         for uid, _ in members:
             done = self._applied_uids.get(uid)
             if done is not None:
                 raise InvalidUpdate(f"aggregate member {uid!r} was applied already (version "
                                     f"{done.version}): send the members one by one",
                                     reason="duplicate")
-        delays = tuple(max(0, self.version - base) for _, base in members)
+
+    def _members_stale_reason(self, members: Sequence[tuple[str, int]],
+                              delays: Sequence[int]) -> str | None:
         for (uid, _), delay in zip(members, delays, strict=True):
             reason = self.stale_reason(delay)
             if reason is not None:
-                return AggregateOutcome(False, self.version, delays,
-                                        f"{reason} (aggregate member {uid!r})")
-        self._step(total)
-        self.version += len(members) - 1
+                return f"{reason} (aggregate member {uid!r})"
+        return None
+
+    def _remember_members(self, members: Sequence[tuple[str, int]],
+                          delays: tuple[int, ...]) -> AggregateOutcome:
         for (uid, base), delay in zip(members, delays, strict=True):
             self.remember(uid, PushOutcome(True, self.version, delay, None, base))
         return AggregateOutcome(True, self.version, delays)
@@ -260,21 +273,38 @@ class ParameterStore:
         self.version += 1
 
     def begin_staged(
-        self, base_version: int, specs: Sequence[TensorSpec], offsets: Sequence[int]
+        self, base_version: int, specs: Sequence[TensorSpec], offsets: Sequence[int],
+        members: Sequence[tuple[str, int]] | None = None,
     ) -> StagedApply | None:
         """Start applying an update whose bytes are still arriving, or None
         when it will not be applied as it stands (malformed, stale, or another
-        update is being staged); the caller then applies it whole with apply()."""
+        update is being staged); the caller then applies it whole with apply()
+        (or apply_aggregate(), which says why).
+
+        `members` ((uid, base_version) each) makes it an aggregate, judged as
+        apply_aggregate() judges one: `base_version` is then ignored."""
         if self.staged is not None:
             return None
+        if members is not None:
+            uids = [uid for uid, _ in members]
+            if not members or len(set(uids)) != len(uids):
+                return None
+            base_version = max(base for _, base in members)
         try:
             self.check_layout((sp.name, sp.dtype, sp.shape) for sp in specs)
             self.check_base_version(base_version)
+            if members is not None:
+                self._check_members_new(members)
         except InvalidUpdate:
             return None
-        if self.stale_reason(max(0, self.version - base_version)) is not None:
+        if members is None:
+            stale = self.stale_reason(max(0, self.version - base_version))
+        else:
+            stale = self._members_stale_reason(
+                members, [max(0, self.version - base) for _, base in members])
+        if stale is not None:
             return None
-        self.staged = StagedApply(self, base_version, specs, offsets)
+        self.staged = StagedApply(self, base_version, specs, offsets, members)
         return self.staged
 
     def checkpoint(self, job: str) -> Checkpoint:
@@ -339,9 +369,11 @@ class StagedApply:
         base_version: int,
         specs: Sequence[TensorSpec],
         offsets: Sequence[int],
+        members: Sequence[tuple[str, int]] | None = None,
     ) -> None:
         self.store = store
         self.base_version = base_version
+        self.members = None if members is None else tuple(members)
         self.version = store.version
         self._plan = [_Piece(sp.name, off, sp.nbytes // 4)
                       for sp, off in zip(specs, offsets, strict=True)]
@@ -386,14 +418,35 @@ class StagedApply:
 
     def finish(self, data: memoryview) -> PushOutcome | None:
         """Commit the staged update (all its bytes have arrived), or None if
-        the staging is void and the update must be applied whole."""
+        the staging is void and the update must be applied whole. For an
+        aggregate, see finish_aggregate()."""
+        assert self.members is None, "an aggregate's staging ends with finish_aggregate()"
+        if not self._commit(data):
+            return None
+        store = self.store
+        delay = max(0, store.version - self.base_version)
+        store.version += 1
+        return PushOutcome(True, store.version, delay, None, self.base_version)
+
+    def finish_aggregate(self, data: memoryview) -> AggregateOutcome | None:
+        """Commit a staged aggregate: one step, version + k, every member
+        remembered; None if the staging is void (apply it whole)."""
+        assert self.members is not None
+        if not self._commit(data):
+            return None
+        store = self.store
+        delays = tuple(max(0, store.version - base) for _, base in self.members)
+        store.version += len(self.members)
+        return store._remember_members(self.members, delays)
+
+    def _commit(self, data: memoryview) -> bool:
         store = self.store
         total = max((p.offset + p.count * 4 for p in self._plan), default=0)
         self.feed(data, total)
         if store.staged is self:
             store.staged = None
         if not self.valid:
-            return None
+            return False
         for name in store.weights:
             w, spare = store.weights[name], store.spare[name]
             if store.momentum:
@@ -401,6 +454,4 @@ class StagedApply:
                     spare, w, store.previous[name])
             else:
                 store.weights[name], store.spare[name] = spare, w
-        delay = max(0, store.version - self.base_version)
-        store.version += 1
-        return PushOutcome(True, store.version, delay, None, self.base_version)
+        return True

@@ -462,6 +462,47 @@ def test_large_pushes_are_applied_while_arriving_exactly(serve, monkeypatch):
     assert_model_equal(params, ref.w)
 
 
+def test_large_aggregates_are_applied_while_arriving_exactly(serve, monkeypatch):
+    """An aggregate is staged like a single push: its members are judged from
+    the frame's head, the sum is applied as its bytes come, and the result is
+    the whole-update path's bit for bit; one with NaN in its very last element
+    falls back to that path and is refused."""
+    from mlfabric.aggregation import apply_aggregate
+    from mlfabric.store import StagedApply
+
+    committed = []
+    finish = StagedApply.finish_aggregate
+
+    def counting_finish(self, data):
+        outcome = finish(self, data)
+        committed.append(outcome is not None)
+        return outcome
+
+    monkeypatch.setattr(StagedApply, "finish_aggregate", counting_finish)
+    model = make_model(sizes={"w": (1 << 20,), "b": (3, 5)})  # 4 MiB
+    st = serve(model, momentum=0.9, tau_max=4)
+    u = [random_update(model, seed=i) for i in range(3)]
+    raw = RawClient(st.port)
+    frame = raw.frame(Push(1, 0, {n: u[0][n] + u[1][n] for n in model},
+                           members=(("a", 0, "w1"), ("b", 0, "w2"))))
+    for i in range(0, len(frame), 1 << 18):  # the server gets to compute in between
+        raw.send_raw(frame[i:i + (1 << 18)])
+    assert raw.recv_event() == PushResult(1, True, 2, 0, None, (0, 0))
+    bad = {n: a.copy() for n, a in u[2].items()}
+    bad["b"][2, 4] = np.nan
+    raw.send(Push(2, 2, bad, members=(("c", 2, "w3"),)))
+    err = raw.recv_event()
+    assert err.code == "nonfinite" and "'b' holds NaN" in err.message
+    raw.send(Push(3, 2, u[2], members=(("c", 2, "w3"),)))
+    assert raw.recv_event() == PushResult(3, True, 3, 0, None, (0,))
+    raw.close()
+    assert committed == [True, False, True]
+    w, prev, version, _ = apply_aggregate(model, model, 0, [(u[0], 0), (u[1], 0)], 0.9)
+    w, _, version, _ = apply_aggregate(w, prev, version, [(u[2], 2)], 0.9)
+    assert version == 3
+    assert_model_equal(st.call(lambda: st.store.snapshot()[1]), w)
+
+
 def test_concurrent_large_pushes_stay_exact(serve):
     model = make_model(sizes={"w": (1 << 19,)})  # 2 MiB: one stages, the other may not
     st = serve(model, momentum=0.5, tau_max=None)

@@ -168,6 +168,50 @@ def test_aggregates_and_single_updates_match_the_numpy_definition(gamma, plan, s
     assert_model_equal(store.weights, w)
 
 
+@pytest.mark.parametrize("gamma", [0.0, 0.9])
+def test_a_staged_aggregate_matches_the_whole_one(gamma):
+    """Staged while its bytes arrive, an aggregate leaves the weights,
+    momentum history, version, delays and remembered members of
+    apply_aggregate() exactly."""
+    model = make_model(0, SIZES)
+    staged_store = ParameterStore(model, momentum=gamma, version=4)
+    whole = ParameterStore(model, momentum=gamma, version=4)
+    members = [("m0", 4), ("m1", 3), ("m2", 1)]
+    total = random_update(model, 7)
+    specs, offsets, data = frame_data(total)
+    staged = staged_store.begin_staged(0, specs, offsets, members)
+    assert staged is not None
+    for cut in (100, 2500, 4001):
+        staged.feed(data, cut)
+    assert staged_store.version == 4  # nothing served changes until the end
+    assert_model_equal(staged_store.weights, model)
+    got = staged.finish_aggregate(data)
+    want = whole.apply_aggregate(members, total)
+    assert got == want and got.version == 7 and got.delays == (0, 1, 3)
+    assert_model_equal(staged_store.weights, whole.weights)
+    assert_model_equal(staged_store.previous, whole.previous)
+    for uid, _ in members:
+        assert staged_store.applied_before(uid) == whole.applied_before(uid)
+    assert staged_store.staged is None
+
+
+@pytest.mark.parametrize(("members", "why"), [
+    ([], "no member"),
+    ([("a", 0), ("a", 0)], "a member twice"),
+    ([("a", 0), ("b", 9)], "a member from the future"),
+    ([("x", 1), ("done", 0)], "a member applied already"),
+    ([("x", 1), ("old", 0)], "a stale member (tau_max 0)"),
+])
+def test_an_aggregate_that_will_not_apply_is_not_staged(members, why):
+    """The whole-update path then refuses it and says why."""
+    model = make_model(0, SIZES)
+    store = ParameterStore(model, tau_max=0)
+    store.apply(0, random_update(model, 1), uid="done")
+    specs, offsets, _ = frame_data(model)
+    assert store.begin_staged(0, specs, offsets, members) is None, why
+    assert store.staged is None
+
+
 def test_an_aggregate_with_a_stale_member_is_not_applied():
     model = make_model(0, SIZES)
     store = ParameterStore(model, tau_max=2, version=5)
