@@ -51,6 +51,7 @@ MAX_NAME_LEN: Final = 256
 MAX_TENSORS: Final = 4096
 MAX_FAN_IN: Final = 64  # members of one aggregate
 MAX_UID_LEN: Final = 128
+MAX_PULL_WAIT: Final = 600.0  # seconds a pull for an update may be held
 MAX_ADDRESSES: Final = 4096  # aggregators a controller's welcome may list
 _SCRATCH_SIZE = 1 << 16
 _MAX_U64 = (1 << 64) - 1
@@ -86,6 +87,7 @@ class MsgType(enum.IntEnum):
     STATE_REQUEST = 20
     REPLICA_JOIN = 21
     REPLICA_AT = 22
+    MODEL_END = 23
 
 
 class _NeedData:
@@ -182,16 +184,35 @@ class Welcome:
 
 @dataclass(frozen=True)
 class Pull:
+    """Ask for the model. With `uid`: the first model that includes update
+    `uid`, held for up to `wait` seconds until it exists (then the model as
+    it is); the server may stream it while that update is still arriving."""
+
     req: int
+    uid: str | None = None
+    wait: float | None = None
 
 
 @dataclass(frozen=True, eq=False)
 class Model:
-    """The model at one version: the answer to a Pull."""
+    """The model at one version: the answer to a Pull.
+
+    `streamed`: its bytes were sent as the server computed them, and it
+    holds only if the ModelEnd for `req` that follows says ok."""
 
     req: int
     version: int
     tensors: Mapping[str, np.ndarray]
+    streamed: bool = False
+
+
+@dataclass(frozen=True)
+class ModelEnd:
+    """The end of a streamed Model: `ok` it holds; not ok, the update it was
+    computed from did not apply as staged, and the pull is still open."""
+
+    req: int
+    ok: bool
 
 
 @dataclass(frozen=True, eq=False)
@@ -381,7 +402,7 @@ class Status:
     status: Mapping[str, Any]
 
 
-Event = (Hello | Challenge | Auth | Welcome | Pull | Model | Push | PushResult | Error
+Event = (Hello | Challenge | Auth | Welcome | Pull | Model | ModelEnd | Push | PushResult | Error
          | TransferRequest | Directive | TransferDone | StatusRequest | Status | ReplicaDone
          | Ping | Pong | Promote | Failover | StateRequest | ReplicaJoin | ReplicaAt)
 
@@ -571,9 +592,25 @@ def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict[str, np.nd
             aggregators=_addresses(meta, "aggregators"),
         )
     if msg_type is MsgType.PULL:
-        return Pull(req=_int(meta, "req"))
+        uid, wait = _opt_str(meta, "uid"), _opt_float(meta, "wait")
+        if uid is not None and len(uid) > MAX_UID_LEN:
+            raise ProtocolError(f"field 'uid' is longer than {MAX_UID_LEN} characters")
+        if (uid is None) != (wait is None) or (wait is not None
+                                               and not 0 < wait <= MAX_PULL_WAIT):
+            raise ProtocolError(f"a pull for an update needs both 'uid' and 'wait' (0 < wait "
+                                f"<= {MAX_PULL_WAIT} s), got uid={uid!r:.40} wait={wait!r}")
+        return Pull(req=_int(meta, "req"), uid=uid, wait=wait)
     if msg_type is MsgType.MODEL:
-        return Model(req=_int(meta, "req"), version=_int(meta, "version"), tensors=tensors)
+        streamed = meta.get("streamed", False)
+        if not isinstance(streamed, bool):
+            raise ProtocolError(f"field 'streamed' must be true or false, got {streamed!r:.40}")
+        return Model(req=_int(meta, "req"), version=_int(meta, "version"), tensors=tensors,
+                     streamed=streamed)
+    if msg_type is MsgType.MODEL_END:
+        ok = meta.get("ok")
+        if not isinstance(ok, bool):
+            raise ProtocolError(f"field 'ok' must be true or false, got {ok!r:.40}")
+        return ModelEnd(req=_int(meta, "req"), ok=ok)
     if msg_type is MsgType.PUSH:
         return Push(req=_int(meta, "req"), base_version=_int(meta, "base_version"),
                     tensors=tensors, seq=_opt_int(meta, "seq"), **_aggregation_fields(meta))
@@ -670,7 +707,10 @@ def _encode_meta(event: Event) -> tuple[MsgType, dict[str, Any], Sequence[Tensor
             meta["aggregators"] = list(event.aggregators)
         return MsgType.WELCOME, meta, (), []
     if isinstance(event, Pull):
-        return MsgType.PULL, {"req": event.req}, (), []
+        fields = {k: v for k, v in vars(event).items() if v is not None}
+        return MsgType.PULL, fields, (), []
+    if isinstance(event, ModelEnd):
+        return MsgType.MODEL_END, {"req": event.req, "ok": event.ok}, (), []
     if isinstance(event, (Model, Push)):
         names = list(event.tensors)
         arrays = [np.asarray(event.tensors[n]) for n in names]
@@ -678,6 +718,8 @@ def _encode_meta(event: Event) -> tuple[MsgType, dict[str, Any], Sequence[Tensor
         meta = {"req": event.req}
         if isinstance(event, Model):
             meta["version"] = event.version
+            if event.streamed:
+                meta["streamed"] = True
             return MsgType.MODEL, meta, specs, arrays
         meta["base_version"] = event.base_version
         for key in ("seq", "uid", "group", "fan_in", "index", "dst"):
@@ -740,9 +782,9 @@ def _fast_meta(event: Event) -> bytes | None:
         applied = b"true" if event.applied else b"false"
         return b'{"req":%d,"applied":%s,"version":%d,"delay":%s}' % (
             event.req, applied, event.version, delay)
-    if isinstance(event, Pull):
+    if isinstance(event, Pull) and event.uid is None:
         return b'{"req":%d}' % event.req
-    if isinstance(event, Model):
+    if isinstance(event, Model) and not event.streamed:
         return b'{"req":%d,"version":%d}' % (event.req, event.version)
     return None
 

@@ -25,6 +25,7 @@ from mlfabric.protocol import (
     Failover,
     Hello,
     Model,
+    ModelEnd,
     MsgType,
     Ping,
     Pong,
@@ -65,8 +66,12 @@ CASES = [
             aggregators=("10.0.0.2:7401", "10.0.0.3:7401")),
     Pull(req=1),
     Pull(req=2**64 - 1),
+    Pull(req=3, uid="c0ffee-7", wait=2.5),
     Model(req=5, version=7, tensors={}),
     Model(req=5, version=7, tensors={"w": np.arange(12, dtype=np.float32).reshape(3, 4)}),
+    Model(req=6, version=9, tensors={"w": np.float32([0.5, 2])}, streamed=True),
+    ModelEnd(req=6, ok=True),
+    ModelEnd(req=6, ok=False),
     Push(req=9, base_version=3, tensors={"a": np.float32([1.5, -2.0, np.nan, np.inf])}),
     Push(
         req=10,
@@ -320,6 +325,20 @@ BAD_FRAMES = {
     "aggregator not a string": (
         frame(MsgType.WELCOME, {"session": "s", "version": 0, "tensors": [],
                                 "aggregators": ["a:1", 7]}), "'aggregators'"),
+    "pull for an update without wait": (
+        frame(MsgType.PULL, {"req": 1, "uid": "u"}), "needs both 'uid' and 'wait'"),
+    "pull wait without an update": (
+        frame(MsgType.PULL, {"req": 1, "wait": 1.0}), "needs both 'uid' and 'wait'"),
+    "pull wait too long": (
+        frame(MsgType.PULL, {"req": 1, "uid": "u", "wait": 601.0}), r"wait <= 600.0 s"),
+    "pull wait zero": (
+        frame(MsgType.PULL, {"req": 1, "uid": "u", "wait": 0}), r"0 < wait"),
+    "pull uid too long": (
+        frame(MsgType.PULL, {"req": 1, "uid": "u" * 129, "wait": 1.0}), "longer than 128"),
+    "streamed not a bool": (
+        frame(MsgType.MODEL, {"req": 1, "version": 0, "streamed": 1, "tensors": []}),
+        "'streamed' must be true or false"),
+    "model end without ok": (frame(MsgType.MODEL_END, {"req": 1}), "'ok' must be true or false"),
     "length mismatch": (
         frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [["a", "f4", [4]]]},
               b"\0" * 12),
