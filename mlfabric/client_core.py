@@ -12,6 +12,7 @@ import itertools
 import os
 import socket
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ from .errors import (
 )
 from .metrics import REJECT_REASONS, ClientMetrics
 from .outcome import PushOutcome
-from .protocol import Challenge, Error, Hello, Model, PushResult, TensorSpec, Welcome
+from .protocol import Challenge, Error, Hello, Model, ModelEnd, PushResult, TensorSpec, Welcome
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -177,6 +178,11 @@ class _Pending:
     future: Any
     base_version: int | None
     started: float
+    streamed: Model | None = None  # a streamed model awaiting its MODEL_END
+
+
+# Requests given up on (a pull that timed out) whose late answers are ignored.
+DISCARDED_KEPT = 1024
 
 
 class RequestTable:
@@ -185,6 +191,7 @@ class RequestTable:
     def __init__(self, metrics: ClientMetrics | None = None) -> None:
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
+        self._discarded: OrderedDict[int, None] = OrderedDict()
         self.metrics = metrics
 
     def __len__(self) -> int:
@@ -196,7 +203,11 @@ class RequestTable:
         return req
 
     def discard(self, req: int) -> None:
-        self._pending.pop(req, None)
+        """Give up on a request: an answer that still comes is ignored."""
+        if self._pending.pop(req, None) is not None:
+            self._discarded[req] = None
+            while len(self._discarded) > DISCARDED_KEPT:
+                self._discarded.popitem(last=False)
 
     def dispatch(self, event: Any) -> None:
         """Resolve the future an answer belongs to. Raises ProtocolError for an
@@ -206,7 +217,22 @@ class RequestTable:
             raise error_from_event(event, "server closed the connection: ")
         pending = self._pending.pop(req, None) if req is not None else None
         if pending is None:
+            if req in self._discarded:
+                return
             raise ProtocolError(f"server sent {type(event).__name__} for unknown request {req}")
+        if isinstance(event, Model) and event.streamed and pending.kind == "pull":
+            pending.streamed = event  # it holds once its MODEL_END says so
+            self._pending[event.req] = pending
+            return
+        if isinstance(event, ModelEnd) and pending.kind == "pull":
+            model, pending.streamed = pending.streamed, None
+            if model is None:
+                raise ProtocolError(f"server ended a streamed model for request {req} it "
+                                    f"never began")
+            if not event.ok:
+                self._pending[event.req] = pending  # the pull is still open
+                return
+            event = model
         fut = pending.future
         elapsed = time.perf_counter() - pending.started
         m = self.metrics

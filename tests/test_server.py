@@ -429,6 +429,41 @@ def test_push_result_for_unknown_request_breaks_the_connection():
         table.dispatch(PushResult(req=9, applied=True, version=1, delay=0))
 
 
+def test_a_streamed_model_resolves_a_pull_only_when_its_end_says_ok():
+    """Not ok: the pull stays open and the next answer resolves it. A pull
+    given up on ignores what still comes for it; an end for no streamed model
+    is a protocol error."""
+    import concurrent.futures
+
+    from mlfabric.client_core import RequestTable
+    from mlfabric.errors import ProtocolError
+    from mlfabric.protocol import Model, ModelEnd
+
+    table = RequestTable()
+    fut = concurrent.futures.Future()
+    req = table.add("pull", fut)
+    first, second = np.float32([1, 2]), np.float32([3, 4])
+    table.dispatch(Model(req, 5, {"w": first}, streamed=True))
+    assert not fut.done()
+    table.dispatch(ModelEnd(req, ok=False))
+    assert not fut.done() and len(table) == 1
+    table.dispatch(Model(req, 5, {"w": second}, streamed=True))
+    table.dispatch(ModelEnd(req, ok=True))
+    version, params = fut.result(0)
+    assert version == 5 and params["w"] is second and len(table) == 0
+
+    gone = table.add("pull", concurrent.futures.Future())
+    table.discard(gone)
+    table.dispatch(Model(gone, 6, {"w": first}, streamed=True))
+    table.dispatch(ModelEnd(gone, ok=False))
+    table.dispatch(Model(gone, 6, {"w": first}))
+    with pytest.raises(ProtocolError, match="unknown request 99"):
+        table.dispatch(Model(99, 6, {"w": first}))
+    again = table.add("pull", concurrent.futures.Future())
+    with pytest.raises(ProtocolError, match=f"streamed model for request {again} it never began"):
+        table.dispatch(ModelEnd(again, ok=True))
+
+
 # --- large pushes: applied while they arrive ----------------------------------------
 
 
