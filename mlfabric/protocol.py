@@ -842,7 +842,7 @@ class Connection:
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         """Where the next received bytes should be written."""
         frame = self._frame
-        if self._state is _State.DATA and self._end == self._start:
+        if self._into_frame():
             assert frame is not None and frame.data is not None
             return frame.data[frame.received:]
         if self._state is _State.BROKEN:
@@ -854,11 +854,19 @@ class Connection:
     def buffer_updated(self, nbytes: int) -> None:
         self.bytes_received += nbytes
         frame = self._frame
-        if self._state is _State.DATA and self._end == self._start:
+        if self._into_frame():
             assert frame is not None
             frame.received += nbytes
         else:
             self._end += nbytes
+
+    def _into_frame(self) -> bool:
+        """Received bytes go straight into the arriving frame's data block:
+        nothing is buffered before them and the block is not full yet (bytes
+        after a full block belong to the next frame)."""
+        frame = self._frame
+        return (self._state is _State.DATA and self._end == self._start
+                and frame is not None and frame.received < frame.data_len)
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Copying path: feed received bytes. Events come from next_event()."""

@@ -179,6 +179,21 @@ def test_round_trip_with_trailing_data(event):
     assert drain(r) == [Pull(req=123)]
 
 
+def test_a_chunk_spanning_a_data_block_and_the_next_frame_is_split_between_them():
+    """Bytes past the end of an arriving data block are the next frame's,
+    even when fed in one call before the first frame is taken."""
+    model = Model(req=1, version=2, tensors={"w": np.arange(4096, dtype=np.float32)})
+    data = Connection().send_bytes(model)
+    follow = Connection().send_bytes(Pull(req=5))
+    r = Connection()
+    r.receive_data(data[:1000])
+    assert r.next_event() is NEED_DATA  # the data block is arriving
+    r.receive_data(data[1000:] + follow)
+    got, pull = drain(r)
+    assert_same(got, model)
+    assert pull == Pull(req=5)
+
+
 def test_all_cases_in_one_stream_through_the_zero_copy_path():
     stream = b"".join(Connection().send_bytes(e) for e in CASES)
     r = Connection()
