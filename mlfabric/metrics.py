@@ -96,7 +96,19 @@ class ServerMetrics:
             buckets=APPLY_BUCKETS,
         )
         _listener_metrics(self, "server", "client", r)
-        self.pulls = Counter("server_pulls", "Pulls served", namespace=ns, registry=r)
+        self.pulls = Counter("server_pulls", "Pulls answered with the model as it is",
+                             namespace=ns, registry=r)
+        self.pulls_held = Gauge(
+            "server_pulls_held", "Pulls for an update held until the model includes it",
+            namespace=ns, registry=r)
+        self.pulls_streamed = Counter(
+            "server_pulls_streamed",
+            "Pulls for an update answered with a model streamed while the update arrived",
+            namespace=ns, registry=r)
+        self.streams_voided = Counter(
+            "server_streams_voided",
+            "Streamed models ended as not holding (the update did not apply as staged)",
+            namespace=ns, registry=r)
         self.version = Gauge(
             "server_model_version", "Current model version", namespace=ns, registry=r
         )

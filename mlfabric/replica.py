@@ -70,6 +70,9 @@ class ReplicaServer(ParameterServer):
         # while it arrives would not help.
         super().__init__(store, job=job, token=token, metrics=metrics,
                          handshake_timeout=handshake_timeout, stage_min_bytes=None)
+        # Pulls for an update are answered at once: updates reach a replica
+        # in sequence, not staged.
+        self.pull_waits = None
         self.sequencer: Sequencer[_Held] = Sequencer(store.version + 1,
                                                      max_pending=max_pending)
         self.recovery = recovery

@@ -36,6 +36,7 @@ from .protocol import (
     default_allocate,
     layout,
 )
+from .server_pulls import PullWaits
 from .store import ParameterStore, StagedApply
 
 log = logging.getLogger("mlfabric.server")
@@ -85,6 +86,8 @@ class ParameterServer(Endpoint):
         self.stage_min_bytes = stage_min_bytes
         # Chain replication: set to a ChainLink to forward every applied update.
         self.chain: Any = None
+        # Pulls for an update, held until it is applied (None: answered at once).
+        self.pull_waits: PullWaits | None = PullWaits(self)
         self.metrics.version.set(store.version)
 
     def make_protocol(self) -> _ServerProtocol:
@@ -100,6 +103,21 @@ class ParameterServer(Endpoint):
     def handle_push(self, event: Push, staged: StagedApply | None = None,
                     data: memoryview | None = None) -> PushResult | Error:
         """Apply a received push; `staged` is its apply begun while it arrived."""
+        answer = self._handle_push(event, staged, data)
+        waits = self.pull_waits
+        if waits is not None and staged is not None and not (
+                isinstance(answer, PushResult) and answer.applied and staged.committed):
+            waits.voided()
+        if waits is not None and isinstance(answer, PushResult) and answer.applied:
+            if staged is not None and staged.committed:
+                waits.committed(staged)
+            else:
+                waits.applied([event.uid] if event.members is None
+                              else [uid for uid, _, _ in event.members])
+        return answer
+
+    def _handle_push(self, event: Push, staged: StagedApply | None,
+                     data: memoryview | None) -> PushResult | Error:
         m = self.metrics
         if event.seq is not None:
             if staged is not None:
@@ -179,6 +197,7 @@ class ParameterServer(Endpoint):
                           delays=outcome.delays)
 
     def handle_pull(self, event: Pull) -> Model:
+        """The model now (a pull for an update is held by `pull_waits`)."""
         version, tensors = self.store.snapshot()
         self.metrics.pulls.inc()
         return Model(req=event.req, version=version, tensors=tensors)
@@ -195,6 +214,10 @@ class _ServerProtocol(EndpointProtocol):
         self._push_buffer: np.ndarray | None = None
         self._staged: StagedApply | None = None
         self._staged_frame: Any = None  # the data block the staging belongs to
+        self.waits: list[Any] = []  # this connection's pulls held in server.pull_waits
+        # A streamed MODEL frame is open on this connection: other answers wait.
+        self.streaming = False
+        self._queued: list[Any] = []
 
     def handle(self, event: Any) -> None:
         server = self.server
@@ -213,7 +236,10 @@ class _ServerProtocol(EndpointProtocol):
                     return
             self.send(answer)
         elif isinstance(event, Pull):
-            self.send(server.handle_pull(event))
+            if event.uid is not None and server.pull_waits is not None:
+                server.pull_waits.pull(self, event)
+            else:
+                self.send(server.handle_pull(event))
         elif isinstance(event, StateRequest):
             ckpt = server.store.checkpoint(server.job)
             tensors = {**ckpt.weights,
@@ -245,17 +271,55 @@ class _ServerProtocol(EndpointProtocol):
                     and ((plain and type(base) is int) or members is not None)):
                 offsets, _ = layout(partial.specs)
                 self._staged = self.server.store.begin_staged(
-                    base if type(base) is int else 0, partial.specs, offsets, members)
+                    base if type(base) is int else 0, partial.specs, offsets, members,
+                    uid=uid if plain else None)
+                if self._staged is not None and self.server.pull_waits is not None:
+                    self.server.pull_waits.began(self._staged)
         staged = self._staged
         if (staged is not None and self.last_read < STAGE_IDLE_READ
                 and partial.received - staged.fed >= STAGE_CHUNK):
             staged.feed(partial.data, partial.received)
+            if self.server.pull_waits is not None:
+                self.server.pull_waits.fed()
 
     def on_lost(self) -> None:
-        if self._staged is not None:
-            self._staged.cancel()
+        waits, staged = self.server.pull_waits, self._staged
+        if staged is not None:
+            staged.cancel()
             self._staged = self._staged_frame = None
+            if waits is not None and waits.stream is not None and waits.stream.staged is staged:
+                waits.voided()
+        if waits is not None:
+            waits.lost(self)
         self._push_buffer = None
+        self._queued = []
+
+    # -- a streamed MODEL frame (server_pulls) ------------------------------------
+
+    def send(self, event: Any) -> None:
+        if self.streaming:
+            self._queued.append(event)  # after the streamed frame
+        else:
+            super().send(event)
+
+    def stream_begin(self, model: Model) -> None:
+        """Write the head of `model`'s frame; its data block follows through
+        write_raw(), then stream_end()."""
+        head = self.conn.send(model)[0]
+        self.write_raw(head)
+        self.streaming = True
+
+    def write_raw(self, data: Any) -> None:
+        if self.transport is not None:
+            self.transport.write(data)
+            self.endpoint.metrics.sent_bytes.inc(len(data))
+
+    def stream_end(self, end: Any) -> None:
+        self.streaming = False
+        self.send(end)
+        queued, self._queued = self._queued, []
+        for event in queued:
+            self.send(event)
 
     def allocate(self, msg_type: MsgType, nbytes: int) -> Any:
         if msg_type is MsgType.PUSH and self.stage == "ready" and self.server.chain is None:

@@ -274,7 +274,7 @@ class ParameterStore:
 
     def begin_staged(
         self, base_version: int, specs: Sequence[TensorSpec], offsets: Sequence[int],
-        members: Sequence[tuple[str, int]] | None = None,
+        members: Sequence[tuple[str, int]] | None = None, uid: str | None = None,
     ) -> StagedApply | None:
         """Start applying an update whose bytes are still arriving, or None
         when it will not be applied as it stands (malformed, stale, or another
@@ -282,8 +282,9 @@ class ParameterStore:
         (or apply_aggregate(), which says why).
 
         `members` ((uid, base_version) each) makes it an aggregate, judged as
-        apply_aggregate() judges one: `base_version` is then ignored."""
-        if self.staged is not None:
+        apply_aggregate() judges one: `base_version` is then ignored. `uid`
+        names a single update (one applied already is not staged)."""
+        if self.staged is not None or (uid is not None and uid in self._applied_uids):
             return None
         if members is not None:
             uids = [uid for uid, _ in members]
@@ -305,6 +306,8 @@ class ParameterStore:
         if stale is not None:
             return None
         self.staged = StagedApply(self, base_version, specs, offsets, members)
+        if members is None and uid is not None:
+            self.staged.uids = (uid,)
         return self.staged
 
     def checkpoint(self, job: str) -> Checkpoint:
@@ -374,11 +377,16 @@ class StagedApply:
         self.store = store
         self.base_version = base_version
         self.members = None if members is None else tuple(members)
+        # The updates this staging applies (what a pull for an update waits on).
+        self.uids: tuple[str, ...] = () if members is None else tuple(u for u, _ in members)
         self.version = store.version
+        # The version once committed (an aggregate of k advances it by k).
+        self.next_version = store.version + (1 if members is None else len(members))
         self._plan = [_Piece(sp.name, off, sp.nbytes // 4)
                       for sp, off in zip(specs, offsets, strict=True)]
         self.valid = True
         self.fed = 0  # bytes of the data block seen by feed()
+        self.committed = False
 
     def feed(self, data: memoryview, received: int) -> None:
         """Compute the next weights for every element fully received so far."""
@@ -409,6 +417,11 @@ class StagedApply:
             else:
                 _core.sum_into(out, (w, u))
             piece.done = avail
+
+    def computed(self) -> dict[str, int]:
+        """Per tensor, how many leading elements of the next weights are in
+        the store's spare buffers (final if the staging commits)."""
+        return {p.name: p.done for p in self._plan}
 
     def cancel(self) -> None:
         """Give up (the connection carrying the update is gone)."""
@@ -454,4 +467,5 @@ class StagedApply:
                     spare, w, store.previous[name])
             else:
                 store.weights[name], store.spare[name] = spare, w
+        self.committed = True
         return True

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -536,6 +537,225 @@ def test_large_aggregates_are_applied_while_arriving_exactly(serve, monkeypatch)
     w, _, version, _ = apply_aggregate(w, prev, version, [(u[2], 2)], 0.9)
     assert version == 3
     assert_model_equal(st.call(lambda: st.store.snapshot()[1]), w)
+
+
+# --- pulls for an update: held, and streamed while the update arrives ---------------
+
+BIG = {"w": (1 << 20,), "b": (3, 5)}  # 4 MiB: staged
+
+
+def _recv_some(raw, at_least, timeout=10.0):
+    """Bytes the raw client has received, once at least `at_least` are in."""
+    got = bytearray()
+    raw.sock.settimeout(timeout)
+    while len(got) < at_least:
+        data = raw.sock.recv(1 << 20)
+        assert data, "the server closed the connection"
+        got += data
+    return bytes(got)
+
+
+def _events(raw, n, already=b""):
+    raw.conn.receive_data(already)
+    return [raw.recv_event() for _ in range(n)]
+
+
+@pytest.fixture
+def computing_on_every_read(monkeypatch):
+    """Stage on every read, however large: on loopback the server may read a
+    whole update at once, and then it would compute only at the end."""
+    import mlfabric.server
+
+    monkeypatch.setattr(mlfabric.server, "STAGE_IDLE_READ", 1 << 40)
+
+
+def test_a_pull_for_an_update_gets_the_new_model_while_the_update_arrives(
+        serve, computing_on_every_read):
+    """The model's bytes leave the server before the update's last byte is
+    in; a pull that comes mid-update catches up; both get the applied model
+    exactly, and the push is answered as usual."""
+    from mlfabric.protocol import Model, ModelEnd
+
+    model = make_model(sizes=BIG)
+    st = serve(model, momentum=0.9, tau_max=None)
+    u = random_update(model, seed=1)
+    ref = Reference(model, 0.9)
+    ref.apply(u)
+    early, pusher = RawClient(st.port), RawClient(st.port)
+    early.send(Pull(7, uid="u1", wait=30))
+    wait_until(lambda: st.call(lambda: st.server.metrics.pulls_held._value.get()) == 1)
+    frame = pusher.frame(Push(1, 0, u, uid="u1"))
+    cut = len(frame) - (1 << 20)
+    for i in range(0, cut, 1 << 16):
+        pusher.send_raw(frame[i:min(cut, i + (1 << 16))])
+    head = _recv_some(early, 2 << 20)  # 2 MiB of the model while 1 MiB of the update is out
+    late = RawClient(st.port)
+    late.send(Pull(8, uid="u1", wait=30))
+    late_head = _recv_some(late, 1 << 20)
+    pusher.send_raw(frame[cut:])
+    assert pusher.recv_event() == PushResult(1, True, 1, 0)
+    for raw, req, got in ((early, 7, head), (late, 8, late_head)):
+        streamed, end = _events(raw, 2, got)
+        assert isinstance(streamed, Model) and streamed.streamed
+        assert (streamed.req, streamed.version) == (req, 1)
+        assert end == ModelEnd(req, ok=True)
+        assert_model_equal(streamed.tensors, ref.w)
+        raw.close()
+    pusher.close()
+    m = st.server.metrics
+    assert (sample(m.pulls_streamed), sample(m.pulls_held), sample(m.pulls)) == (2, 0, 0)
+
+
+def test_a_stream_that_does_not_hold_ends_not_ok_and_the_pull_waits_on(
+        serve, computing_on_every_read):
+    """NaN in the update's last element, then a sender that vanishes midway:
+    each stream is completed and ended not ok; the update re-sent whole
+    answers the pull with the applied model."""
+    from mlfabric.protocol import Model, ModelEnd
+
+    model = make_model(sizes=BIG)
+    st = serve(model, momentum=0.9, tau_max=None)
+    u = random_update(model, seed=2)
+    ref = Reference(model, 0.9)
+    ref.apply(u)
+    puller, pusher = RawClient(st.port), RawClient(st.port)
+    puller.send(Pull(3, uid="u2", wait=30))
+    wait_until(lambda: st.call(lambda: st.server.metrics.pulls_held._value.get()) == 1)
+    bad = {n: a.copy() for n, a in u.items()}
+    bad["b"][2, 4] = np.nan
+    pusher.send(Push(1, 0, bad, uid="u2"))
+    assert pusher.recv_event().code == "nonfinite"
+    streamed, end = _events(puller, 2)
+    assert streamed.streamed and end == ModelEnd(3, ok=False)
+
+    frame = pusher.frame(Push(2, 0, u, uid="u2"))
+    pusher.send_raw(frame[:len(frame) // 2])
+    partial = _recv_some(puller, 1 << 20)
+    pusher.close()  # gone mid-update
+    streamed, end = _events(puller, 2, partial)
+    assert streamed.streamed and end == ModelEnd(3, ok=False)
+    assert not any(streamed.tensors["w"][-(1 << 10):])  # completed with zeros
+
+    again = RawClient(st.port)
+    again.send(Push(1, 0, u, uid="u2"))
+    assert again.recv_event() == PushResult(1, True, 1, 0)
+    streamed, end = _events(puller, 2)
+    assert streamed.streamed and end == ModelEnd(3, ok=True)
+    assert streamed.version == 1
+    assert_model_equal(streamed.tensors, ref.w)
+    m = st.server.metrics
+    assert (sample(m.streams_voided), sample(m.pulls_streamed), sample(m.pulls_held)) == (2, 1, 0)
+    again.close()
+    puller.close()
+
+
+def test_answers_on_a_connection_wait_for_its_streamed_model(serve, computing_on_every_read):
+    """A ping sent while a model streams to its connection is answered after
+    the model's end, not inside its frame; a worker pulling for its own
+    update on the connection it pushes on gets the model, then the answer."""
+    from mlfabric.protocol import Model, ModelEnd, Ping, Pong
+
+    model = make_model(sizes=BIG)
+    st = serve(model, momentum=0.0, tau_max=None)
+    u, v = random_update(model, seed=3), random_update(model, seed=4)
+    puller, pusher = RawClient(st.port), RawClient(st.port)
+    puller.send(Pull(1, uid="theirs", wait=30))
+    wait_until(lambda: st.call(lambda: st.server.metrics.pulls_held._value.get()) == 1)
+    frame = pusher.frame(Push(2, 0, u, uid="theirs"))
+    cut = len(frame) // 2
+    pusher.send_raw(frame[:cut])
+    got = _recv_some(puller, 1 << 20)
+    puller.send(Ping(10))
+    wait_until(lambda: st.call(lambda: len(st.server.connections) and sum(
+        len(c._queued) for c in st.server.connections)) == 1)
+    pusher.send_raw(frame[cut:])
+    assert pusher.recv_event() == PushResult(2, True, 1, 0)
+    streamed, end, pong = _events(puller, 3, got)
+    assert isinstance(streamed, Model) and end == ModelEnd(1, ok=True)
+    assert isinstance(pong, Pong) and pong.req == 10
+    assert_model_equal(streamed.tensors, {n: model[n] + u[n] for n in model})
+
+    pusher.send(Pull(3, uid="mine", wait=30))
+    pusher.send(Push(4, 1, v, uid="mine"))
+    streamed, end, result = _events(pusher, 3)
+    assert (streamed.streamed, streamed.version, end) == (True, 2, ModelEnd(3, ok=True))
+    assert result == PushResult(4, True, 2, 0)
+    assert_model_equal(streamed.tensors, {n: model[n] + u[n] + v[n] for n in model})
+    puller.close()
+    pusher.close()
+
+
+def test_a_held_pull_is_answered_plainly_when_applied_already_or_after_its_wait(serve):
+    """Small updates are applied whole: a held pull gets the model once its
+    update is in; one for an update applied already is answered at once; one
+    whose update never comes gets the model as it is after `wait`."""
+    from mlfabric.protocol import Model
+
+    model = make_model()
+    st = serve(model, momentum=0.0, tau_max=None)
+    u = random_update(model, seed=4)
+    raw = RawClient(st.port)
+    raw.send(Pull(1, uid="small", wait=30))
+    raw.send(Push(2, 0, u, uid="small"))
+    plain, result = _events(raw, 2)  # the model goes out first: the worker waits for it
+    assert isinstance(plain, Model) and not plain.streamed
+    assert (plain.req, plain.version) == (1, 1)
+    assert result == PushResult(2, True, 1, 0)
+    raw.send(Pull(3, uid="small", wait=30))
+    assert raw.recv_event().version == 1
+    asked = time.monotonic()
+    raw.send(Pull(4, uid="never", wait=0.3))
+    expired = raw.recv_event()
+    assert (expired.req, expired.version, expired.streamed) == (4, 1, False)
+    assert time.monotonic() - asked >= 0.3
+    assert sample(st.server.metrics.pulls_held) == 0
+    raw.close()
+
+
+def test_pull_including_a_push_returns_the_model_with_it(serve, monkeypatch):
+    """The blocking client's pull(including=future): the model with the update
+    once applied; the model as it is when not (the held pull's late answer
+    is ignored); a push future without an id waits for it, then pulls."""
+    import concurrent.futures
+
+    import mlfabric.client
+    from mlfabric.outcome import PushOutcome
+
+    monkeypatch.setattr(mlfabric.client, "PULL_WAIT", 0.5)
+    model = make_model()
+    st = serve(model, momentum=0.0, tau_max=None)
+    u = random_update(model, seed=5)
+    raw = RawClient(st.port)
+    with mlfabric.connect(st.address, job=JOB, token=TOKEN) as ps:
+        applied = concurrent.futures.Future()
+        applied.uid = "c1"
+        pulled = []
+        t = threading.Thread(target=lambda: pulled.append(ps.pull(10, including=applied)))
+        t.start()
+        wait_until(lambda: st.call(lambda: st.server.metrics.pulls_held._value.get()) == 1)
+        raw.send(Push(1, 0, u, uid="c1"))
+        assert raw.recv_event() == PushResult(1, True, 1, 0)
+        applied.set_result(PushOutcome(True, 1, 0, None, 0))
+        t.join(10)
+        version, params = pulled[0]
+        assert version == 1
+        assert_model_equal(params, {n: model[n] + u[n] for n in model})
+
+        dropped = concurrent.futures.Future()
+        dropped.uid = "c2"
+        t = threading.Thread(target=lambda: pulled.append(ps.pull(10, including=dropped)))
+        t.start()
+        wait_until(lambda: st.call(lambda: st.server.metrics.pulls_held._value.get()) == 1)
+        dropped.set_result(PushOutcome(False, 1, 5, "stale", 0))
+        t.join(10)
+        assert pulled[1][0] == 1
+        # The held pull's answer after 0.5 s is ignored, and the link still works.
+        wait_until(lambda: st.call(lambda: st.server.metrics.pulls_held._value.get()) == 0)
+        anonymous = concurrent.futures.Future()
+        anonymous.set_result(PushOutcome(True, 1, 0, None, 0))
+        assert ps.pull(10, including=anonymous)[0] == 1
+        assert ps.pull(10)[0] == 1
+    raw.close()
 
 
 def test_concurrent_large_pushes_stay_exact(serve):
