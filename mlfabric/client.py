@@ -39,6 +39,9 @@ from .protocol import HEADER, MAX_META_LEN, NEED_DATA, Connection, Pull, Push, W
 log = logging.getLogger("mlfabric.client")
 
 _JOIN_LIMIT = 1 << 16
+# How long the server may hold a pull for an update before answering with
+# the model as it is (an update queued longer is pulled for again).
+PULL_WAIT = 30.0
 
 
 def connect(
@@ -226,8 +229,20 @@ class Client:
 
     # -- public API -------------------------------------------------------------
 
-    def pull(self, timeout: float | None = None) -> tuple[int, dict[str, np.ndarray]]:
-        """The model as (version, {name: array}), consistent at that version."""
+    def pull(self, timeout: float | None = None, *,
+             including: concurrent.futures.Future[PushOutcome] | None = None,
+             ) -> tuple[int, dict[str, np.ndarray]]:
+        """The model as (version, {name: array}), consistent at that version.
+
+        With `including` (a future push() returned): the model once that
+        update's outcome is known, and with the update in it if it was
+        applied. The server then sends the new model while the update is
+        still arriving, so a worker that pushes and then pulls gets it about
+        one transfer sooner. Needs a controller (updates carry an id then);
+        without one this waits for the outcome, then pulls.
+        """
+        if including is not None:
+            return self._pull_including(including, timeout)
         failover = self._failover
         generation = failover.generation if failover is not None else 0
         try:
@@ -243,6 +258,51 @@ class Client:
             return self.pull(timeout)  # from the promoted replica
         self.last_version = max(self.last_version, version)
         return version, params
+
+    def _pull_including(self, push: concurrent.futures.Future[PushOutcome],
+                        timeout: float | None) -> tuple[int, dict[str, np.ndarray]]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        uid = getattr(push, "uid", None)
+        held: concurrent.futures.Future[Any] | None = None
+        reqs: list[int] = []
+        if uid is not None and not push.done():
+            wait = PULL_WAIT if timeout is None else min(max(timeout, 1e-3), PULL_WAIT)
+
+            def held_pull(req: int) -> Pull:
+                reqs.append(req)
+                return Pull(req=req, uid=uid, wait=wait)
+            held = self._request("pull", held_pull, None)
+        try:
+            outcome = push.result(left())
+        except concurrent.futures.TimeoutError:
+            self._give_up(reqs)
+            raise TimeoutError(f"pull(including=...) got no outcome of the update within "
+                               f"{timeout} s") from None
+        except Exception:
+            outcome = None  # the push failed: the model as it is
+        if held is not None and outcome is not None and outcome.applied:
+            try:
+                version, params = held.result(left())
+            except concurrent.futures.TimeoutError:
+                self._give_up(reqs)
+                raise TimeoutError(f"pull() got no answer from {self.address} within "
+                                   f"{timeout} s") from None
+            except ConnectionLost:
+                return self.pull(left())  # failover: from the promoted replica
+            if version >= outcome.version:
+                self.last_version = max(self.last_version, version)
+                return version, params
+        self._give_up(reqs)  # held for an update that was not applied
+        return self.pull(left())
+
+    def _give_up(self, reqs: list[int]) -> None:
+        with self._lock:
+            for req in reqs:
+                self._requests.discard(req)
 
     def push(
         self, update: Mapping[str, Any], *, base_version: int

@@ -612,8 +612,8 @@ class _Straggler:
     def __init__(self, ps: Any, extra: float) -> None:
         self.ps, self.extra = ps, extra
 
-    def pull(self) -> Any:
-        return self.ps.pull()
+    def pull(self, timeout: float | None = None, *, including: Any = None) -> Any:
+        return self.ps.pull(timeout, including=including)
 
     def push(self, update: Any, base_version: int) -> Any:
         if self.extra > 0:

@@ -16,6 +16,7 @@ accuracy with 4 workers whose updates are several versions stale.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -203,6 +204,13 @@ def _batches(n: int, batch_size: int, rng: np.random.Generator):
             yield perm[start : start + batch_size]
 
 
+def _takes_including(pull: Callable[..., Any]) -> bool:
+    try:
+        return "including" in inspect.signature(pull).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+
+
 def train_worker(
     ps: Any,
     X: np.ndarray,
@@ -227,7 +235,10 @@ def train_worker(
     and each is passed to ``on_outcome`` as soon as it is known.
 
     ``max_in_flight=1`` waits for a push's outcome before the next pull; larger
-    values let up to that many pushes await their outcome at once. If ``stop``
+    values let up to that many pushes await their outcome at once. With
+    ``max_in_flight=1`` and a ``ps.pull`` that takes ``including`` (mlfabric's
+    client), the next model is pulled with ``ps.pull(including=future)``: the
+    same model, sent while the update still travels. If ``stop``
     is set the worker pushes nothing more, collects the outcomes already in
     flight and returns. A ``result`` that times out raises ``TimeoutError``.
     """
@@ -245,6 +256,8 @@ def train_worker(
     batches = _batches(len(X), batch_size, rng)
     in_flight: deque[Any] = deque()
     outcomes: list[Any] = []
+    pull_including = max_in_flight == 1 and _takes_including(ps.pull)
+    pulled = None
 
     def collect() -> None:
         outcome = in_flight.popleft().result(timeout)
@@ -252,16 +265,19 @@ def train_worker(
         if on_outcome is not None:
             on_outcome(outcome)
 
-    for _ in range(steps):
+    for step in range(steps):
         if stop is not None and stop.is_set():
             break
-        version, params = ps.pull()
+        version, params = pulled if pulled is not None else ps.pull()
+        pulled = None
         idx = next(batches)
         _, grads = loss_and_grads(params, X[idx], y[idx])
         update = {
             name: np.ascontiguousarray(-eta32 * g, dtype=np.float32) for name, g in grads.items()
         }
         in_flight.append(ps.push(update, base_version=version))
+        if pull_including and step + 1 < steps and not (stop is not None and stop.is_set()):
+            pulled = ps.pull(timeout=timeout, including=in_flight[0])
         while len(in_flight) >= max_in_flight:
             collect()
     while in_flight:
