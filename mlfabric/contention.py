@@ -24,6 +24,9 @@ accuracy reaches the target or the time limit passes:
   adds or costs);
 * ``mlfabric-agg-static``: ``mlfabric-agg`` planned on the configured
   capacities only (the agents run, as aggregators);
+* ``mlfabric-agg-wait-late-pull``: ``mlfabric-agg-wait`` whose workers pull
+  the next model only once their update's outcome is known, as ``fifo``'s
+  do: the held pull the server streams is off (to measure what it adds);
 * ``ddp``: synchronous data parallelism, PyTorch DistributedDataParallel over
   gloo, one rank per worker host (needs ``mlfabric[torch]``).
 
@@ -64,7 +67,10 @@ from .errors import ConfigError
 from .workload import scrape_metrics, serving_address, wait_for_line
 
 SYSTEMS: tuple[str, ...] = ("fifo", "mlfabric", "mlfabric-agg", "mlfabric-agg-wait", "ddp",
-                             "mlfabric-static", "mlfabric-agg-static")
+                             "mlfabric-static", "mlfabric-agg-static",
+                             "mlfabric-agg-wait-late-pull")
+# This suffix: workers pull only once their update's outcome is known.
+LATE_PULL = "-late-pull"
 JOB = "contention"
 CONTROLLER_PORT = 7071
 AGENT_PORT = 7400
@@ -407,6 +413,10 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
     from . import client
 
     policy = "fifo" if system == "fifo" else "mlfabric"
+    # A plain parameter server's worker pulls once its push is answered;
+    # mlfabric's pulls with the push (pull(including=...)).
+    pull = "after-outcome" if system == "fifo" or system.endswith(LATE_PULL) else "with-push"
+    base = system.removesuffix(LATE_PULL)
 
     token, init = _write_common(tmp, sc)
     h0 = tb.host("h0")
@@ -428,11 +438,11 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
         agents: list[str] = []
         # the server's traffic is the job's own: the agents do not count it as load
         job_port = ["--job-port", srv_addr.rpartition(":")[2]]
-        if system in ("mlfabric", "mlfabric-agg", "mlfabric-agg-wait", "mlfabric-agg-static"):
-            measured = system != "mlfabric-agg-static"  # the controller reads the agents
+        if base in ("mlfabric", "mlfabric-agg", "mlfabric-agg-wait", "mlfabric-agg-static"):
+            measured = base != "mlfabric-agg-static"  # the controller reads the agents
             for w in workers:
                 aggregate = []
-                if system.startswith("mlfabric-agg"):
+                if base.startswith("mlfabric-agg"):
                     aggregate = ["--aggregate", f"{w.ip}:{AGGREGATE_PORT}", "--job", JOB,
                                  "--token-file", str(token), "--metrics-port",
                                  str(AGENT_METRICS_PORT), "--metrics-host", w.ip]
@@ -452,7 +462,7 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
                 agents += ["--agent", f"{h0.ip}={h0.ip}:{AGENT_PORT}"]
         # A group of every worker is full: it goes without waiting out the rest.
         wait = (["--group-wait", str(sc.group_wait), "--max-fan-in", str(sc.workers)]
-                if system == "mlfabric-agg-wait" else [])
+                if base == "mlfabric-agg-wait" else [])
         ctl = _popen(tb, h0, [*py, "controller", "--listen", f"{h0.ip}:{CONTROLLER_PORT}",
                               "--job", JOB, "--token-file", str(token), "--tau-max",
                               str(sc.tau_max), "--policy", policy, "--decision-log",
@@ -469,7 +479,8 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
                 "--controller", ctl_addr, "--token-file", str(token), "--host", w.ip,
                 "--index", str(i), "--workers", str(sc.workers), "--hidden", str(sc.hidden),
                 "--batch", str(sc.batch), "--eta", str(sc.eta), "--in-flight",
-                str(sc.in_flight), "--slowdown", str(sc.slowdown(i)), "--seed", str(sc.seed)],
+                str(sc.in_flight), "--pull", pull, "--slowdown", str(sc.slowdown(i)),
+                "--seed", str(sc.seed)],
                 tmp))
         for i, p in enumerate(procs):
             wait_for_line(p, "ready", f"worker {i}", timeout=90.0)
@@ -497,7 +508,7 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
             records += json.loads(lines[-1])["outcomes"]
         bytes_in = _server_bytes_in(h0)
         decisions = read_decisions(tmp / "decisions.jsonl")
-        if system.startswith("mlfabric-agg"):
+        if base.startswith("mlfabric-agg"):
             decisions.update(aggregator_seconds(
                 [scrape_metrics(w, AGENT_METRICS_PORT) for w in workers]))
     finally:
@@ -649,7 +660,8 @@ def ps_worker(args: argparse.Namespace) -> int:
         try:
             train_worker(_Straggler(ps, extra), x, y, steps=10**9, batch_size=args.batch,
                          eta=args.eta, seed=args.seed * 100 + args.index, on_outcome=record,
-                         stop=stop, max_in_flight=args.in_flight, timeout=15.0)
+                         stop=stop, max_in_flight=args.in_flight, timeout=15.0,
+                         pull_with_push=args.pull == "with-push")
         except TimeoutError:
             unresolved = 1  # a push still without its outcome when the run ended
     print(json.dumps({"outcomes": outcomes, "unresolved": unresolved}), flush=True)
@@ -730,6 +742,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     w.add_argument("--agent", default=None, help="this host's agent, for transfer reports")
     w.add_argument("--index", type=int, required=True)
     w.add_argument("--in-flight", type=int, default=2)
+    w.add_argument("--pull", choices=["with-push", "after-outcome"], default="with-push",
+                   help="with-push: pull(including=push), the server may stream the model; "
+                        "after-outcome: pull once the push is answered")
     w.add_argument("--eta", type=float, required=True)
     r = sub.add_parser("ddp-rank")
     r.add_argument("--rank", type=int, required=True)

@@ -224,6 +224,7 @@ def train_worker(
     stop: threading.Event | None = None,
     max_in_flight: int = 1,
     timeout: float | None = 30.0,
+    pull_with_push: bool = True,
 ) -> list[Any]:
     """Run one asynchronous worker for ``steps`` pushes; return every outcome.
 
@@ -238,9 +239,10 @@ def train_worker(
     values let up to that many pushes await their outcome at once. With
     ``max_in_flight=1`` and a ``ps.pull`` that takes ``including`` (mlfabric's
     client), the next model is pulled with ``ps.pull(including=future)``: the
-    same model, sent while the update still travels. If ``stop``
-    is set the worker pushes nothing more, collects the outcomes already in
-    flight and returns. A ``result`` that times out raises ``TimeoutError``.
+    same model, sent while the update still travels (``pull_with_push=False``
+    turns that off, as a plain parameter server's worker). If ``stop`` is set
+    the worker pushes nothing more, collects the outcomes already in flight
+    and returns. A ``result`` that times out raises ``TimeoutError``.
     """
     if steps < 0:
         raise ConfigError(f"steps must be >= 0, got {steps!r}")
@@ -256,7 +258,7 @@ def train_worker(
     batches = _batches(len(X), batch_size, rng)
     in_flight: deque[Any] = deque()
     outcomes: list[Any] = []
-    pull_including = max_in_flight == 1 and _takes_including(ps.pull)
+    pull_including = pull_with_push and max_in_flight == 1 and _takes_including(ps.pull)
     pulled = None
 
     def collect() -> None:

@@ -611,7 +611,7 @@ def test_a_stream_that_does_not_hold_ends_not_ok_and_the_pull_waits_on(
     """NaN in the update's last element, then a sender that vanishes midway:
     each stream is completed and ended not ok; the update re-sent whole
     answers the pull with the applied model."""
-    from mlfabric.protocol import Model, ModelEnd
+    from mlfabric.protocol import ModelEnd
 
     model = make_model(sizes=BIG)
     st = serve(model, momentum=0.9, tau_max=None)
