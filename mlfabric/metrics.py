@@ -105,6 +105,11 @@ class ServerMetrics:
             "server_pulls_streamed",
             "Pulls for an update answered with a model streamed while the update arrived",
             namespace=ns, registry=r)
+        self.pulls_expired = Counter(
+            "server_pulls_expired",
+            "Pulls for an update answered with the model as it is after their wait "
+            "(the update did not reach the server in time, or was dropped)",
+            namespace=ns, registry=r)
         self.streams_voided = Counter(
             "server_streams_voided",
             "Streamed models ended as not holding (the update did not apply as staged)",

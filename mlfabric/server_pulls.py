@@ -164,6 +164,7 @@ class PullWaits:
 
     def _expire(self, w: _Waiter) -> None:
         w.timer = None
+        self.metrics.pulls_expired.inc()
         if w.streaming:
             w.expired = True
             return

@@ -709,6 +709,7 @@ def test_a_held_pull_is_answered_plainly_when_applied_already_or_after_its_wait(
     assert (expired.req, expired.version, expired.streamed) == (4, 1, False)
     assert time.monotonic() - asked >= 0.3
     assert sample(st.server.metrics.pulls_held) == 0
+    assert sample(st.server.metrics.pulls_expired) == 1
     raw.close()
 
 
