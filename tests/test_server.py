@@ -468,19 +468,29 @@ def test_a_streamed_model_resolves_a_pull_only_when_its_end_says_ok():
 # --- large pushes: applied while they arrive ----------------------------------------
 
 
-def test_large_pushes_are_applied_while_arriving_exactly(serve, monkeypatch):
+BIG = {"w": (1 << 20,), "b": (3, 5)}  # 4 MiB: staged
+
+
+def count_commits(monkeypatch, method):
+    """For each staging that ends through StagedApply.`method`, whether it
+    committed (False: void, the update went the whole way)."""
     from mlfabric.store import StagedApply
 
     committed = []
-    finish = StagedApply.finish
+    finish = getattr(StagedApply, method)
 
     def counting_finish(self, data):
         outcome = finish(self, data)
         committed.append(outcome is not None)
         return outcome
 
-    monkeypatch.setattr(StagedApply, "finish", counting_finish)
-    model = make_model(sizes={"w": (1 << 20,), "b": (3, 5)})  # 4 MiB
+    monkeypatch.setattr(StagedApply, method, counting_finish)
+    return committed
+
+
+def test_large_pushes_are_applied_while_arriving_exactly(serve, monkeypatch):
+    committed = count_commits(monkeypatch, "finish")
+    model = make_model(sizes=BIG)
     st = serve(model, momentum=0.9, tau_max=None)
     ref = Reference(model, 0.9)
     with mlfabric.connect(st.address, job=JOB, token=TOKEN) as ps:
@@ -504,18 +514,9 @@ def test_large_aggregates_are_applied_while_arriving_exactly(serve, monkeypatch)
     the whole-update path's bit for bit; one with NaN in its very last element
     falls back to that path and is refused."""
     from mlfabric.aggregation import apply_aggregate
-    from mlfabric.store import StagedApply
 
-    committed = []
-    finish = StagedApply.finish_aggregate
-
-    def counting_finish(self, data):
-        outcome = finish(self, data)
-        committed.append(outcome is not None)
-        return outcome
-
-    monkeypatch.setattr(StagedApply, "finish_aggregate", counting_finish)
-    model = make_model(sizes={"w": (1 << 20,), "b": (3, 5)})  # 4 MiB
+    committed = count_commits(monkeypatch, "finish_aggregate")
+    model = make_model(sizes=BIG)
     st = serve(model, momentum=0.9, tau_max=4)
     u = [random_update(model, seed=i) for i in range(3)]
     raw = RawClient(st.port)
@@ -540,8 +541,6 @@ def test_large_aggregates_are_applied_while_arriving_exactly(serve, monkeypatch)
 
 
 # --- pulls for an update: held, and streamed while the update arrives ---------------
-
-BIG = {"w": (1 << 20,), "b": (3, 5)}  # 4 MiB: staged
 
 
 def _recv_some(raw, at_least, timeout=10.0):
@@ -666,8 +665,8 @@ def test_answers_on_a_connection_wait_for_its_streamed_model(serve, computing_on
     pusher.send_raw(frame[:cut])
     got = _recv_some(puller, 1 << 20)
     puller.send(Ping(10))
-    wait_until(lambda: st.call(lambda: len(st.server.connections) and sum(
-        len(c._queued) for c in st.server.connections)) == 1)
+    wait_until(lambda: st.call(lambda: sum(
+        len(c._queued) for c in st.server.connections)) == 1)  # the pong, held back
     pusher.send_raw(frame[cut:])
     assert pusher.recv_event() == PushResult(2, True, 1, 0)
     streamed, end, pong = _events(puller, 3, got)
