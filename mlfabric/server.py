@@ -105,15 +105,16 @@ class ParameterServer(Endpoint):
         """Apply a received push; `staged` is its apply begun while it arrived."""
         answer = self._handle_push(event, staged, data)
         waits = self.pull_waits
-        if waits is not None and staged is not None and not (
-                isinstance(answer, PushResult) and answer.applied and staged.committed):
+        if waits is None:
+            return answer
+        if staged is not None and staged.committed:  # applied as staged
+            waits.committed(staged)
+            return answer
+        if staged is not None:
             waits.voided()
-        if waits is not None and isinstance(answer, PushResult) and answer.applied:
-            if staged is not None and staged.committed:
-                waits.committed(staged)
-            else:
-                waits.applied([event.uid] if event.members is None
-                              else [uid for uid, _, _ in event.members])
+        if isinstance(answer, PushResult) and answer.applied:
+            waits.applied([event.uid] if event.members is None
+                          else [uid for uid, _, _ in event.members])
         return answer
 
     def _handle_push(self, event: Push, staged: StagedApply | None,

@@ -554,6 +554,17 @@ def _recv_some(raw, at_least, timeout=10.0):
     return bytes(got)
 
 
+def _pulls_held(st):
+    return st.call(lambda: sample(st.server.metrics.pulls_held))
+
+
+def _hold(st, raw, req, uid):
+    """Send a pull for update `uid` and wait until the server holds it."""
+    held = _pulls_held(st)
+    raw.send(Pull(req, uid=uid, wait=30))
+    wait_until(lambda: _pulls_held(st) == held + 1)
+
+
 def _events(raw, n, already=b""):
     raw.conn.receive_data(already)
     return [raw.recv_event() for _ in range(n)]
@@ -581,8 +592,7 @@ def test_a_pull_for_an_update_gets_the_new_model_while_the_update_arrives(
     ref = Reference(model, 0.9)
     ref.apply(u)
     early, pusher = RawClient(st.port), RawClient(st.port)
-    early.send(Pull(7, uid="u1", wait=30))
-    wait_until(lambda: st.call(lambda: st.server.metrics.pulls_held._value.get()) == 1)
+    _hold(st, early, 7, "u1")
     frame = pusher.frame(Push(1, 0, u, uid="u1"))
     cut = len(frame) - (1 << 20)
     for i in range(0, cut, 1 << 16):
@@ -618,8 +628,7 @@ def test_a_stream_that_does_not_hold_ends_not_ok_and_the_pull_waits_on(
     ref = Reference(model, 0.9)
     ref.apply(u)
     puller, pusher = RawClient(st.port), RawClient(st.port)
-    puller.send(Pull(3, uid="u2", wait=30))
-    wait_until(lambda: st.call(lambda: st.server.metrics.pulls_held._value.get()) == 1)
+    _hold(st, puller, 3, "u2")
     bad = {n: a.copy() for n, a in u.items()}
     bad["b"][2, 4] = np.nan
     pusher.send(Push(1, 0, bad, uid="u2"))
@@ -658,8 +667,7 @@ def test_answers_on_a_connection_wait_for_its_streamed_model(serve, computing_on
     st = serve(model, momentum=0.0, tau_max=None)
     u, v = random_update(model, seed=3), random_update(model, seed=4)
     puller, pusher = RawClient(st.port), RawClient(st.port)
-    puller.send(Pull(1, uid="theirs", wait=30))
-    wait_until(lambda: st.call(lambda: st.server.metrics.pulls_held._value.get()) == 1)
+    _hold(st, puller, 1, "theirs")
     frame = pusher.frame(Push(2, 0, u, uid="theirs"))
     cut = len(frame) // 2
     pusher.send_raw(frame[:cut])
@@ -732,7 +740,7 @@ def test_pull_including_a_push_returns_the_model_with_it(serve, monkeypatch):
         pulled = []
         t = threading.Thread(target=lambda: pulled.append(ps.pull(10, including=applied)))
         t.start()
-        wait_until(lambda: st.call(lambda: st.server.metrics.pulls_held._value.get()) == 1)
+        wait_until(lambda: _pulls_held(st) == 1)
         raw.send(Push(1, 0, u, uid="c1"))
         assert raw.recv_event() == PushResult(1, True, 1, 0)
         applied.set_result(PushOutcome(True, 1, 0, None, 0))
@@ -745,12 +753,12 @@ def test_pull_including_a_push_returns_the_model_with_it(serve, monkeypatch):
         dropped.uid = "c2"
         t = threading.Thread(target=lambda: pulled.append(ps.pull(10, including=dropped)))
         t.start()
-        wait_until(lambda: st.call(lambda: st.server.metrics.pulls_held._value.get()) == 1)
+        wait_until(lambda: _pulls_held(st) == 1)
         dropped.set_result(PushOutcome(False, 1, 5, "stale", 0))
         t.join(10)
         assert pulled[1][0] == 1
         # The held pull's answer after 0.5 s is ignored, and the link still works.
-        wait_until(lambda: st.call(lambda: st.server.metrics.pulls_held._value.get()) == 0)
+        wait_until(lambda: _pulls_held(st) == 0)
         anonymous = concurrent.futures.Future()
         anonymous.set_result(PushOutcome(True, 1, 0, None, 0))
         assert ps.pull(10, including=anonymous)[0] == 1
