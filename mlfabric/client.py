@@ -34,7 +34,17 @@ from .client_core import (
 from .errors import ConfigError, ConnectError, ConnectionLost, MlfabricError, ProtocolError
 from .metrics import ClientMetrics
 from .outcome import PushOutcome
-from .protocol import HEADER, MAX_META_LEN, NEED_DATA, Connection, Pull, Push, Welcome, layout
+from .protocol import (
+    HEADER,
+    MAX_META_LEN,
+    NEED_DATA,
+    Connection,
+    Pull,
+    PullCancel,
+    Push,
+    Welcome,
+    layout,
+)
 
 log = logging.getLogger("mlfabric.client")
 
@@ -268,12 +278,12 @@ class Client:
 
         uid = getattr(push, "uid", None)
         held: concurrent.futures.Future[Any] | None = None
-        reqs: list[int] = []
+        reqs: list[tuple[RequestTable, int]] = []
         if uid is not None and not push.done():
             wait = PULL_WAIT if timeout is None else min(max(timeout, 1e-3), PULL_WAIT)
 
             def held_pull(req: int) -> Pull:
-                reqs.append(req)
+                reqs.append((self._requests, req))
                 return Pull(req=req, uid=uid, wait=wait)
             held = self._request("pull", held_pull, None)
         try:
@@ -299,10 +309,18 @@ class Client:
         self._give_up(reqs)  # held for an update that was not applied
         return self.pull(left())
 
-    def _give_up(self, reqs: list[int]) -> None:
+    def _give_up(self, reqs: list[tuple[RequestTable, int]]) -> None:
+        """Ignore the held pull's answer, and tell the server to forget it:
+        else it sends the whole model once the pull's wait runs out."""
         with self._lock:
-            for req in reqs:
-                self._requests.discard(req)
+            cancel = [req for table, req in reqs
+                      if table is self._requests and table.discard(req)]
+            sock, conn = self._sock, self._conn
+        try:
+            for req in cancel:
+                self._send_parts(sock, conn.send(PullCancel(req=req)))
+        except OSError:
+            pass  # the link is gone, and the held pull with it
 
     def push(
         self, update: Mapping[str, Any], *, base_version: int
@@ -478,22 +496,25 @@ class Client:
                 raise self._error or ConnectionLost(f"the client for {self.address} is closed")
             req = self._requests.add(kind, fut, base_version)
             sock, conn, requests, address = self._sock, self._conn, self._requests, self.address
-        parts = conn.send(make_event(req))
-        size = sum(len(p) for p in parts)
         try:
-            with self._send_lock:
-                if size <= _JOIN_LIMIT:
-                    sock.sendall(b"".join(parts))
-                else:
-                    for part in parts:
-                        sock.sendall(part)
+            self._send_parts(sock, conn.send(make_event(req)))
         except OSError as exc:
             with self._lock:
                 requests.discard(req)
             raise connection_lost_error(address, exc) from None
+        return fut
+
+    def _send_parts(self, sock: socket.socket, parts: list[Any]) -> None:
+        """One frame onto `sock`, whole (frames from several threads do not mix)."""
+        size = sum(len(p) for p in parts)
+        with self._send_lock:
+            if size <= _JOIN_LIMIT:
+                sock.sendall(b"".join(parts))
+            else:
+                for part in parts:
+                    sock.sendall(part)
         if self.metrics is not None:
             self.metrics.sent_bytes.inc(size)
-        return fut
 
     def _read_loop(self, sock: socket.socket, conn: Connection, requests: RequestTable) -> None:
         error: BaseException

@@ -166,7 +166,6 @@ class ControlledPushes:
                 self._tell(request)
         for x in now:
             self._sendq.put(x)
-        u.future.uid = u.uid  # for pull(including=...)
         return u.future
 
     def _tell(self, event: Any) -> None:

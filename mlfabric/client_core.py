@@ -202,12 +202,15 @@ class RequestTable:
         self._pending[req] = _Pending(kind, future, base_version, time.perf_counter())
         return req
 
-    def discard(self, req: int) -> None:
-        """Give up on a request: an answer that still comes is ignored."""
-        if self._pending.pop(req, None) is not None:
-            self._discarded[req] = None
-            while len(self._discarded) > DISCARDED_KEPT:
-                self._discarded.popitem(last=False)
+    def discard(self, req: int) -> bool:
+        """Give up on a request: an answer that still comes is ignored. False
+        if it was not awaiting an answer."""
+        if self._pending.pop(req, None) is None:
+            return False
+        self._discarded[req] = None
+        while len(self._discarded) > DISCARDED_KEPT:
+            self._discarded.popitem(last=False)
+        return True
 
     def dispatch(self, event: Any) -> None:
         """Resolve the future an answer belongs to. Raises ProtocolError for an

@@ -94,6 +94,7 @@ class ControlBook:
         if self.closed:
             raise ConnectionLost("the client is closed")
         u.uid = f"{self._uid_prefix}-{next(self._uids)}"
+        u.future.uid = u.uid  # for the clients' pull(including=...)
         if self.connected:
             return self.ask(u), []
         return None, self._without_controller([u])

@@ -110,6 +110,11 @@ class ServerMetrics:
             "Pulls for an update answered with the model as it is after their wait "
             "(the update did not reach the server in time, or was dropped)",
             namespace=ns, registry=r)
+        self.pulls_cancelled = Counter(
+            "server_pulls_cancelled",
+            "Pulls for an update the client gave up while they were held "
+            "(its update was dropped, or the client timed out)",
+            namespace=ns, registry=r)
         self.streams_voided = Counter(
             "server_streams_voided",
             "Streamed models ended as not holding (the update did not apply as staged)",

@@ -88,6 +88,7 @@ class MsgType(enum.IntEnum):
     REPLICA_JOIN = 21
     REPLICA_AT = 22
     MODEL_END = 23
+    PULL_CANCEL = 24
 
 
 class _NeedData:
@@ -191,6 +192,15 @@ class Pull:
     req: int
     uid: str | None = None
     wait: float | None = None
+
+
+@dataclass(frozen=True)
+class PullCancel:
+    """The pull `req` (one for an update, held by the server) is no longer
+    wanted: the server forgets it and sends nothing more for it. A model
+    already streaming for it still ends with its ModelEnd."""
+
+    req: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -402,9 +412,10 @@ class Status:
     status: Mapping[str, Any]
 
 
-Event = (Hello | Challenge | Auth | Welcome | Pull | Model | ModelEnd | Push | PushResult | Error
-         | TransferRequest | Directive | TransferDone | StatusRequest | Status | ReplicaDone
-         | Ping | Pong | Promote | Failover | StateRequest | ReplicaJoin | ReplicaAt)
+Event = (Hello | Challenge | Auth | Welcome | Pull | PullCancel | Model | ModelEnd | Push
+         | PushResult | Error | TransferRequest | Directive | TransferDone | StatusRequest
+         | Status | ReplicaDone | Ping | Pong | Promote | Failover | StateRequest | ReplicaJoin
+         | ReplicaAt)
 
 DIRECTIVE_ACTIONS = ("go", "drop")
 
@@ -600,6 +611,8 @@ def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict[str, np.nd
             raise ProtocolError(f"a pull for an update needs both 'uid' and 'wait' (0 < wait "
                                 f"<= {MAX_PULL_WAIT} s), got uid={uid!r:.40} wait={wait!r}")
         return Pull(req=_int(meta, "req"), uid=uid, wait=wait)
+    if msg_type is MsgType.PULL_CANCEL:
+        return PullCancel(req=_int(meta, "req"))
     if msg_type is MsgType.MODEL:
         streamed = meta.get("streamed", False)
         if not isinstance(streamed, bool):
@@ -709,6 +722,8 @@ def _encode_meta(event: Event) -> tuple[MsgType, dict[str, Any], Sequence[Tensor
     if isinstance(event, Pull):
         fields = {k: v for k, v in vars(event).items() if v is not None}
         return MsgType.PULL, fields, (), []
+    if isinstance(event, PullCancel):
+        return MsgType.PULL_CANCEL, {"req": event.req}, (), []
     if isinstance(event, ModelEnd):
         return MsgType.MODEL_END, {"req": event.req, "ok": event.ok}, (), []
     if isinstance(event, (Model, Push)):

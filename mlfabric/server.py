@@ -29,6 +29,7 @@ from .protocol import (
     Ping,
     Pong,
     Pull,
+    PullCancel,
     Push,
     PushResult,
     StateRequest,
@@ -241,6 +242,9 @@ class _ServerProtocol(EndpointProtocol):
                 server.pull_waits.pull(self, event)
             else:
                 self.send(server.handle_pull(event))
+        elif isinstance(event, PullCancel):
+            if server.pull_waits is not None:  # a replica answers every pull at once
+                server.pull_waits.cancel(self, event.req)
         elif isinstance(event, StateRequest):
             ckpt = server.store.checkpoint(server.job)
             tensors = {**ckpt.weights,

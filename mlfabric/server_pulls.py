@@ -13,7 +13,8 @@ If the staging turns void (NaN, the model moved on, the sender vanished),
 the frame is completed with zeros and `ModelEnd(ok=False)`: the pull stays
 open, and the update applied whole answers it with a plain MODEL. So does an
 update applied whole from the start. A pull held `wait` seconds without its
-update applied gets the model as it is.
+update applied gets the model as it is; one the client cancels
+(`PullCancel`: its update was dropped) is forgotten.
 
 A connection carries one streamed frame at a time; its other answers queue
 until the frame ends (`_ServerProtocol.stream_begin`).
@@ -39,6 +40,7 @@ class _Waiter:
     timer: asyncio.TimerHandle | None = None
     streaming: bool = False
     expired: bool = False  # held `wait` seconds: answered as soon as it is not streaming
+    cancelled: bool = False  # the client gave up while it streamed: forgotten when it ends
 
 
 @dataclass(eq=False)
@@ -121,7 +123,9 @@ class PullWaits:
             if filler:
                 w.proto.write_raw(filler)
             w.proto.stream_end(ModelEnd(req=w.req, ok=False))
-            if w.expired:
+            if w.cancelled:
+                self._forget(w)
+            elif w.expired:
                 self._forget(w)
                 self._answer(w.proto, w.req)
         self.metrics.streams_voided.inc()
@@ -135,6 +139,22 @@ class PullWaits:
                 if not w.streaming:  # one streamed on its connection first
                     self._forget(w)
                     self._answer(w.proto, w.req)
+
+    def cancel(self, proto: Any, req: int) -> None:
+        """The client gave up pull `req` (its update was dropped, or it timed
+        out): forget it, so that no model goes out for it later. A stream
+        already under way still ends with its ModelEnd."""
+        for w in proto.waits:
+            if w.req == req:
+                self.metrics.pulls_cancelled.inc()
+                if w.streaming:
+                    w.cancelled = True
+                    if w.timer is not None:
+                        w.timer.cancel()
+                        w.timer = None
+                else:
+                    self._forget(w)
+                return
 
     def lost(self, proto: Any) -> None:
         """`proto`'s connection is gone: drop its held pulls."""

@@ -31,6 +31,7 @@ from mlfabric.protocol import (
     Pong,
     Promote,
     Pull,
+    PullCancel,
     Push,
     PushResult,
     ReplicaAt,
@@ -67,6 +68,7 @@ CASES = [
     Pull(req=1),
     Pull(req=2**64 - 1),
     Pull(req=3, uid="c0ffee-7", wait=2.5),
+    PullCancel(req=3),
     Model(req=5, version=7, tensors={}),
     Model(req=5, version=7, tensors={"w": np.arange(12, dtype=np.float32).reshape(3, 4)}),
     Model(req=6, version=9, tensors={"w": np.float32([0.5, 2])}, streamed=True),
@@ -354,6 +356,7 @@ BAD_FRAMES = {
         frame(MsgType.MODEL, {"req": 1, "version": 0, "streamed": 1, "tensors": []}),
         "'streamed' must be true or false"),
     "model end without ok": (frame(MsgType.MODEL_END, {"req": 1}), "'ok' must be true or false"),
+    "pull cancel without req": (frame(MsgType.PULL_CANCEL, {}), "'req'"),
     "length mismatch": (
         frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [["a", "f4", [4]]]},
               b"\0" * 12),

@@ -720,6 +720,44 @@ def test_a_held_pull_is_answered_plainly_when_applied_already_or_after_its_wait(
     raw.close()
 
 
+def test_a_cancelled_pull_is_forgotten_held_or_streaming(serve, computing_on_every_read):
+    """A held pull the client cancels gets nothing, not even at its wait's
+    end; one cancelled while its model streams gets the rest of that frame
+    and its end, and is not held again when the stream turns void."""
+    from mlfabric.protocol import Model, ModelEnd, Ping, Pong, PullCancel
+
+    model = make_model(sizes=BIG)
+    st = serve(model, momentum=0.0, tau_max=None)
+    u = random_update(model, seed=6)
+    puller, pusher = RawClient(st.port), RawClient(st.port)
+    puller.send(Pull(1, uid="gone", wait=0.2))
+    puller.send(PullCancel(1))
+    puller.send(Pull(2, uid="never", wait=0.4))
+    expired = puller.recv_event()  # the first answer is the second pull's, at 0.4 s
+    assert (expired.req, expired.streamed) == (2, False)
+
+    _hold(st, puller, 3, "u")
+    frame = pusher.frame(Push(1, 0, u, uid="u"))
+    pusher.send_raw(frame[:len(frame) // 2])
+    got = _recv_some(puller, 1 << 20)
+    puller.send(PullCancel(3))
+    wait_until(lambda: sample(st.server.metrics.pulls_cancelled) == 2)
+    pusher.close()  # the stream turns void
+    streamed, end = _events(puller, 2, got)
+    assert isinstance(streamed, Model) and streamed.streamed and end == ModelEnd(3, ok=False)
+    assert _pulls_held(st) == 0
+
+    again = RawClient(st.port)
+    again.send(Push(1, 0, u, uid="u"))
+    assert again.recv_event() == PushResult(1, True, 1, 0)
+    puller.send(Ping(4))
+    assert isinstance(puller.recv_event(), Pong)  # no model for the cancelled pull
+    m = st.server.metrics
+    assert (sample(m.pulls_expired), sample(m.streams_voided)) == (1, 1)
+    for raw in (puller, pusher, again):
+        raw.close()
+
+
 def test_pull_including_a_push_returns_the_model_with_it(serve, monkeypatch):
     """The blocking client's pull(including=future): the model with the update
     once applied; the model as it is when not (the held pull's late answer
@@ -757,8 +795,10 @@ def test_pull_including_a_push_returns_the_model_with_it(serve, monkeypatch):
         dropped.set_result(PushOutcome(False, 1, 5, "stale", 0))
         t.join(10)
         assert pulled[1][0] == 1
-        # The held pull's answer after 0.5 s is ignored, and the link still works.
+        # The held pull is cancelled, not left to expire into a model sent for nothing.
         wait_until(lambda: _pulls_held(st) == 0)
+        m = st.server.metrics
+        assert (sample(m.pulls_cancelled), sample(m.pulls_expired)) == (1, 0)
         anonymous = concurrent.futures.Future()
         anonymous.set_result(PushOutcome(True, 1, 0, None, 0))
         assert ps.pull(10, including=anonymous)[0] == 1
