@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .client_core import (
+    PULL_WAIT,
     Handshake,
     RequestTable,
     check_base_version,
@@ -38,6 +39,7 @@ from .protocol import (
     Connection,
     Failover,
     Pull,
+    PullCancel,
     Push,
     ReplicaAt,
     layout,
@@ -338,8 +340,18 @@ class AsyncClient:
         self._changes: collections.deque[Failover | ReplicaAt] = collections.deque()
         self._changer: asyncio.Task[None] | None = None
 
-    async def pull(self) -> tuple[int, dict[str, np.ndarray]]:
-        """The model as (version, {name: array}), consistent at that version."""
+    async def pull(self, *, including: asyncio.Future[PushOutcome] | None = None,
+                   ) -> tuple[int, dict[str, np.ndarray]]:
+        """The model as (version, {name: array}), consistent at that version.
+
+        With `including` (a future push() returned): the model once that
+        update's outcome is known, with the update in it if it was applied;
+        the server streams it while the update arrives, as for the blocking
+        client's pull(including=...). Cancelling this call leaves the push
+        alone.
+        """
+        if including is not None:
+            return await self._pull_including(including)
         failover = self._failover
         generation = failover.generation if failover is not None else 0
         try:
@@ -350,6 +362,44 @@ class AsyncClient:
             return await self.pull()  # from the promoted replica
         self.last_version = max(self.last_version, version)
         return version, params
+
+    async def _pull_including(self, push: asyncio.Future[PushOutcome]
+                              ) -> tuple[int, dict[str, np.ndarray]]:
+        uid = getattr(push, "uid", None)
+        held: asyncio.Future[Any] | None = None
+        reqs: list[tuple[_ClientProtocol, int]] = []
+        if uid is not None and not push.done():
+            proto = self._proto
+
+            def held_pull(req: int) -> Pull:
+                reqs.append((proto, req))
+                return Pull(req=req, uid=uid, wait=PULL_WAIT)
+            held = self._request("pull", held_pull, None)
+        try:
+            try:
+                outcome: PushOutcome | None = await asyncio.shield(push)
+            except Exception:
+                outcome = None  # the push failed: the model as it is
+            if held is not None and outcome is not None and outcome.applied:
+                try:
+                    version, params = await held
+                except ConnectionLost:
+                    return await self.pull()  # failover: from the promoted replica
+                if version >= outcome.version:
+                    self.last_version = max(self.last_version, version)
+                    return version, params
+        except BaseException:
+            self._give_up(reqs)
+            raise
+        self._give_up(reqs)  # held for an update that was not applied
+        return await self.pull()
+
+    def _give_up(self, reqs: list[tuple[_ClientProtocol, int]]) -> None:
+        """Ignore the held pull's answer, and tell the server to forget it."""
+        for proto, req in reqs:
+            if (proto is self._proto and proto.transport is not None
+                    and proto.requests.discard(req)):
+                proto.send(PullCancel(req=req))
 
     def push(
         self, update: Mapping[str, Any], *, base_version: int

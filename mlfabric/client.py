@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .client_core import (
+    PULL_WAIT,
     Handshake,
     RequestTable,
     check_base_version,
@@ -49,10 +50,6 @@ from .protocol import (
 log = logging.getLogger("mlfabric.client")
 
 _JOIN_LIMIT = 1 << 16
-# How long the server may hold a pull for an update before answering with
-# the model as it is (an update queued longer is pulled for again).
-PULL_WAIT = 30.0
-
 
 def connect(
     address: str,

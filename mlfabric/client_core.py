@@ -8,6 +8,7 @@ blocking client, asyncio futures for the asyncio one.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import os
 import socket
@@ -172,6 +173,15 @@ def check_base_version(base_version: Any) -> int:
     return int(base_version)
 
 
+def takes_including(pull: Any) -> bool:
+    """Whether a client's pull() takes `including=` (mlfabric's clients do; a
+    stand-in a user passes may not)."""
+    try:
+        return "including" in inspect.signature(pull).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+
+
 @dataclass
 class _Pending:
     kind: str  # "pull" or "push"
@@ -183,6 +193,10 @@ class _Pending:
 
 # Requests given up on (a pull that timed out) whose late answers are ignored.
 DISCARDED_KEPT = 1024
+
+# How long the server may hold a pull for an update before answering with
+# the model as it is (an update queued longer is pulled for again).
+PULL_WAIT = 30.0
 
 
 class RequestTable:

@@ -16,7 +16,6 @@ accuracy with 4 workers whose updates are several versions stale.
 
 from __future__ import annotations
 
-import inspect
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -24,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from mlfabric.client_core import takes_including
 from mlfabric.errors import ConfigError
 
 __all__ = [
@@ -204,13 +204,6 @@ def _batches(n: int, batch_size: int, rng: np.random.Generator):
             yield perm[start : start + batch_size]
 
 
-def _takes_including(pull: Callable[..., Any]) -> bool:
-    try:
-        return "including" in inspect.signature(pull).parameters
-    except (TypeError, ValueError):  # a builtin without a signature
-        return False
-
-
 def train_worker(
     ps: Any,
     X: np.ndarray,
@@ -258,7 +251,7 @@ def train_worker(
     batches = _batches(len(X), batch_size, rng)
     in_flight: deque[Any] = deque()
     outcomes: list[Any] = []
-    pull_including = pull_with_push and max_in_flight == 1 and _takes_including(ps.pull)
+    pull_including = pull_with_push and max_in_flight == 1 and takes_including(ps.pull)
     pulled = None
 
     def collect() -> None:

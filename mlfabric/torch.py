@@ -53,6 +53,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
         f"mlfabric.torch needs PyTorch ({exc}): pip install 'mlfabric[torch]'"
     ) from None
 
+from .client_core import takes_including
 from .errors import ConfigError
 from .outcome import PushOutcome
 
@@ -117,7 +118,10 @@ class DistributedOptimizer:
         update is the change its ``step()`` makes. Give exactly one of the two.
     pull_every: pull the newest model into the module every N steps (1: after
         every push); 0: only when ``pull()`` is called. Between pulls the
-        module keeps its own updates, so training goes on locally.
+        module keeps its own updates, so training goes on locally. With
+        ``max_in_flight=1`` the pull goes out with the push
+        (``ps.pull(including=future)``): through a controller, the server
+        streams the model with this step's update in it while it arrives.
     max_in_flight: how many pushes may await their outcome; 1 (default) means
         ``step()`` returns once its push's outcome is known.
     timeout: seconds to wait for a push's outcome or a pull's answer.
@@ -157,6 +161,7 @@ class DistributedOptimizer:
         self.pull_every = pull_every
         self.max_in_flight = max_in_flight
         self.timeout = timeout
+        self._pull_including = takes_including(ps.pull)
         self._params = dict(_named_parameters(module))
         if local_optimizer is not None:
             ours = {id(p) for p in self._params.values()}
@@ -217,17 +222,25 @@ class DistributedOptimizer:
                     self._update[name].zero_()
                 else:
                     _scaled(self._update[name], p.grad.detach(), -self.lr)
+        pull_now = bool(self.pull_every) and (self.steps + 1) % self.pull_every == 0
+        pulled = None
         try:
             future = self.ps.push(self._update_np, base_version=self.version)
             self._in_flight.append(future)
             self.steps += 1
+            if pull_now and self.max_in_flight == 1 and self._pull_including:
+                # Asked for with the push: the server may stream the model
+                # with this update in it while the update still arrives.
+                pulled = self._fetch(including=future)
             while len(self._in_flight) >= self.max_in_flight:
                 self._collect(self._in_flight.popleft())
         except BaseException:
             self._restore()
             raise
         outcome = self.last_outcome if not self._in_flight else None
-        if self.pull_every and self.steps % self.pull_every == 0:
+        if pulled is not None:
+            self._load(*pulled)
+        elif pull_now:
             self.pull()
         else:
             self._keep_local()
@@ -237,13 +250,23 @@ class DistributedOptimizer:
     def pull(self) -> int:
         """Copy the server's newest model into the module's parameters in
         place; returns its version (also ``self.version``)."""
+        return self._load(*self._fetch())
+
+    def _fetch(self, including: Future[PushOutcome] | None = None
+               ) -> tuple[int, dict[str, np.ndarray]]:
         try:
-            version, arrays = self.ps.pull(timeout=self.timeout)
+            if including is None:
+                pulled: tuple[int, dict[str, np.ndarray]] = self.ps.pull(timeout=self.timeout)
+            else:
+                pulled = self.ps.pull(timeout=self.timeout, including=including)
         except TimeoutError:
             raise TimeoutError(
                 f"pull() got no answer from the server within {self.timeout} s "
                 f"(DistributedOptimizer timeout=)"
             ) from None
+        return pulled
+
+    def _load(self, version: int, arrays: dict[str, np.ndarray]) -> int:
         for name, p in self._params.items():
             pulled = torch.from_numpy(arrays[name])  # shares the array's memory
             p.data.copy_(pulled)

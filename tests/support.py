@@ -97,6 +97,11 @@ def assert_model_equal(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndar
         assert np.array_equal(got[n].view(np.uint32), want[n].view(np.uint32)), n
 
 
+def sample(metric, **labels):
+    """A prometheus-client counter's or gauge's value (of one label set)."""
+    return metric.labels(**labels)._value.get() if labels else metric._value.get()
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
     """Bounded wait for a condition owned by another thread or process."""
     deadline = time.monotonic() + timeout

@@ -26,6 +26,7 @@ from support import (
     free_port,
     make_model,
     random_update,
+    sample,
     wait_until,
 )
 
@@ -50,10 +51,6 @@ def cluster(loop_kind):
     for t in reversed(threads):
         if t._thread.is_alive():
             t.__exit__(None, None, None)
-
-
-def sample(metric, **labels):
-    return metric.labels(**labels)._value.get() if labels else metric._value.get()
 
 
 def test_pushes_go_through_the_controller_and_are_reported_back(cluster, caplog):

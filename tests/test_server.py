@@ -27,6 +27,7 @@ from support import (
     free_port,
     make_model,
     random_update,
+    sample,
     wait_until,
 )
 
@@ -47,10 +48,6 @@ def serve(loop_kind):
     yield start
     for st in started:
         st.__exit__(None, None, None)
-
-
-def sample(metric, **labels):
-    return metric.labels(**labels)._value.get() if labels else metric._value.get()
 
 
 def test_pull_returns_the_initial_model(serve):
@@ -803,6 +800,56 @@ def test_pull_including_a_push_returns_the_model_with_it(serve, monkeypatch):
         anonymous.set_result(PushOutcome(True, 1, 0, None, 0))
         assert ps.pull(10, including=anonymous)[0] == 1
         assert ps.pull(10)[0] == 1
+    raw.close()
+
+
+def test_asyncio_pull_including_a_push(serve, run_async):
+    """The asyncio client's pull(including=future): the model with the update
+    once applied; the model as it is, and the held pull cancelled, when it
+    was not; cancelling the call cancels the held pull, not the push."""
+    from mlfabric.outcome import PushOutcome
+
+    model = make_model()
+    st = serve(model, momentum=0.0, tau_max=None)
+    u = random_update(model, seed=7)
+    raw = RawClient(st.port)
+
+    async def held(ps, uid, n):
+        push = asyncio.get_running_loop().create_future()
+        push.uid = uid
+        task = asyncio.ensure_future(ps.pull(including=push))
+        await asyncio.to_thread(wait_until, lambda: _pulls_held(st) == n)
+        return push, task
+
+    def cancelled():
+        return sample(st.server.metrics.pulls_cancelled)
+
+    async def body():
+        async with await aio.connect(st.address, job=JOB, token=TOKEN) as ps:
+            push, task = await held(ps, "a1", 1)
+            raw.send(Push(1, 0, u, uid="a1"))
+            assert await asyncio.to_thread(raw.recv_event) == PushResult(1, True, 1, 0)
+            push.set_result(PushOutcome(True, 1, 0, None, 0))
+            version, params = await asyncio.wait_for(task, 10)
+            assert version == 1 and ps.last_version == 1
+            assert_model_equal(params, {n: model[n] + u[n] for n in model})
+
+            push, task = await held(ps, "a2", 1)
+            push.set_result(PushOutcome(False, 1, 5, "stale", 0))
+            assert (await asyncio.wait_for(task, 10))[0] == 1
+            await asyncio.to_thread(wait_until, lambda: cancelled() == 1)
+
+            push, task = await held(ps, "a3", 1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert not push.done()
+            await asyncio.to_thread(wait_until, lambda: cancelled() == 2)
+            assert _pulls_held(st) == 0
+            assert (await ps.pull())[0] == 1
+
+    run_async(body())
+    assert sample(st.server.metrics.pulls_expired) == 0
     raw.close()
 
 

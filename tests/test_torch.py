@@ -15,7 +15,14 @@ import mlfabric.torch as mt  # noqa: E402
 from mlfabric.errors import ConfigError, InvalidUpdate  # noqa: E402
 from mlfabric.store import ParameterStore  # noqa: E402
 
-from support import JOB, TOKEN, Reference, ServerThread, assert_model_equal  # noqa: E402
+from support import (  # noqa: E402
+    JOB,
+    TOKEN,
+    Reference,
+    ServerThread,
+    assert_model_equal,
+    sample,
+)
 
 
 class Net(torch.nn.Module):
@@ -327,3 +334,7 @@ def test_through_a_controller_its_drops_are_counted(serve, tmp_path):
             assert stats.dropped_reasons == {"dropped by the controller": 2}
             assert opt.version == 2
             assert_model_equal(arrays(model), server_model(st)[1])
+    # Each step's pull went out with its push; the two dropped ones were
+    # cancelled at the server, not left to expire.
+    m = st.server.metrics
+    assert (sample(m.pulls_cancelled), sample(m.pulls_held), sample(m.pulls_expired)) == (2, 0, 0)
