@@ -51,6 +51,7 @@ log = logging.getLogger("mlfabric.client")
 
 _JOIN_LIMIT = 1 << 16
 
+
 def connect(
     address: str,
     *,

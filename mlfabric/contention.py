@@ -34,8 +34,9 @@ accuracy reaches the target or the time limit passes:
 (`benchmarks/contention.py`) and `mlfabric demo --contention` call it. Time 0
 is when every worker is connected and holds the initial model (for ddp: when
 the process group is formed), so process start-up is not counted. Accuracy is
-measured on the server's model (pulled on the server's own host, so the
-pulls cross no link) or, for ddp, by rank 0 on its replica of the model.
+measured on each new version of the server's model (pulled every
+SAMPLE_EVERY seconds on the server's own host, so the pulls cross no link)
+or, for ddp, by rank 0 on its replica of the model after every step.
 
 Process entry points (run inside the namespaces): ``python -m
 mlfabric.contention ps-worker ...`` and ``... ddp-rank ...``.
@@ -78,6 +79,9 @@ AGGREGATE_PORT = 7401
 DDP_PORT = 29511
 METRICS_PORT = 9109
 AGENT_METRICS_PORT = 9110
+# How often the server's model is pulled to measure its accuracy: about a
+# third of a step, as DDP's rank 0 measures after every step.
+SAMPLE_EVERY = 0.1
 
 
 @dataclass(frozen=True)
@@ -524,19 +528,25 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
 def _watch_server(ps: Any, sc: Scenario, t0: float, progress: Callable[[str], None] | None,
                   label: str, x_test: np.ndarray, y_test: np.ndarray
                   ) -> list[tuple[float, float]]:
-    """Pull the server's model about twice a second and measure its held-out
-    accuracy, until the target or the time limit."""
+    """Pull the server's model every SAMPLE_EVERY seconds and measure the
+    held-out accuracy of each new version, until the target or the time
+    limit. A point's time is when its pull returned: the model existed then."""
     curve: list[tuple[float, float]] = []
+    seen = None
     while True:
+        version, params = ps.pull()
         t = time.monotonic() - t0
-        _, params = ps.pull()
-        acc = accuracy(params, x_test, y_test)
-        curve.append((round(t, 3), acc))
-        if progress is not None:
-            progress(f"{label} {t:6.1f} s  held-out accuracy {acc:.3f} (target {sc.target})")
-        if acc >= sc.target or t >= sc.time_limit:
+        if version != seen:
+            seen = version
+            acc = accuracy(params, x_test, y_test)
+            curve.append((round(t, 3), acc))
+            if progress is not None:
+                progress(f"{label} {t:6.1f} s  held-out accuracy {acc:.3f} (target {sc.target})")
+            if acc >= sc.target:
+                return curve
+        if t >= sc.time_limit:
             return curve
-        time.sleep(max(0.0, 0.5 - (time.monotonic() - t0 - t)))  # sampling period, not a sync
+        time.sleep(max(0.0, SAMPLE_EVERY - (time.monotonic() - t0 - t)))  # a period, not a sync
 
 
 def _server_bytes_in(h0: Any) -> float | None:
