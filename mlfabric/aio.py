@@ -388,14 +388,13 @@ class AsyncClient:
                 if version >= outcome.version:
                     self.last_version = max(self.last_version, version)
                     return version, params
-        except BaseException:
-            self._give_up(reqs)
-            raise
-        self._give_up(reqs)  # held for an update that was not applied
+        finally:
+            self._give_up(reqs)  # unless answered: not applied, or cancelled
         return await self.pull()
 
     def _give_up(self, reqs: list[tuple[_ClientProtocol, int]]) -> None:
-        """Ignore the held pull's answer, and tell the server to forget it."""
+        """Ignore the held pull's answer, and tell the server to forget it
+        (nothing for a pull already answered)."""
         for proto, req in reqs:
             if (proto is self._proto and proto.transport is not None
                     and proto.requests.discard(req)):

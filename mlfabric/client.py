@@ -285,31 +285,32 @@ class Client:
                 return Pull(req=req, uid=uid, wait=wait)
             held = self._request("pull", held_pull, None)
         try:
-            outcome = push.result(left())
-        except concurrent.futures.TimeoutError:
-            self._give_up(reqs)
-            raise TimeoutError(f"pull(including=...) got no outcome of the update within "
-                               f"{timeout} s") from None
-        except Exception:
-            outcome = None  # the push failed: the model as it is
-        if held is not None and outcome is not None and outcome.applied:
             try:
-                version, params = held.result(left())
+                outcome = push.result(left())
             except concurrent.futures.TimeoutError:
-                self._give_up(reqs)
-                raise TimeoutError(f"pull() got no answer from {self.address} within "
+                raise TimeoutError(f"pull(including=...) got no outcome of the update within "
                                    f"{timeout} s") from None
-            except ConnectionLost:
-                return self.pull(left())  # failover: from the promoted replica
-            if version >= outcome.version:
-                self.last_version = max(self.last_version, version)
-                return version, params
-        self._give_up(reqs)  # held for an update that was not applied
+            except Exception:
+                outcome = None  # the push failed: the model as it is
+            if held is not None and outcome is not None and outcome.applied:
+                try:
+                    version, params = held.result(left())
+                except concurrent.futures.TimeoutError:
+                    raise TimeoutError(f"pull() got no answer from {self.address} within "
+                                       f"{timeout} s") from None
+                except ConnectionLost:
+                    return self.pull(left())  # failover: from the promoted replica
+                if version >= outcome.version:
+                    self.last_version = max(self.last_version, version)
+                    return version, params
+        finally:
+            self._give_up(reqs)  # unless answered: not applied, or timed out
         return self.pull(left())
 
     def _give_up(self, reqs: list[tuple[RequestTable, int]]) -> None:
-        """Ignore the held pull's answer, and tell the server to forget it:
-        else it sends the whole model once the pull's wait runs out."""
+        """Ignore the held pull's answer, and tell the server to forget it,
+        else it sends the whole model once the pull's wait runs out (nothing
+        for a pull already answered)."""
         with self._lock:
             cancel = [req for table, req in reqs
                       if table is self._requests and table.discard(req)]

@@ -562,6 +562,17 @@ def _hold(st, raw, req, uid):
     wait_until(lambda: _pulls_held(st) == held + 1)
 
 
+def _big_model_and_update(serve, seed):
+    """A server of the 4 MiB model (momentum 0.9), an update for it, and the
+    reference model with that update applied."""
+    model = make_model(sizes=BIG)
+    st = serve(model, momentum=0.9, tau_max=None)
+    u = random_update(model, seed=seed)
+    ref = Reference(model, 0.9)
+    ref.apply(u)
+    return st, u, ref
+
+
 def _events(raw, n, already=b""):
     raw.conn.receive_data(already)
     return [raw.recv_event() for _ in range(n)]
@@ -583,11 +594,7 @@ def test_a_pull_for_an_update_gets_the_new_model_while_the_update_arrives(
     exactly, and the push is answered as usual."""
     from mlfabric.protocol import Model, ModelEnd
 
-    model = make_model(sizes=BIG)
-    st = serve(model, momentum=0.9, tau_max=None)
-    u = random_update(model, seed=1)
-    ref = Reference(model, 0.9)
-    ref.apply(u)
+    st, u, ref = _big_model_and_update(serve, seed=1)
     early, pusher = RawClient(st.port), RawClient(st.port)
     _hold(st, early, 7, "u1")
     frame = pusher.frame(Push(1, 0, u, uid="u1"))
@@ -619,11 +626,7 @@ def test_a_stream_that_does_not_hold_ends_not_ok_and_the_pull_waits_on(
     answers the pull with the applied model."""
     from mlfabric.protocol import ModelEnd
 
-    model = make_model(sizes=BIG)
-    st = serve(model, momentum=0.9, tau_max=None)
-    u = random_update(model, seed=2)
-    ref = Reference(model, 0.9)
-    ref.apply(u)
+    st, u, ref = _big_model_and_update(serve, seed=2)
     puller, pusher = RawClient(st.port), RawClient(st.port)
     _hold(st, puller, 3, "u2")
     bad = {n: a.copy() for n, a in u.items()}
