@@ -347,7 +347,7 @@ def route_groups(snap: Snapshot, items: list[PlanItem], config: AggregationConfi
                 (item,) = sends
                 until = pending[item.id].arrival + config.wait
                 if snap.now < until and item.start is not None and item.start < until:
-                    routed[item.id] = dataclasses.replace(item, start=until)
+                    routed[item.id] = item._replace(start=until)
             continue
         sends.sort(key=lambda i: (i.start, i.position if i.position is not None else 0, i.id))
         order = [_slot(pending[i.id]) for i in sends]
@@ -376,15 +376,15 @@ def route_groups(snap: Snapshot, items: list[PlanItem], config: AggregationConfi
                     and (slack > config.hold_guard or snap.now < until)):
                 at = max(snap.now + slack - config.hold_guard, until)
                 for tid in g.ids:
-                    routed[tid] = dataclasses.replace(plan_of[tid], start=at)
+                    routed[tid] = plan_of[tid]._replace(start=at)
                 continue
             formed.append(g)
             for index, tid in enumerate(g.ids):
                 route = Route(str(g.aggregator), snap.aggregators[str(g.aggregator)],
                               group=(epoch << 32) | g.ids[0], fan_in=len(g.ids), index=index)
-                routed[tid] = dataclasses.replace(plan_of[tid], start=snap.now,
-                                                  planned_seconds=g.delivered - snap.now,
-                                                  route=route)
+                routed[tid] = plan_of[tid]._replace(start=snap.now,
+                                                    planned_seconds=g.delivered - snap.now,
+                                                    route=route)
     return [routed.get(i.id, i) for i in items], formed
 
 

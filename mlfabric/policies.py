@@ -1,4 +1,4 @@
-"""The controller's `mlfabric` policy: the scheduling core (`schedule.plan`)
+"""The controller's `mlfabric` policy: the scheduling core (`schedule.plan_rows`)
 fed from the controller's state.
 
 The core plans with reservations on links; the controller knows, for each
@@ -10,6 +10,12 @@ its completion report (which triggers a re-plan) instead of overlapping it.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Mapping
+from typing import cast
+
+import numpy as np
+
 from . import schedule
 from .control import PlanItem, Snapshot
 
@@ -19,15 +25,17 @@ _MIN_SECONDS = 1e-6
 
 
 def _network(snap: Snapshot) -> schedule.Network:
-    hosts = {t.host for t in (*snap.pending, *snap.active)}
-    hosts |= {t.dst for t in (*snap.pending, *snap.active)}
-    hosts |= {t.route.host for t in snap.active if t.route is not None}
     net = snap.network
-    return schedule.Network(
-        up={h: net.up_rate(h) for h in hosts},
-        down={h: net.down_rate(h) for h in hosts},
-        pair={(a, b): r for (a, b), r in net.pair.items()},
-    )
+    # The controller's hosts are strings; the core takes any hashable
+    # (Mapping is invariant in its key type, hence the casts).
+    return schedule.Network(up=cast(Mapping[schedule.Host, float], net.up_rates),
+                            down=cast(Mapping[schedule.Host, float], net.down_rates),
+                            pair=cast(Mapping[tuple[schedule.Host, schedule.Host], float],
+                                      net.pair))
+
+
+# The tie order among otherwise equal transfers (see mlfabric_policy).
+_EARLIEST_DEADLINE_FIRST = operator.attrgetter("base_version", "arrival", "id")
 
 
 def mlfabric_policy(snap: Snapshot, *, idle_factor: float | None = 1.0,
@@ -39,7 +47,7 @@ def mlfabric_policy(snap: Snapshot, *, idle_factor: float | None = 1.0,
         planned = max(t.planned_seconds or _MIN_SECONDS, _MIN_SECONDS)
         started = t.started if t.started is not None else snap.now
         end = max(started + planned, snap.now + _OVERDUE_EXTENSION * planned)
-        # Running ids only need to differ from each other (pending ids are ranks).
+        # Running ids only need to differ from each other (pending ids are rows).
         if t.route is None:
             running.append(schedule.RunningTransfer(-t.id, t.host, t.dst,
                                                     rate=t.nbytes / planned, end=end))
@@ -55,34 +63,34 @@ def mlfabric_policy(snap: Snapshot, *, idle_factor: float | None = 1.0,
                 fwd_id, t.route.host, t.dst, rate=snap.network.rate(t.route.host, t.dst),
                 end=end)
     running.extend(forwards.values())
-    # The core breaks ties between equal transfers by id. Hand it ids ranked
+    # The core breaks ties between equal transfers by row. Hand it rows ranked
     # earliest deadline first (oldest base version, then earliest arrival):
     # among equal transfers the stalest goes first, which spreads delays
     # least. (Freshest first, measured too, lowered the mean delay by 1-2% but
     # raised its standard deviation by 10-15%: benchmarks/RESULTS.md.)
-    ranked = sorted(snap.pending, key=lambda t: (t.base_version, t.arrival, t.id))
-    real_id = {rank: t.id for rank, t in enumerate(ranked)}
-    pending = [schedule.PendingUpdate(rank, t.host, t.dst, t.nbytes, t.base_version, t.norm,
-                                      t.arrival) for rank, t in enumerate(ranked)]
-    result = schedule.plan(
-        schedule.Snapshot(now=snap.now, pending=pending, running=running,
-                          network=_network(snap),
-                          server=schedule.ServerState(snap.version, in_flight=len(snap.active))),
+    ranked = sorted(snap.pending, key=_EARLIEST_DEADLINE_FIRST)
+    n = len(ranked)
+    rows = schedule.Rows([t.host for t in ranked], [t.dst for t in ranked],
+                         np.fromiter((t.nbytes for t in ranked), np.float64, n),
+                         np.fromiter((t.base_version for t in ranked), np.int64, n))
+    result = schedule.plan_rows(
+        snap.now, rows, running, _network(snap),
+        schedule.ServerState(snap.version, in_flight=len(snap.active)),
         schedule.PlanConfig(policy="mlfabric", tau_max=snap.tau_max, idle_factor=idle_factor,
                             overload=overload),
     )
-    items = []
-    for d in result.directives.values():
-        if isinstance(d, schedule.SendAt):
-            items.append(PlanItem(real_id[d.id], start=d.start, position=d.position,
-                                  planned_seconds=d.end - d.start))
-        else:
-            detail = f"at position {d.position}"
-            if d.reason == schedule.STALEST_IN_OVERLOAD:
-                detail = (f"base version {ranked[d.id].base_version}: the queue cannot meet "
-                          f"every deadline, so its stalest updates go")
-            elif d.reason == schedule.WOULD_IDLE_SERVER:
-                detail += (f": would idle the server {d.idle:.3f} s to place transfers of "
-                           f"{d.displaced:.3f} s")
-            items.append(PlanItem(real_id[d.id], drop=d.reason, detail=detail))
+    items = [PlanItem(ranked[k].id, start=start, position=position, planned_seconds=end - start)
+             for k, start, end, position in zip(result.send_row, result.start, result.end,
+                                                 result.position, strict=True)]
+    for k, reason, position, idle, displaced in zip(result.drop_row, result.reason,
+                                                     result.drop_position, result.idle,
+                                                     result.displaced, strict=True):
+        detail = f"at position {position}"
+        if reason == schedule.STALEST_IN_OVERLOAD:
+            detail = (f"base version {ranked[k].base_version}: the queue cannot meet "
+                      f"every deadline, so its stalest updates go")
+        elif reason == schedule.WOULD_IDLE_SERVER:
+            detail += (f": would idle the server {idle:.3f} s to place transfers of "
+                       f"{displaced:.3f} s")
+        items.append(PlanItem(ranked[k].id, drop=reason, detail=detail))
     return items

@@ -207,19 +207,22 @@ def plan(snapshot: Snapshot, config: PlanConfig | None = None, *, use_kernel: bo
     the identical plan."""
     config = config or PlanConfig()
     pending = _sorted_pending(snapshot.pending)
-    _check_times(snapshot)
+    _check_times(snapshot.now, snapshot.running)
     v_init = snapshot.server.version + snapshot.server.in_flight
     if config.policy == "fifo":
         net = _LinkTable(snapshot.network, snapshot.now)
         net.load_running(snapshot.running)
         paths = [net.path(u.source, u.destination) for u in pending]
         sends, drops = _plan_fifo(snapshot.now, pending, paths)
+    elif use_kernel and _stf_kernel is not None:
+        # Rows in id order: the row stands for the id in every tie.
+        rows = _plan_rows_kernel(_stf_kernel, snapshot.now, Rows.of(pending), snapshot.running,
+                                 snapshot.network, v_init, config)
+        sends, drops = rows.directives([u.id for u in pending])
     else:
-        kernel = _stf_kernel if use_kernel else None
-        sends, drops = _plan_stf_once(snapshot, pending, v_init, config, kernel)
+        sends, drops = _plan_stf_once(snapshot, pending, v_init, config)
         if config.overload == "stalest":
-            sends, drops = _drop_stalest_instead(snapshot, pending, v_init, config, kernel,
-                                                 sends, drops)
+            sends, drops = _drop_stalest_instead(snapshot, pending, v_init, config, sends, drops)
     directives: dict[int, Directive] = {d.id: d for d in drops}
     directives.update((s.id, s) for s in sends)
     return Plan(
@@ -237,16 +240,17 @@ def _plan_stf_once(
     pending: Sequence[PendingUpdate],
     v_init: int,
     config: PlanConfig,
-    kernel: Callable[..., tuple[int, int]] | None,
 ) -> tuple[list[SendAt], list[Drop]]:
-    """One shortest-transfer-first pass over `pending` on fresh link tables."""
+    """One shortest-transfer-first pass of the reference over `pending` on fresh link tables."""
     net = _LinkTable(snapshot.network, snapshot.now)
     net.load_running(snapshot.running)
     paths = [net.path(u.source, u.destination) for u in pending]
-    ready = max([snapshot.now, *(r.end for r in snapshot.running)])
-    if kernel is not None and pending:
-        return _plan_stf_kernel(kernel, ready, pending, paths, net.links, v_init, config)
-    return _plan_stf(ready, pending, paths, v_init, config)
+    return _plan_stf(_ready(snapshot.now, snapshot.running), pending, paths, v_init, config)
+
+
+def _ready(now: float, running: Sequence[RunningTransfer]) -> float:
+    """When the server has applied what is running: before any pending update."""
+    return max([now, *(r.end for r in running)])
 
 
 def _drop_stalest_instead(
@@ -254,7 +258,6 @@ def _drop_stalest_instead(
     pending: Sequence[PendingUpdate],
     v_init: int,
     config: PlanConfig,
-    kernel: Callable[..., tuple[int, int]] | None,
     sends: list[SendAt],
     drops: list[Drop],
 ) -> tuple[list[SendAt], list[Drop]]:
@@ -267,7 +270,8 @@ def _drop_stalest_instead(
     positions minus the sum of their base versions: dropping the m stalest
     instead minimises it (of equal base versions the higher id goes, the one
     the tie order would place last). The rest is planned again; that plan is kept only
-    if it drops no more updates in all than the first one."""
+    if it drops no more updates in all than the first one. (`_stalest_rows`
+    is the same rule on the kernel's rows.)"""
     late = sum(1 for d in drops if d.reason == DEADLINE_MISSED and d.position > 0)
     if not late:
         return sends, drops
@@ -277,7 +281,7 @@ def _drop_stalest_instead(
     stalest = sorted(alive, key=lambda u: (u.base_version, -u.id))[:late]
     out = {u.id for u in stalest}
     sends2, drops2 = _plan_stf_once(snapshot, [u for u in alive if u.id not in out], v_init,
-                                    config, kernel)
+                                    config)
     if len(hopeless) + late + len(drops2) > len(drops):
         return sends, drops
     return sends2, [*hopeless, *(Drop(u.id, STALEST_IN_OVERLOAD, 0) for u in stalest), *drops2]
@@ -295,10 +299,10 @@ def _sorted_pending(pending: Sequence[PendingUpdate]) -> list[PendingUpdate]:
     return ordered
 
 
-def _check_times(snapshot: Snapshot) -> None:
-    if not math.isfinite(snapshot.now):
-        raise ConfigError(f"snapshot.now is {snapshot.now}; it must be a finite number of seconds")
-    for r in snapshot.running:
+def _check_times(now: float, running: Sequence[RunningTransfer]) -> None:
+    if not math.isfinite(now):
+        raise ConfigError(f"snapshot.now is {now}; it must be a finite number of seconds")
+    for r in running:
         if not (r.rate >= 0 and math.isfinite(r.rate)):
             raise ConfigError(f"running transfer {r.id} has rate {r.rate}; need a finite rate >= 0")
         if not math.isfinite(r.end):
@@ -824,57 +828,239 @@ def _forced_choice(
     return -1
 
 
-def _plan_stf_kernel(
+# --- the same policy on rows, for the compiled kernel -------------------------------
+#
+# What the controller hands over on every event is thousands of updates, and
+# only the search itself runs in C: everything around it must cost little per
+# update. So the kernel path takes the pending updates as columns (`Rows`),
+# builds objects only for the few links that carry a running transfer (every
+# other link is one flat segment at its capacity, written straight into the
+# kernel's arrays), and answers with columns (`RowPlan`) that the caller turns
+# into whatever records it needs.
+
+
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """Pending updates as columns: row k is one update. The row is its id in
+    every tie (of two otherwise equal updates the lower row goes first)."""
+
+    source: Sequence[Host]
+    destination: Sequence[Host]
+    size: np.ndarray  # bytes (float64)
+    base_version: np.ndarray  # v(g) (int64)
+
+    @classmethod
+    def of(cls, pending: Sequence[PendingUpdate]) -> Rows:
+        n = len(pending)
+        return cls([u.source for u in pending], [u.destination for u in pending],
+                   np.fromiter((u.size for u in pending), np.float64, n),
+                   np.fromiter((u.base_version for u in pending), np.int64, n))
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+
+@dataclass(frozen=True, slots=True)
+class RowPlan:
+    """A plan over `Rows`: the sends by position (row, start, rate, end,
+    position) and the drops in the order they were decided (row, reason,
+    position, idle, displaced), as in `SendAt` and `Drop`."""
+
+    send_row: list[int]
+    start: list[float]
+    rate: list[float]
+    end: list[float]
+    position: list[int]
+    drop_row: list[int]
+    reason: list[str]
+    drop_position: list[int]
+    idle: list[float]
+    displaced: list[float]
+
+    def directives(self, ids: Sequence[int]) -> tuple[list[SendAt], list[Drop]]:
+        """`SendAt`s and `Drop`s, row k standing for update ids[k]."""
+        sends = [SendAt(ids[k], s, r, p, e) for k, s, r, e, p in
+                 zip(self.send_row, self.start, self.rate, self.end, self.position, strict=True)]
+        drops = [Drop(ids[k], why, p, i, d) for k, why, p, i, d in
+                 zip(self.drop_row, self.reason, self.drop_position, self.idle, self.displaced,
+                     strict=True)]
+        return sends, drops
+
+
+_NO_ROWS = RowPlan([], [], [], [], [], [], [], [], [], [])
+
+
+def plan_rows(now: float, rows: Rows, running: Sequence[RunningTransfer], network: Network,
+              server: ServerState, config: PlanConfig) -> RowPlan:
+    """`plan` for the "mlfabric" policy on rows, without a record per update.
+
+    The controller calls this on every event. It gives the plan `plan` gives
+    for the same updates with ids 0..n-1 (the pure-Python reference when the
+    kernel is not built)."""
+    if config.policy != "mlfabric":
+        raise ConfigError(f"plan_rows plans the mlfabric policy, got policy {config.policy!r}")
+    _check_times(now, running)
+    size = np.asarray(rows.size, np.float64)
+    if len(size) and not bool(np.all(size > 0)):
+        k = int(np.flatnonzero(~(size > 0))[0])
+        raise ConfigError(f"pending update {k} has size {size[k]}; sizes must be > 0 bytes")
+    v_init = server.version + server.in_flight
+    if not len(rows):
+        return _NO_ROWS
+    if _stf_kernel is not None:
+        return _plan_rows_kernel(_stf_kernel, now, rows, running, network, v_init, config)
+    pending = [PendingUpdate(k, s, d, z, int(v), 1.0, now) for k, (s, d, z, v) in
+               enumerate(zip(rows.source, rows.destination, size.tolist(),
+                             rows.base_version.tolist(), strict=True))]
+    snapshot = Snapshot(now, pending, running, network, server)
+    sends, drops = _plan_stf_once(snapshot, pending, v_init, config)
+    if config.overload == "stalest":
+        sends, drops = _drop_stalest_instead(snapshot, pending, v_init, config, sends, drops)
+    return RowPlan([d.id for d in sends], [d.start for d in sends], [d.rate for d in sends],
+                   [d.end for d in sends], [d.position for d in sends],
+                   [d.id for d in drops], [d.reason for d in drops],
+                   [d.position for d in drops], [d.idle for d in drops],
+                   [d.displaced for d in drops])
+
+
+class _KernelLinks:
+    """Every link the rows cross, indexed for the kernel, with its initial
+    segments. Links that carry a running transfer come from `_LinkTable`
+    (their step functions); every other link is flat: one segment [now, inf)
+    at its capacity, never built as an object."""
+
+    def __init__(self, network: Network, now: float, running: Sequence[RunningTransfer],
+                 rows: Rows) -> None:
+        table = _LinkTable(network, now)
+        table.load_running(running)
+        self.now = now
+        self.reserved = table.links  # indices 0 .. len - 1
+        self.capacity = [_capacity(link) for link in table.links]
+        self.up = self._indices({h: lk.index for h, lk in table.up.items()}, network.up,
+                                rows.source, "uplink")
+        self.down = self._indices({h: lk.index for h, lk in table.down.items()}, network.down,
+                                  rows.destination, "downlink")
+        if network.pair:
+            keys = list(zip(rows.source, rows.destination, strict=True))
+            known = {k: lk.index for k, lk in table.pair.items()}
+            self._add(known, network.pair, [k for k in dict.fromkeys(keys)
+                                            if k in network.pair and k not in known], "pair")
+            self.pair = np.fromiter((known.get(k, -1) for k in keys), np.intp, len(keys))
+        else:
+            self.pair = np.full(len(rows), -1, np.intp)
+
+    def _indices(self, known: dict[Host, int], capacities: Mapping[Host, float],
+                 hosts: Sequence[Host], what: str) -> np.ndarray:
+        self._add(known, capacities, [h for h in dict.fromkeys(hosts) if h not in known], what)
+        return np.fromiter(map(known.__getitem__, hosts), np.intp, len(hosts))
+
+    def _add(self, known: dict, capacities: Mapping, keys: list, what: str) -> None:
+        """Flat links for `keys`, checked as `_LinkTable` checks them."""
+        if not keys:
+            return
+        try:
+            caps = [float(capacities[k]) for k in keys]
+        except KeyError:
+            caps = []
+        if len(caps) != len(keys) or not all(c > 0 and math.isfinite(c) for c in caps):
+            for k in keys:  # raises the clear error for the first bad one
+                _LinkTable._capacity(capacities, k, what)
+        base = len(self.capacity)
+        known.update(zip(keys, range(base, base + len(keys)), strict=True))
+        self.capacity.extend(caps)
+
+    def segments(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(seg_lo, seg_t, seg_r, seg_f) as schedule_stf takes them."""
+        reserved = self.reserved
+        flat = np.array(self.capacity[len(reserved):], np.float64)
+        counts = np.ones(len(self.capacity), np.intp)
+        counts[:len(reserved)] = [len(link.times) for link in reserved]
+        seg_lo = np.zeros(len(self.capacity) + 1, np.intp)
+        np.cumsum(counts, out=seg_lo[1:])
+        chain = itertools.chain.from_iterable
+
+        def column(name: str, flat_value: np.ndarray) -> np.ndarray:
+            head = np.fromiter(chain(getattr(lk, name) for lk in reserved), np.float64)
+            return np.concatenate([head, flat_value])
+
+        return (seg_lo, column("times", np.full(len(flat), self.now)),
+                column("residual", flat), column("free", flat))
+
+
+_KERNEL_REASONS = ("", DEADLINE_MISSED, WOULD_IDLE_SERVER)
+
+
+def _plan_rows_kernel(
     kernel: Callable[..., tuple[int, int]],
-    ready: float,
-    pending: Sequence[PendingUpdate],
-    paths: Sequence[tuple[_Link, ...]],
-    links: Sequence[_Link],
+    now: float,
+    rows: Rows,
+    running: Sequence[RunningTransfer],
+    network: Network,
     v_init: int,
     config: PlanConfig,
-) -> tuple[list[SendAt], list[Drop]]:
-    """_plan_stf on arrays, in mlfabric._core.schedule_stf: the same decisions."""
-    n = len(pending)
-    size = np.array([u.size for u in pending], np.float64)
-    on_path = np.array(
-        [(p[0].index, p[1].index, p[2].index if len(p) > 2 else -1) for p in paths], np.intp
-    )
-    up, down, pair = (np.ascontiguousarray(on_path[:, a]) for a in range(3))
-    link_capacity = np.array([_capacity(link) for link in links], np.float64)
-    cap = np.minimum(link_capacity[up], link_capacity[down])
-    has_pair = pair >= 0
-    cap[has_pair] = np.minimum(cap[has_pair], link_capacity[pair[has_pair]])
+) -> RowPlan:
+    """_plan_stf (and the "stalest" rule) in mlfabric._core.schedule_stf: the same decisions."""
+    links = _KernelLinks(network, now, running, rows)
+    segments = links.segments()
+    link_capacity = np.array(links.capacity, np.float64)
+    cap = np.minimum(link_capacity[links.up], link_capacity[links.down])
+    has_pair = links.pair >= 0
+    cap[has_pair] = np.minimum(cap[has_pair], link_capacity[links.pair[has_pair]])
     tau = config.tau_max
-    dl = np.array([u.base_version for u in pending], np.intp)
-    dl += (tau if tau is not None else 0) - v_init  # deadline(), vectorized
-    seg_lo = np.zeros(len(links) + 1, np.intp)
-    np.cumsum([len(link.times) for link in links], out=seg_lo[1:])
-    seg_t = np.fromiter(itertools.chain.from_iterable(lk.times for lk in links), np.float64)
-    seg_r = np.fromiter(itertools.chain.from_iterable(lk.residual for lk in links), np.float64)
-    seg_f = np.fromiter(itertools.chain.from_iterable(lk.free for lk in links), np.float64)
-    start, rate, end, idle, displaced = (np.empty(n, np.float64) for _ in range(5))
-    position, send_order, drop_order = (np.empty(n, np.intp) for _ in range(3))
-    reason = np.empty(n, np.int8)
+    dl = np.asarray(rows.base_version, np.intp) + ((tau if tau is not None else 0) - v_init)
+    size = np.asarray(rows.size, np.float64)
+    ready = _ready(now, running)
     idle_factor = -1.0 if config.idle_factor is None else float(config.idle_factor)
-    n_sends, n_drops = kernel(
-        ready, size, up, down, pair, cap, dl, tau is not None, idle_factor,
-        seg_lo, seg_t, seg_r, seg_f,
-        start, rate, end, position, send_order, drop_order, reason, idle, displaced,
-    )
-    ids = [u.id for u in pending]
-    start_l, rate_l, end_l = start.tolist(), rate.tolist(), end.tolist()
-    pos_l = position.tolist()
-    sends = [
-        SendAt(ids[k], start_l[k], rate_l[k], pos_l[k], end_l[k])
-        for k in send_order[:n_sends].tolist()
-    ]
-    reasons = ("", DEADLINE_MISSED, WOULD_IDLE_SERVER)
-    reason_l, idle_l, displaced_l = reason.tolist(), idle.tolist(), displaced.tolist()
-    drops = [
-        Drop(ids[k], reasons[reason_l[k]], pos_l[k], idle_l[k], displaced_l[k])
-        for k in drop_order[:n_drops].tolist()
-    ]
-    return sends, drops
+
+    def one_pass(sub: np.ndarray) -> RowPlan:
+        n = len(sub)
+        start, rate, end, idle, displaced = (np.empty(n, np.float64) for _ in range(5))
+        position, send_order, drop_order = (np.empty(n, np.intp) for _ in range(3))
+        reason = np.empty(n, np.int8)
+        n_sends, n_drops = kernel(
+            ready, np.ascontiguousarray(size[sub]), np.ascontiguousarray(links.up[sub]),
+            np.ascontiguousarray(links.down[sub]), np.ascontiguousarray(links.pair[sub]),
+            np.ascontiguousarray(cap[sub]), np.ascontiguousarray(dl[sub]), tau is not None,
+            idle_factor, *segments,
+            start, rate, end, position, send_order, drop_order, reason, idle, displaced,
+        )
+        sent, dropped = send_order[:n_sends], drop_order[:n_drops]
+        return RowPlan(
+            sub[sent].tolist(), start[sent].tolist(), rate[sent].tolist(), end[sent].tolist(),
+            position[sent].tolist(), sub[dropped].tolist(),
+            [_KERNEL_REASONS[r] for r in reason[dropped].tolist()], position[dropped].tolist(),
+            idle[dropped].tolist(), displaced[dropped].tolist())
+
+    everything = np.arange(len(rows))
+    first = one_pass(everything)
+    if config.overload != "stalest":
+        return first
+    return _stalest_rows(first, np.asarray(rows.base_version), everything, one_pass)
+
+
+def _stalest_rows(first: RowPlan, base_version: np.ndarray, everything: np.ndarray,
+                  one_pass: Callable[[np.ndarray], RowPlan]) -> RowPlan:
+    """`_drop_stalest_instead` on rows (the row is the id)."""
+    late = sum(1 for why, p in zip(first.reason, first.drop_position, strict=True)
+               if why == DEADLINE_MISSED and p > 0)
+    if not late:
+        return first
+    hopeless = [k for k, why, p in zip(first.drop_row, first.reason, first.drop_position,
+                                       strict=True) if why == DEADLINE_MISSED and p == 0]
+    alive = np.ones(len(everything), bool)
+    alive[hopeless] = False
+    alive_rows = everything[alive]
+    stalest = alive_rows[np.lexsort((-alive_rows, base_version[alive_rows]))[:late]]
+    alive[stalest] = False
+    second = one_pass(everything[alive])
+    if len(hopeless) + late + len(second.drop_row) > len(first.drop_row):
+        return first
+    m = len(hopeless) + late
+    return RowPlan(
+        second.send_row, second.start, second.rate, second.end, second.position,
+        [*hopeless, *stalest.tolist(), *second.drop_row],
+        [DEADLINE_MISSED] * len(hopeless) + [STALEST_IN_OVERLOAD] * late + second.reason,
+        [0] * m + second.drop_position, [0.0] * m + second.idle, [0.0] * m + second.displaced)
 
 
 # --- policy "fifo": the asynchronous parameter server ---------------------------------
