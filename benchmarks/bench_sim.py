@@ -7,19 +7,22 @@ server and N workers; each worker's share of the server's downlink is
 the expected run; the server's uplink is 10x its downlink; workers have
 1 Gbit/s links; 2 MiB updates; compute 1.2 s +-20 %; one push in flight;
 tau_max = N (8 workers: 8); the workers start uniformly over the first
-compute time. The controller re-plans on every event, as
-mlfabric.controller does (unless --replan-every-ms).
+compute time. The controller re-plans on every event (unless
+--replan-every-ms). With --decision-latency measured each re-plan takes the
+wall time it took here: its directives leave when it ends, and the events
+that arrive meanwhile are answered together by the next one, as
+mlfabric.controller answers the events of one turn of its loop.
 
     .venv/bin/python benchmarks/bench_sim.py [--scales 100,1000,10000] [--steps 8,4,2]
-        [--replan-every-ms 0,0,0]
+        [--replan-every-ms 0,0,0] [--decision-latency none|measured]
 
 Prints per scale and policy: pushes, applied, dropped (by reason), delay
 and push-to-applied distributions, bytes into the server, and the
 controller's decision time: the wall time of each real `decide()` call in
 the run (median, p99, max), the most updates pending at one call, and busy
-= total decision time / simulated time (above 1, a real controller that
-re-plans on every event could not keep up). Last column: the wall time the
-simulation itself took.
+= total decision time / simulated time (above 1, a controller that
+re-plans once per event could not keep up), and how many events each
+re-plan answered. Last column: the wall time the simulation itself took.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import sys
 import time
 from typing import Any
 
-from mlfabric.sim import MIB, RateChange, Scenario, simulate
+from mlfabric.sim import DECISION_LATENCIES, MIB, RateChange, Scenario, simulate
 
 
 def scenario(n: int, steps: int, replan_ms: float, args: argparse.Namespace) -> Scenario:
@@ -44,7 +47,7 @@ def scenario(n: int, steps: int, replan_ms: float, args: argparse.Namespace) -> 
                     server_down_mbit=down, server_up_mbit=10 * down, worker_up_mbit=1000.0,
                     worker_down_mbit=1000.0, changes=changes,
                     start_spread=args.compute_ms / 1e3, seed=args.seed,
-                    replan_every=replan_ms / 1e3)
+                    replan_every=replan_ms / 1e3, decision_latency=args.decision_latency)
 
 
 def fmt(s: dict[str, Any], wall: float) -> list[str]:
@@ -64,6 +67,10 @@ def fmt(s: dict[str, Any], wall: float) -> list[str]:
                    f"{ds['p99'] * 1e3:.3f} ms max {ds['max'] * 1e3:.3f} ms over "
                    f"{ds['count']} re-plans, pending max {s['pending_max']}, busy "
                    f"{s['controller_busy']:.2f}")
+        ev = s["events_per_decision"]
+        if ev["count"]:
+            out.append(f"            events per re-plan mean {ev['mean']:.2f} p99 "
+                       f"{ev['p99']:.0f} max {ev['max']:.0f}")
     return out
 
 
@@ -82,6 +89,10 @@ def main() -> int:
     ap.add_argument("--replan-every-ms", default="0,0,0",
                     help="per scale: the controller re-plans at most this often (0: on "
                          "every event, as mlfabric.controller does)")
+    ap.add_argument("--decision-latency", choices=DECISION_LATENCIES, default="none",
+                    help="none: a re-plan takes no simulated time; measured: the wall time "
+                         "it took here, its directives leave when it ends and the events "
+                         "meanwhile share the next one, as the controller's do")
     args = ap.parse_args()
     scales = [int(x) for x in args.scales.split(",")]
     steps = [int(x) for x in args.steps.split(",")]
@@ -99,6 +110,8 @@ def main() -> int:
         for n, k, every in zip(scales, steps, replan, strict=True):
             sc = scenario(n, k, every, args)
             how = f"at most every {every:g} ms" if every else "on every event"
+            if args.decision_latency == "measured":
+                how += ", each taking the time it took here"
             print(f"{n} workers, {k} steps: server downlink {sc.server_down_mbit:g} Mbit/s "
                   f"({args.change_factor:g}x in the middle third), tau_max {sc.tau_max}, "
                   f"re-plans {how}", flush=True)

@@ -76,6 +76,8 @@ class Controller(Endpoint):
         self.policy_name = policy_name or getattr(policy, "__name__", "custom")
         self._agent_tasks: list[asyncio.Task[None]] = []
         self._wake: asyncio.TimerHandle | None = None
+        self._soon: asyncio.Handle | None = None  # the re-plan this turn's events asked for
+        self._events = 0  # events since the last re-plan
         self._held_seen = self._overrides_seen = 0
         self.monitor: FailoverMonitor | None = None
 
@@ -258,11 +260,25 @@ class Controller(Endpoint):
     # -- decide, then act -------------------------------------------------------------
 
     def replan(self) -> None:
+        """Re-plan once the loop has read what else has arrived: the events of
+        one turn of the loop share one re-plan. A re-plan over thousands of
+        pending transfers takes milliseconds, and the events that arrive
+        meanwhile are read together in the next turn, so the batches grow
+        with the load instead of a queue of re-plans, one per event, falling
+        further behind (benchmarks/RESULTS.md, "The simulator")."""
+        self._events += 1
+        if self._soon is None:
+            self._soon = asyncio.get_running_loop().call_soon(self._replan_now)
+
+    def _replan_now(self) -> None:
+        self._soon = None
         started = time.perf_counter()
         now = self.clock()
         decisions = self.state.decide(now)
         m = self.metrics
         m.decision_seconds.observe(time.perf_counter() - started)
+        m.replan_events.observe(self._events)
+        self._events = 0
         for action in decisions.actions:
             t = action.transfer
             conn = t.owner
@@ -334,6 +350,9 @@ class Controller(Endpoint):
         return status
 
     async def close(self) -> None:
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
         if self._wake is not None:
             self._wake.cancel()
         for task in self._agent_tasks:

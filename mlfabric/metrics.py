@@ -257,6 +257,11 @@ class ControllerMetrics:
             "controller_decision_seconds", "Time of one re-plan (policy and bookkeeping)",
             namespace=ns, registry=r,
             buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3))
+        self.replan_events = Histogram(
+            "controller_replan_events",
+            "Events (requests, completions, timers, bandwidth changes) one re-plan "
+            "answered: above 1, events arrived faster than the controller re-planned",
+            namespace=ns, registry=r, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024))
         self.delay = Histogram(
             "controller_update_delay_versions",
             "Staleness of applied updates as their workers reported it",

@@ -63,6 +63,9 @@ class RateChange:
     down_mbit: float | None = None
 
 
+DECISION_LATENCIES = ("none", "measured")
+
+
 @dataclass(frozen=True)
 class Scenario:
     """One job: a server on host h0 and `workers` workers on h1..hN.
@@ -102,6 +105,12 @@ class Scenario:
     # 0: the controller re-plans on every event, as mlfabric.controller does;
     # > 0: at most once per this many seconds (events in between wait for it).
     replan_every: float = 0.0
+    # "none": a re-plan takes no simulated time (the run is deterministic).
+    # "measured": it takes the wall time its decide() took here; its directives
+    # leave when it ends, and the events that arrive meanwhile share the next
+    # re-plan, as mlfabric.controller's do (the run then depends on this
+    # machine's speed: what a controller built from this code keeps up with).
+    decision_latency: str = "none"
     until: float = math.inf  # stop the run at this simulated time
 
     def __post_init__(self) -> None:
@@ -136,6 +145,9 @@ class Scenario:
             raise ConfigError(f"goodput must be in (0, 1], got {self.goodput}")
         if not 0 <= self.stragglers <= 1:
             raise ConfigError(f"stragglers must be a fraction in [0, 1], got {self.stragglers}")
+        if self.decision_latency not in DECISION_LATENCIES:
+            raise ConfigError(f"decision_latency must be one of {DECISION_LATENCIES}, got "
+                              f"{self.decision_latency!r}")
         if self.controller_view not in ("static", "live"):
             raise ConfigError(
                 f"controller_view must be 'static' or 'live', got {self.controller_view!r}")
@@ -194,6 +206,7 @@ class Result:
     bytes_into_server: float  # payload bytes of pushes that reached the server
     decision_seconds: list[float] = field(default_factory=list)  # wall time per decide()
     decision_pending: list[int] = field(default_factory=list)  # pending updates per decide()
+    decision_events: list[int] = field(default_factory=list)  # events each decide() answered
     max_utilization: float = 0.0  # highest link load / capacity seen (audit runs)
     events: int = 0
 
@@ -214,6 +227,7 @@ class Result:
             "bytes_into_server": self.bytes_into_server, "end": self.end,
             "decisions": len(self.decision_pending),
             "pending_max": max(self.decision_pending, default=0),
+            "events_per_decision": _stats(sorted(self.decision_events)),
         }
         if self.decision_seconds:
             ds = sorted(self.decision_seconds)
@@ -306,10 +320,12 @@ class _Sim:
         self.records: list[PushRecord] = []
         self.by_request: dict[tuple[int, int], PushRecord] = {}
         self._wake_gen = 0
-        self._replan_ok = 0.0  # with replan_every: the earliest next re-plan
+        self._replan_ok = 0.0  # the earliest next re-plan (replan_every, decision_latency)
+        self._events_waiting = 0  # events since the last re-plan
         self._batched = False  # a re-plan is scheduled at _replan_ok
         self.decision_seconds: list[float] = []
         self.decision_pending: list[int] = []
+        self.decision_events: list[int] = []
         self.events = 0
         self.total_pushes = sc.workers * sc.steps
         self.finished_workers = 0
@@ -490,26 +506,37 @@ class _Sim:
 
     def _batched_replan(self) -> None:
         self._batched = False
-        self._replan()
+        self._replan_when_free()
 
     def _replan(self) -> None:
-        every = self.sc.replan_every
-        if every > 0:
-            if self.now < self._replan_ok:
-                if not self._batched:
-                    self._batched = True
-                    self.at(self._replan_ok, self._batched_replan)
-                return
-            self._replan_ok = self.now + every
+        """An event: re-plan now, or once the controller may (replan_every,
+        decision_latency), together with the events that come meanwhile."""
+        self._events_waiting += 1
+        self._replan_when_free()
+
+    def _replan_when_free(self) -> None:
+        if self.now < self._replan_ok:
+            if not self._batched:
+                self._batched = True
+                self.at(self._replan_ok, self._batched_replan)
+            return
+        measured = self.sc.decision_latency == "measured"
+        timer = self.timer or (time.perf_counter if measured else None)
         pending = len(self.state.pending)
-        if self.timer is not None:
-            t0 = self.timer()
+        spent = 0.0
+        if timer is not None:
+            t0 = timer()
             decisions = self.state.decide(self.now)
-            self.decision_seconds.append(self.timer() - t0)
+            spent = timer() - t0
+            self.decision_seconds.append(spent)
         else:
             decisions = self.state.decide(self.now)
         self.decision_pending.append(pending)
-        lat = self.sc.message_latency
+        self.decision_events.append(self._events_waiting)
+        self._events_waiting = 0
+        busy = spent if measured else 0.0  # the controller is deciding until now + busy
+        self._replan_ok = self.now + max(self.sc.replan_every, busy)
+        lat = busy + self.sc.message_latency
         for action in decisions.actions:
             t = action.transfer
             w = self.workers[cast(int, t.owner)]
@@ -520,7 +547,7 @@ class _Sim:
                 self.after(lat, self._outcome, w, t.req, False, None, action.reason, None)
         self._wake_gen += 1  # cancels the previous timer, as call_later's handle does
         if decisions.wake_at is not None:
-            self.at(max(self.now, decisions.wake_at), self._wake, self._wake_gen)
+            self.at(max(self.now + busy, decisions.wake_at), self._wake, self._wake_gen)
 
 
 def simulate(scenario: Scenario, policy: str, *, timer: Callable[[], float] | None = None,
@@ -539,7 +566,8 @@ def simulate(scenario: Scenario, policy: str, *, timer: Callable[[], float] | No
     sim.run()
     end = max((r.done for r in sim.records if r.done is not None), default=sim.now)
     return Result(policy, scenario, sim.records, end, sim.bytes_in, sim.decision_seconds,
-                  sim.decision_pending, sim.net.max_utilization, sim.events)
+                  sim.decision_pending, sim.decision_events, sim.net.max_utilization,
+                  sim.events)
 
 
 # --- command line ------------------------------------------------------------------------
@@ -573,7 +601,8 @@ def scenario_from_args(args: argparse.Namespace, seed: int) -> Scenario:
         message_latency=args.latency_ms / 1e3, start_delay=args.start_delay,
         start_spread=args.start_spread, stragglers=args.stragglers,
         straggler_factor=args.straggler_factor, seed=seed, idle_factor=args.idle_factor,
-        controller_view=args.controller_view, replan_every=args.replan_every_ms / 1e3)
+        controller_view=args.controller_view, replan_every=args.replan_every_ms / 1e3,
+        decision_latency=args.decision_latency)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -613,6 +642,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replan-every-ms", type=float, default=0.0,
                    help="re-plan at most this often (0: on every event, as the controller "
                         "does)")
+    p.add_argument("--decision-latency", choices=DECISION_LATENCIES, default="none",
+                   help="none: a re-plan takes no simulated time; measured: the wall time "
+                        "it took here, with the events meanwhile answered together by the "
+                        "next one (as the controller does)")
     p.add_argument("--json", action="store_true", help="print one JSON summary per run")
     p.add_argument("--progress-every", type=int, default=20000, metavar="EVENTS",
                    help="a progress line on stderr every this many events")

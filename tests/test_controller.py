@@ -399,3 +399,51 @@ def test_close_ends_agent_polling_whenever_it_lands(run_async):
             await agent.stop()
 
     run_async(body())
+
+
+def test_the_events_of_one_loop_turn_share_one_replan(run_async):
+    """Requests read in one turn of the loop get one re-plan that answers them
+    all (three here), not one re-plan each; a later event gets its own."""
+    from mlfabric.controller import _ControllerProtocol
+    from mlfabric.protocol import Directive, TransferRequest
+
+    async def body():
+        seen: list[int] = []  # pending transfers at each re-plan
+        replanned = asyncio.Event()
+
+        def policy(snap: Snapshot) -> list[PlanItem]:
+            seen.append(len(snap.pending))
+            replanned.set()
+            return [PlanItem(t.id, start=snap.now, position=0, planned_seconds=0.01)
+                    for t in snap.pending]
+
+        class Recorder(_ControllerProtocol):
+            def __init__(self, endpoint: Controller) -> None:
+                super().__init__(endpoint)
+                self.sent: list[Directive] = []
+
+            def send(self, event) -> None:
+                self.sent.append(event)
+
+        controller = Controller(policy, job=JOB, token=TOKEN, tau_max=None)
+        conns = [Recorder(controller) for _ in range(4)]
+
+        def request(conn, req):
+            controller.on_request(conn, TransferRequest(req=req, host="w", dst="s", nbytes=10,
+                                                        base_version=0, norm=1.0))
+
+        for req, conn in enumerate(conns[:3]):  # one callback: one turn of the loop
+            request(conn, req)
+        assert seen == []  # nothing decided while the turn's events are still read
+        await asyncio.wait_for(replanned.wait(), 10)
+        assert seen == [3]
+        assert [[d.action for d in c.sent] for c in conns] == [["go"]] * 3 + [[]]
+        replanned.clear()
+        request(conns[3], 3)
+        await asyncio.wait_for(replanned.wait(), 10)
+        assert seen == [3, 1] and [d.action for d in conns[3].sent] == ["go"]
+        events = controller.metrics.replan_events
+        assert (events._sum.get(), sum(b.get() for b in events._buckets)) == (4, 2)
+        await controller.close()
+
+    run_async(body())

@@ -8,6 +8,7 @@ the Ctrl-C test, which waits, bounded, for a subprocess to report progress).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import selectors
 import signal
@@ -351,3 +352,29 @@ def test_replan_every_batches_the_controllers_events():
     assert w1.sent == pytest.approx(2.504, abs=EXACT)
     assert w1.landed == pytest.approx(3.504, abs=EXACT)
     assert len(r.decision_seconds) == 4  # 1.004, 1.504, 2.004 (timer), 2.504
+
+
+def test_measured_decision_latency_delays_directives_and_batches_events():
+    # Three workers ask at 1.006. Each re-plan takes 0.125 s (the timer's
+    # step). The first answers worker 0 alone; its go leaves at 1.131. The
+    # other two requests arrived while it ran: the next re-plan answers both.
+    # Every later go also leaves a re-plan later than with instant decisions
+    # (1.0, 2.0, 3.0 s from push to applied): one, two and three 0.125 s
+    # decisions lie on the three pushes' paths.
+    sc = dataclasses.replace(TINY, workers=3, decision_latency="measured")
+    ticks = itertools.count(0.0, 0.125)
+    r = simulate(sc, "mlfabric", timer=lambda: next(ticks))
+    w0, w1, w2 = by_worker(r)
+    assert w0.pushed == pytest.approx(1.006, abs=EXACT)
+    assert w0.sent == pytest.approx(1.131, abs=EXACT)
+    assert (r.decision_events[:2], r.decision_pending[:2]) == ([1, 2], [1, 2])
+    assert [w.seconds for w in (w0, w1, w2)] == [
+        pytest.approx(s, abs=EXACT) for s in (1.125, 2.25, 3.375)]
+    assert r.summary()["events_per_decision"]["max"] == 2
+    instant = simulate(dataclasses.replace(sc, decision_latency="none"), "mlfabric",
+                       timer=lambda: next(ticks))
+    assert [w.seconds for w in by_worker(instant)] == [
+        pytest.approx(s, abs=EXACT) for s in (1.0, 2.0, 3.0)]
+    assert set(instant.decision_events) == {1}
+    with pytest.raises(ConfigError, match="decision_latency must be one of"):
+        Scenario(decision_latency="slow")
