@@ -216,7 +216,13 @@ class Agent:
     async def start(self) -> None:
         self._loop = loop = asyncio.get_running_loop()
         c = self.config
-        self._server = await asyncio.start_server(self._on_control, c.host, c.port)
+        try:
+            self._server = await asyncio.start_server(self._on_control, c.host, c.port)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot listen for the agent's TCP connections on {c.host}:{c.port}: {exc}; "
+                "choose another --listen address or port"
+            ) from None
         self.port = self._server.sockets[0].getsockname()[1]
         family = self._server.sockets[0].family
         udp = socket.socket(family, socket.SOCK_DGRAM)

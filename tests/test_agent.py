@@ -511,6 +511,25 @@ def test_port_in_use_is_a_config_error(run_async) -> None:
     run_async(main())
 
 
+def test_tcp_port_in_use_is_a_config_error(run_async) -> None:
+    """The agent listens on TCP and UDP at one port: a TCP port already taken
+    is refused as clearly as a UDP one, naming the address and --listen."""
+
+    async def main() -> None:
+        tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        tcp.bind((LOCAL, 0))
+        tcp.listen()
+        port = tcp.getsockname()[1]
+        try:
+            a = Agent(_config("a", port=port))
+            with pytest.raises(ConfigError, match=f"{LOCAL}:{port}.*--listen"):
+                await a.start()
+        finally:
+            tcp.close()
+
+    run_async(main())
+
+
 # --- pieces -------------------------------------------------------------------------
 
 
