@@ -887,9 +887,6 @@ class RowPlan:
         return sends, drops
 
 
-_NO_ROWS = RowPlan([], [], [], [], [], [], [], [], [], [])
-
-
 def plan_rows(now: float, rows: Rows, running: Sequence[RunningTransfer], network: Network,
               server: ServerState, config: PlanConfig) -> RowPlan:
     """`plan` for the "mlfabric" policy on rows, without a record per update.
@@ -906,7 +903,7 @@ def plan_rows(now: float, rows: Rows, running: Sequence[RunningTransfer], networ
         raise ConfigError(f"pending update {k} has size {size[k]}; sizes must be > 0 bytes")
     v_init = server.version + server.in_flight
     if not len(rows):
-        return _NO_ROWS
+        return RowPlan([], [], [], [], [], [], [], [], [], [])
     if _stf_kernel is not None:
         return _plan_rows_kernel(_stf_kernel, now, rows, running, network, v_init, config)
     pending = [PendingUpdate(k, s, d, z, int(v), 1.0, now) for k, (s, d, z, v) in

@@ -19,6 +19,7 @@ import math
 import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -35,12 +36,14 @@ from mlfabric.schedule import (
     PendingUpdate,
     Plan,
     PlanConfig,
+    Rows,
     RunningTransfer,
     SendAt,
     ServerState,
     Snapshot,
     deadline,
     plan,
+    plan_rows,
 )
 
 TOL = 1e-9
@@ -813,10 +816,33 @@ def test_kernel_and_reference_give_the_same_plan(snap, config, monkeypatch):
     assert plan(snap, config) == plan(snap, config, use_kernel=False)
 
 
+@prop
+@given(snap=snapshots(max_hosts=5, max_pending=14, max_running=4), config=configs)
+def test_plan_rows_gives_the_reference_plan_of_the_same_updates(snap, config):
+    """What the controller calls: row k is the update of id k."""
+    rows = [replace(u, id=k) for k, u in enumerate(sorted(snap.pending, key=lambda u: u.id))]
+    expected = plan(replace(snap, pending=rows), config, use_kernel=False)
+    got = plan_rows(snap.now, Rows.of(rows), snap.running, snap.network, snap.server, config)
+    sends, drops = got.directives(range(len(rows)))
+    assert tuple(s.id for s in sends) == expected.order
+    assert tuple(drops) == expected.drops
+    assert all(expected.directives[s.id] == s for s in sends)
+
+
+def test_plan_rows_refuses_what_it_cannot_plan():
+    net = star({"a": 1.0})
+    rows = Rows(["a"], ["s"], np.array([0.0]), np.array([1]))
+    with pytest.raises(ConfigError, match=r"pending update 0 has size 0\.0; sizes must be > 0"):
+        plan_rows(0.0, rows, [], net, ServerState(0), PlanConfig())
+    with pytest.raises(ConfigError, match="plans the mlfabric policy, got policy 'fifo'"):
+        plan_rows(0.0, rows, [], net, ServerState(0), PlanConfig(policy="fifo"))
+    empty = plan_rows(0.0, Rows([], [], np.array([]), np.array([], np.int64)), [], net,
+                      ServerState(0), PlanConfig())
+    assert empty.directives([]) == ([], [])
+
+
 @pytest.mark.skipif(KERNEL is None, reason=KERNEL_MISSING)
 def test_kernel_refuses_inconsistent_arrays():
-    import numpy as np
-
     f = np.zeros(1, np.float64)
     i = np.zeros(1, np.intp)
     args = dict(
