@@ -77,6 +77,33 @@ def milestones(sc: Scenario, runs: dict[str, list[RunResult]]) -> list[str]:
     return lines
 
 
+def forwards_floor(sc: Scenario, runs: dict[str, list[RunResult]]) -> list[str]:
+    """A floor under the time to target of a system whose every applied update
+    went through an aggregation group (mlfabric-agg-wait: groups of every
+    worker, one at a time). Each group's aggregate crosses the server's
+    downlink whole, so a run spent at least (groups - 1) x the forward time its
+    aggregators measured receiving aggregates (the last group may still have
+    been on its way when the target was reached). Against ddp's time in the
+    same round, that is the most 'ddp / system' could be if nothing but the
+    forwards took time."""
+    ddp = runs.get("ddp") or []
+    lines = []
+    for system, rs in runs.items():
+        if not rs or not all(r.groups and r.forward_mean is not None and r.grouped == r.applied
+                             for r in rs):
+            continue
+        floors = [(r.groups - 1) * (r.forward_mean or 0.0) for r in rs]
+        line = (f"  {system}: forwards alone, (groups - 1) x measured forward, per run: "
+                + ", ".join(f"{f:.2f} s" for f in floors))
+        if len(ddp) == len(rs) and all(f > 0 for f in floors):
+            ratios = [ttt(d, sc.time_limit) / f for d, f in zip(ddp, floors, strict=True)]
+            line += ("; ddp's time to target / that: "
+                     + ", ".join(f"{x:.2f}x" for x in ratios)
+                     + f" (the most ddp / {system} could be)")
+        lines.append(line)
+    return lines
+
+
 def table(sc: Scenario, runs: dict[str, list[RunResult]]) -> str:
     lines = [f"scenario {sc.name}: medians of {max(len(v) for v in runs.values())} runs, "
              f"target accuracy {sc.target}, time limit {sc.time_limit:.0f} s"]
@@ -111,6 +138,7 @@ def table(sc: Scenario, runs: dict[str, list[RunResult]]) -> str:
                 f"aggregators vs planned: gather {med(parts['gather_mean']):.3f} vs "
                 f"{med(parts['planned_gather_mean']):.3f}, forward "
                 f"{med(parts['forward_mean']):.3f} vs {med(parts['planned_forward_mean']):.3f}")
+    lines += forwards_floor(sc, runs)
     # Each mlfabric system against what a user would pick instead (the goals),
     # and plain mlfabric against its variants.
     pairs = [(m, other) for m in SYSTEMS if m.startswith("mlfabric") and runs.get(m)

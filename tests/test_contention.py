@@ -172,7 +172,13 @@ def test_benchmark_reprints_saved_runs_with_their_update_rate(tmp_path):
     saved = {"contended": {"fifo": [run("fifo", 10.0, 10.0, 40), run("fifo", 30.0, 30.0, 60),
                                     run("fifo", None, 50.0, 100)],
                            "mlfabric": [run("mlfabric", 20.0, 20.0, 100)],
-                           "mlfabric-agg": [run("mlfabric-agg", 8.0, 8.0, 40, **agg)]}}
+                           "mlfabric-agg": [run("mlfabric-agg", 8.0, 8.0, 40, **agg)],
+                           # every update grouped: (5 - 1) x 0.5 s and (3 - 1) x 1.0 s
+                           "mlfabric-agg-wait": [
+                               run("mlfabric-agg-wait", 4.0, 4.0, 40, groups=5, grouped=40, **agg),
+                               run("mlfabric-agg-wait", 6.0, 6.0, 24, groups=3, grouped=24,
+                                   **{**agg, "forward_mean": 1.0})],
+                           "ddp": [run("ddp", 3.0, 3.0, 0), run("ddp", 1.0, 1.0, 0)]}}
     path = tmp_path / "runs.json"
     path.write_text(json.dumps(saved))
     script = [sys.executable, str(ROOT / "benchmarks" / "contention.py"), "--from-json",
@@ -199,6 +205,10 @@ def test_benchmark_reprints_saved_runs_with_their_update_rate(tmp_path):
     assert marks["mlfabric"] == ["mlfabric", "10.0", "s", "20.0", "s", "20.0", "s"]
     assert ("mlfabric-agg groups, mean seconds per group (median of runs), measured by the "
             "aggregators vs planned: gather 0.400 vs 0.100, forward 0.500 vs 0.300") in out.stdout
+    assert ("  mlfabric-agg-wait: forwards alone, (groups - 1) x measured forward, per run: "
+            "2.00 s, 2.00 s; ddp's time to target / that: 1.50x, 0.50x (the most ddp / "
+            "mlfabric-agg-wait could be)") in out.stdout
+    assert "mlfabric-agg: forwards alone" not in out.stdout  # not every update was grouped
     path.write_text("{not json")
     bad = subprocess.run(script, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and f"cannot read the runs saved in {path}" in bad.stderr
