@@ -304,8 +304,8 @@ def _slot(t: Transfer) -> Slot:
     return Slot(t.id, t.host, t.nbytes, t.base_version)
 
 
-def route_groups(snap: Snapshot, items: list[PlanItem], config: AggregationConfig | None = None,
-                 epoch: int = 0) -> tuple[list[PlanItem], list[Group]]:
+def route_groups(snap: Snapshot, items: Sequence[PlanItem], config: AggregationConfig | None = None,
+                 epoch: int = 0) -> tuple[Sequence[PlanItem], list[Group]]:
     """Turn a policy's plan into one with aggregation: per server, the
     transfers it plans to send (now or later) are taken in plan order and
     grouped by `plan_groups` over the aggregators available in the snapshot;
@@ -394,7 +394,7 @@ def aggregating(policy: Policy, config: AggregationConfig | None = None,
     """`policy` with aggregation (`route_groups`) on top; `on_groups` is told
     of the groups each plan forms (for metrics)."""
 
-    def aggregating_policy(snap: Snapshot) -> list[PlanItem]:
+    def aggregating_policy(snap: Snapshot) -> Sequence[PlanItem]:
         items, groups = route_groups(snap, policy(snap), config, epoch)
         if groups and on_groups is not None:
             on_groups(groups)

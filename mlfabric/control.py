@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 POLICIES = ("mlfabric", "fifo")
 
@@ -187,7 +187,62 @@ class PlanItem(NamedTuple):
     route: Route | None = None  # go through an aggregator
 
 
-Policy = Callable[[Snapshot], list[PlanItem]]
+class ColumnPlan(Sequence[PlanItem]):
+    """A policy's plan kept as columns, its `PlanItem`s built only when read.
+
+    A plan holds one item per pending transfer, and most of them start
+    later: `ControlState.decide` reads only what is due (`due`), so a re-plan
+    over thousands of pending transfers builds a few items, not thousands.
+    Read as a sequence (aggregation, the replication gate), it holds the
+    sends in position order, then the drops, as a list would."""
+
+    def __init__(self, ids: Sequence[int], start: Sequence[float], end: Sequence[float],
+                 position: Sequence[int], drops: Sequence[PlanItem]) -> None:
+        """Send k: transfer ids[k] from start[k] to end[k] at `position[k]`."""
+        self._ids, self._start, self._end = ids, start, end
+        self._position = position
+        self._drops = drops
+
+    def _send(self, k: int) -> PlanItem:
+        start = self._start[k]
+        return PlanItem(self._ids[k], start=start, position=self._position[k],
+                        planned_seconds=self._end[k] - start)
+
+    def __len__(self) -> int:
+        return len(self._ids) + len(self._drops)
+
+    @overload
+    def __getitem__(self, i: int) -> PlanItem: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[PlanItem]: ...
+
+    def __getitem__(self, i: int | slice) -> PlanItem | list[PlanItem]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        n = len(self._ids)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"plan index {i} out of range for {len(self)} items")
+        return self._send(i) if i < n else self._drops[i - n]
+
+    def __iter__(self) -> Iterator[PlanItem]:
+        for k in range(len(self._ids)):
+            yield self._send(k)
+        yield from self._drops
+
+    def due(self, now: float) -> tuple[list[PlanItem], float | None]:
+        """The items that take effect at `now` (the sends starting by then, in
+        position order, then the drops) and the earliest later start."""
+        start = self._start
+        items = [self._send(k) for k in range(len(start)) if start[k] <= now]
+        later = min((s for s in start if s > now), default=None)
+        items.extend(self._drops)
+        return items, later
+
+
+Policy = Callable[[Snapshot], Sequence[PlanItem]]
 
 
 def fifo_policy(snap: Snapshot) -> list[PlanItem]:
@@ -395,8 +450,11 @@ class ControlState:
         if not self.pending:
             return Decisions((), None)
         plan = self.policy(self.snapshot(now))
-        actions: list[Go | Drop] = []
         wake_at = math.inf
+        if isinstance(plan, ColumnPlan):
+            plan, later = plan.due(now)
+            wake_at = later if later is not None else math.inf
+        actions: list[Go | Drop] = []
         for item in plan:
             t = self.pending.get(item.id)
             if t is None:

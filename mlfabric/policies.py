@@ -17,7 +17,7 @@ from typing import cast
 import numpy as np
 
 from . import schedule
-from .control import PlanItem, Snapshot
+from .control import ColumnPlan, PlanItem, Snapshot
 
 # An overdue transfer is assumed to need this fraction of its planned time more.
 _OVERDUE_EXTENSION = 0.25
@@ -39,7 +39,7 @@ _EARLIEST_DEADLINE_FIRST = operator.attrgetter("base_version", "arrival", "id")
 
 
 def mlfabric_policy(snap: Snapshot, *, idle_factor: float | None = 1.0,
-                    overload: str = "stalest") -> list[PlanItem]:
+                    overload: str = "stalest") -> ColumnPlan:
     """Shortest-transfer-first with deadlines and drops (docs/scheduling.md)."""
     running = []
     forwards: dict[int, schedule.RunningTransfer] = {}
@@ -79,9 +79,7 @@ def mlfabric_policy(snap: Snapshot, *, idle_factor: float | None = 1.0,
         schedule.PlanConfig(policy="mlfabric", tau_max=snap.tau_max, idle_factor=idle_factor,
                             overload=overload),
     )
-    items = [PlanItem(ranked[k].id, start=start, position=position, planned_seconds=end - start)
-             for k, start, end, position in zip(result.send_row, result.start, result.end,
-                                                 result.position, strict=True)]
+    drops = []
     for k, reason, position, idle, displaced in zip(result.drop_row, result.reason,
                                                      result.drop_position, result.idle,
                                                      result.displaced, strict=True):
@@ -92,5 +90,7 @@ def mlfabric_policy(snap: Snapshot, *, idle_factor: float | None = 1.0,
         elif reason == schedule.WOULD_IDLE_SERVER:
             detail += (f": would idle the server {idle:.3f} s to place transfers of "
                        f"{displaced:.3f} s")
-        items.append(PlanItem(ranked[k].id, drop=reason, detail=detail))
-    return items
+        drops.append(PlanItem(ranked[k].id, drop=reason, detail=detail))
+    # Most sends start later: their items are built only if someone reads them.
+    return ColumnPlan([ranked[k].id for k in result.send_row], result.start, result.end,
+                      result.position, drops)

@@ -34,7 +34,7 @@ import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
@@ -262,7 +262,7 @@ def make_policy(name: str, idle_factor: float | None = 1.0) -> control.Policy:
         if idle_factor == 1.0:
             return mlfabric_policy  # the real controller's default, the same object
 
-        def policy(snap: control.Snapshot) -> list[control.PlanItem]:
+        def policy(snap: control.Snapshot) -> Sequence[control.PlanItem]:
             return mlfabric_policy(snap, idle_factor=idle_factor)
 
         return policy

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from mlfabric.control import ControlState, Drop, Go, Network, PlanItem, Snapshot, fifo_policy
+from mlfabric.control import (
+    ColumnPlan,
+    ControlState,
+    Drop,
+    Go,
+    Network,
+    PlanItem,
+    Snapshot,
+    fifo_policy,
+)
 
 MB = 1e6
 
@@ -52,6 +61,39 @@ def test_later_starts_wait_and_drops_are_final():
     assert d.actions[1] == Drop(ts[2], "deadline_missed", "dl 3 < position 4")
     assert d.wake_at == 12.0
     assert list(state.pending) == [ts[1].id]
+
+
+def test_a_column_plan_reads_as_its_list_and_decides_the_same():
+    """The mlfabric policy's plan builds items only when read: as a sequence it
+    is the list of sends by position then drops; decide() reads only what is
+    due, and acts and wakes exactly as on that list."""
+    drop = PlanItem(13, drop="deadline_missed", detail="at position 3")
+    plan = ColumnPlan([11, 12, 10], start=[10.0, 12.5, 10.0], end=[11.0, 14.0, 10.25],
+                      position=[0, 1, 2], drops=[drop])
+    as_list = [PlanItem(11, start=10.0, position=0, planned_seconds=1.0),
+               PlanItem(12, start=12.5, position=1, planned_seconds=1.5),
+               PlanItem(10, start=10.0, position=2, planned_seconds=0.25), drop]
+    assert list(plan) == as_list and len(plan) == 4
+    assert (plan[1], plan[-1], plan[1:3]) == (as_list[1], drop, as_list[1:3])
+    with pytest.raises(IndexError, match="plan index 4 out of range for 4 items"):
+        plan[4]
+    assert plan.due(10.0) == ([as_list[0], as_list[2], drop], 12.5)
+    assert plan.due(13.0) == ([*as_list[:3], drop], None)
+
+    def decide_with(policy_plan):
+        state = ControlState(lambda snap: policy_plan, tau_max=None)
+        for req in range(4):
+            state.request("w", req, host="h", dst="s", nbytes=1, base_version=0, norm=0.0,
+                          now=0.0)
+        d = state.decide(now=10.0)
+        return ([(type(a).__name__, a.transfer.id, getattr(a, "position", None))
+                 for a in d.actions], d.wake_at, sorted(state.pending))
+
+    # ids 10..13 are the transfers' ids once state.request gave 1..4: shift them
+    shifted = ColumnPlan([2, 3, 1], [10.0, 12.5, 10.0], [11.0, 14.0, 10.25], [0, 1, 2],
+                         [drop._replace(id=4)])
+    assert decide_with(shifted) == decide_with(list(shifted)) == (
+        [("Go", 2, 0), ("Go", 1, 2), ("Drop", 4, None)], 12.5, [3])
 
 
 def test_snapshot_is_ordered_and_sees_the_version_from_requests():
