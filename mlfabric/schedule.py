@@ -30,6 +30,7 @@ Policies:
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -214,15 +215,11 @@ def plan(snapshot: Snapshot, config: PlanConfig | None = None, *, use_kernel: bo
         net.load_running(snapshot.running)
         paths = [net.path(u.source, u.destination) for u in pending]
         sends, drops = _plan_fifo(snapshot.now, pending, paths)
-    elif use_kernel and _stf_kernel is not None:
-        # Rows in id order: the row stands for the id in every tie.
-        rows = _plan_rows_kernel(_stf_kernel, snapshot.now, Rows.of(pending), snapshot.running,
-                                 snapshot.network, v_init, config)
-        sends, drops = rows.directives([u.id for u in pending])
     else:
-        sends, drops = _plan_stf_once(snapshot, pending, v_init, config)
-        if config.overload == "stalest":
-            sends, drops = _drop_stalest_instead(snapshot, pending, v_init, config, sends, drops)
+        # Rows in id order: the row stands for the id in every tie.
+        rows = _plan_rows(snapshot.now, Rows.of(pending), snapshot.running, snapshot.network,
+                          v_init, config, _stf_kernel if use_kernel else None)
+        sends, drops = rows.directives([u.id for u in pending])
     directives: dict[int, Directive] = {d.id: d for d in drops}
     directives.update((s.id, s) for s in sends)
     return Plan(
@@ -235,56 +232,9 @@ def plan(snapshot: Snapshot, config: PlanConfig | None = None, *, use_kernel: bo
     )
 
 
-def _plan_stf_once(
-    snapshot: Snapshot,
-    pending: Sequence[PendingUpdate],
-    v_init: int,
-    config: PlanConfig,
-) -> tuple[list[SendAt], list[Drop]]:
-    """One shortest-transfer-first pass of the reference over `pending` on fresh link tables."""
-    net = _LinkTable(snapshot.network, snapshot.now)
-    net.load_running(snapshot.running)
-    paths = [net.path(u.source, u.destination) for u in pending]
-    return _plan_stf(_ready(snapshot.now, snapshot.running), pending, paths, v_init, config)
-
-
 def _ready(now: float, running: Sequence[RunningTransfer]) -> float:
     """When the server has applied what is running: before any pending update."""
     return max([now, *(r.end for r in running)])
-
-
-def _drop_stalest_instead(
-    snapshot: Snapshot,
-    pending: Sequence[PendingUpdate],
-    v_init: int,
-    config: PlanConfig,
-    sends: list[SendAt],
-    drops: list[Drop],
-) -> tuple[list[SendAt], list[Drop]]:
-    """The overload rule "stalest" (see PlanConfig).
-
-    When the plan drops m updates because their deadline passed while the
-    server applied others, the queue holds more than the link can deliver in
-    time: m updates go whichever rule is used. Positions are filled 0, 1, ...
-    either way, so the sum of the applied updates' delays is the sum of
-    positions minus the sum of their base versions: dropping the m stalest
-    instead minimises it (of equal base versions the higher id goes, the one
-    the tie order would place last). The rest is planned again; that plan is kept only
-    if it drops no more updates in all than the first one. (`_stalest_rows`
-    is the same rule on the kernel's rows.)"""
-    late = sum(1 for d in drops if d.reason == DEADLINE_MISSED and d.position > 0)
-    if not late:
-        return sends, drops
-    hopeless = [d for d in drops if d.reason == DEADLINE_MISSED and d.position == 0]
-    gone = {d.id for d in hopeless}
-    alive = [u for u in pending if u.id not in gone]
-    stalest = sorted(alive, key=lambda u: (u.base_version, -u.id))[:late]
-    out = {u.id for u in stalest}
-    sends2, drops2 = _plan_stf_once(snapshot, [u for u in alive if u.id not in out], v_init,
-                                    config)
-    if len(hopeless) + late + len(drops2) > len(drops):
-        return sends, drops
-    return sends2, [*hopeless, *(Drop(u.id, STALEST_IN_OVERLOAD, 0) for u in stalest), *drops2]
 
 
 def _sorted_pending(pending: Sequence[PendingUpdate]) -> list[PendingUpdate]:
@@ -828,15 +778,17 @@ def _forced_choice(
     return -1
 
 
-# --- the same policy on rows, for the compiled kernel -------------------------------
+# --- the same policy on rows: the compiled kernel's path, and the reference's ---------
 #
 # What the controller hands over on every event is thousands of updates, and
 # only the search itself runs in C: everything around it must cost little per
-# update. So the kernel path takes the pending updates as columns (`Rows`),
-# builds objects only for the few links that carry a running transfer (every
-# other link is one flat segment at its capacity, written straight into the
-# kernel's arrays), and answers with columns (`RowPlan`) that the caller turns
-# into whatever records it needs.
+# update. So the policy takes the pending updates as columns (`Rows`) and
+# answers with columns (`RowPlan`) that the caller turns into whatever
+# records it needs. The kernel's pass builds objects only for the few links
+# that carry a running transfer: every other link is one flat segment at its
+# capacity, written straight into the kernel's arrays. The reference's pass
+# (`use_kernel=False`, or no kernel built) runs `_plan_stf` on the same rows,
+# and the overload rule is one piece of code for both.
 
 
 @dataclass(frozen=True, slots=True)
@@ -877,6 +829,15 @@ class RowPlan:
     idle: list[float]
     displaced: list[float]
 
+    @classmethod
+    def of(cls, sends: Sequence[SendAt], drops: Sequence[Drop]) -> RowPlan:
+        """The plan of `SendAt`s and `Drop`s whose ids are rows."""
+        return cls([d.id for d in sends], [d.start for d in sends], [d.rate for d in sends],
+                   [d.end for d in sends], [d.position for d in sends],
+                   [d.id for d in drops], [d.reason for d in drops],
+                   [d.position for d in drops], [d.idle for d in drops],
+                   [d.displaced for d in drops])
+
     def directives(self, ids: Sequence[int]) -> tuple[list[SendAt], list[Drop]]:
         """`SendAt`s and `Drop`s, row k standing for update ids[k]."""
         sends = [SendAt(ids[k], s, r, p, e) for k, s, r, e, p in
@@ -904,20 +865,7 @@ def plan_rows(now: float, rows: Rows, running: Sequence[RunningTransfer], networ
     v_init = server.version + server.in_flight
     if not len(rows):
         return RowPlan([], [], [], [], [], [], [], [], [], [])
-    if _stf_kernel is not None:
-        return _plan_rows_kernel(_stf_kernel, now, rows, running, network, v_init, config)
-    pending = [PendingUpdate(k, s, d, z, int(v), 1.0, now) for k, (s, d, z, v) in
-               enumerate(zip(rows.source, rows.destination, size.tolist(),
-                             rows.base_version.tolist(), strict=True))]
-    snapshot = Snapshot(now, pending, running, network, server)
-    sends, drops = _plan_stf_once(snapshot, pending, v_init, config)
-    if config.overload == "stalest":
-        sends, drops = _drop_stalest_instead(snapshot, pending, v_init, config, sends, drops)
-    return RowPlan([d.id for d in sends], [d.start for d in sends], [d.rate for d in sends],
-                   [d.end for d in sends], [d.position for d in sends],
-                   [d.id for d in drops], [d.reason for d in drops],
-                   [d.position for d in drops], [d.idle for d in drops],
-                   [d.displaced for d in drops])
+    return _plan_rows(now, rows, running, network, v_init, config, _stf_kernel)
 
 
 class _KernelLinks:
@@ -987,16 +935,52 @@ class _KernelLinks:
 _KERNEL_REASONS = ("", DEADLINE_MISSED, WOULD_IDLE_SERVER)
 
 
-def _plan_rows_kernel(
-    kernel: Callable[..., tuple[int, int]],
+# One shortest-transfer-first pass over a subset of the rows (an array of them).
+_Pass = Callable[[np.ndarray], RowPlan]
+
+
+def _plan_rows(
     now: float,
     rows: Rows,
     running: Sequence[RunningTransfer],
     network: Network,
     v_init: int,
     config: PlanConfig,
+    kernel: Callable[..., tuple[int, int]] | None,
 ) -> RowPlan:
-    """_plan_stf (and the "stalest" rule) in mlfabric._core.schedule_stf: the same decisions."""
+    """The "mlfabric" policy on rows: a pass in the compiled kernel, or in the
+    pure-Python reference (`kernel` None), then the overload rule."""
+    make_pass = _reference_pass if kernel is None else functools.partial(_kernel_pass, kernel)
+    one_pass = make_pass(now, rows, running, network, v_init, config)
+    everything = np.arange(len(rows))
+    first = one_pass(everything)
+    if config.overload != "stalest":
+        return first
+    return _stalest_rows(first, np.asarray(rows.base_version), everything, one_pass)
+
+
+def _reference_pass(now: float, rows: Rows, running: Sequence[RunningTransfer],
+                    network: Network, v_init: int, config: PlanConfig) -> _Pass:
+    """`_plan_stf` on fresh link tables: the pure-Python reference."""
+    ready = _ready(now, running)
+    pending = [PendingUpdate(k, s, d, z, int(v), 1.0, now) for k, (s, d, z, v) in
+               enumerate(zip(rows.source, rows.destination, np.asarray(rows.size).tolist(),
+                             np.asarray(rows.base_version).tolist(), strict=True))]
+
+    def one_pass(sub: np.ndarray) -> RowPlan:
+        chosen = [pending[k] for k in sub.tolist()]
+        net = _LinkTable(network, now)
+        net.load_running(running)
+        paths = [net.path(u.source, u.destination) for u in chosen]
+        return RowPlan.of(*_plan_stf(ready, chosen, paths, v_init, config))
+
+    return one_pass
+
+
+def _kernel_pass(kernel: Callable[..., tuple[int, int]], now: float, rows: Rows,
+                 running: Sequence[RunningTransfer], network: Network, v_init: int,
+                 config: PlanConfig) -> _Pass:
+    """`_plan_stf` in mlfabric._core.schedule_stf: the same decisions."""
     links = _KernelLinks(network, now, running, rows)
     segments = links.segments()
     link_capacity = np.array(links.capacity, np.float64)
@@ -1028,16 +1012,21 @@ def _plan_rows_kernel(
             [_KERNEL_REASONS[r] for r in reason[dropped].tolist()], position[dropped].tolist(),
             idle[dropped].tolist(), displaced[dropped].tolist())
 
-    everything = np.arange(len(rows))
-    first = one_pass(everything)
-    if config.overload != "stalest":
-        return first
-    return _stalest_rows(first, np.asarray(rows.base_version), everything, one_pass)
+    return one_pass
 
 
 def _stalest_rows(first: RowPlan, base_version: np.ndarray, everything: np.ndarray,
-                  one_pass: Callable[[np.ndarray], RowPlan]) -> RowPlan:
-    """`_drop_stalest_instead` on rows (the row is the id)."""
+                  one_pass: _Pass) -> RowPlan:
+    """The overload rule "stalest" (see PlanConfig).
+
+    When the plan drops m updates because their deadline passed while the
+    server applied others, the queue holds more than the link can deliver in
+    time: m updates go whichever rule is used. Positions are filled 0, 1, ...
+    either way, so the sum of the applied updates' delays is the sum of
+    positions minus the sum of their base versions: dropping the m stalest
+    instead minimises it (of equal base versions the higher row goes, the one
+    the tie order would place last). The rest is planned again; that plan is
+    kept only if it drops no more updates in all than the first one."""
     late = sum(1 for why, p in zip(first.reason, first.drop_position, strict=True)
                if why == DEADLINE_MISSED and p > 0)
     if not late:
