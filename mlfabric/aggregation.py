@@ -47,6 +47,7 @@ import functools
 import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -288,11 +289,14 @@ def apply_aggregate(w: dict[str, np.ndarray], w_prev: dict[str, np.ndarray], ver
 # -- the controller's side: routing grouped positions through aggregators -------
 
 
-def _links(snap: Snapshot, hosts: set[str]) -> Links:
+def _links(snap: Snapshot) -> Links:
+    """The snapshot's rates, each host's computed once per network (its
+    `up_rates`/`down_rates`). The controller's hosts are strings; Links takes
+    any hashable (Mapping is invariant in its key type, hence the casts)."""
     net = snap.network
-    pair: dict[tuple[Host, Host], float] = dict(net.pair.items())
-    return Links(up={h: net.up_rate(h) for h in hosts},
-                 down={h: net.down_rate(h) for h in hosts}, pair=pair)
+    return Links(up=cast(Mapping[Host, float], net.up_rates),
+                 down=cast(Mapping[Host, float], net.down_rates),
+                 pair=cast(Mapping[tuple[Host, Host], float], net.pair))
 
 
 # Drops an aggregate can take back: the update was fine, the server's
@@ -351,9 +355,8 @@ def route_groups(snap: Snapshot, items: Sequence[PlanItem], config: AggregationC
             continue
         sends.sort(key=lambda i: (i.start, i.position if i.position is not None else 0, i.id))
         order = [_slot(pending[i.id]) for i in sends]
-        hosts = {pending[i.id].host for i in sends} | {dst} | set(snap.aggregators)
         ready = min(i.start for i in sends if i.start is not None)
-        links = _links(snap, hosts | {pending[i.id].host for i in dropped.get(dst, [])})
+        links = _links(snap)
         groups, _ = plan_groups(order, dst, sorted(snap.aggregators), links, snap.now, ready,
                                 config)
         plan_of = {i.id: i for i in sends}
