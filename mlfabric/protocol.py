@@ -89,6 +89,7 @@ class MsgType(enum.IntEnum):
     REPLICA_AT = 22
     MODEL_END = 23
     PULL_CANCEL = 24
+    RESYNC = 25
 
 
 class _NeedData:
@@ -335,26 +336,64 @@ class ReplicaDone:
 
 @dataclass(frozen=True)
 class Ping:
-    """Controller -> server or replica: are you alive? (a heartbeat)"""
+    """Controller -> server or replica: are you alive? (a heartbeat)
+
+    `since`: also send the norms of the updates applied above this version
+    (the divergence gate learns every applied update from the server, not
+    only from the worker that pushed it). `velocity`: also send
+    ||w - w_prev|| (one pass over the model: asked once per connection)."""
 
     req: int
+    since: int | None = None
+    velocity: bool | None = None
+
+
+# At most this many update norms in one Pong (a controller that is further
+# behind asks again from where the answer ended).
+MAX_NORMS: Final = 4096
 
 
 @dataclass(frozen=True)
 class Pong:
-    """Server or replica -> controller: alive, in `role` at `version`."""
+    """Server or replica -> controller: alive, in `role` at `version`.
+
+    `norms_from`, `norms`: the norms of the updates that produced versions
+    norms_from, norms_from + 1, ... (answering a Ping's `since`; norms_from
+    is above since + 1 when older ones are no longer kept). `velocity`:
+    ||w - w_prev|| at `version`, when asked. `gap`: a replica waiting for a
+    missing sequence number says for how many seconds it has waited."""
 
     req: int
     role: str
     version: int
+    norms_from: int | None = None
+    norms: tuple[float, ...] | None = None
+    velocity: float | None = None
+    gap: float | None = None
 
 
 @dataclass(frozen=True)
 class Promote:
-    """Controller -> replica: the server is gone, become the server.
-    Answered with a Pong in role "server"."""
+    """Controller (or an operator) -> replica: the server is gone, become the
+    server. Answered with a Pong in role "server", or an Error with code
+    "server_alive" when the replica itself still reaches `server` (the one
+    it would replace) and `force` is not set: promotion is for a server that
+    is really gone, never a second server beside a live one."""
 
     req: int
+    server: str | None = None
+    force: bool | None = None
+
+
+@dataclass(frozen=True)
+class Resync:
+    """Controller -> replica: a sequence number you wait for will not come
+    (its worker died after the server applied it): start over from the state
+    of the server at `server`. Answered with a Pong (role "replica") at the
+    version taken over, with its velocity, or an Error."""
+
+    req: int
+    server: str
 
 
 @dataclass(frozen=True)
@@ -414,8 +453,8 @@ class Status:
 
 Event = (Hello | Challenge | Auth | Welcome | Pull | PullCancel | Model | ModelEnd | Push
          | PushResult | Error | TransferRequest | Directive | TransferDone | StatusRequest
-         | Status | ReplicaDone | Ping | Pong | Promote | Failover | StateRequest | ReplicaJoin
-         | ReplicaAt)
+         | Status | ReplicaDone | Ping | Pong | Promote | Resync | Failover | StateRequest
+         | ReplicaJoin | ReplicaAt)
 
 DIRECTIVE_ACTIONS = ("go", "drop")
 
@@ -482,8 +521,28 @@ def _addresses(meta: Mapping[str, Any], key: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _opt_str(meta: Mapping[str, Any], key: str) -> str | None:
-    return None if meta.get(key) is None else _str(meta, key)
+def _opt_str(meta: Mapping[str, Any], key: str, max_len: int = 4096) -> str | None:
+    return None if meta.get(key) is None else _str(meta, key, max_len)
+
+
+def _opt_bool(meta: Mapping[str, Any], key: str) -> bool | None:
+    value = meta.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ProtocolError(f"field {key!r} must be a boolean, got {value!r:.40}")
+    return value
+
+
+def _opt_norms(meta: Mapping[str, Any], key: str) -> tuple[float, ...] | None:
+    """Update norms: at most MAX_NORMS finite numbers >= 0."""
+    value = meta.get(key)
+    if value is None:
+        return None
+    if not (isinstance(value, list) and len(value) <= MAX_NORMS and all(
+            not isinstance(x, bool) and isinstance(x, (int, float)) and 0 <= x < 1e300
+            for x in value)):
+        raise ProtocolError(f"field {key!r} must be a list of at most {MAX_NORMS} finite "
+                            f"numbers >= 0")
+    return tuple(float(x) for x in value)
 
 
 def _check_membership(fan_in: int | None, index: int | None, what: str) -> None:
@@ -667,12 +726,25 @@ def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict[str, np.nd
     if msg_type is MsgType.STATUS_REQUEST:
         return StatusRequest(req=_int(meta, "req"))
     if msg_type is MsgType.PING:
-        return Ping(req=_int(meta, "req"))
+        return Ping(req=_int(meta, "req"), since=_opt_int(meta, "since"),
+                    velocity=_opt_bool(meta, "velocity"))
     if msg_type is MsgType.PONG:
+        norms = _opt_norms(meta, "norms")
+        norms_from = _opt_int(meta, "norms_from")
+        if (norms is None) != (norms_from is None):
+            raise ProtocolError("a pong's 'norms' and 'norms_from' come together")
+        velocity, gap = _opt_float(meta, "velocity"), _opt_float(meta, "gap")
+        if (velocity is not None and velocity < 0) or (gap is not None and gap < 0):
+            raise ProtocolError(f"a pong's velocity and gap must be >= 0, got {velocity!r} "
+                                f"and {gap!r}")
         return Pong(req=_int(meta, "req"), role=_str(meta, "role", 16),
-                    version=_int(meta, "version"))
+                    version=_int(meta, "version"), norms_from=norms_from, norms=norms,
+                    velocity=velocity, gap=gap)
     if msg_type is MsgType.PROMOTE:
-        return Promote(req=_int(meta, "req"))
+        return Promote(req=_int(meta, "req"), server=_opt_str(meta, "server", 256),
+                       force=_opt_bool(meta, "force"))
+    if msg_type is MsgType.RESYNC:
+        return Resync(req=_int(meta, "req"), server=_str(meta, "server", 256))
     if msg_type is MsgType.FAILOVER:
         return Failover(server=_str(meta, "server", 256), version=_int(meta, "version"))
     if msg_type is MsgType.STATE_REQUEST:
@@ -758,15 +830,17 @@ def _encode_meta(event: Event) -> tuple[MsgType, dict[str, Any], Sequence[Tensor
             meta["req"] = event.req
         return MsgType.ERROR, meta, (), []
     if isinstance(event, (TransferRequest, Directive, TransferDone, StatusRequest, Status,
-                          ReplicaDone, Ping, Pong, Promote, Failover, StateRequest,
+                          ReplicaDone, Ping, Pong, Promote, Resync, Failover, StateRequest,
                           ReplicaJoin, ReplicaAt)):
         msg_type = {TransferRequest: MsgType.TRANSFER_REQUEST, Directive: MsgType.DIRECTIVE,
                     TransferDone: MsgType.TRANSFER_DONE, StatusRequest: MsgType.STATUS_REQUEST,
                     Status: MsgType.STATUS, ReplicaDone: MsgType.REPLICA_DONE,
                     Ping: MsgType.PING, Pong: MsgType.PONG, Promote: MsgType.PROMOTE,
-                    Failover: MsgType.FAILOVER, StateRequest: MsgType.STATE_REQUEST,
+                    Resync: MsgType.RESYNC, Failover: MsgType.FAILOVER,
+                    StateRequest: MsgType.STATE_REQUEST,
                     ReplicaJoin: MsgType.REPLICA_JOIN, ReplicaAt: MsgType.REPLICA_AT}[type(event)]
-        fields = {k: v for k, v in vars(event).items() if v is not None}
+        fields = {k: list(v) if isinstance(v, tuple) else v
+                  for k, v in vars(event).items() if v is not None}
         return msg_type, fields, (), []
     raise TypeError(f"not an mlfabric event: {event!r:.80}")
 

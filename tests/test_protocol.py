@@ -37,6 +37,7 @@ from mlfabric.protocol import (
     ReplicaAt,
     ReplicaDone,
     ReplicaJoin,
+    Resync,
     StateRequest,
     Status,
     StatusRequest,
@@ -109,8 +110,14 @@ CASES = [
     StatusRequest(req=3),
     ReplicaDone(dst="10.0.0.2", version=2**33),
     Ping(req=1),
+    Ping(req=2, since=40, velocity=True),
     Pong(req=1, role="replica", version=12),
+    Pong(req=2, role="server", version=44, norms_from=41, norms=(0.5, 0.0, 1e30, 2.0)),
+    Pong(req=3, role="replica", version=40, velocity=0.125, gap=1.5),
     Promote(req=2),
+    Promote(req=3, server="10.0.0.3:7070"),
+    Promote(req=4, force=True),
+    Resync(req=5, server="10.0.0.3:7070"),
     Failover(server="10.0.0.3:7070", version=40),
     StateRequest(req=3),
     ReplicaJoin(address="10.0.0.4:7070", version=41, velocity=0.25),
@@ -357,6 +364,22 @@ BAD_FRAMES = {
         "'streamed' must be true or false"),
     "model end without ok": (frame(MsgType.MODEL_END, {"req": 1}), "'ok' must be true or false"),
     "pull cancel without req": (frame(MsgType.PULL_CANCEL, {}), "'req'"),
+    "norms without norms_from": (
+        frame(MsgType.PONG, {"req": 1, "role": "server", "version": 3, "norms": [1.0]}),
+        "come together"),
+    "norm negative": (
+        frame(MsgType.PONG, {"req": 1, "role": "server", "version": 3, "norms_from": 3,
+                             "norms": [-1.0]}), "'norms'"),
+    "norms too many": (
+        frame(MsgType.PONG, {"req": 1, "role": "server", "version": 3, "norms_from": 3,
+                             "norms": [1.0] * 4097}), "at most 4096"),
+    "norm not a number": (
+        frame(MsgType.PONG, {"req": 1, "role": "server", "version": 3, "norms_from": 3,
+                             "norms": ["x"]}), "'norms'"),
+    "gap negative": (
+        frame(MsgType.PONG, {"req": 1, "role": "replica", "version": 3, "gap": -1}), "gap"),
+    "force not a bool": (frame(MsgType.PROMOTE, {"req": 1, "force": 1}), "'force'"),
+    "resync without server": (frame(MsgType.RESYNC, {"req": 1}), "'server'"),
     "length mismatch": (
         frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [["a", "f4", [4]]]},
               b"\0" * 12),
