@@ -137,6 +137,10 @@ class PrefixBound:
         return total + ROUNDING * weights_norm * carried
 
 
+# Seconds the gate holds server transfers while the replica makes no
+# progress before it gives up holding (DivergenceGate.stalled).
+DEFAULT_LAG_TIMEOUT = 3.0
+
 # Relative size of one float32 apply's rounding, as a perturbation of w.
 ROUNDING = 2.0**-22
 
@@ -162,18 +166,31 @@ class DivergenceGate:
     """The controller's view of one replica under worker-driven replication.
 
     The controller learns the server's order late (a worker reports the
-    version an update produced when the server answers) and the replica's
-    progress later still, so it bounds with `unordered_bound` over every
-    update the replica may lack: those the server applied (norm known, version
-    above the replica's) and those let go to the server but not yet reported.
-    `admit` says whether one more may go without the bound passing `div_max`.
+    version an update produced when the server answers, and the server's
+    heartbeat answers carry the norm of every update it applied) and the
+    replica's progress later still, so it bounds with `unordered_bound` over
+    every update the replica may lack: those the server applied (norm known,
+    version above the replica's) and those let go to the server but not yet
+    reported. `admit` says whether one more may go without the bound passing
+    `div_max`.
+
+    A replica that stops making progress (dead, partitioned, or waiting for
+    an update whose worker died) must not hold the job hostage: once server
+    transfers have been held for `lag_timeout` seconds with no progress of
+    the replica, the gate is `stalled` and lets everything go, counted in
+    `stalls`, until the bound is back within div_max (the replica caught up
+    or was resynced: `start`).
     """
 
-    def __init__(self, gamma: float, div_max: float) -> None:
+    def __init__(self, gamma: float, div_max: float, *,
+                 lag_timeout: float | None = DEFAULT_LAG_TIMEOUT) -> None:
         self.gamma = _check_gamma(gamma)
         if not div_max > 0:
             raise ConfigError(f"--div-max must be positive, got {div_max}")
+        if lag_timeout is not None and not lag_timeout > 0:
+            raise ConfigError(f"--replica-lag-timeout must be positive, got {lag_timeout}")
         self.div_max = float(div_max)
+        self.lag_timeout = lag_timeout
         self.applied: dict[int, float] = {}  # server version -> norm, above `replica`
         self.replica = 0  # replica version folded into `velocity`
         self.replica_reported = 0  # highest version the replica was reported at
@@ -181,12 +198,20 @@ class DivergenceGate:
         self.overrides = 0  # updates let go with the bound past div_max (see admit)
         self.held = 0  # times a server transfer was held back
         self.active = True  # False once the replica was promoted (none left)
+        self.stalled = False  # holding was given up: the replica made no progress
+        self.stalls = 0  # times the gate gave up holding
+        self.synced = False  # `start` was called: replica and velocity are known
+        self._holding_since: float | None = None  # first hold with no progress since
+        self._progress = (0, 0)  # (replica, replica_reported) when last seen
 
     def start(self, version: int, velocity_norm: float = 0.0) -> None:
         """Both sides hold version `version`, with ||w - w_prev|| <= velocity_norm."""
         self.replica = self.replica_reported = version
         self.velocity = float(velocity_norm)
         self.applied = {v: n for v, n in self.applied.items() if v > version}
+        self.synced = True
+        self.stalled = False
+        self._holding_since = None
 
     def server_applied(self, version: int, norm: float) -> None:
         if version > self.replica:
@@ -210,14 +235,42 @@ class DivergenceGate:
     def bound(self, in_flight: Iterable[float] = ()) -> float:
         return unordered_bound(self.velocity, [*self.applied.values(), *in_flight], self.gamma)
 
-    def admit(self, in_flight: Iterable[float], norm: float) -> bool:
+    def admit(self, in_flight: Iterable[float], norm: float, now: float | None = None) -> bool:
         """May an update of norm `norm` go to the server now? Yes if the bound
         stays within div_max, or if nothing is lagging at all: an update larger
-        than div_max on its own would otherwise never go (counted in `overrides`)."""
+        than div_max on its own would otherwise never go (counted in `overrides`).
+        With `now`, also yes once the gate has held for `lag_timeout` seconds
+        while the replica made no progress (the gate is then `stalled`)."""
+        if not self.active or self.stalled:
+            return True
         flying = list(in_flight)
-        if not self.active or self.bound([*flying, norm]) <= self.div_max:
+        if self.bound([*flying, norm]) <= self.div_max:
+            self._holding_since = None
             return True
         if not flying and not self.applied:
             self.overrides += 1
             return True
+        if now is not None and self.lag_timeout is not None:
+            progress = (self.replica, self.replica_reported)
+            if self._holding_since is None or progress != self._progress:
+                self._holding_since, self._progress = now, progress
+            elif now - self._holding_since >= self.lag_timeout:
+                self.stalled = True
+                self.stalls += 1
+                return True
         return False
+
+    def release_at(self) -> float | None:
+        """While holding: when the gate gives up holding if the replica does
+        not move (the controller re-plans then)."""
+        if self._holding_since is None or self.lag_timeout is None:
+            return None
+        return self._holding_since + self.lag_timeout
+
+    def recheck(self, in_flight: Iterable[float] = ()) -> bool:
+        """While stalled: hold again once the bound is back within div_max
+        (the replica caught up). True if the gate is holding-capable again."""
+        if self.stalled and self.bound(in_flight) <= self.div_max:
+            self.stalled = False
+            self._holding_since = None
+        return not self.stalled

@@ -15,20 +15,25 @@ from .divergence import DivergenceGate
 
 
 def gated(policy: Policy, gate: DivergenceGate) -> Policy:
-    """`policy`, except that a transfer it starts now stays pending (no
-    start time: asked again at the next event, e.g. the replica's progress)
-    when letting it go could take the divergence bound past `gate.div_max`."""
+    """`policy`, except that a transfer it starts now stays pending when
+    letting it go could take the divergence bound past `gate.div_max`. A
+    held transfer is planned for the moment the gate would give up holding
+    (`gate.release_at()`), so the controller re-plans then even if no other
+    event comes; it is asked again at every event before that (e.g. the
+    replica's progress)."""
 
     def gated_policy(snap: Snapshot) -> list[PlanItem]:
         flying = [t.norm for t in snap.active]
+        if gate.stalled:
+            gate.recheck(flying)
         norms = {t.id: t.norm for t in snap.pending}
         plan = []
         for item in policy(snap):
             if item.drop is None and item.start is not None and item.start <= snap.now:
                 norm = norms[item.id]
-                if not gate.admit(flying, norm):
+                if not gate.admit(flying, norm, snap.now):
                     gate.held += 1
-                    plan.append(PlanItem(item.id))
+                    plan.append(PlanItem(item.id, start=gate.release_at()))
                     continue
                 flying.append(norm)
             plan.append(item)
