@@ -17,6 +17,7 @@ from .errors import (
     InvalidUpdate,
     MlfabricError,
     ProtocolError,
+    PushTimeout,
     ServerError,
 )
 from .outcome import PushOutcome
@@ -33,6 +34,7 @@ __all__ = [
     "MlfabricError",
     "ProtocolError",
     "PushOutcome",
+    "PushTimeout",
     "ServerError",
     "__version__",
     "connect",

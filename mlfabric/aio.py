@@ -18,15 +18,18 @@ from typing import Any
 import numpy as np
 
 from .client_core import (
+    DEFAULT_PUSH_TIMEOUT,
     PULL_WAIT,
     Handshake,
     RequestTable,
     check_base_version,
+    check_push_timeout,
     check_update,
     connection_lost_error,
     default_client_name,
     parse_address,
     resolve_token,
+    watch_period,
 )
 from .errors import ConfigError, ConnectError, ConnectionLost, MlfabricError
 from .loop import within
@@ -65,20 +68,27 @@ async def connect(
     replica: str | None = None,
     failover_timeout: float = 30.0,
     replica_backlog: int = 64,
+    replica_timeout: float = 10.0,
+    push_timeout: float | None = DEFAULT_PUSH_TIMEOUT,
 ) -> AsyncClient:
     """Connect to the parameter server at `address` ("HOST:PORT") for `job`.
 
     The controller arguments work as in mlfabric.connect(), and so do
     `replica` (worker-driven replication: a push's future resolves once the
-    replica applied the update too), `failover_timeout` and
-    `replica_backlog`: with both `controller` and `replica` the client fails
-    over by itself to the replica the controller promotes, re-sends what the
-    lost server never answered, and feeds a replica that joins later."""
+    replica applied the update too, or after `replica_timeout` seconds
+    without its answer), `failover_timeout` and `replica_backlog`: with both
+    `controller` and `replica` the client fails over by itself to the replica
+    the controller promotes, re-sends what the lost server never answered,
+    and feeds a replica that joins later. Every push resolves within
+    `push_timeout` seconds, as with mlfabric.connect()."""
+    check_push_timeout(push_timeout)
     secret = resolve_token(token, token_file)
     hs = Handshake(job, secret, name or default_client_name())
     proto = await open_link(address, hs, timeout, "parameter server", metrics=metrics)
     client = AsyncClient(proto)
     client._dial = (job, secret, hs.name, timeout, metrics)
+    if push_timeout is not None:
+        client._watch_pushes(push_timeout)
     if replica is not None:
         from .replica_feed import ReplicaFeed, ReplicaFeeds
 
@@ -88,7 +98,15 @@ async def connect(
         except BaseException:
             await client.close()
             raise
-        feed = ReplicaFeed(replica_client, parse_address(replica)[0])
+        client._replica_timeout = replica_timeout
+        try:
+            feed = ReplicaFeed(replica_client, parse_address(replica)[0],
+                               timeout=replica_timeout,
+                               schedule=asyncio.get_running_loop().call_later)
+        except ConfigError:
+            await replica_client.close()
+            await client.close()
+            raise
         client._feeds = ReplicaFeeds(feed)
         if controller is not None:
             from .client_failover import AsyncFailoverWait
@@ -332,6 +350,7 @@ class AsyncClient:
         self._controlled: Any = None  # AsyncControlledPushes with a controller
         self._feeds: Any = None  # ReplicaFeeds with worker-driven replication
         self._failover: Any = None  # AsyncFailoverWait with a controller and a replica
+        self._replica_timeout = 10.0  # seconds a push waits for the replica
         # (job, token, name, timeout, metrics), to connect to servers and
         # replicas the controller names later.
         self._dial: tuple[str, bytes, str, float, ClientMetrics | None] | None = None
@@ -339,6 +358,18 @@ class AsyncClient:
         # a join announced right after a failover must find the new server.
         self._changes: collections.deque[Failover | ReplicaAt] = collections.deque()
         self._changer: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+
+    def _watch_pushes(self, timeout: float) -> None:
+        """Fail the pushes past `timeout` (see connect())."""
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(watch_period(timeout))
+                self._proto.requests.expire(timeout, self.address)
+                if self._controlled is not None:
+                    self._controlled.expire(timeout)
+
+        self._watcher = asyncio.get_running_loop().create_task(watch())
 
     async def pull(self, *, including: asyncio.Future[PushOutcome] | None = None,
                    ) -> tuple[int, dict[str, np.ndarray]]:
@@ -512,11 +543,19 @@ class AsyncClient:
         from .replica_feed import ReplicaFeed
 
         assert self._dial is not None
+        current = self._feeds.current
+        if current is not None and current.replica.address == address:
+            # The same replica, resynced from the server: this client's feed
+            # to it still stands.
+            log.info("replica at %s serves from version %d; still feeding it", address, version)
+            return
         job, secret, name, timeout, _ = self._dial
         replica = await connect(address, job=job, token=secret, name=name, timeout=timeout)
         feed = ReplicaFeed(replica, parse_address(address)[0],
                            report=self._controlled.report_replicated
-                           if self._controlled is not None else None)
+                           if self._controlled is not None else None,
+                           timeout=self._replica_timeout,
+                           schedule=asyncio.get_running_loop().call_later)
         feed.on_lost = self._feeds.lost
         kept = self._feeds.attach(feed, version)
         loop = asyncio.get_running_loop()
@@ -572,6 +611,8 @@ class AsyncClient:
             raise self._proto.error
 
     async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
         if self._controlled is not None:
             await self._controlled.close()
         if self._changer is not None:

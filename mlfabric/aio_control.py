@@ -85,6 +85,15 @@ class AsyncControlledPushes:
 
     # -- controller events ------------------------------------------------------------
 
+    def expire(self, timeout: float) -> None:
+        """Withdraw the updates that have waited for a directive longer than
+        `timeout` seconds, and fail them (the client's push_timeout)."""
+        for u, report, exc in self.book.overdue(time.monotonic(), timeout):
+            if self._link is not None:
+                self._link.send(report)
+            if not u.future.done():
+                u.future.set_exception(exc)
+
     def report_replicated(self, dst: str, version: int) -> None:
         """Tell the controller the replica at `dst` applied `version`."""
         if self._link is not None:
@@ -178,6 +187,9 @@ class AsyncControlledPushes:
             self._send(u)
             return
         if exc is not None:
+            report = ControlBook.report_failed(u, time.monotonic() - started)
+            if report is not None and self._link is not None:
+                self._link.send(report)
             u.future.set_exception(exc)
             return
         outcome: PushOutcome = server_future.result()

@@ -22,15 +22,19 @@ from typing import Any
 import numpy as np
 
 from .client_core import (
+    DEFAULT_PUSH_TIMEOUT,
     PULL_WAIT,
     Handshake,
     RequestTable,
+    TimerThread,
     check_base_version,
+    check_push_timeout,
     check_update,
     connection_lost_error,
     default_client_name,
     parse_address,
     resolve_token,
+    watch_period,
 )
 from .errors import ConfigError, ConnectError, ConnectionLost, MlfabricError, ProtocolError
 from .metrics import ClientMetrics
@@ -69,6 +73,8 @@ def connect(
     replica: str | None = None,
     failover_timeout: float = 30.0,
     replica_backlog: int = 64,
+    replica_timeout: float = 10.0,
+    push_timeout: float | None = DEFAULT_PUSH_TIMEOUT,
 ) -> Client:
     """Connect to the parameter server at `address` ("HOST:PORT") for `job`.
 
@@ -97,13 +103,26 @@ def connect(
     there, re-sends the updates the lost server never answered, and pull()
     and push() carry on; they wait up to `failover_timeout` seconds for that.
     Until a new replica joins, the newest `replica_backlog` updates the
-    server acknowledged are kept, to be sent to it when it does.
+    server acknowledged are kept, to be sent to it when it does. A replica
+    that has not answered an update within `replica_timeout` seconds does
+    not hold the push: it resolves with the server's outcome, and the update
+    stays kept for the replica.
+
+    Every push resolves within `push_timeout` seconds (None: no bound): one
+    still waiting for the controller's directive then is withdrawn and fails
+    with PushTimeout (not sent); one the server has not answered fails with
+    PushTimeout too (applied or not, unknown: pull() to see).
     """
+    check_push_timeout(push_timeout)
     secret = resolve_token(token, token_file)
     name = name or default_client_name()
     sock, conn, welcome = _dial(address, job, secret, name, timeout)
     client = Client(sock, conn, welcome, address, metrics)
     client._dial_args = (job, secret, name, timeout)
+    client._timer = TimerThread()
+    if push_timeout is not None:
+        client._push_timeout = push_timeout
+        client._timer.every(watch_period(push_timeout), client._expire_pushes)
     if replica is not None:
         from .replica_feed import ReplicaFeed, ReplicaFeeds
 
@@ -113,7 +132,15 @@ def connect(
         except BaseException:
             client.close()
             raise
-        client._feeds = ReplicaFeeds(ReplicaFeed(replica_client, parse_address(replica)[0]))
+        try:
+            client._replica_timeout = replica_timeout
+            client._feeds = ReplicaFeeds(ReplicaFeed(
+                replica_client, parse_address(replica)[0], timeout=replica_timeout,
+                schedule=client._timer.schedule))
+        except ConfigError:
+            replica_client.close()
+            client.close()
+            raise
     if agent is not None:
         from .agent_report import TransferReporter
 
@@ -226,6 +253,9 @@ class Client:
         self._reporter: Any = None  # TransferReporter when an agent is given
         self._feeds: Any = None  # ReplicaFeeds with worker-driven replication
         self._failover: Any = None  # FailoverWait with a controller and a replica
+        self._timer: Any = None  # TimerThread for replica timeouts
+        self._replica_timeout = 10.0
+        self._push_timeout: float | None = None
         self._dial_args: tuple[str, bytes, str, float] | None = None
         self._peer_host = ""
         self.last_version = welcome.version  # newest server version seen
@@ -383,6 +413,16 @@ class Client:
 
         at_server.add_done_callback(then)
 
+    def _expire_pushes(self) -> None:
+        """Fail the pushes past push_timeout (see connect())."""
+        timeout = self._push_timeout
+        if timeout is None:
+            return
+        with self._lock:
+            self._requests.expire(timeout, self.address)
+        if self._controlled is not None:
+            self._controlled.expire(timeout)
+
     def _fail_over(self, address: str) -> None:
         """The controller promoted the replica at `address`: serve from it."""
         assert self._dial_args is not None and self._failover is not None
@@ -415,11 +455,19 @@ class Client:
         from .replica_feed import ReplicaFeed
 
         assert self._dial_args is not None
+        current = self._feeds.current
+        if current is not None and current.replica.address == address:
+            # The same replica, resynced from the server: this client's feed
+            # to it still stands.
+            log.info("replica at %s serves from version %d; still feeding it", address, version)
+            return
         job, secret, name, timeout = self._dial_args
         replica = connect(address, job=job, token=secret, name=name, timeout=timeout)
         feed = ReplicaFeed(replica, parse_address(address)[0],
                            report=self._controlled.report_replicated
-                           if self._controlled is not None else None)
+                           if self._controlled is not None else None,
+                           timeout=self._replica_timeout,
+                           schedule=self._timer.schedule if self._timer is not None else None)
         feed.on_lost = self._feeds.lost
         kept = self._feeds.attach(feed, version)
         for v, (arrays, base) in kept:
@@ -465,6 +513,8 @@ class Client:
             self._feeds.warn_unprotected()
         if self._failover is not None:
             self._failover.close()
+        if self._timer is not None:
+            self._timer.close()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:

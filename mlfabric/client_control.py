@@ -213,6 +213,17 @@ class ControlledPushes:
             except MlfabricError as exc:
                 log.error("cannot act on %s: %s", event, exc)
 
+    def expire(self, timeout: float) -> None:
+        """Withdraw the updates that have waited for a directive longer than
+        `timeout` seconds, and fail them (the client's push_timeout)."""
+        with self._lock:
+            late = self.book.overdue(time.monotonic(), timeout)
+            for _, report, _ in late:
+                self._tell(report)
+        for u, _, exc in late:
+            if not u.future.done():
+                u.future.set_exception(exc)
+
     def report_replicated(self, dst: str, version: int) -> None:
         """Tell the controller the replica at `dst` applied `version`."""
         with self._lock:
@@ -325,6 +336,10 @@ class ControlledPushes:
             self._sendq.put(u)
             return
         if exc is not None:
+            report = ControlBook.report_failed(u, time.monotonic() - started)
+            if report is not None:
+                with self._lock:
+                    self._tell(report)
             u.future.set_exception(exc)
             return
         outcome: PushOutcome = server_future.result()

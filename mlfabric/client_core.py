@@ -8,13 +8,16 @@ blocking client, asyncio futures for the asyncio one.
 
 from __future__ import annotations
 
+import heapq
 import inspect
 import itertools
+import logging
 import os
 import socket
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,11 +31,14 @@ from .errors import (
     InvalidUpdate,
     MlfabricError,
     ProtocolError,
+    PushTimeout,
     ServerError,
 )
 from .metrics import REJECT_REASONS, ClientMetrics
 from .outcome import PushOutcome
 from .protocol import Challenge, Error, Hello, Model, ModelEnd, PushResult, TensorSpec, Welcome
+
+log = logging.getLogger("mlfabric.client")
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -284,11 +290,90 @@ class RequestTable:
                 f"server answered a {pending.kind} with {type(event).__name__}"
             )
 
+    def expire(self, timeout: float, address: str) -> int:
+        """Fail the pushes that have waited for an answer longer than
+        `timeout` seconds with PushTimeout (a late answer is then ignored);
+        how many."""
+        now = time.perf_counter()
+        late = [req for req, p in self._pending.items()
+                if p.kind == "push" and now - p.started > timeout]
+        for req in late:
+            future = self._pending[req].future
+            self.discard(req)
+            if not future.done():
+                future.set_exception(PushTimeout(
+                    f"the server at {address} has not answered this push within {timeout:g} s "
+                    f"(push_timeout): it may or may not have applied it; pull() to see the "
+                    f"server's version, and raise push_timeout if pushes are this slow"))
+        return len(late)
+
     def fail_all(self, exc: BaseException) -> None:
         pending, self._pending = self._pending, {}
         for p in pending.values():
             if not p.future.done():
                 p.future.set_exception(exc)
+
+
+DEFAULT_PUSH_TIMEOUT = 600.0  # seconds a push may wait for its outcome
+
+
+def check_push_timeout(push_timeout: float | None) -> float | None:
+    if push_timeout is not None and not push_timeout > 0:
+        raise ConfigError(f"push_timeout must be positive seconds (or None for no bound), got "
+                          f"{push_timeout}")
+    return push_timeout
+
+
+def watch_period(push_timeout: float) -> float:
+    """How often a client looks for pushes past their timeout."""
+    return min(1.0, push_timeout / 4)
+
+
+class TimerThread:
+    """`schedule(delay, fn)` for a blocking client: one daemon thread runs
+    every callback due, in deadline order (a thread per push would cost a
+    thread start per update)."""
+
+    def __init__(self, name: str = "mlfabric-timer") -> None:
+        self._cond = threading.Condition()
+        self._due: list[tuple[float, int, Callable[[], None]]] = []
+        self._ids = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def schedule(self, delay: float, fn: Callable[[], None]) -> None:
+        with self._cond:
+            heapq.heappush(self._due, (time.monotonic() + delay, next(self._ids), fn))
+            self._cond.notify()
+
+    def every(self, period: float, fn: Callable[[], None]) -> None:
+        """Run fn every `period` seconds until closed."""
+        def again() -> None:
+            fn()
+            self.schedule(period, again)
+        self.schedule(period, again)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (
+                        not self._due or self._due[0][0] > time.monotonic()):
+                    wait = self._due[0][0] - time.monotonic() if self._due else None
+                    self._cond.wait(wait)
+                if self._closed:
+                    return
+                _, _, fn = heapq.heappop(self._due)
+            try:
+                fn()
+            except Exception:  # a timer must outlive any one callback
+                log.exception("timer callback failed")
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._due.clear()
+            self._cond.notify()
 
 
 def connection_lost_error(address: str, exc: BaseException | None) -> ConnectionLost:

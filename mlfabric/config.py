@@ -111,6 +111,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("controller_timeout", "float", 30.0,
             "seconds an update waits for a lost controller with fallback 'wait' (default: 30)",
             positive=True),
+    Setting("replica_timeout", "float", 10.0,
+            "seconds a push waits for the replica's answer before it completes with the "
+            "server's outcome alone (default: 10)", positive=True),
+    Setting("push_timeout", "float", 600.0,
+            "seconds within which every push resolves: past them it fails with PushTimeout "
+            "saying where it was stuck (default: 600)", positive=True),
     Setting("name", "str", None,
             "this worker's name in the server's log (default: HOST:rankRANK under torchrun, "
             "else HOST:PID)"),
@@ -141,6 +147,8 @@ class Settings:
     timeout: float = 10.0
     controller_fallback: str = "fifo"
     controller_timeout: float = 30.0
+    replica_timeout: float = 10.0
+    push_timeout: float = 600.0
     name: str | None = None
     host: str | None = None
     pull_every: int = 1
@@ -443,6 +451,7 @@ def connect(settings: Settings, *, launch: Launch | None = None, **extra: Any) -
             name=name, controller=settings.controller, host=settings.host,
             controller_fallback=settings.controller_fallback,
             controller_timeout=settings.controller_timeout, replica=settings.replica,
+            replica_timeout=settings.replica_timeout, push_timeout=settings.push_timeout,
             agent=settings.agent, **extra,
         )
     except ConnectError as exc:

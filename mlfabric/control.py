@@ -375,7 +375,13 @@ class ControlState:
              delay: int | None = None, now: float | None = None,
              via_failed: str | None = None) -> Transfer | None:
         """An active transfer ended at the server (applied or not).
-        `via_failed`: its aggregator failed it (it was then sent directly)."""
+        `via_failed`: its aggregator failed it (it was then sent directly).
+        A pending one reported done was withdrawn by its worker (it waited
+        past its push_timeout): forgotten, never let go."""
+        for t in list(self.pending.values()):
+            if t.owner == owner and t.req == req:
+                del self.pending[t.id]
+                return None
         for t in self.active.values():
             if t.owner == owner and t.req == req:
                 del self.active[t.id]

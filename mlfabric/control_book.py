@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import _core
-from .errors import ConfigError, ConnectionLost, ServerError
+from .errors import ConfigError, ConnectionLost, PushTimeout, ServerError
 from .outcome import PushOutcome
 from .protocol import Directive, TransferDone, TransferRequest
 
@@ -167,6 +167,26 @@ class ControlBook:
         self._orphans = keep
         return gone
 
+    def overdue(self, now: float, timeout: float
+                ) -> list[tuple[ControlledUpdate, TransferDone, PushTimeout]]:
+        """Updates asked for more than `timeout` seconds ago with no directive
+        yet: withdrawn (a late directive for one is ignored), each with the
+        report that tells the controller to forget it and the error to fail
+        it with."""
+        late = [u for u in self._asked.values() if now - u.requested > timeout]
+        out = []
+        for u in late:
+            assert u.creq is not None
+            del self._asked[u.creq]
+            out.append((u, TransferDone(req=u.creq, applied=False, version=0, delay=None,
+                                        seconds=0.0),
+                        PushTimeout(f"the controller {self.address} gave no directive for this "
+                                    f"update within {timeout:g} s (push_timeout): it was not "
+                                    f"sent; see `mlfabric status` for what the controller is "
+                                    f"waiting on, and raise push_timeout if the job's transfers "
+                                    f"are this slow")))
+        return out
+
     def close(self) -> list[tuple[ControlledUpdate, ConnectionLost]]:
         """Updates that will never be sent, with the error to fail them with."""
         self.closed, self.connected = True, False
@@ -203,3 +223,14 @@ class ControlBook:
             return None  # sent without the controller: nothing to report
         return TransferDone(req=u.creq, applied=outcome.applied, version=outcome.version,
                             delay=outcome.delay, seconds=seconds, via_failed=u.via_failed)
+
+    @staticmethod
+    def report_failed(u: ControlledUpdate, seconds: float) -> TransferDone | None:
+        """The transfer ended without an outcome (the connection was lost,
+        or the server did not answer within push_timeout): the controller
+        must not keep it in flight for ever. Reported as not applied (as far
+        as anyone knows)."""
+        if u.creq is None:
+            return None
+        return TransferDone(req=u.creq, applied=False, version=0, delay=None, seconds=seconds,
+                            via_failed=u.via_failed)

@@ -22,11 +22,12 @@ from .control import ControlState, Drop, Go, Network, Policy, with_estimates, wi
 from .divergence import DivergenceGate
 from .endpoint import Endpoint, EndpointProtocol
 from .errors import ConfigError, MlfabricError
-from .failover import FailoverMonitor
+from .failover import DEFAULT_GAP_TIMEOUT, FailoverMonitor
 from .metrics import ControllerMetrics
 from .protocol import (
     Directive,
     Failover,
+    Pong,
     ReplicaAt,
     ReplicaDone,
     ReplicaJoin,
@@ -78,7 +79,8 @@ class Controller(Endpoint):
         self._wake: asyncio.TimerHandle | None = None
         self._soon: asyncio.Handle | None = None  # the re-plan this turn's events asked for
         self._events = 0  # events since the last re-plan
-        self._held_seen = self._overrides_seen = 0
+        self._held_seen = self._overrides_seen = self._stalls_seen = 0
+        self._norms_known = 0  # the server's update norms are known up to this version
         self.monitor: FailoverMonitor | None = None
 
     # -- agents -------------------------------------------------------------------
@@ -128,21 +130,78 @@ class Controller(Endpoint):
     # -- failover -----------------------------------------------------------------
 
     def watch_server(self, server: str, replica: str, *, interval: float = 0.2,
-                     timeout: float = 1.0) -> None:
+                     timeout: float = 1.0, gap_timeout: float = DEFAULT_GAP_TIMEOUT) -> None:
         """Heartbeat the server; when it is lost, promote the replica and tell
-        every worker where the server now is."""
+        every worker where the server now is. The heartbeats also feed the
+        divergence gate (the norms of the server's applied updates, the
+        replica's version) and resync a replica that waits `gap_timeout`
+        seconds for an update that will not come."""
         self.monitor = FailoverMonitor(
             server=server, replica=replica, job=self.job, token=self.token,
             interval=interval, timeout=timeout, on_failover=self.on_failover,
             on_server_up=lambda up: self.metrics.server_up.set(int(up)),
-            on_replica_lost=self.on_replica_lost)
+            on_replica_lost=self.on_replica_lost,
+            since=self._norms_since, on_server_pong=self.on_server_pong,
+            on_replica_pong=self.on_replica_pong, on_resynced=self.on_resynced,
+            gap_timeout=gap_timeout)
         self.monitor.start()
+
+    def _norms_since(self) -> int | None:
+        """The version above which the gate wants the server's update norms."""
+        if self.gate is None:
+            return None
+        return max(self._norms_known, self.gate.replica)
+
+    def on_server_pong(self, pong: Pong) -> None:
+        """The server's heartbeat answer: every update it applied, with its
+        norm, reaches the gate even if the worker that pushed it died."""
+        gate = self.gate
+        if gate is None or pong.norms is None or pong.norms_from is None:
+            return
+        wanted = self._norms_since()
+        if wanted is not None and pong.norms_from > wanted + 1:
+            log.warning("the server no longer knows the norms of versions %d..%d: the "
+                        "divergence gate cannot fold them (it will hold, then give up "
+                        "holding, until the replica reports past them)", wanted + 1,
+                        pong.norms_from - 1)
+        for i, norm in enumerate(pong.norms):
+            gate.server_applied(pong.norms_from + i, norm)
+        self._norms_known = max(self._norms_known, pong.norms_from + len(pong.norms) - 1)
+        self.replan()
+
+    def on_replica_pong(self, address: str, pong: Pong) -> None:
+        """The replica's heartbeat answer: its version (and, first on each
+        connection, its velocity, which gives the gate an exact start)."""
+        gate = self.gate
+        if gate is None or not gate.active:
+            return
+        before = (gate.replica, gate.replica_reported)
+        if pong.velocity is not None and (not gate.synced or pong.version > gate.replica):
+            gate.start(pong.version, pong.velocity)
+        else:
+            gate.replica_applied(pong.version)
+        if (gate.replica, gate.replica_reported) != before:
+            host = address.rsplit(":", 1)[0]
+            self.state.replicas[host] = {"host": host, "address": address,
+                                         "version": gate.replica_reported,
+                                         "div_max": gate.div_max}
+            self.replan()
+
+    def on_resynced(self, address: str, version: int, velocity: float) -> None:
+        """The replica started over from the server's state at `version`:
+        as a join there (workers that gave it up send it what they kept)."""
+        self.metrics.replica_resyncs.inc()
+        self.on_replica_join(ReplicaJoin(address=address, version=version, velocity=velocity))
 
     def on_failover(self, address: str, version: int, silent_since: float) -> None:
         m = self.metrics
         m.failovers.inc()
         if self.gate is not None:
             self.gate.active = False  # no replica left to diverge from
+            # The promoted replica's versions above `version` are other
+            # updates than the lost server's: forget the old norms there.
+            self.gate.applied = {v: n for v, n in self.gate.applied.items() if v <= version}
+        self._norms_known = min(self._norms_known, version)
         self.state.replicas.clear()
         # Transfers let go to the lost server are never reported: their
         # workers re-send them to the new server directly.
@@ -179,6 +238,7 @@ class Controller(Endpoint):
         if self.gate is not None:
             self.gate.start(ev.version, ev.velocity)
             self.gate.active = True
+            self._norms_known = max(self._norms_known, ev.version)
         host = ev.address.rsplit(":", 1)[0]
         self.state.replicas = {host: {"host": host, "address": ev.address,
                                       "version": ev.version}}
@@ -336,7 +396,18 @@ class Controller(Endpoint):
         m.replica_version.set(gate.replica_reported)
         m.divergence_holds.inc(gate.held - self._held_seen)
         m.divergence_overrides.inc(gate.overrides - self._overrides_seen)
+        if gate.stalls > self._stalls_seen:
+            m.divergence_stalls.inc(gate.stalls - self._stalls_seen)
+            log.error("the replica made no progress for %.1f s while server transfers were "
+                      "held (replica at version %d, lag %d): letting transfers go without "
+                      "the divergence bound until it catches up or is resynced",
+                      gate.lag_timeout or 0.0, gate.replica_reported, lag)
+            decision_log.info(json.dumps({"event": "replica_stalled",
+                                          "replica_version": gate.replica_reported,
+                                          "lag": lag}))
+        m.replica_stalled.set(int(gate.stalled))
         self._held_seen, self._overrides_seen = gate.held, gate.overrides
+        self._stalls_seen = gate.stalls
         for row in self.state.replicas.values():
             row.update(lag_updates=lag, divergence_bound=bound)
 

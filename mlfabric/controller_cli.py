@@ -12,9 +12,10 @@ from .aggregation import AggregationConfig
 from .client_core import parse_address
 from .control import POLICIES, Network, Policy, fifo_policy
 from .controller import Controller
-from .divergence import DivergenceGate
+from .divergence import DEFAULT_LAG_TIMEOUT, DivergenceGate
 from .endpoint import add_listener_arguments, listen, until_stopped
 from .errors import ConfigError
+from .failover import DEFAULT_GAP_TIMEOUT
 from .metrics import ControllerMetrics, serve_metrics
 from .protocol import MAX_FAN_IN
 
@@ -79,6 +80,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds between heartbeats to the server (default: 0.2)")
     p.add_argument("--heartbeat-timeout", type=float, default=1.0, metavar="SECONDS",
                    help="silence after which the server is declared lost (default: 1.0)")
+    p.add_argument("--replica-gap-timeout", type=float, default=DEFAULT_GAP_TIMEOUT,
+                   metavar="SECONDS",
+                   help="with --server/--replica: a replica that has waited this long for an "
+                        "update that will not come (its worker died after the server applied "
+                        f"it) is resynced from the server's state (default: "
+                        f"{DEFAULT_GAP_TIMEOUT})")
+    p.add_argument("--replica-lag-timeout", type=float, default=DEFAULT_LAG_TIMEOUT,
+                   metavar="SECONDS",
+                   help="with --div-max: after holding server transfers this long with no "
+                        "progress of the replica, let them go without the bound until it "
+                        f"catches up, rather than stall the job (default: {DEFAULT_LAG_TIMEOUT})")
     p.add_argument("--decision-log", metavar="PATH", default=None,
                    help="append one JSON line per decision to this file")
     p.add_argument("--metrics-port", type=int, default=None, metavar="P",
@@ -159,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
     if args.server is not None:
         parse_address(args.server)
         parse_address(args.replica)
+        if not args.replica_gap_timeout > 0:
+            raise ConfigError(f"--replica-gap-timeout must be positive, got "
+                              f"{args.replica_gap_timeout}")
         if not 0 < args.heartbeat_interval < args.heartbeat_timeout:
             raise ConfigError(f"--heartbeat-interval must be positive and below "
                               f"--heartbeat-timeout ({args.heartbeat_timeout}), got "
@@ -168,7 +183,15 @@ def run(args: argparse.Namespace) -> int:
         if args.momentum is None:
             raise ConfigError("--div-max needs --momentum G, the server's momentum (the bound "
                               "depends on it)")
-        gate = DivergenceGate(args.momentum, args.div_max)
+        if not args.replica_lag_timeout > 0:
+            raise ConfigError(f"--replica-lag-timeout must be positive, got "
+                              f"{args.replica_lag_timeout}")
+        gate = DivergenceGate(args.momentum, args.div_max, lag_timeout=args.replica_lag_timeout)
+        if args.server is None:
+            log.warning("--div-max without --server/--replica: the divergence gate learns "
+                        "applied updates only from the workers that pushed them, and a replica "
+                        "waiting for a lost update is not resynced (it is given up after "
+                        "--replica-lag-timeout)")
     if args.decision_log:
         handler = logging.FileHandler(args.decision_log)
         handler.setFormatter(logging.Formatter("%(message)s"))
@@ -191,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
         if args.server is not None:
             controller.watch_server(args.server, args.replica,
                                     interval=args.heartbeat_interval,
-                                    timeout=args.heartbeat_timeout)
+                                    timeout=args.heartbeat_timeout,
+                                    gap_timeout=args.replica_gap_timeout)
         print(f"mlfabric controller: serving job {args.job!r} on {bound[0]}:{bound[1]} "
               f"(policy {args.policy}, tau_max {tau_max}"
               f"{'' if gate is None else f', div_max {gate.div_max}'}"

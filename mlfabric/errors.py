@@ -34,6 +34,12 @@ class ConnectionLost(MlfabricError):
     """The connection closed before the answer to a request arrived."""
 
 
+class PushTimeout(MlfabricError, TimeoutError):
+    """A push got no outcome within the client's push_timeout; the message
+    says where it was stuck (no directive from the controller: not sent; no
+    answer from the server: applied or not, unknown)."""
+
+
 class ServerError(MlfabricError):
     """The server answered a request with an error; `code` is the error's code
     on the wire, when it came from one."""

@@ -178,6 +178,22 @@ class ServerMetrics:
             "Replica: updates received ahead of their turn, waiting for earlier ones",
             namespace=ns, registry=r,
         )
+        self.replica_gap = Gauge(
+            "server_replica_gap_seconds",
+            "Replica: how long it has waited for a missing sequence number (0: none missing)",
+            namespace=ns, registry=r,
+        )
+        self.replica_resyncs = Counter(
+            "server_replica_resyncs",
+            "Replica: times it started over from the server's state because an update it "
+            "waited for would not come",
+            namespace=ns, registry=r,
+        )
+        self.promotions_refused = Counter(
+            "server_promotions_refused",
+            "Replica: promotions refused because the server it would replace still answered",
+            namespace=ns, registry=r,
+        )
 
 
 class ClientMetrics:
@@ -303,6 +319,20 @@ class ControllerMetrics:
         self.divergence_overrides = Counter(
             "controller_divergence_overrides",
             "Updates let go with nothing lagging although alone they pass div_max",
+            namespace=ns, registry=r)
+        self.divergence_stalls = Counter(
+            "controller_divergence_stalls",
+            "Times the gate stopped holding server transfers because the replica made no "
+            "progress for --replica-lag-timeout seconds",
+            namespace=ns, registry=r)
+        self.replica_stalled = Gauge(
+            "controller_replica_stalled",
+            "1 while the divergence gate lets transfers go because the replica is stalled",
+            namespace=ns, registry=r)
+        self.replica_resyncs = Counter(
+            "controller_replica_resyncs",
+            "Times the replica was told to start over from the server's state (a sequence "
+            "number it waited for would not come)",
             namespace=ns, registry=r)
         # Failover (--server/--replica).
         self.failovers = Counter("controller_failovers",

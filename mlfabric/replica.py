@@ -9,31 +9,62 @@ that sequence number was applied before (applied=False, reason
 "duplicate: ..."): an update is never applied twice, so re-sending after a
 failure is always safe. Pulls are served as on the server.
 
+A sequence number that will not come (its worker died after the server
+applied it, before it fed the replica) would hold every later update here
+forever. The replica says in each heartbeat answer how long it has waited
+(`gap`), and the controller's failover monitor then tells it to RESYNC: it
+takes the server's whole state (as a joining replica does), answers the
+updates it held at or below that version as applied (the state holds them),
+and goes on from there. A snapshot rather than fetching the one missing
+update: the server keeps no applied updates (it applies in place, from
+reused receive buffers), and keeping a history would cost it a model's
+worth of memory per update; the snapshot costs two model transfers once,
+and it heals any other way a replica can fall out of step too. Without a
+controller, a gap is reported (metrics, log) but not healed; workers'
+pushes do not wait on it beyond their replica timeout.
+
 Promotion (PROMOTE from the controller, when the server is gone): the
-replica becomes the server. For `recovery` seconds it still takes numbered
-pushes (updates the old server applied that are still on their way here)
-and holds new, unnumbered ones; then it applies what it holds in sequence
-order (a gap, an update no worker re-sent, is logged as lost and skipped),
-then the held new pushes in arrival order, and from then on serves as a
-server. Base versions the workers got from the old server are accepted even
+replica first checks the server it would replace itself, and refuses
+(code "server_alive") while that server still answers, unless the
+promotion is forced: a partition between the controller and a live server
+must not make a second server. Then the replica becomes the server. For
+`recovery` seconds it still takes numbered pushes (updates the old server
+applied that are still on their way here) and holds new, unnumbered ones;
+then it applies what it holds in sequence order (a gap, an update no
+worker re-sent, is logged as lost and skipped), then the held new pushes in
+arrival order, and from then on serves as a server. Base versions the
+workers got from the old server are accepted even
 if ahead of this one (delay 0).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .errors import InvalidUpdate, SequenceGap
+from .errors import InvalidUpdate, MlfabricError, SequenceGap
+from .failover import PROMOTE_CHECK_TIMEOUT
 from .loop import within
 from .metrics import ServerMetrics
-from .protocol import Error, Pong, Promote, Push, PushResult, default_allocate
+from .protocol import (
+    Error,
+    MsgType,
+    Ping,
+    Pong,
+    Promote,
+    Push,
+    PushResult,
+    Resync,
+    default_allocate,
+)
 from .sequencer import Sequencer
-from .server import ParameterServer, _ServerProtocol
+from .server import ParameterServer, _ServerProtocol, velocity_norm
 from .store import ParameterStore
 
 log = logging.getLogger("mlfabric.replica")
@@ -79,6 +110,14 @@ class ReplicaServer(ParameterServer):
         self.promoted = False  # PROMOTE received
         self.serving = False  # recovery over: a server now
         self._held_new: list[tuple[_ReplicaProtocol, Push]] = []
+        self.gap_since: float | None = None  # time.monotonic() a missing seq was first seen
+        # The sequence number of the push each connection is receiving: a
+        # missing one that is still arriving (a large update on a slow link)
+        # is no gap to heal.
+        self.arriving: dict[_ReplicaProtocol, int] = {}
+        self._resyncing = False
+        self._checks: set[asyncio.Task[None]] = set()  # promotion checks, resyncs
+        self.metrics.replica_gap.set_function(self.gap_seconds)
 
     def promote(self) -> None:
         """Become the server (see the module's docstring)."""
@@ -89,6 +128,111 @@ class ReplicaServer(ParameterServer):
         log.warning("promoted to server at version %d; taking re-sent updates for %.2f s",
                     self.store.version, self.recovery)
         asyncio.get_running_loop().call_later(self.recovery, self.end_recovery)
+
+    def request_promotion(self, conn: _ReplicaProtocol, event: Promote) -> None:
+        """PROMOTE: promote at once if forced (or done already), else only
+        once this replica finds the server it would replace gone too."""
+        if self.promoted or event.force:
+            if event.force and not self.promoted:
+                log.warning("promotion forced by %s (%s)", conn.client, conn.peer)
+            self.promote()
+            conn.send(Pong(req=event.req, role="server", version=self.store.version))
+            return
+        if event.server is None:
+            self.metrics.promotions_refused.inc()
+            conn.send(Error(code="promote_refused", req=event.req, message=(
+                "a promotion must name the server it replaces (so this replica can check "
+                "that it is gone) or be forced: mlfabric promote --force")))
+            return
+        self._spawn(self._check_then_promote(conn, event, event.server))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def _check_then_promote(self, conn: _ReplicaProtocol, event: Promote,
+                                  server: str) -> None:
+        version = await server_answers(server, job=self.job, token=self.token,
+                                       timeout=PROMOTE_CHECK_TIMEOUT)
+        if version is not None and not self.promoted:
+            self.metrics.promotions_refused.inc()
+            log.error("refused promotion from %s: the server at %s still answers this replica "
+                      "(version %d)", conn.client, server, version)
+            conn.send(Error(code="server_alive", req=event.req, message=(
+                f"the server at {server} still answers the replica (version {version}): the "
+                f"replica stays a replica; if that server must be replaced anyway, stop it, "
+                f"or force the promotion (mlfabric promote --force)")))
+            return
+        self.promote()
+        conn.send(Pong(req=event.req, role="server", version=self.store.version))
+
+    def pong(self, ping: Ping) -> Pong:
+        pong = super().pong(ping)
+        gap = self.gap_seconds()
+        return dataclasses.replace(pong, gap=round(gap, 6)) if gap else pong
+
+    def gap_seconds(self) -> float:
+        """How long a missing sequence number has been waited for (0: none,
+        or it is arriving). Also read by the metrics thread."""
+        since = self.gap_since
+        if since is None or self.promoted:
+            return 0.0
+        if self.sequencer.next_seq in list(self.arriving.values()):
+            return 0.0
+        return max(time.monotonic() - since, 0.0)
+
+    def resync(self, conn: _ReplicaProtocol, event: Resync) -> None:
+        """RESYNC: start over from the server's state (see the docstring)."""
+        if self.promoted:
+            conn.send(Error(code="promoted", req=event.req,
+                            message="this replica was promoted: it is the server now"))
+            return
+        if self._resyncing:
+            conn.send(Error(code="busy", req=event.req,
+                            message="a resync is already under way; ask again later"))
+            return
+        self._resyncing = True
+        self._spawn(self._resync(conn, event))
+
+    async def _resync(self, conn: _ReplicaProtocol, event: Resync) -> None:
+        try:
+            fresh = await fetch_state(event.server, job=self.job, token=self.token)
+        except (MlfabricError, TimeoutError, OSError) as exc:
+            log.error("resync from %s failed: %s", event.server, exc)
+            conn.send(Error(code="resync_failed", req=event.req,
+                            message=f"could not take the state of {event.server}: {exc}"))
+            return
+        finally:
+            self._resyncing = False
+        store = self.store
+        if self.promoted:
+            conn.send(Error(code="promoted", req=event.req,
+                            message="this replica was promoted during the resync"))
+            return
+        if fresh.specs != store.specs or fresh.momentum != store.momentum:
+            conn.send(Error(code="resync_failed", req=event.req, message=(
+                f"the server at {event.server} holds another model (tensors or momentum "
+                f"differ): this replica was started from another --init or --momentum")))
+            return
+        if fresh.version > store.version:
+            skipped = fresh.version - store.version
+            for name, w in store.weights.items():
+                w[...] = fresh.weights[name]
+                store.previous[name][...] = fresh.previous[name]
+            store.version = fresh.version
+            # What was held at or below the new version is in the state.
+            for seq in sorted(s for s in self.sequencer.pending if s <= fresh.version):
+                held = self.sequencer.pending.pop(seq)
+                for c, req in held.waiters:
+                    c.send(PushResult(req=req, applied=True, version=seq, delay=None))
+            self.sequencer.reset(fresh.version + 1)
+            self.metrics.replica_resyncs.inc()
+            log.warning("resynced from %s: version %d (%d updates taken from its state)",
+                        event.server, store.version, skipped)
+            self._apply_ready()
+        conn.send(Pong(req=event.req, role="replica", version=store.version,
+                       velocity=velocity_norm(store)))
 
     def end_recovery(self) -> None:
         """Apply what is held, in sequence order, then serve as a server."""
@@ -108,6 +252,7 @@ class ReplicaServer(ParameterServer):
             conn.send(self.handle_push(event))
         self.metrics.version.set(self.store.version)
         self.metrics.replica_pending.set(0)
+        self.gap_since = None
         log.warning("serving as the server from version %d", self.store.version)
     def make_protocol(self) -> _ReplicaProtocol:
         return _ReplicaProtocol(self)
@@ -164,10 +309,24 @@ class ReplicaServer(ParameterServer):
             self._apply_one(seq, held)
         m.version.set(self.store.version)
         m.replica_pending.set(len(self.sequencer.pending))
+        # Something arrived ahead of a sequence number that has not: a gap.
+        if self.sequencer.pending:
+            if self.gap_since is None:
+                self.gap_since = time.monotonic()  # the metric reads it from another thread
+        else:
+            self.gap_since = None
+
+    async def close(self) -> None:
+        for task in list(self._checks):
+            task.cancel()
+        if self._checks:
+            await asyncio.wait(self._checks, timeout=5.0)
+        await super().close()
 
     def _apply_one(self, seq: int, held: _Held) -> None:
         ev = held.event
         outcome = self.store.apply_sequenced(seq, ev.base_version, ev.tensors)
+        self.record_norm(seq, ev.tensors)
         self.metrics.updates_applied.inc()
         self.metrics.delay.observe(outcome.delay or 0)
         for conn, req in held.waiters:
@@ -184,14 +343,61 @@ class _ReplicaProtocol(_ServerProtocol):
         if isinstance(event, Push) and not (replica.serving and event.seq is None):
             replica.handle_sequenced(self, event)
         elif isinstance(event, Promote):
-            replica.promote()
-            self.send(Pong(req=event.req, role="server", version=replica.store.version))
+            replica.request_promotion(self, event)
+        elif isinstance(event, Resync):
+            replica.resync(self, event)
         else:
             super().handle(event)
 
     def allocate(self, msg_type: Any, nbytes: int) -> Any:
         # A push may be held until earlier ones arrive: it needs its own buffer.
         return default_allocate(msg_type, nbytes)
+
+    def after_events(self) -> None:
+        """Note which sequence number is arriving here (see `arriving`)."""
+        super().after_events()
+        partial = self.conn.receiving()
+        seq = None
+        if partial is not None and partial.msg_type is MsgType.PUSH:
+            seq = partial.meta.get("seq")
+        if type(seq) is int:
+            self.endpoint.arriving[self] = seq
+        else:
+            self.endpoint.arriving.pop(self, None)
+
+    def on_lost(self) -> None:
+        self.endpoint.arriving.pop(self, None)
+        super().on_lost()
+
+
+async def server_answers(address: str, *, job: str, token: bytes, timeout: float
+                         ) -> int | None:
+    """The version of the server at `address` if it answers a heartbeat
+    within `timeout` seconds, else None."""
+    from .aio import open_link
+    from .client_core import Handshake
+
+    answer: asyncio.Future[Pong] = asyncio.get_running_loop().create_future()
+
+    def on_event(event: Any) -> None:
+        if isinstance(event, Pong) and not answer.done():
+            answer.set_result(event)
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    try:
+        link = await open_link(address, Handshake(job, token, "mlfabric-replica"), timeout,
+                               "parameter server", on_event=on_event)
+    except MlfabricError:
+        return None
+    try:
+        link.send(Ping(1))
+        pong = await within(asyncio.shield(answer), max(deadline - loop.time(), 1e-3))
+    except (TimeoutError, MlfabricError):
+        return None
+    finally:
+        link.close()
+    return pong.version
 
 
 async def fetch_state(address: str, *, job: str, token: bytes, timeout: float = 30.0,

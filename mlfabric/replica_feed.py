@@ -3,10 +3,15 @@ goes from the worker straight to the replica, numbered with the server's
 version, with no second hop through the server.
 
 The worker keeps each update until the replica has it: a push's future
-resolves (with the server's outcome) only once the replica applied the
-update or said it already had it, so "acknowledged" means "on both". If the
-replica cannot be reached the future still resolves (the server has the
-update), the update stays in `unreplicated` and a warning says so, once.
+resolves (with the server's outcome) once the replica applied the update or
+said it already had it, so "acknowledged" means "on both". A replica never
+holds the job hostage: if it cannot be reached, or has not answered within
+`timeout` seconds (it may be waiting for an update whose worker died, until
+the controller resyncs it), the future resolves with the server's outcome
+all the same, the update stays in `unreplicated` (still on its way) and a
+warning says so, once. A replica that refuses an update because it is too
+far ahead of what it has ("seq_gap") will take it from the server's state
+when it resyncs: the update is not kept for it.
 With a controller, each replica apply is reported (REPLICA_DONE) so the
 controller can track the divergence bound.
 
@@ -20,6 +25,7 @@ while no replica was attached.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -28,24 +34,38 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ConfigError, ConnectionLost, MlfabricError
+from .errors import ConfigError, ConnectionLost, MlfabricError, ServerError
 from .loop import within
 from .outcome import PushOutcome
 
 log = logging.getLogger("mlfabric.client")
 
+DEFAULT_REPLICA_TIMEOUT = 10.0  # seconds a push waits for the replica's answer
+
+Schedule = Callable[[float, Callable[[], None]], Any]
 
 class ReplicaFeed:
     """Sends a client's applied updates to the replica."""
 
     def __init__(self, replica: Any, host: str,
-                 report: Callable[[str, int], None] | None = None) -> None:
+                 report: Callable[[str, int], None] | None = None, *,
+                 timeout: float = DEFAULT_REPLICA_TIMEOUT,
+                 schedule: Schedule | None = None) -> None:
         """`replica`: a Client or AsyncClient connected to the replica; `host`
         its address as named to the controller; `report(host, version)` tells
-        the controller."""
+        the controller. `schedule(delay, fn)` runs fn after delay seconds (a
+        TimerThread's for a blocking client, the event loop's call_later for
+        an asyncio one); with it, a push resolves after `timeout` seconds
+        without the replica's answer."""
+        if not timeout > 0:
+            raise ConfigError(f"replica_timeout must be positive, got {timeout}")
         self.replica = replica
         self.host = host
         self.report = report
+        self.timeout = timeout
+        self.schedule = schedule
+        self.timed_out = 0  # pushes resolved without the replica's answer
+        self._warned_slow = False
         # Called once, outside any lock of this feed, when the replica is
         # found unreachable (the client then keeps updates for the next one).
         self.on_lost: Callable[[ReplicaFeed], None] | None = None
@@ -76,10 +96,38 @@ class ReplicaFeed:
             _resolve(done, outcome)
             return
         sent.add_done_callback(lambda f: self._answered(f, seq, outcome, done))
+        if self.schedule is not None and not done.done():
+            self.schedule(self.timeout, lambda: self._too_slow(seq, outcome, done))
+
+    def _too_slow(self, seq: int, outcome: PushOutcome, done: Any) -> None:
+        """`timeout` passed: resolve with the server's outcome if the replica
+        has not answered (the update stays kept and on its way)."""
+        with self._lock:
+            if seq not in self.unreplicated or done.done():
+                return
+            warn, self._warned_slow = not self._warned_slow, True
+            self.timed_out += 1
+        if warn:
+            log.warning("the replica %s has not confirmed update %d within %.1f s: the push "
+                        "completes with the server's outcome, and the update stays kept for "
+                        "the replica (is it waiting for a lost update? the controller "
+                        "resyncs it with --server/--replica)", self.replica.address, seq,
+                        self.timeout)
+        _resolve_threadsafe(done, outcome)
 
     def _answered(self, f: Any, seq: int, outcome: PushOutcome, done: Any) -> None:
         exc = ConnectionLost("cancelled") if f.cancelled() else f.exception()
-        if exc is not None:
+        if isinstance(exc, ServerError) and exc.code == "seq_gap":
+            # Too far ahead of what the replica has: it is waiting for an
+            # earlier update and takes this one from the server's state when
+            # it resyncs. Not a lost replica.
+            log.info("the replica %s will take update %d from the server's state: %s",
+                     self.replica.address, seq, exc)
+            with self._lock:
+                self.unreplicated.pop(seq, None)
+                self._lock.notify_all()
+            self._changed()
+        elif exc is not None:
             self._failed(seq, exc)
         else:
             # Applied now, or a duplicate: either way the replica has it.
@@ -123,17 +171,18 @@ class ReplicaFeed:
             self._lock.wait_for(lambda: not self.unreplicated or self._warned, timeout)
             return len(self.unreplicated)
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Close, once the updates sent to the replica are answered (a worker
-        that quits right after its last push must not take them along)."""
-        self._closing(self.drain(timeout))
+        that quits right after its last push must not take them along), or
+        after `timeout` seconds (default: the replica timeout)."""
+        self._closing(self.drain(self.timeout if timeout is None else timeout))
         self.replica.close()
 
-    async def aclose(self, timeout: float = 10.0) -> None:
+    async def aclose(self, timeout: float | None = None) -> None:
         """close() for a feed of an asyncio client (its answers arrive on
         this event loop, so waiting on the condition would block them)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        deadline = loop.time() + (self.timeout if timeout is None else timeout)
         changed = asyncio.Event()
         self._watchers.append(changed.set)
         try:
@@ -162,6 +211,15 @@ def _resolve(done: Any, outcome: PushOutcome) -> None:
     # An asyncio caller may have cancelled its future.
     if not done.done():
         done.set_result(outcome)
+
+
+def _resolve_threadsafe(done: Any, outcome: PushOutcome) -> None:
+    """`_resolve`, from a timer: a concurrent future may be resolved by the
+    reader thread at the same moment (InvalidStateError then means it was)."""
+    try:
+        _resolve(done, outcome)
+    except (concurrent.futures.InvalidStateError, asyncio.InvalidStateError):
+        pass
 
 
 class ReplicaFeeds:

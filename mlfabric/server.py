@@ -12,16 +12,20 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from . import _core
+from .divergence import NormLog
 from .endpoint import Endpoint, EndpointProtocol
 from .errors import InvalidUpdate
 from .metrics import ServerMetrics
 from .protocol import (
     HEADER,
     MAX_META_LEN,
+    MAX_NORMS,
     PREVIOUS_PREFIX,
     Error,
     Model,
@@ -90,6 +94,15 @@ class ParameterServer(Endpoint):
         # Pulls for an update, held until it is applied (None: answered at once).
         self.pull_waits: PullWaits | None = PullWaits(self)
         self.metrics.version.set(store.version)
+        # The norms of applied updates, for a controller's divergence gate
+        # (kept once one asks: see pong()).
+        self.norms = NormLog()
+        self.norms_wanted = False
+
+    def record_norm(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
+        """Keep the norm of the update that produced `version` (if wanted)."""
+        if self.norms_wanted:
+            self.norms.record(version, update_norm(tensors))
 
     def make_protocol(self) -> _ServerProtocol:
         return _ServerProtocol(self)
@@ -154,6 +167,7 @@ class ParameterServer(Endpoint):
             m.updates_applied.inc()
             m.delay.observe(outcome.delay or 0)
             m.version.set(outcome.version)
+            self.record_norm(outcome.version, event.tensors)
         else:
             m.updates_rejected.labels("stale").inc()
         return PushResult(
@@ -194,9 +208,34 @@ class ParameterServer(Endpoint):
             for delay in outcome.delays:
                 m.delay.observe(delay)
             m.version.set(outcome.version)
+            if self.norms_wanted:
+                # One momentum step with the sum: the sum's norm at the last
+                # version, nothing at the versions it skips.
+                for v in range(outcome.version - len(event.members) + 1, outcome.version):
+                    self.norms.record(v, 0.0)
+                self.record_norm(outcome.version, event.tensors)
         return PushResult(req=event.req, applied=outcome.applied, version=outcome.version,
                           delay=min(outcome.delays), reason=outcome.reason,
                           delays=outcome.delays)
+
+    def pong(self, ping: Ping) -> Pong:
+        """A heartbeat's answer: alive at this version, with the norms of the
+        updates applied above `ping.since` and the velocity when asked."""
+        store = self.store
+        fields: dict[str, Any] = {}
+        if ping.since is not None:
+            # From now on, every applied update's norm is kept (a pass over
+            # each update: paid only by a job whose controller asks).
+            self.norms_wanted = True
+            first, norms = self.norms.since(ping.since, MAX_NORMS)
+            if norms:
+                # A norm is infinite only with --allow-nonfinite: the wire
+                # carries finite numbers, and 1e299 holds any gate back alike.
+                fields.update(norms_from=first,
+                              norms=tuple(n if n < 1e299 else 1e299 for n in norms))
+        if ping.velocity:
+            fields["velocity"] = velocity_norm(store)
+        return Pong(req=ping.req, role=self.role, version=store.version, **fields)
 
     def handle_pull(self, event: Pull) -> Model:
         """The model now (a pull for an update is held by `pull_waits`)."""
@@ -251,7 +290,7 @@ class _ServerProtocol(EndpointProtocol):
                        **{PREVIOUS_PREFIX + n: p for n, p in ckpt.previous.items()}}
             self.send(Model(req=event.req, version=ckpt.version, tensors=tensors))
         elif isinstance(event, Ping):
-            self.send(Pong(req=event.req, role=server.role, version=server.store.version))
+            self.send(server.pong(event))
         else:
             self.protocol_error(f"unexpected {type(event).__name__} message")
 
@@ -335,6 +374,19 @@ class _ServerProtocol(EndpointProtocol):
                 self._push_buffer = np.empty(max(nbytes, self.server.store.nbytes), np.uint8)
             return self._push_buffer
         return default_allocate(msg_type, nbytes)
+
+
+def update_norm(tensors: Mapping[str, np.ndarray]) -> float:
+    """||u||_2 over all tensors of an update, as workers compute it."""
+    total = sum(_core.l2_norm(np.asarray(a).reshape(-1)) ** 2 for a in tensors.values())
+    return float(np.sqrt(total))
+
+
+def velocity_norm(store: ParameterStore) -> float:
+    """||w - w_prev||_2 over the whole model (the divergence bound's start)."""
+    total = sum(_core.l2_norm_diff(w, store.previous[n]) ** 2 for n, w in store.weights.items())
+    v = float(np.sqrt(total))
+    return v if v < 1e299 else 1e299
 
 
 def _members_of(raw: Any) -> list[tuple[str, int]] | None:

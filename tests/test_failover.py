@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import mlfabric
+import mlfabric.loop
 from mlfabric.control import fifo_policy
 from mlfabric.controller import Controller
 from mlfabric.divergence import DivergenceGate
@@ -659,3 +660,101 @@ def test_asyncio_parked_updates_fail_when_no_failover_comes(run_async, loop_kind
     with replica, controller:
         server.__enter__()
         run_async(main())
+
+
+@pytest.mark.parametrize("round_", range(2))
+def test_a_replica_joining_during_the_promoted_servers_recovery_stalls_nobody(round_):
+    """Found by a tester: with --div-max, a replica that joined right after a
+    promotion deadlocked the divergence gate in 2 of 4 runs (every worker hung
+    for 90 s or more). A transfer let go before the loss was re-sent to the
+    promoted server and numbered above the join's snapshot; its TRANSFER_DONE
+    found no transfer, so the gate never heard of that version. Now the gate
+    learns every applied version from the server's heartbeats: here the join
+    comes inside the 0.3 s recovery window, and no push waits 5 s."""
+    from mlfabric.replica import announce, fetch_state
+
+    model = make_model()
+    gamma = 0.5
+    step = max(float(np.sqrt(sum(np.sum(a.astype(np.float64) ** 2) for a in
+                                 random_update(model, seed=s, scale=0.01).values())))
+               for s in range(400))
+    gate = DivergenceGate(gamma, 4 * step)  # holds: a few updates of lag at most
+    server = ServerThread(ParameterStore(model, momentum=gamma)).__enter__()
+    first_server = server.address
+    replica = ServerThread(None, endpoint=ReplicaServer(
+        ParameterStore(model, momentum=gamma), job=JOB, token=TOKEN, metrics=ServerMetrics(),
+        recovery=0.3)).__enter__()
+    first_replica = replica.address
+    controller_ep = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None, gate=gate)
+    controller = ServerThread(None, endpoint=controller_ep).__enter__()
+    alive = [server, replica, controller]
+    controller.call(lambda: controller_ep.watch_server(
+        server.address, replica.address, interval=0.05, timeout=0.5))
+    acked: dict[int, dict[str, np.ndarray]] = {}
+    waits: list[float] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def worker(w: int) -> None:
+        try:
+            with mlfabric.connect(first_server, job=JOB, token=TOKEN,
+                                  controller=controller.address, controller_fallback="wait",
+                                  replica=first_replica, failover_timeout=10,
+                                  replica_timeout=30) as ps:
+                for i in range(100):
+                    if stop.is_set():
+                        break
+                    version, _ = ps.pull(timeout=10)
+                    u = random_update(model, seed=100 * w + i, scale=0.01)
+                    began = time.monotonic()
+                    outcome = ps.push(u, base_version=version).result(10)
+                    assert outcome.applied, outcome
+                    with lock:
+                        waits.append(time.monotonic() - began)
+                        assert outcome.version not in acked, outcome
+                        acked[outcome.version] = u
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        wait_until(lambda: len(acked) >= 12, 20, "12 updates before the loss")
+        server.__exit__(None, None, None)
+        alive.remove(server)
+        server = replica  # promoted by the controller
+        wait_until(lambda: controller_ep.metrics.failovers._value.get() == 1, 10, "a failover")
+
+        async def join():
+            store = await fetch_state(server.address, job=JOB, token=TOKEN)
+            ep = ReplicaServer(store, job=JOB, token=TOKEN, metrics=ServerMetrics())
+            return store, ep
+
+        store, ep = mlfabric.loop.run(join())
+        replica = ServerThread(None, endpoint=ep).__enter__()
+        alive.append(replica)
+        mlfabric.loop.run(announce(controller.address, address=replica.address, store=store,
+                                   job=JOB, token=TOKEN))
+        count = len(acked)
+        wait_until(lambda: len(acked) >= count + 20, 30, "20 updates after the join")
+        stop.set()
+        for t in threads:
+            t.join(30)
+        assert not errors, errors
+        wait_until(lambda: replica.call(lambda: ep.store.version)
+                   == server.call(lambda: server.server.store.version), 10, "the replica")
+        final = server.call(lambda: {n: w.copy() for n, w in server.server.store.weights.items()})
+        final_replica = replica.call(lambda: {n: w.copy() for n, w in ep.store.weights.items()})
+    finally:
+        stop.set()
+        for st in alive:
+            st.__exit__(None, None, None)
+    assert max(waits) < 5.0, sorted(waits)[-3:]
+    assert sorted(acked) == list(range(1, len(acked) + 1))
+    ref = Reference(model, gamma)
+    for v in sorted(acked):
+        ref.apply(acked[v])
+    assert_model_equal(final, ref.w)
+    assert_model_equal(final_replica, ref.w)

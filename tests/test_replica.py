@@ -3,12 +3,14 @@ whatever order they arrive in, checked bit for bit against a numpy replay."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
 from mlfabric.errors import InvalidUpdate, SequenceGap
 from mlfabric.metrics import ServerMetrics
-from mlfabric.protocol import Error, Ping, Pong, Promote, Pull, Push, PushResult
+from mlfabric.protocol import Error, Ping, Pong, Promote, Pull, Push, PushResult, Resync
 from mlfabric.replica import ReplicaServer
 from mlfabric.sequencer import Sequencer
 from mlfabric.store import ParameterStore
@@ -198,7 +200,7 @@ def test_promotion_applies_what_it_holds_then_serves(replica):
             assert raw.recv_event().version == seq
         # Update 3 never arrives (its worker is gone too); 4 waits behind it.
         raw.send(Push(req=4, base_version=0, tensors=u[4], seq=4))
-        raw.send(Promote(req=5))
+        raw.send(Promote(req=5, force=True))
         assert raw.recv_event() == Pong(req=5, role="server", version=2)
         # New pushes wait for the recovery; base 9 is the lost server's version.
         raw.send(Push(req=6, base_version=9, tensors=u[5]))
@@ -224,3 +226,163 @@ def test_promotion_applies_what_it_holds_then_serves(replica):
         ref.apply(u[i])
     assert pulled.version == 4
     assert_model_equal(dict(pulled.tensors), ref.w)
+
+
+# -- promotion only when the server is gone ---------------------------------
+
+
+def test_promotion_is_refused_while_the_replica_still_reaches_the_server(replica, loop_kind):
+    """Any token holder could promote a replica beside a live server: now the
+    replica checks the server it would replace itself, and only a forced
+    promotion (an operator's explicit word) skips that."""
+    model = make_model()
+    with ServerThread(ParameterStore(model, momentum=0.9), loop_kind=loop_kind) as server:
+        address = server.address
+        st = replica(model, momentum=0.9)
+        raw = RawClient(st.port)
+        try:
+            raw.send(Promote(req=1))
+            unnamed = raw.recv_event()
+            raw.send(Promote(req=2, server=server.address))
+            alive = raw.recv_event()
+            raw.send(Ping(req=3))
+            still = raw.recv_event()
+        finally:
+            raw.close()
+        assert isinstance(unnamed, Error) and unnamed.code == "promote_refused"
+        assert "must name the server it replaces" in unnamed.message
+        assert isinstance(alive, Error) and alive.code == "server_alive", alive
+        assert f"the server at {server.address} still answers the replica (version 0)" in (
+            alive.message)
+        assert "mlfabric promote --force" in alive.message
+        assert still == Pong(req=3, role="replica", version=0)
+        assert st.metrics.promotions_refused._value.get() == 2
+    # The server is gone now: the same promotion goes through.
+    raw = RawClient(st.port)
+    try:
+        raw.send(Promote(req=4, server=address))
+        assert raw.recv_event() == Pong(req=4, role="server", version=0)
+    finally:
+        raw.close()
+
+
+# -- a gap that will not fill: resync from the server's state -----------------
+
+
+def test_a_replica_reports_its_gap_and_resyncs_from_the_server(replica, loop_kind):
+    """Update 2 was applied by the server, but its worker died before feeding
+    the replica: 3 and 4 wait behind it. The replica says how long it has
+    waited; told to RESYNC, it takes the server's state, answers the pushes
+    it held as applied (the state holds them) and goes on from there, bit for
+    bit the server's model."""
+    model = make_model()
+    gamma = 0.9
+    u = [random_update(model, seed) for seed in range(7)]
+    store = ParameterStore(model, momentum=gamma)
+    for i in range(1, 6):
+        store.apply(i - 1, u[i])  # the server is at version 5
+    with ServerThread(store, loop_kind=loop_kind) as server:
+        st = replica(model, momentum=gamma)
+        raw = RawClient(st.port)
+        try:
+            raw.send(Push(req=1, base_version=0, tensors=u[1], seq=1))
+            assert raw.recv_event().version == 1
+            raw.send(Push(req=3, base_version=2, tensors=u[3], seq=3))
+            raw.send(Push(req=4, base_version=3, tensors=u[4], seq=4))
+            raw.send(Ping(req=10))
+            gap = raw.recv_event()
+            raw.send(Resync(req=11, server=server.address))
+            answers = {}
+            while len(answers) < 3:
+                event = raw.recv_event()
+                answers[event.req] = event
+            raw.send(Push(req=5, base_version=4, tensors=u[5], seq=5))  # in the state
+            dup = raw.recv_event()
+            raw.send(Push(req=6, base_version=5, tensors=u[6], seq=6))
+            six = raw.recv_event()
+            raw.send(Ping(req=12))
+            after = raw.recv_event()
+            raw.send(Pull(req=13))
+            pulled = raw.recv_event()
+        finally:
+            raw.close()
+        server.call(lambda: store.apply(5, u[6]))
+        want = {n: w.copy() for n, w in store.weights.items()}
+    assert isinstance(gap, Pong) and gap.version == 1 and gap.gap is not None and gap.gap >= 0
+    resynced = answers[11]
+    assert isinstance(resynced, Pong) and (resynced.role, resynced.version) == ("replica", 5)
+    ref = Reference(model, gamma)
+    for x in u[1:6]:
+        ref.apply(x)
+    velocity = np.sqrt(sum(np.sum((ref.w[n].astype(np.float64) - ref.prev[n]) ** 2)
+                           for n in ref.w))
+    assert resynced.velocity == pytest.approx(velocity, rel=1e-9)
+    for req, seq in ((3, 3), (4, 4)):
+        assert isinstance(answers[req], PushResult)
+        assert (answers[req].applied, answers[req].version) == (True, seq)
+    assert dup.applied is False and "duplicate" in dup.reason
+    assert (six.applied, six.version) == (True, 6)
+    assert after.gap is None and after.version == 6
+    assert_model_equal(dict(pulled.tensors), want)
+    assert st.metrics.replica_resyncs._value.get() == 1
+
+
+
+def test_mlfabric_promote_checks_the_server_unless_forced(replica, tmp_path, capsys):
+    """The operator's command: refused while the server answers the replica,
+    and only --force skips that check."""
+    from mlfabric import cli
+
+    model = make_model()
+    token_file = tmp_path / "job.token"
+    token_file.write_bytes(TOKEN)
+    token_file.chmod(0o600)
+    common = ["--job", JOB, "--token-file", str(token_file)]
+    with ServerThread(ParameterStore(model, momentum=0.9)) as server:
+        st = replica(model, momentum=0.9)
+        assert cli.main(["promote", "--replica", st.address, *common]) == 2
+        assert "give --server HOST:PORT" in capsys.readouterr().err
+        assert cli.main(["promote", "--replica", st.address, "--server", server.address,
+                         *common]) == 2
+        err = capsys.readouterr().err
+        assert f"the replica at {st.address} refused: the server at {server.address} still " \
+               f"answers the replica (version 0)" in err
+        assert cli.main(["promote", "--replica", st.address, "--force", *common]) == 0
+        assert (f"the replica at {st.address} is the server from version 0 (forced)"
+                in capsys.readouterr().out)
+        assert st.call(lambda: st.server.promoted) is True
+
+
+def test_a_missing_update_still_arriving_is_no_gap(replica):
+    """A large update on a slow link arrives after later ones: while its
+    bytes are coming in, the replica reports no gap (a resync would be two
+    model transfers for nothing); once its connection dies, it does."""
+    model = make_model()
+    st = replica(model, momentum=0.9)
+    u = [random_update(model, seed) for seed in range(4)]
+    slow, fast, probe = RawClient(st.port), RawClient(st.port), RawClient(st.port)
+    try:
+        fast.send(Push(req=1, base_version=0, tensors=u[2], seq=2))  # held: 1 is missing
+        frame = RawClient.frame(Push(req=1, base_version=0, tensors=u[1], seq=1))
+        slow.send_raw(frame[: len(frame) // 2])  # 1 is on its way
+
+        def gap():
+            probe.send(Ping(req=9))
+            return probe.recv_event().gap
+
+        # Wait (bounded) until the replica has read the half frame.
+        deadline = time.monotonic() + 5
+        while st.call(lambda: dict(st.server.arriving)) == {}:
+            assert time.monotonic() < deadline, "the half frame was not read"
+            time.sleep(0.01)
+        assert st.call(lambda: st.server.sequencer.next_seq) == 1
+        assert gap() is None
+        slow.close()  # its worker died mid-transfer
+        deadline = time.monotonic() + 5
+        while (g := gap()) is None:
+            assert time.monotonic() < deadline, "no gap reported after the sender died"
+            time.sleep(0.01)
+        assert g > 0
+    finally:
+        for raw in (fast, probe):
+            raw.close()

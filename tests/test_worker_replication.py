@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ from support import (
     assert_model_equal,
     make_model,
     random_update,
+    wait_until,
 )
 
 GAMMA = 0.5
@@ -184,3 +186,92 @@ def test_the_asyncio_client_replicates_too(run_async, loop_kind):
         ref.apply(updates[outcomes.index(o)])
     assert rv == 8 and reported == 8
     assert_model_equal(rw, ref.w)
+
+
+@pytest.mark.parametrize("div_max", [None, 10.0], ids=["no-bound", "div-max"])
+def test_a_worker_lost_after_the_server_applied_its_update_stalls_nobody(div_max):
+    """The freeze of issue 28: a worker's update is applied by the server and
+    never reaches the replica (its worker died) nor the controller. Before,
+    the replica held every later update behind it and every other worker's
+    push hung, for ever. Now the replica says how long it has waited, the
+    controller's monitor resyncs it from the server's state, and the gate
+    learns the lost update's norm from the server's heartbeats: no push
+    waits more than 5 s, every one is applied, and the replica ends bit for
+    bit the server's model."""
+    model = make_model()
+    gate = None if div_max is None else DivergenceGate(GAMMA, div_max)
+    server = ServerThread(ParameterStore(model, momentum=GAMMA))
+    replica_ep = ReplicaServer(ParameterStore(model, momentum=GAMMA), job=JOB, token=TOKEN,
+                               metrics=ServerMetrics())
+    replica = ServerThread(None, endpoint=replica_ep)
+    controller_ep = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None, gate=gate)
+    controller = ServerThread(None, endpoint=controller_ep)
+    waits: list[float] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def worker(w: int) -> None:
+        try:
+            with mlfabric.connect(server.address, job=JOB, token=TOKEN,
+                                  controller=controller.address, controller_fallback="wait",
+                                  replica=replica.address, replica_timeout=30) as ps:
+                for i in range(8):
+                    version, _ = ps.pull(timeout=10)
+                    u = random_update(model, seed=1000 * w + i, scale=0.01)
+                    began = time.monotonic()
+                    outcome = ps.push(u, base_version=version).result(10)
+                    with lock:
+                        waits.append(time.monotonic() - began)
+                    assert outcome.applied, outcome
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    with server, replica, controller:
+        controller.call(lambda: controller_ep.watch_server(
+            server.address, replica.address, interval=0.05, timeout=1.0, gap_timeout=0.5))
+        with mlfabric.connect(server.address, job=JOB, token=TOKEN) as lost:
+            # Through the server alone: the replica and the gate never hear of it.
+            assert lost.push(random_update(model, seed=7), base_version=0).result(10).applied
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        deadline = time.monotonic() + 10
+        while replica.call(lambda: replica_ep.store.version) != 25:
+            assert time.monotonic() < deadline, "the replica did not catch up within 10 s"
+            time.sleep(0.05)
+        want = server.call(lambda: {n: w.copy() for n, w in server.store.weights.items()})
+        got = replica.call(lambda: {n: w.copy() for n, w in replica_ep.store.weights.items()})
+        resyncs = replica_ep.metrics.replica_resyncs._value.get()
+    assert len(waits) == 24 and max(waits) < 5.0, sorted(waits)[-3:]
+    assert resyncs >= 1
+    assert_model_equal(got, want)
+    if gate is not None:
+        assert gate.stalls == 0  # healed by the resync before the gate gave up
+
+
+def test_the_gate_learns_an_update_no_worker_reported_from_the_servers_heartbeats():
+    """Update 1 goes to the server alone: no TRANSFER_DONE, no replica. Its
+    norm, exactly as a worker computes it, reaches the gate in the server's
+    heartbeat answers; the replica's answers give the gate its version."""
+    model = make_model()
+    gate = DivergenceGate(GAMMA, 10.0)
+    replica_ep = ReplicaServer(ParameterStore(model, momentum=GAMMA), job=JOB, token=TOKEN,
+                               metrics=ServerMetrics())
+    controller_ep = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None, gate=gate)
+    u = random_update(model, seed=3)
+    with ServerThread(ParameterStore(model, momentum=GAMMA)) as server, \
+            ServerThread(None, endpoint=replica_ep) as replica, \
+            ServerThread(None, endpoint=controller_ep) as controller:
+        # A long gap timeout: this test is about the norms, not the resync.
+        controller.call(lambda: controller_ep.watch_server(
+            server.address, replica.address, interval=0.05, timeout=1.0, gap_timeout=60))
+        wait_until(lambda: controller.call(lambda: gate.synced), 5, "the replica's velocity")
+        with mlfabric.connect(server.address, job=JOB, token=TOKEN) as lost:
+            assert lost.push(u, base_version=0).result(10).version == 1
+        wait_until(lambda: controller.call(lambda: 1 in gate.applied), 5, "update 1's norm")
+        learned = controller.call(lambda: gate.applied[1])
+        assert controller.call(lambda: (gate.replica, gate.replica_reported)) == (0, 0)
+    assert learned == norm_of(u)
