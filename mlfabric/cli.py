@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "controller": ("mlfabric.controller_cli", "order a job's transfers (the controller)"),
     "status": ("mlfabric.status_cli",
                "show a job's workers, servers, agents, versions, delays and bandwidth"),
+    "promote": ("mlfabric.promote_cli",
+                "make a replica the server by hand (checks the old server is gone, or --force)"),
 }
 
 
