@@ -26,6 +26,7 @@ from typing import Any
 from . import auth
 from .agent import Agent, AgentConfig, parse_hostport, parse_peer, read_net_dev
 from .bandwidth import ProbeConfig
+from .endpoint import add_handshake_timeout, handshake_timeout
 from .errors import ConfigError
 from .job_traffic import JobTrafficReader
 
@@ -84,6 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job", help="the job whose updates are aggregated (with --aggregate)")
     p.add_argument("--token-file", metavar="PATH",
                    help="the job's token file (with --aggregate)")
+    add_handshake_timeout(p, "the aggregator's peers (with --aggregate)")
     p.add_argument("--group-timeout", type=float, metavar="SECONDS",
                    help="with --aggregate: seconds from a group's first member after which "
                         "the members in are forwarded and the rest go straight to the server; "
@@ -135,6 +137,7 @@ class AggregateConfig:
     job: str
     token: bytes
     group_timeout: float
+    handshake_timeout: float = 10.0
 
 
 def build_aggregate(args: argparse.Namespace, file: dict[str, Any]) -> AggregateConfig | None:
@@ -156,7 +159,8 @@ def build_aggregate(args: argparse.Namespace, file: dict[str, Any]) -> Aggregate
                           f"server with the job's token)")
     if not _is_number(timeout) or not timeout > 0:
         raise ConfigError(f"group timeout must be a positive number of seconds, got {timeout!r}")
-    return AggregateConfig(host, port, str(job), auth.load_token(token_file), float(timeout))
+    return AggregateConfig(host, port, str(job), auth.load_token(token_file), float(timeout),
+                           handshake_timeout(args))
 
 
 def build_config(args: argparse.Namespace, aggregate: AggregateConfig | None = None
@@ -227,7 +231,8 @@ async def serve(config: AgentConfig, metrics_port: int | None = None,
     agent = Agent(config, metrics=metrics)
     aggregator = None if aggregate is None else Aggregator(
         job=aggregate.job, token=aggregate.token, group_timeout=aggregate.group_timeout,
-        metrics=AggregatorMetrics(metrics.registry), name=config.name)
+        metrics=AggregatorMetrics(metrics.registry), name=config.name,
+        handshake_timeout=aggregate.handshake_timeout)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

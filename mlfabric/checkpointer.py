@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -16,18 +17,23 @@ log = logging.getLogger("mlfabric.checkpoint")
 
 class Checkpointer:
     """Writes a checkpoint every `interval` seconds when the model changed, and
-    one more at close; keeps the `keep` newest."""
+    one more at close; keeps the `keep` newest of its run (`run`, the id
+    every checkpoint of this training run carries; other runs' files in the
+    folder are left alone)."""
 
     def __init__(self, store: ParameterStore, job: str, directory: str | Path, *,
                  interval: float = 60.0, keep: int = 3,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None, run: str = "") -> None:
         self.store = store
         self.job = job
         self.directory = Path(directory)
         self.interval = interval
         self.keep = keep
         self.metrics = metrics
+        self.run = run
         self.written_version: int | None = None
+        self.written: Path | None = None  # the newest checkpoint this run wrote
+        self.error: str | None = None  # why the last write failed (None: it did not)
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -44,19 +50,20 @@ class Checkpointer:
             return None
         started = time.perf_counter()
         # The copy is taken in the loop thread, between two updates: consistent.
-        ckpt = self.store.checkpoint(self.job)
+        ckpt = dataclasses.replace(self.store.checkpoint(self.job), run=self.run)
         try:
             path = await asyncio.get_running_loop().run_in_executor(
                 None, checkpoint.write, self.directory, ckpt)
             await asyncio.get_running_loop().run_in_executor(
-                None, checkpoint.prune, self.directory, self.keep)
+                None, checkpoint.prune, self.directory, self.keep, self.run)
         except OSError as exc:
-            log.error("checkpoint of version %d to %s failed: %s", ckpt.version,
-                      self.directory, exc)
+            self.error = f"checkpoint of version {ckpt.version} to {self.directory} failed: {exc}"
+            log.error("%s", self.error)
             if self.metrics is not None:
                 self.metrics.checkpoint_failures.inc()
             return None
-        self.written_version = ckpt.version
+        self.error = None
+        self.written_version, self.written = ckpt.version, path
         if self.metrics is not None:
             self.metrics.checkpoints.inc()
             self.metrics.checkpoint_seconds.observe(time.perf_counter() - started)
@@ -65,8 +72,9 @@ class Checkpointer:
         log.info("checkpoint of version %d written to %s", ckpt.version, path)
         return path
 
-    async def close(self) -> None:
-        """Stop the periodic task and write a final checkpoint."""
+    async def close(self) -> bool:
+        """Stop the periodic task and write a final checkpoint; False if the
+        model's last version is not on disk (see `error`)."""
         if self._task is not None:
             self._task.cancel()
             try:
@@ -74,3 +82,4 @@ class Checkpointer:
             except asyncio.CancelledError:
                 pass
         await self.write_now()
+        return self.written_version == self.store.version

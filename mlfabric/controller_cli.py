@@ -13,7 +13,7 @@ from .client_core import parse_address
 from .control import POLICIES, Network, Policy, fifo_policy
 from .controller import Controller
 from .divergence import DEFAULT_LAG_TIMEOUT, DivergenceGate
-from .endpoint import add_listener_arguments, listen, until_stopped
+from .endpoint import add_listener_arguments, handshake_timeout, listen, until_stopped
 from .errors import ConfigError
 from .failover import DEFAULT_GAP_TIMEOUT
 from .metrics import ControllerMetrics, serve_metrics
@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
     token = auth.load_token(args.token_file)
     tau_max = None if args.tau_max < 0 else args.tau_max
     network = parse_links(args.link, args.default_link_mbit)
+    shake = handshake_timeout(args)
     agents = parse_agents(args.agent)
     if not args.agent_interval > 0:
         raise ConfigError(f"--agent-interval must be positive, got {args.agent_interval}")
@@ -205,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         controller = Controller(policy, job=args.job, token=token, tau_max=tau_max,
+                                handshake_timeout=shake,
                                 network=network, metrics=metrics, policy_name=args.policy,
                                 gate=gate, aggregators=aggregators,
                                 aggregation=aggregation)

@@ -43,6 +43,26 @@ def add_listener_arguments(p: argparse.ArgumentParser, peers: str) -> None:
     p.add_argument("--job", required=True, help=f"the job's name; {peers} must name it")
     p.add_argument("--token-file", required=True, metavar="PATH",
                    help="file holding the job's secret token")
+    add_handshake_timeout(p, peers)
+
+
+DEFAULT_HANDSHAKE_TIMEOUT = 10.0
+
+
+def add_handshake_timeout(p: argparse.ArgumentParser, peers: str) -> None:
+    p.add_argument("--handshake-timeout", type=float, default=DEFAULT_HANDSHAKE_TIMEOUT,
+                   metavar="SECONDS",
+                   help=f"seconds {peers} have to prove they hold the token before the "
+                        f"connection is closed (default: {DEFAULT_HANDSHAKE_TIMEOUT:g})")
+
+
+def handshake_timeout(args: argparse.Namespace) -> float:
+    """--handshake-timeout, checked."""
+    value = float(args.handshake_timeout)
+    if not 0 < value < float("inf"):
+        raise ConfigError(f"--handshake-timeout must be a positive number of seconds, got "
+                          f"{args.handshake_timeout}")
+    return value
 
 
 async def listen(endpoint: Endpoint, host: str, port: int, address: str) -> tuple[str, int]:

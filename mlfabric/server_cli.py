@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import zipfile
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from . import auth, checkpoint, loop
 from .chain import ChainLink
 from .checkpointer import Checkpointer
 from .client_core import parse_address
-from .endpoint import add_listener_arguments, listen, until_stopped
+from .endpoint import add_listener_arguments, handshake_timeout, listen, until_stopped
 from .errors import ConfigError
 from .metrics import ServerMetrics, serve_metrics
 from .replica import (
@@ -90,7 +91,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
                    help="keep the N newest checkpoints (default: 3)")
     p.add_argument("--resume", metavar="PATH", default=None,
-                   help="start from a checkpoint file, or 'latest' in --checkpoint-dir")
+                   help="start from a checkpoint file, or 'latest': the newest valid one in "
+                        "--checkpoint-dir (the run goes on: same run id)")
+    p.add_argument("--fresh", action="store_true",
+                   help="start a new run although --checkpoint-dir holds another run's "
+                        "checkpoints (they are left alone); without it the server refuses, "
+                        "so a crashed run is not silently replaced")
     p.add_argument("--metrics-port", type=int, default=None, metavar="P",
                    help="serve Prometheus metrics on this port at /metrics")
     p.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port")
@@ -117,8 +123,9 @@ def load_model(path: str) -> dict[str, np.ndarray]:
     return tensors
 
 
-def build_store(args: argparse.Namespace, tau_max: int | None) -> ParameterStore:
-    """The model to serve: from --resume if given, else from --init."""
+def build_store(args: argparse.Namespace, tau_max: int | None) -> tuple[ParameterStore, str]:
+    """The model to serve, from --resume if given, else from --init; and the
+    run id its checkpoints carry (the resumed run's, or a new one)."""
     if args.checkpoint_interval <= 0:
         raise ConfigError(f"--checkpoint-interval must be positive, got {args.checkpoint_interval}")
     if args.keep_checkpoints < 1:
@@ -126,24 +133,39 @@ def build_store(args: argparse.Namespace, tau_max: int | None) -> ParameterStore
     if args.resume is None:
         if args.init is None:
             raise ConfigError("give the initial model with --init MODEL.npz (or --resume PATH)")
+        if args.checkpoint_dir is not None and not args.fresh:
+            others = checkpoint.found(args.checkpoint_dir)
+            if others:
+                version, _, other = others[-1]
+                raise ConfigError(
+                    f"--checkpoint-dir {args.checkpoint_dir!r} holds checkpoints of another "
+                    f"run (newest: {other.name}, version {version}): continue that run with "
+                    f"--resume latest, or start a new one beside it with --fresh")
         return ParameterStore(load_model(args.init), momentum=args.momentum or 0.0,
-                              tau_max=tau_max, allow_nonfinite=args.allow_nonfinite)
+                              tau_max=tau_max,
+                              allow_nonfinite=args.allow_nonfinite), checkpoint.new_run_id()
+    if args.fresh:
+        raise ConfigError("--fresh starts a new run and --resume continues one: give one of them")
     path = args.resume
     if path == "latest":
         if args.checkpoint_dir is None:
             raise ConfigError("--resume latest needs --checkpoint-dir")
-        found = checkpoint.latest(args.checkpoint_dir)
-        if found is None:
-            raise ConfigError(f"--resume latest: no checkpoint in {args.checkpoint_dir!r}")
-        path = str(found)
-    ckpt = checkpoint.read(path)
+        newest, ckpt, skipped = checkpoint.newest_valid(args.checkpoint_dir)
+        if skipped:
+            log.warning("--resume latest: skipped %s; resuming from %s",
+                        "; ".join(reason for _, reason in skipped), newest.name)
+        path = str(newest)
+    else:
+        ckpt = checkpoint.read(path)
     if ckpt.job != args.job:
         raise ConfigError(
             f"checkpoint {path!r} belongs to job {ckpt.job!r}, not {args.job!r}"
         )
-    log.info("resuming job %r at version %d from %s", args.job, ckpt.version, path)
+    run = ckpt.run or checkpoint.new_run_id()  # a format-1 file had none
+    log.info("resuming job %r (run %s) at version %d from %s", args.job, run, ckpt.version,
+             path)
     return ParameterStore.from_checkpoint(ckpt, momentum=args.momentum, tau_max=tau_max,
-                                          allow_nonfinite=args.allow_nonfinite)
+                                          allow_nonfinite=args.allow_nonfinite), run
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -162,8 +184,10 @@ def run_server(args: argparse.Namespace) -> int:
         parse_address(args.join_from)
         parse_address(args.controller)
         store = None
+        run = checkpoint.new_run_id()
     else:
-        store = build_store(args, tau_max)
+        store, run = build_store(args, tau_max)
+    shake = handshake_timeout(args)
     metrics = ServerMetrics()
     if args.metrics_port is not None:
         serve_metrics(metrics.registry, args.metrics_port, args.metrics_host)
@@ -178,7 +202,7 @@ def run_server(args: argparse.Namespace) -> int:
     if args.max_pending < 1:
         raise ConfigError(f"--max-pending must be at least 1, got {args.max_pending}")
 
-    async def main() -> None:
+    async def main() -> int:
         nonlocal store
         if store is None:
             store = await fetch_state(args.join_from, job=args.job, token=token)
@@ -187,9 +211,10 @@ def run_server(args: argparse.Namespace) -> int:
         if args.role == "replica":
             server = ReplicaServer(store, job=args.job, token=token, metrics=metrics,
                                    max_pending=args.max_pending,
-                                   recovery=args.recovery_seconds)
+                                   recovery=args.recovery_seconds, handshake_timeout=shake)
         else:
-            server = ParameterServer(store, job=args.job, token=token, metrics=metrics)
+            server = ParameterServer(store, job=args.job, token=token, metrics=metrics,
+                                     handshake_timeout=shake)
         if args.replicate_to is not None:
             server.chain = await ChainLink.connect(args.replicate_to, job=args.job, token=token,
                                                    store=store, metrics=metrics)
@@ -198,7 +223,7 @@ def run_server(args: argparse.Namespace) -> int:
         if args.checkpoint_dir is not None:
             checkpointer = Checkpointer(store, args.job, args.checkpoint_dir,
                                         interval=args.checkpoint_interval,
-                                        keep=args.keep_checkpoints, metrics=metrics)
+                                        keep=args.keep_checkpoints, metrics=metrics, run=run)
         bound = await listen(server, host, port, args.listen)
         # The "serving" line is what scripts wait for: it carries the bound port.
         print(
@@ -227,12 +252,17 @@ def run_server(args: argparse.Namespace) -> int:
         await server.close()
         if server.chain is not None:
             await server.chain.close()
-        if checkpointer is not None:
-            await checkpointer.close()
+        if checkpointer is not None and not await checkpointer.close():
+            on_disk = (f"{checkpointer.written} (version {checkpointer.written_version})"
+                       if checkpointer.written is not None else "none of this run")
+            print(f"mlfabric {args.role}: error: the final {checkpointer.error}; the newest "
+                  f"checkpoint on disk is {on_disk}: resuming from it loses the versions "
+                  f"after it", file=sys.stderr, flush=True)
+            return 1
         print(f"mlfabric {args.role}: stopped at version {store.version}", flush=True)
+        return 0
 
-    loop.run(main())
-    return 0
+    return loop.run(main())
 
 
 run = run_server

@@ -3,8 +3,14 @@ server that resumes where it stopped."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import shutil
 import signal
+import socket
+import struct
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -94,7 +100,9 @@ def test_server_checkpoints_at_shutdown_and_resumes(tmp_path):
             ref.apply(u)
     code, _, err = server.stop(signal.SIGTERM)
     assert code == 0, err
-    assert checkpoint.latest(ckdir).name == "ckpt-000000000004.mlfckpt"
+    newest = checkpoint.latest(ckdir)
+    assert re.fullmatch(r"ckpt-000000000004-[0-9a-f]{12}\.mlfckpt", newest.name), newest
+    run = checkpoint.read(newest).run
 
     resumed = Server(tmp_path, "--checkpoint-dir", str(ckdir), "--resume", "latest",
                      model=model)
@@ -109,6 +117,8 @@ def test_server_checkpoints_at_shutdown_and_resumes(tmp_path):
             assert_model_equal(ps.pull(timeout=10)[1], ref.w)
     finally:
         resumed.stop()
+    # The resumed run is the same run: its checkpoint carries the same id.
+    assert checkpoint.read(checkpoint.latest(ckdir)).run == run
 
 
 def test_resume_refuses_another_jobs_or_a_damaged_checkpoint(tmp_path):
@@ -127,3 +137,168 @@ def test_resume_refuses_another_jobs_or_a_damaged_checkpoint(tmp_path):
             capture_output=True, text=True, timeout=60, cwd=tmp_path)
         assert proc.returncode == 2
         assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+# -- checkpoints that cannot mislead ------------------------------------------------
+
+
+def edit_header(raw: bytes, old: bytes, new: bytes) -> bytes:
+    """The file with `old` replaced by `new` (same length) in its header."""
+    assert len(old) == len(new)
+    head_len = struct.unpack_from("<8sII", raw)[2]
+    head = raw[16:16 + head_len]
+    assert head.count(old) == 1, head
+    return raw[:16] + head.replace(old, new) + raw[16 + head_len:]
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [(b'"version":3', b'"version":8'), (b'"momentum":0.9', b'"momentum":0.5'),
+     (b'[37,3]', b'[3,37]'), (b'"job":"' + JOB.encode()[:3], b'"job":"xyz'),
+     (b'"run":"abc123"', b'"run":"abc124"')],
+    ids=["version", "momentum", "shape", "job", "run"])
+def test_an_edited_header_is_refused(tmp_path, old, new):
+    """The checksum covers the header: before, these edits loaded silently."""
+    store, _ = trained_store()
+    path = checkpoint.write(tmp_path, dataclasses.replace(store.checkpoint(JOB), run="abc123"))
+    path.write_bytes(edit_header(path.read_bytes(), old, new))
+    with pytest.raises(ConfigError, match="corrupted \\(checksum mismatch\\): use an older"):
+        checkpoint.read(path)
+
+
+def test_a_format_1_checkpoint_still_resumes_with_a_warning(tmp_path, caplog):
+    """Written before the header was covered: read as it was, and said so."""
+    import hashlib
+    import json
+
+    store, _ = trained_store()
+    raw = checkpoint.write(tmp_path, store.checkpoint(JOB)).read_bytes()
+    head_len = struct.unpack_from("<8sII", raw)[2]
+    header = json.loads(raw[16:16 + head_len])
+    data = raw[16 + head_len:-32]
+    header.pop("run")
+    header["sha256"] = hashlib.sha256(data).hexdigest()
+    head = json.dumps(header).encode()
+    old = tmp_path / "ckpt-000000000003.mlfckpt"
+    old.write_bytes(struct.pack("<8sII", b"MLFBCKPT", 1, len(head)) + head + data)
+    ckpt = checkpoint.read(old)
+    assert (ckpt.version, ckpt.run) == (3, "")
+    assert_model_equal(ckpt.weights, store.weights)
+    assert "format 1: its checksum covers the data, not the header" in caplog.text
+
+
+def test_retention_keeps_the_current_runs_newest_and_never_touches_another_run(tmp_path):
+    store, _ = trained_store(0)
+    for version, run in ((80, "01d"), (81, "01d"), (1, "abc"), (2, "abc"), (3, "abc")):
+        store.version = version
+        checkpoint.write(tmp_path, dataclasses.replace(store.checkpoint(JOB), run=run))
+    removed = checkpoint.prune(tmp_path, keep=1, run="abc")
+    assert [p.name for p in removed] == ["ckpt-000000000001-abc.mlfckpt",
+                                         "ckpt-000000000002-abc.mlfckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt-000000000003-abc.mlfckpt", "ckpt-000000000080-01d.mlfckpt",
+        "ckpt-000000000081-01d.mlfckpt"]
+
+
+def serve(tmp_path, *args: str):
+    token = tmp_path / "job.token"
+    token.write_bytes(TOKEN)
+    token.chmod(0o600)
+    np.savez(tmp_path / "init.npz", **make_model())
+    return subprocess.run(
+        mlfabric_cmd("server", "--listen", "127.0.0.1:0", "--job", JOB, "--token-file",
+                     str(token), *args),
+        capture_output=True, text=True, timeout=60, cwd=tmp_path)
+
+
+def test_a_fresh_run_in_another_runs_folder_is_refused_unless_told(tmp_path):
+    ckdir = tmp_path / "ckpts"
+    store, _ = trained_store(0)
+    store.version = 80
+    checkpoint.write(ckdir, dataclasses.replace(store.checkpoint(JOB), run="01d"))
+    proc = serve(tmp_path, "--init", "init.npz", "--checkpoint-dir", str(ckdir))
+    assert proc.returncode == 2, proc.stderr
+    assert (f"--checkpoint-dir '{ckdir}' holds checkpoints of another run (newest: "
+            f"ckpt-000000000080-01d.mlfckpt, version 80): continue that run with --resume "
+            f"latest, or start a new one beside it with --fresh") in proc.stderr
+    proc = serve(tmp_path, "--init", "init.npz", "--resume", "latest", "--fresh",
+                 "--checkpoint-dir", str(ckdir))
+    assert proc.returncode == 2 and "give one of them" in proc.stderr
+
+    # With --fresh: a new run beside it, whose checkpoints survive its retention.
+    model = make_model()
+    server = Server(tmp_path, "--momentum", "0.9", "--checkpoint-dir", str(ckdir),
+                    "--fresh", "--keep-checkpoints", "1", "--checkpoint-interval", "0.05",
+                    model=model)
+    with mlfabric.connect(server.address, job=JOB, token=TOKEN) as ps:
+        for i in range(3):
+            ps.push(random_update(model, seed=i), base_version=i).result(10)
+            time.sleep(0.1)  # a periodic checkpoint between pushes
+    code, _, err = server.stop(signal.SIGTERM)
+    assert code == 0, err
+    names = sorted(p.name for p in ckdir.iterdir())
+    assert names[-1] == "ckpt-000000000080-01d.mlfckpt"  # the other run: untouched
+    assert len(names) == 2 and re.fullmatch(r"ckpt-000000000003-[0-9a-f]{12}\.mlfckpt",
+                                            names[0]), names
+
+
+def test_resume_latest_takes_the_newest_valid_checkpoint_and_says_what_it_skipped(tmp_path):
+    ckdir = tmp_path / "ckpts"
+    store, ref = trained_store(3)
+    checkpoint.write(ckdir, dataclasses.replace(store.checkpoint(JOB), run="abc"))
+    store.apply(3, random_update(ref.w, seed=50))
+    bad = checkpoint.write(ckdir, dataclasses.replace(store.checkpoint(JOB), run="abc"))
+    bad.write_bytes(bad.read_bytes()[:-10])
+    model = make_model()
+    server = Server(tmp_path, "--checkpoint-dir", str(ckdir), "--resume", "latest",
+                    model=model)
+    try:
+        with mlfabric.connect(server.address, job=JOB, token=TOKEN) as ps:
+            version, params = ps.pull(timeout=10)
+    finally:
+        _, _, err = server.stop()
+    assert version == 3
+    assert_model_equal(params, ref.w)
+    lines = [line for line in err.splitlines() if "--resume latest: skipped" in line]
+    assert len(lines) == 1, err
+    assert "ckpt-000000000004-abc.mlfckpt' is truncated" in lines[0]
+    assert "resuming from ckpt-000000000003-abc.mlfckpt" in lines[0]
+    bad3 = ckdir / "ckpt-000000000003-abc.mlfckpt"
+    bad3.write_bytes(bad3.read_bytes()[:-10])
+    proc = serve(tmp_path, "--checkpoint-dir", str(ckdir), "--resume", "latest")
+    assert proc.returncode == 2
+    assert "--resume latest: no valid checkpoint in" in proc.stderr
+
+
+def test_a_failed_final_checkpoint_fails_the_exit_code(tmp_path):
+    """The folder is gone and a file stands in its place (a failure even
+    root cannot write through): the server says so and exits 1."""
+    ckdir = tmp_path / "ckpts"
+    model = make_model()
+    server = Server(tmp_path, "--checkpoint-dir", str(ckdir), model=model)
+    with mlfabric.connect(server.address, job=JOB, token=TOKEN) as ps:
+        ps.push(random_update(model, seed=1), base_version=0).result(10)
+    shutil.rmtree(ckdir, ignore_errors=True)
+    ckdir.write_text("not a folder")
+    code, _, err = server.stop(signal.SIGTERM)
+    assert code == 1, err
+    assert "error: the final checkpoint of version 1 to" in err
+    assert "the newest checkpoint on disk is none of this run" in err
+
+
+def test_the_handshake_timeout_is_a_setting(tmp_path):
+    proc = serve(tmp_path, "--init", "init.npz", "--handshake-timeout", "0")
+    assert proc.returncode == 2
+    assert "--handshake-timeout must be a positive number of seconds, got 0.0" in proc.stderr
+    server = Server(tmp_path, "--handshake-timeout", "0.5")
+    try:
+        host, port = server.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as silent:
+            started = time.monotonic()
+            assert silent.recv(1 << 16) is not None  # the server's hello challenge or EOF
+            while silent.recv(1 << 16):
+                pass  # until the server closes it
+            waited = time.monotonic() - started
+        assert 0.4 <= waited < 5.0, waited  # not the default 10 s
+    finally:
+        server.stop()
