@@ -28,6 +28,7 @@ FAN_IN_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 REJECT_REASONS = (
     "stale",
     "nonfinite",
+    "overflow",  # a finite update that would make the model non-finite
     "unknown_tensor",
     "bad_dtype",
     "bad_shape",

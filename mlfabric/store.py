@@ -263,14 +263,41 @@ class ParameterStore:
                            base_version)
 
     def _step(self, update: Mapping[str, np.ndarray]) -> None:
+        """One momentum step, or InvalidUpdate ("overflow") with the model
+        untouched when a finite update would make it non-finite.
+
+        The next weights are computed into the spare buffers (the staged
+        path's arithmetic: bit-identical to momentum_apply), checked, and
+        only then rotated in; so a refused step leaves w and w_prev as they
+        were, at no copy."""
         gamma = self.momentum
+        if self.staged is not None:
+            # Its partial results live in the spare buffers: void it (it
+            # would be void anyway once the version moves), but leave it in
+            # place until its push completes, as a version change does.
+            self.staged.valid = False
         for name, w in self.weights.items():
             u = c_contiguous(update[name])
+            out = self.spare[name]
             if gamma:
-                _core.momentum_apply(w, self.previous[name], u, gamma)
+                _core.momentum_into(out, w, self.previous[name], u, gamma)
             else:
-                _core.scaled_add(w, u, 1.0)
+                _core.sum_into(out, (w, u))
+            if not self.allow_nonfinite and not _core.all_finite(out):
+                raise InvalidUpdate(_overflow_message(name), reason="overflow")
+        self._rotate()
         self.version += 1
+
+    def _rotate(self) -> None:
+        """The spare buffers hold the next weights: w_prev <- w, w <- spare
+        (spare <- the old w_prev, reused next time)."""
+        for name in self.weights:
+            w, spare = self.weights[name], self.spare[name]
+            if self.momentum:
+                self.weights[name], self.previous[name], self.spare[name] = (
+                    spare, w, self.previous[name])
+            else:
+                self.weights[name], self.spare[name] = spare, w
 
     def begin_staged(
         self, base_version: int, specs: Sequence[TensorSpec], offsets: Sequence[int],
@@ -336,6 +363,14 @@ class ParameterStore:
     def snapshot(self) -> tuple[int, dict[str, np.ndarray]]:
         """A consistent copy of the model at the current version."""
         return self.version, {n: w.copy() for n, w in self.weights.items()}
+
+
+def _overflow_message(name: str) -> str:
+    return (
+        f"applying this update would make tensor {name!r} non-finite (overflow to Inf or "
+        f"NaN); the update was not applied and the model was left as it was (lower the "
+        f"learning rate and check the loss for divergence)"
+    )
 
 
 def _nonfinite_message(name: str) -> str:
@@ -416,6 +451,11 @@ class StagedApply:
                 _core.momentum_into(out, w, prev, u, gamma)
             else:
                 _core.sum_into(out, (w, u))
+            if check and not _core.all_finite(out):
+                # It would overflow the model: void, so the whole-update
+                # path refuses it with the reason.
+                self.valid = False
+                return
             piece.done = avail
 
     def computed(self) -> dict[str, int]:
@@ -460,12 +500,6 @@ class StagedApply:
             store.staged = None
         if not self.valid:
             return False
-        for name in store.weights:
-            w, spare = store.weights[name], store.spare[name]
-            if store.momentum:
-                store.weights[name], store.previous[name], store.spare[name] = (
-                    spare, w, store.previous[name])
-            else:
-                store.weights[name], store.spare[name] = spare, w
+        store._rotate()
         self.committed = True
         return True

@@ -254,3 +254,70 @@ def test_an_update_id_is_applied_once_and_the_window_is_bounded():
     store.apply(2, random_update(model, 3), uid="u3")
     assert store.applied_before("u1") is None  # the oldest is forgotten past the window
     assert [store.applied_before(u).version for u in ("u2", "u3")] == [2, 3]
+
+
+# -- the model stays finite ---------------------------------------------------------
+
+
+def _near_overflow(momentum: float) -> tuple[ParameterStore, dict[str, np.ndarray]]:
+    big = np.float32(3.0e38)
+    model = {"w": np.array([1.0, big, -2.0], np.float32), "b": np.zeros(2, np.float32)}
+    store = ParameterStore(model, momentum=momentum)
+    store.apply(0, {"w": np.array([0.5, 0.0, 0.0], np.float32), "b": np.ones(2, np.float32)})
+    return store, model
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_an_update_that_would_overflow_the_model_is_refused_and_changes_nothing(momentum):
+    """A finite update (3e38 + 1e38 overflows float32) used to take the model
+    to Inf, and then to NaN."""
+    store, _ = _near_overflow(momentum)
+    before = ({n: w.copy() for n, w in store.weights.items()},
+              {n: p.copy() for n, p in store.previous.items()}, store.version)
+    update = {"w": np.array([0.0, 1.0e38, 0.0], np.float32), "b": np.ones(2, np.float32)}
+    with pytest.raises(InvalidUpdate, match=r"applying this update would make tensor 'w' "
+                                            r"non-finite .* the model was left as it was") as e:
+        store.apply(1, update, uid="u-1")
+    assert e.value.reason == "overflow"
+    assert store.version == before[2] and store.applied_before("u-1") is None
+    assert_model_equal(store.weights, before[0])
+    assert_model_equal(store.previous, before[1])
+    # A later update applies exactly as if the refused one never came.
+    ok = {"w": np.array([1.0, -1.0e37, 0.0], np.float32), "b": np.ones(2, np.float32)}
+    ref = ParameterStore(dict(before[0]), momentum=momentum)
+    ref.previous = {n: p.copy() for n, p in before[1].items()}
+    ref.version = before[2]
+    assert store.apply(1, ok).version == ref.apply(1, ok).version == 2
+    assert_model_equal(store.weights, ref.weights)
+
+
+def test_an_aggregate_that_would_overflow_is_refused_too():
+    store, _ = _near_overflow(0.5)
+    total = {"w": np.array([0.0, 2.0e38, 0.0], np.float32), "b": np.zeros(2, np.float32)}
+    with pytest.raises(InvalidUpdate) as e:
+        store.apply_aggregate([("a", 1), ("b", 1)], total)
+    assert e.value.reason == "overflow" and store.version == 1
+
+
+def test_a_staged_update_that_would_overflow_is_voided_then_refused_whole():
+    store, _ = _near_overflow(0.9)
+    w_before = {n: w.copy() for n, w in store.weights.items()}
+    update = {"w": np.array([0.0, 1.0e38, 0.0], np.float32), "b": np.ones(2, np.float32)}
+    specs = store.specs
+    offsets, nbytes = layout(specs)
+    data = np.zeros(nbytes, np.uint8)
+    for sp, off in zip(specs, offsets, strict=True):
+        data[off:off + sp.nbytes] = np.frombuffer(update[sp.name].tobytes(), np.uint8)
+    staged = store.begin_staged(1, specs, offsets)
+    assert staged is not None
+    assert staged.finish(memoryview(data)) is None  # void: would overflow
+    with pytest.raises(InvalidUpdate, match="non-finite"):
+        store.apply(1, update)
+    assert_model_equal(store.weights, w_before)
+
+
+def test_with_allow_nonfinite_the_overflow_is_applied_as_before():
+    big = np.float32(3.0e38)
+    store = ParameterStore({"w": np.array([big], np.float32)}, allow_nonfinite=True)
+    store.apply(0, {"w": np.array([big], np.float32)})
+    assert np.isinf(store.weights["w"][0])
