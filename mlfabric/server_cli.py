@@ -89,7 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-interval", type=float, default=60.0, metavar="SECONDS",
                    help="seconds between checkpoints when the model changed (default: 60)")
     p.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
-                   help="keep the N newest checkpoints (default: 3)")
+                   help="keep this run's N newest checkpoints (default: 3); other runs' "
+                        "files in --checkpoint-dir are left alone")
     p.add_argument("--resume", metavar="PATH", default=None,
                    help="start from a checkpoint file, or 'latest': the newest valid one in "
                         "--checkpoint-dir (the run goes on: same run id)")
