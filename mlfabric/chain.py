@@ -24,12 +24,19 @@ from .store import ParameterStore
 
 log = logging.getLogger("mlfabric.server")
 
+ACK_TIMEOUT = 10.0  # seconds the replica may take to acknowledge a forwarded update
+
 
 class ChainLink:
     """The server's connection to its replica."""
 
-    def __init__(self, proto: _ClientProtocol, metrics: ServerMetrics) -> None:
+    def __init__(self, proto: _ClientProtocol, metrics: ServerMetrics, *,
+                 ack_timeout: float = ACK_TIMEOUT) -> None:
+        """`ack_timeout`: a replica that has not acknowledged an update this
+        many seconds after it was sent is given up (the server then answers
+        its workers alone), so a hung replica cannot hold every push."""
         self.proto = proto
+        self.ack_timeout = ack_timeout
         self.address = proto.address
         self.metrics = metrics
         self.forwarded = 0  # highest sequence number sent
@@ -79,7 +86,14 @@ class ChainLink:
         self.forwarded = max(self.forwarded, seq)
         self.metrics.replica_lag.set(self.forwarded - self.acked)
         fut.add_done_callback(self._answered)
+        handle = asyncio.get_running_loop().call_later(self.ack_timeout, self._overdue, fut, seq)
+        fut.add_done_callback(lambda _: handle.cancel())
         return fut
+
+    def _overdue(self, fut: asyncio.Future[Any], seq: int) -> None:
+        if not fut.done():
+            self._fail(f"the replica at {self.address} has not acknowledged update {seq} "
+                       f"within {self.ack_timeout:g} s")
 
     def _answered(self, fut: asyncio.Future[Any]) -> None:
         if fut.cancelled():

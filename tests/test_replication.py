@@ -146,3 +146,40 @@ def test_the_server_refuses_a_replica_holding_another_model(tmp_path, run_async)
                 raise AssertionError(f"connected despite: {message}")
     finally:
         replica.stop()
+
+
+def test_a_hung_replica_is_given_up_and_the_server_answers_alone(loop_kind):
+    """Chain replication answers a worker once the replica acknowledged; a
+    replica that stops answering (its loop is stuck here for 3 s) must not
+    hold every push: after the ack timeout the server serves alone."""
+    import asyncio
+    import time
+
+    from mlfabric.chain import ChainLink
+    from mlfabric.metrics import ServerMetrics
+    from mlfabric.replica import ReplicaServer
+    from mlfabric.store import ParameterStore
+
+    from support import ServerThread, random_update
+
+    model = make_model()
+    replica_ep = ReplicaServer(ParameterStore(model, momentum=0.9), job=JOB, token=TOKEN,
+                               metrics=ServerMetrics())
+    with ServerThread(None, endpoint=replica_ep, loop_kind=loop_kind) as replica, \
+            ServerThread(ParameterStore(model, momentum=0.9), loop_kind=loop_kind) as server:
+        async def link():
+            return await ChainLink.connect(replica.address, job=JOB, token=TOKEN,
+                                           store=server.store, metrics=server.metrics)
+
+        chain = asyncio.run_coroutine_threadsafe(link(), server._loop).result(10)
+        chain.ack_timeout = 0.5
+        server.server.chain = chain
+        with mlfabric.connect(server.address, job=JOB, token=TOKEN) as ps:
+            assert ps.push(random_update(model, seed=1), base_version=0).result(10).applied
+            replica._loop.call_soon_threadsafe(time.sleep, 3)  # the replica hangs
+            started = time.monotonic()
+            outcome = ps.push(random_update(model, seed=2), base_version=1).result(10)
+            waited = time.monotonic() - started
+        assert (outcome.applied, outcome.version) == (True, 2)
+        assert 0.4 <= waited < 2.5, waited
+        assert server.metrics.replica_connected._value.get() == 0
