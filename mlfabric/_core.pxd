@@ -23,8 +23,9 @@ ctypedef fused real_t:
 cdef void momentum_apply_kernel(real_t* w, real_t* prev, const real_t* u, real_t g,
                                 Py_ssize_t n) noexcept nogil
 
-# out = (w + u) + g*(w - prev); w, prev, u are only read.
-cdef void momentum_into_kernel(real_t* out, const real_t* w, const real_t* prev,
+# out = (w + u) + g*(w - prev), or w + u if prev is NULL; w, prev, u are only
+# read. Returns True iff every element written is finite (NaN/Inf-free).
+cdef bint momentum_into_kernel(real_t* out, const real_t* w, const real_t* prev,
                                const real_t* u, real_t g, Py_ssize_t n) noexcept nogil
 
 # out = (((out if accumulate else a[0]) + a[0 or 1]) + ...) element by element,

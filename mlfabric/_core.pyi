@@ -21,9 +21,10 @@ def momentum_apply(w: _FloatArray, prev: _FloatArray, u: _FloatArray, gamma: flo
     """In place: new = (w + u) + g*(w - prev); prev[...] = old w; w[...] = new."""
 
 def momentum_into(
-    out: _FloatArray, w: _FloatArray, prev: _FloatArray, u: _FloatArray, gamma: float
-) -> None:
-    """out[...] = (w + u) + g*(w - prev); w, prev and u are only read."""
+    out: _FloatArray, w: _FloatArray, prev: _FloatArray | None, u: _FloatArray, gamma: float
+) -> bool:
+    """out[...] = (w + u) + g*(w - prev), or w + u if prev is None; w, prev and
+    u are only read. True iff every element written is finite."""
 
 def sum_into(out: _FloatArray, arrays: Iterable[_FloatArray], accumulate: bool = False) -> None:
     """out[...] = a0 + a1 + ... left to right (out + a0 + ... if accumulate)."""

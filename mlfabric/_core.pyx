@@ -10,7 +10,10 @@ kernel                                          numpy reference
 ==============================================  ==========================================
 momentum_apply(w, prev, u, gamma)               new = w + u + g*(w - prev); prev[...] = w;
                                                 w[...] = new                  (bit-exact)
-momentum_into(out, w, prev, u, gamma)           out[...] = w + u + g*(w - prev) (bit-exact)
+momentum_into(out, w, prev, u, gamma)           out[...] = w + u + g*(w - prev) (bit-exact);
+                                                returns bool(np.isfinite(out).all())
+momentum_into(out, w, None, u, gamma)           out[...] = w + u              (bit-exact);
+                                                returns bool(np.isfinite(out).all())
 sum_into(out, arrays, accumulate=False)         out[...] = reduce(np.add, arrays), or
                                                 reduce(np.add, arrays, out)  (bit-exact)
 scaled_add(y, x, alpha)                         y[...] = y + a*x              (bit-exact)
@@ -116,11 +119,47 @@ cdef void momentum_apply_kernel(real_t* w, real_t* prev, const real_t* u, real_t
         start += m
 
 
-cdef void momentum_into_kernel(real_t* out, const real_t* w, const real_t* prev,
+cdef bint momentum_into_kernel(real_t* out, const real_t* w, const real_t* prev,
                                const real_t* u, real_t g, Py_ssize_t n) noexcept nogil:
+    # Returns whether every element written is finite, tracked in a register
+    # as all_finite_kernel does (the exponent-field carry into the sign bit),
+    # so the parameter server can refuse a step that overflows the model
+    # without a second pass over out: three integer ops per element, hidden
+    # under the memory traffic of a large array (benchmarks/bench_store.py).
+    # prev == NULL drops the momentum term: out = w + u (not the same as
+    # g = 0, which would turn -0.0 into +0.0 and w - prev = inf into NaN).
     cdef Py_ssize_t i
-    for i in range(n):
-        out[i] = (w[i] + u[i]) + g * (w[i] - prev[i])
+    cdef real_t v
+    cdef uint32_t b32, acc32 = 0
+    cdef uint64_t b64, acc64 = 0
+    if real_t is float:
+        if prev == NULL:
+            for i in range(n):
+                v = w[i] + u[i]
+                out[i] = v
+                memcpy(&b32, &v, 4)
+                acc32 = acc32 | ((b32 & 0x7f800000u) + 0x00800000u)
+        else:
+            for i in range(n):
+                v = (w[i] + u[i]) + g * (w[i] - prev[i])
+                out[i] = v
+                memcpy(&b32, &v, 4)
+                acc32 = acc32 | ((b32 & 0x7f800000u) + 0x00800000u)
+        return (acc32 & 0x80000000u) == 0
+    else:
+        if prev == NULL:
+            for i in range(n):
+                v = w[i] + u[i]
+                out[i] = v
+                memcpy(&b64, &v, 8)
+                acc64 = acc64 | ((b64 & 0x7ff0000000000000u) + 0x0010000000000000u)
+        else:
+            for i in range(n):
+                v = (w[i] + u[i]) + g * (w[i] - prev[i])
+                out[i] = v
+                memcpy(&b64, &v, 8)
+                acc64 = acc64 | ((b64 & 0x7ff0000000000000u) + 0x0010000000000000u)
+        return (acc64 & 0x8000000000000000u) == 0
 
 
 cdef inline void _sum_group(real_t* acc, const real_t* base, const real_t** rest,
@@ -304,13 +343,14 @@ cdef void _run_momentum_apply(real_t* w, real_t* prev, const real_t* u, real_t g
             momentum_apply_kernel(w, prev, u, g, n)
 
 
-cdef void _run_momentum_into(real_t* out, const real_t* w, const real_t* prev,
+cdef bint _run_momentum_into(real_t* out, const real_t* w, const real_t* prev,
                              const real_t* u, real_t g, Py_ssize_t n) noexcept:
+    cdef bint ok
     if n < _NOGIL_MIN:
-        momentum_into_kernel(out, w, prev, u, g, n)
-    else:
-        with nogil:
-            momentum_into_kernel(out, w, prev, u, g, n)
+        return momentum_into_kernel(out, w, prev, u, g, n)
+    with nogil:
+        ok = momentum_into_kernel(out, w, prev, u, g, n)
+    return ok
 
 
 cdef void _run_sum_into(real_t* out, const real_t** arrays, Py_ssize_t k, Py_ssize_t n,
@@ -532,25 +572,37 @@ def momentum_apply(w, prev, u, gamma):
 
 
 def momentum_into(out, w, prev, u, gamma):
-    """out[...] = (w + u) + g*(w - prev); w, prev and u are only read.
+    """out[...] = (w + u) + g*(w - prev), or w + u if prev is None; w, prev
+    and u are only read. Returns True iff every element written is finite.
 
     g is gamma cast to the array dtype. Bit-identical to the numpy expression.
     out may be exactly one of the inputs (e.g. prev, to rotate two buffers).
+    The finiteness of the result is tracked while it is written (no second
+    pass), so a caller can refuse a step that overflows to Inf or NaN.
     """
-    names = ["out", "w", "prev", "u"]
-    arrays = [out, w, prev, u]
-    writable = [True, False, False, False]
+    if prev is None:
+        names = ["out", "w", "u"]
+        arrays = [out, w, u]
+        writable = [True, False, False]
+    else:
+        names = ["out", "w", "prev", "u"]
+        arrays = [out, w, prev, u]
+        writable = [True, False, False, False]
     cdef bint f32 = _check_arrays("momentum_into", names, arrays, writable)
     cdef double g = _scalar("momentum_into", "gamma", gamma)
     cdef _Buffers b = _acquire(arrays, writable)
     _check_outputs("momentum_into", b, names, 1)
     cdef Py_ssize_t n = out.size
+    cdef Py_ssize_t iu = 2 if prev is None else 3
+    cdef void* p = NULL if prev is None else b.ptr(2)
+    cdef bint ok
     if f32:
-        _run_momentum_into(<float*>b.ptr(0), <const float*>b.ptr(1),
-                                 <const float*>b.ptr(2), <const float*>b.ptr(3), <float>g, n)
+        ok = _run_momentum_into(<float*>b.ptr(0), <const float*>b.ptr(1),
+                                <const float*>p, <const float*>b.ptr(iu), <float>g, n)
     else:
-        _run_momentum_into(<double*>b.ptr(0), <const double*>b.ptr(1),
-                                 <const double*>b.ptr(2), <const double*>b.ptr(3), g, n)
+        ok = _run_momentum_into(<double*>b.ptr(0), <const double*>b.ptr(1),
+                                <const double*>p, <const double*>b.ptr(iu), g, n)
+    return ok
 
 
 def sum_into(out, arrays, accumulate=False):

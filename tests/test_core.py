@@ -49,6 +49,11 @@ def ref_momentum(w, prev, u, gamma):
         return w + u + w.dtype.type(gamma) * (w - prev)
 
 
+def ref_add(w, u):
+    with np.errstate(all="ignore"):
+        return w + u
+
+
 def ref_sum(out, arrays, accumulate):
     with np.errstate(all="ignore"):
         if accumulate:
@@ -95,10 +100,54 @@ def test_momentum_into_matches_numpy(dtype, shape):
     w, prev, u = rand(shape, dtype, 1), rand(shape, dtype, 2), rand(shape, dtype, 3, 0.01)
     out = np.full(shape, np.nan, dtype)
     inputs = [w.copy(), prev.copy(), u.copy()]
-    assert _core.momentum_into(out, w, prev, u, 0.95) is None
+    assert _core.momentum_into(out, w, prev, u, 0.95) is True
     assert_bits_equal(out, ref_momentum(w, prev, u, 0.95))
     for before, after in zip(inputs, [w, prev, u], strict=True):
         assert_bits_equal(after, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_momentum_into_without_prev_is_w_plus_u(dtype, shape):
+    w, u = rand(shape, dtype, 1), rand(shape, dtype, 3, 0.01)
+    out = np.full(shape, np.nan, dtype)
+    inputs = [w.copy(), u.copy()]
+    assert _core.momentum_into(out, w, None, u, 0.95) is True
+    assert_bits_equal(out, ref_add(w, u))
+    for before, after in zip(inputs, [w, u], strict=True):
+        assert_bits_equal(after, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_momentum_into_without_prev_keeps_negative_zero_and_ignores_gamma(dtype):
+    # Not the same as gamma = 0 with a prev: (-0.0) + 0*(w - prev) is +0.0,
+    # and 0 * (w - prev) is NaN when w - prev overflows.
+    big = np.finfo(dtype).max
+    w, u = np.array([-0.0, big, 1.0], dtype), np.array([-0.0, 0.0, 2.0], dtype)
+    out = np.empty_like(w)
+    assert _core.momentum_into(out, w, None, u, np.nan) is True
+    assert_bits_equal(out, np.array([-0.0, big, 3.0], dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prev_given", [True, False])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 4095, 4096, 4097, 100003])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_momentum_into_reports_a_result_that_overflows(dtype, prev_given, n, where):
+    """Finite inputs whose sum passes the dtype's range: the result is inf
+    and the kernel says so (the store refuses such a step)."""
+    big = np.finfo(dtype).max
+    w, prev, u = rand(n, dtype, 1), rand(n, dtype, 2), rand(n, dtype, 3, 0.01)
+    i = {"first": 0, "middle": n // 2, "last": n - 1}[where]
+    w[i], prev[i], u[i] = big, big, big  # w + u overflows; w - prev is 0
+    out = np.empty_like(w)
+    expected = ref_momentum(w, prev, u, 0.9) if prev_given else ref_add(w, u)
+    got = _core.momentum_into(out, w, prev if prev_given else None, u, 0.9)
+    assert got is False and np.isinf(out[i])
+    assert_bits_equal(out, expected)
+    # The same largest weight without the push past the range is finite.
+    u[i] = 0
+    assert _core.momentum_into(out, w, prev if prev_given else None, u, 0.9) is True
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -185,13 +234,23 @@ def test_nan_and_inf_propagate_like_numpy(dtype):
     w, prev, u = (g.ravel().astype(dtype) for g in grid)
 
     out = np.empty_like(w)
-    _core.momentum_into(out, w, prev, u, 0.9)
+    assert _core.momentum_into(out, w, prev, u, 0.9) is False
     assert_bits_equal(out, ref_momentum(w, prev, u, 0.9))
 
     for gamma in (np.inf, np.nan, -0.0):
         out2 = np.empty_like(w)
         _core.momentum_into(out2, w, prev, u, gamma)
         assert_bits_equal(out2, ref_momentum(w, prev, u, gamma))
+
+    out3 = np.empty_like(w)
+    assert _core.momentum_into(out3, w, None, u, 0.9) is False
+    assert_bits_equal(out3, ref_add(w, u))
+    # Each row alone: the kernel's answer is exactly numpy's isfinite.
+    for i in range(len(w)):
+        one = np.empty(1, dtype)
+        ok = _core.momentum_into(one, w[i:i + 1], prev[i:i + 1], u[i:i + 1], 0.9)
+        assert ok is bool(np.isfinite(ref_momentum(w[i:i + 1], prev[i:i + 1], u[i:i + 1],
+                                                   0.9)).all())
 
     w2, prev2 = w.copy(), prev.copy()
     _core.momentum_apply(w2, prev2, u, 0.9)
@@ -226,8 +285,10 @@ def test_overflow_and_subnormals_round_like_numpy(dtype):
     )
     w, prev, u = values, values[::-1].copy(), np.roll(values, 3)
     out = np.empty_like(w)
-    _core.momentum_into(out, w, prev, u, 0.7)
-    assert_bits_equal(out, ref_momentum(w, prev, u, 0.7))
+    ok = _core.momentum_into(out, w, prev, u, 0.7)
+    expected = ref_momentum(w, prev, u, 0.7)
+    assert_bits_equal(out, expected)
+    assert ok is bool(np.isfinite(expected).all())
     y = w.copy()
     _core.scaled_add(y, u, 1e30)  # float32: 1e30 stays finite; products overflow to inf
     assert_bits_equal(y, ref_scaled_add(w, u, 1e30))
@@ -434,6 +495,11 @@ KERNELS = {
         lambda a: _core.momentum_into(a[0], a[1], a[2], a[3], 0.9),
         ["out", "w", "prev", "u"],
     ),
+    "momentum_into_no_prev": (
+        3,
+        lambda a: _core.momentum_into(a[0], a[1], None, a[2], 0.9),
+        ["out", "w", "u"],
+    ),
     "sum_into": (
         4,
         lambda a: _core.sum_into(a[0], a[1:]),
@@ -525,6 +591,7 @@ def test_shape_mismatch_is_rejected(name, index, shape):
         ("momentum_apply", 0),
         ("momentum_apply", 1),
         ("momentum_into", 0),
+        ("momentum_into_no_prev", 0),
         ("sum_into", 0),
         ("sum_into_acc", 0),
         ("scaled_add", 0),
@@ -622,8 +689,12 @@ def test_property_momentum_apply(case):
 def test_property_momentum_into(case):
     _, (w, prev, u), gamma = case
     out = np.empty_like(w)
-    _core.momentum_into(out, w, prev, u, gamma)
-    assert_bits_equal(out, ref_momentum(w, prev, u, gamma))
+    ok = _core.momentum_into(out, w, prev, u, gamma)
+    expected = ref_momentum(w, prev, u, gamma)
+    assert_bits_equal(out, expected)
+    assert ok is bool(np.isfinite(expected).all())
+    assert _core.momentum_into(out, w, None, u, gamma) is bool(np.isfinite(ref_add(w, u)).all())
+    assert_bits_equal(out, ref_add(w, u))
 
 
 @settings(max_examples=150, deadline=None)
