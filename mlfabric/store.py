@@ -15,10 +15,17 @@ the version before the step minus its base version (docs/design.md,
 "Aggregation"). Updates that carry a `uid` are applied at most once: the
 store remembers the outcome of the newest `dedup_window` uids, so a member
 re-sent directly after its aggregate failed is never applied twice.
+
+The model stays finite: a step whose result would hold NaN or Inf (a finite
+update can overflow float32) is refused with reason "overflow" and leaves
+everything as it was, unless `allow_nonfinite`. The store records the L2
+norm of every update it applies, by the version it produced, for the
+controller's divergence gate (`norms_since`).
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +43,10 @@ MODEL_DTYPE = np.dtype(np.float32)
 # that would be applied again, but with a staleness bound it is refused as
 # stale long before (its base version is that many versions old).
 DEDUP_WINDOW = 1 << 16
+# How many versions' update norms the store keeps (norms_since). A heartbeat
+# asks for the norms since the last one it got: this covers minutes of
+# updates even at thousands per second.
+NORM_WINDOW = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -104,6 +115,12 @@ class ParameterStore:
         self.accept_future_base = False
         self.dedup_window = dedup_window
         self._applied_uids: OrderedDict[str, PushOutcome] = OrderedDict()
+        # ||u||_2 of the update that produced version v is at v % NORM_WINDOW,
+        # for v from max(_norms_from, version - NORM_WINDOW + 1) to version.
+        self._norms = np.zeros(NORM_WINDOW, np.float64)
+        self._norms_from = version + 1
+        # The norm of the newest applied update (None before the first).
+        self.last_norm: float | None = None
 
     def check_layout(self, specs: Iterable[tuple[str, np.dtype, tuple[int, ...]]]) -> None:
         """Raise InvalidUpdate unless (name, dtype, shape) triples match the model."""
@@ -143,14 +160,28 @@ class ParameterStore:
                 reason="future_version",
             )
 
-    def validate(self, base_version: int, update: Mapping[str, np.ndarray]) -> None:
-        """Raise InvalidUpdate if `update` cannot be applied to this model."""
+    def validate(self, base_version: int, update: Mapping[str, np.ndarray]) -> float:
+        """Raise InvalidUpdate if `update` cannot be applied to this model (a
+        step that would overflow it is found only by computing the step);
+        return the update's L2 norm over all its tensors.
+
+        One pass over the update: its norm is non-finite exactly when it holds
+        NaN or Inf (float32 squares summed in double cannot overflow), so the
+        norm is the finiteness check."""
         self.check_layout((n, u.dtype, u.shape) for n, u in update.items())
         self.check_base_version(base_version)
-        if not self.allow_nonfinite:
-            for name, u in update.items():
-                if not _core.all_finite(c_contiguous(u)):
-                    raise InvalidUpdate(_nonfinite_message(name), reason="nonfinite")
+        return self._update_norm(update)
+
+    def _update_norm(self, update: Mapping[str, np.ndarray]) -> float:
+        # Summed exactly as workers compute the norm they report
+        # (control_book.controlled_update), so the two agree bit for bit.
+        squares = 0.0
+        for name, u in update.items():
+            norm = _core.l2_norm(c_contiguous(u).reshape(-1))
+            if not self.allow_nonfinite and not math.isfinite(norm):
+                raise InvalidUpdate(_nonfinite_message(name), reason="nonfinite")
+            squares += norm ** 2
+        return math.sqrt(squares)
 
     def stale_reason(self, delay: int) -> str | None:
         if self.tau_max is not None and delay > self.tau_max:
@@ -167,7 +198,7 @@ class ParameterStore:
         `applied_before(uid)` first for its outcome.
         """
         update = {n: np.asarray(u) for n, u in update.items()}
-        self.validate(base_version, update)
+        norm = self.validate(base_version, update)
         if uid is not None and uid in self._applied_uids:
             raise InvalidUpdate(f"update {uid!r} was applied already (version "
                                 f"{self._applied_uids[uid].version})", reason="duplicate")
@@ -175,7 +206,7 @@ class ParameterStore:
         reason = self.stale_reason(delay)
         if reason is not None:
             return PushOutcome(False, self.version, delay, reason, base_version)
-        self._step(update)
+        self._step(update, norm)
         outcome = PushOutcome(
             applied=True, version=self.version, delay=delay, base_version=base_version
         )
@@ -211,14 +242,13 @@ class ParameterStore:
             raise InvalidUpdate(f"an aggregate lists a member twice: {uids}", reason="malformed")
         total = {n: np.asarray(u) for n, u in total.items()}
         # Layout, finiteness, and no member from the future (the newest base).
-        self.validate(max(base for _, base in members), total)
+        norm = self.validate(max(base for _, base in members), total)
         self._check_members_new(members)
         delays = tuple(max(0, self.version - base) for _, base in members)
         reason = self._members_stale_reason(members, delays)
         if reason is not None:
             return AggregateOutcome(False, self.version, delays, reason)
-        self._step(total)
-        self.version += len(members) - 1
+        self._step(total, norm, steps=len(members))
         return self._remember_members(members, delays)
 
     def _check_members_new(self, members: Sequence[tuple[str, int]]) -> None:
@@ -249,7 +279,11 @@ class ParameterStore:
 
         The server already decided it is applied (staleness, finiteness), so
         only the layout and the order are checked: `seq` must be version + 1.
-        The arithmetic is apply()'s, so the weights are bit-identical."""
+        The arithmetic is apply()'s, so the weights are bit-identical; it is
+        never refused for overflow (the server, perhaps with allow_nonfinite,
+        applied it: refusing would leave this replica behind for good). Its
+        norm is recorded as the server records it, so a replica promoted to
+        server reports the norms of the updates it applied."""
         if seq != self.version + 1:
             raise InvalidUpdate(
                 f"sequence number {seq} is not the next one ({self.version + 1}): "
@@ -258,35 +292,70 @@ class ParameterStore:
             )
         update = {n: np.asarray(u) for n, u in update.items()}
         self.check_layout((n, u.dtype, u.shape) for n, u in update.items())
-        self._step(update)
+        squares = 0.0
+        for u in update.values():
+            squares += _core.l2_norm(c_contiguous(u).reshape(-1)) ** 2
+        self._step(update, math.sqrt(squares), check=False)
         return PushOutcome(True, self.version, max(0, seq - 1 - base_version), None,
                            base_version)
 
-    def _step(self, update: Mapping[str, np.ndarray]) -> None:
-        """One momentum step, or InvalidUpdate ("overflow") with the model
-        untouched when a finite update would make it non-finite.
+    def _step(self, update: Mapping[str, np.ndarray], norm: float, *, steps: int = 1,
+              check: bool = True) -> None:
+        """One momentum step with `update` (whose L2 norm is `norm`),
+        advancing the version by `steps`; or InvalidUpdate ("overflow") with
+        the model untouched when a finite update would make it non-finite.
 
         The next weights are computed into the spare buffers (the staged
-        path's arithmetic: bit-identical to momentum_apply), checked, and
-        only then rotated in; so a refused step leaves w and w_prev as they
-        were, at no copy."""
+        path's arithmetic: bit-identical to momentum_apply) and only rotated
+        in if the kernel, which tracks the finiteness of what it writes in a
+        register, says they are finite: so a refused step leaves w, w_prev,
+        the version and the remembered uids as they were, at no copy and no
+        second pass."""
         gamma = self.momentum
         if self.staged is not None:
             # Its partial results live in the spare buffers: void it (it
             # would be void anyway once the version moves), but leave it in
             # place until its push completes, as a version change does.
             self.staged.valid = False
+        check = check and not self.allow_nonfinite
         for name, w in self.weights.items():
             u = c_contiguous(update[name])
-            out = self.spare[name]
-            if gamma:
-                _core.momentum_into(out, w, self.previous[name], u, gamma)
-            else:
-                _core.sum_into(out, (w, u))
-            if not self.allow_nonfinite and not _core.all_finite(out):
+            prev = self.previous[name] if gamma else None
+            if not _core.momentum_into(self.spare[name], w, prev, u, gamma) and check:
                 raise InvalidUpdate(_overflow_message(name), reason="overflow")
         self._rotate()
-        self.version += 1
+        self._advance(steps, norm)
+
+    def _advance(self, steps: int, norm: float) -> None:
+        """The version moves on by `steps` with one applied step of norm
+        `norm`: an aggregate of k is one momentum step with the sum, so its
+        norm is recorded at the last version and 0.0 at the k - 1 it skips
+        (no step was taken there: the norms of the versions add up to what
+        moved the model, which is what the divergence bound sums)."""
+        ring, window = self._norms, NORM_WINDOW
+        first = self.version + 1
+        self.version += steps
+        for v in range(max(first, self.version - window + 1), self.version):
+            ring[v % window] = 0.0
+        ring[self.version % window] = norm
+        self.last_norm = norm
+
+    def norms_since(self, version: int, limit: int = 4096) -> tuple[int, list[float]]:
+        """The L2 norms of the updates that produced versions version + 1,
+        version + 2, ... (at most `limit`, in order) as (first_version, norms),
+        first_version being the version of norms[0]. It is above version + 1
+        when older norms are not known (before this store started, or fallen
+        out of the last NORM_WINDOW versions). Empty list when nothing newer."""
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        first = max(version + 1, self._norms_from, self.version - NORM_WINDOW + 1)
+        last = min(self.version, first + limit - 1)
+        if last < first:
+            return first, []
+        lo, hi = first % NORM_WINDOW, last % NORM_WINDOW
+        if lo <= hi:
+            return first, self._norms[lo:hi + 1].tolist()
+        return first, self._norms[lo:].tolist() + self._norms[:hi + 1].tolist()
 
     def _rotate(self) -> None:
         """The spare buffers hold the next weights: w_prev <- w, w <- spare
@@ -422,6 +491,8 @@ class StagedApply:
         self.valid = True
         self.fed = 0  # bytes of the data block seen by feed()
         self.committed = False
+        # Per tensor, the sum of squares of the update's elements fed so far.
+        self._squares = [0.0] * len(self._plan)
 
     def feed(self, data: memoryview, received: int) -> None:
         """Compute the next weights for every element fully received so far."""
@@ -432,7 +503,7 @@ class StagedApply:
         self.fed = received
         gamma = store.momentum
         check = not store.allow_nonfinite
-        for piece in self._plan:
+        for k, piece in enumerate(self._plan):
             name, done = piece.name, piece.done
             avail = min(piece.count, max(0, (received - piece.offset) // 4))
             if avail <= done:
@@ -441,21 +512,20 @@ class StagedApply:
                 continue
             u = np.frombuffer(data, np.float32, count=avail - done,
                               offset=piece.offset + 4 * done)
-            if check and not _core.all_finite(u):
+            # The norm is the update's finiteness check (see validate()).
+            norm = _core.l2_norm(u)
+            if check and not math.isfinite(norm):
                 self.valid = False
                 return
             out = store.spare[name].reshape(-1)[done:avail]
             w = store.weights[name].reshape(-1)[done:avail]
-            if gamma:
-                prev = store.previous[name].reshape(-1)[done:avail]
-                _core.momentum_into(out, w, prev, u, gamma)
-            else:
-                _core.sum_into(out, (w, u))
-            if check and not _core.all_finite(out):
+            prev = store.previous[name].reshape(-1)[done:avail] if gamma else None
+            if not _core.momentum_into(out, w, prev, u, gamma) and check:
                 # It would overflow the model: void, so the whole-update
                 # path refuses it with the reason.
                 self.valid = False
                 return
+            self._squares[k] += norm * norm
             piece.done = avail
 
     def computed(self) -> dict[str, int]:
@@ -478,7 +548,7 @@ class StagedApply:
             return None
         store = self.store
         delay = max(0, store.version - self.base_version)
-        store.version += 1
+        store._advance(1, self._norm())
         return PushOutcome(True, store.version, delay, None, self.base_version)
 
     def finish_aggregate(self, data: memoryview) -> AggregateOutcome | None:
@@ -489,8 +559,14 @@ class StagedApply:
             return None
         store = self.store
         delays = tuple(max(0, store.version - base) for _, base in self.members)
-        store.version += len(self.members)
+        store._advance(len(self.members), self._norm())
         return store._remember_members(self.members, delays)
+
+    def _norm(self) -> float:
+        # Summed per tensor first, as _update_norm sums its tensors' norms:
+        # equal to the whole update's norm to rounding (the chunks' partial
+        # sums add up in another order).
+        return math.sqrt(sum(self._squares))
 
     def _commit(self, data: memoryview) -> bool:
         store = self.store

@@ -4,12 +4,15 @@ the staged apply that runs while an update's bytes arrive."""
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mlfabric import _core
+from mlfabric import store as store_module
 from mlfabric.errors import ConfigError, InvalidUpdate
 from mlfabric.protocol import Connection, Push, layout, spec_of
 from mlfabric.store import ParameterStore
@@ -321,3 +324,158 @@ def test_with_allow_nonfinite_the_overflow_is_applied_as_before():
     store = ParameterStore({"w": np.array([big], np.float32)}, allow_nonfinite=True)
     store.apply(0, {"w": np.array([big], np.float32)})
     assert np.isinf(store.weights["w"][0])
+
+
+def test_an_update_holding_nan_is_refused_as_nonfinite_even_if_it_would_also_overflow():
+    store, _ = _near_overflow(0.9)
+    update = {"w": np.array([0.0, 1.0e38, 0.0], np.float32),
+              "b": np.array([np.nan, 0.0], np.float32)}
+    with pytest.raises(InvalidUpdate, match=r"tensor 'b' holds NaN or Inf") as e:
+        store.apply(1, update)
+    assert e.value.reason == "nonfinite" and store.version == 1
+
+
+def test_a_staged_aggregate_that_would_overflow_is_voided_and_changes_nothing():
+    store, _ = _near_overflow(0.9)
+    before = ({n: w.copy() for n, w in store.weights.items()},
+              {n: p.copy() for n, p in store.previous.items()})
+    total = {"w": np.array([0.0, 1.0e38, 0.0], np.float32), "b": np.ones(2, np.float32)}
+    specs, offsets, data = frame_data(total)
+    staged = store.begin_staged(0, specs, offsets, [("a", 1), ("b", 1)])
+    assert staged is not None
+    assert staged.finish_aggregate(data) is None
+    with pytest.raises(InvalidUpdate) as e:
+        store.apply_aggregate([("a", 1), ("b", 1)], total)
+    assert e.value.reason == "overflow"
+    assert store.version == 1 and store.applied_before("a") is None
+    assert_model_equal(store.weights, before[0])
+    assert_model_equal(store.previous, before[1])
+
+
+def test_a_replica_applies_what_its_server_applied_even_an_overflow():
+    """The server (allow_nonfinite) applied it; a replica that refused would
+    be stuck behind it for good."""
+    big = np.float32(3.0e38)
+    server = ParameterStore({"w": np.array([big, 1.0], np.float32)}, allow_nonfinite=True)
+    replica = ParameterStore({"w": np.array([big, 1.0], np.float32)})
+    u = {"w": np.array([big, 1.0], np.float32)}
+    server.apply(0, u)
+    assert replica.apply_sequenced(1, 0, u).version == 1
+    assert_model_equal(replica.weights, server.weights)
+    assert np.isinf(replica.weights["w"][0])
+
+
+# -- the norms of applied updates ------------------------------------------------
+
+
+def reference_norm(update):
+    """How a worker computes the norm it reports (control_book.controlled_update)."""
+    return math.sqrt(sum(_core.l2_norm(np.asarray(a).reshape(-1)) ** 2
+                         for a in update.values()))
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.9])
+def test_every_applied_update_norm_is_recorded_by_the_version_it_produced(gamma):
+    model = make_model(0, SIZES)
+    store = ParameterStore(model, momentum=gamma, version=10)
+    assert store.norms_since(0) == (11, []) and store.last_norm is None
+    updates = [{n: u * np.float32(s) for n, u in random_update(model, s).items()}
+               for s in (1, 2, 3)]
+    for u in updates:
+        store.apply(store.version, u)
+    want = [reference_norm(u) for u in updates]
+    assert len(set(want)) == 3
+    # The whole-update path sums the tensors' norms as workers do: exact.
+    assert store.norms_since(10) == (11, want)
+    assert store.norms_since(0) == (11, want)  # older versions: unknown
+    assert store.norms_since(11) == (12, want[1:])
+    assert store.norms_since(10, limit=2) == (11, want[:2])
+    assert store.norms_since(13) == (14, [])
+    assert store.norms_since(99) == (100, [])
+    assert store.last_norm == want[-1]
+
+
+def test_refused_and_stale_updates_record_no_norm():
+    model = make_model(0, SIZES)
+    store = ParameterStore(model, tau_max=0)
+    store.apply(0, random_update(model, 1))
+    assert not store.apply(0, random_update(model, 2)).applied  # stale
+    bad = random_update(model, 3)
+    bad["a"][5] = np.inf
+    with pytest.raises(InvalidUpdate):
+        store.apply(1, bad)
+    assert store.norms_since(0) == (1, [reference_norm(random_update(model, 1))])
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.9])
+def test_a_staged_update_records_its_norm_chunk_by_chunk(gamma):
+    model = make_model(0, SIZES)
+    store = ParameterStore(model, momentum=gamma)
+    u = random_update(model, 4)
+    staged, data = stage(store, u, [7, 1000, 2999, 4004, 4500])
+    assert staged.finish(data).version == 1
+    first, norms = store.norms_since(0)
+    assert first == 1 and len(norms) == 1
+    # Partial sums per chunk add up in another order: equal to rounding.
+    assert norms[0] == pytest.approx(reference_norm(u), rel=1e-14)
+    assert store.last_norm == norms[0]
+
+
+def test_an_aggregate_records_its_sum_norm_at_its_last_version_and_zero_before():
+    """One momentum step with the sum: no step at the versions it skips."""
+    model = make_model(0, SIZES)
+    whole = ParameterStore(model, momentum=0.9, version=4)
+    staged_store = ParameterStore(model, momentum=0.9, version=4)
+    members = [("m0", 4), ("m1", 3), ("m2", 1)]
+    total = random_update(model, 7)
+    whole.apply_aggregate(members, total)
+    specs, offsets, data = frame_data(total)
+    staged = staged_store.begin_staged(0, specs, offsets, members)
+    assert staged is not None
+    staged.feed(data, 3000)
+    assert staged.finish_aggregate(data).version == 7
+    assert whole.norms_since(4) == (5, [0.0, 0.0, reference_norm(total)])
+    first, norms = staged_store.norms_since(4)
+    assert first == 5 and norms[:2] == [0.0, 0.0]
+    assert norms[2] == pytest.approx(reference_norm(total), rel=1e-14)
+
+
+def test_a_replica_records_the_norms_its_server_recorded():
+    """A replica promoted to server reports norms too."""
+    model = make_model(0, SIZES)
+    server = ParameterStore(model, momentum=0.9)
+    replica = ParameterStore(model, momentum=0.9)
+    for s in range(4):
+        u = random_update(model, s)
+        server.apply(server.version, u)
+        replica.apply_sequenced(replica.version + 1, server.version - 1, u)
+    assert replica.norms_since(0) == server.norms_since(0)
+    assert_model_equal(replica.weights, server.weights)
+
+
+def test_the_norm_window_keeps_the_newest_versions(monkeypatch):
+    monkeypatch.setattr(store_module, "NORM_WINDOW", 8)
+    model = {"w": np.zeros(3, np.float32)}
+    store = ParameterStore(model)
+    norms = []
+    for s in range(1, 12):
+        u = {"w": np.full(3, s, np.float32)}
+        store.apply(store.version, u)
+        norms.append(reference_norm(u))
+    # Versions 1..11 applied; the window holds 4..11.
+    assert store.norms_since(0) == (4, norms[3:])
+    assert store.norms_since(0, limit=3) == (4, norms[3:6])
+    assert store.norms_since(9) == (10, norms[9:])
+    # An aggregate of more members than the window: only its zeros fit.
+    store.apply_aggregate([(f"m{i}", store.version) for i in range(20)], {"w": np.ones(3,
+                                                                             np.float32)})
+    assert store.version == 31
+    assert store.norms_since(0) == (24, [0.0] * 7 + [math.sqrt(3.0)])
+    with pytest.raises(ValueError, match="limit must be >= 0, got -1"):
+        store.norms_since(0, limit=-1)
+
+
+def test_with_allow_nonfinite_the_norm_of_a_nonfinite_update_is_recorded():
+    store = ParameterStore({"w": np.zeros(2, np.float32)}, allow_nonfinite=True)
+    store.apply(0, {"w": np.array([np.inf, 1.0], np.float32)})
+    assert store.norms_since(0) == (1, [math.inf])
