@@ -8,7 +8,9 @@ For each kernel, in one run, this measures
 * the kernel's effective bandwidth over np.copyto's (the physical limit: one
   streaming read and one streaming write; target >= 0.8x). Bytes are counted
   as the kernel's reads plus writes of whole arrays: momentum_apply reads w,
-  prev, u and writes w, prev (5 x nbytes); copyto reads one array and writes
+  prev, u and writes w, prev (5 x nbytes); momentum_into (which also tells
+  whether its result is finite) reads w, prev, u and writes out (4 x nbytes),
+  or without prev reads w, u (3 x nbytes); copyto reads one array and writes
   one (2 x nbytes). Write-allocate traffic is not counted, which favours
   kernels that write into arrays they also read (copyto's destination is
   fetched into cache before being overwritten).
@@ -108,6 +110,9 @@ def make_cases(n: int, dtype: np.dtype, k: int) -> tuple[list[Case], Callable[[]
     def numpy_into() -> None:
         out[...] = w + u + g * (w - prev)
 
+    def numpy_add_into() -> None:
+        np.add(w, u, out=out)
+
     def numpy_sum() -> None:
         np.add(sum_inputs[0], sum_inputs[1], out=out)
         for a in sum_inputs[2:]:
@@ -130,6 +135,13 @@ def make_cases(n: int, dtype: np.dtype, k: int) -> tuple[list[Case], Callable[[]
             "out[...] = w + u + g*(w - prev)",
             numpy_into,
             4,
+        ),
+        Case(
+            "momentum_into w+u",
+            lambda: _core.momentum_into(out, w, None, u, GAMMA),
+            "out[...] = w + u",
+            numpy_add_into,
+            3,
         ),
         Case(
             f"sum_into k={k}",
@@ -227,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     copy_bw = 2 * nbytes / statistics.median(copy_all) / 1e9
     print(f"\nnp.copyto(dst, src): {fmt_ms(copy_all)} ms = {copy_bw:.1f} GB/s (2 x nbytes)\n")
     header = (
-        f"{'kernel':<16} {'bytes':>5} {'kernel ms':>22} {'GB/s':>6} {'BW/copyto':>9} "
+        f"{'kernel':<17} {'bytes':>5} {'kernel ms':>22} {'GB/s':>6} {'BW/copyto':>9} "
         f"{'(paired)':>8} {'numpy ms':>22} {'speed-up':>8} {'(paired)':>8}  numpy peer"
     )
     print(header)
@@ -242,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         speedup = statistics.median(c.peer_s) / statistics.median(c.kernel_s)
         speedup_paired = statistics.median(p / k for p, k in zip(c.peer_s, c.kernel_s, strict=True))
         print(
-            f"{c.name:<16} {c.arrays_moved:>3}xN {fmt_ms(c.kernel_s):>22} {bw:6.1f} "
+            f"{c.name:<17} {c.arrays_moved:>3}xN {fmt_ms(c.kernel_s):>22} {bw:6.1f} "
             f"{bw_ratio:8.2f}x {bw_paired:7.2f}x {fmt_ms(c.peer_s):>22} {speedup:7.2f}x "
             f"{speedup_paired:7.2f}x  {c.peer_name}"
         )

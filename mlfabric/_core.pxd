@@ -38,7 +38,7 @@ cdef void sum_into_kernel(real_t* out, const real_t** arrays, Py_ssize_t k, Py_s
 cdef void scaled_add_kernel(real_t* y, const real_t* x, real_t alpha,
                             Py_ssize_t n) noexcept nogil
 
-# sum of (double)x_i**2, accumulated in double (8 partial sums).
+# sum of (double)x_i**2, accumulated in double (16 partial sums, s[i % 16]).
 cdef double sum_squares_kernel(const real_t* x, Py_ssize_t n) noexcept nogil
 
 # sum of ((double)a_i - (double)b_i)**2, accumulated in double (8 partial sums).

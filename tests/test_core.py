@@ -9,6 +9,7 @@ Build the extension first: `python setup.py build_ext --inplace`.
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 import pytest
@@ -385,6 +386,21 @@ def test_l2_norm_matches_float64_reference(dtype, shape):
     # Squares of float32 values are exact in double, so the only difference
     # from the reference is summation order: the same tolerance for both dtypes.
     assert got == pytest.approx(float(np.linalg.norm(x.astype(np.float64))), rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 100003])
+def test_l2_norm_sums_in_a_fixed_order(dtype, n):
+    """Bit for bit the documented order (element i into partial sum i % 16,
+    each summed left to right; s[j] += s[j + 8]; then a fixed tree), whichever
+    of the kernel's SSE2 and AVX2 builds this machine runs: a server and the
+    workers compute the same norm of the same update."""
+    x = rand(n, dtype, 4, scale=1e3)
+    sq = x.astype(np.float64) ** 2  # exact for float32
+    s = [float(np.add.accumulate(sq[j::16])[-1]) if n > j else 0.0 for j in range(16)]
+    s = [s[j] + s[j + 8] for j in range(8)]
+    want = math.sqrt(((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])))
+    assert _core.l2_norm(x) == want
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
