@@ -119,6 +119,7 @@ class ParameterStore:
         # for v from max(_norms_from, version - NORM_WINDOW + 1) to version.
         self._norms = np.zeros(NORM_WINDOW, np.float64)
         self._norms_from = version + 1
+        self._norms_at = version  # the version the ring is up to date with
         # The norm of the newest applied update (None before the first).
         self.last_norm: float | None = None
 
@@ -317,13 +318,23 @@ class ParameterStore:
             # would be void anyway once the version moves), but leave it in
             # place until its push completes, as a version change does.
             self.staged.valid = False
-        check = check and not self.allow_nonfinite
-        for name, w in self.weights.items():
-            u = c_contiguous(update[name])
-            prev = self.previous[name] if gamma else None
-            if not _core.momentum_into(self.spare[name], w, prev, u, gamma) and check:
-                raise InvalidUpdate(_overflow_message(name), reason="overflow")
-        self._rotate()
+        if not check or self.allow_nonfinite:
+            # Nothing can be refused (a replica, or non-finite allowed): in
+            # place, which touches three arrays instead of four (measured
+            # faster when they are not in cache), with the same arithmetic.
+            for name, w in self.weights.items():
+                u = c_contiguous(update[name])
+                if gamma:
+                    _core.momentum_apply(w, self.previous[name], u, gamma)
+                else:
+                    _core.sum_into(w, (w, u))
+        else:
+            for name, w in self.weights.items():
+                u = c_contiguous(update[name])
+                prev = self.previous[name] if gamma else None
+                if not _core.momentum_into(self.spare[name], w, prev, u, gamma):
+                    raise InvalidUpdate(_overflow_message(name), reason="overflow")
+            self._rotate()
         self._advance(steps, norm)
 
     def _advance(self, steps: int, norm: float) -> None:
@@ -332,13 +343,22 @@ class ParameterStore:
         norm is recorded at the last version and 0.0 at the k - 1 it skips
         (no step was taken there: the norms of the versions add up to what
         moved the model, which is what the divergence bound sums)."""
+        self._norms_sync()
         ring, window = self._norms, NORM_WINDOW
         first = self.version + 1
         self.version += steps
         for v in range(max(first, self.version - window + 1), self.version):
             ring[v % window] = 0.0
         ring[self.version % window] = norm
+        self._norms_at = self.version
         self.last_norm = norm
+
+    def _norms_sync(self) -> None:
+        # The version was set from outside (a replica resynced from its
+        # server's state): the norms up to it are not known here.
+        if self._norms_at != self.version:
+            self._norms_from = self.version + 1
+            self._norms_at = self.version
 
     def norms_since(self, version: int, limit: int = 4096) -> tuple[int, list[float]]:
         """The L2 norms of the updates that produced versions version + 1,
@@ -348,6 +368,7 @@ class ParameterStore:
         out of the last NORM_WINDOW versions). Empty list when nothing newer."""
         if limit < 0:
             raise ValueError(f"limit must be >= 0, got {limit}")
+        self._norms_sync()
         first = max(version + 1, self._norms_from, self.version - NORM_WINDOW + 1)
         last = min(self.version, first + limit - 1)
         if last < first:

@@ -440,17 +440,34 @@ def test_an_aggregate_records_its_sum_norm_at_its_last_version_and_zero_before()
     assert norms[2] == pytest.approx(reference_norm(total), rel=1e-14)
 
 
-def test_a_replica_records_the_norms_its_server_recorded():
-    """A replica promoted to server reports norms too."""
+@pytest.mark.parametrize("gamma", [0.0, 0.9])
+def test_a_replica_records_the_norms_its_server_recorded(gamma):
+    """A replica promoted to server reports norms too; and its step (in
+    place: it never refuses) is bit-identical to the server's (into the
+    spare buffers, checked)."""
     model = make_model(0, SIZES)
-    server = ParameterStore(model, momentum=0.9)
-    replica = ParameterStore(model, momentum=0.9)
+    server = ParameterStore(model, momentum=gamma)
+    replica = ParameterStore(model, momentum=gamma)
     for s in range(4):
         u = random_update(model, s)
         server.apply(server.version, u)
         replica.apply_sequenced(replica.version + 1, server.version - 1, u)
+        assert_model_equal(replica.weights, server.weights)
+        assert_model_equal(replica.previous, server.previous)
     assert replica.norms_since(0) == server.norms_since(0)
-    assert_model_equal(replica.weights, server.weights)
+
+
+def test_norms_before_a_version_set_from_outside_are_unknown():
+    """A replica's resync writes the server's state and version into its
+    store: the norms of the versions it skipped were never seen here."""
+    model = make_model(0, SIZES)
+    store = ParameterStore(model)
+    store.apply(0, random_update(model, 1))
+    store.version = 50
+    assert store.norms_since(0) == (51, [])
+    u = random_update(model, 2)
+    store.apply(50, u)
+    assert store.norms_since(0) == (51, [reference_norm(u)])
 
 
 def test_the_norm_window_keeps_the_newest_versions(monkeypatch):
