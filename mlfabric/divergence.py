@@ -42,7 +42,6 @@ carries forward like an update. `PrefixBound` adds that allowance,
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
@@ -161,50 +160,6 @@ def unordered_bound(replica_velocity: float, lagging: Iterable[float], gamma: fl
         total += c * norm
         carried += c
     return total + ROUNDING * weights_norm * carried
-
-
-class NormLog:
-    """The norms of the newest `window` updates a server applied, by the
-    version each produced: what the controller's divergence gate asks for
-    in heartbeats, so an update whose worker died after the server applied
-    it is still folded into the bound.
-
-    >>> log = NormLog(window=3)
-    >>> for v, n in ((1, 0.5), (2, 0.25), (3, 1.0), (4, 2.0)):
-    ...     log.record(v, n)
-    >>> log.since(0)
-    (2, [0.25, 1.0, 2.0])
-    >>> log.since(3, limit=8)
-    (4, [2.0])
-    """
-
-    def __init__(self, window: int = 1 << 16) -> None:
-        if window < 1:
-            raise ConfigError(f"the norm window must hold at least 1 update, got {window}")
-        self.window = window
-        self.first = 0  # version of norms[0]
-        self.norms: deque[float] = deque()
-
-    def record(self, version: int, norm: float) -> None:
-        """The update that produced `version` had norm `norm`. Versions come
-        in order; a jump (a replica resynced, an aggregate) leaves the ones
-        in between unknown."""
-        if not self.norms or version != self.first + len(self.norms):
-            self.norms.clear()
-            self.first = version
-        self.norms.append(float(norm))
-        if len(self.norms) > self.window:
-            self.norms.popleft()
-            self.first += 1
-
-    def since(self, version: int, limit: int = 4096) -> tuple[int, list[float]]:
-        """(v, norms) for versions v, v + 1, ... above `version`, at most
-        `limit` of them; v > version + 1 when older ones are not known."""
-        start = max(version + 1, self.first)
-        skip = start - self.first
-        if skip >= len(self.norms):
-            return start, []
-        return start, list(itertools.islice(self.norms, skip, skip + limit))
 
 
 class DivergenceGate:

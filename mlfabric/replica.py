@@ -326,7 +326,6 @@ class ReplicaServer(ParameterServer):
     def _apply_one(self, seq: int, held: _Held) -> None:
         ev = held.event
         outcome = self.store.apply_sequenced(seq, ev.base_version, ev.tensors)
-        self.record_norm(seq, ev.tensors)
         self.metrics.updates_applied.inc()
         self.metrics.delay.observe(outcome.delay or 0)
         for conn, req in held.waiters:

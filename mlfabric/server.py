@@ -12,13 +12,11 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from . import _core
-from .divergence import NormLog
 from .endpoint import Endpoint, EndpointProtocol
 from .errors import InvalidUpdate
 from .metrics import ServerMetrics
@@ -94,15 +92,6 @@ class ParameterServer(Endpoint):
         # Pulls for an update, held until it is applied (None: answered at once).
         self.pull_waits: PullWaits | None = PullWaits(self)
         self.metrics.version.set(store.version)
-        # The norms of applied updates, for a controller's divergence gate
-        # (kept once one asks: see pong()).
-        self.norms = NormLog()
-        self.norms_wanted = False
-
-    def record_norm(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
-        """Keep the norm of the update that produced `version` (if wanted)."""
-        if self.norms_wanted:
-            self.norms.record(version, update_norm(tensors))
 
     def make_protocol(self) -> _ServerProtocol:
         return _ServerProtocol(self)
@@ -167,7 +156,6 @@ class ParameterServer(Endpoint):
             m.updates_applied.inc()
             m.delay.observe(outcome.delay or 0)
             m.version.set(outcome.version)
-            self.record_norm(outcome.version, event.tensors)
         else:
             m.updates_rejected.labels("stale").inc()
         return PushResult(
@@ -208,12 +196,6 @@ class ParameterServer(Endpoint):
             for delay in outcome.delays:
                 m.delay.observe(delay)
             m.version.set(outcome.version)
-            if self.norms_wanted:
-                # One momentum step with the sum: the sum's norm at the last
-                # version, nothing at the versions it skips.
-                for v in range(outcome.version - len(event.members) + 1, outcome.version):
-                    self.norms.record(v, 0.0)
-                self.record_norm(outcome.version, event.tensors)
         return PushResult(req=event.req, applied=outcome.applied, version=outcome.version,
                           delay=min(outcome.delays), reason=outcome.reason,
                           delays=outcome.delays)
@@ -224,10 +206,7 @@ class ParameterServer(Endpoint):
         store = self.store
         fields: dict[str, Any] = {}
         if ping.since is not None:
-            # From now on, every applied update's norm is kept (a pass over
-            # each update: paid only by a job whose controller asks).
-            self.norms_wanted = True
-            first, norms = self.norms.since(ping.since, MAX_NORMS)
+            first, norms = store.norms_since(ping.since, MAX_NORMS)
             if norms:
                 # A norm is infinite only with --allow-nonfinite: the wire
                 # carries finite numbers, and 1e299 holds any gate back alike.
@@ -376,14 +355,12 @@ class _ServerProtocol(EndpointProtocol):
         return default_allocate(msg_type, nbytes)
 
 
-def update_norm(tensors: Mapping[str, np.ndarray]) -> float:
-    """||u||_2 over all tensors of an update, as workers compute it."""
-    total = sum(_core.l2_norm(np.asarray(a).reshape(-1)) ** 2 for a in tensors.values())
-    return float(np.sqrt(total))
-
-
 def velocity_norm(store: ParameterStore) -> float:
-    """||w - w_prev||_2 over the whole model (the divergence bound's start)."""
+    """||w - w_prev||_2 over the whole model (the divergence bound's start).
+    Without momentum the store keeps no w_prev (and the bound weighs the
+    velocity by gamma = 0): 0."""
+    if not store.momentum:
+        return 0.0
     total = sum(_core.l2_norm_diff(w, store.previous[n]) ** 2 for n, w in store.weights.items())
     v = float(np.sqrt(total))
     return v if v < 1e299 else 1e299

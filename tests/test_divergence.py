@@ -173,17 +173,3 @@ def test_gate_holds_server_transfers_until_the_replica_catches_up():
     # 0.75 + 2.5 = 3.25 > 3, but with nothing lagging it must go (or never would).
     assert gate.admit([], 2.5) and gate.overrides == 1
 
-
-def test_the_norm_log_keeps_the_newest_window_and_says_where_it_starts():
-    from mlfabric.divergence import NormLog
-
-    log = NormLog(window=3)
-    assert log.since(0) == (1, [])
-    for v, n in ((5, 0.5), (6, 0.25), (7, 1.0), (8, 2.0)):
-        log.record(v, n)
-    assert log.since(0) == (6, [0.25, 1.0, 2.0])  # 5 fell out of the window
-    assert log.since(6) == (7, [1.0, 2.0])
-    assert log.since(6, limit=1) == (7, [1.0])
-    assert log.since(8) == (9, [])
-    log.record(20, 3.0)  # a jump (a resync): the versions in between are unknown
-    assert log.since(7) == (20, [3.0])
