@@ -20,7 +20,9 @@ def test_a_replicated_job_survives_kills_of_every_process(tmp_path):
     before the replica got it (twice), a replica joining during the promoted
     server's recovery, a worker lost during a failover."""
     report = chaos.run(chaos.Settings(workers=4), seconds=25, seed=28, workdir=tmp_path)
-    assert report.windows == {"lost-feed": 2, "join-in-recovery": 1, "worker-in-failover": 1}
+    # The targeted ones; random faults may hit the lost-feed window again.
+    assert report.windows["lost-feed"] >= 2
+    assert (report.windows["join-in-recovery"], report.windows["worker-in-failover"]) == (1, 1)
     assert report.kills["server"] >= 2 and report.kills["worker"] >= 3
     assert report.acked > 200 and not report.errors
     assert report.longest_stall <= 5.0
