@@ -214,8 +214,9 @@ def latest(directory: str | os.PathLike[str]) -> Path | None:
 
 def newest_valid(directory: str | os.PathLike[str]
                  ) -> tuple[Path, Checkpoint, list[tuple[Path, str]]]:
-    """The newest checkpoint of `directory` that reads back whole, and the
-    newer ones skipped with why. ConfigError if none is valid."""
+    """The newest checkpoint of `directory` that reads back whole, whatever its
+    run (the operator asked for the latest state), and the newer ones skipped
+    with why. ConfigError if none is valid."""
     skipped: list[tuple[Path, str]] = []
     for _, _, path in reversed(found(directory)):
         try:
@@ -228,11 +229,31 @@ def newest_valid(directory: str | os.PathLike[str]
                       + "; ".join(reason for _, reason in skipped))
 
 
-def prune(directory: str | os.PathLike[str], keep: int, run: str = "") -> list[Path]:
-    """Delete all but the `keep` newest checkpoints of run `run`; return what
-    was deleted. Other runs' files are the operator's: never touched."""
-    mine = [p for _, r, p in found(directory) if r == run]
-    doomed = mine[:-keep] if keep > 0 else mine
+def runs(directory: str | os.PathLike[str]) -> dict[str, int]:
+    """Each run with files in `directory` -> its newest version ("" for format-1
+    files, which name no run)."""
+    out: dict[str, int] = {}
+    for version, run, _ in found(directory):
+        out[run] = max(version, out.get(run, version))
+    return out
+
+
+def prune(directory: str | os.PathLike[str], keep: int, run: str = "", *,
+          current: int | None = None) -> list[Path]:
+    """Delete the older checkpoints of run `run`, keeping its `keep` newest (at
+    least one); return what was deleted. Other runs' files are the operator's:
+    never touched.
+
+    `current` is the version just written: it is the newest kept whatever the
+    folder holds, and the run's files above it are neither counted nor
+    deleted. They are left by a resume from an earlier point of the run (the
+    damaged newer files `--resume latest` skipped); the run overwrites each as
+    it reaches its version. Counting them would delete the good file just
+    written and keep a damaged one."""
+    keep = max(keep, 1)
+    mine = [p for v, r, p in found(directory)
+            if r == run and (current is None or v <= current)]
+    doomed = mine[:-keep]
     for p in doomed:
         p.unlink(missing_ok=True)
     return doomed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from pathlib import Path
@@ -18,22 +19,29 @@ log = logging.getLogger("mlfabric.checkpoint")
 class Checkpointer:
     """Writes a checkpoint every `interval` seconds when the model changed, and
     one more at close; keeps the `keep` newest of its run (`run`, the id
-    every checkpoint of this training run carries; other runs' files in the
-    folder are left alone)."""
+    every checkpoint of this training run carries, a new one if not given;
+    other runs' files in the folder are left alone). `resumed` is the
+    (version, path) the run resumed from: its last good checkpoint until this
+    one writes another."""
 
     def __init__(self, store: ParameterStore, job: str, directory: str | Path, *,
                  interval: float = 60.0, keep: int = 3,
-                 metrics: ServerMetrics | None = None, run: str = "") -> None:
+                 metrics: ServerMetrics | None = None, run: str | None = None,
+                 resumed: tuple[int, Path] | None = None) -> None:
         self.store = store
         self.job = job
         self.directory = Path(directory)
         self.interval = interval
         self.keep = keep
         self.metrics = metrics
-        self.run = run
+        # Without a run id, its retention would take format-1 files (which name
+        # no run) for its own.
+        self.run = checkpoint.new_run_id() if run is None else run
         self.written_version: int | None = None
         self.written: Path | None = None  # the newest checkpoint this run wrote
         self.error: str | None = None  # why the last write failed (None: it did not)
+        # (version, path) of the newest checkpoint of this run known good on disk
+        self.last_good: tuple[int, Path] | None = resumed
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -54,8 +62,6 @@ class Checkpointer:
         try:
             path = await asyncio.get_running_loop().run_in_executor(
                 None, checkpoint.write, self.directory, ckpt)
-            await asyncio.get_running_loop().run_in_executor(
-                None, checkpoint.prune, self.directory, self.keep, self.run)
         except OSError as exc:
             self.error = f"checkpoint of version {ckpt.version} to {self.directory} failed: {exc}"
             log.error("%s", self.error)
@@ -64,12 +70,20 @@ class Checkpointer:
             return None
         self.error = None
         self.written_version, self.written = ckpt.version, path
+        self.last_good = (ckpt.version, path)
         if self.metrics is not None:
             self.metrics.checkpoints.inc()
             self.metrics.checkpoint_seconds.observe(time.perf_counter() - started)
             self.metrics.last_checkpoint.set(time.time())
             self.metrics.last_checkpoint_version.set(ckpt.version)
         log.info("checkpoint of version %d written to %s", ckpt.version, path)
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(checkpoint.prune, self.directory, self.keep,
+                                        self.run, current=ckpt.version))
+        except OSError as exc:  # the new checkpoint is on disk: only retention failed
+            log.warning("deleting this run's older checkpoints in %s failed: %s",
+                        self.directory, exc)
         return path
 
     async def close(self) -> bool:

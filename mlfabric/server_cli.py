@@ -124,27 +124,37 @@ def load_model(path: str) -> dict[str, np.ndarray]:
     return tensors
 
 
-def build_store(args: argparse.Namespace, tau_max: int | None) -> tuple[ParameterStore, str]:
-    """The model to serve, from --resume if given, else from --init; and the
-    run id its checkpoints carry (the resumed run's, or a new one)."""
-    if args.checkpoint_interval <= 0:
-        raise ConfigError(f"--checkpoint-interval must be positive, got {args.checkpoint_interval}")
-    if args.keep_checkpoints < 1:
-        raise ConfigError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}")
+def refuse_other_runs(args: argparse.Namespace) -> None:
+    """A new run (--init, --join-from) in a folder holding checkpoints starts
+    only with --fresh: the folder may hold a crashed run that the operator
+    meant to resume, and --resume latest would later take its files over the
+    new run's."""
+    if args.checkpoint_dir is None or args.fresh:
+        return
+    others = checkpoint.found(args.checkpoint_dir)
+    if others:
+        version, _, other = others[-1]
+        ways = ("start this replica's checkpoints beside them with --fresh, or give another "
+                "--checkpoint-dir" if args.join_from is not None else
+                "continue that run with --resume latest, or start a new one beside it with "
+                "--fresh")
+        raise ConfigError(
+            f"--checkpoint-dir {args.checkpoint_dir!r} holds checkpoints of another "
+            f"run (newest: {other.name}, version {version}): {ways}")
+
+
+def build_store(args: argparse.Namespace, tau_max: int | None
+                ) -> tuple[ParameterStore, str, tuple[int, Path] | None]:
+    """The model to serve, from --resume if given, else from --init; the run id
+    its checkpoints carry (the resumed run's, or a new one); and the
+    (version, path) it resumed from."""
     if args.resume is None:
         if args.init is None:
             raise ConfigError("give the initial model with --init MODEL.npz (or --resume PATH)")
-        if args.checkpoint_dir is not None and not args.fresh:
-            others = checkpoint.found(args.checkpoint_dir)
-            if others:
-                version, _, other = others[-1]
-                raise ConfigError(
-                    f"--checkpoint-dir {args.checkpoint_dir!r} holds checkpoints of another "
-                    f"run (newest: {other.name}, version {version}): continue that run with "
-                    f"--resume latest, or start a new one beside it with --fresh")
+        refuse_other_runs(args)
         return ParameterStore(load_model(args.init), momentum=args.momentum or 0.0,
                               tau_max=tau_max,
-                              allow_nonfinite=args.allow_nonfinite), checkpoint.new_run_id()
+                              allow_nonfinite=args.allow_nonfinite), checkpoint.new_run_id(), None
     if args.fresh:
         raise ConfigError("--fresh starts a new run and --resume continues one: give one of them")
     path = args.resume
@@ -155,6 +165,16 @@ def build_store(args: argparse.Namespace, tau_max: int | None) -> tuple[Paramete
         if skipped:
             log.warning("--resume latest: skipped %s; resuming from %s",
                         "; ".join(reason for _, reason in skipped), newest.name)
+        runs = checkpoint.runs(args.checkpoint_dir)
+        if len(runs) > 1:
+            # "latest" is the highest version, whichever run wrote it: say so,
+            # so a run started with --fresh beside another is not replaced unseen.
+            log.warning("--resume latest: %s holds checkpoints of %d runs (%s); resuming "
+                        "run %s, the newest valid version; give --resume PATH to continue "
+                        "another", args.checkpoint_dir, len(runs),
+                        ", ".join(f"{r or 'format 1'} up to version {v}"
+                                  for r, v in sorted(runs.items(), key=lambda rv: -rv[1])),
+                        ckpt.run or "(format 1)")
         path = str(newest)
     else:
         ckpt = checkpoint.read(path)
@@ -162,19 +182,44 @@ def build_store(args: argparse.Namespace, tau_max: int | None) -> tuple[Paramete
         raise ConfigError(
             f"checkpoint {path!r} belongs to job {ckpt.job!r}, not {args.job!r}"
         )
+    if args.resume != "latest":  # latest is the newest valid: only damaged files are later
+        refuse_rollback(args, path, ckpt)
     run = ckpt.run or checkpoint.new_run_id()  # a format-1 file had none
     log.info("resuming job %r (run %s) at version %d from %s", args.job, run, ckpt.version,
              path)
     return ParameterStore.from_checkpoint(ckpt, momentum=args.momentum, tau_max=tau_max,
-                                          allow_nonfinite=args.allow_nonfinite), run
+                                          allow_nonfinite=args.allow_nonfinite
+                                          ), run, (ckpt.version, Path(path))
+
+
+def refuse_rollback(args: argparse.Namespace, path: str, ckpt: checkpoint.Checkpoint) -> None:
+    """Resuming a run from an earlier checkpoint than its newest in
+    --checkpoint-dir would leave the later ones there: after a crash, --resume
+    latest would take them, not the continuation. The operator moves them."""
+    if args.checkpoint_dir is None or not ckpt.run:
+        return
+    later = [p.name for v, r, p in checkpoint.found(args.checkpoint_dir)
+             if r == ckpt.run and v > ckpt.version]
+    if later:
+        raise ConfigError(
+            f"--resume {path!r} is version {ckpt.version} of run {ckpt.run}, but "
+            f"--checkpoint-dir {args.checkpoint_dir!r} holds that run's later checkpoints "
+            f"({', '.join(later)}): after a crash --resume latest would take those, not "
+            f"this continuation. Move them out of {args.checkpoint_dir!r} to go back past "
+            f"them, or give another --checkpoint-dir")
 
 
 def run_server(args: argparse.Namespace) -> int:
     host, port = parse_address(args.listen)
+    shake = handshake_timeout(args)  # settings first: before a model is loaded
     token = auth.load_token(args.token_file)
     if not auth.token_file_is_private(args.token_file):
         log.warning("token file %s is readable by other users: chmod 600 it", args.token_file)
     tau_max = None if args.tau_max is not None and args.tau_max < 0 else args.tau_max
+    if not args.checkpoint_interval > 0:
+        raise ConfigError(f"--checkpoint-interval must be positive, got {args.checkpoint_interval}")
+    if args.keep_checkpoints < 1:
+        raise ConfigError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}")
     if args.join_from is not None:
         if args.role != "replica" or args.controller is None:
             raise ConfigError("--join-from is for a replica (--role replica) and needs "
@@ -184,11 +229,11 @@ def run_server(args: argparse.Namespace) -> int:
                               "and --resume")
         parse_address(args.join_from)
         parse_address(args.controller)
-        store = None
+        refuse_other_runs(args)
+        store, resumed = None, None
         run = checkpoint.new_run_id()
     else:
-        store, run = build_store(args, tau_max)
-    shake = handshake_timeout(args)
+        store, run, resumed = build_store(args, tau_max)
     metrics = ServerMetrics()
     if args.metrics_port is not None:
         serve_metrics(metrics.registry, args.metrics_port, args.metrics_host)
@@ -224,7 +269,8 @@ def run_server(args: argparse.Namespace) -> int:
         if args.checkpoint_dir is not None:
             checkpointer = Checkpointer(store, args.job, args.checkpoint_dir,
                                         interval=args.checkpoint_interval,
-                                        keep=args.keep_checkpoints, metrics=metrics, run=run)
+                                        keep=args.keep_checkpoints, metrics=metrics, run=run,
+                                        resumed=resumed)
         bound = await listen(server, host, port, args.listen)
         # The "serving" line is what scripts wait for: it carries the bound port.
         print(
@@ -254,11 +300,15 @@ def run_server(args: argparse.Namespace) -> int:
         if server.chain is not None:
             await server.chain.close()
         if checkpointer is not None and not await checkpointer.close():
-            on_disk = (f"{checkpointer.written} (version {checkpointer.written_version})"
-                       if checkpointer.written is not None else "none of this run")
-            print(f"mlfabric {args.role}: error: the final {checkpointer.error}; the newest "
-                  f"checkpoint on disk is {on_disk}: resuming from it loses the versions "
-                  f"after it", file=sys.stderr, flush=True)
+            if checkpointer.last_good is not None:
+                good, path = checkpointer.last_good
+                lost = (f"the last good checkpoint is {path} (version {good}): resuming "
+                        f"from it loses versions {good + 1} to {store.version}")
+            else:
+                lost = (f"no checkpoint of this run is on disk: its model at version "
+                        f"{store.version} is lost with this process")
+            print(f"mlfabric {args.role}: error: the final {checkpointer.error}; {lost}",
+                  file=sys.stderr, flush=True)
             return 1
         print(f"mlfabric {args.role}: stopped at version {store.version}", flush=True)
         return 0
