@@ -86,6 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", metavar="PATH",
                    help="the job's token file (with --aggregate)")
     add_handshake_timeout(p, "the aggregator's peers (with --aggregate)")
+    # None: not given (the agent's own port has no handshake; the flag needs --aggregate)
+    p.set_defaults(handshake_timeout=None)
     p.add_argument("--group-timeout", type=float, metavar="SECONDS",
                    help="with --aggregate: seconds from a group's first member after which "
                         "the members in are forwarded and the rest go straight to the server; "
@@ -146,9 +148,11 @@ def build_aggregate(args: argparse.Namespace, file: dict[str, Any]) -> Aggregate
     token_file = args.token_file or file.get("token_file")
     timeout = _pick(args.group_timeout, file, "group_timeout", 2.0)
     if address is None:
-        if job is not None or token_file is not None or args.group_timeout is not None:
-            raise ConfigError("--job, --token-file and --group-timeout belong to --aggregate "
-                              "HOST:PORT (the agent's aggregator); give it too")
+        if (job is not None or token_file is not None or args.group_timeout is not None
+                or args.handshake_timeout is not None):
+            raise ConfigError("--job, --token-file, --group-timeout and --handshake-timeout "
+                              "belong to --aggregate HOST:PORT (the agent's aggregator); give "
+                              "it too")
         return None
     if not isinstance(address, str):
         raise ConfigError(f"aggregate must be a \"HOST:PORT\" string, got {address!r}")

@@ -57,7 +57,9 @@ def add_handshake_timeout(p: argparse.ArgumentParser, peers: str) -> None:
 
 
 def handshake_timeout(args: argparse.Namespace) -> float:
-    """--handshake-timeout, checked."""
+    """--handshake-timeout, checked (None: the default)."""
+    if args.handshake_timeout is None:
+        return DEFAULT_HANDSHAKE_TIMEOUT
     value = float(args.handshake_timeout)
     if not 0 < value < float("inf"):
         raise ConfigError(f"--handshake-timeout must be a positive number of seconds, got "
