@@ -16,10 +16,11 @@ resume.)
 A run id names one training run: made when a server starts from --init,
 kept when it resumes. Files are named `ckpt-VERSION-RUN.mlfckpt`, so two runs
 in one folder never overwrite each other, and retention deletes only the
-current run's older checkpoints. Writing is atomic: a temporary file in the
-same directory, fsync, rename, fsync of the directory; a crash leaves the
-previous checkpoint intact. Reading refuses a truncated or corrupted file
-with an error that says which and what to do.
+current run's older checkpoints, never the one just written (`prune`).
+Writing is atomic: a temporary file in the same directory, fsync, rename,
+fsync of the directory; a crash leaves the previous checkpoint intact.
+Reading refuses a truncated or corrupted file with an error that says which
+and what to do.
 """
 
 from __future__ import annotations

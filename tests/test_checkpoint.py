@@ -253,6 +253,13 @@ def test_a_fresh_run_in_another_runs_folder_is_refused_unless_told(tmp_path):
     proc = serve(tmp_path, "--init", "init.npz", "--resume", "latest", "--fresh",
                  "--checkpoint-dir", str(ckdir))
     assert proc.returncode == 2 and "give one of them" in proc.stderr
+    # A replica joining a running server is a new run too (refused before it connects).
+    proc = serve(tmp_path, "--role", "replica", "--join-from", "127.0.0.1:9", "--controller",
+                 "127.0.0.1:9", "--checkpoint-dir", str(ckdir))
+    assert proc.returncode == 2, proc.stderr
+    assert ("holds checkpoints of another run (newest: ckpt-000000000080-01d.mlfckpt, version "
+            "80): start this replica's checkpoints beside them with --fresh, or give another "
+            "--checkpoint-dir") in proc.stderr
 
     # With --fresh: a new run beside it, whose checkpoints survive its retention.
     model = make_model()
