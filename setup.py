@@ -1,4 +1,4 @@
-"""Build the Cython kernels (mlfabric/_core.pyx).
+"""Build the Cython kernels (src/mlfabric/kernels/_core.pyx).
 
 -ffp-contract=off keeps the compiler from fusing a*b+c into one FMA, so every
 kernel rounds exactly like the numpy expression it is tested against, and the
@@ -11,8 +11,8 @@ from setuptools import Extension, setup
 
 extensions = [
     Extension(
-        "mlfabric._core",
-        ["mlfabric/_core.pyx"],
+        "mlfabric.kernels._core",
+        ["src/mlfabric/kernels/_core.pyx"],
         extra_compile_args=["-O3", "-ffp-contract=off"],
     )
 ]

@@ -1,6 +1,6 @@
 """Benchmark what the bandwidth agents cost in CPU, on the contention scenario's cluster.
 
-The emulated cluster (mlfabric.testbed) of benchmarks/contention.py: a server
+The emulated cluster (mlfabric.tools.testbed) of benchmarks/contention.py: a server
 host and 8 worker hosts with the scenario's links. One agent per host, as
 contention.py starts them (each worker's agent probes the server's host, the
 server host's agent probes all eight). Each worker host holds one job
@@ -38,9 +38,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mlfabric.contention import Scenario, cluster_rates  # noqa: E402
-from mlfabric.testbed import Testbed, require_root  # noqa: E402
-from mlfabric.workload import scrape_metrics, wait_for_line  # noqa: E402
+from mlfabric.tools.contention import Scenario, cluster_rates  # noqa: E402
+from mlfabric.tools.testbed import Testbed, require_root  # noqa: E402
+from mlfabric.tools.workload import scrape_metrics, wait_for_line  # noqa: E402
 
 PORT = 7400
 METRICS_PORT = 9471

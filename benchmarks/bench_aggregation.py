@@ -43,8 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from mlfabric.testbed import Testbed, require_root
-from mlfabric.workload import RunInfo, Summary, member_order, replay, run_policy
+from mlfabric.tools.testbed import Testbed, require_root
+from mlfabric.tools.workload import RunInfo, Summary, member_order, replay, run_policy
 
 MIB = 1 << 20
 SETTINGS = ("with", "without")

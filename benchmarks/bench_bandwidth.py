@@ -1,6 +1,6 @@
 """Benchmark the bandwidth agents on the emulated cluster: error, reaction time, cost.
 
-Each scenario builds a 3-host testbed (mlfabric.testbed, tbf-shaped links),
+Each scenario builds a 3-host testbed (mlfabric.tools.testbed, tbf-shaped links),
 starts one agent process per host and polls all six path estimates every
 50 ms. Per scenario, in one run, it reports
 
@@ -45,10 +45,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mlfabric import traffic  # noqa: E402
-from mlfabric.agent import query_estimates, read_net_dev  # noqa: E402
-from mlfabric.testbed import Testbed, require_root  # noqa: E402
-from mlfabric.workload import scrape_metrics  # noqa: E402
+from mlfabric.agent.daemon import query_estimates, read_net_dev  # noqa: E402
+from mlfabric.tools import traffic  # noqa: E402
+from mlfabric.tools.testbed import Testbed, require_root  # noqa: E402
+from mlfabric.tools.workload import scrape_metrics  # noqa: E402
 
 PORT = 7400
 METRICS_PORT = 9470

@@ -19,8 +19,8 @@ import argparse
 import statistics
 import sys
 
-from mlfabric.testbed import SetRate, Testbed, require_root
-from mlfabric.workload import Summary, run_policy
+from mlfabric.tools.testbed import SetRate, Testbed, require_root
+from mlfabric.tools.workload import Summary, run_policy
 
 
 def main() -> int:

@@ -121,14 +121,14 @@ class LoopThread:
 
 def one_run(tb: Any, tmp: str, args: argparse.Namespace, div_max: float, n: int
             ) -> dict[str, Any]:
-    from mlfabric import _core
-    from mlfabric.control import fifo_policy
-    from mlfabric.controller import Controller
-    from mlfabric.divergence import DivergenceGate
-    from mlfabric.metrics import ServerMetrics
-    from mlfabric.replica import ReplicaServer
-    from mlfabric.server import ParameterServer
-    from mlfabric.store import ParameterStore
+    from mlfabric.controller.controller import Controller
+    from mlfabric.controller.state import fifo_policy
+    from mlfabric.kernels import _core
+    from mlfabric.replication.divergence import DivergenceGate
+    from mlfabric.replication.replica import ReplicaServer
+    from mlfabric.runtime.metrics import ServerMetrics
+    from mlfabric.server.server import ParameterServer
+    from mlfabric.server.store import ParameterStore
 
     h0, h1, h2, *workers = tb.hosts
     token = Path(f"{tmp}/job.token").read_bytes().strip()
@@ -206,8 +206,9 @@ def main() -> int:
     ap.add_argument("--factors", default="1,2,4,inf",
                     help="Div_max as multiples of the largest single step")
     args = ap.parse_args()
-    from mlfabric import _core, auth
-    from mlfabric.testbed import Testbed, require_root
+    from mlfabric.kernels import _core
+    from mlfabric.tools.testbed import Testbed, require_root
+    from mlfabric.wire import auth
 
     require_root()
     n = int(args.model_mib * (1 << 20)) // 4

@@ -12,7 +12,7 @@ server --role replica --join-from PROMOTED --controller ...`) on the host the
 lost server ran on, and the next kill waits until the workers feed it.
 
 --model digits (the default): the workers train the demo's MLP
-(mlfabric.demo_model) on scikit-learn's bundled digits, one shard each, and
+(mlfabric.tools.demo_model) on scikit-learn's bundled digits, one shard each, and
 every run with kills is followed by a run without (same seeds, steps and
 processes), so the held-out accuracy of the two can be compared. Each step
 spends --compute-ms more (100) as if computing a larger model's gradient:
@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from mlfabric.workload import serving_address
+from mlfabric.tools.workload import serving_address
 
 JOB = "bench-failover"
 SYNTHETIC_GAMMA = 0.9
@@ -112,7 +112,7 @@ def worker(argv: list[str]) -> int:
                           replica=args.replica, failover_timeout=30) as ps:
         rec = Recorder(ps, args.compute_ms / 1000)
         if args.model == "digits":
-            from mlfabric import demo_model as dm
+            from mlfabric.tools import demo_model as dm
 
             X, y, _, _ = dm.load_digits_split()
             Xs, ys = dm.shard(X, y, args.workers, args.index)
@@ -130,9 +130,9 @@ def worker(argv: list[str]) -> int:
 
 async def _pong(address: str, token: bytes) -> Any:
     """The Pong of the server or replica at `address` (its role and version)."""
-    from mlfabric.aio import open_link
-    from mlfabric.client_core import Handshake
-    from mlfabric.protocol import Ping, Pong
+    from mlfabric.client.aio import open_link
+    from mlfabric.client.core import Handshake
+    from mlfabric.wire.protocol import Ping, Pong
 
     answer = asyncio.get_running_loop().create_future()
 
@@ -304,7 +304,7 @@ def one_run(tb: Any, tmp: str, args: argparse.Namespace, rng: random.Random,
                             for n in ref),
         "killed_near_version": kill_versions, "resumed_s": resumed}
     if args.model == "digits":
-        from mlfabric import demo_model as dm
+        from mlfabric.tools import demo_model as dm
 
         _, _, X_test, y_test = dm.load_digits_split()
         result["accuracy"] = dm.accuracy(final, X_test, y_test)
@@ -347,9 +347,9 @@ def main() -> int:
                     "but the last a new replica joins from the promoted one's state")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    from mlfabric import auth
-    from mlfabric import demo_model as dm
-    from mlfabric.testbed import Testbed, require_root
+    from mlfabric.tools import demo_model as dm
+    from mlfabric.tools.testbed import Testbed, require_root
+    from mlfabric.wire import auth
 
     require_root()
     if args.gamma is None:

@@ -42,10 +42,10 @@ from pathlib import Path
 import numpy as np
 
 try:
-    from mlfabric import _core
+    from mlfabric.kernels import _core
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from mlfabric import _core
+    from mlfabric.kernels import _core
 
 GAMMA = 0.9
 ALPHA = -0.01

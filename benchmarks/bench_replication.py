@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from mlfabric.workload import serving_address
+from mlfabric.tools.workload import serving_address
 
 JOB = "bench-replication"
 MODES = ("none", "chain", "worker")
@@ -148,8 +148,8 @@ def main() -> int:
     ap.add_argument("--model-mib", type=float, default=2.0)
     ap.add_argument("--mbit", type=float, default=200.0, help="every link, up and down")
     args = ap.parse_args()
-    from mlfabric import auth
-    from mlfabric.testbed import Testbed, require_root
+    from mlfabric.tools.testbed import Testbed, require_root
+    from mlfabric.wire import auth
 
     require_root()
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}

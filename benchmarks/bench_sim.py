@@ -11,7 +11,7 @@ compute time. The controller re-plans on every event (unless
 --replan-every-ms). With --decision-latency measured each re-plan takes the
 wall time it took here: its directives leave when it ends, and the events
 that arrive meanwhile are answered together by the next one, as
-mlfabric.controller answers the events of one turn of its loop.
+mlfabric.controller.controller answers the events of one turn of its loop.
 
     .venv/bin/python benchmarks/bench_sim.py [--scales 100,1000,10000] [--steps 8,4,2]
         [--replan-every-ms 0,0,0] [--decision-latency none|measured]
@@ -32,7 +32,7 @@ import sys
 import time
 from typing import Any
 
-from mlfabric.sim import DECISION_LATENCIES, MIB, RateChange, Scenario, simulate
+from mlfabric.sim.engine import DECISION_LATENCIES, MIB, RateChange, Scenario, simulate
 
 
 def scenario(n: int, steps: int, replan_ms: float, args: argparse.Namespace) -> Scenario:
@@ -88,7 +88,7 @@ def main() -> int:
     ap.add_argument("--policies", default="fifo,mlfabric")
     ap.add_argument("--replan-every-ms", default="0,0,0",
                     help="per scale: the controller re-plans at most this often (0: on "
-                         "every event, as mlfabric.controller does)")
+                         "every event, as mlfabric.controller.controller does)")
     ap.add_argument("--decision-latency", choices=DECISION_LATENCIES, default="none",
                     help="none: a re-plan takes no simulated time; measured: the wall time "
                          "it took here, its directives leave when it ends and the events "

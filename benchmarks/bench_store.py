@@ -41,7 +41,7 @@ import numpy as np
 SIZES = {"64 MiB": 16 << 20, "2.5 MB": 640_000}
 # The small model's rounds are this many times as many (each is short).
 SMALL_FACTOR = 10
-CHUNK = 1 << 19  # mlfabric.server.STAGE_CHUNK: the server feeds at least this much
+CHUNK = 1 << 19  # mlfabric.server.server.STAGE_CHUNK: the server feeds at least this much
 GAMMA = 0.9
 
 
@@ -74,9 +74,9 @@ class Child:
 def child(cache: str) -> None:
     # Imported here: the tree under test is on PYTHONPATH (and the cwd).
     import mlfabric
-    from mlfabric import _core
-    from mlfabric.protocol import layout
-    from mlfabric.store import ParameterStore
+    from mlfabric.kernels import _core
+    from mlfabric.server.store import ParameterStore
+    from mlfabric.wire.protocol import layout
 
     if not Path(mlfabric.__file__).resolve().is_relative_to(Path.cwd()):
         raise SystemExit(f"imported {mlfabric.__file__}, not the tree {Path.cwd()}")

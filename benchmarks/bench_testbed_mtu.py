@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mlfabric.errors import ConfigError  # noqa: E402
-from mlfabric.testbed import MTU_RANGE, Testbed, check_mtu, require_root  # noqa: E402
+from mlfabric.tools.testbed import MTU_RANGE, Testbed, check_mtu, require_root  # noqa: E402
 
 CHUNK = 1 << 20
 

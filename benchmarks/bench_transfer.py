@@ -124,9 +124,9 @@ def mlfabric_server(port: int, nbytes: int, momentum: float, overlap: bool, ctl:
                     host: str = HOST) -> None:
     import asyncio
 
-    from mlfabric import loop as loops
-    from mlfabric.server import STAGE_MIN_BYTES, ParameterServer
-    from mlfabric.store import ParameterStore
+    from mlfabric.runtime import loop as loops
+    from mlfabric.server.server import STAGE_MIN_BYTES, ParameterServer
+    from mlfabric.server.store import ParameterStore
 
     class TimedServer(ParameterServer):
         """Reports when each push was fully received and when it was applied."""
@@ -170,8 +170,8 @@ def mlfabric_pusher(port: int, ctl: Any, host: str = HOST) -> None:
 def mlfabric_small_client(port: int, iters: int, use_aio: bool, ctl: Any,
                           host: str = HOST) -> None:
     import mlfabric
-    from mlfabric import aio
-    from mlfabric import loop as loops
+    from mlfabric.client import aio
+    from mlfabric.runtime import loop as loops
 
     if not use_aio:
         with mlfabric.connect(f"{host}:{port}", job=JOB, token=TOKEN) as ps:
@@ -206,9 +206,9 @@ def mlfabric_small_client(port: int, iters: int, use_aio: bool, ctl: Any,
 def mlfabric_small_server(port: int, size: int, ctl: Any, host: str = HOST) -> None:
     import asyncio
 
-    from mlfabric import loop as loops
-    from mlfabric.server import ParameterServer
-    from mlfabric.store import ParameterStore
+    from mlfabric.runtime import loop as loops
+    from mlfabric.server.server import ParameterServer
+    from mlfabric.server.store import ParameterStore
 
     store = ParameterStore({"w": np.zeros(size // 4, np.float32)}, tau_max=None)
 
@@ -338,7 +338,7 @@ def main() -> int:
     testbed: Any = None
     where: dict[str, Any] = {}
     if args.testbed is not None:
-        from mlfabric.testbed import Testbed, require_root
+        from mlfabric.tools.testbed import Testbed, require_root
 
         require_root()
         testbed = Testbed(hosts=2, rate_mbit=args.testbed).start()

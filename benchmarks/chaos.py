@@ -1,5 +1,5 @@
 """The long form of tests/test_chaos.py: a job of real processes on
-loopback, SIGKILLed at random for minutes (mlfabric/chaos.py), alternated
+loopback, SIGKILLed at random for minutes (src/mlfabric/tools/chaos.py), alternated
 with the same job run as long without faults, so the cost of the faults
 shows as a ratio.
 
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mlfabric import chaos
+from mlfabric.tools import chaos
 
 
 def one(settings: chaos.Settings, seconds: float, seed: int, faults: bool) -> tuple[

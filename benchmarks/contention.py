@@ -2,7 +2,7 @@
 
 On the emulated cluster (root): a server host, 8 workers on heterogeneous
 links, two other tenants whose traffic starts, stops and moves, and one
-compute straggler (`mlfabric.contention.Scenario`); and the same cluster
+compute straggler (`mlfabric.tools.contention.Scenario`); and the same cluster
 uncontended. Every system runs on the same namespaces, alternated round by
 round; the medians of the rounds are compared.
 
@@ -29,7 +29,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from mlfabric.contention import (
+from mlfabric.errors import ConfigError
+from mlfabric.tools.contention import (
     SYSTEMS,
     RunResult,
     Scenario,
@@ -39,8 +40,7 @@ from mlfabric.contention import (
     run_system,
     uncontended,
 )
-from mlfabric.errors import ConfigError
-from mlfabric.testbed import Testbed, require_root
+from mlfabric.tools.testbed import Testbed, require_root
 
 NAME_W = max(len(s) for s in SYSTEMS)  # the system column
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mlfabric.sim import MIB, TCP_GOODPUT, RateChange, Scenario, simulate
+from mlfabric.sim.engine import MIB, TCP_GOODPUT, RateChange, Scenario, simulate
 
 # benchmarks/RESULTS.md, "mlfabric ordering vs the plain asynchronous PS on an
 # emulated cluster (issue 4)", "Compute-dominated": medians of 3 runs per
@@ -84,8 +84,8 @@ def starts_of(run: dict[str, Any], args: argparse.Namespace) -> tuple[float, ...
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from mlfabric.testbed import SetRate, Testbed, require_root
-    from mlfabric.workload import run_policy
+    from mlfabric.tools.testbed import SetRate, Testbed, require_root
+    from mlfabric.tools.workload import run_policy
 
     require_root()
     runs = []

@@ -41,9 +41,10 @@ import numpy as np
 import torch
 
 import mlfabric.torch
-from mlfabric import auth, config
-from mlfabric.demo_model import load_digits_split
+from mlfabric import config
 from mlfabric.errors import ConfigError, MlfabricError
+from mlfabric.tools.demo_model import load_digits_split
+from mlfabric.wire import auth
 
 PROG = "torch_digits.py"
 JOB = "digits"

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from mlfabric import loop as loops
+from mlfabric.runtime import loop as loops
 
 LOOP_KINDS = ("asyncio", "uvloop")
 

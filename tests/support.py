@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from mlfabric import loop as loops
-from mlfabric.metrics import ServerMetrics
-from mlfabric.protocol import NEED_DATA, Auth, Connection, Hello
-from mlfabric.server import ParameterServer
-from mlfabric.store import ParameterStore
+from mlfabric.runtime import loop as loops
+from mlfabric.runtime.metrics import ServerMetrics
+from mlfabric.server.server import ParameterServer
+from mlfabric.server.store import ParameterStore
+from mlfabric.wire.protocol import NEED_DATA, Auth, Connection, Hello
 
 TOKEN = b"test-token-0123456789abcdef"
 JOB = "testjob"
@@ -205,7 +205,7 @@ class RawClient:
 
     def __init__(self, port: int, *, authenticate: bool = True, job: str = JOB,
                  token: bytes = TOKEN) -> None:
-        from mlfabric.client_core import Handshake
+        from mlfabric.client.core import Handshake
 
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
         self.conn = Connection()

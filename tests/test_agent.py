@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from mlfabric import probe
-from mlfabric.agent import (
+from mlfabric.agent.cli import add_arguments, build_config
+from mlfabric.agent.daemon import (
     Agent,
     AgentClient,
     AgentConfig,
@@ -33,10 +33,10 @@ from mlfabric.agent import (
     query_estimates,
     read_net_dev,
 )
-from mlfabric.agent_cli import add_arguments, build_config
-from mlfabric.bandwidth import ProbeConfig
+from mlfabric.agent.estimator import ProbeConfig
 from mlfabric.errors import ConfigError, ProtocolError
-from mlfabric.metrics import AgentMetrics
+from mlfabric.runtime.metrics import AgentMetrics
+from mlfabric.wire import agent_protocol as probe
 
 from support import free_port
 
@@ -587,7 +587,7 @@ def test_cli_config_from_flags_and_file(tmp_path: Path) -> None:
 
 
 def test_cli_job_ports_from_flags_file_and_aggregator(tmp_path: Path) -> None:
-    from mlfabric.agent_cli import AggregateConfig
+    from mlfabric.agent.cli import AggregateConfig
 
     f = tmp_path / "agent.json"
     f.write_text(json.dumps({"job_ports": [7100]}))
@@ -747,7 +747,7 @@ def test_clients_report_their_pushes_to_the_local_agent(tmp_path):
     import numpy as np
 
     import mlfabric
-    from mlfabric.store import ParameterStore
+    from mlfabric.server.store import ParameterStore
 
     from support import JOB, TOKEN, ServerThread, wait_until
 
@@ -784,7 +784,7 @@ def test_clients_report_their_pushes_to_the_local_agent(tmp_path):
 
 
 def test_transfer_reports_skip_small_pushes_and_survive_a_missing_agent(caplog):
-    from mlfabric.agent_report import MIN_REPORT_BYTES, TransferReporter
+    from mlfabric.client.agent_report import MIN_REPORT_BYTES, TransferReporter
 
     dead = free_port()  # nothing listens here
     reporter = TransferReporter(f"127.0.0.1:{dead}")

@@ -23,14 +23,14 @@ from pathlib import Path
 
 import pytest
 
-from mlfabric import probe
-from mlfabric.agent import query_estimates, read_net_dev
+from mlfabric.agent.daemon import query_estimates, read_net_dev
 from mlfabric.errors import ConfigError
-from mlfabric.workload import scrape_metrics
+from mlfabric.tools.workload import scrape_metrics
+from mlfabric.wire import agent_protocol as probe
 
 try:
-    from mlfabric import traffic
-    from mlfabric.testbed import Host, Testbed, require_root
+    from mlfabric.tools import traffic
+    from mlfabric.tools.testbed import Host, Testbed, require_root
 except ImportError as exc:  # pragma: no cover - the testbed is built in the same issue
     _skip = f"mlfabric.testbed is not available: {exc}"
 else:

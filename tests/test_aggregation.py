@@ -10,7 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlfabric.aggregation import (
+from mlfabric.controller.state import ControlState, Network, PlanItem, Route, Snapshot, Transfer
+from mlfabric.errors import ConfigError
+from mlfabric.scheduling.aggregation import (
     AggregationConfig,
     Group,
     GroupSum,
@@ -22,8 +24,6 @@ from mlfabric.aggregation import (
     rescue_drops,
     route_groups,
 )
-from mlfabric.control import ControlState, Network, PlanItem, Route, Snapshot, Transfer
-from mlfabric.errors import ConfigError
 
 TOL = 1e-9
 

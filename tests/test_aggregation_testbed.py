@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from mlfabric.testbed import Testbed
-from mlfabric.workload import RunInfo, member_order, replay, run_policy
+from mlfabric.tools.testbed import Testbed
+from mlfabric.tools.workload import RunInfo, member_order, replay, run_policy
 
 from testbed_helpers import needs_root
 

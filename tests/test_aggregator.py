@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 
 import mlfabric
-from mlfabric.aggregation import AggregationConfig, apply_aggregate
-from mlfabric.aggregator import Aggregator
-from mlfabric.control import Network, PlanItem, Route, Snapshot
-from mlfabric.controller import Controller
-from mlfabric.metrics import AggregatorMetrics
-from mlfabric.policies import mlfabric_policy
-from mlfabric.protocol import Push, PushResult
-from mlfabric.store import ParameterStore
+from mlfabric.agent.aggregator import Aggregator
+from mlfabric.controller.controller import Controller
+from mlfabric.controller.state import Network, PlanItem, Route, Snapshot
+from mlfabric.runtime.metrics import AggregatorMetrics
+from mlfabric.scheduling.aggregation import AggregationConfig, apply_aggregate
+from mlfabric.scheduling.policies import mlfabric_policy
+from mlfabric.server.store import ParameterStore
+from mlfabric.wire.protocol import Push, PushResult
 
 from support import (
     JOB,
@@ -223,7 +223,7 @@ def test_workers_dial_the_controllers_aggregators_before_any_push(loop_kind, api
     """The controller's welcome lists its aggregators and each client dials
     them at once, so a member's send never waits for a handshake; a client
     that does not aggregate (it replicates) dials none."""
-    from mlfabric import aio
+    from mlfabric.client import aio
 
     model = make_model()
     with ServerThread(ParameterStore(model), loop_kind=loop_kind) as server, \
@@ -298,7 +298,7 @@ def test_asyncio_client_through_the_aggregator_and_its_fallback(live, run_async)
     """The asyncio client follows the same routes: one group applied as an
     aggregate, then, with the aggregator gone, the next group's members go
     straight to the server and each is applied once."""
-    from mlfabric import aio
+    from mlfabric.client import aio
 
     server, agg, controller, model = live(2)
     first = [random_update(model, seed=i) for i in range(2)]

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from mlfabric import auth
 from mlfabric.errors import ConfigError
+from mlfabric.wire import auth
 
 TOKEN = b"t" * 32
 

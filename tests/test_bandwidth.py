@@ -1,4 +1,5 @@
-"""The estimator (mlfabric.bandwidth): pure code, fake clock, synthetic and recorded samples."""
+"""The estimator (mlfabric.agent.estimator): pure code, fake clock, synthetic and
+recorded samples."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import random
 
 import pytest
 
-from mlfabric.bandwidth import (
+from mlfabric.agent.estimator import (
     CapacityFilter,
     LoadMeter,
     PathEstimator,
@@ -17,7 +18,7 @@ from mlfabric.bandwidth import (
     TrainPlan,
     analyze_train,
 )
-from mlfabric.probe import WIRE_OVERHEAD
+from mlfabric.wire.agent_protocol import WIRE_OVERHEAD
 
 MBIT = 1e6
 PAYLOAD = 1472 / 1514  # payload share of a full-size frame
@@ -34,7 +35,7 @@ class FakeClock:
         self.t += dt
 
 
-# --- recorded on the emulated cluster (mlfabric.testbed, 3 hosts, tbf) --------------
+# --- recorded on the emulated cluster (mlfabric.tools.testbed, 3 hosts, tbf) --------------
 # Capacity samples (Mbit/s) of the path h0 -> h1 shaped to 200 Mbit/s, then to 50 at
 # the 7th sample (agent log, train by train).
 RECORDED_200_TO_50 = [195.4, 195.0, 197.9, 196.0, 204.0, 194.0, 48.6, 48.4, 50.2, 49.7, 50.8]

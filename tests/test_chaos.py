@@ -2,14 +2,14 @@
 commands and client API), SIGKILLed at random moments and in the windows
 that used to freeze it; no worker stalls more than 5 s, every push
 resolves, nothing acknowledged is applied twice or lost, and the final
-model is the numpy replay bit for bit (mlfabric/chaos.py says how). The
+model is the numpy replay bit for bit (src/mlfabric/tools/chaos.py says how). The
 long form is benchmarks/chaos.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from mlfabric import chaos
+from mlfabric.tools import chaos
 
 pytestmark = pytest.mark.slow
 

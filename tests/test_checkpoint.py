@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import mlfabric
-from mlfabric import checkpoint
 from mlfabric.errors import ConfigError
-from mlfabric.store import ParameterStore
+from mlfabric.server import checkpoint
+from mlfabric.server.store import ParameterStore
 
 from support import JOB, TOKEN, Reference, assert_model_equal, make_model, random_update
 from test_cli import Server, mlfabric_cmd

@@ -207,7 +207,7 @@ def test_demo_stops_cleanly_on_ctrl_c(tmp_path):
 
 
 def test_client_metrics_count_requests(tmp_path):
-    from mlfabric.metrics import ClientMetrics
+    from mlfabric.runtime.metrics import ClientMetrics
 
     server = Server(tmp_path)
     try:

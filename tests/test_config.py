@@ -13,7 +13,7 @@ import pytest
 import mlfabric
 from mlfabric import config
 from mlfabric.errors import ConfigError
-from mlfabric.store import ParameterStore
+from mlfabric.server.store import ParameterStore
 
 from support import JOB, TOKEN, ServerThread, make_model
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from mlfabric import contention
-from mlfabric.contention import (
+from mlfabric.errors import ConfigError
+from mlfabric.tools import contention
+from mlfabric.tools.contention import (
     Flow,
     Scenario,
     cluster_hosts,
@@ -23,7 +24,6 @@ from mlfabric.contention import (
     tenant_flows,
     uncontended,
 )
-from mlfabric.errors import ConfigError
 
 from testbed_helpers import needs_root
 
@@ -269,8 +269,8 @@ def test_each_system_really_trains_on_the_emulated_cluster():
     traffic and the straggler are running."""
     import subprocess
 
-    from mlfabric import traffic
-    from mlfabric.testbed import Testbed
+    from mlfabric.tools import traffic
+    from mlfabric.tools.testbed import Testbed
 
     sc = Scenario(name="smoke", workers=2, hidden=64, eta=0.1, target=0.6, time_limit=40.0,
                   worker_links=((1000.0, 1000.0), (200.0, 200.0)), straggler=1,

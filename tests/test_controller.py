@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 import mlfabric
-from mlfabric.agent import Agent, AgentConfig
-from mlfabric.control import PlanItem, Snapshot, fifo_policy
-from mlfabric.controller import Controller
+from mlfabric.agent.daemon import Agent, AgentConfig
+from mlfabric.controller.controller import Controller
+from mlfabric.controller.state import PlanItem, Snapshot, fifo_policy
 from mlfabric.errors import ConnectError, ConnectionLost
-from mlfabric.store import ParameterStore
+from mlfabric.server.store import ParameterStore
 
 from support import (
     JOB,
@@ -253,7 +253,7 @@ def test_controller_rejects_bad_settings_in_one_line(tmp_path, args, message):
 
 
 def test_asyncio_client_through_the_controller(cluster, run_async):
-    from mlfabric import aio
+    from mlfabric.client import aio
 
     def drop_odd(snap: Snapshot) -> list[PlanItem]:
         return [PlanItem(t.id, start=snap.now) if t.req % 2 else
@@ -276,7 +276,7 @@ def test_asyncio_client_through_the_controller(cluster, run_async):
 
 
 def test_asyncio_client_falls_back_when_the_controller_dies(cluster, run_async):
-    from mlfabric import aio
+    from mlfabric.client import aio
 
     def never(snap: Snapshot) -> list[PlanItem]:
         return [PlanItem(t.id, start=snap.now + 3600) for t in snap.pending]
@@ -300,7 +300,7 @@ def test_asyncio_client_falls_back_when_the_controller_dies(cluster, run_async):
 def test_status_shows_workers_versions_delays_and_bandwidth(cluster, tmp_path):
     import subprocess
 
-    from mlfabric.status_cli import fetch_status
+    from mlfabric.controller.status_cli import fetch_status
 
     from test_cli import mlfabric_cmd
 
@@ -404,8 +404,8 @@ def test_close_ends_agent_polling_whenever_it_lands(run_async):
 def test_the_events_of_one_loop_turn_share_one_replan(run_async):
     """Requests read in one turn of the loop get one re-plan that answers them
     all (three here), not one re-plan each; a later event gets its own."""
-    from mlfabric.controller import _ControllerProtocol
-    from mlfabric.protocol import Directive, TransferRequest
+    from mlfabric.controller.controller import _ControllerProtocol
+    from mlfabric.wire.protocol import Directive, TransferRequest
 
     async def body():
         seen: list[int] = []  # pending transfers at each re-plan

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlfabric.testbed import Testbed
-from mlfabric.workload import run_policy
+from mlfabric.tools.testbed import Testbed
+from mlfabric.tools.workload import run_policy
 
 from testbed_helpers import needs_root
 
@@ -58,8 +58,8 @@ def test_controller_learns_available_bandwidth_from_agents(tmp_path):
     import subprocess
     import sys
 
+    from mlfabric.controller.status_cli import fetch_status
     from mlfabric.errors import MlfabricError
-    from mlfabric.status_cli import fetch_status
 
     from support import JOB, TOKEN, wait_until
 

@@ -1,4 +1,4 @@
-"""The Cython kernels (mlfabric._core) against their numpy references.
+"""The Cython kernels (mlfabric.kernels._core) against their numpy references.
 
 Elementwise kernels must be bit-identical to numpy (NaN in the same places:
 which NaN payload survives when two NaNs meet is not specified, as in numpy's
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from mlfabric import _core
+from mlfabric.kernels import _core
 
 DTYPES = [np.float32, np.float64]
 BITS = {np.dtype(np.float32): np.uint32, np.dtype(np.float64): np.uint64}

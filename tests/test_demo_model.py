@@ -1,4 +1,4 @@
-"""Tests of the demo model (mlfabric.demo_model): data split, MLP gradients, worker loop.
+"""Tests of the demo model (mlfabric.tools.demo_model): data split, MLP gradients, worker loop.
 
 The end-to-end convergence test runs against a SIMULATED parameter server
 (``SimulatedServer`` below): an in-process, pure-numpy stand-in that applies the
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from mlfabric import demo_model as dm
 from mlfabric.errors import ConfigError
+from mlfabric.tools import demo_model as dm
 
 
 @pytest.fixture(scope="module")

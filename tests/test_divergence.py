@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlfabric.divergence import PrefixBound, sequence_bound, weight
 from mlfabric.errors import ConfigError
+from mlfabric.replication.divergence import PrefixBound, sequence_bound, weight
 
 
 def replay(w0, v0, updates, order, gamma):
@@ -111,8 +111,8 @@ def test_weights_and_bad_input():
 def test_bound_holds_for_the_real_stores_as_the_replica_lags():
     """Server and replica ParameterStores (float32 kernels): the measured
     divergence stays within the bound at every lag, and is 0 once caught up."""
-    from mlfabric import _core
-    from mlfabric.store import ParameterStore
+    from mlfabric.kernels import _core
+    from mlfabric.server.store import ParameterStore
 
     from support import make_model, random_update
 
@@ -143,7 +143,7 @@ def test_bound_holds_for_the_real_stores_as_the_replica_lags():
 @given(st.lists(st.floats(0, 1e3), min_size=0, max_size=8), st.floats(0, 0.999),
        st.floats(0, 10), st.randoms(use_true_random=False))
 def test_unordered_bound_covers_every_order(norms, gamma, velocity, rnd):
-    from mlfabric.divergence import unordered_bound
+    from mlfabric.replication.divergence import unordered_bound
 
     shuffled = list(norms)
     rnd.shuffle(shuffled)
@@ -154,7 +154,7 @@ def test_unordered_bound_covers_every_order(norms, gamma, velocity, rnd):
 
 
 def test_gate_holds_server_transfers_until_the_replica_catches_up():
-    from mlfabric.divergence import DivergenceGate
+    from mlfabric.replication.divergence import DivergenceGate
 
     gate = DivergenceGate(0.5, div_max=3.0)
     assert gate.admit([], 1.0)  # bound 1

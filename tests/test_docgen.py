@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from mlfabric import cli, config, docgen, metrics
+from mlfabric import cli, config
+from mlfabric.runtime import metrics
+from mlfabric.tools import docgen
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,8 +19,8 @@ pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
 import mlfabric
-from mlfabric import auth
 from mlfabric.errors import ConnectError
+from mlfabric.wire import auth
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torch_digits.py"
 #: The accuracy examples/README.md states (measured 0.951-0.960 with the

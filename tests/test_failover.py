@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 import mlfabric
-import mlfabric.loop
-from mlfabric.control import fifo_policy
-from mlfabric.controller import Controller
-from mlfabric.divergence import DivergenceGate
-from mlfabric.failover import Heartbeat
-from mlfabric.metrics import ServerMetrics
-from mlfabric.replica import ReplicaServer
-from mlfabric.store import ParameterStore
+import mlfabric.runtime.loop
+from mlfabric.controller.controller import Controller
+from mlfabric.controller.state import fifo_policy
+from mlfabric.replication.divergence import DivergenceGate
+from mlfabric.replication.failover import Heartbeat
+from mlfabric.replication.replica import ReplicaServer
+from mlfabric.runtime.metrics import ServerMetrics
+from mlfabric.server.store import ParameterStore
 
 from support import (
     JOB,
@@ -181,7 +181,7 @@ def test_new_replicas_join_from_a_snapshot_and_take_over_again():
     see docs/design.md.)"""
     import asyncio
 
-    from mlfabric.replica import announce, fetch_state
+    from mlfabric.replication.replica import announce, fetch_state
 
     model = make_model()
     gamma = 0.9
@@ -271,8 +271,8 @@ def test_training_through_two_server_losses_reaches_the_target_accuracy():
     held-out accuracy a run without losses reaches (>= 0.9 here)."""
     import asyncio
 
-    from mlfabric import demo_model as dm
-    from mlfabric.replica import announce, fetch_state
+    from mlfabric.replication.replica import announce, fetch_state
+    from mlfabric.tools import demo_model as dm
 
     X, y, X_test, y_test = dm.load_digits_split()
     init = dm.init_params(seed=0)
@@ -348,7 +348,7 @@ def test_a_lost_replica_does_not_stall_training_and_a_new_one_catches_up():
     gets it and ends equal to the server."""
     import asyncio
 
-    from mlfabric.replica import announce, fetch_state
+    from mlfabric.replication.replica import announce, fetch_state
 
     model = make_model()
     gamma = 0.9
@@ -434,7 +434,7 @@ def test_a_lost_replica_does_not_stall_training_and_a_new_one_catches_up():
 
 
 def test_the_failover_book_parks_until_a_failover_and_resends_once():
-    from mlfabric.client_failover import CLOSED, PARKED, RESEND, FailoverBook
+    from mlfabric.client.failover import CLOSED, PARKED, RESEND, FailoverBook
 
     book = FailoverBook(5.0)
     sent: list[str] = []
@@ -469,8 +469,8 @@ def test_asyncio_workers_fail_over_three_times_and_feed_each_joining_replica(
     import asyncio
     from collections import deque
 
-    from mlfabric import aio
-    from mlfabric.replica import announce, fetch_state
+    from mlfabric.client import aio
+    from mlfabric.replication.replica import announce, fetch_state
 
     model = make_model()
     gamma = 0.9
@@ -629,7 +629,7 @@ def test_asyncio_parked_updates_fail_when_no_failover_comes(run_async, loop_kind
     fate is unknown, and pull() gives up after waiting as long."""
     import asyncio
 
-    from mlfabric import aio
+    from mlfabric.client import aio
 
     model = make_model()
     server = ServerThread(ParameterStore(model, momentum=0.5), loop_kind=loop_kind)
@@ -671,7 +671,7 @@ def test_a_replica_joining_during_the_promoted_servers_recovery_stalls_nobody(ro
     found no transfer, so the gate never heard of that version. Now the gate
     learns every applied version from the server's heartbeats: here the join
     comes inside the 0.3 s recovery window, and no push waits 5 s."""
-    from mlfabric.replica import announce, fetch_state
+    from mlfabric.replication.replica import announce, fetch_state
 
     model = make_model()
     gamma = 0.5
@@ -732,10 +732,10 @@ def test_a_replica_joining_during_the_promoted_servers_recovery_stalls_nobody(ro
             ep = ReplicaServer(store, job=JOB, token=TOKEN, metrics=ServerMetrics())
             return store, ep
 
-        store, ep = mlfabric.loop.run(join())
+        store, ep = mlfabric.runtime.loop.run(join())
         replica = ServerThread(None, endpoint=ep).__enter__()
         alive.append(replica)
-        mlfabric.loop.run(announce(controller.address, address=replica.address, store=store,
+        mlfabric.runtime.loop.run(announce(controller.address, address=replica.address, store=store,
                                    job=JOB, token=TOKEN))
         count = len(acked)
         wait_until(lambda: len(acked) >= count + 20, 30, "20 updates after the join")

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 import mlfabric
 from mlfabric.errors import InvalidUpdate, ProtocolError
-from mlfabric.protocol import (
+from mlfabric.server.store import ParameterStore
+from mlfabric.wire.protocol import (
     HEADER,
     Auth,
     Connection,
@@ -30,7 +31,6 @@ from mlfabric.protocol import (
     TensorSpec,
     Welcome,
 )
-from mlfabric.store import ParameterStore
 
 from support import JOB, TOKEN, RawClient, ServerThread, assert_model_equal, make_model
 

@@ -143,7 +143,7 @@ def test_every_block_follows_the_conventions():
 
 
 def test_quoted_source_messages_are_still_in_the_code():
-    source = "\n".join(p.read_text() for p in sorted((ROOT / "mlfabric").glob("*.py")))
+    source = "\n".join(p.read_text() for p in sorted((ROOT / "src" / "mlfabric").rglob("*.py")))
     # Join string literals continued on the next line ("...a " f"b...").
     source = re.sub(r"[\"']\s*\n\s*f?[\"']", "", source)
     source = " ".join(source.split())

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from mlfabric import job_traffic as jt
-from mlfabric.job_traffic import JobTraffic, TcpSocketBytes
+from mlfabric.agent import job_traffic as jt
+from mlfabric.agent.job_traffic import JobTraffic, TcpSocketBytes
 
 
 def _info(received: int, sent: int, segs_out: int, segs_in: int, *, length: int = 232,

@@ -1,4 +1,4 @@
-"""The agent wire protocol (mlfabric.probe): one table of round trips, fed whole,
+"""The agent wire protocol (mlfabric.wire.agent_protocol): one table of round trips, fed whole,
 byte by byte and with trailing data; malformed and truncated input; datagrams."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlfabric import probe
 from mlfabric.errors import FrameTooLarge, ProtocolError
+from mlfabric.wire import agent_protocol as probe
 
 EVENTS = [
     probe.Hello("h0", 2**64 - 1),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mlfabric.errors import FrameTooLarge, ProtocolError
-from mlfabric.protocol import (
+from mlfabric.wire.protocol import (
     ALIGN,
     DTYPES,
     HEADER,

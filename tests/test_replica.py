@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from mlfabric.errors import InvalidUpdate, SequenceGap
-from mlfabric.metrics import ServerMetrics
-from mlfabric.protocol import Error, Ping, Pong, Promote, Pull, Push, PushResult, Resync
-from mlfabric.replica import ReplicaServer
-from mlfabric.sequencer import Sequencer
-from mlfabric.store import ParameterStore
+from mlfabric.replication.replica import ReplicaServer
+from mlfabric.replication.sequencer import Sequencer
+from mlfabric.runtime.metrics import ServerMetrics
+from mlfabric.server.store import ParameterStore
+from mlfabric.wire.protocol import Error, Ping, Pong, Promote, Pull, Push, PushResult, Resync
 
 from support import (
     JOB,

@@ -121,9 +121,9 @@ def test_the_server_serves_on_alone_when_its_replica_dies(tmp_path):
 
 
 def test_the_server_refuses_a_replica_holding_another_model(tmp_path, run_async):
-    from mlfabric.chain import ChainLink
-    from mlfabric.metrics import ServerMetrics
-    from mlfabric.store import ParameterStore
+    from mlfabric.replication.chain import ChainLink
+    from mlfabric.runtime.metrics import ServerMetrics
+    from mlfabric.server.store import ParameterStore
 
     model = make_model()
     init = write_inputs(tmp_path, model)
@@ -155,10 +155,10 @@ def test_a_hung_replica_is_given_up_and_the_server_answers_alone(loop_kind):
     import asyncio
     import time
 
-    from mlfabric.chain import ChainLink
-    from mlfabric.metrics import ServerMetrics
-    from mlfabric.replica import ReplicaServer
-    from mlfabric.store import ParameterStore
+    from mlfabric.replication.chain import ChainLink
+    from mlfabric.replication.replica import ReplicaServer
+    from mlfabric.runtime.metrics import ServerMetrics
+    from mlfabric.server.store import ParameterStore
 
     from support import ServerThread, random_update
 

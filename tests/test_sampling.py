@@ -6,11 +6,11 @@ import asyncio
 
 import numpy as np
 
-from mlfabric.metrics import ServerMetrics
-from mlfabric.protocol import Push
-from mlfabric.replica import ReplicaServer
-from mlfabric.sampling import ReplicaSampler
-from mlfabric.store import ParameterStore
+from mlfabric.replication.divergence_sampling import ReplicaSampler
+from mlfabric.replication.replica import ReplicaServer
+from mlfabric.runtime.metrics import ServerMetrics
+from mlfabric.server.store import ParameterStore
+from mlfabric.wire.protocol import Push
 
 from support import JOB, TOKEN, RawClient, Reference, ServerThread, make_model, random_update
 
@@ -29,8 +29,8 @@ def test_sampled_divergence_is_the_true_one_and_zero_once_caught_up():
                                  interval=60.0, metrics=server.metrics)
 
         async def sample_once():
-            from mlfabric.aio import open_link
-            from mlfabric.client_core import Handshake
+            from mlfabric.client.aio import open_link
+            from mlfabric.client.core import Handshake
 
             link = await open_link(replica.address, Handshake(JOB, TOKEN, "t"), 10.0,
                                    "replica server")

@@ -1,4 +1,4 @@
-"""The scheduling core (mlfabric.schedule): properties over random snapshots,
+"""The scheduling core (mlfabric.scheduling.schedule): properties over random snapshots,
 then one test per decision branch with hand-built snapshots.
 
 The properties are checked against an independent, deliberately naive model
@@ -8,7 +8,7 @@ so a bug in the scheduler's incremental step functions cannot hide behind
 itself. Time is just the snapshot's `now`: no clocks anywhere.
 
 Every test runs on the pure-Python reference and, when the extension is built
-with it, on the compiled kernel (mlfabric._core.schedule_stf); one more test
+with it, on the compiled kernel (mlfabric.kernels._core.schedule_stf); one more test
 compares the two plan for plan.
 """
 
@@ -24,9 +24,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlfabric import schedule
 from mlfabric.errors import ConfigError
-from mlfabric.schedule import (
+from mlfabric.scheduling import schedule
+from mlfabric.scheduling.schedule import (
     DEADLINE_MISSED,
     DROP_REASONS,
     STALEST_IN_OVERLOAD,
@@ -57,7 +57,7 @@ IMPLEMENTATIONS = ["python"] + (["kernel"] if KERNEL is not None else [])
 @pytest.fixture(autouse=True, params=IMPLEMENTATIONS)
 def implementation(request, monkeypatch):
     """Every test runs on the pure-Python reference and, once built, on the
-    compiled kernel (mlfabric._core.schedule_stf)."""
+    compiled kernel (mlfabric.kernels._core.schedule_stf)."""
     if request.param == "python":
         monkeypatch.setattr(schedule, "_stf_kernel", None)
     return request.param
@@ -865,10 +865,10 @@ def test_kernel_refuses_inconsistent_arrays():
 
 
 def test_controller_overload_flag_selects_the_rule():
-    from mlfabric.control import Network as ControlNetwork
-    from mlfabric.control import Snapshot as ControlSnapshot
-    from mlfabric.control import Transfer
-    from mlfabric.controller_cli import make_policy
+    from mlfabric.controller.cli import make_policy
+    from mlfabric.controller.state import Network as ControlNetwork
+    from mlfabric.controller.state import Snapshot as ControlSnapshot
+    from mlfabric.controller.state import Transfer
 
     # two equal updates on one 10 B/s downlink, both with deadline position 0
     ts = tuple(Transfer(id=i, owner=None, req=i, nbytes=10, base_version=0, norm=1.0,

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import mlfabric
-from mlfabric import aio
+from mlfabric.client import aio
 from mlfabric.errors import AuthenticationError, ConnectError, ConnectionLost, InvalidUpdate
-from mlfabric.protocol import HEADER, MAGIC, Error, MsgType, Pull, Push, PushResult
-from mlfabric.store import ParameterStore
+from mlfabric.server.store import ParameterStore
+from mlfabric.wire.protocol import HEADER, MAGIC, Error, MsgType, Pull, Push, PushResult
 
 from support import (
     JOB,
@@ -322,9 +322,9 @@ def test_both_dialers_name_an_absent_aggregator_and_what_runs_one(run_async):
     say the same, naming the aggregator and `mlfabric agent --aggregate` (not
     the parameter server the dialers speak of by default)."""
 
-    from mlfabric.client import _dial
-    from mlfabric.client_core import Handshake
-    from mlfabric.control_book import AGGREGATOR_COMMAND
+    from mlfabric.client.blocking import _dial
+    from mlfabric.client.control_book import AGGREGATOR_COMMAND
+    from mlfabric.client.core import Handshake
 
     address = f"127.0.0.1:{free_port()}"  # nothing listens: refused
     want = (rf"^cannot reach the aggregator at {re.escape(address)}: .*; "
@@ -419,7 +419,7 @@ def test_asyncio_client_refusals(serve, run_async):
 
 def test_push_result_for_unknown_request_breaks_the_connection():
     """A client must not resolve the wrong future on a confused server."""
-    from mlfabric.client_core import RequestTable
+    from mlfabric.client.core import RequestTable
     from mlfabric.errors import ProtocolError
 
     table = RequestTable()
@@ -433,9 +433,9 @@ def test_a_streamed_model_resolves_a_pull_only_when_its_end_says_ok():
     is a protocol error."""
     import concurrent.futures
 
-    from mlfabric.client_core import RequestTable
+    from mlfabric.client.core import RequestTable
     from mlfabric.errors import ProtocolError
-    from mlfabric.protocol import Model, ModelEnd
+    from mlfabric.wire.protocol import Model, ModelEnd
 
     table = RequestTable()
     fut = concurrent.futures.Future()
@@ -471,7 +471,7 @@ BIG = {"w": (1 << 20,), "b": (3, 5)}  # 4 MiB: staged
 def count_commits(monkeypatch, method):
     """For each staging that ends through StagedApply.`method`, whether it
     committed (False: void, the update went the whole way)."""
-    from mlfabric.store import StagedApply
+    from mlfabric.server.store import StagedApply
 
     committed = []
     finish = getattr(StagedApply, method)
@@ -510,7 +510,7 @@ def test_large_aggregates_are_applied_while_arriving_exactly(serve, monkeypatch)
     the frame's head, the sum is applied as its bytes come, and the result is
     the whole-update path's bit for bit; one with NaN in its very last element
     falls back to that path and is refused."""
-    from mlfabric.aggregation import apply_aggregate
+    from mlfabric.scheduling.aggregation import apply_aggregate
 
     committed = count_commits(monkeypatch, "finish_aggregate")
     model = make_model(sizes=BIG)
@@ -582,9 +582,9 @@ def _events(raw, n, already=b""):
 def computing_on_every_read(monkeypatch):
     """Stage on every read, however large: on loopback the server may read a
     whole update at once, and then it would compute only at the end."""
-    import mlfabric.server
+    import mlfabric.server.server
 
-    monkeypatch.setattr(mlfabric.server, "STAGE_IDLE_READ", 1 << 40)
+    monkeypatch.setattr(mlfabric.server.server, "STAGE_IDLE_READ", 1 << 40)
 
 
 def test_a_pull_for_an_update_gets_the_new_model_while_the_update_arrives(
@@ -592,7 +592,7 @@ def test_a_pull_for_an_update_gets_the_new_model_while_the_update_arrives(
     """The model's bytes leave the server before the update's last byte is
     in; a pull that comes mid-update catches up; both get the applied model
     exactly, and the push is answered as usual."""
-    from mlfabric.protocol import Model, ModelEnd
+    from mlfabric.wire.protocol import Model, ModelEnd
 
     st, u, ref = _big_model_and_update(serve, seed=1)
     early, pusher = RawClient(st.port), RawClient(st.port)
@@ -624,7 +624,7 @@ def test_a_stream_that_does_not_hold_ends_not_ok_and_the_pull_waits_on(
     """NaN in the update's last element, then a sender that vanishes midway:
     each stream is completed and ended not ok; the update re-sent whole
     answers the pull with the applied model."""
-    from mlfabric.protocol import ModelEnd
+    from mlfabric.wire.protocol import ModelEnd
 
     st, u, ref = _big_model_and_update(serve, seed=2)
     puller, pusher = RawClient(st.port), RawClient(st.port)
@@ -661,7 +661,7 @@ def test_answers_on_a_connection_wait_for_its_streamed_model(serve, computing_on
     """A ping sent while a model streams to its connection is answered after
     the model's end, not inside its frame; a worker pulling for its own
     update on the connection it pushes on gets the model, then the answer."""
-    from mlfabric.protocol import Model, ModelEnd, Ping, Pong
+    from mlfabric.wire.protocol import Model, ModelEnd, Ping, Pong
 
     model = make_model(sizes=BIG)
     st = serve(model, momentum=0.0, tau_max=None)
@@ -696,7 +696,7 @@ def test_a_held_pull_is_answered_plainly_when_applied_already_or_after_its_wait(
     """Small updates are applied whole: a held pull gets the model once its
     update is in; one for an update applied already is answered at once; one
     whose update never comes gets the model as it is after `wait`."""
-    from mlfabric.protocol import Model
+    from mlfabric.wire.protocol import Model
 
     model = make_model()
     st = serve(model, momentum=0.0, tau_max=None)
@@ -724,7 +724,7 @@ def test_a_cancelled_pull_is_forgotten_held_or_streaming(serve, computing_on_eve
     """A held pull the client cancels gets nothing, not even at its wait's
     end; one cancelled while its model streams gets the rest of that frame
     and its end, and is not held again when the stream turns void."""
-    from mlfabric.protocol import Model, ModelEnd, Ping, Pong, PullCancel
+    from mlfabric.wire.protocol import Model, ModelEnd, Ping, Pong, PullCancel
 
     model = make_model(sizes=BIG)
     st = serve(model, momentum=0.0, tau_max=None)
@@ -764,10 +764,10 @@ def test_pull_including_a_push_returns_the_model_with_it(serve, monkeypatch):
     is ignored); a push future without an id waits for it, then pulls."""
     import concurrent.futures
 
-    import mlfabric.client
-    from mlfabric.outcome import PushOutcome
+    import mlfabric.client.blocking
+    from mlfabric.client.outcome import PushOutcome
 
-    monkeypatch.setattr(mlfabric.client, "PULL_WAIT", 0.5)
+    monkeypatch.setattr(mlfabric.client.blocking, "PULL_WAIT", 0.5)
     model = make_model()
     st = serve(model, momentum=0.0, tau_max=None)
     u = random_update(model, seed=5)
@@ -810,7 +810,7 @@ def test_asyncio_pull_including_a_push(serve, run_async):
     """The asyncio client's pull(including=future): the model with the update
     once applied; the model as it is, and the held pull cancelled, when it
     was not; cancelling the call cancels the held pull, not the push."""
-    from mlfabric.outcome import PushOutcome
+    from mlfabric.client.outcome import PushOutcome
 
     model = make_model()
     st = serve(model, momentum=0.0, tau_max=None)
@@ -885,7 +885,7 @@ def test_concurrent_large_pushes_stay_exact(serve):
 
 
 def test_a_bug_in_handling_is_logged_and_answered(serve, monkeypatch, caplog):
-    from mlfabric.server import ParameterServer
+    from mlfabric.server.server import ParameterServer
 
     st = serve()
 
@@ -941,7 +941,7 @@ def test_scalar_and_empty_tensors_round_trip(serve):
 def test_nothing_after_a_refused_frame_is_acted_on(serve):
     """A push sent in the same packet behind a frame the server refuses must
     not be applied: the connection is being closed (found by the fuzz test)."""
-    from mlfabric.protocol import Connection, Hello
+    from mlfabric.wire.protocol import Connection, Hello
 
     model = make_model()
     st = serve(model)

@@ -1,4 +1,4 @@
-"""The simulator (mlfabric.flownet, mlfabric.sim): hand-computed cases first,
+"""The simulator (mlfabric.sim.flownet, mlfabric.sim.engine): hand-computed cases first,
 then invariants over a busy scenario, then the command line.
 
 Times are simulated seconds; nothing here sleeps or reads a clock (except
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from mlfabric.errors import ConfigError
-from mlfabric.flownet import FlowNet, SlowStart, max_min_rates
-from mlfabric.sim import RateChange, Scenario, main, parse_change, simulate
+from mlfabric.sim.engine import RateChange, Scenario, main, parse_change, simulate
+from mlfabric.sim.flownet import FlowNet, SlowStart, max_min_rates
 
 EXACT = 1e-9
 

@@ -21,7 +21,7 @@ def _tool(name: str) -> str:
 
 def test_ruff_passes():
     proc = subprocess.run(
-        [_tool("ruff"), "check", "mlfabric", "tests", "benchmarks", "examples"],
+        [_tool("ruff"), "check", "src", "tests", "benchmarks", "examples"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -29,6 +29,6 @@ def test_ruff_passes():
 
 def test_mypy_passes():
     proc = subprocess.run(
-        [_tool("mypy"), "mlfabric"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+        [_tool("mypy"), "src/mlfabric"], cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

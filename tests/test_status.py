@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlfabric.status_cli import format_status
+from mlfabric.controller.status_cli import format_status
 
 STATUS = {
     "job": "mnist", "policy": "mlfabric", "tau_max": 16, "connections": 3,

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlfabric import _core
-from mlfabric import store as store_module
 from mlfabric.errors import ConfigError, InvalidUpdate
-from mlfabric.protocol import Connection, Push, layout, spec_of
-from mlfabric.store import ParameterStore
+from mlfabric.kernels import _core
+from mlfabric.server import store as store_module
+from mlfabric.server.store import ParameterStore
+from mlfabric.wire.protocol import Connection, Push, layout, spec_of
 
 from support import Reference, assert_model_equal, make_model, random_update
 
@@ -147,7 +147,7 @@ def test_store_keeps_its_own_copy_of_the_initial_model():
 def test_aggregates_and_single_updates_match_the_numpy_definition(gamma, plan, seed):
     """A run of aggregates (k > 1) and single updates (k = 1) leaves exactly
     the weights of aggregation.apply_aggregate, with its versions and delays."""
-    from mlfabric.aggregation import apply_aggregate
+    from mlfabric.scheduling.aggregation import apply_aggregate
 
     model = make_model(seed, SIZES)
     store = ParameterStore(model, momentum=gamma)

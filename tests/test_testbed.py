@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from mlfabric import testbed_cli
 from mlfabric.errors import ConfigError
-from mlfabric.testbed import (
+from mlfabric.tools import testbed_cli
+from mlfabric.tools.testbed import (
     STATE_DIR,
     SetRate,
     Shaping,
@@ -38,7 +38,7 @@ from mlfabric.testbed import (
     list_runs,
     require_root,
 )
-from mlfabric.traffic import TokenBucket, rate_mbit
+from mlfabric.tools.traffic import TokenBucket, rate_mbit
 
 from testbed_helpers import (
     TCP_EFFICIENCY,
@@ -142,7 +142,7 @@ def test_token_bucket_long_run_rate() -> None:
 
 
 def test_rate_mbit_needs_two_samples() -> None:
-    from mlfabric.traffic import Sample
+    from mlfabric.tools.traffic import Sample
 
     samples = [Sample(1.0, 0), Sample(2.0, 1_250_000)]
     assert rate_mbit(samples, 0.0, 3.0) == pytest.approx(10.0)
@@ -506,7 +506,7 @@ def spawn_owner() -> Iterator[Callable[[], tuple[subprocess.Popen[str], str]]]:
     code = textwrap.dedent(
         """
         import time
-        from mlfabric.testbed import Testbed
+        from mlfabric.tools.testbed import Testbed
         tb = Testbed(hosts=2, rate_mbit=50).start()
         tb.popen("h0", ["sleep", "60"])
         print(tb.run_id, flush=True)
@@ -612,7 +612,7 @@ def test_cli_up_prints_hosts_and_tears_down_on_ctrl_c() -> None:
     code = textwrap.dedent(
         """
         import argparse, sys
-        from mlfabric import testbed_cli
+        from mlfabric.tools import testbed_cli
         parser = argparse.ArgumentParser()
         testbed_cli.add_arguments(parser)
         sys.exit(testbed_cli.run(parser.parse_args(sys.argv[1:])))

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 import mlfabric  # noqa: E402
 import mlfabric.torch as mt  # noqa: E402
 from mlfabric.errors import ConfigError, InvalidUpdate  # noqa: E402
-from mlfabric.store import ParameterStore  # noqa: E402
+from mlfabric.server.store import ParameterStore  # noqa: E402
 
 from support import (  # noqa: E402
     JOB,
@@ -306,8 +306,8 @@ def test_a_local_optimizer_over_other_tensors_is_refused(serve, client):
 
 def test_through_a_controller_its_drops_are_counted(serve, tmp_path):
     from mlfabric import config
-    from mlfabric.control import PlanItem
-    from mlfabric.controller import Controller
+    from mlfabric.controller.controller import Controller
+    from mlfabric.controller.state import PlanItem
 
     def drop_even(snap):  # the worker's 2nd, 4th, ... request is dropped
         return [PlanItem(t.id, start=snap.now) if t.req % 2 else

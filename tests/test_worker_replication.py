@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 import mlfabric
-from mlfabric import _core
-from mlfabric.control import fifo_policy
-from mlfabric.controller import Controller
-from mlfabric.divergence import ROUNDING, DivergenceGate
-from mlfabric.metrics import ServerMetrics
-from mlfabric.replica import ReplicaServer
-from mlfabric.store import ParameterStore
+from mlfabric.controller.controller import Controller
+from mlfabric.controller.state import fifo_policy
+from mlfabric.kernels import _core
+from mlfabric.replication.divergence import ROUNDING, DivergenceGate
+from mlfabric.replication.replica import ReplicaServer
+from mlfabric.runtime.metrics import ServerMetrics
+from mlfabric.server.store import ParameterStore
 
 from support import (
     JOB,
@@ -153,7 +153,7 @@ def test_a_div_max_below_one_step_lets_updates_go_one_at_a_time():
 
 
 def test_the_asyncio_client_replicates_too(run_async, loop_kind):
-    from mlfabric import aio
+    from mlfabric.client import aio
 
     model = make_model()
     gate = DivergenceGate(GAMMA, 1e9)

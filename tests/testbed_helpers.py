@@ -1,4 +1,4 @@
-"""Helpers for tests that run on the emulated cluster (mlfabric.testbed)."""
+"""Helpers for tests that run on the emulated cluster (mlfabric.tools.testbed)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import pytest
 
 from mlfabric.errors import ConfigError
-from mlfabric.testbed import Host, require_root
-from mlfabric.traffic import Sample
+from mlfabric.tools.testbed import Host, require_root
+from mlfabric.tools.traffic import Sample
 
 # TCP goodput over Ethernet with timestamps: 1448 payload bytes per 1514-byte frame.
 TCP_EFFICIENCY = 1448 / 1514

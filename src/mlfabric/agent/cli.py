@@ -1,0 +1,276 @@
+"""`mlfabric agent`: run the per-host bandwidth agent until SIGINT/SIGTERM.
+
+Peers come from `--peer NAME=HOST:PORT` flags and/or a JSON `--config` file::
+
+    {"name": "h0", "listen": "10.0.0.1:7400", "metrics_port": 9470,
+     "probe_budget": 0.02, "stale_after": 3.0, "interface": "eth0",
+     "peers": {"h1": "10.0.0.2:7400", "h2": "10.0.0.3:7400"}}
+
+Flags override the file. The controller can replace the peer list later
+(`SetPeers` on the agent's port).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import logging
+import signal
+import socket
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from ..transport.listener import add_handshake_timeout, handshake_timeout
+from ..wire import auth
+from .daemon import Agent, AgentConfig, parse_hostport, parse_peer, read_net_dev
+from .estimator import ProbeConfig
+from .job_traffic import JobTrafficReader
+
+log = logging.getLogger("mlfabric.agent")
+
+#: Keys of the JSON --config file -> the flag each stands for (flags win).
+CONFIG_KEYS = {
+    "name": "--name",
+    "listen": "--listen",
+    "peers": "--peer",  # an object {"NAME": "HOST:PORT", ...}
+    "metrics_port": "--metrics-port",
+    "probe_budget": "--probe-budget",
+    "stale_after": "--stale-after",
+    "interface": "--interface",
+    "job_ports": "--job-port",  # a list of port numbers
+    "job_rediscover": "--job-rediscover",
+    "aggregate": "--aggregate",
+    "job": "--job",
+    "token_file": "--token-file",
+    "group_timeout": "--group-timeout",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--name", help="this host's name among its peers (default: hostname)")
+    p.add_argument("--listen", metavar="HOST:PORT",
+                   help="TCP control + UDP probe address (default 0.0.0.0:7400)")
+    p.add_argument("--peer", action="append", default=[], metavar="NAME=HOST:PORT",
+                   help="a peer agent to probe (repeatable)")
+    p.add_argument("--config", type=Path, metavar="FILE",
+                   help="JSON config file (keys as in agents/README.md)")
+    p.add_argument("--metrics-port", type=int, metavar="P",
+                   help="serve Prometheus metrics on this port (default: off)")
+    p.add_argument("--metrics-host", default=None, metavar="ADDR",
+                   help="address for the metrics endpoint (default 0.0.0.0)")
+    p.add_argument("--probe-budget", type=float, metavar="FRACTION",
+                   help="max fraction of each link spent on probes (default 0.02)")
+    p.add_argument("--stale-after", type=float, metavar="SECONDS",
+                   help="an estimate older than this is reported stale (default 3)")
+    p.add_argument("--interface", metavar="NAME",
+                   help="NIC whose byte counters give the load on this host's links "
+                        "(default: all but loopback)")
+    p.add_argument("--job-port", type=int, action="append", default=[], metavar="PORT",
+                   help="a port of the job's servers (parameter server, replica); TCP "
+                        "traffic to or from it is the job's own and not counted as load on "
+                        "this host's links (repeatable; --aggregate adds its own port)")
+    p.add_argument("--job-rediscover", type=float, metavar="SECONDS",
+                   help="how often every TCP socket is listed to find the job's new "
+                        "connections (default 1); in between the known ones are looked up "
+                        "one by one, which costs far less CPU; 0: list them at every load "
+                        "reading")
+    p.add_argument("--aggregate", metavar="HOST:PORT",
+                   help="also act as the job's aggregator on this address: sum the updates "
+                        "the controller routes here and forward one aggregate to the server "
+                        "(needs --job and --token-file)")
+    p.add_argument("--job", help="the job whose updates are aggregated (with --aggregate)")
+    p.add_argument("--token-file", metavar="PATH",
+                   help="the job's token file (with --aggregate)")
+    add_handshake_timeout(p, "the aggregator's peers (with --aggregate)")
+    # None: not given (the agent's own port has no handshake; the flag needs --aggregate)
+    p.set_defaults(handshake_timeout=None)
+    p.add_argument("--group-timeout", type=float, metavar="SECONDS",
+                   help="with --aggregate: seconds from a group's first member after which "
+                        "the members in are forwarded and the rest go straight to the server; "
+                        "if all had begun (their sum is already streaming to the server), all "
+                        "go straight to it (default 2)")
+    p.add_argument("--loop", choices=["uvloop", "asyncio"], default=None,
+                   help="event loop (default: uvloop when installed)")
+
+
+def _pick(flag: Any, file: dict[str, Any], key: str, default: Any = None) -> Any:
+    """A setting: the flag if given, else the config file's key, else the default."""
+    return flag if flag is not None else file.get(key, default)
+
+
+def _is_number(value: Any) -> bool:
+    """An int or a float; not a bool, which JSON's true would otherwise pass as 1."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_port(value: Any) -> bool:
+    """A TCP port number, 1..65535 (an int; not a bool)."""
+    return _is_number(value) and isinstance(value, int) and 0 < value <= 65535
+
+
+def _load_file(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read agent config {str(path)!r}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"agent config {str(path)!r} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"agent config {str(path)!r} must be a JSON object")
+    unknown = set(data) - set(CONFIG_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"agent config {str(path)!r} has unknown keys {sorted(unknown)}; "
+            f"known keys: {sorted(CONFIG_KEYS)}"
+        )
+    return data
+
+
+@dataclass(frozen=True)
+class AggregateConfig:
+    """The agent's aggregator (--aggregate)."""
+
+    host: str
+    port: int
+    job: str
+    token: bytes
+    group_timeout: float
+    handshake_timeout: float = 10.0
+
+
+def build_aggregate(args: argparse.Namespace, file: dict[str, Any]) -> AggregateConfig | None:
+    address = args.aggregate or file.get("aggregate")
+    job = args.job or file.get("job")
+    token_file = args.token_file or file.get("token_file")
+    timeout = _pick(args.group_timeout, file, "group_timeout", 2.0)
+    if address is None:
+        if (job is not None or token_file is not None or args.group_timeout is not None
+                or args.handshake_timeout is not None):
+            raise ConfigError("--job, --token-file, --group-timeout and --handshake-timeout "
+                              "belong to --aggregate HOST:PORT (the agent's aggregator); give "
+                              "it too")
+        return None
+    if not isinstance(address, str):
+        raise ConfigError(f"aggregate must be a \"HOST:PORT\" string, got {address!r}")
+    host, port = parse_hostport(address, "--aggregate")
+    if not job or not token_file:
+        raise ConfigError(f"--aggregate {address} needs the job's --job NAME and "
+                          f"--token-file PATH (the aggregator speaks to workers and the "
+                          f"server with the job's token)")
+    if not _is_number(timeout) or not timeout > 0:
+        raise ConfigError(f"group timeout must be a positive number of seconds, got {timeout!r}")
+    return AggregateConfig(host, port, str(job), auth.load_token(token_file), float(timeout),
+                           handshake_timeout(args))
+
+
+def build_config(args: argparse.Namespace, aggregate: AggregateConfig | None = None
+                 ) -> tuple[AgentConfig, int | None]:
+    """Merge the config file and the flags into an AgentConfig (+ metrics port).
+    With `aggregate`, its port is one of the job's: its traffic is not load."""
+    file: dict[str, Any] = _load_file(args.config) if args.config else {}
+    name = args.name or file.get("name") or socket.gethostname()
+    host, port = parse_hostport(args.listen or file.get("listen") or "0.0.0.0:7400",
+                                "--listen")
+    peers: dict[str, tuple[str, int]] = {}
+    file_peers = file.get("peers", {})
+    if not isinstance(file_peers, dict):
+        raise ConfigError('"peers" in the agent config must map NAME to "HOST:PORT"')
+    for pname, addr in file_peers.items():
+        if not isinstance(addr, str):
+            raise ConfigError(f"peer {pname!r} address must be a \"HOST:PORT\" string")
+        peers[pname] = parse_hostport(addr, f"peer {pname!r} address")
+    for text in args.peer:
+        pname, addr = parse_peer(text)
+        peers[pname] = addr
+    budget = _pick(args.probe_budget, file, "probe_budget", 0.02)
+    if not _is_number(budget) or not 0 < budget <= 0.5:
+        raise ConfigError(f"probe budget must be a fraction in (0, 0.5], got {budget!r}")
+    stale = _pick(args.stale_after, file, "stale_after", 3.0)
+    if not _is_number(stale) or not stale > 0:  # also NaN, which compares false
+        raise ConfigError(f"stale-after must be a positive number of seconds, got {stale!r}")
+    metrics_port = _pick(args.metrics_port, file, "metrics_port")
+    if metrics_port is not None and not _is_port(metrics_port):
+        raise ConfigError(f"metrics port must be in 1..65535, got {metrics_port!r}")
+    interface = args.interface or file.get("interface")
+    if interface is not None and not isinstance(interface, str):
+        raise ConfigError(f"interface must be a NIC name, got {interface!r}")
+    rediscover = _pick(args.job_rediscover, file, "job_rediscover", 1.0)
+    if not _is_number(rediscover) or not 0 <= rediscover <= 3600:
+        raise ConfigError(f"job-rediscover must be a number of seconds in [0, 3600], "
+                          f"got {rediscover!r}")
+    ports = parse_job_ports(file.get("job_ports", []), args.job_port)
+    if aggregate is not None and aggregate.port != 0:
+        ports = sorted({*ports, aggregate.port})
+    probe_cfg = replace(ProbeConfig(), budget=float(budget), stale_after=float(stale))
+    config = AgentConfig(name=name, host=host, port=port, peers=peers, probe=probe_cfg,
+                         counters=functools.partial(read_net_dev, interface),
+                         job_traffic=JobTrafficReader(ports, rediscover=float(rediscover))
+                         if ports else None)
+    return config, metrics_port
+
+
+def parse_job_ports(from_file: Any, from_flags: list[int]) -> list[int]:
+    if not isinstance(from_file, list):
+        raise ConfigError(f'"job_ports" in the agent config must be a list of port numbers, '
+                          f"got {from_file!r}")
+    values = [*from_file, *from_flags]
+    for v in values:
+        if not _is_port(v):
+            raise ConfigError(f"job port must be a port number in 1..65535, got {v!r}")
+    return sorted(set(values))
+
+
+async def serve(config: AgentConfig, metrics_port: int | None = None,
+                metrics_host: str | None = None,
+                aggregate: AggregateConfig | None = None) -> None:
+    """Run an agent (and its aggregator) until SIGINT/SIGTERM (or cancellation)."""
+    from ..runtime.metrics import AgentMetrics, AggregatorMetrics, serve_metrics
+    from .aggregator import Aggregator
+
+    metrics = AgentMetrics()
+    agent = Agent(config, metrics=metrics)
+    aggregator = None if aggregate is None else Aggregator(
+        job=aggregate.job, token=aggregate.token, group_timeout=aggregate.group_timeout,
+        metrics=AggregatorMetrics(metrics.registry), name=config.name,
+        handshake_timeout=aggregate.handshake_timeout)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await agent.start()
+        extra = ""
+        if aggregator is not None and aggregate is not None:
+            try:
+                host, port = await aggregator.start(aggregate.host, aggregate.port)
+            except OSError as exc:
+                raise ConfigError(f"cannot listen on --aggregate {aggregate.host}:"
+                                  f"{aggregate.port}: {exc.strerror or exc}") from None
+            extra = f"; aggregating job {aggregate.job!r} on {host}:{port}"
+        if metrics_port is not None:
+            serve_metrics(metrics.registry, metrics_port, metrics_host or "0.0.0.0")
+        print(f"mlfabric agent {config.name} ready on {config.host}:{agent.port}{extra}",
+              flush=True)
+        await stop.wait()
+        log.info("agent %s: shutting down", config.name)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        if aggregator is not None:
+            await aggregator.close()
+        await agent.stop()
+        if isinstance(config.job_traffic, JobTrafficReader):
+            config.job_traffic.close()  # its netlink socket
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..runtime.loop import run as loop_run
+
+    aggregate = build_aggregate(args, _load_file(args.config) if args.config else {})
+    config, metrics_port = build_config(args, aggregate)
+    loop_run(serve(config, metrics_port, args.metrics_host, aggregate), kind=args.loop)
+    return 0

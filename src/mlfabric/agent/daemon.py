@@ -1,0 +1,852 @@
+"""The per-host agent daemon: moves probe bytes and carries out the estimator's plans.
+
+One port number serves both channels (see `mlfabric.wire.agent_protocol`): a TCP listener
+for control connections (peer agents, local clients, the controller) and a
+UDP socket receiving probe trains, timestamped by the kernel
+(SO_TIMESTAMPNS) so that a busy event loop does not distort the dispersion.
+
+For every peer the agent keeps a control connection (reconnecting with
+bounded exponential backoff), and in a loop asks its `PathEstimator` for the
+next train, sends it back to back (a train is a few milliseconds of the
+link's capacity), waits for the peer's `TrainReport` (arrival times and the
+peer's downlink load), and feeds the measurement back. A task samples the
+host's NIC counters for the load on its own links. All decisions live in
+`mlfabric.agent.estimator`; this module only moves bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import random
+import socket
+import struct
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ConfigError, ConnectionLost, ProtocolError
+from ..runtime.loop import within
+from ..wire import agent_protocol as probe
+from .estimator import (
+    LoadMeter,
+    PathEstimate,
+    PathEstimator,
+    ProbeConfig,
+    TrainMeasurement,
+    TrainPlan,
+    analyze_train,
+)
+
+if TYPE_CHECKING:
+    from ..runtime.metrics import AgentMetrics
+
+log = logging.getLogger("mlfabric.agent")
+FIRST = asyncio.FIRST_COMPLETED
+
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux; SCM_TIMESTAMPNS == SO_TIMESTAMPNS
+SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
+_TIMESPEC = struct.Struct("@qq")
+
+
+def _set_buffer(sock: socket.socket, opt: int, force_opt: int, size: int) -> None:
+    """A socket buffer big enough for a whole train; beyond net.core.*mem_max if root."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, force_opt, size)
+    except OSError:
+        sock.setsockopt(socket.SOL_SOCKET, opt, size)
+
+
+READ_CHUNK = 65536
+
+
+def read_net_dev(interface: str | None = None,
+                 paths: tuple[str, ...] = ("/proc/thread-self/net/dev", "/proc/net/dev"),
+                 ) -> tuple[int, int] | None:
+    """(rx_bytes, tx_bytes) of `interface`, or summed over every interface but
+    loopback, in the calling thread's network namespace; None if unreadable."""
+    for path in paths:
+        try:
+            with open(path) as f:
+                lines = f.readlines()[2:]
+        except OSError:
+            continue
+        rx = tx = 0
+        found = False
+        for line in lines:
+            name, _, rest = line.partition(":")
+            name = name.strip()
+            if name == "lo" or (interface is not None and name != interface):
+                continue
+            fields = rest.split()
+            if len(fields) < 9:
+                continue
+            rx += int(fields[0])
+            tx += int(fields[8])
+            found = True
+        return (rx, tx) if found else None
+    return None
+
+
+def parse_hostport(text: str, what: str = "address") -> tuple[str, int]:
+    """'HOST:PORT' or '[V6]:PORT' -> (host, port); ConfigError on bad input."""
+    host, sep, port_s = text.rpartition(":")
+    host = host.strip("[]")
+    try:
+        port = int(port_s)
+    except ValueError:
+        port = -1
+    if not sep or not host or not 0 <= port <= 65535:
+        raise ConfigError(f"{what} {text!r} is not HOST:PORT (for example 10.0.0.2:7400)")
+    return host, port
+
+
+def parse_peer(text: str) -> tuple[str, tuple[str, int]]:
+    """'NAME=HOST:PORT' -> (name, (host, port))."""
+    name, sep, addr = text.partition("=")
+    if not sep or not name:
+        raise ConfigError(f"peer {text!r} is not NAME=HOST:PORT (for example h1=10.0.0.2:7400)")
+    return name, parse_hostport(addr, f"peer {name!r} address")
+
+
+@dataclass
+class AgentConfig:
+    name: str
+    host: str = "0.0.0.0"
+    port: int = 7400
+    peers: dict[str, tuple[str, int]] = field(default_factory=dict)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    connect_timeout: float = 2.0
+    backoff_min: float = 0.05
+    backoff_max: float = 2.0
+    report_timeout: float = 0.5  # after a train was sent, how long to wait for its report
+    train_timeout: float = 0.15  # receiver: report a train this long after its first packet
+    udp_rcvbuf: int = 4 << 20
+    # NIC byte counters (rx, tx) for the load on this host's links; None: do not use
+    counters: Callable[[], tuple[int, int] | None] | None = read_net_dev
+    load_interval: float = 0.1  # how often the counters are read
+    load_window: float = 0.3  # load is averaged over this long
+    # the job's own TCP traffic (rx, tx) in wire bytes, subtracted from the load like
+    # probes (mlfabric.agent.job_traffic); None: every byte on the NIC is someone else's
+    job_traffic: Callable[[], tuple[int, int]] | None = None
+    max_lost_trains: int = 5  # then the connection is dropped and re-established
+
+
+@dataclass
+class _PeerState:
+    name: str
+    addr: tuple[str, int]
+    estimator: PathEstimator
+    task: asyncio.Task[None] | None = None
+    connected: bool = False
+    trains: int = 0  # trains whose outcome was folded into the estimator
+    # agents probing the peer (its last report): they share its downlink's budget
+    peer_senders: int = 1
+
+
+@dataclass
+class _RxTrain:
+    count: int
+    arrivals: dict[int, int]
+    timer: asyncio.TimerHandle | None = None
+
+
+class _Control:
+    """One accepted control connection (peer agent or local client)."""
+
+    def __init__(self, agent: Agent, writer: asyncio.StreamWriter) -> None:
+        self.agent = agent
+        self.writer = writer
+        self.conn = probe.Connection()
+        self.sessions: set[int] = set()
+        self.peer_name: str | None = None
+
+    def send(self, event: probe.Event) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(self.conn.send(event))
+
+
+class Agent:
+    """The agent daemon. `await start()`, then `await stop()` (or `async with`)."""
+
+    def __init__(self, config: AgentConfig, *, metrics: AgentMetrics | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.name = config.name
+        self.metrics = metrics
+        self.clock = clock
+        self._peers: dict[str, _PeerState] = {}
+        self._controls: set[_Control] = set()
+        self._sessions: dict[int, _Control] = {}
+        self._rx: dict[tuple[int, int], _RxTrain] = {}
+        self._spans: deque[tuple[int, int, int]] = deque(maxlen=32)  # (session, first, last)
+        self._server: asyncio.base_events.Server | None = None
+        self._udp: socket.socket | None = None
+        self._tx: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = asyncio.Event()
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self.port: int = config.port
+        self.bad_datagrams = 0
+        self.bad_frames = 0
+        self.probe_tx_bytes = 0  # wire bytes, for subtracting from the NIC counters
+        self.probe_rx_bytes = 0
+        self.job_rx_bytes = 0  # wire bytes of the job's own connections, same purpose
+        self.job_tx_bytes = 0
+        self._job_traffic = config.job_traffic  # None once unreadable
+        self.load = LoadMeter(config.load_window)
+        self._load_task: asyncio.Task[None] | None = None
+        self._progress = asyncio.Condition()
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def __aenter__(self) -> Agent:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        self._loop = loop = asyncio.get_running_loop()
+        c = self.config
+        try:
+            self._server = await asyncio.start_server(self._on_control, c.host, c.port)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot listen for the agent's TCP connections on {c.host}:{c.port}: {exc}; "
+                "choose another --listen address or port"
+            ) from None
+        self.port = self._server.sockets[0].getsockname()[1]
+        family = self._server.sockets[0].family
+        udp = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            _set_buffer(udp, socket.SO_RCVBUF, SO_RCVBUFFORCE, c.udp_rcvbuf)
+            with contextlib.suppress(OSError):
+                udp.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+            udp.bind((c.host, self.port))
+            udp.setblocking(False)
+        except OSError as exc:
+            udp.close()
+            self._server.close()
+            raise ConfigError(
+                f"cannot bind the probe UDP socket on {c.host}:{self.port}: {exc}; "
+                "choose another --listen port"
+            ) from None
+        self._udp = udp
+        tx = socket.socket(family, socket.SOCK_DGRAM)
+        _set_buffer(tx, socket.SO_SNDBUF, SO_SNDBUFFORCE, c.udp_rcvbuf)
+        tx.setblocking(False)
+        self._tx = tx
+        loop.add_reader(udp.fileno(), self._on_udp_readable)
+        if c.counters is not None:
+            self._load_task = loop.create_task(self._load_loop(), name="agent-load")
+        self.set_peers(c.peers)
+        log.info("agent %s listening on %s:%d with %d peers", self.name, c.host, self.port,
+                 len(c.peers))
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        tasks = [p.task for p in self._peers.values() if p.task is not None]
+        tasks += list(self._handlers)
+        if self._load_task is not None:
+            tasks.append(self._load_task)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)
+        if self._udp is not None and self._loop is not None:
+            self._loop.remove_reader(self._udp.fileno())
+            self._udp.close()
+            self._udp = None
+        if self._tx is not None:
+            self._tx.close()
+            self._tx = None
+        for rx in self._rx.values():
+            if rx.timer is not None:
+                rx.timer.cancel()
+        self._rx.clear()
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await within(self._server.wait_closed(), 2.0)
+            self._server = None
+
+    async def wait_stopped(self) -> None:
+        await self._stopping.wait()
+
+    async def _load_loop(self) -> None:
+        counters = self.config.counters
+        assert counters is not None
+        while not self._stopping.is_set():
+            self._read_job_traffic()  # first: its bytes must not lag the NIC's
+            try:
+                reading = counters()
+            except (OSError, ValueError) as exc:  # an odd /proc line: no load this round
+                log.debug("agent %s: reading NIC counters: %s", self.name, exc)
+                reading = None
+            if reading is not None:
+                rx, tx = reading
+                self.load.update(self.clock(), rx, tx, self.probe_rx_bytes + self.job_rx_bytes,
+                                 self.probe_tx_bytes + self.job_tx_bytes)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await within(self._stopping.wait(), self.config.load_interval)
+
+    def _read_job_traffic(self) -> None:
+        if self._job_traffic is None:
+            return
+        try:
+            rx, tx = self._job_traffic()
+        except (OSError, ValueError) as exc:
+            # Without the socket counters the job's traffic counts as load: the
+            # estimates are low while the job transfers, as before --job-port.
+            log.warning("agent %s: cannot read the job's TCP counters (%s); its own "
+                        "traffic now counts as load on this host's links", self.name, exc)
+            self._job_traffic = None
+            return
+        if self.metrics is not None:
+            self.metrics.job_traffic_bytes.labels("rx").inc(max(0, rx - self.job_rx_bytes))
+            self.metrics.job_traffic_bytes.labels("tx").inc(max(0, tx - self.job_tx_bytes))
+        self.job_rx_bytes, self.job_tx_bytes = rx, tx
+
+    def link_load(self) -> tuple[float, float] | None:
+        """(downlink, uplink) load of this host in wire bit/s, probes and the job's
+        own traffic excluded."""
+        return self.load.rates()
+
+    # -- peers -----------------------------------------------------------------
+
+    def set_peers(self, peers: Mapping[str, tuple[str, int]]) -> None:
+        """Replace the peer set (flags, config file or the controller)."""
+        peers = {n: a for n, a in peers.items() if n != self.name}
+        for name in list(self._peers):
+            st = self._peers[name]
+            if name not in peers or peers[name] != st.addr:
+                if st.task is not None:
+                    st.task.cancel()
+                    self._handlers.add(st.task)  # stop() waits for it
+                    st.task.add_done_callback(self._handlers.discard)
+                del self._peers[name]
+                self._unexport(name)
+        for name, addr in peers.items():
+            known = self._peers.get(name)
+            if known is None:
+                est = PathEstimator(self.config.probe, clock=self.clock)
+                st = self._peers[name] = _PeerState(name, addr, est)
+                st.task = asyncio.get_running_loop().create_task(
+                    self._peer_loop(st), name=f"agent-peer-{name}"
+                )
+                self._export(st)
+        for st in self._peers.values():
+            self._share_budget(st)
+        if self.metrics is not None:
+            self.metrics.peers.set(len(self._peers))
+
+    def _share_budget(self, st: _PeerState, peer_senders: int | None = None) -> None:
+        """A path's trains cross this host's uplink, which the trains to every other
+        peer cross too, and the peer's downlink, which every agent probing the peer
+        crosses: the path's budget is divided by the larger of the two counts, so
+        that neither link carries more than the budget."""
+        if peer_senders is not None:
+            st.peer_senders = max(1, peer_senders)
+        share = max(1, len(self._peers), st.peer_senders)
+        if st.estimator.config.share != share:
+            st.estimator.config = replace(st.estimator.config, share=share)
+        if self.metrics is not None and self._peers.get(st.name) is st:
+            self.metrics.probe_share.labels(st.name).set(share)
+
+    async def wait_trains(self, peer: str, count: int, timeout: float) -> None:
+        """Wait until `count` more trains to `peer` have been measured (tools, tests)."""
+        st = self._peers.get(peer)
+        if st is None:
+            raise ConfigError(f"{peer!r} is not a peer of agent {self.name!r}")
+        target = st.trains + count
+
+        async def reached() -> None:
+            async with self._progress:
+                await self._progress.wait_for(lambda: st.trains >= target)
+
+        await within(reached(), timeout)
+
+    def estimates(self) -> dict[str, tuple[PathEstimate, bool]]:
+        now = self.clock()
+        load = self.link_load()
+        up = None if load is None else load[1]
+        return {n: (p.estimator.snapshot(now, up), p.connected) for n, p in self._peers.items()}
+
+    def _estimates_event(self, request_id: int) -> probe.Estimates:
+        return probe.Estimates(
+            request_id,
+            self.name,
+            tuple(
+                probe.PeerEstimate(
+                    n, e.bandwidth_bps, e.capacity_bps, e.load_bps, e.rtt_s,
+                    e.age_s if math.isfinite(e.age_s) else -1.0,
+                    e.stale, connected, e.samples,
+                )
+                for n, (e, connected) in sorted(self.estimates().items())
+            ),
+            *self.host_load(),
+        )
+
+    def host_load(self) -> tuple[float, float]:
+        """(downlink, uplink) load of this host in payload bit/s, as the
+        estimates count it (probes and the job excluded); -1 until measured."""
+        load = self.link_load()
+        if load is None:
+            return -1.0, -1.0
+        ratio = self.config.probe.payload_ratio
+        return load[0] * ratio, load[1] * ratio
+
+    async def _peer_loop(self, st: _PeerState) -> None:
+        c = self.config
+        attempt = 0
+        while not self._stopping.is_set():
+            try:
+                await self._probe_session(st)
+                attempt = 0
+            except asyncio.CancelledError:
+                raise
+            except (TimeoutError, OSError, ProtocolError, ConnectionLost) as exc:
+                log.debug("peer %s: %s", st.name, exc)
+                if isinstance(exc, ProtocolError):
+                    self._count_bad("frame")
+            except Exception:  # a bug must not end probing of this peer for good
+                log.exception("agent %s: probing peer %s failed", self.name, st.name)
+            finally:
+                st.connected = False
+                if self.metrics is not None and self._peers.get(st.name) is st:
+                    self.metrics.peer_connected.labels(st.name).set(0)
+            delay = min(c.backoff_max, c.backoff_min * (2**attempt)) * random.uniform(0.8, 1.2)
+            attempt = min(attempt + 1, 16)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await within(self._stopping.wait(), delay)
+
+    async def _probe_session(self, st: _PeerState) -> None:
+        c = self.config
+        host, port = st.addr
+        reader, writer = await within(
+            asyncio.open_connection(host, port), c.connect_timeout
+        )
+        conn = probe.Connection()
+        session = int.from_bytes(os.urandom(8), "big")
+        reports: dict[int, asyncio.Future[probe.TrainReport]] = {}
+        pings: dict[int, float] = {}
+        acked = asyncio.get_running_loop().create_future()
+
+        async def read_loop() -> None:
+            while True:
+                data = await reader.read(READ_CHUNK)
+                conn.receive_data(data)
+                while True:
+                    ev = conn.next_event()
+                    if isinstance(ev, probe.NeedData):
+                        break
+                    if isinstance(ev, probe.ConnectionClosed):
+                        raise ConnectionLost(f"peer {st.name} closed the connection")
+                    if isinstance(ev, probe.HelloAck):
+                        if not acked.done():
+                            acked.set_result(ev.name)
+                    elif isinstance(ev, probe.TrainReport):
+                        fut = reports.get(ev.train)
+                        if fut is not None and not fut.done() and ev.session == session:
+                            fut.set_result(ev)
+                    elif isinstance(ev, probe.Pong):
+                        sent = pings.pop(ev.nonce, None)
+                        if sent is not None:
+                            st.estimator.on_rtt(time.perf_counter() - sent)
+                    else:
+                        raise ProtocolError(f"unexpected {type(ev).__name__} from peer agent")
+
+        reader_task = asyncio.get_running_loop().create_task(read_loop())
+        try:
+            writer.write(conn.send(probe.Hello(self.name, session)))
+            done, _ = await asyncio.wait(
+                {acked, reader_task}, timeout=c.connect_timeout, return_when=FIRST
+            )
+            if acked not in done:
+                if reader_task in done:
+                    reader_task.result()
+                raise TimeoutError(f"peer {st.name} did not answer Hello")
+            st.connected = True
+            if self.metrics is not None:
+                self.metrics.peer_connected.labels(st.name).set(1)
+                self.metrics.peer_connects.labels(st.name).inc()
+            log.info("agent %s: connected to peer %s at %s:%d", self.name, st.name, host, port)
+            train_id = 0
+            while True:
+                train_id = (train_id + 1) & 0xFFFFFFFF
+                plan = st.estimator.plan(train_id)
+                fut = asyncio.get_running_loop().create_future()
+                reports[train_id] = fut
+                sent_ns = self._send_train(st, session, plan)
+                done, _ = await asyncio.wait(
+                    {fut, reader_task},
+                    timeout=c.report_timeout + c.train_timeout,
+                    return_when=FIRST,
+                )
+                reports.pop(train_id, None)
+                if reader_task in done:
+                    reader_task.result()
+                    raise ConnectionLost(f"peer {st.name} closed the connection")
+                peer_load = None
+                overlapped = False
+                if fut in done:
+                    report = fut.result()
+                    m = analyze_train(plan, sent_ns, report.arrivals)
+                    peer_load = report.rx_load_bps
+                    overlapped = report.overlapped
+                    self._share_budget(st, report.senders)
+                else:
+                    m = analyze_train(plan, sent_ns, ())
+                    fut.cancel()
+                outcome = st.estimator.on_train(m, peer_down_load=peer_load,
+                                                overlapped=overlapped)
+                if len(pings) > 16:
+                    pings.clear()
+                self._record(st, plan, m, outcome)
+                st.trains += 1
+                async with self._progress:
+                    self._progress.notify_all()
+                if st.estimator.lost_streak >= c.max_lost_trains:
+                    raise ConnectionLost(
+                        f"peer {st.name} reported none of the last {c.max_lost_trains} trains"
+                    )
+                # jitter keeps the trains of different agents from meeting
+                interval = st.estimator.interval() * random.uniform(0.85, 1.15)
+                # RTT between trains, so that neither end is busy with a train
+                pings[train_id] = time.perf_counter()
+                writer.write(conn.send(probe.Ping(train_id, time.monotonic_ns())))
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await within(self._stopping.wait(), interval)
+                if self._stopping.is_set():
+                    return
+        finally:
+            reader_task.cancel()
+            with contextlib.suppress(BaseException):
+                await reader_task
+            writer.close()
+            with contextlib.suppress(Exception):
+                await within(writer.wait_closed(), 1.0)
+
+    def _send_train(self, st: _PeerState, session: int, plan: TrainPlan) -> list[int]:
+        """Send one train back to back; returns the send time of each packet (ns)."""
+        tx = self._tx
+        assert tx is not None
+        addr = st.addr
+        buf = probe.datagram_template(session, plan.train, plan.count, plan.size)
+        sent_ns: list[int] = []
+        clock = time.perf_counter_ns
+        sent = 0
+        for seq in range(plan.count):
+            now = clock()
+            probe.stamp_datagram(buf, seq, now)
+            try:
+                tx.sendto(buf, addr)
+                sent += 1
+            except (BlockingIOError, InterruptedError):
+                pass  # socket buffer full: the packet counts as lost
+            except OSError as exc:
+                log.debug("probe to %s: %s", st.name, exc)
+            sent_ns.append(now)
+        nbytes = sent * (plan.size + probe.WIRE_OVERHEAD)
+        self.probe_tx_bytes += nbytes
+        st.estimator.record_sent(nbytes)
+        if self.metrics is not None:
+            self.metrics.probe_sent_bytes.labels(st.name).inc(nbytes)
+            self.metrics.probe_sent_packets.labels(st.name).inc(sent)
+        return sent_ns
+
+    def _unexport(self, name: str) -> None:
+        """A removed peer's gauges disappear (its counters stay, as counters do)."""
+        m = self.metrics
+        if m is None:
+            return
+        for g in (m.available_bandwidth, m.capacity, m.path_load, m.rtt, m.estimate_age,
+                  m.estimate_stale, m.peer_connected, m.probe_share):
+            with contextlib.suppress(KeyError):
+                g.remove(name)
+
+    def _export(self, st: _PeerState) -> None:
+        """Age and staleness are computed when Prometheus scrapes."""
+        m = self.metrics
+        if m is None:
+            return
+        est = st.estimator
+        m.estimate_age.labels(st.name).set_function(lambda: est.snapshot().age_s)
+        m.estimate_stale.labels(st.name).set_function(lambda: float(est.snapshot().stale))
+
+    def _record(self, st: _PeerState, plan: TrainPlan, m: TrainMeasurement,
+                outcome: str) -> None:
+        load = self.link_load()
+        e = st.estimator.snapshot(local_up_load=None if load is None else load[1])
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "train %s->%s n=%d recv=%d queued=%d C=%s send=%s -> %s "
+                "bw=%.1f cap=%.1f load=%.1f", self.name, st.name, plan.count, m.received,
+                m.queued, _mbit(m.capacity_bps), _mbit(m.send_bps), outcome,
+                e.bandwidth_bps / 1e6, e.capacity_bps / 1e6, e.load_bps / 1e6,
+            )
+        mt = self.metrics
+        if mt is None:
+            return
+        mt.trains.labels(st.name, outcome).inc()
+        mt.probe_lost_packets.labels(st.name).inc(m.lost)
+        if math.isfinite(e.bandwidth_bps):
+            mt.available_bandwidth.labels(st.name).set(e.bandwidth_bps / 8)
+        if math.isfinite(e.capacity_bps):
+            mt.capacity.labels(st.name).set(e.capacity_bps / 8)
+        mt.path_load.labels(st.name).set(e.load_bps / 8)
+        if math.isfinite(e.rtt_s):
+            mt.rtt.labels(st.name).set(e.rtt_s)
+
+    # -- receiving probes ------------------------------------------------------
+
+    def _count_bad(self, kind: str) -> None:
+        if kind == "datagram":
+            self.bad_datagrams += 1
+        else:
+            self.bad_frames += 1
+        if self.metrics is not None:
+            self.metrics.bad_messages.labels(kind).inc()
+
+    def _on_udp_readable(self) -> None:
+        udp = self._udp
+        if udp is None:
+            return
+        for _ in range(512):
+            try:
+                data, anc, _flags, _addr = udp.recvmsg(READ_CHUNK, 64)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.debug("probe socket: %s", exc)
+                return
+            t_ns = None
+            for level, kind, cdata in anc:
+                if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
+                    sec, nsec = _TIMESPEC.unpack_from(cdata)
+                    t_ns = sec * 1_000_000_000 + nsec
+            if t_ns is None:
+                t_ns = time.time_ns()
+            self._on_datagram(data, t_ns)
+
+    def _on_datagram(self, data: bytes, t_ns: int) -> None:
+        try:
+            pkt = probe.decode_datagram(data)
+        except ProtocolError:
+            self._count_bad("datagram")
+            return
+        ctl = self._sessions.get(pkt.session)
+        if ctl is None:
+            self._count_bad("datagram")
+            return
+        self.probe_rx_bytes += len(data) + probe.WIRE_OVERHEAD
+        if self.metrics is not None and ctl.peer_name in self._peers:
+            self.metrics.probe_received_bytes.labels(ctl.peer_name).inc(
+                len(data) + probe.WIRE_OVERHEAD
+            )
+        key = (pkt.session, pkt.train)
+        rx = self._rx.get(key)
+        if rx is None:
+            if len(self._rx) > 256:  # a flood of bogus trains: forget the oldest
+                self._finish_train(next(iter(self._rx)))
+            rx = self._rx[key] = _RxTrain(pkt.count, {})
+            assert self._loop is not None
+            rx.timer = self._loop.call_later(
+                self.config.train_timeout, self._finish_train, key
+            )
+        if pkt.count != rx.count:
+            self._count_bad("datagram")
+            return
+        rx.arrivals.setdefault(pkt.seq, t_ns)
+        if pkt.seq == rx.count - 1 or len(rx.arrivals) == rx.count:
+            self._finish_train(key)
+
+    def _finish_train(self, key: tuple[int, int]) -> None:
+        rx = self._rx.pop(key, None)
+        if rx is None:
+            return
+        if rx.timer is not None:
+            rx.timer.cancel()
+        ctl = self._sessions.get(key[0])
+        if ctl is None or not rx.arrivals:
+            return
+        arrivals = tuple(sorted(rx.arrivals.items()))
+        load = self.link_load()
+        down = math.nan if load is None else load[0]
+        t0, t1 = min(rx.arrivals.values()), max(rx.arrivals.values())
+        overlapped = any(
+            s != key[0] and a0 <= t1 and a1 >= t0 for s, a0, a1 in self._spans
+        ) or any(
+            k[0] != key[0] and other.arrivals and min(other.arrivals.values()) <= t1
+            for k, other in self._rx.items()
+        )
+        self._spans.append((key[0], t0, t1))
+        senders = min(len({c.peer_name for c in self._sessions.values()}), 0xFFFF)
+        ctl.send(probe.TrainReport(key[0], key[1], rx.count, down, overlapped, arrivals,
+                                   senders))
+
+    # -- control connections ---------------------------------------------------
+
+    async def _on_control(self, reader: asyncio.StreamReader,
+                          writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
+        ctl = _Control(self, writer)
+        self._controls.add(ctl)
+        try:
+            while True:
+                data = await reader.read(READ_CHUNK)
+                ctl.conn.receive_data(data)
+                while True:
+                    ev = ctl.conn.next_event()
+                    if isinstance(ev, probe.NeedData):
+                        break
+                    if isinstance(ev, probe.ConnectionClosed):
+                        return
+                    self._handle(ctl, ev)
+                await writer.drain()
+        except ProtocolError as exc:
+            log.info("agent %s: dropping a control connection: %s", self.name, exc)
+            self._count_bad("frame")
+        except (ConnectionError, OSError):
+            pass
+        except asyncio.CancelledError:
+            pass
+        finally:
+            for s in ctl.sessions:
+                self._sessions.pop(s, None)
+            self._controls.discard(ctl)
+            writer.close()
+            if task is not None:
+                self._handlers.discard(task)
+
+    def _handle(self, ctl: _Control, ev: probe.Event) -> None:
+        if isinstance(ev, probe.Hello):
+            ctl.sessions.add(ev.session)
+            ctl.peer_name = ev.name
+            self._sessions[ev.session] = ctl
+            ctl.send(probe.HelloAck(self.name))
+        elif isinstance(ev, probe.Ping):
+            ctl.send(probe.Pong(ev.nonce, ev.sent_ns))
+        elif isinstance(ev, probe.GetEstimates):
+            ctl.send(self._estimates_event(ev.request_id))
+        elif isinstance(ev, probe.TransferReport):
+            st = self._peers.get(ev.peer)
+            if self.metrics is not None:
+                self.metrics.transfer_reports.labels(
+                    "accepted" if st is not None else "unknown_peer"
+                ).inc()
+            if st is not None:
+                st.estimator.on_passive(ev.nbytes, ev.seconds)
+        elif isinstance(ev, probe.SetPeers):
+            try:
+                peers = {}
+                for p in ev.peers:
+                    if not p.name or not 0 < p.port <= 65535:
+                        raise ConfigError(f"peer {p!r} needs a name and a port in 1..65535")
+                    peers[p.name] = (p.host, p.port)
+                self.set_peers(peers)
+            except ConfigError as exc:
+                ctl.send(probe.Error(ev.request_id, str(exc)))
+            else:
+                ctl.send(probe.Ack(ev.request_id))
+        else:
+            raise ProtocolError(f"a client may not send {type(ev).__name__} to an agent")
+
+
+def _mbit(x: float | None) -> str:
+    return "-" if x is None else f"{x / 1e6:.1f}"
+
+
+# --- clients ------------------------------------------------------------------
+
+
+class AgentClient:
+    """Talk to an agent: read its estimates, report transfers, set its peers."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 timeout: float) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._conn = probe.Connection()
+        self._next_id = 0
+        self.timeout = timeout
+
+    @classmethod
+    async def connect(cls, host: str, port: int, timeout: float = 2.0) -> AgentClient:
+        reader, writer = await within(asyncio.open_connection(host, port), timeout)
+        return cls(reader, writer, timeout)
+
+    async def close(self) -> None:
+        self._writer.close()
+        with contextlib.suppress(Exception):
+            await within(self._writer.wait_closed(), self.timeout)
+
+    async def __aenter__(self) -> AgentClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _request(self, event: probe.Event) -> probe.Event:
+        self._writer.write(self._conn.send(event))
+        return await within(self._read_event(), self.timeout)
+
+    async def _read_event(self) -> probe.Event:
+        while True:
+            ev = self._conn.next_event()
+            if isinstance(ev, probe.ConnectionClosed):
+                raise ConnectionLost("the agent closed the connection")
+            if not isinstance(ev, probe.NeedData):
+                return ev
+            self._conn.receive_data(await self._reader.read(READ_CHUNK))
+
+    def _rid(self) -> int:
+        self._next_id = (self._next_id + 1) & 0xFFFFFFFF
+        return self._next_id
+
+    async def estimates(self) -> probe.Estimates:
+        ev = await self._request(probe.GetEstimates(self._rid()))
+        if not isinstance(ev, probe.Estimates):
+            raise ProtocolError(f"expected Estimates, got {type(ev).__name__}")
+        return ev
+
+    async def report_transfer(self, peer: str, nbytes: int, seconds: float) -> None:
+        self._writer.write(self._conn.send(probe.TransferReport(peer, nbytes, seconds)))
+        await within(self._writer.drain(), self.timeout)
+
+    async def set_peers(self, peers: Mapping[str, tuple[str, int]]) -> None:
+        ev = await self._request(
+            probe.SetPeers(self._rid(), tuple(probe.PeerAddress(n, h, p)
+                                              for n, (h, p) in peers.items()))
+        )
+        if isinstance(ev, probe.Error):
+            raise ConfigError(f"agent refused the peer list: {ev.message}")
+        if not isinstance(ev, probe.Ack):
+            raise ProtocolError(f"expected Ack, got {type(ev).__name__}")
+
+
+def query_estimates(host: str, port: int, timeout: float = 2.0) -> probe.Estimates:
+    """Blocking one-shot: connect, read the estimates, close (for tools and tests)."""
+    conn = probe.Connection()
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        s.settimeout(timeout)
+        s.sendall(conn.send(probe.GetEstimates(1)))
+        while True:
+            ev = conn.next_event()
+            if isinstance(ev, probe.Estimates):
+                return ev
+            if isinstance(ev, probe.ConnectionClosed):
+                raise ConnectionLost(f"agent at {host}:{port} closed the connection")
+            if not isinstance(ev, probe.NeedData):
+                raise ProtocolError(f"expected Estimates, got {type(ev).__name__}")
+            conn.receive_data(s.recv(READ_CHUNK))

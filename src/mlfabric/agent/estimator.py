@@ -1,0 +1,624 @@
+"""Available-bandwidth estimation: pure code, no I/O, an injectable clock.
+
+The model (the design brief's "big switch"): a transfer a -> b crosses a's
+uplink and b's downlink. Its available bandwidth is the path's bottleneck
+capacity ``C`` less the load already on those two edge links::
+
+    A(a -> b) = C(a -> b) - max(load_up(a), load_down(b))
+
+Each part is measured where it can be measured exactly:
+
+* **Capacity, actively** (`PathEstimator.plan`, `analyze_train`, `CapacityFilter`): a
+  train of equal-sized UDP datagrams is sent back to back. Its first packets
+  pass through the bottleneck's token bucket (tbf burst, NIC coalescing)
+  untouched; the rest queue and leave spaced by the bottleneck rate. The
+  receiver's kernel timestamps show both phases; the spacing after the burst is
+  the capacity sample. Cross traffic that slips into the queue can only widen
+  the spacing, so samples scatter *below* ``C``: the filter keeps an upper
+  order statistic of the recent samples and only follows a drop when
+  consecutive, well-founded samples fall below what the measured load can
+  explain. A step is confirmed by a second train sent at once, so the estimate
+  follows a rate change within about one probe interval.
+* **Load, from the hosts' own NIC counters** (`LoadMeter`): every agent knows
+  the bytes its host sent and received; less its own probe bytes, that is the
+  load on its uplink and downlink. The receiver of a train reports its
+  downlink load with the train's arrivals.
+
+Why not dispersion of a paced train against cross traffic (the textbook
+``A = C - R_in * (C / R_out - 1)``)? Measured on the emulated cluster it fails
+both ways: a TCP flow leaving the *same* host is held back by TCP small queues
+while the train sits in the qdisc, so the train sees an idle link; and a paced
+TCP flow arriving from another host comes in 1 ms bursts, so 2 ms trains see
+anything from 0.5 C to C. The NIC counters see both exactly.
+
+Budget: a train is sized for the current capacity estimate (the token-bucket
+burst plus ``measure_s`` of queueing, a few milliseconds of the link) and the
+interval between trains is set so that, in steady state, the wire bytes of all
+trains through one uplink (``share`` = number of peers) stay at ``target`` of
+``budget`` times the capacity; quick trains (start-up, confirmations,
+retries) wait for a token bucket filled at ``hard_cap`` of the budget, so
+even a storm of retries keeps the overhead below the budget.
+
+Passive samples: a local client reports a finished transfer (bytes,
+seconds). Its rate is a lower bound of what that path delivers to mlfabric
+traffic; while fresh it raises the estimate (the job's own transfers load
+the counters, yet are available to the job).
+
+Rates are bit/s of datagram payload, i.e. the shaped rate less IP/UDP/Ethernet
+header overhead, which is what an application sending full-size packets gets.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from ..wire.agent_protocol import WIRE_OVERHEAD
+
+Clock = Callable[[], float]
+
+DEFAULT_PACKET_SIZE = 1472  # UDP payload of a full 1500-byte IP packet
+
+
+class RobustFilter:
+    """Median of the last `window` accepted samples, with step-change detection.
+
+    A sample more than `threshold` (relative) away from the current value is
+    held back; `confirm` consecutive held-back samples on the same side replace
+    the window (a step). So one outlier never moves the value, a step is
+    followed after `confirm` samples.
+    """
+
+    def __init__(self, window: int = 5, threshold: float = 0.15, confirm: int = 2) -> None:
+        if window < 1 or confirm < 1 or threshold <= 0:
+            raise ValueError("window and confirm must be >= 1 and threshold > 0")
+        self.window = window
+        self.threshold = threshold
+        self.confirm = confirm
+        self._accepted: deque[float] = deque(maxlen=window)
+        self._pending: list[float] = []
+        self._pending_side = 0
+        self.value: float | None = None
+        self.count = 0  # samples seen, accepted or not
+        self.last_sample: float | None = None  # clock time of the last sample
+
+    @property
+    def pending(self) -> int:
+        """Disagreeing samples held back, waiting for confirmation."""
+        return len(self._pending)
+
+    def reset(self) -> None:
+        self._accepted.clear()
+        self._pending.clear()
+        self.value = None
+
+    def _summary(self) -> float:
+        return statistics.median(self._accepted)
+
+    def _disagrees(self, x: float, v: float, slack: float) -> int | None:
+        """+1 (above), -1 (below), 0 (agrees) or None (uninformative: ignore)."""
+        if x > v * (1 + self.threshold):
+            return 1
+        if x < v * (1 - self.threshold):
+            return -1
+        return 0
+
+    def touch(self, now: float) -> None:
+        """A sample arrived that carries no value (it still shows the path is alive)."""
+        self.count += 1
+        self.last_sample = now
+
+    def add(self, x: float, now: float, slack: float = 0.0) -> float:
+        if not math.isfinite(x) or x < 0:
+            raise ValueError(f"sample must be finite and >= 0, got {x!r}")
+        self.count += 1
+        self.last_sample = now
+        v = self.value
+        side = 0 if v is None else self._disagrees(x, v, slack)
+        if v is None:
+            self._accepted.append(x)
+        elif side is None:
+            return v
+        elif side:
+            if self._pending and self._pending_side != side:
+                self._pending.clear()
+            self._pending_side = side
+            self._pending.append(x)
+            if len(self._pending) >= self.confirm:
+                self._accepted.clear()
+                self._accepted.extend(self._pending)
+                self._pending.clear()
+        else:
+            self._pending.clear()
+            self._accepted.append(x)
+        self.value = self._summary()
+        return self.value
+
+
+class CapacityFilter(RobustFilter):
+    """Like `RobustFilter`, for samples that scatter below the true value.
+
+    The value is the second largest of the window (the largest while the window
+    has fewer than three samples), so a single high outlier does not lift it.
+    A sample under ``(1 - threshold) * value`` is "below" only if it is also
+    under ``(1 - threshold) * (value - slack)``, where `slack` is the load
+    currently measured on the path: cross traffic can explain samples down to
+    about ``value - load``, and such samples say nothing about the capacity
+    (they are counted for the age of the estimate, but not kept); a capacity
+    drop cannot hide behind the load.
+    """
+
+    def _summary(self) -> float:
+        s = sorted(self._accepted, reverse=True)
+        return s[1] if len(s) >= 3 else s[0]
+
+    def _disagrees(self, x: float, v: float, slack: float) -> int | None:
+        if x > v * (1 + self.threshold):
+            return 1
+        if x >= v * (1 - self.threshold):
+            return 0
+        if x < (1 - self.threshold) * max(v - slack, 0.0):
+            return -1
+        return None
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """One probe train: `count` datagrams of `size` payload bytes, back to back."""
+
+    train: int
+    count: int
+    size: int = DEFAULT_PACKET_SIZE
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.count * (self.size + WIRE_OVERHEAD)
+
+
+@dataclass(frozen=True)
+class TrainMeasurement:
+    received: int
+    lost: int
+    capacity_bps: float | None  # dispersion after the burst; None if it never queued
+    send_bps: float | None  # how fast the sender got the train out
+    queued: int  # packets that arrived spaced by the bottleneck
+    spacing_bps: float | None = None  # rate of the typical queued gap, even if too few queued
+
+    @property
+    def sender_limited(self) -> bool:
+        """No queue formed: the train left the bottleneck as fast as it was sent."""
+        return self.capacity_bps is None
+
+
+def analyze_train(
+    plan: TrainPlan,
+    sent_ns: Sequence[int],
+    arrivals: Sequence[tuple[int, int]] | Mapping[int, int],
+    min_queued: int = 4,
+) -> TrainMeasurement:
+    """Turn one train's send times and (seq, receive ns) arrivals into a capacity sample.
+
+    The gaps between consecutive arrivals (per packet, so losses are bridged)
+    are short while the token bucket lets packets through (the sender's pace)
+    and settle at ``size / C`` once they queue. A gap counts as queued only if
+    it is clearly longer than the same packets' send gap (so a slow or
+    descheduled sender is never mistaken for the bottleneck); the median of
+    the queued gaps (above half their upper quartile) is the typical spacing,
+    and the longest run of consecutive queued gaps within [0.6, 1.5] of it is
+    the clean queued phase: a pause of the sender (the queue drained) or cross
+    traffic slipping in ends a run instead of diluting the sample. A receiver
+    that was held up gets the next packets bunched (a long gap, then short
+    ones); once they are back on schedule they stay in the run: at 50 Mbit/s a
+    train queues only 6-8 packets, and such a hold-up (recorded in about one
+    train in 50 on a busy host) would otherwise leave it unmeasured.
+    `spacing_bps` is the rate of the typical queued gap, also when too few
+    packets queued for a capacity sample.
+    """
+    items = arrivals.items() if isinstance(arrivals, Mapping) else arrivals
+    got = sorted((s, t) for s, t in items if 0 <= s < plan.count)
+    bits = plan.size * 8
+    send_bps = None
+    if len(sent_ns) >= 2 and sent_ns[-1] > sent_ns[0]:
+        send_bps = (len(sent_ns) - 1) * bits * 1e9 / (sent_ns[-1] - sent_ns[0])
+    capacity = None
+    spacing = None
+    queued = 0
+    have_send = len(sent_ns) == plan.count
+    steps = []  # (packets, receive ns, send ns) between consecutive arrivals
+    for (s0, t0), (s1, t1) in itertools.pairwise(got):
+        if s1 > s0:
+            steps.append((s1 - s0, t1 - t0, sent_ns[s1] - sent_ns[s0] if have_send else 0))
+    if len(steps) >= 2:
+        # a gap shows the bottleneck's spacing only if the packet waited in its queue:
+        # it arrived further behind its predecessor than it was sent
+        waited = [dr >= 1.25 * ds for _, dr, ds in steps]
+        gaps = [dr / k for k, dr, _ in steps]
+        cand = [g for g, w in zip(gaps, waited, strict=True) if w]
+        m = 0.0
+        if cand:
+            q75 = sorted(cand)[(3 * len(cand)) // 4]
+            m = statistics.median([g for g in cand if g >= 0.5 * q75])
+        best = (0, 0)  # (packets, ns) of the longest clean run
+        run_k = run_t = 0
+        late_k = late_t = 0  # a late arrival and the bunched ones after it, not yet in a run
+        prev_g = 0.0  # the gap of the run's last step
+        for (k, dr, _), g, w in zip(steps, gaps, waited, strict=True):
+            if late_k:
+                if g < 0.85 * m:
+                    late_k += k
+                    late_t += dr
+                    if late_t <= 1.1 * m * late_k:
+                        # caught up: the receiver was held up and got these bunched,
+                        # but they left the queue on schedule
+                        run_k, run_t, late_k, late_t = run_k + late_k, run_t + late_t, 0, 0
+                        prev_g = m
+                        if run_k > best[0]:
+                            best = (run_k, run_t)
+                    continue
+                # a long gap and then regular ones: cross traffic slipped in
+                run_k = run_t = late_k = late_t = 0
+            if run_k and w and 0.6 * m <= g <= 1.5 * m:
+                run_k += k
+                run_t += dr
+            elif m > 0 and g > 1.5 * m:
+                late_k, late_t = k, dr  # a pause; whether it ends the run, the next gaps tell
+                continue
+            elif run_k and g < 0.6 * m and prev_g > 1.15 * m and (
+                    0.75 * m <= (prev_g + dr) / (1 + k) <= 1.25 * m):
+                run_k += k  # one packet a little late, the next early: on schedule
+                run_t += dr
+            elif w and m > 0 and 0.9 * m <= g <= 1.5 * m:
+                # a run does not start with a short gap: it may be shortened by the
+                # tokens left in the bucket when the queue began
+                run_k, run_t = k, dr
+            else:
+                run_k = run_t = 0
+            prev_g = g
+            if run_k > best[0]:
+                best = (run_k, run_t)
+        queued = best[0]
+        if queued >= min_queued and best[1] > 0:
+            capacity = queued * bits * 1e9 / best[1]
+        if m > 0:
+            spacing = bits * 1e9 / m
+    return TrainMeasurement(len(got), plan.count - len(got), capacity, send_bps, queued,
+                            spacing)
+
+
+class LoadMeter:
+    """Load on a host's uplink and downlink from its NIC byte counters, less probes.
+
+    Feed cumulative counters with `update(now, rx, tx, probe_rx, probe_tx)`
+    (all in wire bytes); `rates()` gives (downlink, uplink) load in bit/s over
+    the last `window` seconds, or None until two readings exist.
+    """
+
+    def __init__(self, window: float = 0.5) -> None:
+        self.window = window
+        self._readings: deque[tuple[float, int, int, int, int]] = deque()
+
+    def update(self, now: float, rx: int, tx: int, probe_rx: int, probe_tx: int) -> None:
+        r = self._readings
+        if r and (rx < r[-1][1] or tx < r[-1][2]):
+            r.clear()  # counters reset (interface re-created)
+        r.append((now, rx, tx, probe_rx, probe_tx))
+        while len(r) > 2 and now - r[1][0] >= self.window:
+            r.popleft()
+
+    def rates(self) -> tuple[float, float] | None:
+        r = self._readings
+        if len(r) < 2:
+            return None
+        (t0, rx0, tx0, prx0, ptx0), (t1, rx1, tx1, prx1, ptx1) = r[0], r[-1]
+        dt = t1 - t0
+        if dt <= 0:
+            return None
+        down = max(0, (rx1 - rx0) - (prx1 - prx0)) * 8 / dt
+        up = max(0, (tx1 - tx0) - (ptx1 - ptx0)) * 8 / dt
+        return down, up
+
+
+@dataclass(frozen=True)
+class PathEstimate:
+    bandwidth_bps: float  # available; NaN when unknown
+    capacity_bps: float
+    rtt_s: float
+    age_s: float  # since the last capacity sample; inf when never measured
+    stale: bool
+    samples: int
+    load_bps: float  # max(uplink load here, downlink load at the peer), payload bit/s
+    passive_bps: float  # last passive (real transfer) rate, NaN if none
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    budget: float = 0.02  # max fraction of the path capacity spent on probes
+    target: float = 0.6  # fraction of the budget planned for steady state (headroom for
+    # confirmation trains, reports and acks)
+    hard_cap: float = 0.75  # retries and confirmations never push probes beyond this
+    cap_depth: float = 0.5  # seconds of hard_cap the token bucket holds
+    min_confident: int = 6  # queued packets a sample needs to signal a capacity drop
+    share: int = 1  # paths probed over the same uplink (the number of peers)
+    packet_size: int = DEFAULT_PACKET_SIZE
+    burst_s: float = 0.0012  # token-bucket burst to push through before queueing starts
+    measure_s: float = 0.0015  # queued part of the train, for the capacity sample
+    min_packets: int = 8
+    max_packets: int = 2000
+    min_interval: float = 0.15
+    max_interval: float = 0.8
+    quick_interval: float = 0.02  # confirmation / escalation probes
+    startup_trains: int = 3  # quick trains right after start
+    initial_bps: float = 100e6
+    max_bps: float = 40e9
+    min_bps: float = 1e6
+    stale_after: float = 3.0
+    passive_fresh: float = 3.0  # a passive sample counts this long
+    min_passive_bytes: int = 256 * 1024
+    window: int = 5
+    threshold: float = 0.12
+    confirm: int = 2
+
+    def __post_init__(self) -> None:
+        if not 0 < self.budget <= 1:
+            raise ValueError(f"probe budget must be in (0, 1], got {self.budget!r}")
+        if self.share < 1:
+            raise ValueError(f"share must be >= 1, got {self.share!r}")
+        if self.stale_after <= 0:
+            raise ValueError(f"stale_after must be > 0 seconds, got {self.stale_after!r}")
+
+    @property
+    def payload_ratio(self) -> float:
+        return self.packet_size / (self.packet_size + WIRE_OVERHEAD)
+
+
+class PathEstimator:
+    """Everything one agent knows about the path to one peer, and when to probe next.
+
+    Pure: every method takes `now` or reads the injected clock.
+    """
+
+    def __init__(self, config: ProbeConfig | None = None, clock: Clock = time.monotonic) -> None:
+        self.config = c = config or ProbeConfig()
+        self.clock = clock
+        self.capacity = CapacityFilter(c.window, c.threshold, c.confirm)
+        self.rtt = RobustFilter(5, 1e9, 1)  # plain median of the last 5
+        self.hint_bps = c.initial_bps  # rate the next train is sized for
+        self.peer_down_load: float | None = None  # wire bit/s at the peer's downlink
+        self.passive_bps = math.nan
+        self._passive_at: float | None = None
+        self._trains = 0
+        self._quick = False
+        self.lost_streak = 0  # trains in a row that got no (usable) report
+        self._unqueued = 0  # trains in a row that formed no queue
+        self._escalated = False  # the last train was sized up after finding no queue
+        self._tokens = 0.0  # the budget's token bucket (wire bytes), see interval()
+        self._tokens_at: float | None = None
+        self._free_quick = 0  # quick trains in a row that did not wait for the bucket
+        self._free = True  # the next train is not charged to the token bucket
+        self._sends: deque[float] = deque(maxlen=8)  # recent send rates of this host
+        self._last = ""  # the last train's outcome
+        self.outcomes: dict[str, int] = {}
+
+    # -- planning ------------------------------------------------------------
+
+    def plan(self, train_id: int) -> TrainPlan:
+        """The next train, sized to get past the burst and queue for `measure_s`;
+        shorter (not less often than `max_interval`) when the budget is tight."""
+        c = self.config
+        rate_wire = self.hint_bps / c.payload_ratio / 8  # bytes/s on the wire
+        wire = c.packet_size + WIRE_OVERHEAD
+        burst = max(2 * 1514, rate_wire * c.burst_s)
+        measure = rate_wire * c.measure_s
+        affordable = self.budget_bytes_per_s() * c.max_interval - burst
+        measure = max(min(measure, affordable), 0.0)
+        count = math.ceil((burst + measure) / wire)
+        count = min(max(count, c.min_packets), c.max_packets)
+        return TrainPlan(train_id, count, c.packet_size)
+
+    def budget_bytes_per_s(self) -> float:
+        """Wire bytes per second this path may spend on probes in steady state."""
+        c = self.config
+        return c.budget * c.target * self.hint_bps / c.payload_ratio / 8 / c.share
+
+    def _refill(self, now: float) -> float:
+        """The budget's token bucket: refills at `hard_cap` of the budget for the
+        current capacity, holds `cap_depth` seconds of it. Returns the fill rate."""
+        c = self.config
+        cap = max(self.capacity.value or 0.0, self.hint_bps)
+        rate = c.budget * c.hard_cap * cap / c.payload_ratio / 8 / c.share
+        depth = rate * c.cap_depth
+        if self._tokens_at is None:
+            self._tokens = depth
+        else:
+            self._tokens = min(depth, self._tokens + rate * max(0.0, now - self._tokens_at))
+        self._tokens_at = now
+        return rate
+
+    def record_sent(self, nbytes: int, now: float | None = None) -> None:
+        """Account a train's wire bytes against the budget (start-up trains and the
+        few trains following a change are not charged: their number is bounded)."""
+        now = self.clock() if now is None else now
+        self._refill(now)
+        if not self._free:
+            self._tokens -= nbytes
+
+    def interval(self, now: float | None = None) -> float:
+        """Delay before the next train: quick while starting up or confirming a change,
+        else as long as the budget requires for a train sized for the current
+        estimate (at least `min_interval`). Retries (lost trains, a descheduled
+        sender) and long runs of quick trains (a flapping path) also wait for the
+        budget's token bucket, so that they stay below `hard_cap` of the budget;
+        start-up trains and the first few trains following a change do not.
+        Call once per train."""
+        now = self.clock() if now is None else now
+        c = self.config
+        nxt = self.plan(0).wire_bytes
+        rate = self._refill(now)
+        self._free = False
+        if self._trains < c.startup_trains:
+            self._free = True
+            return c.quick_interval
+        if not self._quick:
+            self._free_quick = 0
+            interval = max(nxt / self.budget_bytes_per_s(), c.min_interval)
+        elif self._free_quick < 5 and (
+            self._last in ("unqueued", "escalate", "sample")
+            or (self._free_quick > 0 and self._last in ("sender-slow", "lost", "collision"))
+        ):
+            # following a change: a few trains in a row go at once
+            self._free_quick += 1
+            self._free = True
+            return c.quick_interval
+        else:
+            interval = c.quick_interval
+        if nxt > self._tokens:
+            interval = max(interval, (nxt - self._tokens) / rate)
+        return interval
+
+    # -- samples -------------------------------------------------------------
+
+    def on_train(self, m: TrainMeasurement, now: float | None = None,
+                 peer_down_load: float | None = None, overlapped: bool = False) -> str:
+        """Fold one train in. Returns how it was taken:
+
+        * "sample": a capacity sample (kept or not by the filter);
+        * "unqueued": no queue formed, once: re-probe to confirm;
+        * "escalate": no queue formed twice: the path is faster than the train
+          was sized for, the next one is sized for a 4x faster path;
+        * "sender-limited": no queue although the train was sized for as fast
+          as this host sends: the send rate is the sample;
+        * "weak": a short queued run far below the estimate (ignored);
+        * "short": no measurable queue, but the few queued packets were spaced at
+          the current estimate: the path is no faster (nothing learnt, no re-probe);
+        * "sender-slow": the sender could not send fast enough (descheduled);
+        * "collision": another agent's train reached the peer at the same time
+          (they shared its downlink): retried;
+        * "lost": (almost) nothing arrived.
+        """
+        now = self.clock() if now is None else now
+        c = self.config
+        self._trains += 1
+        self._quick = False
+        escalated, self._escalated = self._escalated, False
+        if peer_down_load is not None and math.isfinite(peer_down_load):
+            self.peer_down_load = peer_down_load
+        if m.send_bps is not None:
+            self._sends.append(m.send_bps)
+        if m.received < 3:
+            self.lost_streak += 1
+            self._escalated = escalated  # a lost train does not end an escalation
+            return self._outcome("lost", quick=self.lost_streak == 1)
+        self.lost_streak = 0
+        if overlapped:
+            self._escalated = escalated
+            return self._outcome("collision", quick=True)
+        if m.sender_limited:
+            send = m.send_bps
+            if send is None or send < 0.8 * self.hint_bps:
+                # the sender was slower than the path we expect (descheduled): no news
+                self._escalated = escalated
+                return self._outcome("sender-slow", quick=True)
+            v = self.capacity.value
+            if (m.queued >= 2 and m.spacing_bps is not None and v is not None
+                    and abs(m.spacing_bps - v) <= c.threshold * v):
+                # a queue did form, spaced at the known capacity, but a hold-up at
+                # the sender or the receiver cut it short: the path is no faster
+                # (re-probing at once would spend the budget on a path that has
+                # not changed, typically a small train on a busy host)
+                self._unqueued = 0
+                self.capacity.touch(now)
+                return self._outcome("short", quick=False)
+            self._unqueued += 1
+            fastest = max(self._sends, default=send)
+            if self.hint_bps < 0.9 * fastest and self.hint_bps < c.max_bps:
+                if self._unqueued < 2 and self.capacity.value is not None:
+                    return self._outcome("unqueued", quick=True)  # once may be a fluke
+                # sized for a slower path: a train for a faster one next (but not
+                # beyond what this host has recently managed to send)
+                self._unqueued = 0
+                self._escalated = True
+                self.hint_bps = min(max(self.hint_bps * 4, c.min_bps), fastest, c.max_bps)
+                return self._outcome("escalate", quick=True)
+            # sized for as fast as this host sends, and still no queue
+            self._unqueued = 0
+            self.capacity.add(min(send, c.max_bps), now)
+            self.hint_bps = max(self.capacity.value or send, c.min_bps)
+            return self._outcome("sender-limited")
+        self._unqueued = 0
+        assert m.capacity_bps is not None
+        v = self.capacity.value
+        if escalated and v is not None and m.capacity_bps > v * (1 + c.threshold):
+            # two trains found no queue, a bigger one measured a faster path: that
+            # confirms the increase already
+            self.capacity.reset()
+        if (m.queued < c.min_confident and v is not None
+                and m.capacity_bps < v * (1 - c.threshold)):
+            # a short queued run well below the estimate: cross traffic or jitter more
+            # likely than a capacity drop; it refreshes the age but moves nothing
+            self.capacity.touch(now)
+            return self._outcome("weak", quick=False)
+        self.capacity.add(m.capacity_bps, now, slack=self.load_bps(0.0))
+        # while a step is being confirmed, size the next train for the larger of the
+        # two, so that it queues long enough to be trusted either way
+        v = self.capacity.value
+        size_for = max(m.capacity_bps, v or 0.0) if self.capacity.pending else v
+        self.hint_bps = min(max(size_for or m.capacity_bps, c.min_bps), c.max_bps)
+        return self._outcome("sample", quick=self.capacity.pending > 0)
+
+    def _outcome(self, name: str, quick: bool = False) -> str:
+        self.outcomes[name] = self.outcomes.get(name, 0) + 1
+        self._last = name
+        self._quick = quick
+        return name
+
+    def on_rtt(self, seconds: float, now: float | None = None) -> None:
+        self.rtt.add(seconds, self.clock() if now is None else now)
+
+    def on_passive(self, nbytes: int, seconds: float, now: float | None = None) -> bool:
+        """A real transfer of `nbytes` took `seconds`. Small transfers (slow start
+        dominated) are ignored; returns whether the sample was used."""
+        now = self.clock() if now is None else now
+        if nbytes < self.config.min_passive_bytes or seconds <= 0:
+            return False
+        self.passive_bps = nbytes * 8 / seconds
+        self._passive_at = now
+        return True
+
+    # -- reading -------------------------------------------------------------
+
+    def load_bps(self, local_up_load: float | None) -> float:
+        """Load on the path in payload bit/s: the busier of our uplink and the
+        peer's downlink (wire bit/s from the counters, scaled to payload)."""
+        loads = [x for x in (local_up_load, self.peer_down_load) if x is not None]
+        return max(loads, default=0.0) * self.config.payload_ratio
+
+    def snapshot(self, now: float | None = None,
+                 local_up_load: float | None = None) -> PathEstimate:
+        now = self.clock() if now is None else now
+        c = self.config
+        cap = self.capacity.value
+        last = self.capacity.last_sample
+        age = math.inf if last is None else max(0.0, now - last)
+        load = self.load_bps(local_up_load)
+        bw = math.nan if cap is None else min(max(cap - load, 0.0), cap)
+        fresh_passive = self._passive_at is not None and now - self._passive_at <= c.passive_fresh
+        if fresh_passive:
+            bw = self.passive_bps if math.isnan(bw) else max(bw, min(self.passive_bps,
+                                                                     cap or math.inf))
+            if cap is None:
+                age = now - self._passive_at  # type: ignore[operator]
+        return PathEstimate(
+            bandwidth_bps=bw,
+            capacity_bps=math.nan if cap is None else cap,
+            rtt_s=math.nan if self.rtt.value is None else self.rtt.value,
+            age_s=age,
+            stale=math.isnan(bw) or age > c.stale_after,
+            samples=self.capacity.count,
+            load_bps=load,
+            passive_bps=self.passive_bps,
+        )

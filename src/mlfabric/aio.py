@@ -1,0 +1,8 @@
+"""The asyncio client, public path: `await mlfabric.aio.connect(...)`.
+
+It lives in `mlfabric.client.aio`; this module names what users import.
+"""
+
+from .client.aio import AsyncClient, connect
+
+__all__ = ["AsyncClient", "connect"]

@@ -1,0 +1,77 @@
+"""The `mlfabric` command: one subcommand per component.
+
+Each subcommand lives in its own module, which provides
+`add_arguments(parser)` and `run(args) -> int`; this file only dispatches and
+turns mlfabric errors into one-line messages instead of tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from .errors import MlfabricError
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "server": ("mlfabric.server.cli", "run a parameter server (or its replica) for one job"),
+    "demo": ("mlfabric.tools.demo", "train a small model through a local parameter server"),
+    "testbed": (
+        "mlfabric.tools.testbed_cli",
+        "create or remove an emulated cluster of network namespaces",
+    ),
+    "agent": ("mlfabric.agent.cli", "run the per-host bandwidth agent"),
+    "controller": ("mlfabric.controller.cli", "order a job's transfers (the controller)"),
+    "status": ("mlfabric.controller.status_cli",
+               "show a job's workers, servers, agents, versions, delays and bandwidth"),
+    "promote": ("mlfabric.replication.promote_cli",
+                "make a replica the server by hand (checks the old server is gone, or --force)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="mlfabric",
+        description="Network-aware communication for distributed ML training.",
+    )
+    parser.add_argument("--version", action="version", version=f"mlfabric {__version__}")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging verbosity (default: INFO)",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return int(args._run(args) or 0)
+    except MlfabricError as exc:
+        print(f"mlfabric {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"mlfabric {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

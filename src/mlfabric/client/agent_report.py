@@ -1,0 +1,76 @@
+"""Clients tell their host's agent about real transfers.
+
+A finished push is a measurement of the path to the server (bytes over
+seconds: a lower bound of what the path delivers); the agent uses it as a
+passive sample (mlfabric.agent.estimator). Reporting is telemetry: it never delays
+or fails a push. Reports go from a background thread through a bounded
+queue; if the agent is unreachable they are dropped, with one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+
+from ..wire import agent_protocol as probe
+from .core import parse_address
+
+log = logging.getLogger("mlfabric.client")
+
+# Smaller transfers are dominated by latency, not bandwidth: not reported.
+MIN_REPORT_BYTES = 1 << 16
+_QUEUE = 1024
+
+
+class TransferReporter:
+    def __init__(self, address: str, timeout: float = 0.5) -> None:
+        self.address = address
+        self._host, self._port = parse_address(address)
+        self._timeout = timeout
+        self._queue: queue.Queue[probe.TransferReport | None] = queue.Queue(_QUEUE)
+        self._warned = False
+        self.sent = 0
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._run, name="mlfabric-agent-report",
+                                        daemon=True)
+        self._thread.start()
+
+    def report(self, peer: str, nbytes: int, seconds: float) -> None:
+        if nbytes < MIN_REPORT_BYTES or not seconds > 0:
+            return
+        try:
+            self._queue.put_nowait(probe.TransferReport(peer, nbytes, seconds))
+        except queue.Full:
+            self.dropped += 1
+
+    def _run(self) -> None:
+        sock: socket.socket | None = None
+        conn = probe.Connection()
+        while (event := self._queue.get()) is not None:
+            try:
+                if sock is None:
+                    sock = socket.create_connection((self._host, self._port), self._timeout)
+                sock.sendall(conn.send(event))
+                self.sent += 1
+                self._warned = False
+            except OSError as exc:
+                self.dropped += 1
+                if sock is not None:
+                    sock.close()
+                sock = None
+                if not self._warned:
+                    log.warning("cannot report transfers to the agent at %s (%s); dropping "
+                                "reports until it answers", self.address, exc)
+                    self._warned = True
+        if sock is not None:
+            sock.close()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Send what is queued (bounded by `timeout`), then stop."""
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)

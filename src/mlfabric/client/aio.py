@@ -1,0 +1,637 @@
+"""The asyncio client: `await mlfabric.client.aio.connect(...)`.
+
+Same API as the blocking client with awaitables: `await ps.pull()`, and
+`ps.push(...)` returns an asyncio future of the outcome at once. Pushed
+arrays are handed to the transport without a copy: do not modify them until
+the push's future is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError, ConnectError, ConnectionLost, MlfabricError
+from ..runtime.loop import within
+from ..runtime.metrics import ClientMetrics
+from ..wire.protocol import (
+    HEADER,
+    MAX_META_LEN,
+    NEED_DATA,
+    Connection,
+    Failover,
+    Pull,
+    PullCancel,
+    Push,
+    ReplicaAt,
+    layout,
+)
+from .core import (
+    DEFAULT_PUSH_TIMEOUT,
+    PULL_WAIT,
+    Handshake,
+    RequestTable,
+    check_base_version,
+    check_push_timeout,
+    check_update,
+    connection_lost_error,
+    default_client_name,
+    parse_address,
+    resolve_token,
+    watch_period,
+)
+from .outcome import PushOutcome
+
+_JOIN_LIMIT = 1 << 16
+log = logging.getLogger("mlfabric.client")
+
+
+async def connect(
+    address: str,
+    *,
+    job: str,
+    token: str | bytes | None = None,
+    token_file: str | os.PathLike[str] | None = None,
+    timeout: float = 10.0,
+    name: str | None = None,
+    metrics: ClientMetrics | None = None,
+    controller: str | None = None,
+    host: str | None = None,
+    controller_fallback: str = "fifo",
+    controller_timeout: float = 30.0,
+    replica: str | None = None,
+    failover_timeout: float = 30.0,
+    replica_backlog: int = 64,
+    replica_timeout: float = 10.0,
+    push_timeout: float | None = DEFAULT_PUSH_TIMEOUT,
+) -> AsyncClient:
+    """Connect to the parameter server at `address` ("HOST:PORT") for `job`.
+
+    The controller arguments work as in mlfabric.connect(), and so do
+    `replica` (worker-driven replication: a push's future resolves once the
+    replica applied the update too, or after `replica_timeout` seconds
+    without its answer), `failover_timeout` and `replica_backlog`: with both
+    `controller` and `replica` the client fails over by itself to the replica
+    the controller promotes, re-sends what the lost server never answered,
+    and feeds a replica that joins later. Every push resolves within
+    `push_timeout` seconds, as with mlfabric.connect()."""
+    check_push_timeout(push_timeout)
+    secret = resolve_token(token, token_file)
+    hs = Handshake(job, secret, name or default_client_name())
+    proto = await open_link(address, hs, timeout, "parameter server", metrics=metrics)
+    client = AsyncClient(proto)
+    client._dial = (job, secret, hs.name, timeout, metrics)
+    if push_timeout is not None:
+        client._watch_pushes(push_timeout)
+    if replica is not None:
+        from .replica_feed import ReplicaFeed, ReplicaFeeds
+
+        try:
+            replica_client = await connect(replica, job=job, token=secret, timeout=timeout,
+                                           name=name)
+        except BaseException:
+            await client.close()
+            raise
+        client._replica_timeout = replica_timeout
+        try:
+            feed = ReplicaFeed(replica_client, parse_address(replica)[0],
+                               timeout=replica_timeout,
+                               schedule=asyncio.get_running_loop().call_later)
+        except ConfigError:
+            await replica_client.close()
+            await client.close()
+            raise
+        client._feeds = ReplicaFeeds(feed)
+        if controller is not None:
+            from .failover import AsyncFailoverWait
+
+            try:
+                client._feeds = ReplicaFeeds(feed, replica_backlog)
+                client._failover = AsyncFailoverWait(failover_timeout)
+            except ConfigError:
+                await client.close()
+                raise
+            feed.on_lost = client._feeds.lost
+    if controller is not None:
+        from .aio_control import AsyncControlledPushes
+
+        sock = proto.transport.get_extra_info("socket")
+        controlled = AsyncControlledPushes(
+            client, controller, Handshake(job, secret, name or default_client_name()),
+            host=host or sock.getsockname()[0], dst=sock.getpeername()[0],
+            fallback=controller_fallback, timeout=controller_timeout,
+            aggregation=replica is None)
+        try:
+            await controlled.start()
+        except BaseException:
+            await client.close()
+            raise
+        client._controlled = controlled
+        if client._feeds is not None and client._feeds.current is not None:
+            client._feeds.current.report = controlled.report_replicated
+    return client
+
+
+async def open_link(address: str, hs: Handshake, timeout: float, what: str, *,
+                    metrics: ClientMetrics | None = None, on_event: Any = None,
+                    on_lost: Any = None, command: str | None = None) -> _ClientProtocol:
+    """Connect to an mlfabric server or controller and complete the handshake.
+    `command`: what should be running there (default: mlfabric + what's last word)."""
+    host, port = parse_address(address)
+    loop = asyncio.get_running_loop()
+    try:
+        _, proto = await within(
+            loop.create_connection(
+                lambda: _ClientProtocol(address, hs, metrics, on_event, on_lost), host, port),
+            timeout,
+        )
+    except (TimeoutError, OSError) as exc:
+        detail = getattr(exc, "strerror", None) or str(exc) or "timed out"
+        command = command or f"mlfabric {what.split()[-1]}"
+        raise ConnectError(
+            f"cannot reach the {what} at {address}: {detail}; is `{command}` running there?"
+        ) from None
+    try:
+        await within(asyncio.shield(proto.welcomed), timeout)
+    except TimeoutError:
+        proto.close()
+        raise ConnectError(f"the {what} did not complete the handshake in time") from None
+    except BaseException:
+        proto.close()
+        raise
+    return proto
+
+
+async def reuse_or_dial(links: dict[str, asyncio.Task[AsyncClient]], address: str,
+                        hs: Handshake, timeout: float, what: str,
+                        command: str | None = None) -> AsyncClient:
+    """The client to `address` kept in `links`, dialled on first use and again
+    once it failed or closed; callers asking meanwhile share one dial."""
+    return await asyncio.shield(dial_ahead(links, address, hs, timeout, what, command))
+
+
+def dial_ahead(links: dict[str, asyncio.Task[AsyncClient]], address: str, hs: Handshake,
+               timeout: float, what: str, command: str | None = None) -> asyncio.Task[AsyncClient]:
+    """Start dialling `address` unless `links` holds a live or pending link to it;
+    returns the dial. A failed dial is only kept for `reuse_or_dial` to replace."""
+    task = links.get(address)
+    if task is None or (task.done() and (task.exception() is not None
+                                         or task.result().closed)):
+        async def dial() -> AsyncClient:
+            return AsyncClient(await open_link(address, hs, timeout, what, command=command))
+
+        task = links[address] = asyncio.get_running_loop().create_task(dial())
+        # Nobody may await a dial made ahead; its failure is seen at the next use.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
+
+
+async def close_links(links: dict[str, asyncio.Task[AsyncClient]]) -> None:
+    """Close every client `reuse_or_dial` kept in `links` (or stop its dial)."""
+    for task in links.values():
+        if task.done() and task.exception() is None:
+            await task.result().close()
+        else:
+            task.cancel()
+
+
+class _ClientProtocol(asyncio.BufferedProtocol):
+    """A connection to a server (answers resolve requests) or, with `on_event`,
+    to a controller (events go to that callback)."""
+
+    def __init__(self, address: str, hs: Handshake, metrics: ClientMetrics | None,
+                 on_event: Any = None, on_lost: Any = None) -> None:
+        self.address = address
+        self.on_event = on_event
+        self.on_lost = on_lost
+        self.hs = hs
+        self.metrics = metrics
+        self.conn = Connection()
+        self.requests = RequestTable(metrics)
+        self.transport: Any = None
+        self.welcomed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.error: BaseException | None = None
+        self._stage = "challenge"
+        self.can_write = asyncio.Event()
+        self.can_write.set()
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            import socket
+
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.send(self.hs.hello())
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.conn.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.conn.buffer_updated(nbytes)
+        if self.metrics is not None:
+            self.metrics.received_bytes.inc(nbytes)
+        try:
+            while (event := self.conn.next_event()) is not NEED_DATA:
+                self._handle(event)
+        except MlfabricError as exc:
+            self._fail(exc)
+            self.close()
+
+    def _handle(self, event: Any) -> None:
+        if self._stage == "ready":
+            if self.on_event is not None:
+                self.on_event(event)
+            else:
+                self.requests.dispatch(event)
+        elif self._stage == "challenge":
+            self.send(self.hs.on_challenge(event))
+            self.hs.verify_server()
+            self._stage = "welcome"
+        else:
+            welcome = self.hs.on_welcome(event)
+            self.conn.max_frame_size = HEADER.size + MAX_META_LEN + layout(welcome.tensors)[1]
+            self._stage = "ready"
+            self.welcomed.set_result(welcome)
+
+    def pause_writing(self) -> None:
+        self.can_write.clear()
+
+    def resume_writing(self) -> None:
+        self.can_write.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.can_write.set()  # wake drain(); it then raises the connection's error
+        self._fail(connection_lost_error(self.address, exc))
+        self.transport = None
+        if not self.closed.done():
+            self.closed.set_result(None)
+        if self.on_lost is not None and self.welcomed.done() and not self.welcomed.exception():
+            self.on_lost(self, self.error)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        if not self.welcomed.done():
+            self.welcomed.set_exception(exc)
+            self.welcomed.exception()  # retrieved: connect() re-raises it
+        self.requests.fail_all(self.error)
+
+    def send(self, event: Any) -> int:
+        parts = self.conn.send(event)
+        size = sum(len(p) for p in parts)
+        if size <= _JOIN_LIMIT:
+            self.write(b"".join(parts))
+        else:
+            for part in parts:
+                self.write(part)
+        return size
+
+    def write(self, data: Any) -> None:
+        """Put bytes of a frame on the link, counted as sent."""
+        self.transport.write(data)
+        if self.metrics is not None:
+            self.metrics.sent_bytes.inc(len(data))
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+class FrameWriter:
+    """The data block of a frame whose header is already sent, written in
+    order as its bytes become final (an aggregator forwards an aggregate
+    while its members are still arriving)."""
+
+    def __init__(self, proto: _ClientProtocol, nbytes: int) -> None:
+        self._proto = proto
+        self.nbytes = nbytes
+        self.sent = 0
+
+    def write(self, data: memoryview) -> None:
+        """Send the next `len(data)` bytes of the block (not copied: keep them
+        unchanged until the frame is answered)."""
+        if self.sent + len(data) > self.nbytes:
+            raise ValueError(f"{self.sent + len(data)} bytes written to a {self.nbytes}-byte "
+                             f"data block")
+        proto = self._proto
+        if proto.error is not None or proto.transport is None:
+            raise proto.error or ConnectionLost(f"the link to {proto.address} is closed")
+        proto.write(data)
+        self.sent += len(data)
+
+    def abort(self) -> None:
+        """Give up on the frame: the link is dropped at once, so the far end
+        discards the partial frame (a request already waiting on this link
+        fails with the link)."""
+        if self._proto.transport is not None:
+            self._proto.transport.abort()
+
+
+class AsyncClient:
+    """A connection to one parameter server, for asyncio programs."""
+
+    def __init__(self, proto: _ClientProtocol) -> None:
+        self._proto = proto
+        welcome = proto.welcomed.result()
+        self.address = proto.address
+        self.specs = welcome.tensors
+        self.tau_max = welcome.tau_max
+        self.momentum = welcome.momentum
+        self.session = welcome.session
+        self.last_version = welcome.version
+        self._controlled: Any = None  # AsyncControlledPushes with a controller
+        self._feeds: Any = None  # ReplicaFeeds with worker-driven replication
+        self._failover: Any = None  # AsyncFailoverWait with a controller and a replica
+        self._replica_timeout = 10.0  # seconds a push waits for the replica
+        # (job, token, name, timeout, metrics), to connect to servers and
+        # replicas the controller names later.
+        self._dial: tuple[str, bytes, str, float, ClientMetrics | None] | None = None
+        # Replica changes the controller announced, acted on one at a time:
+        # a join announced right after a failover must find the new server.
+        self._changes: collections.deque[Failover | ReplicaAt] = collections.deque()
+        self._changer: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+
+    def _watch_pushes(self, timeout: float) -> None:
+        """Fail the pushes past `timeout` (see connect())."""
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(watch_period(timeout))
+                self._proto.requests.expire(timeout, self.address)
+                if self._controlled is not None:
+                    self._controlled.expire(timeout)
+
+        self._watcher = asyncio.get_running_loop().create_task(watch())
+
+    async def pull(self, *, including: asyncio.Future[PushOutcome] | None = None,
+                   ) -> tuple[int, dict[str, np.ndarray]]:
+        """The model as (version, {name: array}), consistent at that version.
+
+        With `including` (a future push() returned): the model once that
+        update's outcome is known, with the update in it if it was applied;
+        the server streams it while the update arrives, as for the blocking
+        client's pull(including=...). Cancelling this call leaves the push
+        alone.
+        """
+        if including is not None:
+            return await self._pull_including(including)
+        failover = self._failover
+        generation = failover.generation if failover is not None else 0
+        try:
+            version, params = await self._request("pull", Pull, None)
+        except ConnectionLost:
+            if failover is None or not await failover.wait_past(generation):
+                raise
+            return await self.pull()  # from the promoted replica
+        self.last_version = max(self.last_version, version)
+        return version, params
+
+    async def _pull_including(self, push: asyncio.Future[PushOutcome]
+                              ) -> tuple[int, dict[str, np.ndarray]]:
+        uid = getattr(push, "uid", None)
+        held: asyncio.Future[Any] | None = None
+        reqs: list[tuple[_ClientProtocol, int]] = []
+        if uid is not None and not push.done():
+            proto = self._proto
+
+            def held_pull(req: int) -> Pull:
+                reqs.append((proto, req))
+                return Pull(req=req, uid=uid, wait=PULL_WAIT)
+            held = self._request("pull", held_pull, None)
+        try:
+            try:
+                outcome: PushOutcome | None = await asyncio.shield(push)
+            except Exception:
+                outcome = None  # the push failed: the model as it is
+            if held is not None and outcome is not None and outcome.applied:
+                try:
+                    version, params = await held
+                except ConnectionLost:
+                    return await self.pull()  # failover: from the promoted replica
+                if version >= outcome.version:
+                    self.last_version = max(self.last_version, version)
+                    return version, params
+        finally:
+            self._give_up(reqs)  # unless answered: not applied, or cancelled
+        return await self.pull()
+
+    def _give_up(self, reqs: list[tuple[_ClientProtocol, int]]) -> None:
+        """Ignore the held pull's answer, and tell the server to forget it
+        (nothing for a pull already answered)."""
+        for proto, req in reqs:
+            if (proto is self._proto and proto.transport is not None
+                    and proto.requests.discard(req)):
+                proto.send(PullCancel(req=req))
+
+    def push(
+        self, update: Mapping[str, Any], *, base_version: int
+    ) -> asyncio.Future[PushOutcome]:
+        """Hand an update over; returns a future of its PushOutcome at once."""
+        base = check_base_version(base_version)
+        arrays = check_update(update, self.specs)
+        if self._feeds is not None:
+            return self._push_replicated({n: a.copy() for n, a in arrays.items()}, base)
+        if self._controlled is not None:
+            return self._controlled.push(arrays, base, layout(self.specs)[1])
+        return self._send_push(arrays, base)
+
+    def _push_replicated(self, arrays: dict[str, np.ndarray], base: int
+                         ) -> asyncio.Future[PushOutcome]:
+        """To the server, then, numbered with the version it produced,
+        straight to the replica; resolved once the replica has it."""
+        done: asyncio.Future[PushOutcome] = asyncio.get_running_loop().create_future()
+        self._push_to_server(arrays, base, done, via_controller=True)
+        return done
+
+    def _push_to_server(self, arrays: dict[str, np.ndarray], base: int,
+                        done: asyncio.Future[PushOutcome], via_controller: bool) -> None:
+        """As the blocking client's: an update the server never answered is
+        parked for the failover and then re-sent straight to the promoted
+        replica, without asking the controller again."""
+        failover = self._failover
+        generation = failover.generation if failover is not None else 0
+
+        def lost(exc: BaseException) -> None:
+            if failover is not None and isinstance(exc, ConnectionLost):
+                failover.park(generation, lambda: self._push_to_server(
+                    arrays, base, done, via_controller=False), done)
+            elif not done.done():
+                done.set_exception(exc)
+
+        if done.done():  # cancelled by the caller while parked
+            return
+        try:
+            if via_controller and self._controlled is not None:
+                at_server = self._controlled.push(arrays, base, layout(self.specs)[1])
+            else:
+                at_server = self._send_push(arrays, base)
+        except MlfabricError as exc:
+            lost(exc)
+            return
+
+        def then(f: asyncio.Future[PushOutcome]) -> None:
+            if done.done():
+                return
+            if f.cancelled():
+                done.cancel()
+                return
+            exc = f.exception()
+            if exc is not None:
+                lost(exc)
+                return
+            outcome = f.result()
+            feed = self._feeds.acknowledged(arrays, base, outcome)
+            if feed is not None:
+                feed.replicate(arrays, base, outcome, done)
+            else:
+                done.set_result(outcome)
+
+        at_server.add_done_callback(then)
+
+    def _replica_change(self, event: Failover | ReplicaAt) -> None:
+        """The controller promoted the replica (move there) or a new replica
+        joined (feed it)."""
+        if self._failover is None:
+            log.warning("controller reports a replica change (%s), but this client has no "
+                        "replica configured: ignoring it", event)
+            return
+        if isinstance(event, Failover) and self._controlled is not None:
+            self._controlled.book.dst = parse_address(event.server)[0]
+        self._changes.append(event)
+        if self._changer is None:
+            self._changer = asyncio.get_running_loop().create_task(self._change_loop())
+
+    async def _change_loop(self) -> None:
+        try:
+            while self._changes:
+                event = self._changes.popleft()
+                try:
+                    if isinstance(event, Failover):
+                        await self._fail_over(event.server)
+                    else:
+                        await self._attach_replica(event.address, event.version)
+                except MlfabricError as exc:
+                    log.error("cannot act on %s: %s", event, exc)
+        finally:
+            self._changer = None
+
+    async def _fail_over(self, address: str) -> None:
+        """The controller promoted the replica at `address`: serve from it."""
+        assert self._dial is not None and self._failover is not None
+        job, secret, name, timeout, metrics = self._dial
+        proto = await open_link(address, Handshake(job, secret, name), timeout,
+                                "parameter server", metrics=metrics)
+        self._feeds.retire()  # before the first answer from the new server
+        old, self._proto = self._proto, proto
+        welcome = proto.welcomed.result()
+        self.address, self.last_version = address, welcome.version
+        old.close()
+        log.warning("failed over to %s (version %d)", address, welcome.version)
+        self._failover.advance()
+
+    async def _attach_replica(self, address: str, version: int) -> None:
+        """A new replica serves from `version`: send it the kept updates above
+        that version, then every update the server acknowledges."""
+        from .replica_feed import ReplicaFeed
+
+        assert self._dial is not None
+        current = self._feeds.current
+        if current is not None and current.replica.address == address:
+            # The same replica, resynced from the server: this client's feed
+            # to it still stands.
+            log.info("replica at %s serves from version %d; still feeding it", address, version)
+            return
+        job, secret, name, timeout, _ = self._dial
+        replica = await connect(address, job=job, token=secret, name=name, timeout=timeout)
+        feed = ReplicaFeed(replica, parse_address(address)[0],
+                           report=self._controlled.report_replicated
+                           if self._controlled is not None else None,
+                           timeout=self._replica_timeout,
+                           schedule=asyncio.get_running_loop().call_later)
+        feed.on_lost = self._feeds.lost
+        kept = self._feeds.attach(feed, version)
+        loop = asyncio.get_running_loop()
+        for v, (arrays, base) in kept:
+            feed.replicate(arrays, base, PushOutcome(True, v, None, None, base),
+                           loop.create_future())
+        log.warning("replica at %s joined from version %d; %d kept updates sent to it",
+                    address, version, len(kept))
+
+    def _send_push(self, arrays: dict[str, np.ndarray], base: int, seq: int | None = None,
+                   **fields: Any) -> asyncio.Future[PushOutcome]:
+        """`fields`: a push's uid and aggregation fields (protocol.Push)."""
+        fut: asyncio.Future[PushOutcome] = self._request(
+            "push", lambda req: Push(req, base, arrays, seq, **fields), base)
+        fut.add_done_callback(self._note_version)
+        return fut
+
+    def _note_version(self, fut: asyncio.Future[Any]) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self.last_version = max(self.last_version, fut.result().version)
+
+    def _request(self, kind: str, make_event: Any, base_version: int | None) -> Any:
+        fut, event = self._new_request(kind, make_event, base_version)
+        self._proto.send(event)
+        return fut
+
+    def _new_request(self, kind: str, make_event: Any, base_version: int | None
+                     ) -> tuple[asyncio.Future[Any], Any]:
+        """A future registered for the answer, and the event to send for it."""
+        proto = self._proto
+        if proto.error is not None or proto.transport is None:
+            raise proto.error or ConnectionLost(f"the client for {self.address} is closed")
+        fut = asyncio.get_running_loop().create_future()
+        return fut, make_event(proto.requests.add(kind, fut, base_version))
+
+    def _request_streamed(self, kind: str, make_event: Any, base_version: int | None
+                          ) -> tuple[asyncio.Future[Any], FrameWriter]:
+        """Like `_request`, but only the frame's header and fields go out now:
+        its data block follows through the returned writer, as it becomes
+        final. Nothing else may be sent on this link until the writer is
+        done (the caller serialises)."""
+        fut, event = self._new_request(kind, make_event, base_version)
+        proto = self._proto
+        head, *data = proto.conn.send(event)
+        proto.write(head)
+        return fut, FrameWriter(proto, sum(len(p) for p in data))
+
+    async def drain(self) -> None:
+        """Wait until the transport's write buffer is below its high-water
+        mark: call it between pushes to bound the memory of queued updates."""
+        await self._proto.can_write.wait()
+        if self._proto.error is not None:
+            raise self._proto.error
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self._controlled is not None:
+            await self._controlled.close()
+        if self._changer is not None:
+            self._changer.cancel()
+        if self._feeds is not None:
+            for feed in self._feeds.all():
+                await feed.aclose()
+            self._feeds.warn_unprotected()
+        if self._failover is not None:
+            self._failover.close()
+        self._proto.close()
+        await self._proto.closed
+
+    @property
+    def closed(self) -> bool:
+        return self._proto.transport is None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

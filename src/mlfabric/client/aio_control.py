@@ -1,0 +1,213 @@
+"""An asyncio client's link to the job's controller.
+
+The same behaviour as mlfabric.client.blocking_control (see there), on the event
+loop: push() asks the controller, sends on go, reports the outcome; a drop
+resolves the future with the reason; without the controller, updates go at
+once with a warning (fallback "fifo") or wait for it up to `timeout` seconds
+(fallback "wait").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConnectError, MlfabricError
+from ..wire.protocol import Directive, Failover, ReplicaAt, ReplicaDone
+from .control_book import (
+    AGGREGATOR_COMMAND,
+    AGGREGATOR_DIAL_TIMEOUT,
+    RECONNECT_EVERY,
+    ControlBook,
+    ControlledUpdate,
+    controlled_update,
+)
+from .core import Handshake
+from .outcome import PushOutcome
+
+log = logging.getLogger("mlfabric.client")
+
+
+class AsyncControlledPushes:
+    """Pushes of one asyncio client that go through the controller: the
+    ControlBook decides, this class does the I/O on the event loop."""
+
+    def __init__(self, client: Any, address: str, hs: Handshake, *, host: str, dst: str,
+                 fallback: str = "fifo", timeout: float = 30.0, aggregation: bool = True) -> None:
+        self.book = ControlBook(address, host=host, dst=dst, fallback=fallback,
+                                timeout=timeout, aggregation=aggregation)
+        self._aggregators: dict[str, asyncio.Task[Any]] = {}  # address -> link
+        self.client = client
+        self.address = address
+        self.hs = hs
+        self._link: Any = None
+        self._reconnect_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        try:
+            self._link = await self._connect()
+        except (OSError, MlfabricError) as exc:
+            if self.book.fallback == "wait":
+                raise ConnectError(
+                    f"cannot reach the controller at {self.address}: {exc}; is `mlfabric "
+                    f"controller` running there?") from None
+            self._lost(None, exc)
+        else:
+            self.book.reconnected()
+
+    async def _connect(self) -> Any:
+        from .aio import dial_ahead, open_link
+
+        link = await open_link(self.address, self.hs, min(self.book.timeout, 10.0),
+                               "controller", on_event=self._directive, on_lost=self._lost)
+        if self.book.aggregation:
+            # Every aggregator the controller may route through, dialled ahead
+            # of use (a member then does not wait for the handshake).
+            for address in link.welcomed.result().aggregators:
+                dial_ahead(self._aggregators, address, self.hs, AGGREGATOR_DIAL_TIMEOUT,
+                           "aggregator", command=AGGREGATOR_COMMAND)
+        return link
+
+    def push(self, arrays: dict[str, np.ndarray], base_version: int, nbytes: int
+             ) -> asyncio.Future[PushOutcome]:
+        u = controlled_update(arrays, base_version, nbytes,
+                              asyncio.get_running_loop().create_future())
+        request, now = self.book.place(u)
+        if request is not None:
+            self._link.send(request)
+        for x in now:
+            self._send(x)
+        return u.future
+
+    # -- controller events ------------------------------------------------------------
+
+    def expire(self, timeout: float) -> None:
+        """Withdraw the updates that have waited for a directive longer than
+        `timeout` seconds, and fail them (the client's push_timeout)."""
+        for u, report, exc in self.book.overdue(time.monotonic(), timeout):
+            if self._link is not None:
+                self._link.send(report)
+            if not u.future.done():
+                u.future.set_exception(exc)
+
+    def report_replicated(self, dst: str, version: int) -> None:
+        """Tell the controller the replica at `dst` applied `version`."""
+        if self._link is not None:
+            self._link.send(ReplicaDone(dst=dst, version=version))
+
+    def _directive(self, d: Any) -> None:
+        if isinstance(d, (Failover, ReplicaAt)):
+            self.client._replica_change(d)
+            return
+        if not isinstance(d, Directive):
+            raise MlfabricError(f"controller sent {type(d).__name__}")
+        u, outcome = self.book.directive(d, self.client.last_version)
+        if u is None:
+            return
+        if outcome is None:
+            self._send(u)
+        elif not u.future.done():
+            u.future.set_result(outcome)
+
+    def _lost(self, link: Any, exc: BaseException | None) -> None:
+        if link is not None and link is not self._link:
+            return
+        self._link = None
+        for u in self.book.lost(exc):
+            self._send(u)
+        if self._reconnect_task is None and not self.book.closed:
+            self._reconnect_task = asyncio.get_running_loop().create_task(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        while not self.book.closed:
+            await asyncio.sleep(RECONNECT_EVERY)
+            for u, exc in self.book.expired(time.monotonic()):
+                if not u.future.done():
+                    u.future.set_exception(exc)
+            try:
+                link = await self._connect()
+            except (OSError, MlfabricError):
+                continue
+            self._link, self._reconnect_task = link, None
+            for request in self.book.reconnected():
+                link.send(request)
+            return
+
+    # -- sending ------------------------------------------------------------------------
+
+    def _send(self, u: ControlledUpdate) -> None:
+        if u.sent is None:
+            u.sent = time.monotonic()
+        if u.via is not None:
+            asyncio.get_running_loop().create_task(self._send_member(u))
+            return
+        try:
+            server_future = self.client._send_push(u.arrays, u.base_version, uid=u.uid)
+        except MlfabricError as exc:
+            if not u.future.done():
+                u.future.set_exception(exc)
+            return
+        server_future.add_done_callback(lambda f: self._finish(u, f, u.sent or 0.0))
+
+    async def _send_member(self, u: ControlledUpdate) -> None:
+        """To the aggregator the controller chose; straight to the server
+        (same uid) if it cannot be reached."""
+        assert u.via is not None
+        try:
+            link = await self._aggregator(u.via)
+            fut = link._send_push(u.arrays, u.base_version,
+                                  **self.book.member_fields(u, self.client.address))
+        except MlfabricError as exc:
+            self.book.via_failed(u, exc)
+            self._send(u)
+            return
+        fut.add_done_callback(lambda f: self._finish(u, f, u.sent or 0.0))
+
+    async def _aggregator(self, address: str) -> Any:
+        from .aio import reuse_or_dial
+
+        return await reuse_or_dial(self._aggregators, address, self.hs, AGGREGATOR_DIAL_TIMEOUT,
+                                   "aggregator", command=AGGREGATOR_COMMAND)
+
+    def _finish(self, u: ControlledUpdate, server_future: asyncio.Future[Any],
+                started: float) -> None:
+        if u.future.done():
+            return
+        if server_future.cancelled():
+            u.future.cancel()
+            return
+        exc = server_future.exception()
+        if exc is not None and u.via is not None and not self.book.closed:
+            # The aggregator failed it (or died): straight to the server, same uid.
+            self.book.via_failed(u, exc)
+            self._send(u)
+            return
+        if exc is not None:
+            report = ControlBook.report_failed(u, time.monotonic() - started)
+            if report is not None and self._link is not None:
+                self._link.send(report)
+            u.future.set_exception(exc)
+            return
+        outcome: PushOutcome = server_future.result()
+        report = ControlBook.report(u, outcome, time.monotonic() - started)
+        if report is not None and self._link is not None:
+            self._link.send(report)
+        u.future.set_result(outcome)
+
+    async def close(self) -> None:
+        if self._reconnect_task is not None:
+            self._reconnect_task.cancel()
+        link, self._link = self._link, None
+        from .aio import close_links
+
+        await close_links(self._aggregators)
+        for u, exc in self.book.close():
+            if not u.future.done():
+                u.future.set_exception(exc)
+        if link is not None:
+            link.close()
+            await link.closed

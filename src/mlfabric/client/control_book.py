@@ -1,0 +1,236 @@
+"""A client's updates that go through the controller, without I/O.
+
+Both clients (blocking and asyncio) keep one `ControlBook`: which updates
+were asked for and await a directive, which wait for the controller to come
+back, and what each controller event means for them. The clients only carry
+the answers out: send a request, send an update to the server, resolve a
+future. Callers serialise access (a lock, or the event loop).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError, ConnectionLost, PushTimeout, ServerError
+from ..kernels import _core
+from ..wire.protocol import Directive, TransferDone, TransferRequest
+from .outcome import PushOutcome
+
+log = logging.getLogger("mlfabric.client")
+
+FALLBACKS = ("fifo", "wait")
+RECONNECT_EVERY = 0.5  # seconds between attempts to reach a lost controller
+AGGREGATOR_DIAL_TIMEOUT = 2.0  # seconds; past it, a member goes straight to the server
+AGGREGATOR_COMMAND = "mlfabric agent --aggregate"  # what runs one, for dial errors
+
+
+@dataclass
+class ControlledUpdate:
+    arrays: dict[str, np.ndarray]
+    base_version: int
+    nbytes: int
+    norm: float
+    future: Any  # concurrent.futures.Future or asyncio.Future of a PushOutcome
+    requested: float = field(default_factory=time.monotonic)
+    creq: int | None = None  # the controller's request id, once asked
+    uid: str | None = None  # unique: a server applies it at most once
+    # Set by a "go" through an aggregator (cleared when it fails the update):
+    via: str | None = None
+    member: dict[str, Any] = field(default_factory=dict)  # group, fan_in, index
+    via_failed: str | None = None  # why the aggregator did not deliver it
+    sent: float | None = None  # when it was first sent (a re-send keeps it)
+
+
+def controlled_update(arrays: dict[str, np.ndarray], base_version: int, nbytes: int,
+                      future: Any) -> ControlledUpdate:
+    """Copy the arrays (they are sent later; the caller may reuse its own) and
+    take the update's norm for the controller."""
+    copies = {n: a.copy() for n, a in arrays.items()}
+    norm = math.sqrt(sum(_core.l2_norm(a.reshape(-1)) ** 2 for a in copies.values()))
+    return ControlledUpdate(copies, base_version, nbytes, norm, future)
+
+
+class ControlBook:
+    def __init__(self, address: str, *, host: str, dst: str, fallback: str,
+                 timeout: float, aggregation: bool = True) -> None:
+        """`aggregation`: follow directives through an aggregator (a client
+        that replicates does not: a replica cannot replay an aggregate, so
+        its updates go straight to the server)."""
+        if fallback not in FALLBACKS:
+            raise ConfigError(f"controller fallback must be one of {FALLBACKS}, got {fallback!r}")
+        self.address = address
+        self.host = host
+        self.dst = dst
+        self.fallback = fallback
+        self.timeout = timeout
+        self.connected = False
+        self.closed = False
+        self._ids = itertools.count(1)
+        self._asked: dict[int, ControlledUpdate] = {}  # waiting for a directive
+        self._orphans: list[ControlledUpdate] = []  # waiting for the controller to return
+        self._warned = False
+        self.aggregation = aggregation
+        self._uid_prefix = secrets.token_hex(8)
+        self._uids = itertools.count(1)
+        self._failed_aggregators: set[str] = set()  # warned about once each
+
+    def ask(self, u: ControlledUpdate) -> TransferRequest:
+        u.creq = next(self._ids)
+        self._asked[u.creq] = u
+        return TransferRequest(req=u.creq, host=self.host, dst=self.dst, nbytes=u.nbytes,
+                               base_version=u.base_version, norm=u.norm)
+
+    def place(self, u: ControlledUpdate) -> tuple[TransferRequest | None, list[ControlledUpdate]]:
+        """A new update: the request to send the controller, or (without one)
+        the updates to send to the server now."""
+        if self.closed:
+            raise ConnectionLost("the client is closed")
+        u.uid = f"{self._uid_prefix}-{next(self._uids)}"
+        u.future.uid = u.uid  # for the clients' pull(including=...)
+        if self.connected:
+            return self.ask(u), []
+        return None, self._without_controller([u])
+
+    def _without_controller(self, updates: list[ControlledUpdate]) -> list[ControlledUpdate]:
+        if not updates:
+            return []
+        if self.fallback == "wait":
+            self._orphans.extend(updates)
+            return []
+        if not self._warned:
+            log.warning("controller %s unreachable: sending updates at once (fifo) until it "
+                        "is back", self.address)
+            self._warned = True
+        for u in updates:
+            u.creq = None
+        return updates
+
+    def directive(self, d: Directive, last_version: int
+                  ) -> tuple[ControlledUpdate | None, PushOutcome | None]:
+        """(update to send now, None) for go; (update, its outcome) for a drop."""
+        u = self._asked.pop(d.req, None)
+        if u is None:
+            log.warning("controller sent a directive for unknown request %d", d.req)
+            return None, None
+        if d.action == "go":
+            if d.via is not None and self.aggregation:
+                u.via = d.via
+                u.member = {"group": d.group, "fan_in": d.fan_in, "index": d.index}
+            elif d.via is not None and d.via not in self._failed_aggregators:
+                self._failed_aggregators.add(d.via)
+                log.warning("the controller routes updates through the aggregator %s, but this "
+                            "client replicates (a replica cannot replay an aggregate): sending "
+                            "them straight to the server", d.via)
+            return u, None
+        return u, PushOutcome(applied=False, version=last_version, delay=None,
+                              reason=f"dropped by the controller: {d.reason}",
+                              base_version=u.base_version)
+
+    def lost(self, exc: BaseException | None) -> list[ControlledUpdate]:
+        """The controller went away: the updates to send to the server now."""
+        self.connected = False
+        stranded = list(self._asked.values())
+        self._asked.clear()
+        if self.closed:
+            return []
+        log.warning("lost the controller %s (%s); %d updates waiting", self.address, exc,
+                    len(stranded))
+        return self._without_controller(stranded)
+
+    def reconnected(self) -> list[TransferRequest]:
+        """The controller is back: requests for the updates that waited for it."""
+        self.connected, self._warned = True, False
+        orphans, self._orphans = self._orphans, []
+        if orphans:
+            log.info("controller %s is back; %d waiting updates re-requested", self.address,
+                     len(orphans))
+        return [self.ask(u) for u in orphans]
+
+    def expired(self, now: float) -> list[tuple[ControlledUpdate, ConnectionLost]]:
+        """Updates that waited for the controller longer than the timeout."""
+        keep, gone = [], []
+        for u in self._orphans:
+            if now - u.requested <= self.timeout:
+                keep.append(u)
+            else:
+                gone.append((u, ConnectionLost(
+                    f"the controller {self.address} was unreachable for {self.timeout:.0f} s; "
+                    f"this update was not sent")))
+        self._orphans = keep
+        return gone
+
+    def overdue(self, now: float, timeout: float
+                ) -> list[tuple[ControlledUpdate, TransferDone, PushTimeout]]:
+        """Updates asked for more than `timeout` seconds ago with no directive
+        yet: withdrawn (a late directive for one is ignored), each with the
+        report that tells the controller to forget it and the error to fail
+        it with."""
+        late = [u for u in self._asked.values() if now - u.requested > timeout]
+        out = []
+        for u in late:
+            assert u.creq is not None
+            del self._asked[u.creq]
+            out.append((u, TransferDone(req=u.creq, applied=False, version=0, delay=None,
+                                        seconds=0.0),
+                        PushTimeout(f"the controller {self.address} gave no directive for this "
+                                    f"update within {timeout:g} s (push_timeout): it was not "
+                                    f"sent; see `mlfabric status` for what the controller is "
+                                    f"waiting on, and raise push_timeout if the job's transfers "
+                                    f"are this slow")))
+        return out
+
+    def close(self) -> list[tuple[ControlledUpdate, ConnectionLost]]:
+        """Updates that will never be sent, with the error to fail them with."""
+        self.closed, self.connected = True, False
+        waiting = [*self._asked.values(), *self._orphans]
+        self._asked.clear()
+        self._orphans = []
+        return [(u, ConnectionLost("the client was closed before the controller let this "
+                                   "update go")) for u in waiting]
+
+    def member_fields(self, u: ControlledUpdate, server: str) -> dict[str, Any]:
+        """The push fields of `u` as a member of its group at the aggregator."""
+        return {"uid": u.uid, "dst": server, **u.member}
+
+    def via_failed(self, u: ControlledUpdate, exc: BaseException) -> None:
+        """The aggregator did not deliver `u` (it failed it, or died), or the
+        server refused its aggregate: `u` now goes straight to the server with
+        its uid, so it is applied once whether or not the aggregate was (the
+        server remembers uids). Only a failure of the aggregator is reported
+        to the controller as one (`via_failed`)."""
+        via, u.via, u.member = u.via, None, {}
+        if isinstance(exc, ServerError) and exc.code == "aggregate_refused":
+            log.info("the server refused the aggregate update %s was part of: sending it "
+                     "straight to the server", u.uid)
+            return
+        u.via_failed = f"{type(exc).__name__}: {exc}"[:200]
+        if via not in self._failed_aggregators:
+            self._failed_aggregators.add(str(via))
+            log.warning("aggregator %s did not deliver an update (%s): sending it straight to "
+                        "the server; the controller is told", via, u.via_failed)
+
+    @staticmethod
+    def report(u: ControlledUpdate, outcome: PushOutcome, seconds: float) -> TransferDone | None:
+        if u.creq is None:
+            return None  # sent without the controller: nothing to report
+        return TransferDone(req=u.creq, applied=outcome.applied, version=outcome.version,
+                            delay=outcome.delay, seconds=seconds, via_failed=u.via_failed)
+
+    @staticmethod
+    def report_failed(u: ControlledUpdate, seconds: float) -> TransferDone | None:
+        """The transfer ended without an outcome (the connection was lost,
+        or the server did not answer within push_timeout): the controller
+        must not keep it in flight for ever. Reported as not applied (as far
+        as anyone knows)."""
+        if u.creq is None:
+            return None
+        return TransferDone(req=u.creq, applied=False, version=0, delay=None, seconds=seconds,
+                            via_failed=u.via_failed)

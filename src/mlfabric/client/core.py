@@ -1,0 +1,393 @@
+"""What the blocking and the asyncio clients share, without I/O.
+
+The handshake steps, the table of requests awaiting an answer, and the
+checks on what a user hands to pull/push. Futures here are anything with
+`done()`, `set_result()` and `set_exception()`: concurrent.futures for the
+blocking client, asyncio futures for the asyncio one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import inspect
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import (
+    AuthenticationError,
+    ConfigError,
+    ConnectionLost,
+    InvalidUpdate,
+    MlfabricError,
+    ProtocolError,
+    PushTimeout,
+    ServerError,
+)
+from ..runtime.metrics import REJECT_REASONS, ClientMetrics
+from ..wire import auth
+from ..wire.protocol import (
+    Challenge,
+    Error,
+    Hello,
+    Model,
+    ModelEnd,
+    PushResult,
+    TensorSpec,
+    Welcome,
+)
+from .outcome import PushOutcome
+
+log = logging.getLogger("mlfabric.client")
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """'HOST:PORT' or '[IPv6]:PORT' -> (host, port)."""
+    if not isinstance(address, str) or ":" not in address:
+        raise ConfigError(f"address must be HOST:PORT, got {address!r}")
+    host, _, port_text = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        port = int(port_text)
+    except ValueError:
+        port = -1
+    if not host or not 0 <= port <= 65535:
+        raise ConfigError(f"address must be HOST:PORT with a port in 0..65535, got {address!r}")
+    return host, port
+
+
+def resolve_token(token: str | bytes | None, token_file: str | os.PathLike[str] | None) -> bytes:
+    if (token is None) == (token_file is None):
+        raise ConfigError("give the job's token as exactly one of token=... or token_file=...")
+    if token_file is not None:
+        return auth.load_token(token_file)
+    assert token is not None
+    return auth.as_token(token)
+
+
+def default_client_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def error_from_event(event: Error, context: str = "") -> MlfabricError:
+    """The exception a client raises for an Error answer."""
+    message = f"{context}{event.message}"
+    if event.code in REJECT_REASONS:
+        return InvalidUpdate(message, reason=event.code)
+    if event.code == "auth":
+        return AuthenticationError(message)
+    if event.code == "protocol":
+        return ProtocolError(message)
+    return ServerError(f"{message} (server error code {event.code!r})", code=event.code)
+
+
+class Handshake:
+    """The client's side of the challenge-response, one step per server event."""
+
+    def __init__(self, job: str, token: bytes, name: str) -> None:
+        self.job = job
+        self.token = token
+        self.name = name
+        self.nonce = auth.new_nonce()
+        self.server_nonce: bytes | None = None
+        self.server_verified = False
+
+    def hello(self) -> Hello:
+        return Hello(job=self.job, client=self.name, nonce=self.nonce)
+
+    def on_challenge(self, event: Any) -> Any:
+        """The Auth event to send. Send it even when `verify_server()` will
+        fail: the server then logs and counts the mismatch too."""
+        from ..wire.protocol import Auth
+
+        if isinstance(event, Error):
+            raise error_from_event(event)
+        if not isinstance(event, Challenge):
+            raise ProtocolError(f"expected a challenge from the server, got {type(event).__name__}")
+        expected = auth.server_proof(self.token, self.job, self.nonce, event.nonce)
+        self.server_verified = auth.proofs_match(expected, event.proof)
+        self.server_nonce = event.nonce
+        return Auth(proof=auth.client_proof(self.token, self.job, self.nonce, event.nonce))
+
+    def verify_server(self) -> None:
+        if not self.server_verified:
+            raise AuthenticationError(
+                f"authentication failed: this client's token and the server's token for job "
+                f"{self.job!r} differ; check the token file (and that the address is the "
+                f"job's server)"
+            )
+
+    def on_welcome(self, event: Any) -> Welcome:
+        if isinstance(event, Error):
+            raise error_from_event(event)
+        if not isinstance(event, Welcome):
+            raise ProtocolError(f"expected a welcome from the server, got {type(event).__name__}")
+        return event
+
+
+def check_update(
+    update: Mapping[str, Any], specs: tuple[TensorSpec, ...]
+) -> dict[str, np.ndarray]:
+    """The update as C-contiguous numpy arrays, checked against the model's layout.
+
+    Catches mistakes before any byte is sent, with the same messages the
+    server would give. Accepts numpy arrays and CPU tensors (shared, not copied).
+    """
+    if not isinstance(update, Mapping):
+        raise TypeError(f"push() takes a mapping of tensor name to array, got {type(update)}")
+    by_name = {s.name: s for s in specs}
+    arrays: dict[str, np.ndarray] = {}
+    for name, value in update.items():
+        if name not in by_name:
+            raise InvalidUpdate(
+                f"unknown tensor {name!r}; the model's tensors are {sorted(by_name)}",
+                reason="unknown_tensor",
+            )
+        if hasattr(value, "detach"):  # a torch tensor: share its memory with numpy
+            value = value.detach().numpy()
+        arr = np.asarray(value)
+        spec = by_name[name]
+        if arr.dtype != spec.dtype:
+            raise InvalidUpdate(
+                f"tensor {name!r} is {arr.dtype}, the model's is {spec.dtype}: push "
+                f"arr.astype(np.{spec.dtype.name})",
+                reason="bad_dtype",
+            )
+        if arr.shape != spec.shape:
+            raise InvalidUpdate(
+                f"tensor {name!r} has shape {arr.shape}, the model's is {spec.shape}",
+                reason="bad_shape",
+            )
+        arrays[name] = arr if arr.flags.c_contiguous else np.array(arr, order="C")
+    missing = [s.name for s in specs if s.name not in arrays]
+    if missing:
+        raise InvalidUpdate(
+            f"update lacks tensor {missing[0]!r}: push a value for every tensor of the model "
+            f"(zeros where nothing changes)",
+            reason="unknown_tensor",
+        )
+    return arrays
+
+
+def check_base_version(base_version: Any) -> int:
+    if type(base_version) is not int and not isinstance(base_version, np.integer):
+        raise TypeError(
+            f"base_version must be the int version returned by pull(), got {base_version!r}"
+        )
+    if base_version < 0:
+        raise ValueError(f"base_version must be >= 0, got {base_version}")
+    return int(base_version)
+
+
+def takes_including(pull: Any) -> bool:
+    """Whether a client's pull() takes `including=` (mlfabric's clients do; a
+    stand-in a user passes may not)."""
+    try:
+        return "including" in inspect.signature(pull).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+
+
+@dataclass
+class _Pending:
+    kind: str  # "pull" or "push"
+    future: Any
+    base_version: int | None
+    started: float
+    streamed: Model | None = None  # a streamed model awaiting its MODEL_END
+
+
+# Requests given up on (a pull that timed out) whose late answers are ignored.
+DISCARDED_KEPT = 1024
+
+# How long the server may hold a pull for an update before answering with
+# the model as it is (an update queued longer is pulled for again).
+PULL_WAIT = 30.0
+
+
+class RequestTable:
+    """Requests awaiting an answer, and how each answer resolves its future."""
+
+    def __init__(self, metrics: ClientMetrics | None = None) -> None:
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._discarded: OrderedDict[int, None] = OrderedDict()
+        self.metrics = metrics
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, kind: str, future: Any, base_version: int | None = None) -> int:
+        req = next(self._ids)
+        self._pending[req] = _Pending(kind, future, base_version, time.perf_counter())
+        return req
+
+    def discard(self, req: int) -> bool:
+        """Give up on a request: an answer that still comes is ignored. False
+        if it was not awaiting an answer."""
+        if self._pending.pop(req, None) is None:
+            return False
+        self._discarded[req] = None
+        while len(self._discarded) > DISCARDED_KEPT:
+            self._discarded.popitem(last=False)
+        return True
+
+    def dispatch(self, event: Any) -> None:
+        """Resolve the future an answer belongs to. Raises ProtocolError for an
+        answer to no request, or a connection-wide Error's exception."""
+        req = getattr(event, "req", None)
+        if isinstance(event, Error) and req is None:
+            raise error_from_event(event, "server closed the connection: ")
+        pending = self._pending.pop(req, None) if req is not None else None
+        if pending is None:
+            if req in self._discarded:
+                return
+            raise ProtocolError(f"server sent {type(event).__name__} for unknown request {req}")
+        if isinstance(event, Model) and event.streamed and pending.kind == "pull":
+            pending.streamed = event  # it holds once its MODEL_END says so
+            self._pending[event.req] = pending
+            return
+        if isinstance(event, ModelEnd) and pending.kind == "pull":
+            model, pending.streamed = pending.streamed, None
+            if model is None:
+                raise ProtocolError(f"server ended a streamed model for request {req} it "
+                                    f"never began")
+            if not event.ok:
+                self._pending[event.req] = pending  # the pull is still open
+                return
+            event = model
+        fut = pending.future
+        elapsed = time.perf_counter() - pending.started
+        m = self.metrics
+        if isinstance(event, Error):
+            if m is not None and pending.kind == "push":
+                m.pushes.labels("error").inc()
+            if not fut.done():
+                fut.set_exception(error_from_event(event, f"{pending.kind} refused: "))
+        elif isinstance(event, PushResult) and pending.kind == "push":
+            outcome = PushOutcome(
+                applied=event.applied,
+                version=event.version,
+                delay=event.delay,
+                reason=event.reason,
+                base_version=pending.base_version,
+            )
+            if m is not None:
+                m.push_seconds.observe(elapsed)
+                m.pushes.labels("applied" if event.applied else "rejected").inc()
+            if not fut.done():
+                fut.set_result(outcome)
+        elif isinstance(event, PushResult) and pending.kind == "aggregate":
+            if not fut.done():
+                fut.set_result(event)  # the aggregator needs every member's delay
+        elif isinstance(event, Model) and pending.kind == "pull":
+            if m is not None:
+                m.pull_seconds.observe(elapsed)
+            if not fut.done():
+                fut.set_result((event.version, dict(event.tensors)))
+        else:
+            raise ProtocolError(
+                f"server answered a {pending.kind} with {type(event).__name__}"
+            )
+
+    def expire(self, timeout: float, address: str) -> int:
+        """Fail the pushes that have waited for an answer longer than
+        `timeout` seconds with PushTimeout (a late answer is then ignored);
+        how many."""
+        now = time.perf_counter()
+        late = [req for req, p in self._pending.items()
+                if p.kind == "push" and now - p.started > timeout]
+        for req in late:
+            future = self._pending[req].future
+            self.discard(req)
+            if not future.done():
+                future.set_exception(PushTimeout(
+                    f"the server at {address} has not answered this push within {timeout:g} s "
+                    f"(push_timeout): it may or may not have applied it; pull() to see the "
+                    f"server's version, and raise push_timeout if pushes are this slow"))
+        return len(late)
+
+    def fail_all(self, exc: BaseException) -> None:
+        pending, self._pending = self._pending, {}
+        for p in pending.values():
+            if not p.future.done():
+                p.future.set_exception(exc)
+
+
+DEFAULT_PUSH_TIMEOUT = 600.0  # seconds a push may wait for its outcome
+
+
+def check_push_timeout(push_timeout: float | None) -> float | None:
+    if push_timeout is not None and not push_timeout > 0:
+        raise ConfigError(f"push_timeout must be positive seconds (or None for no bound), got "
+                          f"{push_timeout}")
+    return push_timeout
+
+
+def watch_period(push_timeout: float) -> float:
+    """How often a client looks for pushes past their timeout."""
+    return min(1.0, push_timeout / 4)
+
+
+class TimerThread:
+    """`schedule(delay, fn)` for a blocking client: one daemon thread runs
+    every callback due, in deadline order (a thread per push would cost a
+    thread start per update)."""
+
+    def __init__(self, name: str = "mlfabric-timer") -> None:
+        self._cond = threading.Condition()
+        self._due: list[tuple[float, int, Callable[[], None]]] = []
+        self._ids = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def schedule(self, delay: float, fn: Callable[[], None]) -> None:
+        with self._cond:
+            heapq.heappush(self._due, (time.monotonic() + delay, next(self._ids), fn))
+            self._cond.notify()
+
+    def every(self, period: float, fn: Callable[[], None]) -> None:
+        """Run fn every `period` seconds until closed."""
+        def again() -> None:
+            fn()
+            self.schedule(period, again)
+        self.schedule(period, again)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (
+                        not self._due or self._due[0][0] > time.monotonic()):
+                    wait = self._due[0][0] - time.monotonic() if self._due else None
+                    self._cond.wait(wait)
+                if self._closed:
+                    return
+                _, _, fn = heapq.heappop(self._due)
+            try:
+                fn()
+            except Exception:  # a timer must outlive any one callback
+                log.exception("timer callback failed")
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._due.clear()
+            self._cond.notify()
+
+
+def connection_lost_error(address: str, exc: BaseException | None) -> ConnectionLost:
+    detail = f": {exc}" if exc else ""
+    return ConnectionLost(
+        f"connection to {address} closed before the answer arrived{detail}; the request may "
+        f"or may not have been applied: reconnect and pull() to see the server's version"
+    )

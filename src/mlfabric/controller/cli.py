@@ -1,0 +1,231 @@
+"""`mlfabric controller`: order one job's transfers until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import math
+
+from ..client.core import parse_address
+from ..errors import ConfigError
+from ..replication.divergence import DEFAULT_LAG_TIMEOUT, DivergenceGate
+from ..replication.failover import DEFAULT_GAP_TIMEOUT
+from ..runtime import loop
+from ..runtime.metrics import ControllerMetrics, serve_metrics
+from ..scheduling.aggregation import AggregationConfig
+from ..transport.listener import add_listener_arguments, handshake_timeout, listen, until_stopped
+from ..wire import auth
+from ..wire.protocol import MAX_FAN_IN
+from .controller import Controller
+from .state import POLICIES, Network, Policy, fifo_policy
+
+log = logging.getLogger("mlfabric.controller")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_listener_arguments(p, "workers")
+    p.add_argument("--tau-max", type=int, default=16, metavar="N",
+                   help="staleness bound in versions for deadlines; -1 for none (default: 16; "
+                        "use the server's value)")
+    p.add_argument("--policy", choices=POLICIES, default="mlfabric",
+                   help="mlfabric: shortest-transfer-first with deadlines and drops; fifo: "
+                        "every update goes at once (the plain asynchronous PS baseline)")
+    p.add_argument("--overload", choices=("stalest", "deadline"), default="stalest",
+                   help="mlfabric policy, when not every pending update can meet its deadline: "
+                        "drop the stalest ones (default) or the ones whose deadline passes, "
+                        "forcing the rest in at delay tau_max (docs/scheduling.md)")
+    p.add_argument("--link", action="append", default=[], metavar="HOST=UP[/DOWN]",
+                   help="a host's uplink and downlink capacity in Mbit/s (repeat per host)")
+    p.add_argument("--default-link-mbit", type=float, default=1000.0, metavar="M",
+                   help="capacity assumed for hosts without --link (default: 1000)")
+    p.add_argument("--agent", action="append", default=[], metavar="HOST=ADDR:PORT",
+                   help="poll the agent on HOST (a name used in --link and by workers) at "
+                        "ADDR:PORT for measured bandwidth (repeat per host)")
+    p.add_argument("--agent-interval", type=float, default=0.5, metavar="SECONDS",
+                   help="seconds between polls of each agent (default: 0.5)")
+    p.add_argument("--aggregator", action="append", default=[], metavar="HOST=ADDR:PORT",
+                   help="mlfabric policy: route groups of consecutive updates through the "
+                        "aggregator of the agent on HOST (mlfabric agent --aggregate ADDR:PORT), "
+                        "which sums them and forwards one update (repeat per host)")
+    p.add_argument("--max-fan-in", type=int, default=8, metavar="K",
+                   help="most updates summed into one aggregate (default: 8)")
+    p.add_argument("--hold-groups", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --aggregator: keep the last group of the order waiting for more "
+                        "members while its aggregate would still reach the server in time "
+                        "(larger groups; with --no-hold-groups a group goes as soon as two "
+                        "updates wait) (default: on)")
+    p.add_argument("--group-wait", type=float, default=0.0, metavar="SECONDS",
+                   help="with --aggregator: how long the server's downlink may wait for an "
+                        "aggregate, to get larger groups; with --hold-groups a group (or a lone "
+                        "update) is also held this long after its first member asked, unless "
+                        "it fills up (set --max-fan-in to the number of workers). 0 keeps the "
+                        "design's rule that aggregation never stalls the server (default: 0)")
+    p.add_argument("--rescue-drops", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --aggregator: an update the policy would drop because the "
+                        "server's downlink is overloaded joins an aggregate that goes anyway, "
+                        "when it meets its deadline there and delays no other past its own "
+                        "(default: on)")
+    p.add_argument("--div-max", type=float, default=None, metavar="X",
+                   help="worker-driven replication: keep a bound on ||w_server - w_replica||_2 "
+                        "at most X by holding server transfers until the replica catches up "
+                        "(workers connect with replica=...; needs --momentum)")
+    p.add_argument("--momentum", type=float, default=None, metavar="G",
+                   help="the server's momentum gamma, for the divergence bound (--div-max)")
+    p.add_argument("--server", metavar="HOST:PORT", default=None,
+                   help="failover: send heartbeats to the server here, and when it stops "
+                        "answering promote --replica and tell the workers (needs --replica)")
+    p.add_argument("--replica", metavar="HOST:PORT", default=None,
+                   help="failover: the replica to promote (mlfabric server --role replica)")
+    p.add_argument("--heartbeat-interval", type=float, default=0.2, metavar="SECONDS",
+                   help="seconds between heartbeats to the server (default: 0.2)")
+    p.add_argument("--heartbeat-timeout", type=float, default=1.0, metavar="SECONDS",
+                   help="silence after which the server is declared lost (default: 1.0)")
+    p.add_argument("--replica-gap-timeout", type=float, default=DEFAULT_GAP_TIMEOUT,
+                   metavar="SECONDS",
+                   help="with --server/--replica: a replica that has waited this long for an "
+                        "update that will not come (its worker died after the server applied "
+                        f"it) is resynced from the server's state (default: "
+                        f"{DEFAULT_GAP_TIMEOUT})")
+    p.add_argument("--replica-lag-timeout", type=float, default=DEFAULT_LAG_TIMEOUT,
+                   metavar="SECONDS",
+                   help="with --div-max: after holding server transfers this long with no "
+                        "progress of the replica, let them go without the bound until it "
+                        f"catches up, rather than stall the job (default: {DEFAULT_LAG_TIMEOUT})")
+    p.add_argument("--decision-log", metavar="PATH", default=None,
+                   help="append one JSON line per decision to this file")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                   help="serve Prometheus metrics on this port at /metrics")
+    p.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port")
+
+
+def parse_links(specs: list[str], default_mbit: float) -> Network:
+    """--link HOST=UP[/DOWN] (Mbit/s) -> a Network in bytes per second."""
+    if not default_mbit > 0:
+        raise ConfigError(f"--default-link-mbit must be positive, got {default_mbit}")
+    up: dict[str, float] = {}
+    down: dict[str, float] = {}
+    for spec in specs:
+        host, sep, rates = spec.partition("=")
+        try:
+            parts = [float(x) for x in rates.split("/")] if sep else []
+        except ValueError:
+            parts = []
+        if not host or len(parts) not in (1, 2) or min(parts) <= 0:
+            raise ConfigError(
+                f"--link {spec!r}: expected HOST=UP or HOST=UP/DOWN in Mbit/s, e.g. "
+                f"10.0.0.5=1000/400")
+        up[host] = parts[0] * 1e6 / 8
+        down[host] = parts[-1] * 1e6 / 8
+    return Network(default=default_mbit * 1e6 / 8, up=up, down=down)
+
+
+def parse_agents(specs: list[str], flag: str = "--agent") -> dict[str, tuple[str, int]]:
+    agents = {}
+    for spec in specs:
+        host, sep, addr = spec.partition("=")
+        if not host or not sep:
+            raise ConfigError(f"{flag} {spec!r}: expected HOST=ADDR:PORT, e.g. "
+                              f"10.0.0.5=10.0.0.5:7400")
+        agents[host] = parse_address(addr)
+    return agents
+
+
+def make_policy(name: str, overload: str = "stalest") -> Policy:
+    if name == "fifo":
+        return fifo_policy
+    try:
+        from ..scheduling.policies import mlfabric_policy
+    except ImportError as exc:  # pragma: no cover - the module ships with the package
+        raise ConfigError(f"policy 'mlfabric' is unavailable: {exc}") from None
+    if overload == "stalest":
+        return mlfabric_policy
+    return functools.partial(mlfabric_policy, overload=overload)
+
+
+def run(args: argparse.Namespace) -> int:
+    host, port = parse_address(args.listen)
+    token = auth.load_token(args.token_file)
+    tau_max = None if args.tau_max < 0 else args.tau_max
+    network = parse_links(args.link, args.default_link_mbit)
+    shake = handshake_timeout(args)
+    agents = parse_agents(args.agent)
+    if not args.agent_interval > 0:
+        raise ConfigError(f"--agent-interval must be positive, got {args.agent_interval}")
+    policy = make_policy(args.policy, args.overload)
+    aggregators = {h: f"{a}:{p}" for h, (a, p) in
+                   parse_agents(args.aggregator, "--aggregator").items()}
+    if aggregators and args.policy != "mlfabric":
+        raise ConfigError(f"--aggregator needs --policy mlfabric (got {args.policy}): "
+                          f"aggregation groups the mlfabric policy's order")
+    if aggregators and args.div_max is not None:
+        raise ConfigError("--aggregator and --div-max do not combine yet: a replica cannot "
+                          "replay an aggregate; use one of them")
+    if not 2 <= args.max_fan_in <= MAX_FAN_IN:
+        raise ConfigError(f"--max-fan-in must be in 2..{MAX_FAN_IN}, got {args.max_fan_in}")
+    if not 0 <= args.group_wait < math.inf:
+        raise ConfigError(f"--group-wait must be a finite number of seconds >= 0 (0: "
+                          f"aggregation never stalls the server), got {args.group_wait}")
+    aggregation = AggregationConfig(max_fan_in=args.max_fan_in, hold=args.hold_groups,
+                                    wait=args.group_wait, rescue=args.rescue_drops)
+    if (args.server is None) != (args.replica is None):
+        raise ConfigError("failover needs both --server HOST:PORT and --replica HOST:PORT")
+    if args.server is not None:
+        parse_address(args.server)
+        parse_address(args.replica)
+        if not args.replica_gap_timeout > 0:
+            raise ConfigError(f"--replica-gap-timeout must be positive, got "
+                              f"{args.replica_gap_timeout}")
+        if not 0 < args.heartbeat_interval < args.heartbeat_timeout:
+            raise ConfigError(f"--heartbeat-interval must be positive and below "
+                              f"--heartbeat-timeout ({args.heartbeat_timeout}), got "
+                              f"{args.heartbeat_interval}")
+    gate = None
+    if args.div_max is not None:
+        if args.momentum is None:
+            raise ConfigError("--div-max needs --momentum G, the server's momentum (the bound "
+                              "depends on it)")
+        if not args.replica_lag_timeout > 0:
+            raise ConfigError(f"--replica-lag-timeout must be positive, got "
+                              f"{args.replica_lag_timeout}")
+        gate = DivergenceGate(args.momentum, args.div_max, lag_timeout=args.replica_lag_timeout)
+        if args.server is None:
+            log.warning("--div-max without --server/--replica: the divergence gate learns "
+                        "applied updates only from the workers that pushed them, and a replica "
+                        "waiting for a lost update is not resynced (it is given up after "
+                        "--replica-lag-timeout)")
+    if args.decision_log:
+        handler = logging.FileHandler(args.decision_log)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        decisions = logging.getLogger("mlfabric.decisions")
+        decisions.addHandler(handler)
+        decisions.setLevel(logging.INFO)
+        decisions.propagate = False
+    metrics = ControllerMetrics()
+    if args.metrics_port is not None:
+        serve_metrics(metrics.registry, args.metrics_port, args.metrics_host)
+
+    async def main() -> None:
+        controller = Controller(policy, job=args.job, token=token, tau_max=tau_max,
+                                handshake_timeout=shake,
+                                network=network, metrics=metrics, policy_name=args.policy,
+                                gate=gate, aggregators=aggregators,
+                                aggregation=aggregation)
+        bound = await listen(controller, host, port, args.listen)
+        if agents:
+            controller.watch_agents(agents, args.agent_interval)
+        if args.server is not None:
+            controller.watch_server(args.server, args.replica,
+                                    interval=args.heartbeat_interval,
+                                    timeout=args.heartbeat_timeout,
+                                    gap_timeout=args.replica_gap_timeout)
+        print(f"mlfabric controller: serving job {args.job!r} on {bound[0]}:{bound[1]} "
+              f"(policy {args.policy}, tau_max {tau_max}"
+              f"{'' if gate is None else f', div_max {gate.div_max}'}"
+              f"{f', {len(aggregators)} aggregators' if aggregators else ''})", flush=True)
+        await until_stopped()
+        await controller.close()
+        print("mlfabric controller: stopped", flush=True)
+
+    loop.run(main())
+    return 0

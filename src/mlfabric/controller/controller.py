@@ -1,0 +1,459 @@
+"""The controller: the asyncio side of `ControlState`.
+
+Workers ask it before sending each update (TRANSFER_REQUEST); it answers
+each with a DIRECTIVE (go now, or drop with a reason) when the plan says so,
+and re-plans on every event: a request, a completion (TRANSFER_DONE), a
+worker gone, a planned start time reached. This module only carries the
+decisions out, logs them (one JSON line per decision) and counts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import time
+from typing import Any
+
+from ..errors import ConfigError, MlfabricError
+from ..replication.divergence import DivergenceGate
+from ..replication.failover import DEFAULT_GAP_TIMEOUT, FailoverMonitor
+from ..replication.gate import gated
+from ..runtime.metrics import ControllerMetrics
+from ..scheduling.aggregation import AggregationConfig, Group, aggregating
+from ..transport.listener import Endpoint, EndpointProtocol
+from ..wire.protocol import (
+    Directive,
+    Failover,
+    Pong,
+    ReplicaAt,
+    ReplicaDone,
+    ReplicaJoin,
+    Status,
+    StatusRequest,
+    TransferDone,
+    TransferRequest,
+    Welcome,
+)
+from .state import ControlState, Drop, Go, Network, Policy, with_estimates, with_host_load
+
+log = logging.getLogger("mlfabric.controller")
+decision_log = logging.getLogger("mlfabric.decisions")
+
+
+class Controller(Endpoint):
+    role = "controller"
+    log = log
+
+    def __init__(self, policy: Policy, *, job: str, token: bytes, tau_max: int | None,
+                 network: Network | None = None, metrics: ControllerMetrics | None = None,
+                 handshake_timeout: float = 10.0, clock: Any = time.monotonic,
+                 policy_name: str | None = None, gate: DivergenceGate | None = None,
+                 aggregators: dict[str, str] | None = None,
+                 aggregation: AggregationConfig | None = None) -> None:
+        """`gate`: worker-driven replication with a divergence bound; server
+        transfers are held back so that it stays within gate.div_max.
+        `aggregators` (host -> "ADDR:PORT" of its agent's aggregator): the
+        policy's order is grouped and routed through them (aggregation.py)."""
+        super().__init__(job=job, token=token,
+                         metrics=metrics if metrics is not None else ControllerMetrics(),
+                         handshake_timeout=handshake_timeout)
+        self.gate = gate
+        if gate is not None:
+            policy = gated(policy, gate)
+        if aggregators:
+            if gate is not None:
+                raise ConfigError("aggregation and worker-driven replication (--div-max) do not "
+                                  "combine yet: a replica cannot replay an aggregate; use one "
+                                  "of them")
+            # A new epoch per controller: group ids stay unique across restarts.
+            policy = aggregating(policy, aggregation, on_groups=self._groups_formed,
+                                 epoch=secrets.randbits(24))
+        self.state = ControlState(policy, tau_max=tau_max, network=network)
+        self.state.aggregators = dict(aggregators or {})
+        self.clock = clock
+        self.policy_name = policy_name or getattr(policy, "__name__", "custom")
+        self._agent_tasks: list[asyncio.Task[None]] = []
+        self._wake: asyncio.TimerHandle | None = None
+        self._soon: asyncio.Handle | None = None  # the re-plan this turn's events asked for
+        self._events = 0  # events since the last re-plan
+        self._held_seen = self._overrides_seen = self._stalls_seen = 0
+        self._norms_known = 0  # the server's update norms are known up to this version
+        self.monitor: FailoverMonitor | None = None
+
+    # -- agents -------------------------------------------------------------------
+
+    def watch_agents(self, agents: dict[str, tuple[str, int]], interval: float = 0.5) -> None:
+        """Poll each agent (host name -> agent address) for its estimates and
+        re-plan when the bandwidth picture changes."""
+        for host, (ip, port) in agents.items():
+            self.state.add_agent(host, f"{ip}:{port}")
+        self._agent_tasks = [asyncio.get_running_loop().create_task(
+            self._poll_agent(host, addr, interval)) for host, addr in agents.items()]
+
+    async def _poll_agent(self, host: str, addr: tuple[str, int], interval: float) -> None:
+        from ..agent.daemon import AgentClient
+
+        client = None
+        while True:
+            try:
+                if client is None:
+                    client = await AgentClient.connect(*addr, timeout=2.0)
+                est = await client.estimates()
+            except (OSError, TimeoutError, MlfabricError) as exc:
+                log.debug("agent %s at %s:%d: %s", host, *addr, exc)
+                # errno's text: the loops word the same refusal differently.
+                reason = os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno else ""
+                self.state.agent_unreachable(host, reason or str(exc) or type(exc).__name__)
+                if client is not None:
+                    await client.close()
+                client = None
+                await asyncio.sleep(interval)
+                continue
+            measured = {e.peer: (e.bandwidth_bps / 8, e.stale or not e.connected)
+                        for e in est.estimates}
+            self.state.agent_reported(host, now=self.clock(), peers=len(measured),
+                                      fresh=sum(not stale and rate > 0
+                                                for rate, stale in measured.values()))
+            network = with_host_load(with_estimates(self.state.network, host, measured),
+                                     host, est.down_load_bps / 8, est.up_load_bps / 8)
+            if network != self.state.network:
+                self.state.set_network(network)
+                for (src, dst), rate in network.pair.items():
+                    if src == host:
+                        self.metrics.bandwidth.labels(src, dst).set(rate)
+                self.replan()
+            await asyncio.sleep(interval)
+
+    # -- failover -----------------------------------------------------------------
+
+    def watch_server(self, server: str, replica: str, *, interval: float = 0.2,
+                     timeout: float = 1.0, gap_timeout: float = DEFAULT_GAP_TIMEOUT) -> None:
+        """Heartbeat the server; when it is lost, promote the replica and tell
+        every worker where the server now is. The heartbeats also feed the
+        divergence gate (the norms of the server's applied updates, the
+        replica's version) and resync a replica that waits `gap_timeout`
+        seconds for an update that will not come."""
+        self.monitor = FailoverMonitor(
+            server=server, replica=replica, job=self.job, token=self.token,
+            interval=interval, timeout=timeout, on_failover=self.on_failover,
+            on_server_up=lambda up: self.metrics.server_up.set(int(up)),
+            on_replica_lost=self.on_replica_lost,
+            since=self._norms_since, on_server_pong=self.on_server_pong,
+            on_replica_pong=self.on_replica_pong, on_resynced=self.on_resynced,
+            gap_timeout=gap_timeout)
+        self.monitor.start()
+
+    def _norms_since(self) -> int | None:
+        """The version above which the gate wants the server's update norms."""
+        if self.gate is None:
+            return None
+        return max(self._norms_known, self.gate.replica)
+
+    def on_server_pong(self, pong: Pong) -> None:
+        """The server's heartbeat answer: every update it applied, with its
+        norm, reaches the gate even if the worker that pushed it died."""
+        gate = self.gate
+        if gate is None or pong.norms is None or pong.norms_from is None:
+            return
+        wanted = self._norms_since()
+        if wanted is not None and pong.norms_from > wanted + 1:
+            log.warning("the server no longer knows the norms of versions %d..%d: the "
+                        "divergence gate cannot fold them (it will hold, then give up "
+                        "holding, until the replica reports past them)", wanted + 1,
+                        pong.norms_from - 1)
+        for i, norm in enumerate(pong.norms):
+            gate.server_applied(pong.norms_from + i, norm)
+        self._norms_known = max(self._norms_known, pong.norms_from + len(pong.norms) - 1)
+        self.replan()
+
+    def on_replica_pong(self, address: str, pong: Pong) -> None:
+        """The replica's heartbeat answer: its version (and, first on each
+        connection, its velocity, which gives the gate an exact start)."""
+        gate = self.gate
+        if gate is None or not gate.active:
+            return
+        before = (gate.replica, gate.replica_reported)
+        if pong.velocity is not None and (not gate.synced or pong.version > gate.replica):
+            gate.start(pong.version, pong.velocity)
+        else:
+            gate.replica_applied(pong.version)
+        if (gate.replica, gate.replica_reported) != before:
+            host = address.rsplit(":", 1)[0]
+            self.state.replicas[host] = {"host": host, "address": address,
+                                         "version": gate.replica_reported,
+                                         "div_max": gate.div_max}
+            self.replan()
+
+    def on_resynced(self, address: str, version: int, velocity: float) -> None:
+        """The replica started over from the server's state at `version`:
+        as a join there (workers that gave it up send it what they kept)."""
+        self.metrics.replica_resyncs.inc()
+        self.on_replica_join(ReplicaJoin(address=address, version=version, velocity=velocity))
+
+    def on_failover(self, address: str, version: int, silent_since: float) -> None:
+        m = self.metrics
+        m.failovers.inc()
+        if self.gate is not None:
+            self.gate.active = False  # no replica left to diverge from
+            # The promoted replica's versions above `version` are other
+            # updates than the lost server's: forget the old norms there.
+            self.gate.applied = {v: n for v, n in self.gate.applied.items() if v <= version}
+        self._norms_known = min(self._norms_known, version)
+        self.state.replicas.clear()
+        # Transfers let go to the lost server are never reported: their
+        # workers re-send them to the new server directly.
+        self.state.active.clear()
+        event = Failover(server=address, version=version)
+        told = 0
+        for conn in list(self.connections):
+            if conn.stage == "ready":
+                conn.send(event)
+                told += 1
+        seconds = asyncio.get_running_loop().time() - silent_since
+        m.failover_seconds.observe(seconds)
+        log.warning("failover: the replica at %s is the server (version %d); %d peers told, "
+                    "%.2f s after the last heartbeat", address, version, told, seconds)
+        decision_log.info(json.dumps({"event": "failover", "server": address,
+                                      "version": version, "seconds": round(seconds, 6)}))
+        self.replan()
+
+    def on_replica_lost(self, address: str) -> None:
+        """No replica any more: nothing to bound the divergence from, so server
+        transfers are no longer held (training goes on, unreplicated)."""
+        self.metrics.replicas_lost.inc()
+        if self.gate is not None:
+            self.gate.active = False
+        self.state.replicas.clear()
+        decision_log.info(json.dumps({"event": "replica_lost", "replica": address}))
+        self.replan()
+
+    def on_replica_join(self, ev: ReplicaJoin) -> None:
+        """A new replica serves from ev.version: workers send it the updates
+        above that version, and it is the one to promote at the next failover."""
+        if self.monitor is not None:
+            self.monitor.replica = ev.address
+        if self.gate is not None:
+            self.gate.start(ev.version, ev.velocity)
+            self.gate.active = True
+            self._norms_known = max(self._norms_known, ev.version)
+        host = ev.address.rsplit(":", 1)[0]
+        self.state.replicas = {host: {"host": host, "address": ev.address,
+                                      "version": ev.version}}
+        told = 0
+        for conn in list(self.connections):
+            if conn.stage == "ready":
+                conn.send(ReplicaAt(address=ev.address, version=ev.version))
+                told += 1
+        log.warning("replica joined at %s from version %d; %d peers told", ev.address,
+                    ev.version, told)
+        decision_log.info(json.dumps({"event": "replica_join", "replica": ev.address,
+                                      "version": ev.version}))
+        self.replan()
+
+    def _groups_formed(self, groups: list[Group]) -> None:
+        m = self.metrics
+        for g in groups:
+            m.aggregation_groups.inc()
+            m.aggregation_fan_in.observe(len(g.ids))
+            m.aggregation_rescued.inc(g.rescued)
+            decision_log.info(json.dumps({"event": "group", "aggregator": g.aggregator,
+                                          "ids": list(g.ids), "rescued": g.rescued,
+                                          "first_position": g.first,
+                                          "ready": round(g.ready, 6),
+                                          "delivered": round(g.delivered, 6)}))
+
+    def make_protocol(self) -> _ControllerProtocol:
+        return _ControllerProtocol(self)
+
+    def welcome(self, conn: EndpointProtocol) -> Welcome:
+        return Welcome(session=secrets.token_hex(8), version=self.state.version, tensors=(),
+                       tau_max=self.state.tau_max,
+                       aggregators=tuple(sorted(set(self.state.aggregators.values()))))
+
+    # -- events -------------------------------------------------------------------
+
+    def on_request(self, conn: _ControllerProtocol, ev: TransferRequest) -> None:
+        self.metrics.requests.inc()
+        self.state.request(conn, ev.req, host=ev.host, dst=ev.dst, nbytes=ev.nbytes,
+                           base_version=ev.base_version, norm=ev.norm, now=self.clock())
+        self.replan()
+
+    def on_done(self, conn: _ControllerProtocol, ev: TransferDone) -> None:
+        t = self.state.done(conn, ev.req, version=ev.version, applied=ev.applied,
+                            delay=ev.delay, now=self.clock(), via_failed=ev.via_failed)
+        if t is not None and ev.via_failed is not None and t.route is not None:
+            self.metrics.aggregator_failures.inc()
+            log.warning("aggregator on %s failed update %d (%s); routing nothing through it "
+                        "for %.0f s", t.route.host, t.id, ev.via_failed,
+                        self.state.bench_seconds)
+        if t is not None and ev.applied and self.gate is not None:
+            self.gate.server_applied(ev.version, t.norm)
+        if t is not None:
+            self.metrics.actual_seconds.observe(ev.seconds)
+            if ev.applied and ev.delay is not None:
+                self.metrics.delay.observe(ev.delay)
+            decision_log.info(json.dumps({
+                "event": "done", "at": round(self.clock(), 6), "id": t.id, "host": t.host,
+                "applied": ev.applied,
+                "version": ev.version, "delay": ev.delay, "seconds": round(ev.seconds, 6),
+                "planned_seconds": t.planned_seconds}))
+        self.replan()
+
+    def on_replica_done(self, ev: ReplicaDone) -> None:
+        gate = self.gate
+        if gate is None:
+            return  # replication without a bound: nothing to decide
+        gate.replica_applied(ev.version)
+        self.state.replicas[ev.dst] = {"host": ev.dst, "version": gate.replica_reported,
+                                       "div_max": gate.div_max}
+        self.replan()
+
+    def on_lost(self, conn: _ControllerProtocol) -> None:
+        gone = self.state.forget(conn)
+        if gone:
+            log.info("worker %s gone with %d transfers", conn.client, len(gone))
+            self.replan()
+
+    # -- decide, then act -------------------------------------------------------------
+
+    def replan(self) -> None:
+        """Re-plan once the loop has read what else has arrived: the events of
+        one turn of the loop share one re-plan. A re-plan over thousands of
+        pending transfers takes milliseconds, and the events that arrive
+        meanwhile are read together in the next turn, so the batches grow
+        with the load instead of a queue of re-plans, one per event, falling
+        further behind (benchmarks/RESULTS.md, "The simulator")."""
+        self._events += 1
+        if self._soon is None:
+            self._soon = asyncio.get_running_loop().call_soon(self._replan_now)
+
+    def _replan_now(self) -> None:
+        self._soon = None
+        started = time.perf_counter()
+        now = self.clock()
+        decisions = self.state.decide(now)
+        m = self.metrics
+        m.decision_seconds.observe(time.perf_counter() - started)
+        m.replan_events.observe(self._events)
+        self._events = 0
+        for action in decisions.actions:
+            t = action.transfer
+            conn = t.owner
+            assert isinstance(conn, _ControllerProtocol)
+            wait = now - t.arrival
+            # Count first, then tell the worker: whoever sees the directive's
+            # effect also sees it counted.
+            m.queue_wait.observe(wait)
+            if isinstance(action, Go):
+                m.directives.labels("go").inc()
+                m.planned_seconds.observe(action.planned_seconds)
+                route = action.route
+                conn.send(Directive(
+                    req=t.req, action="go", position=action.position,
+                    planned_seconds=action.planned_seconds,
+                    via=route.address if route else None, group=route.group if route else None,
+                    fan_in=route.fan_in if route else None,
+                    index=route.index if route else None))
+                record = {"event": "go", "at": round(now, 6), "position": action.position,
+                          "planned_seconds": round(action.planned_seconds, 6)}
+                if route is not None:
+                    m.aggregation_members.inc()
+                    record.update(via=route.host, group=route.group, index=route.index)
+            else:
+                assert isinstance(action, Drop)
+                m.directives.labels("drop").inc()
+                m.drops.labels(action.reason).inc()
+                conn.send(Directive(req=t.req, action="drop",
+                                    reason=f"{action.reason}: {action.detail}".rstrip(": ")))
+                record = {"event": "drop", "at": round(now, 6), "reason": action.reason,
+                          "detail": action.detail}
+            decision_log.info(json.dumps({
+                **record, "id": t.id, "host": t.host, "nbytes": t.nbytes,
+                "base_version": t.base_version, "server_version": self.state.version,
+                "queue_wait": round(wait, 6)}))
+        m.pending.set(len(self.state.pending))
+        m.active.set(len(self.state.active))
+        m.version.set(self.state.version)
+        if self.gate is not None:
+            self._replication_metrics()
+        if self._wake is not None:
+            self._wake.cancel()
+            self._wake = None
+        if decisions.wake_at is not None:
+            delay = max(0.0, decisions.wake_at - now)
+            self._wake = asyncio.get_running_loop().call_later(delay, self.replan)
+
+    def _replication_metrics(self) -> None:
+        gate, m = self.gate, self.metrics
+        assert gate is not None
+        flying = [t.norm for t in self.state.active.values()]
+        lag, bound = gate.lag(len(flying)), gate.bound(flying)
+        m.replica_lag.set(lag)
+        m.divergence_bound.set(bound)
+        m.replica_version.set(gate.replica_reported)
+        m.divergence_holds.inc(gate.held - self._held_seen)
+        m.divergence_overrides.inc(gate.overrides - self._overrides_seen)
+        if gate.stalls > self._stalls_seen:
+            m.divergence_stalls.inc(gate.stalls - self._stalls_seen)
+            log.error("the replica made no progress for %.1f s while server transfers were "
+                      "held (replica at version %d, lag %d): letting transfers go without "
+                      "the divergence bound until it catches up or is resynced",
+                      gate.lag_timeout or 0.0, gate.replica_reported, lag)
+            decision_log.info(json.dumps({"event": "replica_stalled",
+                                          "replica_version": gate.replica_reported,
+                                          "lag": lag}))
+        m.replica_stalled.set(int(gate.stalled))
+        self._held_seen, self._overrides_seen = gate.held, gate.overrides
+        self._stalls_seen = gate.stalls
+        for row in self.state.replicas.values():
+            row.update(lag_updates=lag, divergence_bound=bound)
+
+    def status(self, asker: Any = None) -> dict[str, Any]:
+        """The job at a glance; `asker` (the connection asking) is not a worker."""
+        status: dict[str, Any] = self.state.status(now=self.clock())
+        if asker in self.state.workers:
+            me = self.state.workers[asker].name
+            status["workers"] = [w for w in status["workers"] if w["name"] != me]
+        status.update(job=self.job, policy=self.policy_name, connections=len(self.connections))
+        return status
+
+    async def close(self) -> None:
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
+        if self._wake is not None:
+            self._wake.cancel()
+        for task in self._agent_tasks:
+            task.cancel()
+        if self._agent_tasks:  # no re-plan from an agent's report after close
+            await asyncio.wait(self._agent_tasks, timeout=5.0)
+        if self.monitor is not None:
+            await self.monitor.close()
+        await super().close()
+
+
+class _ControllerProtocol(EndpointProtocol):
+    endpoint: Controller
+
+    def on_ready(self) -> None:
+        self.endpoint.state.join(self, f"{self.client} ({self.peer})")
+
+    def handle(self, event: Any) -> None:
+        if isinstance(event, TransferRequest):
+            self.endpoint.on_request(self, event)
+        elif isinstance(event, TransferDone):
+            self.endpoint.on_done(self, event)
+        elif isinstance(event, ReplicaJoin):
+            self.endpoint.on_replica_join(event)
+        elif isinstance(event, ReplicaDone):
+            self.endpoint.on_replica_done(event)
+        elif isinstance(event, StatusRequest):
+            self.send(Status(req=event.req, status=self.endpoint.status(asker=self)))
+        else:
+            self.protocol_error(f"unexpected {type(event).__name__} message")
+
+    def on_lost(self) -> None:
+        self.endpoint.on_lost(self)

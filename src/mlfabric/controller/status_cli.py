@@ -1,0 +1,150 @@
+"""`mlfabric status`: the job at a glance, from its controller."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+from typing import Any
+
+from ..client.blocking import _handshake
+from ..client.core import Handshake, default_client_name, parse_address
+from ..errors import ConnectError, ConnectionLost, ProtocolError
+from ..wire import auth
+from ..wire.protocol import NEED_DATA, Connection, Error, Status, StatusRequest
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--controller", required=True, metavar="HOST:PORT",
+                   help="the job's controller")
+    p.add_argument("--job", required=True, help="the job's name")
+    p.add_argument("--token-file", required=True, metavar="PATH",
+                   help="file holding the job's secret token")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait (default: 10)")
+    p.add_argument("--json", action="store_true", help="print the raw status as JSON")
+
+
+def fetch_status(address: str, job: str, token: bytes, timeout: float = 10.0) -> dict[str, Any]:
+    host, port = parse_address(address)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise ConnectError(
+            f"cannot reach the controller at {address}: {exc.strerror or exc}; is `mlfabric "
+            f"controller` running there? (--controller)") from None
+    with sock:
+        conn = Connection()
+        _handshake(sock, conn, Handshake(job, token, f"status@{default_client_name()}"))
+        sock.sendall(conn.send_bytes(StatusRequest(req=1)))
+        while True:
+            event = conn.next_event()
+            if isinstance(event, Status):
+                return dict(event.status)
+            if isinstance(event, Error):
+                raise ProtocolError(
+                    f"{address} refused the status request ({event.message}): give the "
+                    f"address of the job's `mlfabric controller`, not of its server "
+                    f"(--controller)")
+            if event is not NEED_DATA:
+                raise ProtocolError(f"expected a status, got {type(event).__name__}")
+            try:
+                data = sock.recv(1 << 16)
+            except TimeoutError:
+                raise ConnectError(f"no status from {address} within {timeout} s") from None
+            if not data:
+                raise ConnectionLost(f"the controller at {address} closed the connection")
+            conn.receive_data(data)
+
+
+def _mbit(bytes_per_s: float) -> str:
+    return f"{bytes_per_s * 8 / 1e6:g}"
+
+
+def _ago(age: float | None) -> str:
+    return "never" if age is None else f"{age:.1f} s ago"
+
+
+def _cell(value: Any) -> str:
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    rows = [header, *rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return ["  " + "  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip()
+            for r in rows]
+
+
+def format_status(s: dict[str, Any], address: str) -> str:
+    lines = [
+        f"job {s.get('job')!r} on controller {address}   policy {s.get('policy')}   "
+        f"tau_max {s.get('tau_max')}",
+        f"server version {s['server_version']}   transfers pending {s['pending']}, active "
+        f"{s['active']}   connections {s.get('connections')}",
+    ]
+    servers = s.get("servers") or []
+    if servers:
+        lines.append("servers (versions as their workers reported them):")
+        lines += _table(
+            ("host", "version", "transfers", "applied", "refused", "last heard"),
+            [(v["host"], _cell(v["version"]), str(v["transfers"]), str(v["applied"]),
+              str(v["refused"]), _ago(v["last_heard_age_s"])) for v in servers])
+    else:
+        lines.append("servers: none seen yet (no transfer requested)")
+    replicas = s.get("replicas") or []
+    if replicas:
+        # Whatever a replica reports, one column per key, in the order first seen.
+        keys = list(dict.fromkeys(k for r in replicas for k in r))
+        lines.append("replicas:")
+        lines += _table(tuple(keys), [tuple(_cell(r.get(k)) for k in keys) for r in replicas])
+    else:
+        lines.append("replicas: none reported (workers replicate with replica=HOST:PORT; "
+                     "the controller tracks replicas with --div-max)")
+    agents = s.get("agents") or []
+    if agents:
+        lines.append("agents:")
+        lines += _table(
+            ("host", "address", "reachable", "last report", "peers", "fresh", "error"),
+            [(a["host"], a["address"], _cell(a["reachable"]), _ago(a["last_report_age_s"]),
+              str(a["peers"]), str(a["fresh"]), _cell(a["error"])) for a in agents])
+    else:
+        lines.append("agents: none (start the controller with --agent HOST=ADDR:PORT)")
+    d = s["delay"]
+    if d.get("count"):
+        lines.append(f"delay of applied updates: count {d['count']}  mean {d['mean']:.2f}  "
+                     f"std {d['std']:.2f}  max {d['max']}")
+    else:
+        lines.append("delay of applied updates: none reported yet")
+    lines.append("workers:")
+    lines += _table(
+        ("name", "host", "requests", "sent", "dropped", "applied", "refused", "last delay"),
+        [(w["name"], w["host"] or "-", str(w["requests"]), str(w["sent"]), str(w["dropped"]),
+          str(w["applied"]), str(w["refused"]), _cell(w["last_delay"]))
+         for w in s["workers"]])
+    lines.append("bandwidth picture (Mbit/s, up / down):")
+    for host, bw in sorted(s["bandwidth"].items()):
+        lines.append(f"  {host}  {_mbit(bw['up_bytes_per_s'])} / {_mbit(bw['down_bytes_per_s'])}")
+    lines.append(f"  any other host  {_mbit(s['default_bytes_per_s'])} / "
+                 f"{_mbit(s['default_bytes_per_s'])}")
+    paths = s.get("measured_paths") or {}
+    lines.append("measured by agents (Mbit/s available):" if paths else
+                 "measured by agents: none (no --agent, or no fresh estimate yet)")
+    for path, rate in paths.items():
+        lines.append(f"  {path}  {_mbit(rate)}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    token = auth.load_token(args.token_file)
+    status = fetch_status(args.controller, args.job, token, args.timeout)
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        print(format_status(status, args.controller))
+    return 0

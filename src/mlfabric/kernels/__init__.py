@@ -1,0 +1,26 @@
+"""The numeric kernels (Cython, `_core.pyx`): fused, bit-exact loops over
+float32/float64 arrays that the server, the replica, the aggregator and the
+client call on whole models. Every kernel rounds exactly as the numpy
+expression in its docstring (see `_core.pxd`)."""
+
+from ._core import (
+    NOGIL_MIN_ELEMENTS,
+    all_finite,
+    l2_norm,
+    l2_norm_diff,
+    momentum_apply,
+    momentum_into,
+    scaled_add,
+    sum_into,
+)
+
+__all__ = [
+    "NOGIL_MIN_ELEMENTS",
+    "all_finite",
+    "l2_norm",
+    "l2_norm_diff",
+    "momentum_apply",
+    "momentum_into",
+    "scaled_add",
+    "sum_into",
+]

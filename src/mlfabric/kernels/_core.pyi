@@ -1,0 +1,69 @@
+"""Types of the Cython kernels in src/mlfabric/kernels/_core.pyx (see its docstring).
+
+Every array argument is a C-contiguous numpy array of dtype float32 or
+float64, all of one dtype and one shape; outputs must be writable. The dtype
+check is at run time (TypeError), since NDArray cannot say "same dtype for
+all arguments".
+"""
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+_FloatArray = NDArray[np.floating[Any]]
+
+# Loops over at least this many elements release the GIL.
+NOGIL_MIN_ELEMENTS: int
+
+def momentum_apply(w: _FloatArray, prev: _FloatArray, u: _FloatArray, gamma: float) -> None:
+    """In place: new = (w + u) + g*(w - prev); prev[...] = old w; w[...] = new."""
+
+def momentum_into(
+    out: _FloatArray, w: _FloatArray, prev: _FloatArray | None, u: _FloatArray, gamma: float
+) -> bool:
+    """out[...] = (w + u) + g*(w - prev), or w + u if prev is None; w, prev and
+    u are only read. True iff every element written is finite."""
+
+def sum_into(out: _FloatArray, arrays: Iterable[_FloatArray], accumulate: bool = False) -> None:
+    """out[...] = a0 + a1 + ... left to right (out + a0 + ... if accumulate)."""
+
+def scaled_add(y: _FloatArray, x: _FloatArray, alpha: float) -> None:
+    """y[...] = y + a*x with a = alpha cast to the array dtype."""
+
+def l2_norm(x: _FloatArray) -> float:
+    """sqrt(sum(x_i**2)), squared and summed in double."""
+
+def l2_norm_diff(a: _FloatArray, b: _FloatArray) -> float:
+    """||a - b||_2 with the difference taken in double."""
+
+def all_finite(x: _FloatArray) -> bool:
+    """True iff x holds no NaN, +Inf or -Inf."""
+
+def schedule_stf(
+    ready: float,
+    size: NDArray[np.float64],
+    up: NDArray[np.intp],
+    down: NDArray[np.intp],
+    pair: NDArray[np.intp],
+    cap: NDArray[np.float64],
+    dl: NDArray[np.intp],
+    has_deadlines: bool,
+    idle_factor: float,
+    seg_lo: NDArray[np.intp],
+    seg_t: NDArray[np.float64],
+    seg_r: NDArray[np.float64],
+    seg_f: NDArray[np.float64],
+    start: NDArray[np.float64],
+    rate: NDArray[np.float64],
+    end: NDArray[np.float64],
+    position: NDArray[np.intp],
+    send_order: NDArray[np.intp],
+    drop_order: NDArray[np.intp],
+    reason: NDArray[np.int8],
+    idle: NDArray[np.float64],
+    displaced: NDArray[np.float64],
+) -> tuple[int, int]:
+    """The "mlfabric" scheduling policy on arrays (mlfabric.schedule builds them):
+    fills the per-update outputs and returns (number of sends, number of drops)."""

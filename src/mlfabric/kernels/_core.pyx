@@ -1,0 +1,1342 @@
+# cython: language_level=3
+"""Numeric kernels of mlfabric: one pass over memory, GIL released, numpy-exact.
+
+Every kernel works on numpy arrays of dtype float32 or float64 (one fused-type
+implementation for both), of any ndim but C-contiguous, as on their flat view.
+Each has a numpy reference it is tested against (tests/test_core.py):
+
+==============================================  ==========================================
+kernel                                          numpy reference
+==============================================  ==========================================
+momentum_apply(w, prev, u, gamma)               new = w + u + g*(w - prev); prev[...] = w;
+                                                w[...] = new                  (bit-exact)
+momentum_into(out, w, prev, u, gamma)           out[...] = w + u + g*(w - prev) (bit-exact);
+                                                returns bool(np.isfinite(out).all())
+momentum_into(out, w, None, u, gamma)           out[...] = w + u              (bit-exact);
+                                                returns bool(np.isfinite(out).all())
+sum_into(out, arrays, accumulate=False)         out[...] = reduce(np.add, arrays), or
+                                                reduce(np.add, arrays, out)  (bit-exact)
+scaled_add(y, x, alpha)                         y[...] = y + a*x              (bit-exact)
+l2_norm(x)                                      np.linalg.norm(x.astype(np.float64))
+l2_norm_diff(a, b)                              np.linalg.norm(a.astype(np.float64)
+                                                               - b.astype(np.float64))
+all_finite(x)                                   bool(np.isfinite(x).all())
+==============================================  ==========================================
+
+where g = x.dtype.type(gamma) and a = x.dtype.type(alpha): scalars are cast to
+the array dtype first, so float32 arrays are computed in float32, as numpy does
+with a Python float. The extension is built with -ffp-contract=off (no FMA) and
+without -ffast-math, and every expression keeps numpy's evaluation order, so
+the elementwise kernels round exactly like numpy. NaN and Inf propagate like
+numpy's (NaN in the same places; when two different NaN payloads meet, which
+payload survives is not specified, as in numpy's own SIMD loops).
+
+The norms square and accumulate in double, in interleaved partial sums (16
+for l2_norm, 8 for l2_norm_diff; so the loop vectorizes), and so agree with the float64 reference to rounding
+(about 1e-15 relative), not bit for bit. l2_norm_diff converts both operands to
+double before subtracting. No scaling is done: a float64 array whose squares
+overflow double gives inf, like np.linalg.norm.
+
+Validation happens before any data is touched and raises
+  TypeError   for a non-ndarray, a dtype other than native float32/float64,
+              or arrays of different dtypes;
+  ValueError  for a shape mismatch, a non-C-contiguous array, a read-only
+              output, or an output that partially overlaps another argument.
+An output may be exactly the same array as an input (for example
+momentum_into(prev, w, prev, u, g) computes the new weights into the prev
+buffer, and the caller swaps the names): every element is read before it is
+written, so the result is still numpy's. In momentum_apply, w and prev must not
+share memory at all (prev has to receive the old w). A 0-d array is treated as
+one element; empty arrays are a no-op (norm 0.0, all_finite True).
+
+The GIL is released around every loop over at least NOGIL_MIN_ELEMENTS
+elements. Tiny arrays keep it, as numpy does (its threshold is 500 elements):
+releasing costs little, but taking the GIL back can wait a whole switch
+interval (5 ms) when another thread is running Python code.
+"""
+
+from cpython.buffer cimport (
+    PyBUF_C_CONTIGUOUS,
+    PyBUF_WRITABLE,
+    PyBuffer_Release,
+    PyObject_GetBuffer,
+)
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.math cimport sqrt
+from libc.stdint cimport uint32_t, uint64_t
+from libc.string cimport memcpy
+
+import numbers
+
+import numpy as np
+
+# Loops over at least this many elements release the GIL.
+NOGIL_MIN_ELEMENTS = 8192
+cdef Py_ssize_t _NOGIL_MIN = NOGIL_MIN_ELEMENTS
+
+cdef enum:
+    # Elements per block in sum_into (4 or 8 KiB: a block of partial sums
+    # stays in L1 between groups of inputs).
+    _BLOCK = 1024
+    # Elements per block in momentum_apply (new weights staged on the stack).
+    _APPLY_BLOCK = 256
+    # Elements per block in all_finite (early-exit granularity).
+    _FINITE_BLOCK = 4096
+
+_F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)
+
+
+# ---------------------------------------------------------------------------
+# Kernels (declared in _core.pxd). Plain C loops: -O3 vectorizes them.
+# ---------------------------------------------------------------------------
+
+cdef void momentum_apply_kernel(real_t* w, real_t* prev, const real_t* u, real_t g,
+                                Py_ssize_t n) noexcept nogil:
+    # Per block: compute the new weights into a stack buffer (reading w, prev
+    # and u), then copy w to prev and the buffer to w. Same bytes moved as one
+    # fused loop, but the two store streams come in bursts instead of
+    # interleaved with the loads, which measured up to 1.5x faster here (the
+    # fused loop was sensitive to where the three arrays sit in memory). u is
+    # read before anything is written, so it may be the same buffer as w or
+    # prev; w and prev must not overlap.
+    cdef real_t new[_APPLY_BLOCK]
+    cdef Py_ssize_t start = 0, m, i
+    cdef real_t* wb
+    cdef real_t* pb
+    cdef const real_t* ub
+    while start < n:
+        m = n - start
+        if m > _APPLY_BLOCK:
+            m = _APPLY_BLOCK
+        wb = w + start
+        pb = prev + start
+        ub = u + start
+        for i in range(m):
+            new[i] = (wb[i] + ub[i]) + g * (wb[i] - pb[i])
+        memcpy(pb, wb, m * sizeof(real_t))
+        memcpy(wb, new, m * sizeof(real_t))
+        start += m
+
+
+cdef bint momentum_into_kernel(real_t* out, const real_t* w, const real_t* prev,
+                               const real_t* u, real_t g, Py_ssize_t n) noexcept nogil:
+    # Returns whether every element written is finite, tracked in a register
+    # as all_finite_kernel does (the exponent-field carry into the sign bit),
+    # so the parameter server can refuse a step that overflows the model
+    # without a second pass over out: three integer ops per element, hidden
+    # under the memory traffic of a large array (benchmarks/bench_store.py).
+    # prev == NULL drops the momentum term: out = w + u (not the same as
+    # g = 0, which would turn -0.0 into +0.0 and w - prev = inf into NaN).
+    cdef Py_ssize_t i
+    cdef real_t v
+    cdef uint32_t b32, acc32 = 0
+    cdef uint64_t b64, acc64 = 0
+    if real_t is float:
+        if prev == NULL:
+            for i in range(n):
+                v = w[i] + u[i]
+                out[i] = v
+                memcpy(&b32, &v, 4)
+                acc32 = acc32 | ((b32 & 0x7f800000u) + 0x00800000u)
+        else:
+            for i in range(n):
+                v = (w[i] + u[i]) + g * (w[i] - prev[i])
+                out[i] = v
+                memcpy(&b32, &v, 4)
+                acc32 = acc32 | ((b32 & 0x7f800000u) + 0x00800000u)
+        return (acc32 & 0x80000000u) == 0
+    else:
+        if prev == NULL:
+            for i in range(n):
+                v = w[i] + u[i]
+                out[i] = v
+                memcpy(&b64, &v, 8)
+                acc64 = acc64 | ((b64 & 0x7ff0000000000000u) + 0x0010000000000000u)
+        else:
+            for i in range(n):
+                v = (w[i] + u[i]) + g * (w[i] - prev[i])
+                out[i] = v
+                memcpy(&b64, &v, 8)
+                acc64 = acc64 | ((b64 & 0x7ff0000000000000u) + 0x0010000000000000u)
+        return (acc64 & 0x8000000000000000u) == 0
+
+
+cdef inline void _sum_group(real_t* acc, const real_t* base, const real_t** rest,
+                            Py_ssize_t g, Py_ssize_t start, Py_ssize_t m) noexcept nogil:
+    # acc[i] = ((base[i] + r0[i]) + r1[i]) + r2[i] with g (0 to 3) terms r, all
+    # at offset start. base may be acc itself: each element is read first.
+    cdef Py_ssize_t i
+    cdef const real_t* r0
+    cdef const real_t* r1
+    cdef const real_t* r2
+    if g == 0:
+        for i in range(m):
+            acc[i] = base[i]
+    elif g == 1:
+        r0 = rest[0] + start
+        for i in range(m):
+            acc[i] = base[i] + r0[i]
+    elif g == 2:
+        r0 = rest[0] + start
+        r1 = rest[1] + start
+        for i in range(m):
+            acc[i] = (base[i] + r0[i]) + r1[i]
+    else:
+        r0 = rest[0] + start
+        r1 = rest[1] + start
+        r2 = rest[2] + start
+        for i in range(m):
+            acc[i] = ((base[i] + r0[i]) + r1[i]) + r2[i]
+
+
+cdef void sum_into_kernel(real_t* out, const real_t** arrays, Py_ssize_t k, Py_ssize_t n,
+                          bint accumulate) noexcept nogil:
+    # Block by block; within a block the inputs are added three at a time in
+    # one loop, so up to four input streams advance together (hardware
+    # prefetchers keep up; adding one whole input at a time measured up to 2x
+    # slower). Per element the order is out (if accumulate), a0, a1, ...,
+    # exactly reduce(np.add, ...). Each input is read once and out written
+    # once (a block of out is re-read from L1 by later groups). With more than
+    # one group and out being one of the inputs, the partial sums go to a
+    # stack buffer instead, so every input block is read before the out block
+    # is written: out may be the very same buffer as any input.
+    cdef real_t buf[_BLOCK]
+    cdef real_t* acc
+    cdef Py_ssize_t start, m, i, j, g, n_rest
+    cdef bint staged = False
+    cdef const real_t* base
+    cdef const real_t** rest
+    if k == 0:
+        if not accumulate:
+            for i in range(n):
+                out[i] = 0
+        return
+    if k == 1 and not accumulate:
+        if out != arrays[0]:
+            memcpy(out, arrays[0], n * sizeof(real_t))
+        return
+    if accumulate:
+        rest = arrays
+        n_rest = k
+    else:
+        rest = arrays + 1
+        n_rest = k - 1
+    if n_rest > 3:
+        for j in range(k):
+            if arrays[j] == out:
+                staged = True
+    start = 0
+    while start < n:
+        m = n - start
+        if m > _BLOCK:
+            m = _BLOCK
+        if accumulate:
+            base = out + start
+        else:
+            base = arrays[0] + start
+        if staged:
+            acc = buf
+        else:
+            acc = out + start
+        g = n_rest if n_rest < 3 else 3
+        _sum_group(acc, base, rest, g, start, m)
+        j = g
+        while j < n_rest:
+            g = n_rest - j if n_rest - j < 3 else 3
+            _sum_group(acc, acc, rest + j, g, start, m)
+            j += g
+        if staged:
+            memcpy(out + start, buf, m * sizeof(real_t))
+        start += m
+
+
+cdef void scaled_add_kernel(real_t* y, const real_t* x, real_t alpha,
+                            Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        y[i] = y[i] + alpha * x[i]
+
+
+cdef extern from *:
+    # The sums of squares in C, to compile them twice: for the baseline
+    # (SSE2) and for AVX2, picked at load time (GCC's target_clones, an ELF
+    # ifunc). The float32 loop is bound by the float -> double conversions,
+    # which AVX2 does four at a time: on the benchmark machine l2_norm of
+    # 64 MiB went from 2.5 to 2.2 ms, about all_finite's 2.0 ms, so the
+    # parameter server's norm of every update costs what its finiteness
+    # check did. Sixteen interleaved partial sums (not 8) keep four vector
+    # adds in flight, so the loop is not bound by the add latency either.
+    # The partial sums are explicit and -ffp-contract=off forbids FMA, so
+    # both clones compute the same bits in the same order.
+    """
+    #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
+    #define MLF_CLONES __attribute__((target_clones("avx2", "default")))
+    #else
+    #define MLF_CLONES
+    #endif
+    #define MLF_SUM_SQUARES(NAME, T)                                              \
+    MLF_CLONES static double NAME(const T* x, Py_ssize_t n) {                    \
+        double s[16] = {0};                                                       \
+        double v;                                                                 \
+        Py_ssize_t i = 0, j;                                                      \
+        for (; i + 16 <= n; i += 16)                                              \
+            for (j = 0; j < 16; j++) { v = (double)x[i + j]; s[j] += v * v; }    \
+        for (; i < n; i++) { v = (double)x[i]; s[i & 15] += v * v; }              \
+        for (j = 0; j < 8; j++) s[j] += s[j + 8];                                 \
+        return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])); \
+    }
+    MLF_SUM_SQUARES(mlf_sum_squares_f32, float)
+    MLF_SUM_SQUARES(mlf_sum_squares_f64, double)
+    """
+    double mlf_sum_squares_f32(const float* x, Py_ssize_t n) noexcept nogil
+    double mlf_sum_squares_f64(const double* x, Py_ssize_t n) noexcept nogil
+
+
+cdef double sum_squares_kernel(const real_t* x, Py_ssize_t n) noexcept nogil:
+    # Sixteen independent partial sums (s[i % 16]): the compiler may not
+    # reorder a single floating-point sum, but it vectorizes interleaved ones.
+    if real_t is float:
+        return mlf_sum_squares_f32(x, n)
+    else:
+        return mlf_sum_squares_f64(x, n)
+
+
+cdef double sum_squares_diff_kernel(const real_t* a, const real_t* b,
+                                    Py_ssize_t n) noexcept nogil:
+    cdef double s[8]
+    cdef double v
+    cdef Py_ssize_t i = 0, j
+    for j in range(8):
+        s[j] = 0.0
+    while i + 8 <= n:
+        for j in range(8):
+            v = <double>a[i + j] - <double>b[i + j]
+            s[j] += v * v
+        i += 8
+    while i < n:
+        v = <double>a[i] - <double>b[i]
+        s[0] += v * v
+        i += 1
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))
+
+
+cdef bint all_finite_kernel(const real_t* x, Py_ssize_t n) noexcept nogil:
+    # On the IEEE-754 bits: x is NaN or +-Inf iff its exponent field is all
+    # ones, i.e. iff (bits & EXP) + EXP_LSB carries into the sign bit. So a
+    # block is finite iff the OR of those sums has the sign bit clear: integer
+    # and/add/or only, which the compiler vectorizes (a float compare per
+    # element does not vectorize for double). memcpy reads the bits without
+    # breaking strict aliasing and compiles to a plain load. One check per
+    # block, so a bad update stops early.
+    cdef Py_ssize_t start = 0, stop, i
+    cdef uint32_t b32, acc32
+    cdef uint64_t b64, acc64
+    while start < n:
+        stop = start + _FINITE_BLOCK
+        if stop > n:
+            stop = n
+        if real_t is float:
+            acc32 = 0
+            for i in range(start, stop):
+                memcpy(&b32, &x[i], 4)
+                acc32 = acc32 | ((b32 & 0x7f800000u) + 0x00800000u)
+            if acc32 & 0x80000000u:
+                return False
+        else:
+            acc64 = 0
+            for i in range(start, stop):
+                memcpy(&b64, &x[i], 8)
+                acc64 = acc64 | ((b64 & 0x7ff0000000000000u) + 0x0010000000000000u)
+            if acc64 & 0x8000000000000000u:
+                return False
+        start = stop
+    return True
+
+
+# ---------------------------------------------------------------------------
+# Run a kernel, releasing the GIL unless the loop is tiny (see module docstring).
+# ---------------------------------------------------------------------------
+
+cdef void _run_momentum_apply(real_t* w, real_t* prev, const real_t* u, real_t g,
+                              Py_ssize_t n) noexcept:
+    if n < _NOGIL_MIN:
+        momentum_apply_kernel(w, prev, u, g, n)
+    else:
+        with nogil:
+            momentum_apply_kernel(w, prev, u, g, n)
+
+
+cdef bint _run_momentum_into(real_t* out, const real_t* w, const real_t* prev,
+                             const real_t* u, real_t g, Py_ssize_t n) noexcept:
+    cdef bint ok
+    if n < _NOGIL_MIN:
+        return momentum_into_kernel(out, w, prev, u, g, n)
+    with nogil:
+        ok = momentum_into_kernel(out, w, prev, u, g, n)
+    return ok
+
+
+cdef void _run_sum_into(real_t* out, const real_t** arrays, Py_ssize_t k, Py_ssize_t n,
+                        bint accumulate) noexcept:
+    if n < _NOGIL_MIN:
+        sum_into_kernel(out, arrays, k, n, accumulate)
+    else:
+        with nogil:
+            sum_into_kernel(out, arrays, k, n, accumulate)
+
+
+cdef void _run_scaled_add(real_t* y, const real_t* x, real_t alpha, Py_ssize_t n) noexcept:
+    if n < _NOGIL_MIN:
+        scaled_add_kernel(y, x, alpha, n)
+    else:
+        with nogil:
+            scaled_add_kernel(y, x, alpha, n)
+
+
+cdef double _run_sum_squares(const real_t* x, Py_ssize_t n) noexcept:
+    cdef double s
+    if n < _NOGIL_MIN:
+        return sum_squares_kernel(x, n)
+    with nogil:
+        s = sum_squares_kernel(x, n)
+    return s
+
+
+cdef double _run_sum_squares_diff(const real_t* a, const real_t* b, Py_ssize_t n) noexcept:
+    cdef double s
+    if n < _NOGIL_MIN:
+        return sum_squares_diff_kernel(a, b, n)
+    with nogil:
+        s = sum_squares_diff_kernel(a, b, n)
+    return s
+
+
+cdef bint _run_all_finite(const real_t* x, Py_ssize_t n) noexcept:
+    cdef bint ok
+    if n < _NOGIL_MIN:
+        return all_finite_kernel(x, n)
+    with nogil:
+        ok = all_finite_kernel(x, n)
+    return ok
+
+
+# ---------------------------------------------------------------------------
+# Validation and buffer access (Python level; nothing here touches the data).
+# ---------------------------------------------------------------------------
+
+cdef class _Buffers:
+    """Holds the buffer exports of one call's arrays.
+
+    Holding the export pins each array's memory (numpy refuses to resize an
+    array with exported buffers) while the kernel runs without the GIL.
+    """
+
+    cdef Py_buffer* views
+    cdef Py_ssize_t count
+    cdef Py_ssize_t filled
+
+    def __cinit__(self, Py_ssize_t count):
+        self.views = <Py_buffer*>PyMem_Malloc((count if count > 0 else 1) * sizeof(Py_buffer))
+        if self.views == NULL:
+            raise MemoryError()
+        self.count = count
+        self.filled = 0
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        if self.views != NULL:
+            for i in range(self.filled):
+                PyBuffer_Release(&self.views[i])
+            PyMem_Free(self.views)
+
+    cdef int add(self, object arr, bint writable) except -1:
+        cdef int flags = PyBUF_C_CONTIGUOUS
+        if writable:
+            flags |= PyBUF_WRITABLE
+        PyObject_GetBuffer(arr, &self.views[self.filled], flags)
+        self.filled += 1
+        return 0
+
+    cdef inline void* ptr(self, Py_ssize_t i) noexcept:
+        return self.views[i].buf
+
+    cdef bint partial_overlap(self, Py_ssize_t i, Py_ssize_t j) noexcept:
+        """True if views i and j share bytes but do not start at the same address."""
+        cdef char* a = <char*>self.views[i].buf
+        cdef char* b = <char*>self.views[j].buf
+        cdef Py_ssize_t la = self.views[i].len
+        cdef Py_ssize_t lb = self.views[j].len
+        if la == 0 or lb == 0 or a == b:
+            return False
+        return a < b + lb and b < a + la
+
+    cdef bint any_overlap(self, Py_ssize_t i, Py_ssize_t j) noexcept:
+        cdef char* a = <char*>self.views[i].buf
+        cdef char* b = <char*>self.views[j].buf
+        cdef Py_ssize_t la = self.views[i].len
+        cdef Py_ssize_t lb = self.views[j].len
+        if la == 0 or lb == 0:
+            return False
+        return a < b + lb and b < a + la
+
+
+def _check_arrays(str func, list names, list arrays, list writable):
+    """Validate the arrays of one call; return True for float32, False for float64.
+
+    Raises before anything is read or written.
+    """
+    cdef Py_ssize_t i, k = len(arrays)
+    for i in range(k):
+        arr = arrays[i]
+        if not isinstance(arr, np.ndarray):
+            raise TypeError(
+                f"{func}: {names[i]} must be a numpy.ndarray of dtype float32 or float64, "
+                f"got {type(arr).__name__}; convert with np.asarray({names[i]}, dtype=np.float32)"
+            )
+    for i in range(k):
+        arr = arrays[i]
+        if arr.dtype != _F32 and arr.dtype != _F64 or not arr.dtype.isnative:
+            raise TypeError(
+                f"{func}: {names[i]} has dtype {arr.dtype.str if not arr.dtype.isnative else arr.dtype}"
+                f" but the kernels take float32 or float64 only; "
+                f"convert with {names[i]}.astype(np.float32)"
+            )
+    if k == 0:
+        return True
+    dtype0 = arrays[0].dtype
+    for i in range(1, k):
+        if arrays[i].dtype != dtype0:
+            seen = ", ".join(f"{names[j]} {arrays[j].dtype}" for j in range(k))
+            raise TypeError(
+                f"{func}: mixed dtypes ({seen}); all arrays must have the same dtype; "
+                f"convert with {names[i]}.astype(np.{dtype0})"
+            )
+    shape0 = arrays[0].shape
+    for i in range(1, k):
+        if arrays[i].shape != shape0:
+            raise ValueError(
+                f"{func}: shape mismatch: {names[0]} has shape {shape0} but {names[i]} has "
+                f"shape {arrays[i].shape}; all arrays must have the same shape"
+            )
+    for i in range(k):
+        arr = arrays[i]
+        if not arr.flags.c_contiguous:
+            raise ValueError(
+                f"{func}: {names[i]} is not C-contiguous (shape {arr.shape}, strides "
+                f"{arr.strides}); pass np.ascontiguousarray({names[i]})"
+            )
+    for i in range(k):
+        if writable[i] and not arrays[i].flags.writeable:
+            raise ValueError(
+                f"{func}: {names[i]} is read-only (flags.writeable is False) but this kernel "
+                f"writes to it; pass a writable array, e.g. {names[i]}.copy()"
+            )
+    return dtype0 == _F32
+
+
+cdef _Buffers _acquire(list arrays, list writable):
+    cdef _Buffers bufs = _Buffers(len(arrays))
+    cdef Py_ssize_t i
+    for i in range(len(arrays)):
+        bufs.add(arrays[i], writable[i])
+    return bufs
+
+
+cdef _check_outputs(str func, _Buffers bufs, list names, Py_ssize_t n_out):
+    """Outputs are the first n_out views; reject partial overlaps with any view."""
+    cdef Py_ssize_t i, j
+    for i in range(n_out):
+        for j in range(bufs.filled):
+            if j != i and bufs.partial_overlap(i, j):
+                raise ValueError(
+                    f"{func}: {names[i]} and {names[j]} overlap in memory without being the "
+                    f"same array, so the result would not match numpy; pass separate "
+                    f"buffers (an output may be exactly the same array as an input)"
+                )
+
+
+cdef double _scalar(str func, str name, object value) except? -1.0:
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"{func}: {name} must be a real number, got {type(value).__name__}")
+    # The caller casts this double to the array dtype in C (<float>g): one
+    # round-to-nearest, as numpy's cast; out of float32 range gives +-inf.
+    return float(value)
+
+
+# ---------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------
+
+def momentum_apply(w, prev, u, gamma):
+    """In place: new = (w + u) + g*(w - prev); prev[...] = old w; w[...] = new.
+
+    g is gamma cast to the array dtype. Bit-identical to the numpy expression.
+    w and prev must not share memory; u may be exactly w or prev.
+    """
+    names = ["w", "prev", "u"]
+    arrays = [w, prev, u]
+    writable = [True, True, False]
+    cdef bint f32 = _check_arrays("momentum_apply", names, arrays, writable)
+    cdef double g = _scalar("momentum_apply", "gamma", gamma)
+    cdef _Buffers b = _acquire(arrays, writable)
+    if b.any_overlap(0, 1):
+        raise ValueError(
+            "momentum_apply: w and prev share memory, but prev must receive the old w; "
+            "pass two separate buffers"
+        )
+    _check_outputs("momentum_apply", b, names, 2)
+    cdef Py_ssize_t n = w.size
+    if f32:
+        _run_momentum_apply(<float*>b.ptr(0), <float*>b.ptr(1), <const float*>b.ptr(2),
+                                  <float>g, n)
+    else:
+        _run_momentum_apply(<double*>b.ptr(0), <double*>b.ptr(1),
+                                  <const double*>b.ptr(2), g, n)
+
+
+def momentum_into(out, w, prev, u, gamma):
+    """out[...] = (w + u) + g*(w - prev), or w + u if prev is None; w, prev
+    and u are only read. Returns True iff every element written is finite.
+
+    g is gamma cast to the array dtype. Bit-identical to the numpy expression.
+    out may be exactly one of the inputs (e.g. prev, to rotate two buffers).
+    The finiteness of the result is tracked while it is written (no second
+    pass), so a caller can refuse a step that overflows to Inf or NaN.
+    """
+    if prev is None:
+        names = ["out", "w", "u"]
+        arrays = [out, w, u]
+        writable = [True, False, False]
+    else:
+        names = ["out", "w", "prev", "u"]
+        arrays = [out, w, prev, u]
+        writable = [True, False, False, False]
+    cdef bint f32 = _check_arrays("momentum_into", names, arrays, writable)
+    cdef double g = _scalar("momentum_into", "gamma", gamma)
+    cdef _Buffers b = _acquire(arrays, writable)
+    _check_outputs("momentum_into", b, names, 1)
+    cdef Py_ssize_t n = out.size
+    cdef Py_ssize_t iu = 2 if prev is None else 3
+    cdef void* p = NULL if prev is None else b.ptr(2)
+    cdef bint ok
+    if f32:
+        ok = _run_momentum_into(<float*>b.ptr(0), <const float*>b.ptr(1),
+                                <const float*>p, <const float*>b.ptr(iu), <float>g, n)
+    else:
+        ok = _run_momentum_into(<double*>b.ptr(0), <const double*>b.ptr(1),
+                                <const double*>p, <const double*>b.ptr(iu), g, n)
+    return ok
+
+
+def sum_into(out, arrays, accumulate=False):
+    """out[...] = a0 + a1 + ... (left to right), or out + a0 + a1 + ... if accumulate.
+
+    Bit-identical to functools.reduce(np.add, arrays) (with out as the initial
+    value if accumulate). No arrays and accumulate=False sets out to 0.0.
+    One pass: each input is read once and out written once. out may be exactly
+    one of the inputs.
+    """
+    inputs = list(arrays)
+    cdef Py_ssize_t k = len(inputs), i
+    names = ["out"] + [f"arrays[{i}]" for i in range(k)]
+    all_arrays = [out] + inputs
+    writable = [True] + [False] * k
+    cdef bint f32 = _check_arrays("sum_into", names, all_arrays, writable)
+    cdef bint acc = bool(accumulate)
+    cdef _Buffers b = _acquire(all_arrays, writable)
+    _check_outputs("sum_into", b, names, 1)
+    cdef Py_ssize_t n = out.size
+    cdef void** ptrs = <void**>PyMem_Malloc((k if k > 0 else 1) * sizeof(void*))
+    if ptrs == NULL:
+        raise MemoryError()
+    try:
+        for i in range(k):
+            ptrs[i] = b.ptr(i + 1)
+        if f32:
+            _run_sum_into(<float*>b.ptr(0), <const float**>ptrs, k, n, acc)
+        else:
+            _run_sum_into(<double*>b.ptr(0), <const double**>ptrs, k, n, acc)
+    finally:
+        PyMem_Free(ptrs)
+
+
+def scaled_add(y, x, alpha):
+    """y[...] = y + a*x with a = alpha cast to the array dtype. Bit-identical.
+
+    x may be exactly y (y becomes y + a*y).
+    """
+    names = ["y", "x"]
+    arrays = [y, x]
+    writable = [True, False]
+    cdef bint f32 = _check_arrays("scaled_add", names, arrays, writable)
+    cdef double a = _scalar("scaled_add", "alpha", alpha)
+    cdef _Buffers b = _acquire(arrays, writable)
+    _check_outputs("scaled_add", b, names, 1)
+    cdef Py_ssize_t n = y.size
+    if f32:
+        _run_scaled_add(<float*>b.ptr(0), <const float*>b.ptr(1), <float>a, n)
+    else:
+        _run_scaled_add(<double*>b.ptr(0), <const double*>b.ptr(1), a, n)
+
+
+def l2_norm(x):
+    """sqrt(sum(x_i**2)), squared and summed in double; 0.0 for an empty array.
+
+    Matches np.linalg.norm(x.astype(np.float64)) to rounding (16 partial sums).
+    """
+    cdef bint f32 = _check_arrays("l2_norm", ["x"], [x], [False])
+    cdef _Buffers b = _acquire([x], [False])
+    cdef Py_ssize_t n = x.size
+    cdef double s
+    if f32:
+        s = _run_sum_squares(<const float*>b.ptr(0), n)
+    else:
+        s = _run_sum_squares(<const double*>b.ptr(0), n)
+    return sqrt(s)
+
+
+def l2_norm_diff(a, b):
+    """||a - b||_2: both operands converted to double, then subtracted, squared, summed.
+
+    Matches np.linalg.norm(a.astype(np.float64) - b.astype(np.float64)) to
+    rounding. For float32 input the difference is thus not rounded to float32.
+    """
+    cdef bint f32 = _check_arrays("l2_norm_diff", ["a", "b"], [a, b], [False, False])
+    cdef _Buffers bufs = _acquire([a, b], [False, False])
+    cdef Py_ssize_t n = a.size
+    cdef double s
+    if f32:
+        s = _run_sum_squares_diff(<const float*>bufs.ptr(0), <const float*>bufs.ptr(1), n)
+    else:
+        s = _run_sum_squares_diff(<const double*>bufs.ptr(0),
+                                        <const double*>bufs.ptr(1), n)
+    return sqrt(s)
+
+
+def all_finite(x):
+    """True iff x holds no NaN, +Inf or -Inf (True for an empty array).
+
+    One pass, no temporaries; checks once per 4096 elements and stops at the
+    first block holding a non-finite value.
+    """
+    cdef bint f32 = _check_arrays("all_finite", ["x"], [x], [False])
+    cdef _Buffers b = _acquire([x], [False])
+    cdef Py_ssize_t n = x.size
+    cdef bint ok
+    if f32:
+        ok = _run_all_finite(<const float*>b.ptr(0), n)
+    else:
+        ok = _run_all_finite(<const double*>b.ptr(0), n)
+    return ok
+
+
+# ---------------------------------------------------------------------------
+# Scheduling: the hot loop of mlfabric.schedule's "mlfabric" policy.
+#
+# A port of the pure-Python reference in src/mlfabric/scheduling/schedule.py (_Link,
+# earliest_completion, _Candidates, _plan_stf, _forced_choice): the same
+# reservation model and decisions, with the same floating-point operations in
+# the same order, so both give identical plans (tests/test_schedule.py runs
+# every property on both and compares them). Only the search structures
+# differ: a max-segment tree over each destination's free updates instead of
+# size groups, and an array of held updates instead of a heap. The Python
+# module validates, prepares the arrays and builds the directives; this only
+# decides, without the GIL. docs/scheduling.md explains the model and the
+# drop rule.
+# ---------------------------------------------------------------------------
+
+from libc.math cimport INFINITY
+from libc.string cimport memmove
+
+cdef enum:
+    _REASON_NONE = 0
+    _REASON_DEADLINE_MISSED = 1
+    _REASON_WOULD_IDLE_SERVER = 2
+
+
+cdef Py_ssize_t _sl_split(_SLink* L, double t) noexcept nogil:
+    # Index of the segment starting at t, inserting a breakpoint if needed
+    # (room for it was allocated up front).
+    cdef Py_ssize_t lo = 0, hi = L.n, mid, k, tail
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if t < L.t[mid]:
+            hi = mid
+        else:
+            lo = mid + 1
+    k = lo - 1
+    if L.t[k] == t:
+        return k
+    tail = L.n - k - 1
+    memmove(&L.t[k + 2], &L.t[k + 1], tail * sizeof(double))
+    memmove(&L.r[k + 2], &L.r[k + 1], tail * sizeof(double))
+    memmove(&L.f[k + 2], &L.f[k + 1], tail * sizeof(double))
+    L.t[k + 1] = t
+    L.r[k + 1] = L.r[k]
+    L.f[k + 1] = L.f[k]
+    L.n += 1
+    return k + 1
+
+
+cdef void _sl_reserve(_SLink* L, double start, double end, double rate) noexcept nogil:
+    cdef Py_ssize_t i = _sl_split(L, start)
+    cdef Py_ssize_t j = _sl_split(L, end)
+    cdef Py_ssize_t k, lo, hi, mid
+    cdef double nxt, rk, now
+    for k in range(i, j):
+        L.r[k] -= rate
+    nxt = L.f[j] if j < L.n else INFINITY
+    k = j - 1
+    while k >= 0:
+        rk = L.r[k]
+        if k < i and rk <= nxt:
+            break
+        nxt = rk if rk < nxt else nxt
+        L.f[k] = nxt
+        k -= 1
+    L.version += 1
+    # Collapse the leading segments where F is 0: nothing can start there.
+    if L.f[0] > 0.0 or L.n < 2 or L.f[1] > 0.0:
+        return
+    lo = 0
+    hi = L.n
+    while lo < hi:  # bisect_right(f, 0.0): F is non-decreasing
+        mid = (lo + hi) // 2
+        if 0.0 < L.f[mid]:
+            hi = mid
+        else:
+            lo = mid + 1
+    k = lo - 1
+    now = L.t[0]
+    memmove(L.t, &L.t[k], (L.n - k) * sizeof(double))
+    memmove(L.r, &L.r[k], (L.n - k) * sizeof(double))
+    memmove(L.f, &L.f[k], (L.n - k) * sizeof(double))
+    L.n -= k
+    L.t[0] = now
+    L.r[0] = 0.0
+
+
+cdef inline double _sl_capacity(_SLink* L) noexcept nogil:
+    return L.f[L.n - 1]
+
+
+cdef inline double _sl_first_free(_SLink* L) noexcept nogil:
+    return L.t[0] if L.f[0] > 0.0 else L.t[1]
+
+
+cdef inline bint _sl_flat(_SLink* L) noexcept nogil:
+    return L.f[0] == L.f[L.n - 1]
+
+
+cdef void _sl_earliest(_SLink** path, Py_ssize_t m, double size,
+                       double* out_end, double* out_start, double* out_rate) noexcept nogil:
+    # Earliest-completing constant-rate transfer of `size` on the m (2 or 3)
+    # links of `path`: scan the breakpoints of the path's F.
+    cdef Py_ssize_t ptr[3]
+    cdef double nxt[3]
+    cdef double best_end = INFINITY, best_start = 0.0, best_rate = 0.0
+    cdef double t = path[0].t[0], rate, end, fastest = path[0].f[path[0].n - 1]
+    cdef Py_ssize_t a
+    for a in range(m):
+        ptr[a] = 0
+        if path[a].f[path[a].n - 1] < fastest:
+            fastest = path[a].f[path[a].n - 1]
+    # No rate exceeds the path's capacity: stop at the first start t with
+    # t + size / capacity >= the best end found.
+    fastest = size / fastest
+    while True:
+        rate = path[0].f[ptr[0]]
+        for a in range(1, m):
+            if path[a].f[ptr[a]] < rate:
+                rate = path[a].f[ptr[a]]
+        if rate > 0.0:
+            end = t + size / rate
+            if end < best_end:
+                best_end = end
+                best_start = t
+                best_rate = rate
+        t = INFINITY
+        for a in range(m):
+            nxt[a] = path[a].t[ptr[a] + 1] if ptr[a] + 1 < path[a].n else INFINITY
+            if nxt[a] < t:
+                t = nxt[a]
+        if t + fastest >= best_end:
+            break
+        for a in range(m):
+            if nxt[a] == t:
+                ptr[a] += 1
+    out_end[0] = best_end
+    out_start[0] = best_start
+    out_rate[0] = best_rate
+
+
+cdef inline Py_ssize_t _ss_path(_SState* S, Py_ssize_t k, _SLink** path) noexcept nogil:
+    path[0] = &S.links[S.up[k]]
+    path[1] = &S.links[S.down[k]]
+    if S.pair[k] >= 0:
+        path[2] = &S.links[S.pair[k]]
+        return 3
+    return 2
+
+
+cdef inline long _ss_stamp(_SState* S, Py_ssize_t k) noexcept nogil:
+    cdef long s = S.links[S.up[k]].version + S.links[S.down[k]].version
+    if S.pair[k] >= 0:
+        s += S.links[S.pair[k]].version
+    return s
+
+
+cdef double _ss_completion(_SState* S, Py_ssize_t k) noexcept nogil:
+    cdef _SLink* path[3]
+    cdef Py_ssize_t m
+    cdef long stamp = _ss_stamp(S, k)
+    if stamp != S.stamp[k]:
+        m = _ss_path(S, k, path)
+        _sl_earliest(path, m, S.size[k], &S.end[k], &S.start[k], &S.rate[k])
+        S.stamp[k] = stamp
+    return S.end[k]
+
+
+cdef inline bint _ss_less(_SState* S, double e1, Py_ssize_t k1, double e2,
+                          Py_ssize_t k2) noexcept nogil:
+    # (e1, size, -cap, k1) < (e2, size, -cap, k2); k2 < 0 is "none": anything wins.
+    if k2 < 0:
+        return True
+    if e1 != e2:
+        return e1 < e2
+    if S.size[k1] != S.size[k2]:
+        return S.size[k1] < S.size[k2]
+    if S.cap[k1] != S.cap[k2]:
+        return S.cap[k1] > S.cap[k2]
+    return k1 < k2
+
+
+cdef bint _ss_may_be_free(_SState* S, Py_ssize_t k) noexcept nogil:
+    cdef double t0 = _sl_first_free(&S.links[S.down[k]])
+    cdef _SLink* L = &S.links[S.up[k]]
+    if not (L.t[L.n - 1] <= t0 or _sl_flat(L)):
+        return False
+    if S.pair[k] >= 0:
+        L = &S.links[S.pair[k]]
+        if not (L.t[L.n - 1] <= t0 or _sl_flat(L)):
+            return False
+    return True
+
+
+cdef inline void _ss_hold(_SState* S, Py_ssize_t k) noexcept nogil:
+    S.free[k] = 0
+    _ss_set(S, k)
+    if not S.in_held[k]:
+        S.in_held[k] = 1
+        S.held[S.n_held] = k
+        S.n_held += 1
+
+
+cdef Py_ssize_t _st_first_above(const double* tree, Py_ssize_t node, Py_ssize_t node_lo,
+                                Py_ssize_t node_hi, Py_ssize_t lo, Py_ssize_t hi,
+                                double x) noexcept nogil:
+    # First position in [lo, hi) whose leaf is > x, or -1 (leaves hold a
+    # capacity, or -1 for an update that is not a live free one).
+    cdef Py_ssize_t mid, found
+    if node_hi <= lo or node_lo >= hi or tree[node] <= x:
+        return -1
+    if node_hi - node_lo == 1:
+        return node_lo
+    mid = (node_lo + node_hi) // 2
+    found = _st_first_above(tree, 2 * node, node_lo, mid, lo, hi, x)
+    if found >= 0:
+        return found
+    return _st_first_above(tree, 2 * node + 1, mid, node_hi, lo, hi, x)
+
+
+cdef inline void _st_fix(_SState* S, Py_ssize_t pos) noexcept nogil:
+    cdef Py_ssize_t node = (S.tree_size + pos) // 2
+    while node >= 1:
+        S.tree[node] = (S.tree[2 * node] if S.tree[2 * node] > S.tree[2 * node + 1]
+                        else S.tree[2 * node + 1])
+        node //= 2
+
+
+cdef inline void _ss_set(_SState* S, Py_ssize_t k) noexcept nogil:
+    # Refresh k's leaf after its alive/free flags changed.
+    S.tree[S.tree_size + S.front_pos[k]] = S.cap[k] if S.alive[k] and S.free[k] else -1.0
+    _st_fix(S, S.front_pos[k])
+
+
+cdef Py_ssize_t _ss_best(_SState* S, Py_ssize_t exclude) noexcept nogil:
+    # The alive update least by (end, size, -cap, index), other than exclude.
+    cdef Py_ssize_t best = -1, d, i, k, w
+    cdef double best_end = INFINITY, e, t0, cap_dest, c_walked
+    cdef _SLink* D
+    # Free updates: walk each destination's Pareto front (see _Candidates).
+    # The segment tree jumps straight to the next live free update whose
+    # capacity beats every one walked so far (positions are by size, so the
+    # bound below holds for all later positions).
+    if exclude >= 0:
+        S.tree[S.tree_size + S.front_pos[exclude]] = -1.0
+        _st_fix(S, S.front_pos[exclude])
+    for d in range(S.n_dests):
+        D = &S.links[S.dests[d]]
+        t0 = _sl_first_free(D)
+        cap_dest = _sl_capacity(D)
+        c_walked = 0.0
+        i = S.front_lo[S.dests[d]]
+        while True:
+            i = _st_first_above(S.tree, 1, 0, S.tree_size, i, S.front_hi[S.dests[d]], c_walked)
+            if i < 0:
+                break
+            k = S.front[i]
+            if t0 + S.size[k] / cap_dest > best_end:
+                break
+            c_walked = S.cap[k]
+            # k is evaluated only if it can start early enough to win; if it
+            # cannot, neither can anything it dominates.
+            if t0 + S.size[k] / S.cap[k] <= best_end:
+                e = _ss_completion(S, k)
+                if _ss_less(S, e, k, best_end, best):
+                    best = k
+                    best_end = e
+            if c_walked >= cap_dest:
+                break
+            i += 1
+    if exclude >= 0:
+        _ss_set(S, exclude)
+    # Held updates: a stale cached end is a lower bound of the current one.
+    w = 0
+    for i in range(S.n_held):
+        k = S.held[i]
+        if not S.alive[k] or S.free[k]:
+            S.in_held[k] = 0
+            continue
+        if _ss_stamp(S, k) != S.stamp[k] and _ss_may_be_free(S, k):
+            S.free[k] = 1  # back to its front; still a candidate of this search
+            S.in_held[k] = 0
+            _ss_set(S, k)
+        else:
+            S.held[w] = k
+            w += 1
+        if k == exclude:
+            continue
+        if S.stamp[k] >= 0 and not _ss_less(S, S.end[k], k, best_end, best):
+            continue
+        e = _ss_completion(S, k)
+        if _ss_less(S, e, k, best_end, best):
+            best = k
+            best_end = e
+    S.n_held = w
+    return best
+
+
+cdef void _ss_reserved(_SState* S, Py_ssize_t k) noexcept nogil:
+    # Reserve k's path; free updates sharing its private links are held now.
+    cdef _SLink* path[3]
+    cdef Py_ssize_t m = _ss_path(S, k, path), a, i, L, u
+    for a in range(m):
+        _sl_reserve(path[a], S.start[k], S.end[k], S.rate[k])
+    for a in range(m):
+        if a == 1:
+            continue  # the destination is shared, not private
+        L = S.up[k] if a == 0 else S.pair[k]
+        for i in range(S.users_lo[L], S.users_lo[L + 1]):
+            u = S.users[i]
+            if S.alive[u] and S.free[u]:
+                _ss_hold(S, u)
+
+
+cdef Py_ssize_t _ss_plan(_SState* S, double ready, bint has_deadlines,
+                         const Py_ssize_t* dl, const Py_ssize_t* by_dl, double idle_factor,
+                         Py_ssize_t* send_order, Py_ssize_t* position,
+                         Py_ssize_t* drop_order, Py_ssize_t* n_drops_out,
+                         signed char* reason, double* idle_out, double* displaced_out,
+                         Py_ssize_t* forced) noexcept nogil:
+    # Fill positions 0, 1, ...; returns the number of sends (see _plan_stf).
+    cdef Py_ssize_t n = S.n, unscheduled = n, n_sends = 0, n_drops = 0
+    cdef Py_ssize_t q = 0, r, pos = 0, chosen, nf, a, b, f, h, tmp, k
+    cdef double idle, displaced
+    if has_deadlines:
+        while q < n and dl[by_dl[q]] < 0:
+            k = by_dl[q]
+            S.alive[k] = 0
+            _ss_set(S, k)
+            reason[k] = _REASON_DEADLINE_MISSED
+            position[k] = 0
+            drop_order[n_drops] = k
+            n_drops += 1
+            unscheduled -= 1
+            q += 1
+    while unscheduled > 0:
+        chosen = -1
+        if has_deadlines:
+            while q < n and dl[by_dl[q]] < pos:
+                k = by_dl[q]
+                if S.alive[k]:
+                    S.alive[k] = 0
+                    _ss_set(S, k)
+                    reason[k] = _REASON_DEADLINE_MISSED
+                    position[k] = pos
+                    drop_order[n_drops] = k
+                    n_drops += 1
+                    unscheduled -= 1
+                q += 1
+            # Forced: dl == pos, tried in the tie order.
+            nf = 0
+            r = q
+            while r < n and dl[by_dl[r]] == pos:
+                if S.alive[by_dl[r]]:
+                    _ss_completion(S, by_dl[r])
+                    forced[nf] = by_dl[r]
+                    nf += 1
+                r += 1
+            for a in range(1, nf):  # insertion sort: a handful at most
+                b = a
+                while b > 0 and _ss_less(S, S.end[forced[b]], forced[b],
+                                         S.end[forced[b - 1]], forced[b - 1]):
+                    tmp = forced[b]
+                    forced[b] = forced[b - 1]
+                    forced[b - 1] = tmp
+                    b -= 1
+            for a in range(nf):
+                f = forced[a]
+                if idle_factor < 0.0:
+                    chosen = f
+                    break
+                h = _ss_best(S, f)
+                if h < 0 or _ss_less(S, S.end[f], f, S.end[h], h):
+                    chosen = f  # the shortest-first choice anyway
+                    break
+                idle = ((ready if ready > S.end[f] else S.end[f])
+                        - (ready if ready > S.end[h] else S.end[h]))
+                displaced = S.end[h] - S.start[h]
+                if idle > idle_factor * displaced:
+                    S.alive[f] = 0
+                    _ss_set(S, f)
+                    reason[f] = _REASON_WOULD_IDLE_SERVER
+                    position[f] = pos
+                    idle_out[f] = idle
+                    displaced_out[f] = displaced
+                    drop_order[n_drops] = f
+                    n_drops += 1
+                    unscheduled -= 1
+                    continue
+                chosen = f
+                break
+        if chosen < 0:
+            chosen = _ss_best(S, -1)
+            if chosen < 0:
+                break
+        _ss_completion(S, chosen)
+        _ss_reserved(S, chosen)
+        S.alive[chosen] = 0
+        _ss_set(S, chosen)
+        unscheduled -= 1
+        send_order[n_sends] = chosen
+        position[chosen] = pos
+        n_sends += 1
+        if S.end[chosen] > ready:
+            ready = S.end[chosen]
+        pos += 1
+    n_drops_out[0] = n_drops
+    return n_sends
+
+
+def schedule_stf(double ready, const double[::1] size, const Py_ssize_t[::1] up,
+                 const Py_ssize_t[::1] down, const Py_ssize_t[::1] pair,
+                 const double[::1] cap, const Py_ssize_t[::1] dl, bint has_deadlines,
+                 double idle_factor, const Py_ssize_t[::1] seg_lo,
+                 const double[::1] seg_t, const double[::1] seg_r, const double[::1] seg_f,
+                 double[::1] start, double[::1] rate, double[::1] end,
+                 Py_ssize_t[::1] position, Py_ssize_t[::1] send_order,
+                 Py_ssize_t[::1] drop_order, signed char[::1] reason,
+                 double[::1] idle, double[::1] displaced):
+    """Shortest-transfer-first with deadlines and drops (mlfabric.schedule's
+    reference `_plan_stf`), on arrays. Returns (n_sends, n_drops).
+
+    Update k crosses links up[k], down[k] and pair[k] (-1: none); cap[k] is the
+    least capacity on its path; dl[k] its deadline position (if
+    has_deadlines); idle_factor < 0 turns the idle rule off. Link L starts
+    with segments seg_lo[L]:seg_lo[L+1] of (seg_t, seg_r, seg_f). Outputs per
+    update: start, rate, end, position (sends: their position; drops: the
+    position being filled), reason (0 sent, 1 deadline_missed,
+    2 would_idle_server), idle and displaced (would_idle_server); send_order and
+    drop_order list the indices in decision order."""
+    cdef Py_ssize_t n = size.shape[0], n_links = seg_lo.shape[0] - 1
+    cdef Py_ssize_t L, k, i, total = 0, n_sends, n_drops = 0
+    for arr in (up.shape[0], down.shape[0], pair.shape[0], cap.shape[0], dl.shape[0],
+                start.shape[0], rate.shape[0], end.shape[0], position.shape[0],
+                send_order.shape[0], drop_order.shape[0], reason.shape[0], idle.shape[0],
+                displaced.shape[0]):
+        if arr != n:
+            raise ValueError(f"schedule_stf: every per-update array needs {n} elements")
+    for k in range(n):
+        if not (0 <= up[k] < n_links and 0 <= down[k] < n_links and -1 <= pair[k] < n_links):
+            raise ValueError(f"schedule_stf: update {k} names a link outside 0..{n_links - 1}")
+        if not size[k] > 0.0:
+            raise ValueError(f"schedule_stf: update {k} has size {size[k]}; sizes must be > 0")
+    if n_links < 0 or seg_lo[0] != 0 or not (
+            seg_lo[n_links] == seg_t.shape[0] == seg_r.shape[0] == seg_f.shape[0]):
+        raise ValueError("schedule_stf: seg_lo must run from 0 to the length of seg_t/r/f")
+    for L in range(n_links):
+        if seg_lo[L + 1] <= seg_lo[L]:
+            raise ValueError(f"schedule_stf: link {L} has no segment (seg_lo must increase)")
+    cdef _SState S
+    cdef Py_ssize_t* ints = NULL
+    cdef char* flags = NULL
+    cdef double* segs = NULL
+    cdef double* tree = NULL
+    cdef long* stamps = NULL
+    cdef Py_ssize_t* users_count
+    cdef Py_ssize_t* by_dl
+    cdef Py_ssize_t* forced
+    cdef Py_ssize_t* front
+    # Room per link: its initial segments, plus two breakpoints per update
+    # that can reserve on it (start and end), plus one.
+    ints = <Py_ssize_t*> PyMem_Malloc((n_links * 5 + 5 + n * 7) * sizeof(Py_ssize_t))
+    flags = <char*> PyMem_Malloc((3 * n + 1) * sizeof(char))
+    stamps = <long*> PyMem_Malloc((n + 1) * sizeof(long))
+    S.links = <_SLink*> PyMem_Malloc((n_links + 1) * sizeof(_SLink))
+    if ints == NULL or flags == NULL or stamps == NULL or S.links == NULL:
+        PyMem_Free(ints)
+        PyMem_Free(flags)
+        PyMem_Free(stamps)
+        PyMem_Free(S.links)
+        raise MemoryError()
+    try:
+        users_count = ints                    # n_links + 1 (then users_lo)
+        S.front_lo = ints + n_links + 1       # n_links + 1
+        S.front_hi = ints + 2 * n_links + 2   # n_links + 1
+        S.dests = ints + 3 * n_links + 3      # n_links + 1
+        S.users = ints + 4 * n_links + 4      # up to 2n
+        S.held = S.users + 2 * n              # n
+        by_dl = S.held + n                    # n
+        forced = by_dl + n                    # n
+        front = forced + n                    # n
+        S.front_pos = front + n               # n
+        S.users_lo = users_count
+        for L in range(n_links + 1):
+            users_count[L] = 0
+            S.front_lo[L] = 0
+            S.front_hi[L] = 0
+        for k in range(n):
+            users_count[up[k]] += 1
+            users_count[down[k]] += 1
+            if pair[k] >= 0:
+                users_count[pair[k]] += 1
+        for L in range(n_links):
+            total += (seg_lo[L + 1] - seg_lo[L]) + 2 * users_count[L] + 1
+        segs = <double*> PyMem_Malloc((3 * total + 1) * sizeof(double))
+        S.tree_size = 1
+        while S.tree_size < n:
+            S.tree_size *= 2
+        tree = <double*> PyMem_Malloc(2 * S.tree_size * sizeof(double))
+        if segs == NULL or tree == NULL:
+            raise MemoryError()
+        S.tree = tree
+        for i in range(2 * S.tree_size):
+            tree[i] = -1.0
+        total = 0
+        for L in range(n_links):
+            i = (seg_lo[L + 1] - seg_lo[L]) + 2 * users_count[L] + 1
+            S.links[L].t = segs + total
+            S.links[L].r = segs + total + i
+            S.links[L].f = segs + total + 2 * i
+            S.links[L].n = seg_lo[L + 1] - seg_lo[L]
+            S.links[L].version = 0
+            for k in range(S.links[L].n):
+                S.links[L].t[k] = seg_t[seg_lo[L] + k]
+                S.links[L].r[k] = seg_r[seg_lo[L] + k]
+                S.links[L].f[k] = seg_f[seg_lo[L] + k]
+            total += 3 * i
+        # Private users per link (CSR): uplinks and pair links.
+        for L in range(n_links + 1):
+            users_count[L] = 0
+        for k in range(n):
+            users_count[up[k] + 1] += 1
+            if pair[k] >= 0:
+                users_count[pair[k] + 1] += 1
+        for L in range(n_links):
+            users_count[L + 1] += users_count[L]
+        for L in range(n_links + 1):
+            S.front_hi[L] = users_count[L]  # scratch: fill pointers
+        for k in range(n):
+            S.users[S.front_hi[up[k]]] = k
+            S.front_hi[up[k]] += 1
+            if pair[k] >= 0:
+                S.users[S.front_hi[pair[k]]] = k
+                S.front_hi[pair[k]] += 1
+        S.n = n
+        S.size = &size[0] if n else NULL
+        S.up = &up[0] if n else NULL
+        S.down = &down[0] if n else NULL
+        S.pair = &pair[0] if n else NULL
+        S.cap = &cap[0] if n else NULL
+        S.alive = flags
+        S.free = flags + n
+        S.in_held = flags + 2 * n
+        S.end = &end[0] if n else NULL
+        S.start = &start[0] if n else NULL
+        S.rate = &rate[0] if n else NULL
+        S.stamp = stamps
+        S.n_held = 0
+        S.front = front
+        _build_fronts(&S, size, down, cap, n_links)
+        # by_dl: indices by (dl, index)
+        order = np.lexsort((np.arange(n), np.asarray(dl))) if n else np.empty(0, np.intp)
+        for i in range(n):
+            by_dl[i] = order[i]
+        for k in range(n):
+            S.alive[k] = 1
+            S.stamp[k] = -1
+            S.end[k] = INFINITY
+            S.start[k] = 0.0
+            S.rate[k] = 0.0
+            reason[k] = _REASON_NONE
+            position[k] = -1
+            idle[k] = 0.0
+            displaced[k] = 0.0
+            S.in_held[k] = 0
+            if _ss_may_be_free(&S, k):
+                S.free[k] = 1
+                _ss_set(&S, k)
+            else:
+                _ss_hold(&S, k)
+        with nogil:
+            n_sends = _ss_plan(&S, ready, has_deadlines, &dl[0] if n else NULL, by_dl,
+                               idle_factor, &send_order[0] if n else NULL,
+                               &position[0] if n else NULL, &drop_order[0] if n else NULL,
+                               &n_drops, &reason[0] if n else NULL,
+                               &idle[0] if n else NULL, &displaced[0] if n else NULL, forced)
+        return n_sends, n_drops
+    finally:
+        PyMem_Free(tree)
+        PyMem_Free(segs)
+        PyMem_Free(ints)
+        PyMem_Free(flags)
+        PyMem_Free(stamps)
+        PyMem_Free(S.links)
+
+
+cdef _build_fronts(_SState* S, const double[::1] size, const Py_ssize_t[::1] down,
+                   const double[::1] cap, Py_ssize_t n_links):
+    # front: updates sorted by (down link, size, -cap, index); per destination
+    # link its range; dests: the links that have a range.
+    cdef Py_ssize_t n = S.n, i, L, n_dests = 0
+    cdef Py_ssize_t* dests = S.dests
+    order = np.lexsort((np.arange(n), -np.asarray(cap), np.asarray(size), np.asarray(down)))
+    for i in range(n):
+        (<Py_ssize_t*> S.front)[i] = order[i]
+    for L in range(n_links + 1):
+        S.front_lo[L] = 0
+        S.front_hi[L] = 0
+    for i in range(n):
+        S.front_pos[S.front[i]] = i
+    i = 0
+    while i < n:
+        L = down[S.front[i]]
+        S.front_lo[L] = i
+        while i < n and down[S.front[i]] == L:
+            i += 1
+        S.front_hi[L] = i
+        dests[n_dests] = L
+        n_dests += 1
+    S.n_dests = n_dests

@@ -1,0 +1,43 @@
+"""Worker-driven replication's decision: hold server transfers, without I/O.
+
+Workers send each update to the server and, once the server numbered it,
+straight to the replica (see `replica_feed.py`), so replica transfers never
+wait for the controller: they are always ahead of the next server transfer.
+What the controller can do to keep ||w_s - w_r|| <= Div_max is hold the
+next server transfers back until the replica has caught up far enough.
+`gated` wraps any policy with that rule, using a `DivergenceGate`.
+"""
+
+from __future__ import annotations
+
+from ..controller.state import PlanItem, Policy, Snapshot
+from .divergence import DivergenceGate
+
+
+def gated(policy: Policy, gate: DivergenceGate) -> Policy:
+    """`policy`, except that a transfer it starts now stays pending when
+    letting it go could take the divergence bound past `gate.div_max`. A
+    held transfer is planned for the moment the gate would give up holding
+    (`gate.release_at()`), so the controller re-plans then even if no other
+    event comes; it is asked again at every event before that (e.g. the
+    replica's progress)."""
+
+    def gated_policy(snap: Snapshot) -> list[PlanItem]:
+        flying = [t.norm for t in snap.active]
+        if gate.stalled:
+            gate.recheck(flying)
+        norms = {t.id: t.norm for t in snap.pending}
+        plan = []
+        for item in policy(snap):
+            if item.drop is None and item.start is not None and item.start <= snap.now:
+                norm = norms[item.id]
+                if not gate.admit(flying, norm, snap.now):
+                    gate.held += 1
+                    plan.append(PlanItem(item.id, start=gate.release_at()))
+                    continue
+                flying.append(norm)
+            plan.append(item)
+        return plan
+
+    gated_policy.__name__ = f"{getattr(policy, '__name__', 'policy')}+div_max"
+    return gated_policy

@@ -1,0 +1,47 @@
+"""Event-loop choice: uvloop when installed (the default), else asyncio's."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+from ..errors import ConfigError
+
+T = TypeVar("T")
+
+LOOP_ENV = "MLFABRIC_LOOP"  # "uvloop" (default when installed) or "asyncio"
+
+
+def loop_factory(kind: str | None = None) -> Callable[[], asyncio.AbstractEventLoop]:
+    kind = kind or os.environ.get(LOOP_ENV, "uvloop")
+    if kind == "uvloop":
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+            return asyncio.new_event_loop
+        return uvloop.new_event_loop
+    if kind == "asyncio":
+        return asyncio.new_event_loop
+    raise ConfigError(f"{LOOP_ENV} must be 'uvloop' or 'asyncio', got {kind!r}: fix or unset it")
+
+
+def run(coro: Coroutine[Any, Any, T], *, kind: str | None = None) -> T:
+    """Run `coro` to completion on a new loop of the chosen kind."""
+    try:
+        factory = loop_factory(kind)
+    except ConfigError:
+        coro.close()  # never started: no "was never awaited" warning
+        raise
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro)
+
+
+async def within(aw: Awaitable[T], seconds: float | None) -> T:
+    """``asyncio.wait_for`` without its Python 3.11 flaw: there, a cancel that
+    lands just as `aw` completes is lost (cpython issue 86296, fixed in 3.12),
+    so a task in a polling loop may never stop. ``asyncio.timeout`` counts
+    cancels and keeps every one. Raises TimeoutError after `seconds`."""
+    async with asyncio.timeout(seconds):
+        return await aw

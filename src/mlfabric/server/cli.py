@@ -1,0 +1,321 @@
+"""`mlfabric server`: serve one job's model until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from ..client.core import parse_address
+from ..errors import ConfigError
+from ..replication.chain import ChainLink
+from ..replication.divergence_sampling import ReplicaSampler
+from ..replication.replica import (
+    DEFAULT_MAX_PENDING,
+    DEFAULT_RECOVERY,
+    ReplicaServer,
+    announce,
+    fetch_state,
+)
+from ..runtime import loop
+from ..runtime.metrics import ServerMetrics, serve_metrics
+from ..transport.listener import add_listener_arguments, handshake_timeout, listen, until_stopped
+from ..wire import auth
+from . import checkpoint
+from .checkpointer import Checkpointer
+from .server import ParameterServer
+from .store import ParameterStore
+
+log = logging.getLogger("mlfabric.server")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = (
+        "Replication: start a replica with --role replica from the same --init (or "
+        "checkpoint) and --momentum. Chain replication: give the server --replicate-to "
+        "REPLICA. Worker-driven replication (no second hop through the server): workers "
+        "connect with replica=REPLICA, and `mlfabric controller --div-max X` bounds "
+        "||w_server - w_replica||. Failover: `mlfabric controller --server S --replica R` "
+        "promotes the replica when the server stops answering heartbeats. "
+        "See docs/design.md, Replicas.")
+    add_listener_arguments(p, "clients")
+    p.add_argument("--role", choices=("server", "replica"), default="server",
+                   help="server: apply pushes as they come and number them (versions); "
+                        "replica: hold the same model and apply only numbered pushes, "
+                        "strictly in the server's order, whatever order they arrive in "
+                        "(start it from the same --init or checkpoint as the server) "
+                        "(default: server)")
+    p.add_argument("--replicate-to", metavar="HOST:PORT", default=None,
+                   help="chain replication: forward every applied update to the replica "
+                        "there (started with --role replica from the same model) and "
+                        "acknowledge a push once the replica applied it too")
+    p.add_argument("--sample-replica", metavar="HOST:PORT", default=None,
+                   help="server: every --sample-interval seconds pull the replica's model and "
+                        "export the measured ||w_server - w_replica||_2 (a whole model over "
+                        "this server's downlink per sample)")
+    p.add_argument("--sample-interval", type=float, default=5.0, metavar="SECONDS",
+                   help="seconds between divergence samples (default: 5)")
+    p.add_argument("--join-from", metavar="HOST:PORT", default=None,
+                   help="replica: start from the whole state of the running server there "
+                        "(instead of --init/--resume) and announce to --controller; the "
+                        "workers then send it every update above that state's version")
+    p.add_argument("--controller", metavar="HOST:PORT", default=None,
+                   help="replica with --join-from: the job's controller, told where this "
+                        "replica serves")
+    p.add_argument("--advertise", metavar="HOST:PORT", default=None,
+                   help="replica with --join-from: the address workers reach it at (default: "
+                        "the address it listens on)")
+    p.add_argument("--recovery-seconds", type=float, default=DEFAULT_RECOVERY, metavar="S",
+                   help="replica: once promoted (failover), how long to take updates of the "
+                        f"lost server still on their way before serving (default: "
+                        f"{DEFAULT_RECOVERY})")
+    p.add_argument("--max-pending", type=int, default=DEFAULT_MAX_PENDING, metavar="N",
+                   help="replica: updates that may wait for an earlier one; a push further "
+                        f"ahead is refused (default: {DEFAULT_MAX_PENDING})")
+    p.add_argument("--init", metavar="MODEL.npz",
+                   help="initial model: named float32 arrays in a .npz file "
+                        "(required unless --resume)")
+    p.add_argument("--momentum", type=float, default=None, metavar="G",
+                   help="server momentum gamma in [0, 1) (default: 0, or the checkpoint's)")
+    p.add_argument("--tau-max", type=int, default=16, metavar="N",
+                   help="refuse updates older than N versions at apply; -1 for no bound "
+                        "(default: 16)")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="apply updates holding NaN/Inf instead of refusing them")
+    p.add_argument("--checkpoint-dir", metavar="DIR", default=None,
+                   help="write checkpoints (weights, momentum history, version) here")
+    p.add_argument("--checkpoint-interval", type=float, default=60.0, metavar="SECONDS",
+                   help="seconds between checkpoints when the model changed (default: 60)")
+    p.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
+                   help="keep this run's N newest checkpoints (default: 3); other runs' "
+                        "files in --checkpoint-dir are left alone")
+    p.add_argument("--resume", metavar="PATH", default=None,
+                   help="start from a checkpoint file, or 'latest': the newest valid one in "
+                        "--checkpoint-dir (the run goes on: same run id)")
+    p.add_argument("--fresh", action="store_true",
+                   help="start a new run although --checkpoint-dir holds another run's "
+                        "checkpoints (they are left alone); without it the server refuses, "
+                        "so a crashed run is not silently replaced")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                   help="serve Prometheus metrics on this port at /metrics")
+    p.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port")
+
+
+def load_model(path: str) -> dict[str, np.ndarray]:
+    """The named arrays of an .npz file, with errors that say what to fix."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--init {path!r}: no such file; give a .npz written by np.savez")
+    try:
+        with np.load(p, allow_pickle=False) as npz:
+            tensors = {name: npz[name] for name in npz.files}
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise ConfigError(f"--init {path!r} is not a readable .npz file: {exc}") from None
+    if not tensors:
+        raise ConfigError(f"--init {path!r} holds no arrays")
+    for name, arr in tensors.items():
+        if arr.dtype != np.float32:
+            raise ConfigError(
+                f"--init {path!r}: tensor {name!r} is {arr.dtype}; mlfabric serves float32 "
+                f"tensors: save arr.astype(np.float32)"
+            )
+    return tensors
+
+
+def refuse_other_runs(args: argparse.Namespace) -> None:
+    """A new run (--init, --join-from) in a folder holding checkpoints starts
+    only with --fresh: the folder may hold a crashed run that the operator
+    meant to resume, and --resume latest would later take its files over the
+    new run's."""
+    if args.checkpoint_dir is None or args.fresh:
+        return
+    others = checkpoint.found(args.checkpoint_dir)
+    if others:
+        version, _, other = others[-1]
+        ways = ("start this replica's checkpoints beside them with --fresh, or give another "
+                "--checkpoint-dir" if args.join_from is not None else
+                "continue that run with --resume latest, or start a new one beside it with "
+                "--fresh")
+        raise ConfigError(
+            f"--checkpoint-dir {args.checkpoint_dir!r} holds checkpoints of another "
+            f"run (newest: {other.name}, version {version}): {ways}")
+
+
+def build_store(args: argparse.Namespace, tau_max: int | None
+                ) -> tuple[ParameterStore, str, tuple[int, Path] | None]:
+    """The model to serve, from --resume if given, else from --init; the run id
+    its checkpoints carry (the resumed run's, or a new one); and the
+    (version, path) it resumed from."""
+    if args.resume is None:
+        if args.init is None:
+            raise ConfigError("give the initial model with --init MODEL.npz (or --resume PATH)")
+        refuse_other_runs(args)
+        return ParameterStore(load_model(args.init), momentum=args.momentum or 0.0,
+                              tau_max=tau_max,
+                              allow_nonfinite=args.allow_nonfinite), checkpoint.new_run_id(), None
+    if args.fresh:
+        raise ConfigError("--fresh starts a new run and --resume continues one: give one of them")
+    path = args.resume
+    if path == "latest":
+        if args.checkpoint_dir is None:
+            raise ConfigError("--resume latest needs --checkpoint-dir")
+        newest, ckpt, skipped = checkpoint.newest_valid(args.checkpoint_dir)
+        if skipped:
+            log.warning("--resume latest: skipped %s; resuming from %s",
+                        "; ".join(reason for _, reason in skipped), newest.name)
+        runs = checkpoint.runs(args.checkpoint_dir)
+        if len(runs) > 1:
+            # "latest" is the highest version, whichever run wrote it: say so,
+            # so a run started with --fresh beside another is not replaced unseen.
+            log.warning("--resume latest: %s holds checkpoints of %d runs (%s); resuming "
+                        "run %s, the newest valid version; give --resume PATH to continue "
+                        "another", args.checkpoint_dir, len(runs),
+                        ", ".join(f"{r or 'format 1'} up to version {v}"
+                                  for r, v in sorted(runs.items(), key=lambda rv: -rv[1])),
+                        ckpt.run or "(format 1)")
+        path = str(newest)
+    else:
+        ckpt = checkpoint.read(path)
+    if ckpt.job != args.job:
+        raise ConfigError(
+            f"checkpoint {path!r} belongs to job {ckpt.job!r}, not {args.job!r}"
+        )
+    if args.resume != "latest":  # latest is the newest valid: only damaged files are later
+        refuse_rollback(args, path, ckpt)
+    run = ckpt.run or checkpoint.new_run_id()  # a format-1 file had none
+    log.info("resuming job %r (run %s) at version %d from %s", args.job, run, ckpt.version,
+             path)
+    return ParameterStore.from_checkpoint(ckpt, momentum=args.momentum, tau_max=tau_max,
+                                          allow_nonfinite=args.allow_nonfinite
+                                          ), run, (ckpt.version, Path(path))
+
+
+def refuse_rollback(args: argparse.Namespace, path: str, ckpt: checkpoint.Checkpoint) -> None:
+    """Resuming a run from an earlier checkpoint than its newest in
+    --checkpoint-dir would leave the later ones there: after a crash, --resume
+    latest would take them, not the continuation. The operator moves them."""
+    if args.checkpoint_dir is None or not ckpt.run:
+        return
+    later = [p.name for v, r, p in checkpoint.found(args.checkpoint_dir)
+             if r == ckpt.run and v > ckpt.version]
+    if later:
+        raise ConfigError(
+            f"--resume {path!r} is version {ckpt.version} of run {ckpt.run}, but "
+            f"--checkpoint-dir {args.checkpoint_dir!r} holds that run's later checkpoints "
+            f"({', '.join(later)}): after a crash --resume latest would take those, not "
+            f"this continuation. Move them out of {args.checkpoint_dir!r} to go back past "
+            f"them, or give another --checkpoint-dir")
+
+
+def run_server(args: argparse.Namespace) -> int:
+    host, port = parse_address(args.listen)
+    shake = handshake_timeout(args)  # settings first: before a model is loaded
+    token = auth.load_token(args.token_file)
+    if not auth.token_file_is_private(args.token_file):
+        log.warning("token file %s is readable by other users: chmod 600 it", args.token_file)
+    tau_max = None if args.tau_max is not None and args.tau_max < 0 else args.tau_max
+    if not args.checkpoint_interval > 0:
+        raise ConfigError(f"--checkpoint-interval must be positive, got {args.checkpoint_interval}")
+    if args.keep_checkpoints < 1:
+        raise ConfigError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}")
+    if args.join_from is not None:
+        if args.role != "replica" or args.controller is None:
+            raise ConfigError("--join-from is for a replica (--role replica) and needs "
+                              "--controller HOST:PORT to announce itself to")
+        if args.init is not None or args.resume is not None:
+            raise ConfigError("--join-from takes the running server's state: drop --init "
+                              "and --resume")
+        parse_address(args.join_from)
+        parse_address(args.controller)
+        refuse_other_runs(args)
+        store, resumed = None, None
+        run = checkpoint.new_run_id()
+    else:
+        store, run, resumed = build_store(args, tau_max)
+    metrics = ServerMetrics()
+    if args.metrics_port is not None:
+        serve_metrics(metrics.registry, args.metrics_port, args.metrics_host)
+
+    if args.replicate_to is not None and args.role != "server":
+        raise ConfigError("--replicate-to is for the server (--role server); a replica "
+                          "only applies what it is sent")
+    if not args.recovery_seconds >= 0:
+        raise ConfigError(f"--recovery-seconds must be >= 0, got {args.recovery_seconds}")
+    if not args.sample_interval > 0:
+        raise ConfigError(f"--sample-interval must be positive, got {args.sample_interval}")
+    if args.max_pending < 1:
+        raise ConfigError(f"--max-pending must be at least 1, got {args.max_pending}")
+
+    async def main() -> int:
+        nonlocal store
+        if store is None:
+            store = await fetch_state(args.join_from, job=args.job, token=token)
+            log.info("took the state of %s at version %d", args.join_from, store.version)
+        server: ParameterServer
+        if args.role == "replica":
+            server = ReplicaServer(store, job=args.job, token=token, metrics=metrics,
+                                   max_pending=args.max_pending,
+                                   recovery=args.recovery_seconds, handshake_timeout=shake)
+        else:
+            server = ParameterServer(store, job=args.job, token=token, metrics=metrics,
+                                     handshake_timeout=shake)
+        if args.replicate_to is not None:
+            server.chain = await ChainLink.connect(args.replicate_to, job=args.job, token=token,
+                                                   store=store, metrics=metrics)
+            log.info("chain replication to %s", args.replicate_to)
+        checkpointer = None
+        if args.checkpoint_dir is not None:
+            checkpointer = Checkpointer(store, args.job, args.checkpoint_dir,
+                                        interval=args.checkpoint_interval,
+                                        keep=args.keep_checkpoints, metrics=metrics, run=run,
+                                        resumed=resumed)
+        bound = await listen(server, host, port, args.listen)
+        # The "serving" line is what scripts wait for: it carries the bound port.
+        print(
+            f"mlfabric {args.role}: serving job {args.job!r} on {bound[0]}:{bound[1]} "
+            f"({len(store.specs)} tensors, {store.nbytes} bytes, version {store.version})",
+            flush=True,
+        )
+        if checkpointer is not None:
+            checkpointer.start()
+        sampler = None
+        if args.sample_replica is not None:
+            sampler = ReplicaSampler(store, args.sample_replica, job=args.job, token=token,
+                                     interval=args.sample_interval, metrics=metrics)
+            sampler.start()
+        if args.join_from is not None:
+            if args.advertise is None and bound[0] in ("0.0.0.0", "::"):
+                raise ConfigError("listening on all addresses: give --advertise HOST:PORT, "
+                                  "the address workers reach this replica at")
+            address = args.advertise or f"{bound[0]}:{bound[1]}"
+            await announce(args.controller, address=address, store=store, job=args.job,
+                           token=token)
+        await until_stopped()
+        log.info("shutting down at version %d", store.version)
+        if sampler is not None:
+            await sampler.close()
+        await server.close()
+        if server.chain is not None:
+            await server.chain.close()
+        if checkpointer is not None and not await checkpointer.close():
+            if checkpointer.last_good is not None:
+                good, path = checkpointer.last_good
+                lost = (f"the last good checkpoint is {path} (version {good}): resuming "
+                        f"from it loses versions {good + 1} to {store.version}")
+            else:
+                lost = (f"no checkpoint of this run is on disk: its model at version "
+                        f"{store.version} is lost with this process")
+            print(f"mlfabric {args.role}: error: the final {checkpointer.error}; {lost}",
+                  file=sys.stderr, flush=True)
+            return 1
+        print(f"mlfabric {args.role}: stopped at version {store.version}", flush=True)
+        return 0
+
+    return loop.run(main())
+
+
+run = run_server

@@ -1,0 +1,381 @@
+"""The parameter server: the asyncio side of `ParameterStore`.
+
+This module only moves bytes: each connection feeds received bytes to a
+`protocol.Connection`, hands complete events to the store, and writes the
+answers. Pushed tensors are received straight into a per-connection buffer
+(BufferedProtocol), validated and applied in the event loop thread, so a pull
+always sees the model between two updates, never half of one.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidUpdate
+from ..kernels import _core
+from ..runtime.metrics import ServerMetrics
+from ..transport.listener import Endpoint, EndpointProtocol
+from ..wire.protocol import (
+    HEADER,
+    MAX_META_LEN,
+    MAX_NORMS,
+    PREVIOUS_PREFIX,
+    Error,
+    Model,
+    MsgType,
+    Ping,
+    Pong,
+    Pull,
+    PullCancel,
+    Push,
+    PushResult,
+    StateRequest,
+    Welcome,
+    default_allocate,
+    layout,
+)
+from .pulls import PullWaits
+from .store import ParameterStore, StagedApply
+
+log = logging.getLogger("mlfabric.server")
+
+# Apply a push while it arrives once this many new bytes are in (large
+# enough that per-chunk Python overhead vanishes, small enough to stay in
+# cache and to overlap with the rest of the transfer).
+STAGE_CHUNK = 1 << 19
+# Pushes smaller than this are applied whole when complete.
+STAGE_MIN_BYTES = 1 << 20
+# Compute while bytes arrive only when reads are smaller than this: then the
+# socket is drained and the loop would otherwise wait for the network. A
+# larger read means data is backed up (the receiving CPU is the bottleneck,
+# as on loopback), and computing now would only delay the transfer; the rest
+# is computed when the last byte is in.
+STAGE_IDLE_READ = 1 << 18
+
+
+class ParameterServer(Endpoint):
+    """Serves one job's model over TCP.
+
+    >>> server = ParameterServer(store, job="mnist", token=b"...")
+    >>> host, port = await server.start("127.0.0.1", 0)
+    >>> await server.close()
+    """
+
+    role = "server"
+    log = log
+
+    def __init__(
+        self,
+        store: ParameterStore,
+        *,
+        job: str,
+        token: bytes,
+        metrics: ServerMetrics | None = None,
+        handshake_timeout: float = 10.0,
+        stage_min_bytes: int | None = STAGE_MIN_BYTES,
+    ) -> None:
+        """`stage_min_bytes`: pushes at least this large are applied while they
+        arrive (None: always apply after the last byte)."""
+        super().__init__(job=job, token=token,
+                         metrics=metrics if metrics is not None else ServerMetrics(),
+                         handshake_timeout=handshake_timeout,
+                         max_frame_size=HEADER.size + MAX_META_LEN + store.nbytes)
+        self.store = store
+        self.stage_min_bytes = stage_min_bytes
+        # Chain replication: set to a ChainLink to forward every applied update.
+        self.chain: Any = None
+        # Pulls for an update, held until it is applied (None: answered at once).
+        self.pull_waits: PullWaits | None = PullWaits(self)
+        self.metrics.version.set(store.version)
+
+    def make_protocol(self) -> _ServerProtocol:
+        return _ServerProtocol(self)
+
+    def welcome(self, conn: EndpointProtocol) -> Welcome:
+        store = self.store
+        return Welcome(session=secrets.token_hex(8), version=store.version,
+                       tensors=store.specs, tau_max=store.tau_max, momentum=store.momentum)
+
+    # -- decisions on events (called by connections) --------------------------
+
+    def handle_push(self, event: Push, staged: StagedApply | None = None,
+                    data: memoryview | None = None) -> PushResult | Error:
+        """Apply a received push; `staged` is its apply begun while it arrived."""
+        answer = self._handle_push(event, staged, data)
+        waits = self.pull_waits
+        if waits is None:
+            return answer
+        if staged is not None and staged.committed:  # applied as staged
+            waits.committed(staged)
+            return answer
+        if staged is not None:
+            waits.voided()
+        if isinstance(answer, PushResult) and answer.applied:
+            waits.applied([event.uid] if event.members is None
+                          else [uid for uid, _, _ in event.members])
+        return answer
+
+    def _handle_push(self, event: Push, staged: StagedApply | None,
+                     data: memoryview | None) -> PushResult | Error:
+        m = self.metrics
+        if event.seq is not None:
+            if staged is not None:
+                staged.cancel()
+            m.updates_rejected.labels("misrouted").inc()
+            return Error(code="misrouted", req=event.req,
+                         message=f"this is the server: push {event.req} carries sequence "
+                                 f"number {event.seq}, which only a replica takes; push "
+                                 f"without one")
+        if event.members is not None:
+            return self._apply_aggregate(event, staged, data)
+        before = self.store.applied_before(event.uid)
+        if before is not None:
+            # Re-sent after its aggregate failed, but the aggregate was applied.
+            if staged is not None:
+                staged.cancel()
+            m.updates_rejected.labels("duplicate").inc()
+            return PushResult(req=event.req, applied=True, version=before.version,
+                              delay=before.delay)
+        started = time.perf_counter()
+        outcome = staged.finish(data) if staged is not None and data is not None else None
+        try:
+            if outcome is None:
+                outcome = self.store.apply(event.base_version, event.tensors, event.uid)
+            else:
+                self.store.remember(event.uid, outcome)
+        except InvalidUpdate as exc:
+            m.updates_rejected.labels(exc.reason).inc()
+            return Error(code=exc.reason, message=str(exc), req=event.req)
+        if outcome.applied:
+            m.apply_seconds.observe(time.perf_counter() - started)
+            m.updates_applied.inc()
+            m.delay.observe(outcome.delay or 0)
+            m.version.set(outcome.version)
+        else:
+            m.updates_rejected.labels("stale").inc()
+        return PushResult(
+            req=event.req,
+            applied=outcome.applied,
+            version=outcome.version,
+            delay=outcome.delay,
+            reason=outcome.reason,
+        )
+
+    def _apply_aggregate(self, event: Push, staged: StagedApply | None = None,
+                         data: memoryview | None = None) -> PushResult | Error:
+        """An aggregator's sum of k members: one step, version + k."""
+        m = self.metrics
+        assert event.members is not None
+        members = [(uid, base) for uid, base, _ in event.members]
+        started = time.perf_counter()
+        outcome = None
+        if staged is not None and data is not None:
+            if staged.members == tuple(members):
+                outcome = staged.finish_aggregate(data)
+            else:
+                staged.cancel()
+        try:
+            if outcome is None:
+                outcome = self.store.apply_aggregate(members, event.tensors)
+        except InvalidUpdate as exc:
+            m.updates_rejected.labels(exc.reason).inc()
+            return Error(code=exc.reason, message=str(exc), req=event.req)
+        if not outcome.applied:
+            m.updates_rejected.labels("stale").inc()
+            self.log.info("refused an aggregate of updates from %s: %s",
+                          ", ".join(source for _, _, source in event.members), outcome.reason)
+        else:
+            m.apply_seconds.observe(time.perf_counter() - started)
+            m.updates_applied.inc(len(event.members))
+            m.aggregates_applied.inc()
+            for delay in outcome.delays:
+                m.delay.observe(delay)
+            m.version.set(outcome.version)
+        return PushResult(req=event.req, applied=outcome.applied, version=outcome.version,
+                          delay=min(outcome.delays), reason=outcome.reason,
+                          delays=outcome.delays)
+
+    def pong(self, ping: Ping) -> Pong:
+        """A heartbeat's answer: alive at this version, with the norms of the
+        updates applied above `ping.since` and the velocity when asked."""
+        store = self.store
+        fields: dict[str, Any] = {}
+        if ping.since is not None:
+            first, norms = store.norms_since(ping.since, MAX_NORMS)
+            if norms:
+                # A norm is infinite only with --allow-nonfinite: the wire
+                # carries finite numbers, and 1e299 holds any gate back alike.
+                fields.update(norms_from=first,
+                              norms=tuple(n if n < 1e299 else 1e299 for n in norms))
+        if ping.velocity:
+            fields["velocity"] = velocity_norm(store)
+        return Pong(req=ping.req, role=self.role, version=store.version, **fields)
+
+    def handle_pull(self, event: Pull) -> Model:
+        """The model now (a pull for an update is held by `pull_waits`)."""
+        version, tensors = self.store.snapshot()
+        self.metrics.pulls.inc()
+        return Model(req=event.req, version=version, tensors=tensors)
+
+
+class _ServerProtocol(EndpointProtocol):
+    """One client connection of a parameter server: pulls and pushes."""
+
+    endpoint: ParameterServer
+
+    def __init__(self, server: ParameterServer) -> None:
+        super().__init__(server)
+        self.server = server
+        self._push_buffer: np.ndarray | None = None
+        self._staged: StagedApply | None = None
+        self._staged_frame: Any = None  # the data block the staging belongs to
+        self.waits: list[Any] = []  # this connection's pulls held in server.pull_waits
+        # A streamed MODEL frame is open on this connection: other answers wait.
+        self.streaming = False
+        self._queued: list[Any] = []
+
+    def handle(self, event: Any) -> None:
+        server = self.server
+        if isinstance(event, Push):
+            staged, data = self._staged, self._staged_frame
+            self._staged = self._staged_frame = None
+            answer = server.handle_push(event, staged, data)
+            if isinstance(answer, Error):
+                self.log.warning("refused push %d from %s (%s): %s", event.req, self.client,
+                                 self.peer, answer.message)
+            elif server.chain is not None and answer.applied:
+                # Acknowledge once the replica has it too.
+                forwarded = server.chain.forward(event, answer.version)
+                if forwarded is not None:
+                    forwarded.add_done_callback(lambda _: self.send(answer))
+                    return
+            self.send(answer)
+        elif isinstance(event, Pull):
+            if event.uid is not None and server.pull_waits is not None:
+                server.pull_waits.pull(self, event)
+            else:
+                self.send(server.handle_pull(event))
+        elif isinstance(event, PullCancel):
+            if server.pull_waits is not None:  # a replica answers every pull at once
+                server.pull_waits.cancel(self, event.req)
+        elif isinstance(event, StateRequest):
+            ckpt = server.store.checkpoint(server.job)
+            tensors = {**ckpt.weights,
+                       **{PREVIOUS_PREFIX + n: p for n, p in ckpt.previous.items()}}
+            self.send(Model(req=event.req, version=ckpt.version, tensors=tensors))
+        elif isinstance(event, Ping):
+            self.send(server.pong(event))
+        else:
+            self.protocol_error(f"unexpected {type(event).__name__} message")
+
+    def after_events(self) -> None:
+        """Apply the push that is arriving as far as its bytes have come."""
+        partial = self.conn.receiving()
+        if partial is None or partial.msg_type is not MsgType.PUSH:
+            return
+        if partial.data is not self._staged_frame:
+            self._staged_frame = partial.data
+            self._staged = None
+            base = partial.meta.get("base_version")
+            threshold = self.server.stage_min_bytes
+            # A uid applied already takes the whole-update path (answered,
+            # never applied twice), and so does a malformed member list.
+            uid = partial.meta.get("uid")
+            members = _members_of(partial.meta.get("members"))
+            plain = "members" not in partial.meta and (
+                uid is None or (isinstance(uid, str)
+                                and self.server.store.applied_before(uid) is None))
+            if (threshold is not None and len(partial.data) >= threshold
+                    and ((plain and type(base) is int) or members is not None)):
+                offsets, _ = layout(partial.specs)
+                self._staged = self.server.store.begin_staged(
+                    base if type(base) is int else 0, partial.specs, offsets, members,
+                    uid=uid if plain else None)
+                if self._staged is not None and self.server.pull_waits is not None:
+                    self.server.pull_waits.began(self._staged)
+        staged = self._staged
+        if (staged is not None and self.last_read < STAGE_IDLE_READ
+                and partial.received - staged.fed >= STAGE_CHUNK):
+            staged.feed(partial.data, partial.received)
+            if self.server.pull_waits is not None:
+                self.server.pull_waits.fed()
+
+    def on_lost(self) -> None:
+        waits, staged = self.server.pull_waits, self._staged
+        if staged is not None:
+            staged.cancel()
+            self._staged = self._staged_frame = None
+            if waits is not None and waits.stream is not None and waits.stream.staged is staged:
+                waits.voided()
+        if waits is not None:
+            waits.lost(self)
+        self._push_buffer = None
+        self._queued = []
+
+    # -- a streamed MODEL frame (server_pulls) ------------------------------------
+
+    def send(self, event: Any) -> None:
+        if self.streaming:
+            self._queued.append(event)  # after the streamed frame
+        else:
+            super().send(event)
+
+    def stream_begin(self, model: Model) -> None:
+        """Write the head of `model`'s frame; its data block follows through
+        write_raw(), then stream_end()."""
+        head = self.conn.send(model)[0]
+        self.write_raw(head)
+        self.streaming = True
+
+    def write_raw(self, data: Any) -> None:
+        if self.transport is not None:
+            self.transport.write(data)
+            self.endpoint.metrics.sent_bytes.inc(len(data))
+
+    def stream_end(self, end: Any) -> None:
+        self.streaming = False
+        self.send(end)
+        queued, self._queued = self._queued, []
+        for event in queued:
+            self.send(event)
+
+    def allocate(self, msg_type: MsgType, nbytes: int) -> Any:
+        if msg_type is MsgType.PUSH and self.stage == "ready" and self.server.chain is None:
+            # One buffer per connection, reused: a push is applied before the
+            # next frame is parsed, so its bytes are no longer needed by then
+            # (with chain replication they are, until forwarded: fresh buffers).
+            if self._push_buffer is None or len(self._push_buffer) < nbytes:
+                self._push_buffer = np.empty(max(nbytes, self.server.store.nbytes), np.uint8)
+            return self._push_buffer
+        return default_allocate(msg_type, nbytes)
+
+
+def velocity_norm(store: ParameterStore) -> float:
+    """||w - w_prev||_2 over the whole model (the divergence bound's start).
+    Without momentum the store keeps no w_prev (and the bound weighs the
+    velocity by gamma = 0): 0."""
+    if not store.momentum:
+        return 0.0
+    total = sum(_core.l2_norm_diff(w, store.previous[n]) ** 2 for n, w in store.weights.items())
+    v = float(np.sqrt(total))
+    return v if v < 1e299 else 1e299
+
+
+def _members_of(raw: Any) -> list[tuple[str, int]] | None:
+    """An aggregate's (uid, base_version) pairs from a frame's meta as it
+    arrives (not yet validated), or None when they are not well formed: the
+    complete frame's decoder then says what is wrong."""
+    if not isinstance(raw, list) or not raw:
+        return None
+    pairs = []
+    for m in raw:
+        if not (isinstance(m, list) and len(m) == 3 and isinstance(m[0], str)
+                and type(m[1]) is int and m[1] >= 0):
+            return None
+        pairs.append((m[0], m[1]))
+    return pairs

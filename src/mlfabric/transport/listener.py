@@ -1,0 +1,318 @@
+"""What every mlfabric listener shares: accepting connections, the job-token
+handshake, framing, flow control and refusals.
+
+`Endpoint` is the listening side (a parameter server, a controller);
+`EndpointProtocol` is one accepted connection. Subclasses say what an
+authenticated peer is welcomed with and how its events are handled; this
+module only moves bytes and enforces the handshake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from typing import Any
+
+from ..errors import ConfigError, ProtocolError
+from ..wire import auth
+from ..wire.protocol import (
+    NEED_DATA,
+    Auth,
+    Challenge,
+    Connection,
+    Error,
+    Hello,
+    MsgType,
+    Welcome,
+    default_allocate,
+)
+
+# Before a peer has authenticated, it may not make us allocate more than this.
+UNAUTHENTICATED_MAX_FRAME = 1 << 16
+# Frames up to this size are joined into one write (one syscall); larger ones
+# are written buffer by buffer so tensors are not copied.
+JOIN_LIMIT = 1 << 16
+
+
+def add_listener_arguments(p: argparse.ArgumentParser, peers: str) -> None:
+    """The flags every listening command takes: where, which job, its token."""
+    p.add_argument("--listen", required=True, metavar="HOST:PORT",
+                   help=f"address to accept {peers} on (port 0 picks a free port)")
+    p.add_argument("--job", required=True, help=f"the job's name; {peers} must name it")
+    p.add_argument("--token-file", required=True, metavar="PATH",
+                   help="file holding the job's secret token")
+    add_handshake_timeout(p, peers)
+
+
+DEFAULT_HANDSHAKE_TIMEOUT = 10.0
+
+
+def add_handshake_timeout(p: argparse.ArgumentParser, peers: str) -> None:
+    p.add_argument("--handshake-timeout", type=float, default=DEFAULT_HANDSHAKE_TIMEOUT,
+                   metavar="SECONDS",
+                   help=f"seconds {peers} have to prove they hold the token before the "
+                        f"connection is closed (default: {DEFAULT_HANDSHAKE_TIMEOUT:g})")
+
+
+def handshake_timeout(args: argparse.Namespace) -> float:
+    """--handshake-timeout, checked (None: the default)."""
+    if args.handshake_timeout is None:
+        return DEFAULT_HANDSHAKE_TIMEOUT
+    value = float(args.handshake_timeout)
+    if not 0 < value < float("inf"):
+        raise ConfigError(f"--handshake-timeout must be a positive number of seconds, got "
+                          f"{args.handshake_timeout}")
+    return value
+
+
+async def listen(endpoint: Endpoint, host: str, port: int, address: str) -> tuple[str, int]:
+    """Start `endpoint`; an address that cannot be bound is a ConfigError naming it."""
+    try:
+        return await endpoint.start(host, port)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {address}: {exc.strerror}") from None
+
+
+async def until_stopped() -> None:
+    """Return on SIGINT or SIGTERM (Ctrl-C and a service manager's stop)."""
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+class Endpoint:
+    """A TCP listener whose peers must prove they hold the job's token.
+
+    `metrics` needs: received_bytes, sent_bytes, connected_clients,
+    auth_failures, protocol_errors."""
+
+    role = "server"
+    log = logging.getLogger("mlfabric.endpoint")
+
+    def __init__(self, *, job: str, token: bytes, metrics: Any,
+                 handshake_timeout: float = 10.0, max_frame_size: int = 1 << 20) -> None:
+        self.job = job
+        self.token = auth.as_token(token)
+        self.metrics = metrics
+        self.handshake_timeout = handshake_timeout
+        self.max_frame_size = max_frame_size
+        self._server: asyncio.base_events.Server | None = None
+        self.connections: set[EndpointProtocol] = set()
+
+    def make_protocol(self) -> EndpointProtocol:
+        raise NotImplementedError
+
+    def welcome(self, conn: EndpointProtocol) -> Welcome:
+        raise NotImplementedError
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self._server is not None, f"{self.role} not started"
+        return self._server.sockets[0].getsockname()[:2]
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self.make_protocol, host, port,
+                                                reuse_address=True)
+        return self.address
+
+    async def serve_forever(self) -> None:
+        assert self._server is not None, f"{self.role} not started"
+        try:
+            await self._server.serve_forever()
+        except asyncio.CancelledError:
+            pass
+
+    async def close(self) -> None:
+        """Stop accepting, close every connection, and wait until all are gone."""
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+
+class EndpointProtocol(asyncio.BufferedProtocol):
+    """One accepted connection: handshake, then `handle(event)` per event."""
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+        self.log = endpoint.log
+        self.conn = Connection(max_frame_size=UNAUTHENTICATED_MAX_FRAME, allocate=self.allocate)
+        self.transport: Any = None
+        self.peer = "?"
+        self.peer_host = "?"
+        self.client = "?"
+        self.stage = "hello"  # hello -> auth -> ready
+        self._nonce = b""
+        self._client_nonce = b""
+        self._timer: asyncio.TimerHandle | None = None
+        self.last_read = 0  # bytes of the latest read: large means data is backed up
+        self.closing = False
+
+    # -- hooks for subclasses -------------------------------------------------
+
+    def handle(self, event: Any) -> None:
+        """An event from an authenticated peer."""
+        raise NotImplementedError
+
+    def after_events(self) -> None:
+        """Called after the events of each read have been handled."""
+
+    def allocate(self, msg_type: MsgType, nbytes: int) -> Any:
+        return default_allocate(msg_type, nbytes)
+
+    def on_ready(self) -> None:
+        """The peer has authenticated."""
+
+    def on_lost(self) -> None:
+        """The connection is gone (after the base bookkeeping)."""
+
+    # -- asyncio callbacks ------------------------------------------------------
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        if peer:
+            self.peer, self.peer_host = f"{peer[0]}:{peer[1]}", str(peer[0])
+        self.endpoint.connections.add(self)
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(self.endpoint.handshake_timeout, self._handshake_timeout)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.conn.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.last_read = nbytes
+        self.conn.buffer_updated(nbytes)
+        self.endpoint.metrics.received_bytes.inc(nbytes)
+        while self.transport is not None and not self.closing:
+            try:
+                event = self.conn.next_event()
+            except ProtocolError as exc:
+                self.protocol_error(str(exc))
+                return
+            if event is NEED_DATA:
+                break
+            try:
+                if self.stage == "ready":
+                    self.handle(event)
+                else:
+                    self._handshake(event)
+            except Exception:  # a bug: keep serving the others, say so loudly
+                self.log.exception("internal error handling %s from %s",
+                                   type(event).__name__, self.peer)
+                role = self.endpoint.role
+                self.refuse("internal", f"internal {role} error; see the {role}'s log")
+                return
+        if self.stage == "ready" and self.transport is not None and not self.closing:
+            self.after_events()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.stage == "ready":
+            self.endpoint.metrics.connected_clients.dec()
+            self.log.info("client %s (%s) disconnected", self.client, self.peer)
+        if self._timer is not None:
+            self._timer.cancel()
+        self.endpoint.connections.discard(self)
+        self.transport = None
+        self.on_lost()
+
+    def pause_writing(self) -> None:
+        # The peer is not reading its answers: stop reading its requests
+        # until it catches up, so our write buffer stays bounded.
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None:
+            self.transport.resume_reading()
+
+    # -- helpers ----------------------------------------------------------------
+
+    def close(self) -> None:
+        # The transport closes later; from now on nothing more this peer sent
+        # is acted on (frames already buffered behind a refused one included).
+        self.closing = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def send(self, event: Any) -> None:
+        if self.transport is None:
+            return
+        parts = self.conn.send(event)
+        size = sum(len(p) for p in parts)
+        self.endpoint.metrics.sent_bytes.inc(size)
+        if size <= JOIN_LIMIT:
+            self.transport.write(b"".join(parts))
+        else:
+            for part in parts:
+                self.transport.write(part)
+
+    def refuse(self, code: str, message: str) -> None:
+        """Answer with a connection-wide error and close."""
+        self.send(Error(code=code, message=message))
+        self.close()
+
+    def protocol_error(self, message: str) -> None:
+        self.endpoint.metrics.protocol_errors.inc()
+        self.log.warning("closing connection from %s: protocol error: %s", self.peer, message)
+        self.refuse("protocol", message)
+
+    def _handshake_timeout(self) -> None:
+        if self.stage != "ready" and self.transport is not None:
+            self.log.warning("closing connection from %s: no handshake within %.1f s",
+                             self.peer, self.endpoint.handshake_timeout)
+            self.refuse("protocol", "handshake not completed in time")
+
+    def _handshake(self, event: Any) -> None:
+        ep = self.endpoint
+        if self.stage == "hello":
+            if not isinstance(event, Hello):
+                self.protocol_error(f"expected a hello, got {type(event).__name__}")
+                return
+            self.client = event.client
+            if event.job != ep.job:
+                ep.metrics.auth_failures.inc()
+                self.log.warning("refused %s (%s): wrong job %r", event.client, self.peer,
+                                 event.job)
+                self.refuse(
+                    "auth",
+                    f"this {ep.role} serves job {ep.job!r}, not {event.job!r}: check the "
+                    f"job name and the {ep.role} address",
+                )
+                return
+            self._client_nonce = event.nonce
+            self._nonce = auth.new_nonce()
+            proof = auth.server_proof(ep.token, ep.job, event.nonce, self._nonce)
+            self.send(Challenge(nonce=self._nonce, proof=proof))
+            self.stage = "auth"
+            return
+        if not isinstance(event, Auth):
+            self.protocol_error(f"expected an auth message, got {type(event).__name__}")
+            return
+        expected = auth.client_proof(ep.token, ep.job, self._client_nonce, self._nonce)
+        if not auth.proofs_match(expected, event.proof):
+            ep.metrics.auth_failures.inc()
+            self.log.warning("refused %s (%s): wrong token", self.client, self.peer)
+            self.refuse(
+                "auth",
+                f"authentication failed: the client's token is not job {ep.job!r}'s token; "
+                f"check the token file",
+            )
+            return
+        self.stage = "ready"
+        if self._timer is not None:
+            self._timer.cancel()
+        self.conn.max_frame_size = ep.max_frame_size
+        ep.metrics.connected_clients.inc()
+        self.log.info("client %s (%s) connected", self.client, self.peer)
+        self.send(ep.welcome(self))
+        self.on_ready()

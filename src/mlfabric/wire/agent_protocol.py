@@ -1,0 +1,505 @@
+"""The agent wire protocol, without I/O.
+
+Two channels share one port number:
+
+* **TCP control channel** (`Connection`): length-prefixed frames carrying the
+  events below. Agents use it to introduce themselves (`Hello`), to return the
+  arrival times of a probe train (`TrainReport`), to measure RTT
+  (`Ping`/`Pong`); local clients and the controller use it to report finished
+  transfers (`TransferReport`), read the estimates (`GetEstimates` ->
+  `Estimates`) and set the peer list (`SetPeers` -> `Ack`).
+* **UDP probe datagrams** (`ProbePacket`, `encode_datagram`/`decode_datagram`):
+  one datagram per packet of a probe train, tagged with the session the
+  sender opened with `Hello`, the train id and the sequence number.
+
+Frame layout: ``b"MA" | version u8 | type u8 | payload length u32 | payload``,
+big-endian. Strings are u16-length-prefixed UTF-8. A malformed, truncated or
+oversized frame raises `ProtocolError` and the connection is unusable after.
+
+This module does no I/O: feed bytes to `Connection.receive_data`, pull events
+with `next_event()` until it returns `NEED_DATA`, and turn events into bytes
+with `send(event)`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any, Final
+
+from ..errors import FrameTooLarge, ProtocolError
+
+VERSION: Final = 3  # 2: Estimates carry the host's own link loads; 3: TrainReport.senders
+MAGIC: Final = b"MA"
+HEADER = struct.Struct(">2sBBI")
+MAX_FRAME: Final = 1 << 20  # a report of 64 Ki arrivals fits; anything larger is an error
+MAX_STRING: Final = 1024
+MAX_TRAIN_PACKETS: Final = 65535
+
+DATAGRAM_MAGIC: Final = b"MFPB"
+DATAGRAM_HEADER = struct.Struct(">4sBQIHHQ")  # magic, version, session, train, seq, count, sent_ns
+# Bytes a datagram adds on an Ethernet link: IPv4 (20) + UDP (8) + Ethernet header (14).
+WIRE_OVERHEAD: Final = 42
+
+
+class NeedData:
+    """The type of NEED_DATA (for isinstance checks that type checkers understand)."""
+
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+NEED_DATA: Final = NeedData()
+
+
+class MsgType(enum.IntEnum):
+    HELLO = 1
+    HELLO_ACK = 2
+    TRAIN_REPORT = 3
+    PING = 4
+    PONG = 5
+    TRANSFER_REPORT = 6
+    GET_ESTIMATES = 7
+    ESTIMATES = 8
+    SET_PEERS = 9
+    ACK = 10
+    ERROR = 11
+
+
+# --- events -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello:
+    """An agent opens a probe session: datagrams tagged `session` come from `name`."""
+
+    name: str
+    session: int
+
+
+@dataclass(frozen=True)
+class HelloAck:
+    name: str
+
+
+@dataclass(frozen=True)
+class TrainReport:
+    """Receiver -> sender: the arrivals of one train, as (seq, receive time in ns)
+    on the receiver's clock (only differences are meaningful), the load on the
+    receiver's downlink in wire bit/s excluding probes (NaN if unknown),
+    whether another agent's train overlapped it (then it shared the downlink),
+    and how many agents probe the receiver (they share its downlink's budget)."""
+
+    session: int
+    train: int
+    count: int
+    rx_load_bps: float
+    overlapped: bool  # another train arrived at the receiver at the same time
+    arrivals: tuple[tuple[int, int], ...]
+    senders: int = 1  # agents with a probe session open to the receiver
+
+
+@dataclass(frozen=True)
+class Ping:
+    nonce: int
+    sent_ns: int
+
+
+@dataclass(frozen=True)
+class Pong:
+    nonce: int
+    sent_ns: int
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    """A local client finished a real transfer to/from `peer`."""
+
+    peer: str
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class GetEstimates:
+    request_id: int
+
+
+@dataclass(frozen=True)
+class PeerEstimate:
+    """What the agent believes about the path to one peer. NaN when unknown."""
+
+    peer: str
+    bandwidth_bps: float  # available bandwidth, bit/s of UDP/TCP payload
+    capacity_bps: float  # bottleneck capacity, bit/s
+    load_bps: float  # load on the path's edge links (other traffic), bit/s
+    rtt_s: float
+    age_s: float  # since the last accepted bandwidth sample
+    stale: bool
+    connected: bool
+    samples: int
+
+
+@dataclass(frozen=True)
+class Estimates:
+    request_id: int
+    agent: str
+    estimates: tuple[PeerEstimate, ...]
+    # other traffic on this host's own downlink and uplink, payload bit/s (probes
+    # and the job's own connections excluded); -1 when the agent cannot tell
+    down_load_bps: float = -1.0
+    up_load_bps: float = -1.0
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    name: str
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class SetPeers:
+    request_id: int
+    peers: tuple[PeerAddress, ...]
+
+
+@dataclass(frozen=True)
+class Ack:
+    request_id: int
+
+
+@dataclass(frozen=True)
+class Error:
+    request_id: int
+    message: str
+
+
+@dataclass(frozen=True)
+class ConnectionClosed:
+    """The peer closed the connection cleanly, at a frame boundary."""
+
+
+Event = (
+    Hello | HelloAck | TrainReport | Ping | Pong | TransferReport | GetEstimates
+    | Estimates | SetPeers | Ack | Error
+)
+
+
+# --- payload codec ----------------------------------------------------------
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def pack(self, fmt: str, *values: object) -> None:
+        try:
+            self.parts.append(struct.pack(">" + fmt, *values))
+        except struct.error as exc:
+            raise ProtocolError(f"cannot encode {values!r} as {fmt!r}: {exc}") from None
+
+    def string(self, s: str) -> None:
+        raw = s.encode("utf-8")
+        if len(raw) > MAX_STRING:
+            raise ProtocolError(
+                f"string of {len(raw)} bytes is longer than {MAX_STRING}; shorten it"
+            )
+        self.pack("H", len(raw))
+        self.parts.append(raw)
+
+    def bytes(self) -> bytes:
+        return b"".join(self.parts)
+
+
+class _Reader:
+    def __init__(self, data: bytes, what: str) -> None:
+        self.data = data
+        self.pos = 0
+        self.what = what
+
+    def unpack(self, fmt: str) -> tuple[Any, ...]:
+        s = struct.Struct(">" + fmt)
+        if self.pos + s.size > len(self.data):
+            raise ProtocolError(
+                f"{self.what} frame truncated: needs {self.pos + s.size} bytes, "
+                f"has {len(self.data)}"
+            )
+        values = s.unpack_from(self.data, self.pos)
+        self.pos += s.size
+        return values
+
+    def string(self) -> str:
+        (n,) = self.unpack("H")
+        if n > MAX_STRING or self.pos + n > len(self.data):
+            raise ProtocolError(f"{self.what} frame has a bad string length {n}")
+        raw = self.data[self.pos : self.pos + n]
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError(f"{self.what} frame has a string that is not UTF-8") from None
+
+    def end(self) -> None:
+        if self.pos != len(self.data):
+            raise ProtocolError(
+                f"{self.what} frame has {len(self.data) - self.pos} unexpected trailing bytes"
+            )
+
+
+def _finite(x: float, what: str) -> float:
+    if not math.isfinite(x) or x < 0:
+        raise ProtocolError(f"{what} must be a finite non-negative number, got {x!r}")
+    return x
+
+
+def _encode_payload(event: Event) -> tuple[MsgType, bytes]:
+    w = _Writer()
+    if isinstance(event, Hello):
+        w.string(event.name)
+        w.pack("Q", event.session)
+        return MsgType.HELLO, w.bytes()
+    if isinstance(event, HelloAck):
+        w.string(event.name)
+        return MsgType.HELLO_ACK, w.bytes()
+    if isinstance(event, TrainReport):
+        w.pack("QIHdBHI", event.session, event.train, event.count, event.rx_load_bps,
+               int(event.overlapped), event.senders, len(event.arrivals))
+        for seq, t in event.arrivals:
+            w.pack("HQ", seq, t)
+        return MsgType.TRAIN_REPORT, w.bytes()
+    if isinstance(event, Ping):
+        w.pack("QQ", event.nonce, event.sent_ns)
+        return MsgType.PING, w.bytes()
+    if isinstance(event, Pong):
+        w.pack("QQ", event.nonce, event.sent_ns)
+        return MsgType.PONG, w.bytes()
+    if isinstance(event, TransferReport):
+        w.string(event.peer)
+        w.pack("Qd", event.nbytes, _finite(event.seconds, "TransferReport.seconds"))
+        return MsgType.TRANSFER_REPORT, w.bytes()
+    if isinstance(event, GetEstimates):
+        w.pack("I", event.request_id)
+        return MsgType.GET_ESTIMATES, w.bytes()
+    if isinstance(event, Estimates):
+        w.pack("I", event.request_id)
+        w.string(event.agent)
+        w.pack("dd", event.down_load_bps, event.up_load_bps)
+        w.pack("H", len(event.estimates))
+        for e in event.estimates:
+            w.string(e.peer)
+            w.pack("ddddd", e.bandwidth_bps, e.capacity_bps, e.load_bps, e.rtt_s, e.age_s)
+            w.pack("BBI", int(e.stale), int(e.connected), e.samples)
+        return MsgType.ESTIMATES, w.bytes()
+    if isinstance(event, SetPeers):
+        w.pack("IH", event.request_id, len(event.peers))
+        for p in event.peers:
+            w.string(p.name)
+            w.string(p.host)
+            w.pack("H", p.port)
+        return MsgType.SET_PEERS, w.bytes()
+    if isinstance(event, Ack):
+        w.pack("I", event.request_id)
+        return MsgType.ACK, w.bytes()
+    if isinstance(event, Error):
+        w.pack("I", event.request_id)
+        w.string(event.message)
+        return MsgType.ERROR, w.bytes()
+    raise TypeError(f"not an agent protocol event: {event!r}")
+
+
+def _decode_payload(msg_type: int, payload: bytes) -> Event:
+    try:
+        kind = MsgType(msg_type)
+    except ValueError:
+        raise ProtocolError(f"unknown message type {msg_type}") from None
+    r = _Reader(payload, kind.name)
+    event: Event
+    if kind is MsgType.HELLO:
+        name = r.string()
+        (session,) = r.unpack("Q")
+        event = Hello(name, session)
+    elif kind is MsgType.HELLO_ACK:
+        event = HelloAck(r.string())
+    elif kind is MsgType.TRAIN_REPORT:
+        session, train, count, load, overlapped, senders, n = r.unpack("QIHdBHI")
+        if n > count:
+            raise ProtocolError(f"TrainReport lists {n} arrivals for a train of {count}")
+        arrivals = tuple(r.unpack("HQ") for _ in range(n))
+        event = TrainReport(session, train, count, load, bool(overlapped), arrivals, senders)
+    elif kind is MsgType.PING:
+        event = Ping(*r.unpack("QQ"))
+    elif kind is MsgType.PONG:
+        event = Pong(*r.unpack("QQ"))
+    elif kind is MsgType.TRANSFER_REPORT:
+        peer = r.string()
+        nbytes, seconds = r.unpack("Qd")
+        event = TransferReport(peer, nbytes, _finite(seconds, "TransferReport.seconds"))
+    elif kind is MsgType.GET_ESTIMATES:
+        event = GetEstimates(*r.unpack("I"))
+    elif kind is MsgType.ESTIMATES:
+        (request_id,) = r.unpack("I")
+        agent = r.string()
+        down_load, up_load = r.unpack("dd")
+        (n,) = r.unpack("H")
+        entries = []
+        for _ in range(n):
+            peer = r.string()
+            bw, cap, load, rtt, age = r.unpack("ddddd")
+            stale, connected, samples = r.unpack("BBI")
+            entries.append(
+                PeerEstimate(peer, bw, cap, load, rtt, age, bool(stale), bool(connected),
+                             samples)
+            )
+        event = Estimates(request_id, agent, tuple(entries), down_load, up_load)
+    elif kind is MsgType.SET_PEERS:
+        request_id, n = r.unpack("IH")
+        peers = []
+        for _ in range(n):
+            name = r.string()
+            host = r.string()
+            (port,) = r.unpack("H")
+            peers.append(PeerAddress(name, host, port))
+        event = SetPeers(request_id, tuple(peers))
+    elif kind is MsgType.ACK:
+        event = Ack(*r.unpack("I"))
+    else:  # MsgType.ERROR
+        (request_id,) = r.unpack("I")
+        event = Error(request_id, r.string())
+    r.end()
+    return event
+
+
+# --- the control-channel state machine ----------------------------------------
+
+
+class Connection:
+    """One side of a control connection: bytes in, events out; events in, bytes out.
+
+    Both directions use the same frames, so the same class serves the agent,
+    its peers and its clients. After a `ProtocolError` every further call to
+    `next_event` raises again: drop the connection.
+    """
+
+    def __init__(self, max_frame: int = MAX_FRAME) -> None:
+        self.max_frame = max_frame
+        self._buf = bytearray()
+        self._eof = False
+        self._error: ProtocolError | None = None
+
+    def receive_data(self, data: bytes) -> None:
+        """Feed received bytes; `b""` means the peer closed its side."""
+        if not data:
+            self._eof = True
+        else:
+            if self._eof:
+                raise ProtocolError("data received after end of stream")
+            self._buf += data
+
+    def next_event(self) -> Event | ConnectionClosed | NeedData:
+        if self._error is not None:
+            raise self._error
+        try:
+            return self._next()
+        except ProtocolError as exc:
+            self._error = exc
+            raise
+
+    def _next(self) -> Event | ConnectionClosed | NeedData:
+        buf = self._buf
+        if len(buf) < HEADER.size:
+            if self._eof:
+                if buf:
+                    raise ProtocolError(
+                        f"connection closed inside a frame header ({len(buf)} bytes)"
+                    )
+                return ConnectionClosed()
+            return NEED_DATA
+        magic, version, msg_type, length = HEADER.unpack_from(buf)
+        if magic != MAGIC:
+            raise ProtocolError(f"bad frame magic {bytes(magic)!r}: not an mlfabric agent peer")
+        if version != VERSION:
+            raise ProtocolError(
+                f"protocol version {version} is not supported (this agent speaks {VERSION}); "
+                "run the same mlfabric version on every host"
+            )
+        if length > self.max_frame:
+            raise FrameTooLarge(f"frame of {length} bytes exceeds the maximum {self.max_frame}")
+        end = HEADER.size + length
+        if len(buf) < end:
+            if self._eof:
+                raise ProtocolError(
+                    f"connection closed inside a frame ({len(buf)} of {end} bytes)"
+                )
+            return NEED_DATA
+        payload = bytes(buf[HEADER.size : end])
+        del buf[:end]
+        return _decode_payload(msg_type, payload)
+
+    def send(self, event: Event) -> bytes:
+        msg_type, payload = _encode_payload(event)
+        if len(payload) > self.max_frame:
+            raise FrameTooLarge(
+                f"{type(event).__name__} of {len(payload)} bytes exceeds the maximum "
+                f"{self.max_frame}"
+            )
+        return HEADER.pack(MAGIC, VERSION, msg_type, len(payload)) + payload
+
+
+# --- probe datagrams ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProbePacket:
+    session: int
+    train: int
+    seq: int
+    count: int
+    sent_ns: int
+    size: int  # datagram payload size in bytes (header + padding)
+
+
+def encode_datagram(session: int, train: int, seq: int, count: int, sent_ns: int,
+                    size: int) -> bytes:
+    """One probe datagram of `size` bytes (at least the header)."""
+    if size < DATAGRAM_HEADER.size:
+        raise ValueError(f"probe datagram size {size} is below the header size "
+                         f"{DATAGRAM_HEADER.size}")
+    if not 0 <= seq < count <= MAX_TRAIN_PACKETS:
+        raise ValueError(f"probe seq {seq} / count {count} out of range")
+    head = DATAGRAM_HEADER.pack(DATAGRAM_MAGIC, VERSION, session, train, seq, count, sent_ns)
+    return head + bytes(size - len(head))
+
+
+def datagram_template(session: int, train: int, count: int, size: int) -> bytearray:
+    """A mutable datagram whose seq and timestamp `stamp_datagram` fills in (fast path)."""
+    return bytearray(encode_datagram(session, train, 0, count, 0, size))
+
+
+_SEQ_OFFSET = 4 + 1 + 8 + 4
+_STAMP = struct.Struct(">H")
+_STAMP_NS = struct.Struct(">Q")
+
+
+def stamp_datagram(buf: bytearray, seq: int, sent_ns: int) -> None:
+    _STAMP.pack_into(buf, _SEQ_OFFSET, seq)
+    _STAMP_NS.pack_into(buf, _SEQ_OFFSET + 4, sent_ns)
+
+
+def decode_datagram(data: bytes) -> ProbePacket:
+    """Parse a probe datagram; raises ProtocolError for anything else."""
+    if len(data) < DATAGRAM_HEADER.size:
+        raise ProtocolError(
+            f"probe datagram of {len(data)} bytes is shorter than the {DATAGRAM_HEADER.size}"
+            "-byte header"
+        )
+    magic, version, session, train, seq, count, sent_ns = DATAGRAM_HEADER.unpack_from(data)
+    if magic != DATAGRAM_MAGIC:
+        raise ProtocolError(f"bad probe datagram magic {magic!r}")
+    if version != VERSION:
+        raise ProtocolError(f"probe datagram version {version} is not {VERSION}")
+    if count == 0 or seq >= count:
+        raise ProtocolError(f"probe datagram seq {seq} outside a train of {count}")
+    return ProbePacket(session, train, seq, count, sent_ns, len(data))

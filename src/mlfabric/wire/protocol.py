@@ -1,0 +1,1151 @@
+"""The mlfabric wire protocol, without I/O.
+
+A `Connection` turns bytes into events and events into bytes; it never
+touches a socket, a loop or a clock (the h11 pattern). The asyncio transport
+and the blocking client both drive the same state machine.
+
+Frame layout (all integers little-endian)::
+
+    magic     4 bytes   b"MLFB"
+    version   u8        PROTOCOL_VERSION
+    type      u8        MsgType
+    flags     u16       0 (reserved)
+    meta_len  u32       length of the metadata block
+    data_len  u64       length of the tensor data block
+    meta      meta_len bytes: the message fields as a UTF-8 JSON object; for
+              messages that carry tensors (MODEL, PUSH) followed by a newline
+              and the tensor list as JSON, [[name, dtype, shape], ...]. The
+              list is kept apart because a job sends the same one with every
+              push: both sides cache its encoding and parsing.
+    data      the tensors' bytes in the order listed, each starting at a
+              multiple of ALIGN bytes from the start of the block (zero padding)
+
+Large data blocks are received straight into a buffer the receiver chooses
+(`allocate`), so a 64 MiB push is written by the kernel into its final place:
+the transport calls `get_buffer()` / `buffer_updated(n)` (the shape of
+asyncio's BufferedProtocol). Small frames go through a scratch buffer so that
+one recv() can carry many of them.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+
+from ..errors import FrameTooLarge, ProtocolError
+
+PROTOCOL_VERSION: Final = 1
+MAGIC: Final = b"MLFB"
+HEADER = struct.Struct("<4sBBHIQ")
+ALIGN: Final = 64
+MAX_META_LEN: Final = 1 << 20
+DEFAULT_MAX_FRAME_SIZE: Final = 1 << 34  # 16 GiB; servers set the model's size
+MAX_NAME_LEN: Final = 256
+MAX_TENSORS: Final = 4096
+MAX_FAN_IN: Final = 64  # members of one aggregate
+MAX_UID_LEN: Final = 128
+MAX_PULL_WAIT: Final = 600.0  # seconds a pull for an update may be held
+MAX_ADDRESSES: Final = 4096  # aggregators a controller's welcome may list
+_SCRATCH_SIZE = 1 << 16
+_MAX_U64 = (1 << 64) - 1
+
+# Wire dtype codes: only the float types the kernels implement.
+DTYPES: Final[Mapping[str, np.dtype]] = {
+    "f4": np.dtype("<f4"),
+    "f8": np.dtype("<f8"),
+}
+_DTYPE_CODES = {dt: code for code, dt in DTYPES.items()}
+
+
+class MsgType(enum.IntEnum):
+    HELLO = 1
+    CHALLENGE = 2
+    AUTH = 3
+    WELCOME = 4
+    PULL = 5
+    MODEL = 6
+    PUSH = 7
+    PUSH_RESULT = 8
+    ERROR = 9
+    TRANSFER_REQUEST = 10
+    DIRECTIVE = 11
+    TRANSFER_DONE = 12
+    STATUS_REQUEST = 13
+    STATUS = 14
+    REPLICA_DONE = 15
+    PING = 16
+    PONG = 17
+    PROMOTE = 18
+    FAILOVER = 19
+    STATE_REQUEST = 20
+    REPLICA_JOIN = 21
+    REPLICA_AT = 22
+    MODEL_END = 23
+    PULL_CANCEL = 24
+    RESYNC = 25
+
+
+class _NeedData:
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+NEED_DATA: Final = _NeedData()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def layout(specs: Sequence[TensorSpec]) -> tuple[list[int], int]:
+    """Offsets of each tensor in the data block, and the block's total length."""
+    offsets = []
+    pos = 0
+    for i, spec in enumerate(specs):
+        if i:
+            pos = -(-pos // ALIGN) * ALIGN
+        offsets.append(pos)
+        pos += spec.nbytes
+    return offsets, pos
+
+
+_LITTLE = sys.byteorder == "little"
+
+
+def spec_of(name: str, array: np.ndarray) -> TensorSpec:
+    dt = array.dtype
+    # Fast path (every push): native little-endian float32/float64.
+    if _LITTLE and dt.kind == "f" and dt.byteorder in "=<" and dt.itemsize in (4, 8):
+        return TensorSpec(name, DTYPES["f4"] if dt.itemsize == 4 else DTYPES["f8"],
+                          array.shape)
+    if array.dtype.newbyteorder("<") not in _DTYPE_CODES or array.dtype.byteorder == ">":
+        raise TypeError(
+            f"tensor {name!r} has dtype {array.dtype}; mlfabric sends float32 or float64 "
+            f"(little-endian): convert with arr.astype(np.float32)"
+        )
+    return TensorSpec(name, np.dtype(array.dtype.newbyteorder("<")), tuple(array.shape))
+
+
+# --- Events ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello:
+    """Client -> server: which job, who, and the client's nonce."""
+
+    job: str
+    client: str
+    nonce: bytes
+
+
+@dataclass(frozen=True)
+class Challenge:
+    """Server -> client: the server's nonce and its proof of the token."""
+
+    nonce: bytes
+    proof: bytes
+
+
+@dataclass(frozen=True)
+class Auth:
+    """Client -> server: the client's proof of the token."""
+
+    proof: bytes
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """Server -> client: authenticated; the model's layout and current version.
+    From a controller, `aggregators`: the addresses it may route pushes through
+    (a client dials them ahead, not when its first member is due)."""
+
+    session: str
+    version: int
+    tensors: tuple[TensorSpec, ...]
+    tau_max: int | None = None
+    momentum: float = 0.0
+    aggregators: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Pull:
+    """Ask for the model. With `uid`: the first model that includes update
+    `uid`, held for up to `wait` seconds until it exists (then the model as
+    it is); the server may stream it while that update is still arriving."""
+
+    req: int
+    uid: str | None = None
+    wait: float | None = None
+
+
+@dataclass(frozen=True)
+class PullCancel:
+    """The pull `req` (one for an update, held by the server) is no longer
+    wanted: the server forgets it and sends nothing more for it. A model
+    already streaming for it still ends with its ModelEnd."""
+
+    req: int
+
+
+@dataclass(frozen=True, eq=False)
+class Model:
+    """The model at one version: the answer to a Pull.
+
+    `streamed`: its bytes were sent as the server computed them, and it
+    holds only if the ModelEnd for `req` that follows says ok."""
+
+    req: int
+    version: int
+    tensors: Mapping[str, np.ndarray]
+    streamed: bool = False
+
+
+@dataclass(frozen=True)
+class ModelEnd:
+    """The end of a streamed Model: `ok` it holds; not ok, the update it was
+    computed from did not apply as staged, and the pull is still open."""
+
+    req: int
+    ok: bool
+
+
+@dataclass(frozen=True, eq=False)
+class Push:
+    """An update computed on model version `base_version`.
+
+    `seq` is set only on pushes to a replica: the server version this update
+    produced when the server applied it (the replica applies seq v+1 next).
+
+    Aggregation (docs/design.md, "Aggregation"): `uid` names the update
+    uniquely (a server applies a uid at most once, so re-sending after a
+    failed aggregate is safe). A member pushed to an aggregator carries its
+    `group` id, the group's `fan_in`, its `index` in the group (the order of
+    the sum) and the server address `dst` the aggregate goes to. An
+    aggregate pushed to the server carries `members`: (uid, base_version,
+    source) of each member, in index order, the source being the worker's
+    client name; its tensors are their sum."""
+
+    req: int
+    base_version: int
+    tensors: Mapping[str, np.ndarray]
+    seq: int | None = None
+    uid: str | None = None
+    group: int | None = None
+    fan_in: int | None = None
+    index: int | None = None
+    dst: str | None = None
+    members: tuple[tuple[str, int, str], ...] | None = None
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """The answer to a push. For an aggregate, `delays` holds each member's
+    delay, in member order (`delay` is the smallest)."""
+
+    req: int
+    applied: bool
+    version: int
+    delay: int | None
+    reason: str | None = None
+    delays: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Error:
+    """An error answer. `req` names the request it answers, or None when it
+    concerns the whole connection (which the sender then closes)."""
+
+    code: str
+    message: str
+    req: int | None = None
+
+
+@dataclass(frozen=True)
+class TransferRequest:
+    """Client -> controller: an update is ready to go from `host` to the server
+    at `dst`; may it?"""
+
+    req: int
+    host: str
+    dst: str
+    nbytes: int
+    base_version: int
+    norm: float
+
+
+@dataclass(frozen=True)
+class Directive:
+    """Controller -> client: what to do with a requested transfer now.
+
+    action "go": send it now; "drop": do not send it (`reason` says why).
+    `position` is its place in the planned order, `planned_seconds` the
+    transfer time the plan expects (both for metrics and the decision log).
+    A "go" with `via` sends the update to the aggregator at that address as
+    member `index` of group `group` (`fan_in` members), not to the server."""
+
+    req: int
+    action: str
+    reason: str | None = None
+    position: int | None = None
+    planned_seconds: float | None = None
+    via: str | None = None
+    group: int | None = None
+    fan_in: int | None = None
+    index: int | None = None
+
+
+@dataclass(frozen=True)
+class TransferDone:
+    """Client -> controller: a transfer it let go has ended at the server.
+    `via_failed`: it was to go through an aggregator, which failed it (the
+    update was then sent straight to the server)."""
+
+    req: int
+    applied: bool
+    version: int
+    delay: int | None
+    seconds: float  # from "go" to the server's answer
+    via_failed: str | None = None
+
+
+@dataclass(frozen=True)
+class ReplicaDone:
+    """Client -> controller: the replica at `dst` has applied the update the
+    server applied as `version` (worker-driven replication)."""
+
+    dst: str
+    version: int
+
+
+@dataclass(frozen=True)
+class Ping:
+    """Controller -> server or replica: are you alive? (a heartbeat)
+
+    `since`: also send the norms of the updates applied above this version
+    (the divergence gate learns every applied update from the server, not
+    only from the worker that pushed it). `velocity`: also send
+    ||w - w_prev|| (one pass over the model: asked once per connection)."""
+
+    req: int
+    since: int | None = None
+    velocity: bool | None = None
+
+
+# At most this many update norms in one Pong (a controller that is further
+# behind asks again from where the answer ended).
+MAX_NORMS: Final = 4096
+
+
+@dataclass(frozen=True)
+class Pong:
+    """Server or replica -> controller: alive, in `role` at `version`.
+
+    `norms_from`, `norms`: the norms of the updates that produced versions
+    norms_from, norms_from + 1, ... (answering a Ping's `since`; norms_from
+    is above since + 1 when older ones are no longer kept). `velocity`:
+    ||w - w_prev|| at `version`, when asked. `gap`: a replica waiting for a
+    missing sequence number says for how many seconds it has waited."""
+
+    req: int
+    role: str
+    version: int
+    norms_from: int | None = None
+    norms: tuple[float, ...] | None = None
+    velocity: float | None = None
+    gap: float | None = None
+
+
+@dataclass(frozen=True)
+class Promote:
+    """Controller (or an operator) -> replica: the server is gone, become the
+    server. Answered with a Pong in role "server", or an Error with code
+    "server_alive" when the replica itself still reaches `server` (the one
+    it would replace) and `force` is not set: promotion is for a server that
+    is really gone, never a second server beside a live one."""
+
+    req: int
+    server: str | None = None
+    force: bool | None = None
+
+
+@dataclass(frozen=True)
+class Resync:
+    """Controller -> replica: a sequence number you wait for will not come
+    (its worker died after the server applied it): start over from the state
+    of the server at `server`. Answered with a Pong (role "replica") at the
+    version taken over, with its velocity, or an Error."""
+
+    req: int
+    server: str
+
+
+@dataclass(frozen=True)
+class Failover:
+    """Controller -> clients: the server is now at `server` ("HOST:PORT"),
+    the replica promoted at `version`."""
+
+    server: str
+    version: int
+
+
+@dataclass(frozen=True)
+class StateRequest:
+    """New replica -> server: the whole state, to start from. Answered with a
+    Model whose tensors are the weights and, under PREVIOUS_PREFIX + name, the
+    previous weights (momentum history)."""
+
+    req: int
+
+
+PREVIOUS_PREFIX: Final = "\x00previous/"
+
+
+@dataclass(frozen=True)
+class ReplicaJoin:
+    """New replica -> controller: serving at `address` from `version`, with
+    ||w - w_prev|| = `velocity` (for the divergence bound)."""
+
+    address: str
+    version: int
+    velocity: float = 0.0
+
+
+@dataclass(frozen=True)
+class ReplicaAt:
+    """Controller -> clients: send updates above `version` to the replica at
+    `address` (those kept since the last failover included)."""
+
+    address: str
+    version: int
+
+
+@dataclass(frozen=True)
+class StatusRequest:
+    """Any authenticated peer -> controller: describe the job."""
+
+    req: int
+
+
+@dataclass(frozen=True, eq=False)
+class Status:
+    """Controller -> peer: the job's state as a JSON object (see controller.py)."""
+
+    req: int
+    status: Mapping[str, Any]
+
+
+Event = (Hello | Challenge | Auth | Welcome | Pull | PullCancel | Model | ModelEnd | Push
+         | PushResult | Error | TransferRequest | Directive | TransferDone | StatusRequest
+         | Status | ReplicaDone | Ping | Pong | Promote | Resync | Failover | StateRequest
+         | ReplicaJoin | ReplicaAt)
+
+DIRECTIVE_ACTIONS = ("go", "drop")
+
+_TENSOR_EVENTS = (Model, Push)
+
+# Allocator: (message type, data length) -> a writable buffer of at least that
+# many bytes. The receiver decides where tensor bytes land (a pooled buffer on
+# the server, a fresh array in the client).
+Allocate = Callable[[MsgType, int], Any]
+
+
+def default_allocate(msg_type: MsgType, nbytes: int) -> np.ndarray:
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+# --- Field validation ------------------------------------------------------
+
+
+def _int(meta: Mapping[str, Any], key: str) -> int:
+    value = meta.get(key)
+    if type(value) is not int or not 0 <= value <= _MAX_U64:
+        raise ProtocolError(f"field {key!r} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _opt_int(meta: Mapping[str, Any], key: str) -> int | None:
+    return None if meta.get(key) is None else _int(meta, key)
+
+
+def _str(meta: Mapping[str, Any], key: str, max_len: int = 4096) -> str:
+    value = meta.get(key)
+    if not isinstance(value, str) or len(value) > max_len:
+        raise ProtocolError(f"field {key!r} must be a string of at most {max_len} characters")
+    return value
+
+
+def _hex(meta: Mapping[str, Any], key: str) -> bytes:
+    value = _str(meta, key, 1024)
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise ProtocolError(f"field {key!r} must be hex, got {value[:40]!r}") from None
+
+
+def _float(meta: Mapping[str, Any], key: str) -> float:
+    value = meta.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        -1e300 < value < 1e300
+    ):
+        raise ProtocolError(f"field {key!r} must be a finite number, got {value!r:.40}")
+    return float(value)
+
+
+def _opt_float(meta: Mapping[str, Any], key: str) -> float | None:
+    return None if meta.get(key) is None else _float(meta, key)
+
+
+def _addresses(meta: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    value = meta.get(key, [])
+    if not (isinstance(value, list) and len(value) <= MAX_ADDRESSES
+            and all(isinstance(a, str) and len(a) <= 256 for a in value)):
+        raise ProtocolError(f"field {key!r} must be a list of at most {MAX_ADDRESSES} "
+                            f"addresses of at most 256 characters")
+    return tuple(value)
+
+
+def _opt_str(meta: Mapping[str, Any], key: str, max_len: int = 4096) -> str | None:
+    return None if meta.get(key) is None else _str(meta, key, max_len)
+
+
+def _opt_bool(meta: Mapping[str, Any], key: str) -> bool | None:
+    value = meta.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ProtocolError(f"field {key!r} must be a boolean, got {value!r:.40}")
+    return value
+
+
+def _opt_norms(meta: Mapping[str, Any], key: str) -> tuple[float, ...] | None:
+    """Update norms: at most MAX_NORMS finite numbers >= 0."""
+    value = meta.get(key)
+    if value is None:
+        return None
+    if not (isinstance(value, list) and len(value) <= MAX_NORMS and all(
+            not isinstance(x, bool) and isinstance(x, (int, float)) and 0 <= x < 1e300
+            for x in value)):
+        raise ProtocolError(f"field {key!r} must be a list of at most {MAX_NORMS} finite "
+                            f"numbers >= 0")
+    return tuple(float(x) for x in value)
+
+
+def _check_membership(fan_in: int | None, index: int | None, what: str) -> None:
+    if fan_in is None or index is None or not 1 <= fan_in <= MAX_FAN_IN \
+            or not 0 <= index < fan_in:
+        raise ProtocolError(f"a {what} to an aggregator needs 1 <= fan_in <= {MAX_FAN_IN} and "
+                            f"0 <= index < fan_in, got fan_in={fan_in!r} index={index!r}")
+
+
+def _aggregation_fields(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """A push's optional aggregation fields (see Push), checked."""
+    fields: dict[str, Any] = {}
+    if meta.get("uid") is not None:
+        fields["uid"] = _str(meta, "uid", MAX_UID_LEN)
+    if meta.get("group") is not None:
+        fields["group"] = _int(meta, "group")
+        fields["fan_in"], fields["index"] = _opt_int(meta, "fan_in"), _opt_int(meta, "index")
+        _check_membership(fields["fan_in"], fields["index"], "push")
+        fields["dst"] = _str(meta, "dst", 256)
+        if "uid" not in fields:
+            raise ProtocolError("a push to an aggregator needs a 'uid'")
+    members = meta.get("members")
+    if members is not None:
+        if (not isinstance(members, list) or not 1 <= len(members) <= MAX_FAN_IN
+                or not all(isinstance(m, list) and len(m) == 3 and isinstance(m[0], str)
+                           and len(m[0]) <= MAX_UID_LEN and type(m[1]) is int and m[1] >= 0
+                           and isinstance(m[2], str) and len(m[2]) <= MAX_NAME_LEN
+                           for m in members)):
+            raise ProtocolError(f"field 'members' must be 1 to {MAX_FAN_IN} [uid, base_version, "
+                                f"source] triples, got {members!r:.80}")
+        fields["members"] = tuple((uid, base, source) for uid, base, source in members)
+    return fields
+
+
+def _specs(meta: Mapping[str, Any]) -> tuple[TensorSpec, ...]:
+    raw = meta.get("tensors")
+    if not isinstance(raw, list) or len(raw) > MAX_TENSORS:
+        raise ProtocolError(f"field 'tensors' must be a list of at most {MAX_TENSORS} entries")
+    specs = []
+    seen = set()
+    for entry in raw:
+        if not (isinstance(entry, list) and len(entry) == 3):
+            raise ProtocolError(f"tensor entry must be [name, dtype, shape], got {entry!r:.80}")
+        name, code, shape = entry
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LEN:
+            raise ProtocolError(f"tensor name must be 1..{MAX_NAME_LEN} characters: {name!r:.80}")
+        if name in seen:
+            raise ProtocolError(f"tensor {name!r} is listed twice")
+        seen.add(name)
+        if code not in DTYPES:
+            raise ProtocolError(f"tensor {name!r} has unknown dtype code {code!r:.20}")
+        if not (
+            isinstance(shape, list)
+            and len(shape) <= 32
+            and all(type(d) is int and 0 <= d <= _MAX_U64 for d in shape)
+        ):
+            raise ProtocolError(f"tensor {name!r} has a malformed shape {shape!r:.80}")
+        specs.append(TensorSpec(name, DTYPES[code], tuple(shape)))
+    return tuple(specs)
+
+
+def _meta_specs(specs: Sequence[TensorSpec]) -> list[list[Any]]:
+    return [[s.name, _DTYPE_CODES[s.dtype], list(s.shape)] for s in specs]
+
+
+# Tensor lists seen recently, both ways. Bounded: a peer that sends a new
+# list with every frame costs a parse each time, never unbounded memory.
+_SPEC_CACHE_SIZE = 256
+_encoded_specs: dict[tuple[TensorSpec, ...], tuple[bytes, list[int], int]] = {}
+_decoded_specs: dict[bytes, tuple[tuple[TensorSpec, ...], list[int], int]] = {}
+
+
+def _encode_specs(specs: tuple[TensorSpec, ...]) -> tuple[bytes, list[int], int]:
+    hit = _encoded_specs.get(specs)
+    if hit is None:
+        text = json.dumps(_meta_specs(specs), separators=(",", ":")).encode()
+        hit = (text, *layout(specs))
+        if len(_encoded_specs) >= _SPEC_CACHE_SIZE:
+            _encoded_specs.clear()
+        _encoded_specs[specs] = hit
+    return hit
+
+
+def _decode_specs(raw: bytes) -> tuple[tuple[TensorSpec, ...], list[int], int]:
+    hit = _decoded_specs.get(raw)
+    if hit is None:
+        try:
+            entries = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise ProtocolError("tensor list is not valid JSON") from None
+        specs = _specs({"tensors": entries})
+        hit = (specs, *layout(specs))
+        if len(_decoded_specs) >= _SPEC_CACHE_SIZE:
+            _decoded_specs.clear()
+        _decoded_specs[raw] = hit
+    return hit
+
+
+def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    if msg_type is MsgType.HELLO:
+        return Hello(job=_str(meta, "job", 256), client=_str(meta, "client", 256),
+                     nonce=_hex(meta, "nonce"))
+    if msg_type is MsgType.CHALLENGE:
+        return Challenge(nonce=_hex(meta, "nonce"), proof=_hex(meta, "proof"))
+    if msg_type is MsgType.AUTH:
+        return Auth(proof=_hex(meta, "proof"))
+    if msg_type is MsgType.WELCOME:
+        momentum = meta.get("momentum", 0.0)
+        if not isinstance(momentum, (int, float)) or isinstance(momentum, bool):
+            raise ProtocolError(f"field 'momentum' must be a number, got {momentum!r:.40}")
+        return Welcome(
+            session=_str(meta, "session", 256),
+            version=_int(meta, "version"),
+            tensors=_specs(meta),
+            tau_max=_opt_int(meta, "tau_max"),
+            momentum=float(momentum),
+            aggregators=_addresses(meta, "aggregators"),
+        )
+    if msg_type is MsgType.PULL:
+        uid, wait = _opt_str(meta, "uid"), _opt_float(meta, "wait")
+        if uid is not None and len(uid) > MAX_UID_LEN:
+            raise ProtocolError(f"field 'uid' is longer than {MAX_UID_LEN} characters")
+        if (uid is None) != (wait is None) or (wait is not None
+                                               and not 0 < wait <= MAX_PULL_WAIT):
+            raise ProtocolError(f"a pull for an update needs both 'uid' and 'wait' (0 < wait "
+                                f"<= {MAX_PULL_WAIT} s), got uid={uid!r:.40} wait={wait!r}")
+        return Pull(req=_int(meta, "req"), uid=uid, wait=wait)
+    if msg_type is MsgType.PULL_CANCEL:
+        return PullCancel(req=_int(meta, "req"))
+    if msg_type is MsgType.MODEL:
+        streamed = meta.get("streamed", False)
+        if not isinstance(streamed, bool):
+            raise ProtocolError(f"field 'streamed' must be true or false, got {streamed!r:.40}")
+        return Model(req=_int(meta, "req"), version=_int(meta, "version"), tensors=tensors,
+                     streamed=streamed)
+    if msg_type is MsgType.MODEL_END:
+        ok = meta.get("ok")
+        if not isinstance(ok, bool):
+            raise ProtocolError(f"field 'ok' must be true or false, got {ok!r:.40}")
+        return ModelEnd(req=_int(meta, "req"), ok=ok)
+    if msg_type is MsgType.PUSH:
+        return Push(req=_int(meta, "req"), base_version=_int(meta, "base_version"),
+                    tensors=tensors, seq=_opt_int(meta, "seq"), **_aggregation_fields(meta))
+    if msg_type is MsgType.PUSH_RESULT:
+        applied = meta.get("applied")
+        if not isinstance(applied, bool):
+            raise ProtocolError(f"field 'applied' must be a boolean, got {applied!r:.40}")
+        reason = meta.get("reason")
+        if reason is not None:
+            reason = _str(meta, "reason")
+        delays = meta.get("delays")
+        if delays is not None and (not isinstance(delays, list) or len(delays) > MAX_FAN_IN
+                                   or not all(type(d) is int for d in delays)):
+            raise ProtocolError(f"field 'delays' must be a list of at most {MAX_FAN_IN} "
+                                f"integers, got {delays!r:.60}")
+        return PushResult(req=_int(meta, "req"), applied=applied, version=_int(meta, "version"),
+                          delay=_opt_int(meta, "delay"), reason=reason,
+                          delays=None if delays is None else tuple(delays))
+    if msg_type is MsgType.ERROR:
+        return Error(code=_str(meta, "code", 64), message=_str(meta, "message"),
+                     req=_opt_int(meta, "req"))
+    if msg_type is MsgType.TRANSFER_REQUEST:
+        return TransferRequest(req=_int(meta, "req"), host=_str(meta, "host", 256),
+                               dst=_str(meta, "dst", 256), nbytes=_int(meta, "nbytes"),
+                               base_version=_int(meta, "base_version"),
+                               norm=_float(meta, "norm"))
+    if msg_type is MsgType.DIRECTIVE:
+        action = _str(meta, "action", 16)
+        if action not in DIRECTIVE_ACTIONS:
+            raise ProtocolError(f"unknown directive action {action!r}")
+        via = meta.get("via")
+        group = {k: _opt_int(meta, k) for k in ("group", "fan_in", "index")}
+        if via is not None:
+            _check_membership(group["fan_in"], group["index"], "directive")
+            if group["group"] is None:
+                raise ProtocolError("a directive with 'via' needs 'group'")
+        return Directive(req=_int(meta, "req"), action=action, reason=_opt_str(meta, "reason"),
+                         position=_opt_int(meta, "position"),
+                         planned_seconds=_opt_float(meta, "planned_seconds"),
+                         via=None if via is None else _str(meta, "via", 256), **group)
+    if msg_type is MsgType.STATUS_REQUEST:
+        return StatusRequest(req=_int(meta, "req"))
+    if msg_type is MsgType.PING:
+        return Ping(req=_int(meta, "req"), since=_opt_int(meta, "since"),
+                    velocity=_opt_bool(meta, "velocity"))
+    if msg_type is MsgType.PONG:
+        norms = _opt_norms(meta, "norms")
+        norms_from = _opt_int(meta, "norms_from")
+        if (norms is None) != (norms_from is None):
+            raise ProtocolError("a pong's 'norms' and 'norms_from' come together")
+        velocity, gap = _opt_float(meta, "velocity"), _opt_float(meta, "gap")
+        if (velocity is not None and velocity < 0) or (gap is not None and gap < 0):
+            raise ProtocolError(f"a pong's velocity and gap must be >= 0, got {velocity!r} "
+                                f"and {gap!r}")
+        return Pong(req=_int(meta, "req"), role=_str(meta, "role", 16),
+                    version=_int(meta, "version"), norms_from=norms_from, norms=norms,
+                    velocity=velocity, gap=gap)
+    if msg_type is MsgType.PROMOTE:
+        return Promote(req=_int(meta, "req"), server=_opt_str(meta, "server", 256),
+                       force=_opt_bool(meta, "force"))
+    if msg_type is MsgType.RESYNC:
+        return Resync(req=_int(meta, "req"), server=_str(meta, "server", 256))
+    if msg_type is MsgType.FAILOVER:
+        return Failover(server=_str(meta, "server", 256), version=_int(meta, "version"))
+    if msg_type is MsgType.STATE_REQUEST:
+        return StateRequest(req=_int(meta, "req"))
+    if msg_type is MsgType.REPLICA_JOIN:
+        return ReplicaJoin(address=_str(meta, "address", 256), version=_int(meta, "version"),
+                           velocity=_opt_float(meta, "velocity") or 0.0)
+    if msg_type is MsgType.REPLICA_AT:
+        return ReplicaAt(address=_str(meta, "address", 256), version=_int(meta, "version"))
+    if msg_type is MsgType.REPLICA_DONE:
+        return ReplicaDone(dst=_str(meta, "dst", 256), version=_int(meta, "version"))
+    if msg_type is MsgType.STATUS:
+        status = meta.get("status")
+        if not isinstance(status, dict):
+            raise ProtocolError("field 'status' must be a JSON object")
+        return Status(req=_int(meta, "req"), status=status)
+    if msg_type is MsgType.TRANSFER_DONE:
+        applied = meta.get("applied")
+        if not isinstance(applied, bool):
+            raise ProtocolError(f"field 'applied' must be a boolean, got {applied!r:.40}")
+        via_failed = meta.get("via_failed")
+        return TransferDone(req=_int(meta, "req"), applied=applied,
+                            version=_int(meta, "version"), delay=_opt_int(meta, "delay"),
+                            seconds=_float(meta, "seconds"),
+                            via_failed=None if via_failed is None else _str(meta, "via_failed",
+                                                                            256))
+    raise AssertionError(msg_type)  # pragma: no cover - MsgType() already checked
+
+
+def _encode_meta(event: Event) -> tuple[MsgType, dict[str, Any], Sequence[TensorSpec], list]:
+    """The message type, JSON fields, tensor specs and arrays of an event."""
+    if isinstance(event, Hello):
+        return MsgType.HELLO, {"job": event.job, "client": event.client,
+                               "nonce": event.nonce.hex()}, (), []
+    if isinstance(event, Challenge):
+        return MsgType.CHALLENGE, {"nonce": event.nonce.hex(), "proof": event.proof.hex()}, (), []
+    if isinstance(event, Auth):
+        return MsgType.AUTH, {"proof": event.proof.hex()}, (), []
+    if isinstance(event, Welcome):
+        meta = {"session": event.session, "version": event.version,
+                "tensors": _meta_specs(event.tensors), "momentum": event.momentum}
+        if event.tau_max is not None:
+            meta["tau_max"] = event.tau_max
+        if event.aggregators:
+            meta["aggregators"] = list(event.aggregators)
+        return MsgType.WELCOME, meta, (), []
+    if isinstance(event, Pull):
+        fields = {k: v for k, v in vars(event).items() if v is not None}
+        return MsgType.PULL, fields, (), []
+    if isinstance(event, PullCancel):
+        return MsgType.PULL_CANCEL, {"req": event.req}, (), []
+    if isinstance(event, ModelEnd):
+        return MsgType.MODEL_END, {"req": event.req, "ok": event.ok}, (), []
+    if isinstance(event, (Model, Push)):
+        names = list(event.tensors)
+        arrays = [np.asarray(event.tensors[n]) for n in names]
+        specs = [spec_of(n, a) for n, a in zip(names, arrays, strict=True)]
+        meta = {"req": event.req}
+        if isinstance(event, Model):
+            meta["version"] = event.version
+            if event.streamed:
+                meta["streamed"] = True
+            return MsgType.MODEL, meta, specs, arrays
+        meta["base_version"] = event.base_version
+        for key in ("seq", "uid", "group", "fan_in", "index", "dst"):
+            value = getattr(event, key)
+            if value is not None:
+                meta[key] = value
+        if event.members is not None:
+            meta["members"] = [list(m) for m in event.members]
+        return MsgType.PUSH, meta, specs, arrays
+    if isinstance(event, PushResult):
+        meta = {"req": event.req, "applied": event.applied, "version": event.version,
+                "delay": event.delay}
+        if event.reason is not None:
+            meta["reason"] = event.reason
+        if event.delays is not None:
+            meta["delays"] = list(event.delays)
+        return MsgType.PUSH_RESULT, meta, (), []
+    if isinstance(event, Error):
+        meta = {"code": event.code, "message": event.message}
+        if event.req is not None:
+            meta["req"] = event.req
+        return MsgType.ERROR, meta, (), []
+    if isinstance(event, (TransferRequest, Directive, TransferDone, StatusRequest, Status,
+                          ReplicaDone, Ping, Pong, Promote, Resync, Failover, StateRequest,
+                          ReplicaJoin, ReplicaAt)):
+        msg_type = {TransferRequest: MsgType.TRANSFER_REQUEST, Directive: MsgType.DIRECTIVE,
+                    TransferDone: MsgType.TRANSFER_DONE, StatusRequest: MsgType.STATUS_REQUEST,
+                    Status: MsgType.STATUS, ReplicaDone: MsgType.REPLICA_DONE,
+                    Ping: MsgType.PING, Pong: MsgType.PONG, Promote: MsgType.PROMOTE,
+                    Resync: MsgType.RESYNC, Failover: MsgType.FAILOVER,
+                    StateRequest: MsgType.STATE_REQUEST,
+                    ReplicaJoin: MsgType.REPLICA_JOIN, ReplicaAt: MsgType.REPLICA_AT}[type(event)]
+        fields = {k: list(v) if isinstance(v, tuple) else v
+                  for k, v in vars(event).items() if v is not None}
+        return msg_type, fields, (), []
+    raise TypeError(f"not an mlfabric event: {event!r:.80}")
+
+
+@dataclass(frozen=True)
+class InProgress:
+    """A frame whose tensor data is still arriving (see Connection.receiving)."""
+
+    msg_type: MsgType
+    meta: Mapping[str, Any]
+    specs: tuple[TensorSpec, ...]
+    data: memoryview  # the whole data block; bytes [0, received) have arrived
+    received: int
+
+
+def _fast_meta(event: Event) -> bytes | None:
+    """The JSON fields of the messages sent with every step, formatted directly
+    (json.dumps costs more than the rest of a small push); None for others."""
+    if isinstance(event, Push):
+        if event.uid is not None or event.members is not None:
+            return None
+        if event.seq is not None:
+            return b'{"req":%d,"base_version":%d,"seq":%d}' % (
+                event.req, event.base_version, event.seq)
+        return b'{"req":%d,"base_version":%d}' % (event.req, event.base_version)
+    if isinstance(event, PushResult) and event.reason is None and event.delays is None:
+        delay = b"null" if event.delay is None else b"%d" % event.delay
+        applied = b"true" if event.applied else b"false"
+        return b'{"req":%d,"applied":%s,"version":%d,"delay":%s}' % (
+            event.req, applied, event.version, delay)
+    if isinstance(event, Pull) and event.uid is None:
+        return b'{"req":%d}' % event.req
+    if isinstance(event, Model) and not event.streamed:
+        return b'{"req":%d,"version":%d}' % (event.req, event.version)
+    return None
+
+
+class _State(enum.Enum):
+    HEADER = 1
+    META = 2
+    DATA = 3
+    BROKEN = 4
+
+
+@dataclass
+class _Frame:
+    msg_type: MsgType
+    meta_len: int
+    data_len: int
+    meta: dict[str, Any] = field(default_factory=dict)
+    specs: tuple[TensorSpec, ...] = ()
+    offsets: list[int] = field(default_factory=list)
+    data: memoryview | None = None
+    received: int = 0
+
+
+class Connection:
+    """One side of an mlfabric connection, as a pure state machine.
+
+    Receiving: call `receive_data(bytes)` (copying path), or
+    `get_buffer()` then `buffer_updated(n)` (zero-copy path), then call
+    `next_event()` until it returns NEED_DATA. Tensors in an event are views
+    into the buffer `allocate` returned; the receiver may reuse that buffer
+    once it has finished with the event.
+
+    Sending: `send(event)` returns the frame as a list of buffers (header and
+    metadata in one bytes object, then each tensor's memory without a copy).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        allocate: Allocate = default_allocate,
+    ) -> None:
+        self.max_frame_size = max_frame_size
+        self._allocate = allocate
+        self._scratch = bytearray(_SCRATCH_SIZE)
+        self._start = 0  # first unparsed byte in scratch
+        self._end = 0  # end of received bytes in scratch
+        self._state = _State.HEADER
+        self._frame: _Frame | None = None
+        self.bytes_received = 0
+        self.bytes_sent = 0
+
+    # -- receiving ----------------------------------------------------------
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """Where the next received bytes should be written."""
+        frame = self._frame
+        if self._into_frame():
+            assert frame is not None and frame.data is not None
+            return frame.data[frame.received:]
+        if self._state is _State.BROKEN:
+            raise ProtocolError("connection is broken by an earlier protocol error")
+        if self._end == len(self._scratch):
+            self._compact()
+        return memoryview(self._scratch)[self._end:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.bytes_received += nbytes
+        frame = self._frame
+        if self._into_frame():
+            assert frame is not None
+            frame.received += nbytes
+        else:
+            self._end += nbytes
+
+    def _into_frame(self) -> bool:
+        """Received bytes go straight into the arriving frame's data block:
+        nothing is buffered before them and the block is not full yet (bytes
+        after a full block belong to the next frame)."""
+        frame = self._frame
+        return (self._state is _State.DATA and self._end == self._start
+                and frame is not None and frame.received < frame.data_len)
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Copying path: feed received bytes. Events come from next_event()."""
+        view = memoryview(data).cast("B")
+        while view:
+            # Keep every byte: if the parser has not consumed the scratch
+            # buffer yet, grow it instead of overrunning.
+            buf = self.get_buffer(len(view))
+            if len(buf) == 0:
+                del buf
+                self._grow(self._end - self._start + len(view))
+                continue
+            n = min(len(buf), len(view))
+            buf[:n] = view[:n]
+            del buf
+            self.buffer_updated(n)
+            view = view[n:]
+
+    def receiving(self) -> InProgress | None:
+        """The frame whose data is arriving now, if any: lets a receiver start
+        working on the first bytes of a large frame before the last arrive.
+        Its metadata has passed the frame-level checks only."""
+        frame = self._frame
+        if self._state is not _State.DATA or frame is None or frame.data is None:
+            return None
+        return InProgress(frame.msg_type, frame.meta, frame.specs, frame.data, frame.received)
+
+    def next_event(self) -> Event | _NeedData:
+        """The next complete event, or NEED_DATA. Raises ProtocolError
+        (or FrameTooLarge) on a malformed frame; the connection is then broken."""
+        try:
+            return self._next_event()
+        except ProtocolError:
+            self._state = _State.BROKEN
+            raise
+
+    def _next_event(self) -> Event | _NeedData:
+        while True:
+            if self._state is _State.BROKEN:
+                raise ProtocolError("connection is broken by an earlier protocol error")
+            if self._state is _State.HEADER:
+                if self._end - self._start < HEADER.size:
+                    return NEED_DATA
+                self._frame = self._parse_header()
+                self._state = _State.META
+            frame = self._frame
+            assert frame is not None
+            if self._state is _State.META:
+                if self._end - self._start < frame.meta_len:
+                    if frame.meta_len > len(self._scratch) - self._start:
+                        self._grow(frame.meta_len)
+                    return NEED_DATA
+                self._parse_meta(frame)
+                self._state = _State.DATA
+                if frame.data_len:
+                    buf = self._allocate(frame.msg_type, frame.data_len)
+                    frame.data = memoryview(buf).cast("B")[: frame.data_len]
+                    if len(frame.data) < frame.data_len:
+                        raise ProtocolError("allocator returned a buffer that is too small")
+            if self._state is _State.DATA:
+                if frame.received < frame.data_len and self._end > self._start:
+                    n = min(frame.data_len - frame.received, self._end - self._start)
+                    assert frame.data is not None
+                    frame.data[frame.received:frame.received + n] = (
+                        self._scratch[self._start:self._start + n]
+                    )
+                    frame.received += n
+                    self._start += n
+                    if self._start == self._end:
+                        self._start = self._end = 0
+                if frame.received < frame.data_len:
+                    return NEED_DATA
+                self._state = _State.HEADER
+                self._frame = None
+                return self._finish(frame)
+
+    def _grow(self, size: int) -> None:
+        """Compact the scratch buffer into a new one of at least `size` bytes.
+
+        A new bytearray rather than an in-place resize: a transport may still
+        hold a memoryview of the old one."""
+        remaining = self._end - self._start
+        new = bytearray(max(size, 2 * len(self._scratch)))
+        new[:remaining] = self._scratch[self._start:self._end]
+        self._scratch, self._start, self._end = new, 0, remaining
+
+    def _compact(self) -> None:
+        if self._start:
+            remaining = self._end - self._start
+            self._scratch[:remaining] = self._scratch[self._start:self._end]
+            self._start, self._end = 0, remaining
+
+    def _parse_header(self) -> _Frame:
+        magic, version, type_code, flags, meta_len, data_len = HEADER.unpack_from(
+            self._scratch, self._start
+        )
+        if magic != MAGIC:
+            raise ProtocolError(
+                f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}): the peer is not "
+                f"an mlfabric process, or the stream is out of sync"
+            )
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"peer speaks protocol version {version}, this side speaks "
+                f"{PROTOCOL_VERSION}: install the same mlfabric version on both sides"
+            )
+        try:
+            msg_type = MsgType(type_code)
+        except ValueError:
+            raise ProtocolError(f"unknown message type {type_code}") from None
+        if flags != 0:
+            raise ProtocolError(f"reserved header flags are set: {flags:#x}")
+        if meta_len > MAX_META_LEN:
+            raise ProtocolError(f"metadata block of {meta_len} bytes exceeds {MAX_META_LEN}")
+        size = HEADER.size + meta_len + data_len
+        if size > self.max_frame_size:
+            raise FrameTooLarge(
+                f"frame of {size} bytes exceeds the maximum frame size of "
+                f"{self.max_frame_size} bytes"
+            )
+        if msg_type not in (MsgType.MODEL, MsgType.PUSH) and data_len:
+            raise ProtocolError(f"{msg_type.name} frame carries {data_len} data bytes")
+        self._start += HEADER.size
+        return _Frame(msg_type, meta_len, data_len)
+
+    def _parse_meta(self, frame: _Frame) -> None:
+        raw = bytes(self._scratch[self._start:self._start + frame.meta_len])
+        self._start += frame.meta_len
+        if self._start == self._end:
+            self._start = self._end = 0
+        name = frame.msg_type.name
+        if frame.msg_type in (MsgType.MODEL, MsgType.PUSH):
+            fields, sep, specs_raw = raw.partition(b"\n")
+            if not sep:
+                raise ProtocolError(f"{name} metadata lacks its tensor list")
+            frame.specs, frame.offsets, total = _decode_specs(specs_raw)
+            if total != frame.data_len:
+                raise ProtocolError(
+                    f"{name} lists tensors of {total} bytes but carries {frame.data_len}"
+                )
+            raw = fields
+        try:
+            meta = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise ProtocolError(f"{name} metadata is not valid JSON") from None
+        if not isinstance(meta, dict):
+            raise ProtocolError(f"{name} metadata is not a JSON object")
+        frame.meta = meta
+
+    def _finish(self, frame: _Frame) -> Event:
+        tensors: dict[str, np.ndarray] = {}
+        if frame.msg_type in (MsgType.MODEL, MsgType.PUSH):
+            data = frame.data
+            for spec, off in zip(frame.specs, frame.offsets, strict=True):
+                count = spec.nbytes // spec.dtype.itemsize
+                if count:
+                    assert data is not None
+                    arr = np.frombuffer(data, dtype=spec.dtype, count=count, offset=off)
+                else:
+                    arr = np.empty(0, dtype=spec.dtype)
+                tensors[spec.name] = arr.reshape(spec.shape)
+        return _decode(frame.msg_type, frame.meta, tensors)
+
+    # -- sending ------------------------------------------------------------
+
+    def send(self, event: Event) -> list[bytes | memoryview]:
+        """The frame for `event` as buffers to write in order (tensors not copied)."""
+        msg_type, meta, specs, arrays = _encode_meta(event)
+        meta_bytes = _fast_meta(event)
+        if meta_bytes is None:
+            meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
+        if msg_type in (MsgType.MODEL, MsgType.PUSH):
+            specs_bytes, offsets, data_len = _encode_specs(tuple(specs))
+            meta_bytes += b"\n" + specs_bytes
+        else:
+            offsets, data_len = [], 0
+        parts: list[bytes | memoryview] = [
+            HEADER.pack(MAGIC, PROTOCOL_VERSION, msg_type, 0, len(meta_bytes), data_len)
+            + meta_bytes
+        ]
+        pos = 0
+        for off, spec, arr in zip(offsets, specs, arrays, strict=True):
+            if off > pos:
+                parts.append(bytes(off - pos))
+            if spec.nbytes:
+                parts.append(np.ascontiguousarray(arr).data.cast("B"))
+            pos = off + spec.nbytes
+        self.bytes_sent += len(parts[0]) + data_len
+        return parts
+
+    def send_bytes(self, event: Event) -> bytes:
+        """The frame for `event` as one bytes object (copies tensors)."""
+        return b"".join(self.send(event))
