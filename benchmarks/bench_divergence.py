@@ -122,11 +122,11 @@ class LoopThread:
 def one_run(tb: Any, tmp: str, args: argparse.Namespace, div_max: float, n: int
             ) -> dict[str, Any]:
     from mlfabric.controller.controller import Controller
-    from mlfabric.controller.state import fifo_policy
     from mlfabric.kernels import _core
     from mlfabric.replication.divergence import DivergenceGate
     from mlfabric.replication.replica import ReplicaServer
     from mlfabric.runtime.metrics import ServerMetrics
+    from mlfabric.scheduling.plan import fifo_policy
     from mlfabric.server.server import ParameterServer
     from mlfabric.server.store import ParameterStore
 

@@ -37,12 +37,12 @@ from collections import Counter
 
 from mlfabric.scheduling import schedule
 from mlfabric.scheduling.schedule import (
-    Network,
+    Capacities,
     PendingUpdate,
     PlanConfig,
+    PlanInput,
     RunningTransfer,
     ServerState,
-    Snapshot,
     plan,
 )
 
@@ -61,7 +61,7 @@ def make_snapshot(
     running_fraction: float = 0.1,
     pair_fraction: float = 0.1,
     seed: int = 0,
-) -> Snapshot:
+) -> PlanInput:
     rng = random.Random(seed)
     now = 1000.0
     server_hosts = list(range(servers))
@@ -103,11 +103,11 @@ def make_snapshot(
         )
         for i, w in enumerate(senders)
     ]
-    net = Network(up=up, down=down, pair=pair)
-    return Snapshot(now, updates, running, net, ServerState(version, len(running)))
+    net = Capacities(up=up, down=down, pair=pair)
+    return PlanInput(now, updates, running, net, ServerState(version, len(running)))
 
 
-def time_plan(snapshot: Snapshot, config: PlanConfig, repeats: int,
+def time_plan(snapshot: PlanInput, config: PlanConfig, repeats: int,
               use_kernel: bool = True) -> tuple[float, object]:
     """Median seconds of one plan() call (GC off while timing, as in timeit).
     The best run is kept in BEST, to show how noisy the machine was."""

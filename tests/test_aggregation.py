@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlfabric.controller.state import ControlState, Network, PlanItem, Route, Snapshot, Transfer
+from mlfabric.controller.state import ControlState
 from mlfabric.errors import ConfigError
 from mlfabric.scheduling.aggregation import (
     AggregationConfig,
@@ -24,6 +24,7 @@ from mlfabric.scheduling.aggregation import (
     rescue_drops,
     route_groups,
 )
+from mlfabric.scheduling.plan import Network, PlanItem, Route, Snapshot, Transfer
 
 TOL = 1e-9
 

@@ -15,9 +15,9 @@ import pytest
 import mlfabric
 from mlfabric.agent.aggregator import Aggregator
 from mlfabric.controller.controller import Controller
-from mlfabric.controller.state import Network, PlanItem, Route, Snapshot
 from mlfabric.runtime.metrics import AggregatorMetrics
 from mlfabric.scheduling.aggregation import AggregationConfig, apply_aggregate
+from mlfabric.scheduling.plan import Network, PlanItem, Route, Snapshot
 from mlfabric.scheduling.policies import mlfabric_policy
 from mlfabric.server.store import ParameterStore
 from mlfabric.wire.protocol import Push, PushResult

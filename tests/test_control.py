@@ -4,16 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlfabric.controller.state import (
-    ColumnPlan,
-    ControlState,
-    Drop,
-    Go,
-    Network,
-    PlanItem,
-    Snapshot,
-    fifo_policy,
-)
+from mlfabric.controller.state import ControlState, Drop, Go
+from mlfabric.scheduling.plan import ColumnPlan, Network, PlanItem, Snapshot, fifo_policy
 
 MB = 1e6
 
@@ -126,7 +118,7 @@ def test_nothing_pending_asks_no_policy():
 
 
 def test_agent_estimates_set_and_clear_pair_rates():
-    from mlfabric.controller.state import with_estimates
+    from mlfabric.scheduling.plan import with_estimates
 
     net = Network(default=100 * MB, down={"s": 50 * MB})
     net = with_estimates(net, "a", {"s": (20 * MB, False), "b": (float("nan"), False)})
@@ -137,7 +129,7 @@ def test_agent_estimates_set_and_clear_pair_rates():
 
 
 def test_host_load_leaves_the_remainder_of_each_edge_link_to_the_job():
-    from mlfabric.controller.state import MIN_LEFT, with_estimates, with_host_load
+    from mlfabric.scheduling.plan import MIN_LEFT, with_estimates, with_host_load
 
     net = Network(default=100 * MB, down={"s": 50 * MB})
     net = with_host_load(net, "s", down=30 * MB, up=float("nan"))
@@ -156,7 +148,7 @@ def test_host_load_leaves_the_remainder_of_each_edge_link_to_the_job():
 
 def test_planner_sees_the_host_load():
     """The mlfabric policy plans a transfer into a loaded downlink at what is left."""
-    from mlfabric.controller.state import with_host_load
+    from mlfabric.scheduling.plan import with_host_load
     from mlfabric.scheduling.policies import mlfabric_policy
 
     state = ControlState(mlfabric_policy, tau_max=4,

@@ -13,8 +13,8 @@ import pytest
 import mlfabric
 from mlfabric.agent.daemon import Agent, AgentConfig
 from mlfabric.controller.controller import Controller
-from mlfabric.controller.state import PlanItem, Snapshot, fifo_policy
 from mlfabric.errors import ConnectError, ConnectionLost
+from mlfabric.scheduling.plan import PlanItem, Snapshot, fifo_policy
 from mlfabric.server.store import ParameterStore
 
 from support import (

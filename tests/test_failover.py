@@ -13,11 +13,11 @@ import pytest
 import mlfabric
 import mlfabric.runtime.loop
 from mlfabric.controller.controller import Controller
-from mlfabric.controller.state import fifo_policy
 from mlfabric.replication.divergence import DivergenceGate
 from mlfabric.replication.failover import Heartbeat
 from mlfabric.replication.replica import ReplicaServer
 from mlfabric.runtime.metrics import ServerMetrics
+from mlfabric.scheduling.plan import fifo_policy
 from mlfabric.server.store import ParameterStore
 
 from support import (

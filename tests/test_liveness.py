@@ -14,10 +14,10 @@ import pytest
 
 import mlfabric
 from mlfabric.controller.controller import Controller
-from mlfabric.controller.state import PlanItem
 from mlfabric.errors import ConfigError, PushTimeout
 from mlfabric.replication.replica import ReplicaServer
 from mlfabric.runtime.metrics import ServerMetrics
+from mlfabric.scheduling.plan import PlanItem
 from mlfabric.server.store import ParameterStore
 
 from support import JOB, TOKEN, ServerThread, make_model, random_update
@@ -79,7 +79,7 @@ def test_the_controller_forgets_a_transfer_whose_push_timed_out_at_the_server(lo
     """The worker tells the controller the transfer ended without an outcome,
     so it is not kept in flight (reserving link time, counted by the
     divergence gate) for ever."""
-    from mlfabric.controller.state import fifo_policy
+    from mlfabric.scheduling.plan import fifo_policy
 
     model = make_model()
     controller_ep = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None)

@@ -3,9 +3,10 @@ are held while letting them go could take the divergence bound past div_max."""
 
 from __future__ import annotations
 
-from mlfabric.controller.state import ControlState, fifo_policy
+from mlfabric.controller.state import ControlState
 from mlfabric.replication.divergence import DEFAULT_LAG_TIMEOUT, DivergenceGate
 from mlfabric.replication.gate import gated
+from mlfabric.scheduling.plan import fifo_policy
 
 
 def request(state, req, norm, now=0.0):
@@ -39,7 +40,7 @@ def test_drops_and_later_starts_pass_through_untouched():
     gate = DivergenceGate(0.9, div_max=0.1)
 
     def policy(snap):
-        from mlfabric.controller.state import PlanItem
+        from mlfabric.scheduling.plan import PlanItem
 
         a, b = snap.pending
         return [PlanItem(a.id, drop="deadline_missed", detail="x"), PlanItem(b.id, start=5.0)]

@@ -31,16 +31,16 @@ from mlfabric.scheduling.schedule import (
     DROP_REASONS,
     STALEST_IN_OVERLOAD,
     WOULD_IDLE_SERVER,
-    Drop,
-    Network,
+    Capacities,
+    DropAt,
     PendingUpdate,
     Plan,
     PlanConfig,
+    PlanInput,
     Rows,
     RunningTransfer,
     SendAt,
     ServerState,
-    Snapshot,
     deadline,
     plan,
     plan_rows,
@@ -70,14 +70,14 @@ def close(a: float, b: float) -> bool:
 # --- an independent model of the reservations ------------------------------------------
 
 
-def path_keys(net: Network, src, dst) -> list[tuple]:
+def path_keys(net: Capacities, src, dst) -> list[tuple]:
     keys = [("up", src), ("down", dst)]
     if (src, dst) in net.pair:
         keys.append(("pair", src, dst))
     return keys
 
 
-def capacity(net: Network, key: tuple) -> float:
+def capacity(net: Capacities, key: tuple) -> float:
     if key[0] == "up":
         return net.up[key[1]]
     if key[0] == "down":
@@ -88,7 +88,7 @@ def capacity(net: Network, key: tuple) -> float:
 class Replay:
     """Residual capacity at any instant, recomputed from scratch."""
 
-    def __init__(self, snap: Snapshot) -> None:
+    def __init__(self, snap: PlanInput) -> None:
         self.snap = snap
         self.running = [
             (set(path_keys(snap.network, r.source, r.destination)), r.rate, r.end)
@@ -134,7 +134,7 @@ class Replay:
         return best
 
 
-def pending_by_id(snap: Snapshot) -> dict[int, PendingUpdate]:
+def pending_by_id(snap: PlanInput) -> dict[int, PendingUpdate]:
     return {u.id: u for u in snap.pending}
 
 
@@ -150,7 +150,7 @@ capacities = st.one_of(st.sampled_from([1.0, 2.0, 4.0, 10.0]), st.floats(0.5, 10
 @st.composite
 def snapshots(draw, max_hosts: int = 4, max_pending: int = 8, max_running: int = 3):
     hosts = list(range(draw(st.integers(1, max_hosts))))
-    net = Network(
+    net = Capacities(
         up={h: draw(capacities) for h in hosts},
         down={h: draw(capacities) for h in hosts},
         pair={
@@ -184,7 +184,7 @@ def snapshots(draw, max_hosts: int = 4, max_pending: int = 8, max_running: int =
         for j in range(draw(st.integers(0, max_running)))
     ]
     server = ServerState(version=100, in_flight=draw(st.integers(0, 2)))
-    return Snapshot(now, pending, running, net, server)
+    return PlanInput(now, pending, running, net, server)
 
 
 configs = st.builds(
@@ -203,7 +203,7 @@ prop = settings(
 )
 
 
-def server_ready(snap: Snapshot) -> float:
+def server_ready(snap: PlanInput) -> float:
     return max([snap.now, *(r.end for r in snap.running)])
 
 
@@ -254,7 +254,7 @@ def test_every_scheduled_update_meets_its_deadline(snap, config):
         assert p.v_init + s.position - by_id[s.id].base_version <= config.tau_max
 
 
-def replay_decisions(snap: Snapshot, config: PlanConfig, p: Plan):
+def replay_decisions(snap: PlanInput, config: PlanConfig, p: Plan):
     """Walk the plan position by position and yield, for each decision, the
     state it was taken in: (decision, position, replay, unscheduled ids, ready)."""
     by_id = pending_by_id(snap)
@@ -309,7 +309,7 @@ def test_decisions_follow_the_rules(snap, config):
     tau = config.tau_max
     dl = {i: deadline(u, p.v_init, tau) for i, u in by_id.items()} if tau is not None else {}
     for decision, position, replay, unscheduled, ready in replay_decisions(snap, config, p):
-        if isinstance(decision, Drop):
+        if isinstance(decision, DropAt):
             assert decision.id in unscheduled
             if decision.reason == DEADLINE_MISSED:
                 assert dl[decision.id] < decision.position
@@ -340,7 +340,7 @@ def test_decisions_follow_the_rules(snap, config):
                 assert idle <= config.idle_factor * displaced * (1 + 1e-9) + TOL
 
 
-def applied_delays(snap: Snapshot, p: Plan) -> list[int]:
+def applied_delays(snap: PlanInput, p: Plan) -> list[int]:
     by_id = pending_by_id(snap)
     return [p.v_init + s.position - by_id[s.id].base_version for s in sends_by_position(p)]
 
@@ -383,11 +383,11 @@ def test_overload_drops_the_stalest_not_the_loser_of_a_tie():
     cfg = PlanConfig(tau_max=1, idle_factor=None, overload="deadline")
     p = plan(snap_of(pending, net, version=5), cfg)
     assert p.order == (3, 1)
-    assert p.directives[2] == Drop(2, DEADLINE_MISSED, 2)
+    assert p.directives[2] == DropAt(2, DEADLINE_MISSED, 2)
     assert applied_delays(snap_of(pending, net, version=5), p) == [1, 1]
     p = plan(snap_of(pending, net, version=5), replace(cfg, overload="stalest"))
     assert p.order == (1, 2)
-    assert p.directives[3] == Drop(3, STALEST_IN_OVERLOAD, 0)
+    assert p.directives[3] == DropAt(3, STALEST_IN_OVERLOAD, 0)
     assert applied_delays(snap_of(pending, net, version=5), p) == [0, 1]
 
 
@@ -403,7 +403,7 @@ def test_deterministic_whatever_the_input_order(snap, config, rnd):
     pending, running = list(snap.pending), list(snap.running)
     rnd.shuffle(pending)
     rnd.shuffle(running)
-    shuffled = Snapshot(snap.now, pending, running, snap.network, snap.server)
+    shuffled = PlanInput(snap.now, pending, running, snap.network, snap.server)
     assert plan(shuffled, config) == p
     assert plan(snap, config) == p
 
@@ -421,15 +421,15 @@ def test_running_transfers_are_never_moved(snap, config):
 # --- a single link: shortest first is optimal -------------------------------------------
 
 
-def single_link_snapshot(sizes: list[int], ids: list[int], cap: float = 3.0) -> Snapshot:
+def single_link_snapshot(sizes: list[int], ids: list[int], cap: float = 3.0) -> PlanInput:
     """Workers with fat uplinks into one server downlink of `cap` bytes/s."""
     hosts = ["s", *(f"w{i}" for i in ids)]
-    net = Network(up={h: 1e6 for h in hosts}, down={"s": cap})
+    net = Capacities(up={h: 1e6 for h in hosts}, down={"s": cap})
     pending = [
         PendingUpdate(i, f"w{i}", "s", size, 0, 1.0, 0.0)
         for i, size in zip(ids, sizes, strict=True)
     ]
-    return Snapshot(0.0, pending, [], net, ServerState(0))
+    return PlanInput(0.0, pending, [], net, ServerState(0))
 
 
 def mean_completion(sizes: list[int], cap: float) -> float:
@@ -497,13 +497,13 @@ def test_fifo_sends_everything_now_at_a_max_min_fair_share(snap, tau):
 
 
 def test_fifo_hand_built():
-    net = Network(up={"a": 10.0, "b": 10.0, "c": 1.0, "s": 10.0}, down={"s": 9.0})
+    net = Capacities(up={"a": 10.0, "b": 10.0, "c": 1.0, "s": 10.0}, down={"s": 9.0})
     pending = [
         PendingUpdate(1, "a", "s", 8, 0, 1.0, 0.0),
         PendingUpdate(2, "b", "s", 4, 0, 1.0, 1.0),
         PendingUpdate(3, "c", "s", 2, 0, 1.0, 2.0),
     ]
-    p = plan(Snapshot(0.0, pending, [], net, ServerState(0)), PlanConfig("fifo", tau_max=0))
+    p = plan(PlanInput(0.0, pending, [], net, ServerState(0)), PlanConfig("fifo", tau_max=0))
     # c is held to 1 by its uplink; a and b share the remaining 8 of the
     # downlink. The server applies in the order the bytes land: 2 at t=1, then
     # 1 and 3 at t=2 (tie to the earlier arrival). tau_max drops nothing here:
@@ -517,16 +517,16 @@ def test_fifo_hand_built():
 # --- one test per decision branch -------------------------------------------------------
 
 
-def star(up: dict, down_s: float = 10.0, pair: dict | None = None) -> Network:
-    return Network(up={**up, "s": 100.0}, down={"s": down_s}, pair=pair or {})
+def star(up: dict, down_s: float = 10.0, pair: dict | None = None) -> Capacities:
+    return Capacities(up={**up, "s": 100.0}, down={"s": down_s}, pair=pair or {})
 
 
 def upd(i: int, src: str, size: int, v: int = 0, arrival: float = 0.0) -> PendingUpdate:
     return PendingUpdate(i, src, "s", size, v, 1.0, arrival)
 
 
-def snap_of(pending, net, running=(), now=0.0, version=0, in_flight=0) -> Snapshot:
-    return Snapshot(now, list(pending), list(running), net, ServerState(version, in_flight))
+def snap_of(pending, net, running=(), now=0.0, version=0, in_flight=0) -> PlanInput:
+    return PlanInput(now, list(pending), list(running), net, ServerState(version, in_flight))
 
 
 def test_empty_snapshot_gives_empty_plan():
@@ -603,7 +603,7 @@ def test_overbooked_link_waits_for_running_transfers():
 
 
 def test_updates_to_two_destinations():
-    net = Network(up={"a": 10.0, "b": 10.0}, down={"s": 10.0, "t": 5.0})
+    net = Capacities(up={"a": 10.0, "b": 10.0}, down={"s": 10.0, "t": 5.0})
     pending = [PendingUpdate(1, "a", "s", 10, 0, 1.0, 0.0),
                PendingUpdate(2, "b", "t", 10, 0, 1.0, 0.0)]
     p = plan(snap_of(pending, net))
@@ -631,7 +631,7 @@ def test_deadline_already_missed_is_dropped_first():
                      star({"a": 10.0, "b": 10.0}), version=10, in_flight=1),
              PlanConfig(tau_max=2))
     assert p.v_init == 11
-    assert p.directives[1] == Drop(1, DEADLINE_MISSED, 0)
+    assert p.directives[1] == DropAt(1, DEADLINE_MISSED, 0)
     assert p.order == (2,)
 
 
@@ -649,11 +649,11 @@ def test_same_deadline_one_goes_the_other_misses():
     snap = snap_of([upd(1, "a", 10), upd(2, "b", 10)], star({"a": 10.0, "b": 10.0}))
     p = plan(snap, PlanConfig(tau_max=0, idle_factor=None, overload="deadline"))
     assert p.order == (1,)
-    assert p.directives[2] == Drop(2, DEADLINE_MISSED, 1)
+    assert p.directives[2] == DropAt(2, DEADLINE_MISSED, 1)
     # the same update goes under the overload rule, said as such
     p = plan(snap, PlanConfig(tau_max=0, idle_factor=None, overload="stalest"))
     assert p.order == (1,)
-    assert p.directives[2] == Drop(2, STALEST_IN_OVERLOAD, 0)
+    assert p.directives[2] == DropAt(2, STALEST_IN_OVERLOAD, 0)
 
 
 def test_forced_slow_update_that_would_idle_the_server_is_dropped():
@@ -662,7 +662,7 @@ def test_forced_slow_update_that_would_idle_the_server_is_dropped():
     pending = [upd(1, "slow", 10, v=0), upd(2, "b", 10, v=3)]
     net = star({"slow": 1.0, "b": 10.0})
     p = plan(snap_of(pending, net), PlanConfig(tau_max=0, idle_factor=1.0))
-    assert p.directives[1] == Drop(1, WOULD_IDLE_SERVER, 0, idle=9.0, displaced=1.0)
+    assert p.directives[1] == DropAt(1, WOULD_IDLE_SERVER, 0, idle=9.0, displaced=1.0)
     assert p.directives[2].position == 0
     # with a factor of 10 the same update is kept, and the server waits for it
     p = plan(snap_of(pending, net), PlanConfig(tau_max=0, idle_factor=10.0))
@@ -677,7 +677,7 @@ def test_idle_counts_from_when_the_server_is_ready():
     # until then whatever goes first, so forcing the slow update idles it
     # max(9, 10) - max(9, 1) = 1 <= displaced 1 -> kept.
     running = [RunningTransfer(50, "x", "t", 1.0, 9.0)]
-    net = Network(up={"slow": 1.0, "b": 10.0, "x": 1.0}, down={"s": 10.0, "t": 1.0})
+    net = Capacities(up={"slow": 1.0, "b": 10.0, "x": 1.0}, down={"s": 10.0, "t": 1.0})
     pending = [upd(1, "slow", 10, v=0), upd(2, "b", 10, v=3)]
     p = plan(snap_of(pending, net, running, in_flight=1), PlanConfig(tau_max=1))
     assert p.order == (1, 2)
@@ -702,7 +702,7 @@ def test_send_now_lists_only_immediate_sends():
 
 def test_now_is_just_a_number():
     base = snap_of([upd(1, "a", 10)], star({"a": 10.0}))
-    later = Snapshot(500.0, base.pending, [], base.network, base.server)
+    later = PlanInput(500.0, base.pending, [], base.network, base.server)
     assert plan(later).directives[1] == SendAt(1, 500.0, 10.0, 0, 501.0)
 
 
@@ -724,7 +724,7 @@ def test_replanning_on_every_event_with_a_fake_clock():
     while pending or running:
         events += 1
         assert events < 100
-        snap = Snapshot(now, list(pending.values()), list(running), net,
+        snap = PlanInput(now, list(pending.values()), list(running), net,
                         ServerState(version, len(running)))
         p = plan(snap, PlanConfig(tau_max=tau))
         for d in p.drops:
@@ -753,7 +753,7 @@ def test_replanning_on_every_event_with_a_fake_clock():
 @pytest.mark.parametrize(
     ("snap", "config", "message"),
     [
-        (Snapshot(math.nan, [], [], star({}), ServerState(0)), None, "now"),
+        (PlanInput(math.nan, [], [], star({}), ServerState(0)), None, "now"),
         (snap_of([upd(1, "a", 1), upd(1, "a", 2)], star({"a": 1.0})), None, "twice"),
         (snap_of([upd(1, "a", 0)], star({"a": 1.0})), None, "size"),
         (snap_of([upd(1, "zz", 1)], star({"a": 1.0})), None, "uplink"),
@@ -781,7 +781,7 @@ def test_a_larger_random_plan_is_valid():
     few sampled positions (the naive model is slow)."""
     rng = random.Random(4)
     hosts = list(range(200))
-    net = Network(
+    net = Capacities(
         up={h: rng.uniform(1, 10) for h in hosts},
         down={h: rng.uniform(1, 10) for h in hosts},
         pair={(rng.choice(hosts), 0): rng.uniform(1, 10) for _ in range(20)},
@@ -793,7 +793,7 @@ def test_a_larger_random_plan_is_valid():
     ]
     running = [RunningTransfer(1000 + j, h, 0, rng.uniform(0.1, 1), rng.uniform(0.5, 5))
                for j, h in enumerate(rng.sample(hosts[1:], 20))]
-    snap = Snapshot(0.0, pending, running, net, ServerState(100, 0))
+    snap = PlanInput(0.0, pending, running, net, ServerState(100, 0))
     config = PlanConfig(tau_max=120)
     p = plan(snap, config)
     assert len(p.order) > 100 and p.drops
@@ -866,9 +866,9 @@ def test_kernel_refuses_inconsistent_arrays():
 
 def test_controller_overload_flag_selects_the_rule():
     from mlfabric.controller.cli import make_policy
-    from mlfabric.controller.state import Network as ControlNetwork
-    from mlfabric.controller.state import Snapshot as ControlSnapshot
-    from mlfabric.controller.state import Transfer
+    from mlfabric.scheduling.plan import Network as ControlNetwork
+    from mlfabric.scheduling.plan import Snapshot as ControlSnapshot
+    from mlfabric.scheduling.plan import Transfer
 
     # two equal updates on one 10 B/s downlink, both with deadline position 0
     ts = tuple(Transfer(id=i, owner=None, req=i, nbytes=10, base_version=0, norm=1.0,

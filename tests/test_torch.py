@@ -307,7 +307,7 @@ def test_a_local_optimizer_over_other_tensors_is_refused(serve, client):
 def test_through_a_controller_its_drops_are_counted(serve, tmp_path):
     from mlfabric import config
     from mlfabric.controller.controller import Controller
-    from mlfabric.controller.state import PlanItem
+    from mlfabric.scheduling.plan import PlanItem
 
     def drop_even(snap):  # the worker's 2nd, 4th, ... request is dropped
         return [PlanItem(t.id, start=snap.now) if t.req % 2 else

@@ -14,11 +14,11 @@ import pytest
 
 import mlfabric
 from mlfabric.controller.controller import Controller
-from mlfabric.controller.state import fifo_policy
 from mlfabric.kernels import _core
 from mlfabric.replication.divergence import ROUNDING, DivergenceGate
 from mlfabric.replication.replica import ReplicaServer
 from mlfabric.runtime.metrics import ServerMetrics
+from mlfabric.scheduling.plan import fifo_policy
 from mlfabric.server.store import ParameterStore
 
 from support import (

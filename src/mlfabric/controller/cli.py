@@ -14,11 +14,11 @@ from ..replication.failover import DEFAULT_GAP_TIMEOUT
 from ..runtime import loop
 from ..runtime.metrics import ControllerMetrics, serve_metrics
 from ..scheduling.aggregation import AggregationConfig
+from ..scheduling.plan import POLICIES, Network, Policy, fifo_policy
 from ..transport.listener import add_listener_arguments, handshake_timeout, listen, until_stopped
 from ..wire import auth
 from ..wire.protocol import MAX_FAN_IN
 from .controller import Controller
-from .state import POLICIES, Network, Policy, fifo_policy
 
 log = logging.getLogger("mlfabric.controller")
 

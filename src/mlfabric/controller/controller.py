@@ -23,6 +23,7 @@ from ..replication.failover import DEFAULT_GAP_TIMEOUT, FailoverMonitor
 from ..replication.gate import gated
 from ..runtime.metrics import ControllerMetrics
 from ..scheduling.aggregation import AggregationConfig, Group, aggregating
+from ..scheduling.plan import Network, Policy, with_estimates, with_host_load
 from ..transport.listener import Endpoint, EndpointProtocol
 from ..wire.protocol import (
     Directive,
@@ -37,7 +38,7 @@ from ..wire.protocol import (
     TransferRequest,
     Welcome,
 )
-from .state import ControlState, Drop, Go, Network, Policy, with_estimates, with_host_load
+from .state import ControlState, Drop, Go
 
 log = logging.getLogger("mlfabric.controller")
 decision_log = logging.getLogger("mlfabric.decisions")

@@ -11,139 +11,25 @@ clock (the `now` arguments).
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import NamedTuple, overload
+from collections.abc import Hashable
+from dataclasses import dataclass
 
-POLICIES = ("mlfabric", "fifo")
-
-# Why a transfer was dropped: the fixed set of reasons (metrics label values).
-DROP_REASONS = ("deadline_missed", "would_idle_server", "stalest_in_overload", "worker_gone")
-
-
-# A link never looks fully taken by others: TCP still gets a share of it, and
-# the planner needs a rate above zero to place a transfer at all.
-MIN_LEFT = 0.05
-
-
-@dataclass(frozen=True)
-class Network:
-    """Link capacities in bytes per second (big-switch model).
-
-    A host missing from `up`/`down` gets `default`; `pair[(a, b)]` is a
-    measured end-to-end rate from a to b when an agent reported one.
-    `load_up`/`load_down` are other tenants' traffic on a host's edge links,
-    measured by the agent on that host: the job gets what is left of the
-    capacity (at least `MIN_LEFT` of it)."""
-
-    default: float = 125e6  # 1 Gbit/s
-    up: Mapping[str, float] = field(default_factory=dict)
-    down: Mapping[str, float] = field(default_factory=dict)
-    pair: Mapping[tuple[str, str], float] = field(default_factory=dict)
-    load_up: Mapping[str, float] = field(default_factory=dict)
-    load_down: Mapping[str, float] = field(default_factory=dict)
-
-    @functools.cached_property
-    def up_rates(self) -> Mapping[str, float]:
-        """`up_rate` of every host, computed once per host (a Network never changes)."""
-        return _Rates(self.up_rate)
-
-    @functools.cached_property
-    def down_rates(self) -> Mapping[str, float]:
-        return _Rates(self.down_rate)
-
-    def up_rate(self, host: str) -> float:
-        """What the job can send from `host`: its uplink less others' load."""
-        return _left(self.up.get(host, self.default), self.load_up.get(host, 0.0))
-
-    def down_rate(self, host: str) -> float:
-        return _left(self.down.get(host, self.default), self.load_down.get(host, 0.0))
-
-    def rate(self, src: str, dst: str) -> float:
-        r = min(self.up_rate(src), self.down_rate(dst))
-        measured = self.pair.get((src, dst))
-        return min(r, measured) if measured is not None else r
-
-
-class _Rates(dict[str, float]):
-    """host -> rate, computed on a host's first lookup."""
-
-    def __init__(self, rate_of: Callable[[str], float]) -> None:
-        super().__init__()
-        self._rate_of = rate_of
-
-    def __missing__(self, host: str) -> float:
-        rate = self[host] = self._rate_of(host)
-        return rate
-
-
-def _left(capacity: float, load: float) -> float:
-    return max(capacity - load, MIN_LEFT * capacity)
-
-
-def with_estimates(net: Network, host: str,
-                   estimates: Mapping[str, tuple[float, bool]]) -> Network:
-    """`net` with the agent on `host`'s measurements: peer -> (available
-    bytes/s, stale). A fresh estimate sets the pair rate host -> peer; a stale
-    one removes it (the configured capacities apply again)."""
-    pair = dict(net.pair)
-    for peer, (rate, stale) in estimates.items():
-        if stale or not rate > 0 or math.isnan(rate):
-            pair.pop((host, peer), None)
-        else:
-            pair[(host, peer)] = rate
-    return replace(net, pair=pair)
-
-
-def with_host_load(net: Network, host: str, down: float, up: float) -> Network:
-    """`net` with other tenants' load (bytes/s) on `host`'s downlink and uplink,
-    as its agent measured them; a negative or NaN value (not measured) removes
-    what was known."""
-    load_down, load_up = dict(net.load_down), dict(net.load_up)
-    for table, value in ((load_down, down), (load_up, up)):
-        if value >= 0:
-            table[host] = value
-        else:
-            table.pop(host, None)
-    return replace(net, load_up=load_up, load_down=load_down)
-
-
-@dataclass(frozen=True)
-class Route:
-    """A transfer that goes through an aggregator: the agent on `host` at
-    `address`, as member `index` of group `group` (`fan_in` members)."""
-
-    host: str
-    address: str
-    group: int
-    fan_in: int
-    index: int
-
-
-@dataclass
-class Transfer:
-    """One update a worker asked to send."""
-
-    id: int  # unique within the controller
-    owner: Hashable  # who asked (a connection); opaque here
-    req: int  # the owner's request id
-    host: str  # the worker's host
-    dst: str  # the server's host
-    nbytes: int
-    base_version: int
-    norm: float
-    arrival: float
-    # Set when it is let go:
-    started: float | None = None
-    position: int | None = None
-    planned_seconds: float | None = None
-    route: Route | None = None
+from ..scheduling.plan import (
+    ColumnPlan,
+    Network,
+    Policy,
+    Route,
+    Snapshot,
+    Transfer,
+)
 
 
 @dataclass(frozen=True)
 class Go:
+    """Let `transfer` go now, to be applied at `position` (it was planned to
+    take `planned_seconds`), through the aggregator of `route` if set."""
+
     transfer: Transfer
     position: int
     planned_seconds: float
@@ -152,110 +38,12 @@ class Go:
 
 @dataclass(frozen=True)
 class Drop:
+    """Tell the worker of `transfer` that its update is dropped: `reason` is
+    one of `DROP_REASONS`, `detail` says why in words."""
+
     transfer: Transfer
     reason: str
     detail: str
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """What a policy sees: the state at `now`, read-only."""
-
-    now: float
-    version: int  # newest server version heard of
-    tau_max: int | None
-    pending: tuple[Transfer, ...]
-    active: tuple[Transfer, ...]
-    network: Network
-    aggregators: Mapping[str, str] = field(default_factory=dict)  # host -> address, usable now
-
-
-class PlanItem(NamedTuple):
-    """A policy's decision for one pending transfer: start at `start`
-    (now or later; later means "ask again then"), or drop with a reason.
-
-    Immutable; a tuple rather than a frozen dataclass because a policy makes
-    one for every pending transfer on every event, and a tuple costs a third
-    as much to build (1.0 against 0.3 microseconds)."""
-
-    id: int
-    start: float | None = None
-    position: int | None = None
-    planned_seconds: float | None = None
-    drop: str | None = None
-    detail: str = ""
-    route: Route | None = None  # go through an aggregator
-
-
-class ColumnPlan(Sequence[PlanItem]):
-    """A policy's plan kept as columns, its `PlanItem`s built only when read.
-
-    A plan holds one item per pending transfer, and most of them start
-    later: `ControlState.decide` reads only what is due (`due`), so a re-plan
-    over thousands of pending transfers builds a few items, not thousands.
-    Read as a sequence (aggregation, the replication gate), it holds the
-    sends in position order, then the drops, as a list would."""
-
-    def __init__(self, ids: Sequence[int], start: Sequence[float], end: Sequence[float],
-                 position: Sequence[int], drops: Sequence[PlanItem]) -> None:
-        """Send k: transfer ids[k] from start[k] to end[k] at `position[k]`."""
-        self._ids, self._start, self._end = ids, start, end
-        self._position = position
-        self._drops = drops
-
-    def _send(self, k: int) -> PlanItem:
-        start = self._start[k]
-        return PlanItem(self._ids[k], start=start, position=self._position[k],
-                        planned_seconds=self._end[k] - start)
-
-    def __len__(self) -> int:
-        return len(self._ids) + len(self._drops)
-
-    @overload
-    def __getitem__(self, i: int) -> PlanItem: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> list[PlanItem]: ...
-
-    def __getitem__(self, i: int | slice) -> PlanItem | list[PlanItem]:
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(len(self)))]
-        n = len(self._ids)
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(f"plan index {i} out of range for {len(self)} items")
-        return self._send(i) if i < n else self._drops[i - n]
-
-    def __iter__(self) -> Iterator[PlanItem]:
-        for k in range(len(self._ids)):
-            yield self._send(k)
-        yield from self._drops
-
-    def due(self, now: float) -> tuple[list[PlanItem], float | None]:
-        """The items that take effect at `now` (the sends starting by then, in
-        position order, then the drops) and the earliest later start."""
-        start = self._start
-        items = [self._send(k) for k in range(len(start)) if start[k] <= now]
-        later = min((s for s in start if s > now), default=None)
-        items.extend(self._drops)
-        return items, later
-
-
-Policy = Callable[[Snapshot], Sequence[PlanItem]]
-
-
-def fifo_policy(snap: Snapshot) -> list[PlanItem]:
-    """The plain asynchronous parameter server: everything goes at once, in
-    arrival order; concurrent transfers share the links as TCP shares them."""
-    items = []
-    in_flight = len(snap.active)
-    for i, t in enumerate(sorted(snap.pending, key=lambda t: (t.arrival, t.id))):
-        sharing = in_flight + i + 1
-        rate = snap.network.rate(t.host, t.dst) / sharing
-        items.append(PlanItem(t.id, start=snap.now, position=in_flight + i,
-                              planned_seconds=t.nbytes / rate))
-    return items
 
 
 @dataclass

@@ -10,7 +10,7 @@ next server transfers back until the replica has caught up far enough.
 
 from __future__ import annotations
 
-from ..controller.state import PlanItem, Policy, Snapshot
+from ..scheduling.plan import PlanItem, Policy, Snapshot
 from .divergence import DivergenceGate
 
 

@@ -235,7 +235,7 @@ class ControllerMetrics:
     """Metrics of a controller process."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        from ..controller.state import DROP_REASONS
+        from ..scheduling.plan import DROP_REASONS
 
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry

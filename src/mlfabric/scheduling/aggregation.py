@@ -51,10 +51,10 @@ from typing import cast
 
 import numpy as np
 
-from ..controller.state import PlanItem, Policy, Route, Snapshot, Transfer
 from ..errors import ConfigError
 from ..kernels import _core
 from . import schedule
+from .plan import PlanItem, Policy, Route, Snapshot, Transfer
 
 Host = Hashable
 

@@ -16,19 +16,19 @@ from typing import cast
 
 import numpy as np
 
-from ..controller.state import ColumnPlan, PlanItem, Snapshot
 from . import schedule
+from .plan import ColumnPlan, PlanItem, Snapshot
 
 # An overdue transfer is assumed to need this fraction of its planned time more.
 _OVERDUE_EXTENSION = 0.25
 _MIN_SECONDS = 1e-6
 
 
-def _network(snap: Snapshot) -> schedule.Network:
+def _network(snap: Snapshot) -> schedule.Capacities:
     net = snap.network
     # The controller's hosts are strings; the core takes any hashable
     # (Mapping is invariant in its key type, hence the casts).
-    return schedule.Network(up=cast(Mapping[schedule.Host, float], net.up_rates),
+    return schedule.Capacities(up=cast(Mapping[schedule.Host, float], net.up_rates),
                             down=cast(Mapping[schedule.Host, float], net.down_rates),
                             pair=cast(Mapping[tuple[schedule.Host, schedule.Host], float],
                                       net.pair))

@@ -1,11 +1,16 @@
-"""The controller's scheduling core: a pure function from a state snapshot to a plan.
+"""The scheduling core: pure functions from the transfers waiting to be sent to
+the order, start times and rates that send them, or the drops.
 
-    plan(snapshot, config) -> Plan
+    plan_rows(now, rows, running, network, server, config) -> RowPlan
 
-No clocks (time is `snapshot.now`), no sockets, no asyncio, no metrics: the
-controller builds a `Snapshot` on every event (request, completion, bandwidth
-change), calls `plan`, and an executor carries out the `Directive`s. The same
-input always gives the same plan, whatever the order of `snapshot.pending`.
+is what production calls: the controller's "mlfabric" policy
+(`policies.mlfabric_policy`) ranks its pending transfers into `Rows` and
+builds the `ColumnPlan` it answers from the `RowPlan`. `plan(input, config)`
+is the same core with one record per update (`PlanInput` in, `SendAt` or
+`DropAt` out), for tests, benchmarks and docs/scheduling.md.
+
+No clocks (time is an argument), no sockets, no asyncio, no metrics. The same
+input always gives the same plan, whatever the order of the pending updates.
 
 Network model (the design brief's big switch): host h has an uplink of
 up[h] bytes/s and a downlink of down[h] bytes/s; a measured pair rate
@@ -45,13 +50,13 @@ from ..errors import ConfigError
 from ..kernels import _core
 
 Host = Hashable
-Policy = Literal["mlfabric", "fifo"]
+PolicyName = Literal["mlfabric", "fifo"]
 POLICIES: tuple[str, ...] = ("mlfabric", "fifo")
 
 DEADLINE_MISSED = "deadline_missed"
 WOULD_IDLE_SERVER = "would_idle_server"
 STALEST_IN_OVERLOAD = "stalest_in_overload"
-# Every Drop carries one of these (metrics label them, so the set is fixed).
+# Every DropAt carries one of these (metrics label them, so the set is fixed).
 DROP_REASONS: tuple[str, ...] = (DEADLINE_MISSED, WOULD_IDLE_SERVER, STALEST_IN_OVERLOAD)
 # What to drop when the pending updates cannot all meet their deadlines.
 OVERLOAD_RULES: tuple[str, ...] = ("stalest", "deadline")
@@ -91,7 +96,7 @@ class RunningTransfer:
 
 
 @dataclass(frozen=True, slots=True)
-class Network:
+class Capacities:
     """Available capacities in bytes/s; `pair[(a, b)]` is a measured a -> b rate."""
 
     up: Mapping[Host, float]
@@ -108,11 +113,11 @@ class ServerState:
 
 
 @dataclass(frozen=True, slots=True)
-class Snapshot:
+class PlanInput:
     now: float
     pending: Sequence[PendingUpdate]
     running: Sequence[RunningTransfer]
-    network: Network
+    network: Capacities
     server: ServerState
 
 
@@ -128,7 +133,7 @@ class PlanConfig:
     again, so the updates applied are the freshest the link can carry. The
     number of drops is never higher than under "deadline"."""
 
-    policy: Policy = "mlfabric"
+    policy: PolicyName = "mlfabric"
     tau_max: int | None = None  # None: no deadlines
     idle_factor: float | None = 1.0
     overload: str = "stalest"
@@ -165,7 +170,7 @@ class SendAt:
 
 
 @dataclass(frozen=True, slots=True)
-class Drop:
+class DropAt:
     """Update `id` is not sent; its worker is told `reason` (one of DROP_REASONS).
 
     `position` is the schedule position being filled when it was dropped. For
@@ -179,7 +184,7 @@ class Drop:
     displaced: float = 0.0
 
 
-Directive = SendAt | Drop
+Decision = SendAt | DropAt
 
 
 @dataclass(frozen=True)
@@ -188,8 +193,8 @@ class Plan:
     now: float
     v_init: int  # the version the update at position 0 is applied at
     order: tuple[int, ...]  # ids of the sent updates, by position
-    directives: dict[int, Directive]  # one per pending update, by id
-    drops: tuple[Drop, ...]  # in the order they were decided
+    directives: dict[int, Decision]  # one per pending update, by id
+    drops: tuple[DropAt, ...]  # in the order they were decided
 
     def send_now(self) -> list[SendAt]:
         """The transfers the executor starts at once, by position."""
@@ -200,7 +205,7 @@ class Plan:
 # --- entry point --------------------------------------------------------------------
 
 
-def plan(snapshot: Snapshot, config: PlanConfig | None = None, *, use_kernel: bool = True) -> Plan:
+def plan(snapshot: PlanInput, config: PlanConfig | None = None, *, use_kernel: bool = True) -> Plan:
     """Decide, for every pending update, when and how fast it is sent, or drop it.
 
     The "mlfabric" policy runs in the compiled kernel (mlfabric.kernels._core) when it
@@ -220,7 +225,7 @@ def plan(snapshot: Snapshot, config: PlanConfig | None = None, *, use_kernel: bo
         rows = _plan_rows(snapshot.now, Rows.of(pending), snapshot.running, snapshot.network,
                           v_init, config, _stf_kernel if use_kernel else None)
         sends, drops = rows.directives([u.id for u in pending])
-    directives: dict[int, Directive] = {d.id: d for d in drops}
+    directives: dict[int, Decision] = {d.id: d for d in drops}
     directives.update((s.id, s) for s in sends)
     return Plan(
         policy=config.policy,
@@ -348,7 +353,7 @@ class _Link:
 class _LinkTable:
     """The links of the big switch, created on first use."""
 
-    def __init__(self, network: Network, now: float) -> None:
+    def __init__(self, network: Capacities, now: float) -> None:
         self.network = network
         self.now = now
         self.up: dict[Host, _Link] = {}
@@ -705,21 +710,21 @@ def _plan_stf(
     paths: Sequence[tuple[_Link, ...]],
     v_init: int,
     config: PlanConfig,
-) -> tuple[list[SendAt], list[Drop]]:
+) -> tuple[list[SendAt], list[DropAt]]:
     """Fill positions 0, 1, ... : a forced update (dl == position) if one is
     kept, else the earliest completion. `ready` is when the server has
     applied everything before position 0 (the running transfers)."""
     cand = _Candidates(pending, paths)
     buckets = _deadline_buckets(pending, v_init, config.tau_max)
     sends: list[SendAt] = []
-    drops: list[Drop] = []
+    drops: list[DropAt] = []
     unscheduled = len(pending)
 
     def drop(k: int, reason: str, position: int, idle: float = 0.0, displaced: float = 0.0):
         nonlocal unscheduled
         cand.remove(k)
         unscheduled -= 1
-        drops.append(Drop(pending[k].id, reason, position, idle, displaced))
+        drops.append(DropAt(pending[k].id, reason, position, idle, displaced))
 
     for dl in sorted(d for d in buckets if d < 0):
         for k in buckets[dl]:
@@ -816,7 +821,7 @@ class Rows:
 class RowPlan:
     """A plan over `Rows`: the sends by position (row, start, rate, end,
     position) and the drops in the order they were decided (row, reason,
-    position, idle, displaced), as in `SendAt` and `Drop`."""
+    position, idle, displaced), as in `SendAt` and `DropAt`."""
 
     send_row: list[int]
     start: list[float]
@@ -830,25 +835,25 @@ class RowPlan:
     displaced: list[float]
 
     @classmethod
-    def of(cls, sends: Sequence[SendAt], drops: Sequence[Drop]) -> RowPlan:
-        """The plan of `SendAt`s and `Drop`s whose ids are rows."""
+    def of(cls, sends: Sequence[SendAt], drops: Sequence[DropAt]) -> RowPlan:
+        """The plan of `SendAt`s and `DropAt`s whose ids are rows."""
         return cls([d.id for d in sends], [d.start for d in sends], [d.rate for d in sends],
                    [d.end for d in sends], [d.position for d in sends],
                    [d.id for d in drops], [d.reason for d in drops],
                    [d.position for d in drops], [d.idle for d in drops],
                    [d.displaced for d in drops])
 
-    def directives(self, ids: Sequence[int]) -> tuple[list[SendAt], list[Drop]]:
-        """`SendAt`s and `Drop`s, row k standing for update ids[k]."""
+    def directives(self, ids: Sequence[int]) -> tuple[list[SendAt], list[DropAt]]:
+        """`SendAt`s and `DropAt`s, row k standing for update ids[k]."""
         sends = [SendAt(ids[k], s, r, p, e) for k, s, r, e, p in
                  zip(self.send_row, self.start, self.rate, self.end, self.position, strict=True)]
-        drops = [Drop(ids[k], why, p, i, d) for k, why, p, i, d in
+        drops = [DropAt(ids[k], why, p, i, d) for k, why, p, i, d in
                  zip(self.drop_row, self.reason, self.drop_position, self.idle, self.displaced,
                      strict=True)]
         return sends, drops
 
 
-def plan_rows(now: float, rows: Rows, running: Sequence[RunningTransfer], network: Network,
+def plan_rows(now: float, rows: Rows, running: Sequence[RunningTransfer], network: Capacities,
               server: ServerState, config: PlanConfig) -> RowPlan:
     """`plan` for the "mlfabric" policy on rows, without a record per update.
 
@@ -874,7 +879,7 @@ class _KernelLinks:
     (their step functions); every other link is flat: one segment [now, inf)
     at its capacity, never built as an object."""
 
-    def __init__(self, network: Network, now: float, running: Sequence[RunningTransfer],
+    def __init__(self, network: Capacities, now: float, running: Sequence[RunningTransfer],
                  rows: Rows) -> None:
         table = _LinkTable(network, now)
         table.load_running(running)
@@ -943,7 +948,7 @@ def _plan_rows(
     now: float,
     rows: Rows,
     running: Sequence[RunningTransfer],
-    network: Network,
+    network: Capacities,
     v_init: int,
     config: PlanConfig,
     kernel: Callable[..., tuple[int, int]] | None,
@@ -960,7 +965,7 @@ def _plan_rows(
 
 
 def _reference_pass(now: float, rows: Rows, running: Sequence[RunningTransfer],
-                    network: Network, v_init: int, config: PlanConfig) -> _Pass:
+                    network: Capacities, v_init: int, config: PlanConfig) -> _Pass:
     """`_plan_stf` on fresh link tables: the pure-Python reference."""
     ready = _ready(now, running)
     pending = [PendingUpdate(k, s, d, z, int(v), 1.0, now) for k, (s, d, z, v) in
@@ -978,7 +983,7 @@ def _reference_pass(now: float, rows: Rows, running: Sequence[RunningTransfer],
 
 
 def _kernel_pass(kernel: Callable[..., tuple[int, int]], now: float, rows: Rows,
-                 running: Sequence[RunningTransfer], network: Network, v_init: int,
+                 running: Sequence[RunningTransfer], network: Capacities, v_init: int,
                  config: PlanConfig) -> _Pass:
     """`_plan_stf` in mlfabric.kernels._core.schedule_stf: the same decisions."""
     links = _KernelLinks(network, now, running, rows)
@@ -1054,7 +1059,7 @@ def _stalest_rows(first: RowPlan, base_version: np.ndarray, everything: np.ndarr
 
 def _plan_fifo(
     now: float, pending: Sequence[PendingUpdate], paths: Sequence[tuple[_Link, ...]]
-) -> tuple[list[SendAt], list[Drop]]:
+) -> tuple[list[SendAt], list[DropAt]]:
     """Everything sends now at its max-min fair share of what running transfers
     leave; the server applies in arrival order of the bytes, i.e. by end."""
     rates = _max_min_fair(paths)

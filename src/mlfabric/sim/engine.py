@@ -38,9 +38,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
-from ..controller import state as control
-from ..controller.state import ControlState, Drop, Go, Network
+from ..controller.state import ControlState, Drop, Go
 from ..errors import ConfigError
+from ..scheduling import plan as control
+from ..scheduling.plan import Network
 from .flownet import FlowNet, SlowStart
 
 MIB = 1 << 20
