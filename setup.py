@@ -1,4 +1,5 @@
-"""Build the Cython kernels (src/mlfabric/kernels/_core.pyx).
+"""Build the Cython extensions: the numeric kernels (src/mlfabric/kernels/_core.pyx)
+and the scheduling core's hot loop (src/mlfabric/scheduling/_stf.pyx).
 
 -ffp-contract=off keeps the compiler from fusing a*b+c into one FMA, so every
 kernel rounds exactly like the numpy expression it is tested against, and the
@@ -14,7 +15,14 @@ extensions = [
         "mlfabric.kernels._core",
         ["src/mlfabric/kernels/_core.pyx"],
         extra_compile_args=["-O3", "-ffp-contract=off"],
-    )
+    ),
+    # The scheduling core's hot loop: a port of schedule.py's reference that
+    # must take the same floating-point steps, hence the same flags.
+    Extension(
+        "mlfabric.scheduling._stf",
+        ["src/mlfabric/scheduling/_stf.pyx"],
+        extra_compile_args=["-O3", "-ffp-contract=off"],
+    ),
 ]
 
 setup(

@@ -4,7 +4,7 @@ The controller re-plans on every event (request, completion, bandwidth
 change), so `mlfabric.scheduling.schedule.plan(snapshot, config)` must be cheap. This
 times one call on a synthetic snapshot, in one run: the "mlfabric" policy
 (shortest-transfer-first with deadlines and drops; its search runs in the
-compiled kernel mlfabric.kernels._core.schedule_stf when built), the same policy on
+compiled kernel mlfabric.scheduling._stf.schedule_stf when built), the same policy on
 the pure-Python reference (checked to give the identical plan), and the
 "fifo" baseline (max-min fair share, same snapshot, same entry point), with
 the ratio to fifo and to the 10 ms target (1,000 pending over 1,000 hosts).

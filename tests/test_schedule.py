@@ -8,7 +8,7 @@ so a bug in the scheduler's incremental step functions cannot hide behind
 itself. Time is just the snapshot's `now`: no clocks anywhere.
 
 Every test runs on the pure-Python reference and, when the extension is built
-with it, on the compiled kernel (mlfabric.kernels._core.schedule_stf); one more test
+with it, on the compiled kernel (mlfabric.scheduling._stf.schedule_stf); one more test
 compares the two plan for plan.
 """
 
@@ -50,14 +50,15 @@ TOL = 1e-9
 
 
 KERNEL = schedule._stf_kernel
-KERNEL_MISSING = "mlfabric._core has no schedule_stf: python setup.py build_ext --inplace"
+KERNEL_MISSING = ("mlfabric.scheduling._stf is not built: pip install -e . "
+                  "(or python setup.py build_ext --inplace)")
 IMPLEMENTATIONS = ["python"] + (["kernel"] if KERNEL is not None else [])
 
 
 @pytest.fixture(autouse=True, params=IMPLEMENTATIONS)
 def implementation(request, monkeypatch):
     """Every test runs on the pure-Python reference and, once built, on the
-    compiled kernel (mlfabric.kernels._core.schedule_stf)."""
+    compiled kernel (mlfabric.scheduling._stf.schedule_stf)."""
     if request.param == "python":
         monkeypatch.setattr(schedule, "_stf_kernel", None)
     return request.param

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import kernels
 from ..errors import ConfigError, ConnectionLost, PushTimeout, ServerError
-from ..kernels import _core
 from ..wire.protocol import Directive, TransferDone, TransferRequest
 from .outcome import PushOutcome
 
@@ -54,7 +54,7 @@ def controlled_update(arrays: dict[str, np.ndarray], base_version: int, nbytes: 
     """Copy the arrays (they are sent later; the caller may reuse its own) and
     take the update's norm for the controller."""
     copies = {n: a.copy() for n, a in arrays.items()}
-    norm = math.sqrt(sum(_core.l2_norm(a.reshape(-1)) ** 2 for a in copies.values()))
+    norm = math.sqrt(sum(kernels.l2_norm(a.reshape(-1)) ** 2 for a in copies.values()))
     return ControlledUpdate(copies, base_version, nbytes, norm, future)
 
 

@@ -17,10 +17,10 @@ import logging
 import math
 from typing import Any
 
+from .. import kernels
 from ..client.aio import open_link
 from ..client.core import Handshake
 from ..errors import ConfigError, MlfabricError
-from ..kernels import _core
 from ..runtime.loop import within
 from ..runtime.metrics import ServerMetrics
 from ..server.store import ParameterStore
@@ -31,7 +31,7 @@ log = logging.getLogger("mlfabric.server")
 
 def divergence(a: dict[str, Any], b: dict[str, Any]) -> float:
     """||a - b||_2 over all tensors, with the kernel."""
-    return math.sqrt(sum(_core.l2_norm_diff(a[n].reshape(-1), b[n].reshape(-1)) ** 2
+    return math.sqrt(sum(kernels.l2_norm_diff(a[n].reshape(-1), b[n].reshape(-1)) ** 2
                          for n in a))
 
 

@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import kernels
 from ..errors import InvalidUpdate, MlfabricError, SequenceGap
 from ..runtime.loop import within
 from ..runtime.metrics import ServerMetrics
@@ -432,13 +433,12 @@ async def announce(controller: str, *, address: str, store: ParameterStore, job:
     """Tell the controller a replica serves at `address` from the store's version on."""
     from ..client.aio import open_link
     from ..client.core import Handshake
-    from ..kernels import _core
     from ..wire.protocol import ReplicaJoin
 
     link = await open_link(controller, Handshake(job, token, "mlfabric-replica"), timeout,
                            "controller")
     velocity = float(np.sqrt(sum(
-        _core.l2_norm_diff(w, store.previous[n]) ** 2 for n, w in store.weights.items())))
+        kernels.l2_norm_diff(w, store.previous[n]) ** 2 for n, w in store.weights.items())))
     link.send(ReplicaJoin(address=address, version=store.version, velocity=velocity))
     link.close()
     await link.closed

@@ -51,8 +51,8 @@ from typing import cast
 
 import numpy as np
 
+from .. import kernels
 from ..errors import ConfigError
-from ..kernels import _core
 from . import schedule
 from .plan import PlanItem, Policy, Route, Snapshot, Transfer
 
@@ -466,7 +466,7 @@ class GroupSum:
             return
         upto = min(self.received) // 4
         if upto - self.summed >= self.chunk or (final and upto > self.summed):
-            _core.sum_into(self.acc[self.summed:upto],
+            kernels.sum_into(self.acc[self.summed:upto],
                            tuple(d[self.summed:upto] for d in self.data if d is not None))
             self.summed = upto
 
@@ -484,5 +484,5 @@ class GroupSum:
         if not indices or len(members) != len(indices):
             raise ConfigError(f"members {sorted(indices)} are not all complete")
         out = np.empty(self.nbytes // 4, np.float32)
-        _core.sum_into(out, tuple(m for m in members if m is not None))
+        kernels.sum_into(out, tuple(m for m in members if m is not None))
         return out

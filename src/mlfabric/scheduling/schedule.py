@@ -47,7 +47,6 @@ from typing import Literal
 import numpy as np
 
 from ..errors import ConfigError
-from ..kernels import _core
 
 Host = Hashable
 PolicyName = Literal["mlfabric", "fifo"]
@@ -63,9 +62,14 @@ OVERLOAD_RULES: tuple[str, ...] = ("stalest", "deadline")
 
 INF = math.inf
 
-# The compiled hot loop of the "mlfabric" policy (None until the extension is
-# rebuilt with it: the pure-Python reference below then runs instead).
-_stf_kernel: Callable[..., tuple[int, int]] | None = getattr(_core, "schedule_stf", None)
+# The compiled hot loop of the "mlfabric" policy (None when the extension is not
+# built, as in a checkout without build_ext: the pure-Python reference below
+# then runs instead, and gives the same plans).
+_stf_kernel: Callable[..., tuple[int, int]] | None
+try:
+    from ._stf import schedule_stf as _stf_kernel
+except ImportError:  # pragma: no cover - an installed package always has it
+    _stf_kernel = None
 
 
 # --- the snapshot (input) -----------------------------------------------------------
@@ -208,7 +212,7 @@ class Plan:
 def plan(snapshot: PlanInput, config: PlanConfig | None = None, *, use_kernel: bool = True) -> Plan:
     """Decide, for every pending update, when and how fast it is sent, or drop it.
 
-    The "mlfabric" policy runs in the compiled kernel (mlfabric.kernels._core) when it
+    The "mlfabric" policy runs in the compiled kernel (mlfabric.scheduling._stf) when it
     is built; `use_kernel=False` runs the pure-Python reference, which gives
     the identical plan."""
     config = config or PlanConfig()
@@ -985,7 +989,7 @@ def _reference_pass(now: float, rows: Rows, running: Sequence[RunningTransfer],
 def _kernel_pass(kernel: Callable[..., tuple[int, int]], now: float, rows: Rows,
                  running: Sequence[RunningTransfer], network: Capacities, v_init: int,
                  config: PlanConfig) -> _Pass:
-    """`_plan_stf` in mlfabric.kernels._core.schedule_stf: the same decisions."""
+    """`_plan_stf` in mlfabric.scheduling._stf.schedule_stf: the same decisions."""
     links = _KernelLinks(network, now, running, rows)
     segments = links.segments()
     link_capacity = np.array(links.capacity, np.float64)

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import kernels
 from ..errors import InvalidUpdate
-from ..kernels import _core
 from ..runtime.metrics import ServerMetrics
 from ..transport.listener import Endpoint, EndpointProtocol
 from ..wire.protocol import (
@@ -361,7 +361,7 @@ def velocity_norm(store: ParameterStore) -> float:
     velocity by gamma = 0): 0."""
     if not store.momentum:
         return 0.0
-    total = sum(_core.l2_norm_diff(w, store.previous[n]) ** 2 for n, w in store.weights.items())
+    total = sum(kernels.l2_norm_diff(w, store.previous[n]) ** 2 for n, w in store.weights.items())
     v = float(np.sqrt(total))
     return v if v < 1e299 else 1e299
 

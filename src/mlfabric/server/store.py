@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import kernels
 from ..client.outcome import PushOutcome
 from ..errors import ConfigError, InvalidUpdate
-from ..kernels import _core
 from ..wire.protocol import TensorSpec, layout
 from .checkpoint import Checkpoint
 
@@ -178,7 +178,7 @@ class ParameterStore:
         # (control_book.controlled_update), so the two agree bit for bit.
         squares = 0.0
         for name, u in update.items():
-            norm = _core.l2_norm(c_contiguous(u).reshape(-1))
+            norm = kernels.l2_norm(c_contiguous(u).reshape(-1))
             if not self.allow_nonfinite and not math.isfinite(norm):
                 raise InvalidUpdate(_nonfinite_message(name), reason="nonfinite")
             squares += norm ** 2
@@ -295,7 +295,7 @@ class ParameterStore:
         self.check_layout((n, u.dtype, u.shape) for n, u in update.items())
         squares = 0.0
         for u in update.values():
-            squares += _core.l2_norm(c_contiguous(u).reshape(-1)) ** 2
+            squares += kernels.l2_norm(c_contiguous(u).reshape(-1)) ** 2
         self._step(update, math.sqrt(squares), check=False)
         return PushOutcome(True, self.version, max(0, seq - 1 - base_version), None,
                            base_version)
@@ -325,14 +325,14 @@ class ParameterStore:
             for name, w in self.weights.items():
                 u = c_contiguous(update[name])
                 if gamma:
-                    _core.momentum_apply(w, self.previous[name], u, gamma)
+                    kernels.momentum_apply(w, self.previous[name], u, gamma)
                 else:
-                    _core.sum_into(w, (w, u))
+                    kernels.sum_into(w, (w, u))
         else:
             for name, w in self.weights.items():
                 u = c_contiguous(update[name])
                 prev = self.previous[name] if gamma else None
-                if not _core.momentum_into(self.spare[name], w, prev, u, gamma):
+                if not kernels.momentum_into(self.spare[name], w, prev, u, gamma):
                     raise InvalidUpdate(_overflow_message(name), reason="overflow")
             self._rotate()
         self._advance(steps, norm)
@@ -534,14 +534,14 @@ class StagedApply:
             u = np.frombuffer(data, np.float32, count=avail - done,
                               offset=piece.offset + 4 * done)
             # The norm is the update's finiteness check (see validate()).
-            norm = _core.l2_norm(u)
+            norm = kernels.l2_norm(u)
             if check and not math.isfinite(norm):
                 self.valid = False
                 return
             out = store.spare[name].reshape(-1)[done:avail]
             w = store.weights[name].reshape(-1)[done:avail]
             prev = store.previous[name].reshape(-1)[done:avail] if gamma else None
-            if not _core.momentum_into(out, w, prev, u, gamma) and check:
+            if not kernels.momentum_into(out, w, prev, u, gamma) and check:
                 # It would overflow the model: void, so the whole-update
                 # path refuses it with the reason.
                 self.valid = False

@@ -1,0 +1,31 @@
+"""Types of the scheduling kernel in mlfabric/scheduling/_stf.pyx."""
+
+import numpy as np
+from numpy.typing import NDArray
+
+def schedule_stf(
+    ready: float,
+    size: NDArray[np.float64],
+    up: NDArray[np.intp],
+    down: NDArray[np.intp],
+    pair: NDArray[np.intp],
+    cap: NDArray[np.float64],
+    dl: NDArray[np.intp],
+    has_deadlines: bool,
+    idle_factor: float,
+    seg_lo: NDArray[np.intp],
+    seg_t: NDArray[np.float64],
+    seg_r: NDArray[np.float64],
+    seg_f: NDArray[np.float64],
+    start: NDArray[np.float64],
+    rate: NDArray[np.float64],
+    end: NDArray[np.float64],
+    position: NDArray[np.intp],
+    send_order: NDArray[np.intp],
+    drop_order: NDArray[np.intp],
+    reason: NDArray[np.int8],
+    idle: NDArray[np.float64],
+    displaced: NDArray[np.float64],
+) -> tuple[int, int]:
+    """The "mlfabric" scheduling policy on arrays (mlfabric.schedule builds them):
+    fills the per-update outputs and returns (number of sends, number of drops)."""
