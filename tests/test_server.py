@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mlfabric
-from mlfabric.client import aio
+from mlfabric.client import aio, link
 from mlfabric.errors import AuthenticationError, ConnectError, ConnectionLost, InvalidUpdate
 from mlfabric.server.store import ParameterStore
 from mlfabric.wire.protocol import HEADER, MAGIC, Error, MsgType, Pull, Push, PushResult
@@ -322,21 +322,21 @@ def test_both_dialers_name_an_absent_aggregator_and_what_runs_one(run_async):
     say the same, naming the aggregator and `mlfabric agent --aggregate` (not
     the parameter server the dialers speak of by default)."""
 
-    from mlfabric.client.blocking import _dial
     from mlfabric.client.control_book import AGGREGATOR_COMMAND
     from mlfabric.client.core import Handshake
+    from mlfabric.client.socket_link import dial
 
     address = f"127.0.0.1:{free_port()}"  # nothing listens: refused
     want = (rf"^cannot reach the aggregator at {re.escape(address)}: .*; "
             r"is `mlfabric agent --aggregate` running there\?$")
     with pytest.raises(ConnectError, match=want):
-        _dial(address, JOB, TOKEN, "w0", 2.0, what="aggregator", command=AGGREGATOR_COMMAND)
+        dial(address, JOB, TOKEN, "w0", 2.0, what="aggregator", command=AGGREGATOR_COMMAND)
     with pytest.raises(ConnectError, match=r"the parameter server .* `mlfabric server`"):
-        _dial(address, JOB, TOKEN, "w0", 2.0)
+        dial(address, JOB, TOKEN, "w0", 2.0)
 
     async def body():
         with pytest.raises(ConnectError, match=want):
-            await aio.open_link(address, Handshake(JOB, TOKEN, "w0"), 2.0, "aggregator",
+            await link.open_link(address, Handshake(JOB, TOKEN, "w0"), 2.0, "aggregator",
                                 command=AGGREGATOR_COMMAND)
 
     run_async(body())

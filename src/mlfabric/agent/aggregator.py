@@ -37,7 +37,10 @@ from typing import Any
 
 import numpy as np
 
+from ..client.aio import dial
 from ..client.core import Handshake
+from ..client.link import LinkPool
+from ..client.seams import ServerConnection
 from ..errors import ConfigError, ConnectionLost, MlfabricError
 from ..runtime.metrics import AggregatorMetrics
 from ..scheduling.aggregation import GroupSum
@@ -117,7 +120,9 @@ class Aggregator(Endpoint):
         self.name = name
         self.groups: dict[tuple[str, int], _Group] = {}
         self._closed: OrderedDict[tuple[str, int], str] = OrderedDict()
-        self._links: dict[str, asyncio.Task[Any]] = {}
+        # One link per server, dialled ahead when a group opens.
+        self._links: LinkPool[ServerConnection] = LinkPool(lambda address: dial(
+            address, self._handshake(), SERVER_DIAL_TIMEOUT, "parameter server"))
         self._writing: dict[str, asyncio.Lock] = {}  # one frame at a time on a server link
         self._forwards: set[asyncio.Task[None]] = set()
 
@@ -224,15 +229,10 @@ class Aggregator(Endpoint):
         task.add_done_callback(self._forwards.discard)
 
     def _dial_ahead(self, dst: str) -> None:
-        from ..client.aio import dial_ahead
+        self._links.ahead(dst)
 
-        dial_ahead(self._links, dst, self._handshake(), SERVER_DIAL_TIMEOUT, "parameter server")
-
-    async def _link(self, dst: str) -> Any:
-        from ..client.aio import reuse_or_dial
-
-        return await reuse_or_dial(self._links, dst, self._handshake(), SERVER_DIAL_TIMEOUT,
-                                   "parameter server")
+    async def _link(self, dst: str) -> ServerConnection:
+        return await self._links.get(dst)
 
     def _handshake(self) -> Handshake:
         return Handshake(self.job, self.token, f"{self.name} aggregator")
@@ -252,7 +252,7 @@ class Aggregator(Endpoint):
         try:
             server = await self._link(dst)
             async with self._writing.setdefault(dst, asyncio.Lock()):
-                answer, frame = server._request_streamed(
+                answer, frame = server.request_streamed(
                     "aggregate", lambda req: Push(req, base, tensors, members=push_members), base)
                 try:
                     await self._stream(group, frame, data, final)
@@ -261,13 +261,11 @@ class Aggregator(Endpoint):
                     # would read the next frame as its rest): drop the link.
                     frame.abort()
                     answer.add_done_callback(lambda f: f.cancelled() or f.exception())  # dropped
-                    task = self._links.get(dst)
-                    if task is not None and task.done() and task.result() is server:
-                        del self._links[dst]  # it closes a moment later: not to be reused
+                    self._links.forget(dst, server)  # it closes a moment later
                     raise
             result = await answer
         except (OSError, MlfabricError) as exc:
-            # A lost link is dialled again next time (reuse_or_dial); one
+            # A lost link is dialled again next time (LinkPool.get); one
             # that carried a refusal is still good and is kept.
             m.aggregates.labels("failed").inc()
             why = (f"the aggregate could not be delivered to {dst}: {exc}"
@@ -349,9 +347,7 @@ class Aggregator(Endpoint):
             self._fail(list(group.members.values()), "the aggregator stopped")
         for forward in list(self._forwards):
             forward.cancel()
-        from ..client.aio import close_links
-
-        await close_links(self._links)
+        await self._links.close()
         await super().close()
 
 

@@ -17,14 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError, ConnectError, ConnectionLost, MlfabricError
-from ..runtime.loop import within
+from ..errors import ConfigError, ConnectionLost, MlfabricError
 from ..runtime.metrics import ClientMetrics
 from ..wire.protocol import (
-    HEADER,
-    MAX_META_LEN,
-    NEED_DATA,
-    Connection,
     Failover,
     Pull,
     PullCancel,
@@ -32,23 +27,23 @@ from ..wire.protocol import (
     ReplicaAt,
     layout,
 )
+from .aio_control import AsyncControlledPushes
+from .control_book import AGGREGATOR_COMMAND, AGGREGATOR_DIAL_TIMEOUT
 from .core import (
     DEFAULT_PUSH_TIMEOUT,
     PULL_WAIT,
     Handshake,
-    RequestTable,
     check_base_version,
     check_push_timeout,
     check_update,
-    connection_lost_error,
     default_client_name,
     parse_address,
     resolve_token,
     watch_period,
 )
+from .link import FrameWriter, Link, LinkPool, open_link
 from .outcome import PushOutcome
 
-_JOIN_LIMIT = 1 << 16
 log = logging.getLogger("mlfabric.client")
 
 
@@ -119,11 +114,11 @@ async def connect(
                 raise
             feed.on_lost = client._feeds.lost
     if controller is not None:
-        from .aio_control import AsyncControlledPushes
-
         sock = proto.transport.get_extra_info("socket")
         controlled = AsyncControlledPushes(
             client, controller, Handshake(job, secret, name or default_client_name()),
+            aggregators=LinkPool(lambda address: dial(
+                address, hs, AGGREGATOR_DIAL_TIMEOUT, "aggregator", command=AGGREGATOR_COMMAND)),
             host=host or sock.getsockname()[0], dst=sock.getpeername()[0],
             fallback=controller_fallback, timeout=controller_timeout,
             aggregation=replica is None)
@@ -138,207 +133,16 @@ async def connect(
     return client
 
 
-async def open_link(address: str, hs: Handshake, timeout: float, what: str, *,
-                    metrics: ClientMetrics | None = None, on_event: Any = None,
-                    on_lost: Any = None, command: str | None = None) -> _ClientProtocol:
-    """Connect to an mlfabric server or controller and complete the handshake.
-    `command`: what should be running there (default: mlfabric + what's last word)."""
-    host, port = parse_address(address)
-    loop = asyncio.get_running_loop()
-    try:
-        _, proto = await within(
-            loop.create_connection(
-                lambda: _ClientProtocol(address, hs, metrics, on_event, on_lost), host, port),
-            timeout,
-        )
-    except (TimeoutError, OSError) as exc:
-        detail = getattr(exc, "strerror", None) or str(exc) or "timed out"
-        command = command or f"mlfabric {what.split()[-1]}"
-        raise ConnectError(
-            f"cannot reach the {what} at {address}: {detail}; is `{command}` running there?"
-        ) from None
-    try:
-        await within(asyncio.shield(proto.welcomed), timeout)
-    except TimeoutError:
-        proto.close()
-        raise ConnectError(f"the {what} did not complete the handshake in time") from None
-    except BaseException:
-        proto.close()
-        raise
-    return proto
-
-
-async def reuse_or_dial(links: dict[str, asyncio.Task[AsyncClient]], address: str,
-                        hs: Handshake, timeout: float, what: str,
-                        command: str | None = None) -> AsyncClient:
-    """The client to `address` kept in `links`, dialled on first use and again
-    once it failed or closed; callers asking meanwhile share one dial."""
-    return await asyncio.shield(dial_ahead(links, address, hs, timeout, what, command))
-
-
-def dial_ahead(links: dict[str, asyncio.Task[AsyncClient]], address: str, hs: Handshake,
-               timeout: float, what: str, command: str | None = None) -> asyncio.Task[AsyncClient]:
-    """Start dialling `address` unless `links` holds a live or pending link to it;
-    returns the dial. A failed dial is only kept for `reuse_or_dial` to replace."""
-    task = links.get(address)
-    if task is None or (task.done() and (task.exception() is not None
-                                         or task.result().closed)):
-        async def dial() -> AsyncClient:
-            return AsyncClient(await open_link(address, hs, timeout, what, command=command))
-
-        task = links[address] = asyncio.get_running_loop().create_task(dial())
-        # Nobody may await a dial made ahead; its failure is seen at the next use.
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-    return task
-
-
-async def close_links(links: dict[str, asyncio.Task[AsyncClient]]) -> None:
-    """Close every client `reuse_or_dial` kept in `links` (or stop its dial)."""
-    for task in links.values():
-        if task.done() and task.exception() is None:
-            await task.result().close()
-        else:
-            task.cancel()
-
-
-class _ClientProtocol(asyncio.BufferedProtocol):
-    """A connection to a server (answers resolve requests) or, with `on_event`,
-    to a controller (events go to that callback)."""
-
-    def __init__(self, address: str, hs: Handshake, metrics: ClientMetrics | None,
-                 on_event: Any = None, on_lost: Any = None) -> None:
-        self.address = address
-        self.on_event = on_event
-        self.on_lost = on_lost
-        self.hs = hs
-        self.metrics = metrics
-        self.conn = Connection()
-        self.requests = RequestTable(metrics)
-        self.transport: Any = None
-        self.welcomed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.error: BaseException | None = None
-        self._stage = "challenge"
-        self.can_write = asyncio.Event()
-        self.can_write.set()
-
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            import socket
-
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.send(self.hs.hello())
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.conn.get_buffer(sizehint)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.conn.buffer_updated(nbytes)
-        if self.metrics is not None:
-            self.metrics.received_bytes.inc(nbytes)
-        try:
-            while (event := self.conn.next_event()) is not NEED_DATA:
-                self._handle(event)
-        except MlfabricError as exc:
-            self._fail(exc)
-            self.close()
-
-    def _handle(self, event: Any) -> None:
-        if self._stage == "ready":
-            if self.on_event is not None:
-                self.on_event(event)
-            else:
-                self.requests.dispatch(event)
-        elif self._stage == "challenge":
-            self.send(self.hs.on_challenge(event))
-            self.hs.verify_server()
-            self._stage = "welcome"
-        else:
-            welcome = self.hs.on_welcome(event)
-            self.conn.max_frame_size = HEADER.size + MAX_META_LEN + layout(welcome.tensors)[1]
-            self._stage = "ready"
-            self.welcomed.set_result(welcome)
-
-    def pause_writing(self) -> None:
-        self.can_write.clear()
-
-    def resume_writing(self) -> None:
-        self.can_write.set()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.can_write.set()  # wake drain(); it then raises the connection's error
-        self._fail(connection_lost_error(self.address, exc))
-        self.transport = None
-        if not self.closed.done():
-            self.closed.set_result(None)
-        if self.on_lost is not None and self.welcomed.done() and not self.welcomed.exception():
-            self.on_lost(self, self.error)
-
-    def _fail(self, exc: BaseException) -> None:
-        if self.error is None:
-            self.error = exc
-        if not self.welcomed.done():
-            self.welcomed.set_exception(exc)
-            self.welcomed.exception()  # retrieved: connect() re-raises it
-        self.requests.fail_all(self.error)
-
-    def send(self, event: Any) -> int:
-        parts = self.conn.send(event)
-        size = sum(len(p) for p in parts)
-        if size <= _JOIN_LIMIT:
-            self.write(b"".join(parts))
-        else:
-            for part in parts:
-                self.write(part)
-        return size
-
-    def write(self, data: Any) -> None:
-        """Put bytes of a frame on the link, counted as sent."""
-        self.transport.write(data)
-        if self.metrics is not None:
-            self.metrics.sent_bytes.inc(len(data))
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-
-
-class FrameWriter:
-    """The data block of a frame whose header is already sent, written in
-    order as its bytes become final (an aggregator forwards an aggregate
-    while its members are still arriving)."""
-
-    def __init__(self, proto: _ClientProtocol, nbytes: int) -> None:
-        self._proto = proto
-        self.nbytes = nbytes
-        self.sent = 0
-
-    def write(self, data: memoryview) -> None:
-        """Send the next `len(data)` bytes of the block (not copied: keep them
-        unchanged until the frame is answered)."""
-        if self.sent + len(data) > self.nbytes:
-            raise ValueError(f"{self.sent + len(data)} bytes written to a {self.nbytes}-byte "
-                             f"data block")
-        proto = self._proto
-        if proto.error is not None or proto.transport is None:
-            raise proto.error or ConnectionLost(f"the link to {proto.address} is closed")
-        proto.write(data)
-        self.sent += len(data)
-
-    def abort(self) -> None:
-        """Give up on the frame: the link is dropped at once, so the far end
-        discards the partial frame (a request already waiting on this link
-        fails with the link)."""
-        if self._proto.transport is not None:
-            self._proto.transport.abort()
+async def dial(address: str, hs: Handshake, timeout: float, what: str,
+               command: str | None = None) -> AsyncClient:
+    """An `AsyncClient` on a new link to `address` (a server or an aggregator)."""
+    return AsyncClient(await open_link(address, hs, timeout, what, command=command))
 
 
 class AsyncClient:
     """A connection to one parameter server, for asyncio programs."""
 
-    def __init__(self, proto: _ClientProtocol) -> None:
+    def __init__(self, proto: Link) -> None:
         self._proto = proto
         welcome = proto.welcomed.result()
         self.address = proto.address
@@ -398,7 +202,7 @@ class AsyncClient:
                               ) -> tuple[int, dict[str, np.ndarray]]:
         uid = getattr(push, "uid", None)
         held: asyncio.Future[Any] | None = None
-        reqs: list[tuple[_ClientProtocol, int]] = []
+        reqs: list[tuple[Link, int]] = []
         if uid is not None and not push.done():
             proto = self._proto
 
@@ -423,7 +227,7 @@ class AsyncClient:
             self._give_up(reqs)  # unless answered: not applied, or cancelled
         return await self.pull()
 
-    def _give_up(self, reqs: list[tuple[_ClientProtocol, int]]) -> None:
+    def _give_up(self, reqs: list[tuple[Link, int]]) -> None:
         """Ignore the held pull's answer, and tell the server to forget it
         (nothing for a pull already answered)."""
         for proto, req in reqs:
@@ -441,7 +245,7 @@ class AsyncClient:
             return self._push_replicated({n: a.copy() for n, a in arrays.items()}, base)
         if self._controlled is not None:
             return self._controlled.push(arrays, base, layout(self.specs)[1])
-        return self._send_push(arrays, base)
+        return self.send_push(arrays, base)
 
     def _push_replicated(self, arrays: dict[str, np.ndarray], base: int
                          ) -> asyncio.Future[PushOutcome]:
@@ -472,7 +276,7 @@ class AsyncClient:
             if via_controller and self._controlled is not None:
                 at_server = self._controlled.push(arrays, base, layout(self.specs)[1])
             else:
-                at_server = self._send_push(arrays, base)
+                at_server = self.send_push(arrays, base)
         except MlfabricError as exc:
             lost(exc)
             return
@@ -496,7 +300,7 @@ class AsyncClient:
 
         at_server.add_done_callback(then)
 
-    def _replica_change(self, event: Failover | ReplicaAt) -> None:
+    def replica_change(self, event: Failover | ReplicaAt) -> None:
         """The controller promoted the replica (move there) or a new replica
         joined (feed it)."""
         if self._failover is None:
@@ -565,7 +369,7 @@ class AsyncClient:
         log.warning("replica at %s joined from version %d; %d kept updates sent to it",
                     address, version, len(kept))
 
-    def _send_push(self, arrays: dict[str, np.ndarray], base: int, seq: int | None = None,
+    def send_push(self, arrays: dict[str, np.ndarray], base: int, seq: int | None = None,
                    **fields: Any) -> asyncio.Future[PushOutcome]:
         """`fields`: a push's uid and aggregation fields (protocol.Push)."""
         fut: asyncio.Future[PushOutcome] = self._request(
@@ -591,7 +395,7 @@ class AsyncClient:
         fut = asyncio.get_running_loop().create_future()
         return fut, make_event(proto.requests.add(kind, fut, base_version))
 
-    def _request_streamed(self, kind: str, make_event: Any, base_version: int | None
+    def request_streamed(self, kind: str, make_event: Any, base_version: int | None
                           ) -> tuple[asyncio.Future[Any], FrameWriter]:
         """Like `_request`, but only the frame's header and fields go out now:
         its data block follows through the returned writer, as it becomes

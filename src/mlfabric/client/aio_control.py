@@ -19,15 +19,15 @@ import numpy as np
 from ..errors import ConnectError, MlfabricError
 from ..wire.protocol import Directive, Failover, ReplicaAt, ReplicaDone
 from .control_book import (
-    AGGREGATOR_COMMAND,
-    AGGREGATOR_DIAL_TIMEOUT,
     RECONNECT_EVERY,
     ControlBook,
     ControlledUpdate,
     controlled_update,
 )
 from .core import Handshake
+from .link import Link, LinkPool, open_link
 from .outcome import PushOutcome
+from .seams import ControlledClient, PushLink
 
 log = logging.getLogger("mlfabric.client")
 
@@ -36,15 +36,18 @@ class AsyncControlledPushes:
     """Pushes of one asyncio client that go through the controller: the
     ControlBook decides, this class does the I/O on the event loop."""
 
-    def __init__(self, client: Any, address: str, hs: Handshake, *, host: str, dst: str,
+    def __init__(self, client: ControlledClient, address: str, hs: Handshake, *,
+                 aggregators: LinkPool[PushLink], host: str, dst: str,
                  fallback: str = "fifo", timeout: float = 30.0, aggregation: bool = True) -> None:
+        """`aggregators`: the links to the aggregators the controller may route
+        pushes through, dialled by the client."""
         self.book = ControlBook(address, host=host, dst=dst, fallback=fallback,
                                 timeout=timeout, aggregation=aggregation)
-        self._aggregators: dict[str, asyncio.Task[Any]] = {}  # address -> link
+        self._aggregators = aggregators
         self.client = client
         self.address = address
         self.hs = hs
-        self._link: Any = None
+        self._link: Link | None = None
         self._reconnect_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -59,17 +62,14 @@ class AsyncControlledPushes:
         else:
             self.book.reconnected()
 
-    async def _connect(self) -> Any:
-        from .aio import dial_ahead, open_link
-
+    async def _connect(self) -> Link:
         link = await open_link(self.address, self.hs, min(self.book.timeout, 10.0),
                                "controller", on_event=self._directive, on_lost=self._lost)
         if self.book.aggregation:
             # Every aggregator the controller may route through, dialled ahead
             # of use (a member then does not wait for the handshake).
             for address in link.welcomed.result().aggregators:
-                dial_ahead(self._aggregators, address, self.hs, AGGREGATOR_DIAL_TIMEOUT,
-                           "aggregator", command=AGGREGATOR_COMMAND)
+                self._aggregators.ahead(address)
         return link
 
     def push(self, arrays: dict[str, np.ndarray], base_version: int, nbytes: int
@@ -77,7 +77,7 @@ class AsyncControlledPushes:
         u = controlled_update(arrays, base_version, nbytes,
                               asyncio.get_running_loop().create_future())
         request, now = self.book.place(u)
-        if request is not None:
+        if request is not None and self._link is not None:
             self._link.send(request)
         for x in now:
             self._send(x)
@@ -101,7 +101,7 @@ class AsyncControlledPushes:
 
     def _directive(self, d: Any) -> None:
         if isinstance(d, (Failover, ReplicaAt)):
-            self.client._replica_change(d)
+            self.client.replica_change(d)
             return
         if not isinstance(d, Directive):
             raise MlfabricError(f"controller sent {type(d).__name__}")
@@ -146,7 +146,7 @@ class AsyncControlledPushes:
             asyncio.get_running_loop().create_task(self._send_member(u))
             return
         try:
-            server_future = self.client._send_push(u.arrays, u.base_version, uid=u.uid)
+            server_future = self.client.send_push(u.arrays, u.base_version, uid=u.uid)
         except MlfabricError as exc:
             if not u.future.done():
                 u.future.set_exception(exc)
@@ -158,20 +158,14 @@ class AsyncControlledPushes:
         (same uid) if it cannot be reached."""
         assert u.via is not None
         try:
-            link = await self._aggregator(u.via)
-            fut = link._send_push(u.arrays, u.base_version,
+            link = await self._aggregators.get(u.via)
+            fut = link.send_push(u.arrays, u.base_version,
                                   **self.book.member_fields(u, self.client.address))
         except MlfabricError as exc:
             self.book.via_failed(u, exc)
             self._send(u)
             return
         fut.add_done_callback(lambda f: self._finish(u, f, u.sent or 0.0))
-
-    async def _aggregator(self, address: str) -> Any:
-        from .aio import reuse_or_dial
-
-        return await reuse_or_dial(self._aggregators, address, self.hs, AGGREGATOR_DIAL_TIMEOUT,
-                                   "aggregator", command=AGGREGATOR_COMMAND)
 
     def _finish(self, u: ControlledUpdate, server_future: asyncio.Future[Any],
                 started: float) -> None:
@@ -202,9 +196,7 @@ class AsyncControlledPushes:
         if self._reconnect_task is not None:
             self._reconnect_task.cancel()
         link, self._link = self._link, None
-        from .aio import close_links
-
-        await close_links(self._aggregators)
+        await self._aggregators.close()
         for u, exc in self.book.close():
             if not u.future.done():
                 u.future.set_exception(exc)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError, ConnectError, ConnectionLost, MlfabricError, ProtocolError
+from ..errors import ConfigError, ConnectionLost, MlfabricError, ProtocolError
 from ..runtime.metrics import ClientMetrics
 from ..wire.protocol import (
     HEADER,
@@ -34,6 +34,7 @@ from ..wire.protocol import (
     Welcome,
     layout,
 )
+from .control_book import AGGREGATOR_COMMAND, AGGREGATOR_DIAL_TIMEOUT
 from .core import (
     DEFAULT_PUSH_TIMEOUT,
     PULL_WAIT,
@@ -50,6 +51,7 @@ from .core import (
     watch_period,
 )
 from .outcome import PushOutcome
+from .socket_link import dial
 
 log = logging.getLogger("mlfabric.client")
 
@@ -116,7 +118,7 @@ def connect(
     check_push_timeout(push_timeout)
     secret = resolve_token(token, token_file)
     name = name or default_client_name()
-    sock, conn, welcome = _dial(address, job, secret, name, timeout)
+    sock, conn, welcome = dial(address, job, secret, name, timeout)
     client = Client(sock, conn, welcome, address, metrics)
     client._dial_args = (job, secret, name, timeout)
     client._timer = TimerThread()
@@ -150,8 +152,15 @@ def connect(
         from .blocking_control import ControlledPushes
 
         try:
+            def dial_aggregator(address: str) -> Client:
+                sock, conn, welcome = dial(address, job, secret, name,
+                                           min(timeout, AGGREGATOR_DIAL_TIMEOUT),
+                                           what="aggregator", command=AGGREGATOR_COMMAND)
+                return Client(sock, conn, welcome, address)
+
             client._controlled = ControlledPushes(
                 client, controller, Handshake(job, secret, name or default_client_name()),
+                dial_aggregator=dial_aggregator,
                 host=host or sock.getsockname()[0], dst=sock.getpeername()[0],
                 fallback=controller_fallback, timeout=controller_timeout,
                 aggregation=replica is None)
@@ -173,55 +182,6 @@ def connect(
             feed.report = client._controlled.report_replicated
             feed.on_lost = client._feeds.lost
     return client
-
-
-def _dial(address: str, job: str, secret: bytes, name: str, timeout: float, *,
-          what: str = "parameter server", command: str = "mlfabric server"
-          ) -> tuple[socket.socket, Connection, Welcome]:
-    """A connected, authenticated socket to the server at `address` (`what` and
-    `command`, for errors: what is expected there, and what runs it)."""
-    server_host, server_port = parse_address(address)
-    try:
-        sock = socket.create_connection((server_host, server_port), timeout=timeout)
-    except OSError as exc:
-        raise ConnectError(
-            f"cannot reach the {what} at {address}: {exc.strerror or exc}; is "
-            f"`{command}` running there?"
-        ) from None
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = Connection()
-        welcome = _handshake(sock, conn, Handshake(job, secret, name))
-    except BaseException:
-        sock.close()
-        raise
-    return sock, conn, welcome
-
-
-def _handshake(sock: socket.socket, conn: Connection, hs: Handshake) -> Welcome:
-    def next_event() -> Any:
-        while True:
-            event = conn.next_event()
-            if event is not NEED_DATA:
-                return event
-            try:
-                data = sock.recv(1 << 16)
-            except TimeoutError:
-                raise ConnectError("the server did not complete the handshake in time") from None
-            if not data:
-                raise ConnectionLost("the server closed the connection during the handshake")
-            conn.receive_data(data)
-
-    try:
-        sock.sendall(conn.send_bytes(hs.hello()))
-        sock.sendall(conn.send_bytes(hs.on_challenge(next_event())))
-        hs.verify_server()
-        return hs.on_welcome(next_event())
-    except OSError as exc:
-        # A peer that dies mid-handshake resets the socket: callers fall back
-        # on MlfabricError (an aggregator's members go straight to the server).
-        raise ConnectionLost(f"the connection was lost during the handshake: "
-                             f"{exc.strerror or exc}") from None
 
 
 class Client:
@@ -366,7 +326,7 @@ class Client:
             return self._push_replicated({n: a.copy() for n, a in arrays.items()}, base)
         if self._controlled is not None:
             return self._controlled.push(arrays, base, layout(self.specs)[1])
-        return self._send_push(arrays, base)
+        return self.send_push(arrays, base)
 
     def _push_replicated(self, arrays: dict[str, np.ndarray], base: int
                          ) -> concurrent.futures.Future[PushOutcome]:
@@ -394,7 +354,7 @@ class Client:
             if via_controller and self._controlled is not None:
                 at_server = self._controlled.push(arrays, base, layout(self.specs)[1])
             else:
-                at_server = self._send_push(arrays, base)
+                at_server = self.send_push(arrays, base)
         except MlfabricError as exc:
             lost(exc)
             return
@@ -423,10 +383,21 @@ class Client:
         if self._controlled is not None:
             self._controlled.expire(timeout)
 
-    def _fail_over(self, address: str) -> None:
+    @property
+    def fails_over(self) -> bool:
+        """Whether this client follows the controller to a promoted replica
+        (it has both a controller and a replica)."""
+        return self._failover is not None
+
+    @property
+    def failed(self) -> bool:
+        """Whether this client's connection failed (it then refuses requests)."""
+        return self._error is not None
+
+    def fail_over(self, address: str) -> None:
         """The controller promoted the replica at `address`: serve from it."""
         assert self._dial_args is not None and self._failover is not None
-        sock, conn, welcome = _dial(address, *self._dial_args)
+        sock, conn, welcome = dial(address, *self._dial_args)
         # Before the first answer from the new server. The feed stays open
         # until the updates on their way to it are answered.
         self._feeds.retire()
@@ -449,7 +420,7 @@ class Client:
         log.warning("failed over to %s (version %d)", address, welcome.version)
         self._failover.advance()
 
-    def _attach_replica(self, address: str, version: int) -> None:
+    def attach_replica(self, address: str, version: int) -> None:
         """A new replica serves from `version`: send it the kept updates above
         that version, then every update the server acknowledges."""
         from .replica_feed import ReplicaFeed
@@ -476,7 +447,7 @@ class Client:
         log.warning("replica at %s joined from version %d; %d kept updates sent to it",
                     address, version, len(kept))
 
-    def _send_push(self, arrays: dict[str, np.ndarray], base: int, seq: int | None = None,
+    def send_push(self, arrays: dict[str, np.ndarray], base: int, seq: int | None = None,
                    **fields: Any) -> concurrent.futures.Future[PushOutcome]:
         """`fields`: a push's uid and aggregation fields (protocol.Push)."""
         started = time.monotonic()

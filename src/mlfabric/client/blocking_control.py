@@ -26,8 +26,6 @@ import numpy as np
 from ..errors import ConnectError, ConnectionLost, MlfabricError
 from ..wire.protocol import NEED_DATA, Connection, Directive, Failover, ReplicaAt, ReplicaDone
 from .control_book import (
-    AGGREGATOR_COMMAND,
-    AGGREGATOR_DIAL_TIMEOUT,
     RECONNECT_EVERY,
     ControlBook,
     ControlledUpdate,
@@ -35,6 +33,7 @@ from .control_book import (
 )
 from .core import Handshake, parse_address
 from .outcome import PushOutcome
+from .socket_link import handshake
 
 log = logging.getLogger("mlfabric.client")
 
@@ -47,14 +46,12 @@ class _Link:
                  on_directive: Callable[[_Link, Directive], None],
                  on_lost: Callable[[_Link, BaseException], None],
                  on_failover: Callable[[Failover | ReplicaAt], None]) -> None:
-        from .blocking import _handshake
-
         host, port = parse_address(address)
         self.sock = socket.create_connection((host, port), timeout=timeout)
         try:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.conn = Connection()
-            self.welcome = _handshake(self.sock, self.conn, hs)
+            self.welcome = handshake(self.sock, self.conn, hs)
         except BaseException:
             self.sock.close()
             raise
@@ -104,11 +101,14 @@ class ControlledPushes:
     """Pushes of one blocking client that go through the controller: the
     ControlBook decides, this class does the sockets and threads."""
 
-    def __init__(self, client: Any, address: str, hs: Handshake, *, host: str, dst: str,
+    def __init__(self, client: Any, address: str, hs: Handshake, *,
+                 dial_aggregator: Callable[[str], Any], host: str, dst: str,
                  fallback: str = "fifo", timeout: float = 30.0, aggregation: bool = True) -> None:
+        """`dial_aggregator(address)`: a new blocking client to that aggregator."""
         self.book = ControlBook(address, host=host, dst=dst, fallback=fallback,
                                 timeout=timeout, aggregation=aggregation)
         self.client = client
+        self._dial_aggregator = dial_aggregator
         self._aggregators: dict[str, Any] = {}  # address -> Client
         self._agg_lock = threading.Lock()  # guards _aggregators (sender and dial-ahead threads)
         self.address = address
@@ -181,7 +181,7 @@ class ControlledPushes:
         new replica joined (the client feeds it); in a thread of its own, so
         connecting does not hold up directives. In order: a join announced
         right after a failover must find the client on the new server."""
-        if self.client._failover is None:
+        if not self.client.fails_over:
             log.warning("controller reports a replica change (%s), but this client has no "
                         "replica configured: ignoring it", event)
             return
@@ -207,9 +207,9 @@ class ControlledPushes:
                 continue
             try:
                 if isinstance(event, Failover):
-                    self.client._fail_over(event.server)
+                    self.client.fail_over(event.server)
                 else:
-                    self.client._attach_replica(event.address, event.version)
+                    self.client.attach_replica(event.address, event.version)
             except MlfabricError as exc:
                 log.error("cannot act on %s: %s", event, exc)
 
@@ -282,15 +282,15 @@ class ControlledPushes:
             try:
                 if u.via is not None:
                     try:
-                        server_future = self._aggregator(u.via)._send_push(
+                        server_future = self._aggregator(u.via).send_push(
                             u.arrays, u.base_version,
                             **self.book.member_fields(u, self.client.address))
                     except MlfabricError as exc:
                         self.book.via_failed(u, exc)
-                        server_future = self.client._send_push(u.arrays, u.base_version,
+                        server_future = self.client.send_push(u.arrays, u.base_version,
                                                                uid=u.uid)
                 else:
-                    server_future = self.client._send_push(u.arrays, u.base_version, uid=u.uid)
+                    server_future = self.client.send_push(u.arrays, u.base_version, uid=u.uid)
             except Exception as exc:  # this thread must outlive any one push
                 if not isinstance(exc, MlfabricError):
                     log.exception("sending update %s failed", u.creq)
@@ -302,21 +302,14 @@ class ControlledPushes:
     def _aggregator(self, address: str) -> Any:
         """The link to the aggregator at `address`, dialled on first use (and
         again after it failed)."""
-        from .blocking import Client, _dial
-
         def usable(link: Any) -> bool:
-            return link is not None and not link.closed and link._error is None
+            return link is not None and not link.closed and not link.failed
 
         with self._agg_lock:
             known: Any = self._aggregators.get(address)
         if usable(known):
             return known
-        assert self.client._dial_args is not None
-        job, secret, name, timeout = self.client._dial_args
-        sock, conn, welcome = _dial(address, job, secret, name,
-                                    min(timeout, AGGREGATOR_DIAL_TIMEOUT), what="aggregator",
-                                    command=AGGREGATOR_COMMAND)
-        new = Client(sock, conn, welcome, address)
+        new = self._dial_aggregator(address)
         with self._agg_lock:
             link: Any = self._aggregators.get(address)
             if not usable(link):

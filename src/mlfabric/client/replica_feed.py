@@ -16,7 +16,7 @@ With a controller, each replica apply is reported (REPLICA_DONE) so the
 controller can track the divergence bound.
 
 `ReplicaFeed` works for both clients: it needs only the replica client's
-`_send_push`, which returns a concurrent or an asyncio future, and those
+`send_push`, which returns a concurrent or an asyncio future, and those
 futures' callbacks. `ReplicaFeeds` is what a client keeps across failovers
 and joins: the current feed, the retired ones and the updates acknowledged
 while no replica was attached.
@@ -90,7 +90,7 @@ class ReplicaFeed:
         with self._lock:
             self.unreplicated[seq] = (arrays, base_version)
         try:
-            sent = self.replica._send_push(arrays, base_version, seq=seq)
+            sent = self.replica.send_push(arrays, base_version, seq=seq)
         except MlfabricError as exc:
             self._failed(seq, exc)
             _resolve(done, outcome)

@@ -7,8 +7,8 @@ import json
 import socket
 from typing import Any
 
-from ..client.blocking import _handshake
 from ..client.core import Handshake, default_client_name, parse_address
+from ..client.socket_link import handshake
 from ..errors import ConnectError, ConnectionLost, ProtocolError
 from ..wire import auth
 from ..wire.protocol import NEED_DATA, Connection, Error, Status, StatusRequest
@@ -34,7 +34,7 @@ def fetch_status(address: str, job: str, token: bytes, timeout: float = 10.0) ->
             f"controller` running there? (--controller)") from None
     with sock:
         conn = Connection()
-        _handshake(sock, conn, Handshake(job, token, f"status@{default_client_name()}"))
+        handshake(sock, conn, Handshake(job, token, f"status@{default_client_name()}"))
         sock.sendall(conn.send_bytes(StatusRequest(req=1)))
         while True:
             event = conn.next_event()

@@ -15,8 +15,8 @@ import asyncio
 import logging
 from typing import Any
 
-from ..client.aio import _ClientProtocol, open_link
 from ..client.core import Handshake
+from ..client.link import Link, open_link
 from ..errors import ConfigError
 from ..runtime.metrics import ServerMetrics
 from ..server.store import ParameterStore
@@ -30,7 +30,7 @@ ACK_TIMEOUT = 10.0  # seconds the replica may take to acknowledge a forwarded up
 class ChainLink:
     """The server's connection to its replica."""
 
-    def __init__(self, proto: _ClientProtocol, metrics: ServerMetrics, *,
+    def __init__(self, proto: Link, metrics: ServerMetrics, *,
                  ack_timeout: float = ACK_TIMEOUT) -> None:
         """`ack_timeout`: a replica that has not acknowledged an update this
         many seconds after it was sent is given up (the server then answers

@@ -18,8 +18,8 @@ import math
 from typing import Any
 
 from .. import kernels
-from ..client.aio import open_link
 from ..client.core import Handshake
+from ..client.link import open_link
 from ..errors import ConfigError, MlfabricError
 from ..runtime.loop import within
 from ..runtime.metrics import ServerMetrics

@@ -28,8 +28,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..client.aio import open_link
 from ..client.core import Handshake
+from ..client.link import open_link
 from ..errors import ConfigError, MlfabricError, ServerError
 from ..runtime.loop import within
 from ..wire.protocol import Error, Ping, Pong, Promote, Resync

@@ -47,7 +47,7 @@ async def promote(replica: str, *, job: str, token: bytes, server: str | None, f
                   timeout: float) -> int:
     """Ask the replica to take over; the version it serves from, or
     ServerError with the replica's reason."""
-    from ..client.aio import open_link
+    from ..client.link import open_link
 
     answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 

@@ -52,7 +52,7 @@ from .. import kernels
 from ..errors import InvalidUpdate, MlfabricError, SequenceGap
 from ..runtime.loop import within
 from ..runtime.metrics import ServerMetrics
-from ..server.server import ParameterServer, _ServerProtocol, velocity_norm
+from ..server.server import ParameterServer, ServerProtocol, velocity_norm
 from ..server.store import ParameterStore
 from ..wire.protocol import (
     Error,
@@ -333,7 +333,7 @@ class ReplicaServer(ParameterServer):
             conn.send(PushResult(req=req, applied=True, version=seq, delay=outcome.delay))
 
 
-class _ReplicaProtocol(_ServerProtocol):
+class _ReplicaProtocol(ServerProtocol):
     """One connection to a replica (from the server, or from a worker)."""
 
     endpoint: ReplicaServer
@@ -374,8 +374,8 @@ async def server_answers(address: str, *, job: str, token: bytes, timeout: float
                          ) -> int | None:
     """The version of the server at `address` if it answers a heartbeat
     within `timeout` seconds, else None."""
-    from ..client.aio import open_link
     from ..client.core import Handshake
+    from ..client.link import open_link
 
     answer: asyncio.Future[Pong] = asyncio.get_running_loop().create_future()
 
@@ -404,8 +404,8 @@ async def fetch_state(address: str, *, job: str, token: bytes, timeout: float = 
                       max_pending: int = DEFAULT_MAX_PENDING) -> ParameterStore:
     """The whole state of the server at `address` (weights, momentum history,
     version), for a replica joining a running job."""
-    from ..client.aio import open_link
     from ..client.core import Handshake
+    from ..client.link import open_link
     from ..wire.protocol import HEADER, MAX_META_LEN, PREVIOUS_PREFIX, StateRequest, layout
 
     link = await open_link(address, Handshake(job, token, "mlfabric-replica"), timeout,
@@ -431,8 +431,8 @@ async def fetch_state(address: str, *, job: str, token: bytes, timeout: float = 
 async def announce(controller: str, *, address: str, store: ParameterStore, job: str,
                    token: bytes, timeout: float = 30.0) -> None:
     """Tell the controller a replica serves at `address` from the store's version on."""
-    from ..client.aio import open_link
     from ..client.core import Handshake
+    from ..client.link import open_link
     from ..wire.protocol import ReplicaJoin
 
     link = await open_link(controller, Handshake(job, token, "mlfabric-replica"), timeout,

@@ -17,7 +17,7 @@ update applied gets the model as it is; one the client cancels
 (`PullCancel`: its update was dropped) is forgotten.
 
 A connection carries one streamed frame at a time; its other answers queue
-until the frame ends (`_ServerProtocol.stream_begin`).
+until the frame ends (`ServerProtocol.stream_begin`).
 """
 
 from __future__ import annotations

@@ -93,8 +93,8 @@ class ParameterServer(Endpoint):
         self.pull_waits: PullWaits | None = PullWaits(self)
         self.metrics.version.set(store.version)
 
-    def make_protocol(self) -> _ServerProtocol:
-        return _ServerProtocol(self)
+    def make_protocol(self) -> ServerProtocol:
+        return ServerProtocol(self)
 
     def welcome(self, conn: EndpointProtocol) -> Welcome:
         store = self.store
@@ -223,7 +223,7 @@ class ParameterServer(Endpoint):
         return Model(req=event.req, version=version, tensors=tensors)
 
 
-class _ServerProtocol(EndpointProtocol):
+class ServerProtocol(EndpointProtocol):
     """One client connection of a parameter server: pulls and pushes."""
 
     endpoint: ParameterServer

@@ -1,0 +1,241 @@
+"""A link to an mlfabric listener (a parameter server, replica, aggregator or
+controller), for asyncio code: the protocol that frames and authenticates it
+(`Link`), the dial (`open_link`), a frame's data block sent as it becomes
+final (`FrameWriter`), and links kept per address (`LinkPool`).
+
+The asyncio client is built on it, and so is every other component that
+talks to a server: the replica, chain replication, measured divergence,
+failover and the aggregator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable, Coroutine
+from typing import Any, Generic, Protocol, TypeVar
+
+from ..errors import ConnectError, ConnectionLost, MlfabricError
+from ..runtime.loop import within
+from ..runtime.metrics import ClientMetrics
+from ..wire.protocol import HEADER, MAX_META_LEN, NEED_DATA, Connection, layout
+from .core import Handshake, RequestTable, connection_lost_error, parse_address
+
+# Frames up to this size go out as one write (one syscall); larger ones as
+# their parts, so a model's data block is never copied.
+JOIN_LIMIT = 1 << 16
+
+
+async def open_link(address: str, hs: Handshake, timeout: float, what: str, *,
+                    metrics: ClientMetrics | None = None, on_event: Any = None,
+                    on_lost: Any = None, command: str | None = None) -> Link:
+    """Connect to an mlfabric server or controller and complete the handshake.
+    `command`: what should be running there (default: mlfabric + what's last word)."""
+    host, port = parse_address(address)
+    loop = asyncio.get_running_loop()
+    try:
+        _, proto = await within(
+            loop.create_connection(
+                lambda: Link(address, hs, metrics, on_event, on_lost), host, port),
+            timeout,
+        )
+    except (TimeoutError, OSError) as exc:
+        detail = getattr(exc, "strerror", None) or str(exc) or "timed out"
+        command = command or f"mlfabric {what.split()[-1]}"
+        raise ConnectError(
+            f"cannot reach the {what} at {address}: {detail}; is `{command}` running there?"
+        ) from None
+    try:
+        await within(asyncio.shield(proto.welcomed), timeout)
+    except TimeoutError:
+        proto.close()
+        raise ConnectError(f"the {what} did not complete the handshake in time") from None
+    except BaseException:
+        proto.close()
+        raise
+    return proto
+
+
+class Closable(Protocol):
+    """What a `LinkPool` keeps: anything that says whether it is closed and closes."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+L = TypeVar("L", bound=Closable)
+
+
+class LinkPool(Generic[L]):
+    """Links kept per address, dialled on first use and again once they failed
+    or closed; callers asking meanwhile share one dial. `dial(address)` makes
+    a new link (the asyncio client and the aggregator dial `AsyncClient`s)."""
+
+    def __init__(self, dial: Callable[[str], Coroutine[Any, Any, L]]) -> None:
+        self._dial = dial
+        self._links: dict[str, asyncio.Task[L]] = {}
+
+    def ahead(self, address: str) -> asyncio.Task[L]:
+        """Start dialling `address` unless a live or pending link to it is kept;
+        returns the dial. A failed dial is only kept for `get` to replace."""
+        task = self._links.get(address)
+        if task is None or (task.done() and (task.exception() is not None
+                                             or task.result().closed)):
+            task = self._links[address] = asyncio.get_running_loop().create_task(
+                self._dial(address))
+            # Nobody may await a dial made ahead; its failure is seen at the next use.
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
+
+    async def get(self, address: str) -> L:
+        """The link to `address` (dialled now if none is kept or it failed)."""
+        return await asyncio.shield(self.ahead(address))
+
+    def forget(self, address: str, link: L) -> None:
+        """Stop keeping `link` for `address` (it is being dropped: not to be reused)."""
+        task = self._links.get(address)
+        if task is not None and task.done() and not task.cancelled() \
+                and task.exception() is None and task.result() is link:
+            del self._links[address]
+
+    async def close(self) -> None:
+        """Close every link kept (or stop its dial)."""
+        for task in self._links.values():
+            if task.done() and task.exception() is None:
+                await task.result().close()
+            else:
+                task.cancel()
+
+
+class Link(asyncio.BufferedProtocol):
+    """A connection to a server (answers resolve requests) or, with `on_event`,
+    to a controller (events go to that callback)."""
+
+    def __init__(self, address: str, hs: Handshake, metrics: ClientMetrics | None,
+                 on_event: Any = None, on_lost: Any = None) -> None:
+        self.address = address
+        self.on_event = on_event
+        self.on_lost = on_lost
+        self.hs = hs
+        self.metrics = metrics
+        self.conn = Connection()
+        self.requests = RequestTable(metrics)
+        self.transport: Any = None
+        self.welcomed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.error: BaseException | None = None
+        self._stage = "challenge"
+        self.can_write = asyncio.Event()
+        self.can_write.set()
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.send(self.hs.hello())
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.conn.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.conn.buffer_updated(nbytes)
+        if self.metrics is not None:
+            self.metrics.received_bytes.inc(nbytes)
+        try:
+            while (event := self.conn.next_event()) is not NEED_DATA:
+                self._handle(event)
+        except MlfabricError as exc:
+            self._fail(exc)
+            self.close()
+
+    def _handle(self, event: Any) -> None:
+        if self._stage == "ready":
+            if self.on_event is not None:
+                self.on_event(event)
+            else:
+                self.requests.dispatch(event)
+        elif self._stage == "challenge":
+            self.send(self.hs.on_challenge(event))
+            self.hs.verify_server()
+            self._stage = "welcome"
+        else:
+            welcome = self.hs.on_welcome(event)
+            self.conn.max_frame_size = HEADER.size + MAX_META_LEN + layout(welcome.tensors)[1]
+            self._stage = "ready"
+            self.welcomed.set_result(welcome)
+
+    def pause_writing(self) -> None:
+        self.can_write.clear()
+
+    def resume_writing(self) -> None:
+        self.can_write.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.can_write.set()  # wake drain(); it then raises the connection's error
+        self._fail(connection_lost_error(self.address, exc))
+        self.transport = None
+        if not self.closed.done():
+            self.closed.set_result(None)
+        if self.on_lost is not None and self.welcomed.done() and not self.welcomed.exception():
+            self.on_lost(self, self.error)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        if not self.welcomed.done():
+            self.welcomed.set_exception(exc)
+            self.welcomed.exception()  # retrieved: connect() re-raises it
+        self.requests.fail_all(self.error)
+
+    def send(self, event: Any) -> int:
+        parts = self.conn.send(event)
+        size = sum(len(p) for p in parts)
+        if size <= JOIN_LIMIT:
+            self.write(b"".join(parts))
+        else:
+            for part in parts:
+                self.write(part)
+        return size
+
+    def write(self, data: Any) -> None:
+        """Put bytes of a frame on the link, counted as sent."""
+        self.transport.write(data)
+        if self.metrics is not None:
+            self.metrics.sent_bytes.inc(len(data))
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+class FrameWriter:
+    """The data block of a frame whose header is already sent, written in
+    order as its bytes become final (an aggregator forwards an aggregate
+    while its members are still arriving)."""
+
+    def __init__(self, proto: Link, nbytes: int) -> None:
+        self._proto = proto
+        self.nbytes = nbytes
+        self.sent = 0
+
+    def write(self, data: memoryview) -> None:
+        """Send the next `len(data)` bytes of the block (not copied: keep them
+        unchanged until the frame is answered)."""
+        if self.sent + len(data) > self.nbytes:
+            raise ValueError(f"{self.sent + len(data)} bytes written to a {self.nbytes}-byte "
+                             f"data block")
+        proto = self._proto
+        if proto.error is not None or proto.transport is None:
+            raise proto.error or ConnectionLost(f"the link to {proto.address} is closed")
+        proto.write(data)
+        self.sent += len(data)
+
+    def abort(self) -> None:
+        """Give up on the frame: the link is dropped at once, so the far end
+        discards the partial frame (a request already waiting on this link
+        fails with the link)."""
+        if self._proto.transport is not None:
+            self._proto.transport.abort()
