@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 
 from mlfabric.runtime import loop as loops
 
 LOOP_KINDS = ("asyncio", "uvloop")
-
-# Processes the tests start (`python -m mlfabric ...`) must import the
-# installed, compiled package, never the source tree of the working directory
-# (which has no compiled _core when installed from a fresh clone).
-os.environ["PYTHONSAFEPATH"] = "1"
-
 
 @pytest.fixture(params=LOOP_KINDS)
 def loop_kind(request: pytest.FixtureRequest) -> str:

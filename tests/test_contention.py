@@ -262,6 +262,7 @@ SYSTEMS = ["fifo", "mlfabric", "mlfabric-agg", "mlfabric-agg-wait"] + (
     ["ddp"] if importlib.util.find_spec("torch") else [])
 
 
+@pytest.mark.root
 @needs_root
 def test_each_system_really_trains_on_the_emulated_cluster():
     """A small scenario end to end: every system reaches a modest target, the

@@ -14,6 +14,7 @@ from testbed_helpers import needs_root
 TAU_MAX = 4
 
 
+@pytest.mark.root
 @needs_root
 @pytest.mark.parametrize("policy", ["fifo", "mlfabric"])
 def test_every_push_ends_with_an_outcome_within_the_staleness_bound(policy):
@@ -35,6 +36,7 @@ def test_every_push_ends_with_an_outcome_within_the_staleness_bound(policy):
         assert not any((r["reason"] or "").startswith("stale:") for r in records), records
 
 
+@pytest.mark.root
 @needs_root
 @pytest.mark.parametrize("fallback", ["fifo", "wait"])
 def test_killing_the_controller_mid_run_loses_no_update_silently(fallback):
@@ -53,6 +55,7 @@ def test_killing_the_controller_mid_run_loses_no_update_silently(fallback):
     assert max(r["start"] for r in records) - min(r["start"] for r in records) > 1.0
 
 
+@pytest.mark.root
 @needs_root
 def test_controller_learns_available_bandwidth_from_agents(tmp_path):
     import subprocess
