@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mlfabric.agent.group_sum import GroupSum
 from mlfabric.controller.state import ControlState
 from mlfabric.errors import ConfigError
 from mlfabric.scheduling.aggregation import (
     AggregationConfig,
     Group,
-    GroupSum,
     Links,
     Slot,
     apply_aggregate,

@@ -1,4 +1,4 @@
-"""The aggregator: the asyncio side of `aggregation.GroupSum` (issue 5).
+"""The in-network aggregator: the asyncio side of `aggregation.GroupSum`.
 
 It runs inside `mlfabric agent --aggregate HOST:PORT` and speaks the job's
 protocol with its token. Workers the controller routed through it push
@@ -43,7 +43,6 @@ from ..client.link import LinkPool
 from ..client.seams import ServerConnection
 from ..errors import ConfigError, ConnectionLost, MlfabricError
 from ..runtime.metrics import AggregatorMetrics
-from ..scheduling.aggregation import GroupSum
 from ..transport.listener import Endpoint, EndpointProtocol
 from ..wire.protocol import (
     HEADER,
@@ -58,6 +57,7 @@ from ..wire.protocol import (
     layout,
     spec_of,
 )
+from .group_sum import GroupSum
 
 log = logging.getLogger("mlfabric.aggregator")
 

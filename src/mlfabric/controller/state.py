@@ -130,7 +130,7 @@ class ControlState:
         self.delays = DelayStats()
         self.servers: dict[str, ServerStats] = {}
         self.agents: dict[str, AgentStats] = {}
-        # Replicas (issue 6) register here: host -> a JSON-ready dict that
+        # Replicas (worker-driven replication) register here: host -> a JSON-ready dict that
         # `mlfabric status` prints as one row (host, version, lag, ...).
         self.replicas: dict[str, dict[str, object]] = {}
         # Aggregators (agents that sum updates): host -> address, and the

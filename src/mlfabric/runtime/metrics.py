@@ -355,7 +355,7 @@ def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0")
     start_http_server(port, addr=addr, registry=registry)
 
 
-# --- Agent metrics (issue 3) are declared below this line. ---
+# --- Agent metrics (the per-host bandwidth agent) are declared below this line. ---
 
 
 class AggregatorMetrics:

@@ -10,7 +10,8 @@ a killed worker is replaced by a new one, a killed server is failed over by
 the controller and a new replica joins the promoted one, a killed replica is
 replaced by one joining the server, a killed controller or aggregator is
 restarted on its port. Some faults hit on purpose the windows that froze
-jobs before (issue 28):
+jobs before the liveness fixes (a lost worker, a replica waiting
+for a sequence number that will not come):
 
 - `lost-feed`: a worker whose connection to the replica goes through a
   proxy in this process; once its update was applied by the server (the

@@ -1,4 +1,4 @@
-"""Time to accuracy under multi-tenant contention, on the emulated cluster (issue 7).
+"""Time to accuracy under multi-tenant contention, on the emulated cluster.
 
 One scenario, several systems, the same namespaces: a server host, N worker
 hosts with heterogeneous links, two hosts of other tenants whose traffic

@@ -7,7 +7,7 @@ to it. `run_policy()` runs a server, a controller and N such workers on an
 emulated cluster (`mlfabric.tools.testbed`) and summarises delays and
 push-to-applied times, so policies can be compared on the same hosts.
 
-For aggregation (issue 5) a run can also put an aggregator (`mlfabric agent
+For in-network aggregation a run can also put an aggregator (`mlfabric agent
 --aggregate`) on a host of its own, give the server momentum, have workers
 push seeded random updates (`seeded_update`, reproducible per worker and
 step) and record the version each was applied at, so that `replay` can redo
