@@ -16,6 +16,14 @@ every repeat, and medians are compared as ratios:
 
     python benchmarks/bench_transfer.py [--mib 64] [--repeats 9] [--no-gloo]
         [--testbed MBIT]   # across two emulated hosts (root) instead of loopback
+        [--before PATH]    # also the blocking client of another checkout, alternated
+
+`--before PATH` puts PATH first on the import path of extra client processes
+(the large pusher on both servers and the small blocking client), so a
+change to the client is measured against the code before it in the same run,
+against the same servers: for example
+    git worktree add /tmp/before COMMIT && (cd /tmp/before && python setup.py build_ext --inplace)
+    python benchmarks/bench_transfer.py --before /tmp/before/src
 """
 
 from __future__ import annotations
@@ -151,7 +159,17 @@ def mlfabric_server(port: int, nbytes: int, momentum: float, overlap: bool, ctl:
     loops.run(main())
 
 
-def mlfabric_pusher(port: int, ctl: Any, host: str = HOST) -> None:
+def use_before(before: str | None) -> None:
+    """Import mlfabric from `before` (see --before) in this process."""
+    if before:
+        sys.path.insert(0, before)
+        import mlfabric
+
+        assert mlfabric.__file__.startswith(before), mlfabric.__file__
+
+
+def mlfabric_pusher(port: int, ctl: Any, host: str = HOST, before: str | None = None) -> None:
+    use_before(before)
     import mlfabric
 
     with mlfabric.connect(f"{host}:{port}", job=JOB, token=TOKEN) as ps:
@@ -168,7 +186,8 @@ def mlfabric_pusher(port: int, ctl: Any, host: str = HOST) -> None:
 
 
 def mlfabric_small_client(port: int, iters: int, use_aio: bool, ctl: Any,
-                          host: str = HOST) -> None:
+                          host: str = HOST, before: str | None = None) -> None:
+    use_before(before)
     import mlfabric
     from mlfabric.client import aio
     from mlfabric.runtime import loop as loops
@@ -247,6 +266,28 @@ def gloo_rank(rank: int, port: int, nbytes: int, ctl: Any, host: str = HOST,
     dist.destroy_process_group()
 
 
+def thread_hop_seconds(n: int = 5000) -> float:
+    """An empty round trip from this thread to a LoopThread and back (what
+    the blocking client adds to each call over the asyncio client)."""
+    import concurrent.futures
+
+    from mlfabric.runtime.loop_thread import LoopThread
+
+    runner = LoopThread()
+    samples = []
+    try:
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                f: concurrent.futures.Future[int] = concurrent.futures.Future()
+                runner.call_soon(f.set_result, 1)
+                f.result()
+            samples.append((time.perf_counter() - t0) / n)
+    finally:
+        runner.stop()
+    return med(samples)
+
+
 # --- harness ---------------------------------------------------------------------------
 
 
@@ -320,6 +361,8 @@ def main() -> int:
     ap.add_argument("--small-bytes", type=int, default=4096)
     ap.add_argument("--small-iters", type=int, default=2000)
     ap.add_argument("--no-gloo", action="store_true", help="skip PyTorch gloo")
+    ap.add_argument("--before", default=None, metavar="PATH",
+                    help="also run the blocking client imported from PATH (see above)")
     ap.add_argument("--testbed", type=float, default=None, metavar="MBIT",
                     help="run across two emulated hosts joined by links shaped to MBIT "
                          "(needs root) instead of loopback")
@@ -357,10 +400,13 @@ def main() -> int:
         raw_tx = procs.start(raw_sender, raw_port, nbytes, side="client", **where)
         mlf: dict[str, tuple[Any, Any]] = {}
         for overlap in (False, True):
-            port = free_port()
-            srv = procs.start(mlfabric_server, port, nbytes, args.momentum, overlap, **where)
-            mlf["overlap" if overlap else "plain"] = (
-                srv, procs.start(mlfabric_pusher, port, side="client", **where))
+            name = "overlap" if overlap else "plain"
+            for tag, before in ([("", None), ("before_", args.before)] if args.before
+                                else [("", None)]):
+                port = free_port()
+                srv = procs.start(mlfabric_server, port, nbytes, args.momentum, overlap, **where)
+                mlf[tag + name] = (srv, procs.start(mlfabric_pusher, port, side="client",
+                                                    before=before, **where))
         if gloo:
             # Rank 0 sends (from the client side) and hosts gloo's store there.
             store = {"host": gloo_store} if gloo_store else {}
@@ -368,10 +414,10 @@ def main() -> int:
                 ((0, gloo_port, nbytes), {**store, "ifname": gloo_if[0]}, "client"),
                 ((1, gloo_port, nbytes), {**store, "ifname": gloo_if[1]}, "server")])
 
-        t: dict[str, list[float]] = {k: [] for k in (
-            "raw", "gloo", "plain_received", "plain_applied", "plain_after",
-            "overlap_received", "overlap_applied", "overlap_after")}
-        systems = ["raw", "plain", "overlap"] + (["gloo"] if gloo else [])
+        systems = ["raw", *mlf] + (["gloo"] if gloo else [])
+        t: dict[str, list[float]] = {"raw": [], "gloo": []}
+        for name in mlf:
+            t.update({f"{name}_received": [], f"{name}_applied": [], f"{name}_after": []})
         for r in range(args.warmup + args.repeats):
             keep = r >= args.warmup
             order = systems if r % 2 == 0 else systems[::-1]  # alternate round by round
@@ -409,8 +455,12 @@ def main() -> int:
                                side="client", **where)
         mlf_aio = procs.start(mlfabric_small_client, small_port_mlf, args.small_iters, True,
                               side="client", **where)
-        small: dict[str, list[float]] = {"raw": [], "sync": [], "aio": []}
         pipes = {"raw": raw_pp, "sync": mlf_sync, "aio": mlf_aio}
+        if args.before:
+            pipes["sync_before"] = procs.start(
+                mlfabric_small_client, small_port_mlf, args.small_iters, False,
+                side="client", before=args.before, **where)
+        small: dict[str, list[float]] = {name: [] for name in pipes}
         for r in range(1 + args.repeats):
             order = list(pipes)
             if r % 2:
@@ -472,6 +522,26 @@ def main() -> int:
           f"({paired_small('sync'):.2f}x)   target >= 0.5")
     print(f"  asyncio client / raw           {med(small['raw']) / med(small['aio']):5.2f}x   "
           f"({paired_small('aio'):.2f}x)")
+    if args.before:
+        print()
+        hop = thread_hop_seconds()
+        print(f"The bound on a blocking round trip through the client's loop thread: an "
+              f"empty call there and back costs {hop * 1e6:.1f} us here (median of 5 x 5000)")
+        print(f"Before ({args.before}) against after, the same servers, alternated round by "
+              f"round: time before / time after (>1: after is faster)")
+        for label, a, b, target in (
+                ("64 MiB push, last byte in", "before_plain_received", "plain_received",
+                 ">= 0.95 as throughput after/before"),
+                ("push-to-applied, overlapped", "before_overlap_applied", "overlap_applied",
+                 ">= 1.0 (no worse)"),
+                ("push-to-applied, plain", "before_plain_applied", "plain_applied", "")):
+            print(f"  {label:32s} {med(t[a]) / med(t[b]):5.2f}x   ({paired(a, b):.2f}x)   "
+                  f"{med(t[a]) * 1e3:.2f} -> {med(t[b]) * 1e3:.2f} ms   {target}")
+        rt = med([x / y for x, y in zip(small["sync_before"], small["sync"], strict=True)])
+        print(f"  {'4 KiB round trip, blocking':32s} "
+              f"{med(small['sync_before']) / med(small['sync']):5.2f}x   ({rt:.2f}x)   "
+              f"{med(small['sync_before']) * 1e6:.1f} -> {med(small['sync']) * 1e6:.1f} us   "
+              f">= 1.0 (no worse)")
     return 0
 
 

@@ -764,10 +764,10 @@ def test_pull_including_a_push_returns_the_model_with_it(serve, monkeypatch):
     is ignored); a push future without an id waits for it, then pulls."""
     import concurrent.futures
 
-    import mlfabric.client.blocking
+    import mlfabric.client.aio
     from mlfabric.client.outcome import PushOutcome
 
-    monkeypatch.setattr(mlfabric.client.blocking, "PULL_WAIT", 0.5)
+    monkeypatch.setattr(mlfabric.client.aio, "PULL_WAIT", 0.5)
     model = make_model()
     st = serve(model, momentum=0.0, tau_max=None)
     u = random_update(model, seed=5)

@@ -334,7 +334,9 @@ def test_through_a_controller_its_drops_are_counted(serve, tmp_path):
             assert stats.dropped_reasons == {"dropped by the controller": 2}
             assert opt.version == 2
             assert_model_equal(arrays(model), server_model(st)[1])
-    # Each step's pull went out with its push; the two dropped ones were
-    # cancelled at the server, not left to expire.
+    # Each step's pull went out with its push; a dropped one's pull, if the
+    # drop had not come back first, was cancelled at the server, never left
+    # to expire (the applied ones were answered with the update in them).
     m = st.server.metrics
-    assert (sample(m.pulls_cancelled), sample(m.pulls_held), sample(m.pulls_expired)) == (2, 0, 0)
+    assert sample(m.pulls_cancelled) <= 2
+    assert (sample(m.pulls_held), sample(m.pulls_expired)) == (0, 0)

@@ -1,9 +1,12 @@
-"""The worker side: the blocking `Client` (`blocking`), the asyncio client
-(`aio`), and what both share: request bookkeeping (`core`), controlled pushes
-(`control_book`), failover (`failover`), worker-driven replication
-(`replica_feed`) and transfer reports to the host's agent (`agent_report`)."""
+"""The worker side: the asyncio client (`aio`), the one implementation, and
+the blocking `Client` (`blocking`) that runs it on a thread. What they use:
+the links (`link`, `socket_link`), request bookkeeping (`core`), controlled
+pushes (`control_book`, `aio_control`), failover (`failover`), worker-driven
+replication (`replica_feed`), transfer reports to the host's agent
+(`agent_report`), the push futures (`futures`) and the named seams (`seams`)."""
 
 from .blocking import Client, connect
+from .futures import AsyncPushFuture, PushFuture
 from .outcome import PushOutcome
 
-__all__ = ["Client", "PushOutcome", "connect"]
+__all__ = ["AsyncPushFuture", "Client", "PushFuture", "PushOutcome", "connect"]

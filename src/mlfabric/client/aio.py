@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +29,7 @@ from ..wire.protocol import (
     ReplicaAt,
     layout,
 )
+from .agent_report import TransferReporter
 from .aio_control import AsyncControlledPushes
 from .control_book import AGGREGATOR_COMMAND, AGGREGATOR_DIAL_TIMEOUT
 from .core import (
@@ -41,6 +44,7 @@ from .core import (
     resolve_token,
     watch_period,
 )
+from .futures import AsyncPushFuture
 from .link import FrameWriter, Link, LinkPool, open_link
 from .outcome import PushOutcome
 
@@ -65,6 +69,7 @@ async def connect(
     replica_backlog: int = 64,
     replica_timeout: float = 10.0,
     push_timeout: float | None = DEFAULT_PUSH_TIMEOUT,
+    agent: str | None = None,
 ) -> AsyncClient:
     """Connect to the parameter server at `address` ("HOST:PORT") for `job`.
 
@@ -75,7 +80,9 @@ async def connect(
     `controller` and `replica` the client fails over by itself to the replica
     the controller promotes, re-sends what the lost server never answered,
     and feeds a replica that joins later. Every push resolves within
-    `push_timeout` seconds, as with mlfabric.connect()."""
+    `push_timeout` seconds, and with `agent` ("HOST:PORT" of this host's
+    `mlfabric agent`) pushes of 64 KiB or more are reported to it, as with
+    mlfabric.connect() (which runs this client on a thread of its own)."""
     check_push_timeout(push_timeout)
     secret = resolve_token(token, token_file)
     hs = Handshake(job, secret, name or default_client_name())
@@ -84,6 +91,13 @@ async def connect(
     client._dial = (job, secret, hs.name, timeout, metrics)
     if push_timeout is not None:
         client._watch_pushes(push_timeout)
+    if agent is not None:
+        try:
+            client._reporter = TransferReporter(agent)
+        except BaseException:
+            await client.close()
+            raise
+        client._peer_host = proto.transport.get_extra_info("peername")[0]
     if replica is not None:
         from .replica_feed import ReplicaFeed, ReplicaFeeds
 
@@ -163,6 +177,8 @@ class AsyncClient:
         self._changes: collections.deque[Failover | ReplicaAt] = collections.deque()
         self._changer: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
+        self._reporter: TransferReporter | None = None  # with an agent
+        self._peer_host = ""
 
     def _watch_pushes(self, timeout: float) -> None:
         """Fail the pushes past `timeout` (see connect())."""
@@ -209,7 +225,10 @@ class AsyncClient:
             def held_pull(req: int) -> Pull:
                 reqs.append((proto, req))
                 return Pull(req=req, uid=uid, wait=PULL_WAIT)
-            held = self._request("pull", held_pull, None)
+            try:
+                held = self._request("pull", held_pull, None)
+            except ConnectionLost:
+                held = None  # the link is lost: the pull after the outcome fails over
         try:
             try:
                 outcome: PushOutcome | None = await asyncio.shield(push)
@@ -237,10 +256,30 @@ class AsyncClient:
 
     def push(
         self, update: Mapping[str, Any], *, base_version: int
-    ) -> asyncio.Future[PushOutcome]:
-        """Hand an update over; returns a future of its PushOutcome at once."""
+    ) -> AsyncPushFuture:
+        """Hand an update over; returns a future of its PushOutcome at once.
+
+        The arrays are sent as they are, without a copy: do not modify them
+        until the future is done, whatever the options (the client copies
+        only what it must keep: updates that wait for the controller's go or
+        for the replica). `await client.flushed()` says when the bytes have
+        left, for a caller that wants its arrays back sooner."""
         base = check_base_version(base_version)
-        arrays = check_update(update, self.specs)
+        return self.submit(check_update(update, self.specs), base)
+
+    def refusal(self) -> BaseException | None:
+        """The error push() would raise now (a lost link with nothing to fail
+        over to), or None. Safe to call from another thread: it only reads."""
+        if self._feeds is not None or self._controlled is not None:
+            return None  # parked for a failover, or the controller link reports it
+        proto = self._proto
+        if proto.error is not None or proto.transport is None:
+            return proto.error or ConnectionLost(f"the client for {self.address} is closed")
+        return None
+
+    def submit(self, arrays: dict[str, np.ndarray], base: int) -> AsyncPushFuture:
+        """push() of an update it has already checked (`check_update`): the
+        blocking client checks in the caller's thread, then submits here."""
         if self._feeds is not None:
             return self._push_replicated({n: a.copy() for n, a in arrays.items()}, base)
         if self._controlled is not None:
@@ -248,10 +287,10 @@ class AsyncClient:
         return self.send_push(arrays, base)
 
     def _push_replicated(self, arrays: dict[str, np.ndarray], base: int
-                         ) -> asyncio.Future[PushOutcome]:
+                         ) -> AsyncPushFuture:
         """To the server, then, numbered with the version it produced,
         straight to the replica; resolved once the replica has it."""
-        done: asyncio.Future[PushOutcome] = asyncio.get_running_loop().create_future()
+        done = AsyncPushFuture(loop=asyncio.get_running_loop())
         self._push_to_server(arrays, base, done, via_controller=True)
         return done
 
@@ -280,6 +319,8 @@ class AsyncClient:
         except MlfabricError as exc:
             lost(exc)
             return
+        if isinstance(done, AsyncPushFuture) and done.uid is None:
+            done.uid = getattr(at_server, "uid", None)  # for pull(including=...)
 
         def then(f: asyncio.Future[PushOutcome]) -> None:
             if done.done():
@@ -370,12 +411,23 @@ class AsyncClient:
                     address, version, len(kept))
 
     def send_push(self, arrays: dict[str, np.ndarray], base: int, seq: int | None = None,
-                   **fields: Any) -> asyncio.Future[PushOutcome]:
-        """`fields`: a push's uid and aggregation fields (protocol.Push)."""
-        fut: asyncio.Future[PushOutcome] = self._request(
-            "push", lambda req: Push(req, base, arrays, seq, **fields), base)
+                  **fields: Any) -> AsyncPushFuture:
+        """Send a push frame as given, without push()'s checks (`PushLink`).
+        `fields`: a push's uid and aggregation fields (protocol.Push)."""
+        fut = AsyncPushFuture(loop=asyncio.get_running_loop())
+        _, event = self._new_request(
+            "push", lambda req: Push(req, base, arrays, seq, **fields), base, fut)
+        self._proto.send(event)
         fut.add_done_callback(self._note_version)
+        if self._reporter is not None:
+            nbytes = sum(a.nbytes for a in arrays.values())
+            fut.add_done_callback(functools.partial(self._report, nbytes, time.monotonic()))
         return fut
+
+    def _report(self, nbytes: int, started: float, fut: asyncio.Future[Any]) -> None:
+        """Tell the agent how long the push took (a sample of the path's rate)."""
+        if self._reporter is not None and not fut.cancelled() and fut.exception() is None:
+            self._reporter.report(self._peer_host, nbytes, time.monotonic() - started)
 
     def _note_version(self, fut: asyncio.Future[Any]) -> None:
         if not fut.cancelled() and fut.exception() is None:
@@ -386,13 +438,15 @@ class AsyncClient:
         self._proto.send(event)
         return fut
 
-    def _new_request(self, kind: str, make_event: Any, base_version: int | None
-                     ) -> tuple[asyncio.Future[Any], Any]:
-        """A future registered for the answer, and the event to send for it."""
+    def _new_request(self, kind: str, make_event: Any, base_version: int | None,
+                     fut: asyncio.Future[Any] | None = None) -> tuple[asyncio.Future[Any], Any]:
+        """A future registered for the answer (`fut`, or a new one), and the
+        event to send for it."""
         proto = self._proto
         if proto.error is not None or proto.transport is None:
             raise proto.error or ConnectionLost(f"the client for {self.address} is closed")
-        fut = asyncio.get_running_loop().create_future()
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
         return fut, make_event(proto.requests.add(kind, fut, base_version))
 
     def request_streamed(self, kind: str, make_event: Any, base_version: int | None
@@ -407,9 +461,15 @@ class AsyncClient:
         proto.write(head)
         return fut, FrameWriter(proto, sum(len(p) for p in data))
 
+    async def flushed(self) -> None:
+        """Wait until every byte handed to this client's link has gone to the
+        operating system (what the blocking client waits for in push()). A
+        lost link has nothing left to send: its error shows on the futures."""
+        await self._proto.flushed()
+
     async def drain(self) -> None:
-        """Wait until the transport's write buffer is below its high-water
-        mark: call it between pushes to bound the memory of queued updates."""
+        """Wait until the link has sent what it was given: call it between
+        pushes to bound the memory of queued updates."""
         await self._proto.can_write.wait()
         if self._proto.error is not None:
             raise self._proto.error
@@ -427,6 +487,8 @@ class AsyncClient:
             self._feeds.warn_unprotected()
         if self._failover is not None:
             self._failover.close()
+        if self._reporter is not None:
+            self._reporter.close()
         self._proto.close()
         await self._proto.closed
 

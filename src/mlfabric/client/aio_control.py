@@ -1,10 +1,12 @@
 """An asyncio client's link to the job's controller.
 
-The same behaviour as mlfabric.client.blocking_control (see there), on the event
-loop: push() asks the controller, sends on go, reports the outcome; a drop
-resolves the future with the reason; without the controller, updates go at
-once with a warning (fallback "fifo") or wait for it up to `timeout` seconds
-(fallback "wait").
+push() asks the controller, sends on go (straight to the server, or through
+the aggregator the controller names), reports the outcome; a drop resolves
+the future with the reason; without the controller, updates go at once with
+a warning (fallback "fifo") or wait for it up to `timeout` seconds (fallback
+"wait"), and the link is dialled again every few seconds. `ControlBook`
+decides; this class does the I/O on the client's event loop (the blocking
+client runs the same client on a thread).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .control_book import (
     controlled_update,
 )
 from .core import Handshake
+from .futures import AsyncPushFuture
 from .link import Link, LinkPool, open_link
 from .outcome import PushOutcome
 from .seams import ControlledClient, PushLink
@@ -73,9 +76,9 @@ class AsyncControlledPushes:
         return link
 
     def push(self, arrays: dict[str, np.ndarray], base_version: int, nbytes: int
-             ) -> asyncio.Future[PushOutcome]:
+             ) -> AsyncPushFuture:
         u = controlled_update(arrays, base_version, nbytes,
-                              asyncio.get_running_loop().create_future())
+                              AsyncPushFuture(loop=asyncio.get_running_loop()))
         request, now = self.book.place(u)
         if request is not None and self._link is not None:
             self._link.send(request)

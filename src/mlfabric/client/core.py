@@ -8,16 +8,14 @@ blocking client, asyncio futures for the asyncio one.
 
 from __future__ import annotations
 
-import heapq
 import inspect
 import itertools
 import logging
 import os
 import socket
-import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -336,53 +334,6 @@ def check_push_timeout(push_timeout: float | None) -> float | None:
 def watch_period(push_timeout: float) -> float:
     """How often a client looks for pushes past their timeout."""
     return min(1.0, push_timeout / 4)
-
-
-class TimerThread:
-    """`schedule(delay, fn)` for a blocking client: one daemon thread runs
-    every callback due, in deadline order (a thread per push would cost a
-    thread start per update)."""
-
-    def __init__(self, name: str = "mlfabric-timer") -> None:
-        self._cond = threading.Condition()
-        self._due: list[tuple[float, int, Callable[[], None]]] = []
-        self._ids = itertools.count()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def schedule(self, delay: float, fn: Callable[[], None]) -> None:
-        with self._cond:
-            heapq.heappush(self._due, (time.monotonic() + delay, next(self._ids), fn))
-            self._cond.notify()
-
-    def every(self, period: float, fn: Callable[[], None]) -> None:
-        """Run fn every `period` seconds until closed."""
-        def again() -> None:
-            fn()
-            self.schedule(period, again)
-        self.schedule(period, again)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closed and (
-                        not self._due or self._due[0][0] > time.monotonic()):
-                    wait = self._due[0][0] - time.monotonic() if self._due else None
-                    self._cond.wait(wait)
-                if self._closed:
-                    return
-                _, _, fn = heapq.heappop(self._due)
-            try:
-                fn()
-            except Exception:  # a timer must outlive any one callback
-                log.exception("timer callback failed")
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._due.clear()
-            self._cond.notify()
 
 
 def connection_lost_error(address: str, exc: BaseException | None) -> ConnectionLost:

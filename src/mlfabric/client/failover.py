@@ -7,15 +7,14 @@ arrives; pull() waits for it too. Nothing waits forever: after `timeout`
 seconds without a failover, parked updates fail with ConnectionLost saying
 their fate is unknown.
 
-`FailoverBook` decides (no threads, no event loop); `FailoverWait` carries
-it out for the blocking client with a condition and a watchdog thread,
-`AsyncFailoverWait` for the asyncio client with an event and a timer.
+`FailoverBook` decides (no event loop); `AsyncFailoverWait` carries it out
+on the client's event loop with an event and a timer (the blocking client
+runs that same client on a thread).
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -82,64 +81,6 @@ def _fail(futures: list[Any], exc: ConnectionLost) -> None:
     for future in futures:
         if not future.done():
             future.set_exception(exc)
-
-
-class FailoverWait:
-    """FailoverBook for the blocking client (any thread)."""
-
-    def __init__(self, timeout: float) -> None:
-        self.book = FailoverBook(timeout)
-        self.timeout = timeout
-        self._cond = threading.Condition()
-        self._watchdog: threading.Thread | None = None
-
-    @property
-    def generation(self) -> int:
-        return self.book.generation
-
-    def park(self, generation: int, resend: Callable[[], None], future: Any) -> None:
-        """An update sent at `generation` was not answered: `resend()` it once
-        the server changes (at once if it already has)."""
-        with self._cond:
-            action = self.book.park(generation, resend, future)
-            if action == PARKED and self._watchdog is None:
-                self._watchdog = threading.Thread(target=self._expire, args=(generation,),
-                                                  name="mlfabric-failover-wait", daemon=True)
-                self._watchdog.start()
-        if action == CLOSED:
-            _fail([future], ConnectionLost("the client was closed"))
-        elif action == RESEND:
-            # Not in this thread: it may be a reader thread holding the
-            # client's lock, which sending takes.
-            threading.Thread(target=resend, name="mlfabric-resend", daemon=True).start()
-
-    def advance(self) -> None:
-        with self._cond:
-            resends = self.book.advance()
-            self._cond.notify_all()
-        for resend in resends:
-            resend()
-
-    def wait_past(self, generation: int) -> bool:
-        """Wait until a failover after `generation`; False on timeout or close."""
-        with self._cond:
-            return self._cond.wait_for(
-                lambda: self.book.generation > generation or self.book.closed, self.timeout
-            ) and not self.book.closed
-
-    def _expire(self, generation: int) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self.book.generation > generation or self.book.closed,
-                                self.timeout)
-            self._watchdog = None
-            gone = [] if self.book.closed else self.book.expire(generation)
-        _fail(gone, self.book.expired_error())
-
-    def close(self) -> None:
-        with self._cond:
-            gone = self.book.close()
-            self._cond.notify_all()
-        _fail(gone, self.book.closed_error())
 
 
 class AsyncFailoverWait:

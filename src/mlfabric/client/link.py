@@ -132,6 +132,11 @@ class Link(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
+        # Writing pauses as soon as anything is left unsent, and resumes once
+        # all of it is sent: `can_write` then means "nothing buffered", so
+        # `flushed()` can tell when a frame's bytes no longer point into the
+        # caller's arrays (uvloop buffers what it cannot send without a copy).
+        transport.set_write_buffer_limits(high=0)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -167,6 +172,12 @@ class Link(asyncio.BufferedProtocol):
             self._stage = "ready"
             self.welcomed.set_result(welcome)
 
+    async def flushed(self) -> None:
+        """Wait until nothing is left in the transport's write buffer (at once
+        if the link is gone: its buffer is then dropped)."""
+        if self.transport is not None:
+            await self.can_write.wait()
+
     def pause_writing(self) -> None:
         self.can_write.clear()
 
@@ -175,6 +186,13 @@ class Link(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.can_write.set()  # wake drain(); it then raises the connection's error
+        if not self.welcomed.done():
+            # A peer that dies mid-handshake: callers fall back on ConnectionLost
+            # (an aggregator's members go straight to the server).
+            why = (f"the connection was lost during the handshake: "
+                   f"{getattr(exc, 'strerror', None) or exc}" if exc is not None
+                   else "the server closed the connection during the handshake")
+            self._fail(ConnectionLost(why))
         self._fail(connection_lost_error(self.address, exc))
         self.transport = None
         if not self.closed.done():

@@ -15,17 +15,16 @@ when it resyncs: the update is not kept for it.
 With a controller, each replica apply is reported (REPLICA_DONE) so the
 controller can track the divergence bound.
 
-`ReplicaFeed` works for both clients: it needs only the replica client's
-`send_push`, which returns a concurrent or an asyncio future, and those
-futures' callbacks. `ReplicaFeeds` is what a client keeps across failovers
-and joins: the current feed, the retired ones and the updates acknowledged
-while no replica was attached.
+`ReplicaFeed` runs on the client's event loop; it needs only the replica
+link's `send_push` (a `ReplicaSink`) and its futures' callbacks.
+`ReplicaFeeds` is what a client keeps across failovers and joins: the
+current feed, the retired ones and the updates acknowledged while no
+replica was attached.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -53,10 +52,9 @@ class ReplicaFeed:
                  schedule: Schedule | None = None) -> None:
         """`replica`: a Client or AsyncClient connected to the replica; `host`
         its address as named to the controller; `report(host, version)` tells
-        the controller. `schedule(delay, fn)` runs fn after delay seconds (a
-        TimerThread's for a blocking client, the event loop's call_later for
-        an asyncio one); with it, a push resolves after `timeout` seconds
-        without the replica's answer."""
+        the controller. `schedule(delay, fn)` runs fn after delay seconds (the
+        event loop's call_later); with it, a push resolves after `timeout`
+        seconds without the replica's answer."""
         if not timeout > 0:
             raise ConfigError(f"replica_timeout must be positive, got {timeout}")
         self.replica = replica
@@ -113,7 +111,7 @@ class ReplicaFeed:
                         "the replica (is it waiting for a lost update? the controller "
                         "resyncs it with --server/--replica)", self.replica.address, seq,
                         self.timeout)
-        _resolve_threadsafe(done, outcome)
+        _resolve(done, outcome)
 
     def _answered(self, f: Any, seq: int, outcome: PushOutcome, done: Any) -> None:
         exc = ConnectionLost("cancelled") if f.cancelled() else f.exception()
@@ -164,23 +162,10 @@ class ReplicaFeed:
         with self._lock:
             return dict(self.unreplicated)
 
-    def drain(self, timeout: float) -> int:
-        """Wait up to `timeout` s for the updates on their way to the replica
-        to be answered; how many are still unanswered."""
-        with self._lock:
-            self._lock.wait_for(lambda: not self.unreplicated or self._warned, timeout)
-            return len(self.unreplicated)
-
-    def close(self, timeout: float | None = None) -> None:
+    async def aclose(self, timeout: float | None = None) -> None:
         """Close, once the updates sent to the replica are answered (a worker
         that quits right after its last push must not take them along), or
         after `timeout` seconds (default: the replica timeout)."""
-        self._closing(self.drain(self.timeout if timeout is None else timeout))
-        self.replica.close()
-
-    async def aclose(self, timeout: float | None = None) -> None:
-        """close() for a feed of an asyncio client (its answers arrive on
-        this event loop, so waiting on the condition would block them)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self.timeout if timeout is None else timeout)
         changed = asyncio.Event()
@@ -211,15 +196,6 @@ def _resolve(done: Any, outcome: PushOutcome) -> None:
     # An asyncio caller may have cancelled its future.
     if not done.done():
         done.set_result(outcome)
-
-
-def _resolve_threadsafe(done: Any, outcome: PushOutcome) -> None:
-    """`_resolve`, from a timer: a concurrent future may be resolved by the
-    reader thread at the same moment (InvalidStateError then means it was)."""
-    try:
-        _resolve(done, outcome)
-    except (concurrent.futures.InvalidStateError, asyncio.InvalidStateError):
-        pass
 
 
 class ReplicaFeeds:
