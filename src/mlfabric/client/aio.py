@@ -1,7 +1,8 @@
-"""The asyncio client: `await mlfabric.client.aio.connect(...)`.
+"""The client: `await mlfabric.aio.connect(...)`, and the engine the blocking
+`mlfabric.connect()` runs on a thread of its own.
 
 Same API as the blocking client with awaitables: `await ps.pull()`, and
-`ps.push(...)` returns an asyncio future of the outcome at once. Pushed
+`ps.push(...)` returns an `AsyncPushFuture` of the outcome at once. Pushed
 arrays are handed to the transport without a copy: do not modify them until
 the push's future is done.
 """
@@ -296,8 +297,7 @@ class AsyncClient:
 
     def _push_to_server(self, arrays: dict[str, np.ndarray], base: int,
                         done: asyncio.Future[PushOutcome], via_controller: bool) -> None:
-        """As the blocking client's: an update the server never answered is
-        parked for the failover and then re-sent straight to the promoted
+        """An update the server never answered is parked for the failover and then re-sent straight to the promoted
         replica, without asking the controller again."""
         failover = self._failover
         generation = failover.generation if failover is not None else 0

@@ -1,10 +1,10 @@
 """A client's updates that go through the controller, without I/O.
 
-Both clients (blocking and asyncio) keep one `ControlBook`: which updates
+The client keeps one `ControlBook`: which updates
 were asked for and await a directive, which wait for the controller to come
 back, and what each controller event means for them. The clients only carry
 the answers out: send a request, send an update to the server, resolve a
-future. Callers serialise access (a lock, or the event loop).
+future. Callers serialise access (the client's event loop does).
 """
 
 from __future__ import annotations

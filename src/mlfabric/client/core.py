@@ -1,9 +1,9 @@
-"""What the blocking and the asyncio clients share, without I/O.
+"""What the client needs without I/O.
 
 The handshake steps, the table of requests awaiting an answer, and the
-checks on what a user hands to pull/push. Futures here are anything with
-`done()`, `set_result()` and `set_exception()`: concurrent.futures for the
-blocking client, asyncio futures for the asyncio one.
+checks on what a user hands to pull/push (the blocking client runs them in
+the caller's thread). Futures here are anything with `done()`,
+`set_result()` and `set_exception()`.
 """
 
 from __future__ import annotations

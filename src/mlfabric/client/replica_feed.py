@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -67,13 +66,11 @@ class ReplicaFeed:
         # Called once, outside any lock of this feed, when the replica is
         # found unreachable (the client then keeps updates for the next one).
         self.on_lost: Callable[[ReplicaFeed], None] | None = None
-        self._lock = threading.Condition()
         # version -> (arrays, base_version): applied at the server, not yet
         # known to be applied at the replica.
         self.unreplicated: dict[int, tuple[dict[str, np.ndarray], int]] = {}
         self._warned = False
-        # Called after every answer or failure (an asyncio client's close
-        # waits on them; the blocking one on the condition).
+        # Called after every answer or failure (close() waits on them).
         self._watchers: list[Callable[[], None]] = []
 
     def replicate(self, arrays: dict[str, np.ndarray], base_version: int,
@@ -85,8 +82,7 @@ class ReplicaFeed:
             _resolve(done, outcome)
             return
         seq = outcome.version
-        with self._lock:
-            self.unreplicated[seq] = (arrays, base_version)
+        self.unreplicated[seq] = (arrays, base_version)
         try:
             sent = self.replica.send_push(arrays, base_version, seq=seq)
         except MlfabricError as exc:
@@ -100,11 +96,10 @@ class ReplicaFeed:
     def _too_slow(self, seq: int, outcome: PushOutcome, done: Any) -> None:
         """`timeout` passed: resolve with the server's outcome if the replica
         has not answered (the update stays kept and on its way)."""
-        with self._lock:
-            if seq not in self.unreplicated or done.done():
-                return
-            warn, self._warned_slow = not self._warned_slow, True
-            self.timed_out += 1
+        if seq not in self.unreplicated or done.done():
+            return
+        warn, self._warned_slow = not self._warned_slow, True
+        self.timed_out += 1
         if warn:
             log.warning("the replica %s has not confirmed update %d within %.1f s: the push "
                         "completes with the server's outcome, and the update stays kept for "
@@ -121,17 +116,13 @@ class ReplicaFeed:
             # it resyncs. Not a lost replica.
             log.info("the replica %s will take update %d from the server's state: %s",
                      self.replica.address, seq, exc)
-            with self._lock:
-                self.unreplicated.pop(seq, None)
-                self._lock.notify_all()
+            self.unreplicated.pop(seq, None)
             self._changed()
         elif exc is not None:
             self._failed(seq, exc)
         else:
             # Applied now, or a duplicate: either way the replica has it.
-            with self._lock:
-                self.unreplicated.pop(seq, None)
-                self._lock.notify_all()
+            self.unreplicated.pop(seq, None)
             self._changed()
             if self.report is not None:
                 self.report(self.host, seq)
@@ -147,10 +138,8 @@ class ReplicaFeed:
             watcher()
 
     def _failed(self, seq: int, exc: BaseException) -> None:
-        with self._lock:
-            warn, self._warned = not self._warned, True
-            held = len(self.unreplicated)
-            self._lock.notify_all()
+        warn, self._warned = not self._warned, True
+        held = len(self.unreplicated)
         self._changed()
         if warn:
             log.warning("update %d is applied at the server but did not reach the replica "
@@ -159,8 +148,7 @@ class ReplicaFeed:
                 self.on_lost(self)
 
     def take_unreplicated(self) -> dict[int, tuple[dict[str, np.ndarray], int]]:
-        with self._lock:
-            return dict(self.unreplicated)
+        return dict(self.unreplicated)
 
     async def aclose(self, timeout: float | None = None) -> None:
         """Close, once the updates sent to the replica are answered (a worker
@@ -172,9 +160,8 @@ class ReplicaFeed:
         self._watchers.append(changed.set)
         try:
             while True:
-                with self._lock:
-                    left = 0 if self._warned else len(self.unreplicated)
-                    changed.clear()
+                left = 0 if self._warned else len(self.unreplicated)
+                changed.clear()
                 if not left or loop.time() >= deadline:
                     break
                 try:
@@ -211,19 +198,17 @@ class ReplicaFeeds:
         self.limit = limit
         self.retired: list[ReplicaFeed] = []
         self.backlog: dict[int, tuple[dict[str, np.ndarray], int]] = {}
-        self._lock = threading.Lock()
 
     def acknowledged(self, arrays: dict[str, np.ndarray], base: int, outcome: PushOutcome
                      ) -> ReplicaFeed | None:
         """The server answered an update: the feed to send it to, or None
         (kept for the next replica if it was applied)."""
-        with self._lock:
-            # The replica now, not at push time: one may have joined since.
-            feed = self.current
-            if feed is None and outcome.applied and self.limit:
-                self.backlog[outcome.version] = (arrays, base)
-                self._trim()
-            return feed
+        # The replica now, not at push time: one may have joined since.
+        feed = self.current
+        if feed is None and outcome.applied and self.limit:
+            self.backlog[outcome.version] = (arrays, base)
+            self._trim()
+        return feed
 
     def _trim(self) -> None:
         while len(self.backlog) > self.limit:
@@ -233,44 +218,39 @@ class ReplicaFeeds:
         """The replica became the server: no replica until one joins (call
         before the first answer from the new server, so every update it
         acknowledges is kept)."""
-        with self._lock:
-            if self.current is not None:
-                self.retired.append(self.current)
-                self.current = None
+        if self.current is not None:
+            self.retired.append(self.current)
+            self.current = None
 
     def lost(self, feed: ReplicaFeed) -> None:
         """`feed`'s replica is unreachable: from now on keep what the server
         acknowledges, and what never reached that replica, for the next one."""
         kept = feed.take_unreplicated()
-        with self._lock:
-            if self.current is not feed:
-                return
-            self.current = None
-            self.retired.append(feed)
-            self.backlog.update(kept)
-            self._trim()
+        if self.current is not feed:
+            return
+        self.current = None
+        self.retired.append(feed)
+        self.backlog.update(kept)
+        self._trim()
 
     def attach(self, feed: ReplicaFeed, version: int
                ) -> list[tuple[int, tuple[dict[str, np.ndarray], int]]]:
         """A new replica serves from `version`: the kept updates above it, in
         version order, to send it before anything else."""
-        with self._lock:
-            old, self.current = self.current, feed
-            kept = sorted(((v, x) for v, x in self.backlog.items() if v > version),
-                          key=lambda item: item[0])
-            self.backlog.clear()
-            if old is not None:
-                self.retired.append(old)
+        old, self.current = self.current, feed
+        kept = sorted(((v, x) for v, x in self.backlog.items() if v > version),
+                      key=lambda item: item[0])
+        self.backlog.clear()
+        if old is not None:
+            self.retired.append(old)
         return kept
 
     def all(self) -> list[ReplicaFeed]:
-        with self._lock:
-            return [*self.retired, *([self.current] if self.current is not None else [])]
+        return [*self.retired, *([self.current] if self.current is not None else [])]
 
     def warn_unprotected(self) -> None:
         """At close: say so if updates were acknowledged by the server alone."""
-        with self._lock:
-            n = len(self.backlog) if self.current is None else 0
+        n = len(self.backlog) if self.current is None else 0
         if n:
             log.warning("closing with %d updates acknowledged by the server alone (no replica "
                         "has joined since the failover): a loss of the server now loses them", n)
