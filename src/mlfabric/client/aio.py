@@ -297,8 +297,9 @@ class AsyncClient:
 
     def _push_to_server(self, arrays: dict[str, np.ndarray], base: int,
                         done: asyncio.Future[PushOutcome], via_controller: bool) -> None:
-        """An update the server never answered is parked for the failover and then re-sent straight to the promoted
-        replica, without asking the controller again."""
+        """An update the server never answered is parked for the failover,
+        then re-sent straight to the promoted replica, without asking the
+        controller again."""
         failover = self._failover
         generation = failover.generation if failover is not None else 0
 
