@@ -131,7 +131,7 @@ def worker(argv: list[str]) -> int:
 async def _pong(address: str, token: bytes) -> Any:
     """The Pong of the server or replica at `address` (its role and version)."""
     from mlfabric.client.aio import open_link
-    from mlfabric.client.core import Handshake
+    from mlfabric.wire.handshake import ClientHandshake
     from mlfabric.wire.protocol import Ping, Pong
 
     answer = asyncio.get_running_loop().create_future()
@@ -140,7 +140,7 @@ async def _pong(address: str, token: bytes) -> Any:
         if isinstance(event, Pong) and not answer.done():
             answer.set_result(event)
 
-    link = await open_link(address, Handshake(JOB, token, "bench"), 5.0, "replica server",
+    link = await open_link(address, ClientHandshake(JOB, token, "bench"), 5.0, "replica server",
                            on_event=on_event)
     try:
         link.send(Ping(1))

@@ -205,13 +205,13 @@ class RawClient:
 
     def __init__(self, port: int, *, authenticate: bool = True, job: str = JOB,
                  token: bytes = TOKEN) -> None:
-        from mlfabric.client.core import Handshake
+        from mlfabric.wire.handshake import ClientHandshake
 
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
         self.conn = Connection()
         self.welcome = None
         if authenticate:
-            hs = Handshake(job, token, "raw")
+            hs = ClientHandshake(job, token, "raw")
             self.send(hs.hello())
             self.send(hs.on_challenge(self.recv_event()))
             self.welcome = hs.on_welcome(self.recv_event())

@@ -29,10 +29,10 @@ def test_sampled_divergence_is_the_true_one_and_zero_once_caught_up():
                                  interval=60.0, metrics=server.metrics)
 
         async def sample_once():
-            from mlfabric.client.core import Handshake
             from mlfabric.client.link import open_link
+            from mlfabric.wire.handshake import ClientHandshake
 
-            link = await open_link(replica.address, Handshake(JOB, TOKEN, "t"), 10.0,
+            link = await open_link(replica.address, ClientHandshake(JOB, TOKEN, "t"), 10.0,
                                    "replica server")
             try:
                 return await sampler.sample(link)

@@ -317,27 +317,25 @@ def test_a_peer_that_resets_mid_handshake_is_a_lost_connection(run_async):
         listener.close()
 
 
-def test_both_dialers_name_an_absent_aggregator_and_what_runs_one(run_async):
-    """A member's dial to its aggregator fails: the sync and the asyncio client
-    say the same, naming the aggregator and `mlfabric agent --aggregate` (not
-    the parameter server the dialers speak of by default)."""
+def test_the_dialer_names_an_absent_aggregator_and_what_runs_one(run_async):
+    """A member's dial to its aggregator fails: the error names the aggregator
+    and `mlfabric agent --aggregate` (not the parameter server the dialer
+    speaks of by default)."""
 
     from mlfabric.client.control_book import AGGREGATOR_COMMAND
-    from mlfabric.client.core import Handshake
-    from mlfabric.client.socket_link import dial
+    from mlfabric.wire.handshake import ClientHandshake
 
     address = f"127.0.0.1:{free_port()}"  # nothing listens: refused
     want = (rf"^cannot reach the aggregator at {re.escape(address)}: .*; "
             r"is `mlfabric agent --aggregate` running there\?$")
-    with pytest.raises(ConnectError, match=want):
-        dial(address, JOB, TOKEN, "w0", 2.0, what="aggregator", command=AGGREGATOR_COMMAND)
-    with pytest.raises(ConnectError, match=r"the parameter server .* `mlfabric server`"):
-        dial(address, JOB, TOKEN, "w0", 2.0)
 
     async def body():
         with pytest.raises(ConnectError, match=want):
-            await link.open_link(address, Handshake(JOB, TOKEN, "w0"), 2.0, "aggregator",
-                                command=AGGREGATOR_COMMAND)
+            await link.open_link(address, ClientHandshake(JOB, TOKEN, "w0"), 2.0, "aggregator",
+                                 command=AGGREGATOR_COMMAND)
+        with pytest.raises(ConnectError, match=r"the parameter server .* `mlfabric server`"):
+            await link.open_link(address, ClientHandshake(JOB, TOKEN, "w0"), 2.0,
+                                 "parameter server")
 
     run_async(body())
 

@@ -38,12 +38,12 @@ from typing import Any
 import numpy as np
 
 from ..client.aio import dial
-from ..client.core import Handshake
 from ..client.link import LinkPool
 from ..client.seams import ServerConnection
 from ..errors import ConfigError, ConnectionLost, MlfabricError
 from ..runtime.metrics import AggregatorMetrics
 from ..transport.listener import Endpoint, EndpointProtocol
+from ..wire.handshake import ClientHandshake
 from ..wire.protocol import (
     HEADER,
     MAX_META_LEN,
@@ -234,8 +234,8 @@ class Aggregator(Endpoint):
     async def _link(self, dst: str) -> ServerConnection:
         return await self._links.get(dst)
 
-    def _handshake(self) -> Handshake:
-        return Handshake(self.job, self.token, f"{self.name} aggregator")
+    def _handshake(self) -> ClientHandshake:
+        return ClientHandshake(self.job, self.token, f"{self.name} aggregator")
 
     async def _send_aggregate(self, group: _Group, members: list[_Member], total: np.ndarray,
                               final: Any) -> None:

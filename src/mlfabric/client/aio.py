@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import ConfigError, ConnectionLost, MlfabricError
 from ..runtime.metrics import ClientMetrics
+from ..wire.handshake import ClientHandshake
 from ..wire.protocol import (
     Failover,
     Pull,
@@ -36,7 +37,6 @@ from .control_book import AGGREGATOR_COMMAND, AGGREGATOR_DIAL_TIMEOUT
 from .core import (
     DEFAULT_PUSH_TIMEOUT,
     PULL_WAIT,
-    Handshake,
     check_base_version,
     check_push_timeout,
     check_update,
@@ -86,7 +86,7 @@ async def connect(
     mlfabric.connect() (which runs this client on a thread of its own)."""
     check_push_timeout(push_timeout)
     secret = resolve_token(token, token_file)
-    hs = Handshake(job, secret, name or default_client_name())
+    hs = ClientHandshake(job, secret, name or default_client_name())
     proto = await open_link(address, hs, timeout, "parameter server", metrics=metrics)
     client = AsyncClient(proto)
     client._dial = (job, secret, hs.name, timeout, metrics)
@@ -131,7 +131,7 @@ async def connect(
     if controller is not None:
         sock = proto.transport.get_extra_info("socket")
         controlled = AsyncControlledPushes(
-            client, controller, Handshake(job, secret, name or default_client_name()),
+            client, controller, ClientHandshake(job, secret, name or default_client_name()),
             aggregators=LinkPool(lambda address: dial(
                 address, hs, AGGREGATOR_DIAL_TIMEOUT, "aggregator", command=AGGREGATOR_COMMAND)),
             host=host or sock.getsockname()[0], dst=sock.getpeername()[0],
@@ -148,7 +148,7 @@ async def connect(
     return client
 
 
-async def dial(address: str, hs: Handshake, timeout: float, what: str,
+async def dial(address: str, hs: ClientHandshake, timeout: float, what: str,
                command: str | None = None) -> AsyncClient:
     """An `AsyncClient` on a new link to `address` (a server or an aggregator)."""
     return AsyncClient(await open_link(address, hs, timeout, what, command=command))
@@ -373,7 +373,7 @@ class AsyncClient:
         """The controller promoted the replica at `address`: serve from it."""
         assert self._dial is not None and self._failover is not None
         job, secret, name, timeout, metrics = self._dial
-        proto = await open_link(address, Handshake(job, secret, name), timeout,
+        proto = await open_link(address, ClientHandshake(job, secret, name), timeout,
                                 "parameter server", metrics=metrics)
         self._feeds.retire()  # before the first answer from the new server
         old, self._proto = self._proto, proto

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConnectError, MlfabricError
+from ..wire.handshake import ClientHandshake
 from ..wire.protocol import Directive, Failover, ReplicaAt, ReplicaDone
 from .control_book import (
     RECONNECT_EVERY,
@@ -26,7 +27,6 @@ from .control_book import (
     ControlledUpdate,
     controlled_update,
 )
-from .core import Handshake
 from .futures import AsyncPushFuture
 from .link import Link, LinkPool, open_link
 from .outcome import PushOutcome
@@ -39,7 +39,7 @@ class AsyncControlledPushes:
     """Pushes of one asyncio client that go through the controller: the
     ControlBook decides, this class does the I/O on the event loop."""
 
-    def __init__(self, client: ControlledClient, address: str, hs: Handshake, *,
+    def __init__(self, client: ControlledClient, address: str, hs: ClientHandshake, *,
                  aggregators: LinkPool[PushLink], host: str, dst: str,
                  fallback: str = "fifo", timeout: float = 30.0, aggregation: bool = True) -> None:
         """`aggregators`: the links to the aggregators the controller may route

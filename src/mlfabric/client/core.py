@@ -34,14 +34,11 @@ from ..errors import (
 from ..runtime.metrics import REJECT_REASONS, ClientMetrics
 from ..wire import auth
 from ..wire.protocol import (
-    Challenge,
     Error,
-    Hello,
     Model,
     ModelEnd,
     PushResult,
     TensorSpec,
-    Welcome,
 )
 from .outcome import PushOutcome
 
@@ -86,50 +83,6 @@ def error_from_event(event: Error, context: str = "") -> MlfabricError:
     if event.code == "protocol":
         return ProtocolError(message)
     return ServerError(f"{message} (server error code {event.code!r})", code=event.code)
-
-
-class Handshake:
-    """The client's side of the challenge-response, one step per server event."""
-
-    def __init__(self, job: str, token: bytes, name: str) -> None:
-        self.job = job
-        self.token = token
-        self.name = name
-        self.nonce = auth.new_nonce()
-        self.server_nonce: bytes | None = None
-        self.server_verified = False
-
-    def hello(self) -> Hello:
-        return Hello(job=self.job, client=self.name, nonce=self.nonce)
-
-    def on_challenge(self, event: Any) -> Any:
-        """The Auth event to send. Send it even when `verify_server()` will
-        fail: the server then logs and counts the mismatch too."""
-        from ..wire.protocol import Auth
-
-        if isinstance(event, Error):
-            raise error_from_event(event)
-        if not isinstance(event, Challenge):
-            raise ProtocolError(f"expected a challenge from the server, got {type(event).__name__}")
-        expected = auth.server_proof(self.token, self.job, self.nonce, event.nonce)
-        self.server_verified = auth.proofs_match(expected, event.proof)
-        self.server_nonce = event.nonce
-        return Auth(proof=auth.client_proof(self.token, self.job, self.nonce, event.nonce))
-
-    def verify_server(self) -> None:
-        if not self.server_verified:
-            raise AuthenticationError(
-                f"authentication failed: this client's token and the server's token for job "
-                f"{self.job!r} differ; check the token file (and that the address is the "
-                f"job's server)"
-            )
-
-    def on_welcome(self, event: Any) -> Welcome:
-        if isinstance(event, Error):
-            raise error_from_event(event)
-        if not isinstance(event, Welcome):
-            raise ProtocolError(f"expected a welcome from the server, got {type(event).__name__}")
-        return event
 
 
 def check_update(

@@ -18,15 +18,16 @@ from typing import Any, Generic, Protocol, TypeVar
 from ..errors import ConnectError, ConnectionLost, MlfabricError
 from ..runtime.loop import within
 from ..runtime.metrics import ClientMetrics
+from ..wire.handshake import ClientHandshake
 from ..wire.protocol import HEADER, MAX_META_LEN, NEED_DATA, Connection, layout
-from .core import Handshake, RequestTable, connection_lost_error, parse_address
+from .core import RequestTable, connection_lost_error, parse_address
 
 # Frames up to this size go out as one write (one syscall); larger ones as
 # their parts, so a model's data block is never copied.
 JOIN_LIMIT = 1 << 16
 
 
-async def open_link(address: str, hs: Handshake, timeout: float, what: str, *,
+async def open_link(address: str, hs: ClientHandshake, timeout: float, what: str, *,
                     metrics: ClientMetrics | None = None, on_event: Any = None,
                     on_lost: Any = None, command: str | None = None) -> Link:
     """Connect to an mlfabric server or controller and complete the handshake.
@@ -113,7 +114,7 @@ class Link(asyncio.BufferedProtocol):
     """A connection to a server (answers resolve requests) or, with `on_event`,
     to a controller (events go to that callback)."""
 
-    def __init__(self, address: str, hs: Handshake, metrics: ClientMetrics | None,
+    def __init__(self, address: str, hs: ClientHandshake, metrics: ClientMetrics | None,
                  on_event: Any = None, on_lost: Any = None) -> None:
         self.address = address
         self.on_event = on_event

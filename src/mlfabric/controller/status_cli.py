@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
-import socket
 from typing import Any
 
-from ..client.core import Handshake, default_client_name, parse_address
-from ..client.socket_link import handshake
+from ..client.core import default_client_name
+from ..client.link import open_link
 from ..errors import ConnectError, ConnectionLost, ProtocolError
+from ..runtime import loop as loops
+from ..runtime.loop import within
 from ..wire import auth
-from ..wire.protocol import NEED_DATA, Connection, Error, Status, StatusRequest
+from ..wire.handshake import ClientHandshake
+from ..wire.protocol import Error, Status, StatusRequest
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,35 +28,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def fetch_status(address: str, job: str, token: bytes, timeout: float = 10.0) -> dict[str, Any]:
-    host, port = parse_address(address)
+    """The controller's status, over the same link every component dials."""
+    return loops.run(_fetch_status(address, job, token, timeout))
+
+
+async def _fetch_status(address: str, job: str, token: bytes, timeout: float
+                        ) -> dict[str, Any]:
+    answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    def on_event(event: Any) -> None:
+        if not answer.done():
+            answer.set_result(event)
+
+    def on_lost(link: Any, exc: BaseException | None) -> None:
+        if not answer.done():
+            answer.set_exception(
+                ConnectionLost(f"the controller at {address} closed the connection"))
+
     try:
-        sock = socket.create_connection((host, port), timeout=timeout)
-    except OSError as exc:
-        raise ConnectError(
-            f"cannot reach the controller at {address}: {exc.strerror or exc}; is `mlfabric "
-            f"controller` running there? (--controller)") from None
-    with sock:
-        conn = Connection()
-        handshake(sock, conn, Handshake(job, token, f"status@{default_client_name()}"))
-        sock.sendall(conn.send_bytes(StatusRequest(req=1)))
-        while True:
-            event = conn.next_event()
-            if isinstance(event, Status):
-                return dict(event.status)
-            if isinstance(event, Error):
-                raise ProtocolError(
-                    f"{address} refused the status request ({event.message}): give the "
-                    f"address of the job's `mlfabric controller`, not of its server "
-                    f"(--controller)")
-            if event is not NEED_DATA:
-                raise ProtocolError(f"expected a status, got {type(event).__name__}")
-            try:
-                data = sock.recv(1 << 16)
-            except TimeoutError:
-                raise ConnectError(f"no status from {address} within {timeout} s") from None
-            if not data:
-                raise ConnectionLost(f"the controller at {address} closed the connection")
-            conn.receive_data(data)
+        link = await open_link(
+            address, ClientHandshake(job, token, f"status@{default_client_name()}"), timeout,
+            "controller", on_event=on_event, on_lost=on_lost)
+    except ConnectError as exc:
+        raise ConnectError(f"{exc} (--controller)") from None
+    try:
+        link.send(StatusRequest(req=1))
+        try:
+            event = await within(answer, timeout)
+        except TimeoutError:
+            raise ConnectError(f"no status from {address} within {timeout} s") from None
+    finally:
+        link.close()
+    if isinstance(event, Status):
+        return dict(event.status)
+    if isinstance(event, Error):
+        raise ProtocolError(
+            f"{address} refused the status request ({event.message}): give the "
+            f"address of the job's `mlfabric controller`, not of its server "
+            f"(--controller)")
+    raise ProtocolError(f"expected a status, got {type(event).__name__}")
 
 
 def _mbit(bytes_per_s: float) -> str:

@@ -15,11 +15,11 @@ import asyncio
 import logging
 from typing import Any
 
-from ..client.core import Handshake
 from ..client.link import Link, open_link
 from ..errors import ConfigError
 from ..runtime.metrics import ServerMetrics
 from ..server.store import ParameterStore
+from ..wire.handshake import ClientHandshake
 from ..wire.protocol import Push
 
 log = logging.getLogger("mlfabric.server")
@@ -50,7 +50,7 @@ class ChainLink:
         """Connect to the replica at `address`; it must hold the same model
         (tensors, momentum, version) as `store`."""
         version = store.version
-        hs = Handshake(job, token, "mlfabric-server")
+        hs = ClientHandshake(job, token, "mlfabric-server")
         holder: list[ChainLink] = []
         proto = await open_link(address, hs, timeout, "replica server",
                                 on_lost=lambda p, exc: holder[0]._lost(exc) if holder else None)

@@ -18,12 +18,12 @@ import math
 from typing import Any
 
 from .. import kernels
-from ..client.core import Handshake
 from ..client.link import open_link
 from ..errors import ConfigError, MlfabricError
 from ..runtime.loop import within
 from ..runtime.metrics import ServerMetrics
 from ..server.store import ParameterStore
+from ..wire.handshake import ClientHandshake
 from ..wire.protocol import Pull
 
 log = logging.getLogger("mlfabric.server")
@@ -79,9 +79,8 @@ class ReplicaSampler:
         while True:
             try:
                 if link is None or link.transport is None:
-                    link = await open_link(self.replica,
-                                           Handshake(self.job, self.token, "mlfabric-sampler"),
-                                           10.0, "replica server")
+                    hs = ClientHandshake(self.job, self.token, "mlfabric-sampler")
+                    link = await open_link(self.replica, hs, 10.0, "replica server")
                 await self.sample(link)
             except (MlfabricError, TimeoutError) as exc:
                 log.warning("cannot sample the replica at %s: %s", self.replica, exc)

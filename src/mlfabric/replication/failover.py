@@ -28,10 +28,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..client.core import Handshake
 from ..client.link import open_link
 from ..errors import ConfigError, MlfabricError, ServerError
 from ..runtime.loop import within
+from ..wire.handshake import ClientHandshake
 from ..wire.protocol import Error, Ping, Pong, Promote, Resync
 
 DEFAULT_GAP_TIMEOUT = 1.0  # seconds a replica may wait for a sequence number
@@ -284,5 +284,5 @@ class FailoverMonitor:
                 log.error("cannot promote the replica at %s: %s; retrying", replica, exc)
             await asyncio.sleep(self.interval)
 
-    def _hs(self) -> Handshake:
-        return Handshake(self.job, self.token, "mlfabric-controller")
+    def _hs(self) -> ClientHandshake:
+        return ClientHandshake(self.job, self.token, "mlfabric-controller")

@@ -18,11 +18,12 @@ import argparse
 import asyncio
 from typing import Any
 
-from ..client.core import Handshake, default_client_name, parse_address
+from ..client.core import default_client_name, parse_address
 from ..errors import ConfigError, ServerError
 from ..runtime import loop
 from ..runtime.loop import within
 from ..wire import auth
+from ..wire.handshake import ClientHandshake
 from ..wire.protocol import Error, Pong, Promote
 from .failover import PROMOTE_CHECK_TIMEOUT
 
@@ -55,7 +56,7 @@ async def promote(replica: str, *, job: str, token: bytes, server: str | None, f
         if isinstance(event, (Pong, Error)) and not answer.done():
             answer.set_result(event)
 
-    link = await open_link(replica, Handshake(job, token, f"promote@{default_client_name()}"),
+    link = await open_link(replica, ClientHandshake(job, token, f"promote@{default_client_name()}"),
                            timeout, "replica server", on_event=on_event,
                            command="mlfabric server --role replica")
     try:

@@ -374,8 +374,8 @@ async def server_answers(address: str, *, job: str, token: bytes, timeout: float
                          ) -> int | None:
     """The version of the server at `address` if it answers a heartbeat
     within `timeout` seconds, else None."""
-    from ..client.core import Handshake
     from ..client.link import open_link
+    from ..wire.handshake import ClientHandshake
 
     answer: asyncio.Future[Pong] = asyncio.get_running_loop().create_future()
 
@@ -386,7 +386,7 @@ async def server_answers(address: str, *, job: str, token: bytes, timeout: float
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     try:
-        link = await open_link(address, Handshake(job, token, "mlfabric-replica"), timeout,
+        link = await open_link(address, ClientHandshake(job, token, "mlfabric-replica"), timeout,
                                "parameter server", on_event=on_event)
     except MlfabricError:
         return None
@@ -404,11 +404,11 @@ async def fetch_state(address: str, *, job: str, token: bytes, timeout: float = 
                       max_pending: int = DEFAULT_MAX_PENDING) -> ParameterStore:
     """The whole state of the server at `address` (weights, momentum history,
     version), for a replica joining a running job."""
-    from ..client.core import Handshake
     from ..client.link import open_link
+    from ..wire.handshake import ClientHandshake
     from ..wire.protocol import HEADER, MAX_META_LEN, PREVIOUS_PREFIX, StateRequest, layout
 
-    link = await open_link(address, Handshake(job, token, "mlfabric-replica"), timeout,
+    link = await open_link(address, ClientHandshake(job, token, "mlfabric-replica"), timeout,
                            "parameter server")
     try:
         welcome = link.welcomed.result()
@@ -431,11 +431,11 @@ async def fetch_state(address: str, *, job: str, token: bytes, timeout: float = 
 async def announce(controller: str, *, address: str, store: ParameterStore, job: str,
                    token: bytes, timeout: float = 30.0) -> None:
     """Tell the controller a replica serves at `address` from the store's version on."""
-    from ..client.core import Handshake
     from ..client.link import open_link
+    from ..wire.handshake import ClientHandshake
     from ..wire.protocol import ReplicaJoin
 
-    link = await open_link(controller, Handshake(job, token, "mlfabric-replica"), timeout,
+    link = await open_link(controller, ClientHandshake(job, token, "mlfabric-replica"), timeout,
                            "controller")
     velocity = float(np.sqrt(sum(
         kernels.l2_norm_diff(w, store.previous[n]) ** 2 for n, w in store.weights.items())))

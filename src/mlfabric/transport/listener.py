@@ -17,13 +17,11 @@ from typing import Any
 
 from ..errors import ConfigError, ProtocolError
 from ..wire import auth
+from ..wire.handshake import ServerHandshake
 from ..wire.protocol import (
     NEED_DATA,
-    Auth,
-    Challenge,
     Connection,
     Error,
-    Hello,
     MsgType,
     Welcome,
     default_allocate,
@@ -146,13 +144,20 @@ class EndpointProtocol(asyncio.BufferedProtocol):
         self.transport: Any = None
         self.peer = "?"
         self.peer_host = "?"
-        self.client = "?"
-        self.stage = "hello"  # hello -> auth -> ready
-        self._nonce = b""
-        self._client_nonce = b""
+        self.handshake = ServerHandshake(endpoint.job, endpoint.token, endpoint.role)
         self._timer: asyncio.TimerHandle | None = None
         self.last_read = 0  # bytes of the latest read: large means data is backed up
         self.closing = False
+
+    @property
+    def stage(self) -> str:
+        """hello -> auth -> ready (or refused): how far the handshake is."""
+        return self.handshake.stage
+
+    @property
+    def client(self) -> str:
+        """The peer's name, from its hello ("?" before)."""
+        return self.handshake.client
 
     # -- hooks for subclasses -------------------------------------------------
 
@@ -273,42 +278,20 @@ class EndpointProtocol(asyncio.BufferedProtocol):
             self.refuse("protocol", "handshake not completed in time")
 
     def _handshake(self, event: Any) -> None:
+        """One step of `wire.handshake.ServerHandshake`, carried out."""
         ep = self.endpoint
-        if self.stage == "hello":
-            if not isinstance(event, Hello):
-                self.protocol_error(f"expected a hello, got {type(event).__name__}")
-                return
-            self.client = event.client
-            if event.job != ep.job:
-                ep.metrics.auth_failures.inc()
-                self.log.warning("refused %s (%s): wrong job %r", event.client, self.peer,
-                                 event.job)
-                self.refuse(
-                    "auth",
-                    f"this {ep.role} serves job {ep.job!r}, not {event.job!r}: check the "
-                    f"job name and the {ep.role} address",
-                )
-                return
-            self._client_nonce = event.nonce
-            self._nonce = auth.new_nonce()
-            proof = auth.server_proof(ep.token, ep.job, event.nonce, self._nonce)
-            self.send(Challenge(nonce=self._nonce, proof=proof))
-            self.stage = "auth"
+        step = self.handshake.on_event(event)
+        if step.code == "protocol":
+            self.protocol_error(step.message)
             return
-        if not isinstance(event, Auth):
-            self.protocol_error(f"expected an auth message, got {type(event).__name__}")
-            return
-        expected = auth.client_proof(ep.token, ep.job, self._client_nonce, self._nonce)
-        if not auth.proofs_match(expected, event.proof):
+        if step.code is not None:
             ep.metrics.auth_failures.inc()
-            self.log.warning("refused %s (%s): wrong token", self.client, self.peer)
-            self.refuse(
-                "auth",
-                f"authentication failed: the client's token is not job {ep.job!r}'s token; "
-                f"check the token file",
-            )
+            self.log.warning("refused %s (%s): %s", self.client, self.peer, step.why)
+            self.refuse(step.code, step.message)
             return
-        self.stage = "ready"
+        if step.send is not None:
+            self.send(step.send)
+            return
         if self._timer is not None:
             self._timer.cancel()
         self.conn.max_frame_size = ep.max_frame_size

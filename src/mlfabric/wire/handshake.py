@@ -1,0 +1,137 @@
+"""The handshake every mlfabric connection opens with, both sides, without I/O.
+
+    client                          listener (server, replica, controller, aggregator)
+    HELLO(job, name, nonce)   ->
+                              <-    CHALLENGE(nonce', server proof)
+    AUTH(client proof)        ->
+                              <-    WELCOME(...)  or  ERROR(auth | protocol) and close
+
+Each side proves it holds the job's token (`auth`): the token never crosses
+the wire. `ClientHandshake` is the dialling side, one step per event the
+listener sends; `ServerHandshake` the listening side, one `Step` per event
+the peer sends, saying what to send, whom to refuse and why, or that the
+peer is in. The transports only carry the steps out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import AuthenticationError, MlfabricError, ProtocolError, ServerError
+from . import auth
+from .protocol import Auth, Challenge, Error, Hello, Welcome
+
+
+def handshake_error(event: Error) -> MlfabricError:
+    """The exception for an ERROR a listener answers the handshake with."""
+    if event.code == "auth":
+        return AuthenticationError(event.message)
+    if event.code == "protocol":
+        return ProtocolError(event.message)
+    return ServerError(f"{event.message} (server error code {event.code!r})", code=event.code)
+
+
+class ClientHandshake:
+    """The dialling side: `hello()`, then `on_challenge(event)` (the AUTH to
+    send), `verify_server()`, then `on_welcome(event)`."""
+
+    def __init__(self, job: str, token: bytes, name: str) -> None:
+        self.job = job
+        self.token = token
+        self.name = name
+        self.nonce = auth.new_nonce()
+        self.server_nonce: bytes | None = None
+        self.server_verified = False
+
+    def hello(self) -> Hello:
+        return Hello(job=self.job, client=self.name, nonce=self.nonce)
+
+    def on_challenge(self, event: Any) -> Auth:
+        """The Auth event to send. Send it even when `verify_server()` will
+        fail: the server then logs and counts the mismatch too."""
+        if isinstance(event, Error):
+            raise handshake_error(event)
+        if not isinstance(event, Challenge):
+            raise ProtocolError(f"expected a challenge from the server, got {type(event).__name__}")
+        expected = auth.server_proof(self.token, self.job, self.nonce, event.nonce)
+        self.server_verified = auth.proofs_match(expected, event.proof)
+        self.server_nonce = event.nonce
+        return Auth(proof=auth.client_proof(self.token, self.job, self.nonce, event.nonce))
+
+    def verify_server(self) -> None:
+        if not self.server_verified:
+            raise AuthenticationError(
+                f"authentication failed: this client's token and the server's token for job "
+                f"{self.job!r} differ; check the token file (and that the address is the "
+                f"job's server)"
+            )
+
+    def on_welcome(self, event: Any) -> Welcome:
+        if isinstance(event, Error):
+            raise handshake_error(event)
+        if not isinstance(event, Welcome):
+            raise ProtocolError(f"expected a welcome from the server, got {type(event).__name__}")
+        return event
+
+
+@dataclass(frozen=True)
+class Step:
+    """What the listener does after one event of the handshake: send `send`,
+    or refuse with ERROR(`code`, `message`) and close (`why`: for its log),
+    or, `ready`, welcome the peer."""
+
+    send: Any = None
+    code: str | None = None
+    message: str = ""
+    why: str = ""
+    ready: bool = False
+
+
+class ServerHandshake:
+    """The listening side, for a `role` ("server", "replica", "controller",
+    "aggregator") of `job`. `stage`: hello -> auth -> ready (or refused)."""
+
+    def __init__(self, job: str, token: bytes, role: str) -> None:
+        self.job = job
+        self.token = token
+        self.role = role
+        self.stage = "hello"
+        self.client = "?"  # the peer's name, from its hello
+        self._nonce = b""
+        self._client_nonce = b""
+
+    def on_event(self, event: Any) -> Step:
+        if self.stage == "hello":
+            if not isinstance(event, Hello):
+                return self._refuse("protocol", f"expected a hello, got {type(event).__name__}")
+            self.client = event.client
+            if event.job != self.job:
+                return self._refuse(
+                    "auth",
+                    f"this {self.role} serves job {self.job!r}, not {event.job!r}: check the "
+                    f"job name and the {self.role} address",
+                    why=f"wrong job {event.job!r}")
+            self._client_nonce = event.nonce
+            self._nonce = auth.new_nonce()
+            proof = auth.server_proof(self.token, self.job, event.nonce, self._nonce)
+            self.stage = "auth"
+            return Step(send=Challenge(nonce=self._nonce, proof=proof))
+        if self.stage != "auth":
+            raise RuntimeError(f"the handshake is over ({self.stage}): no more events for it")
+        if not isinstance(event, Auth):
+            return self._refuse("protocol",
+                                f"expected an auth message, got {type(event).__name__}")
+        expected = auth.client_proof(self.token, self.job, self._client_nonce, self._nonce)
+        if not auth.proofs_match(expected, event.proof):
+            return self._refuse(
+                "auth",
+                f"authentication failed: the client's token is not job {self.job!r}'s token; "
+                f"check the token file",
+                why="wrong token")
+        self.stage = "ready"
+        return Step(ready=True)
+
+    def _refuse(self, code: str, message: str, why: str = "") -> Step:
+        self.stage = "refused"
+        return Step(code=code, message=message, why=why or message)

@@ -1,0 +1,104 @@
+"""Both sides of the handshake (mlfabric.wire.handshake), sans I/O: every
+event goes through the real codec as bytes, so the test also holds what
+crosses the wire."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlfabric.errors import AuthenticationError, ProtocolError, ServerError
+from mlfabric.wire.handshake import ClientHandshake, ServerHandshake, handshake_error
+from mlfabric.wire.protocol import (
+    NEED_DATA,
+    Auth,
+    Challenge,
+    Connection,
+    Error,
+    Hello,
+    Pull,
+    Welcome,
+)
+
+JOB, TOKEN = "job", b"t" * 32
+
+
+def over_the_wire(event):
+    """`event` encoded by one Connection and decoded by another."""
+    rx = Connection()
+    rx.receive_data(Connection().send_bytes(event))
+    got = rx.next_event()
+    assert rx.next_event() is NEED_DATA
+    return got
+
+
+def converse(client: ClientHandshake, server: ServerHandshake):
+    step = server.on_event(over_the_wire(client.hello()))
+    if step.code is not None:
+        return step
+    auth = client.on_challenge(over_the_wire(step.send))
+    return server.on_event(over_the_wire(auth))
+
+
+def test_both_sides_agree_and_prove_each_other():
+    client, server = ClientHandshake(JOB, TOKEN, "w0"), ServerHandshake(JOB, TOKEN, "server")
+    hello = client.hello()
+    assert (hello.job, hello.client, len(hello.nonce)) == (JOB, "w0", len(client.nonce))
+    step = server.on_event(over_the_wire(hello))
+    assert isinstance(step.send, Challenge) and server.stage == "auth"
+    assert server.client == "w0"
+    auth = client.on_challenge(over_the_wire(step.send))
+    assert isinstance(auth, Auth) and client.server_verified
+    client.verify_server()  # does not raise
+    step = server.on_event(over_the_wire(auth))
+    assert step.ready and step.code is None and server.stage == "ready"
+    welcome = Welcome(version=3, tensors=(), tau_max=None, momentum=0.0, session="s")
+    assert client.on_welcome(over_the_wire(welcome)) == welcome
+    with pytest.raises(RuntimeError, match="the handshake is over"):
+        server.on_event(auth)
+
+
+def test_a_wrong_token_is_refused_by_both_sides():
+    client = ClientHandshake(JOB, b"x" * 32, "w0")
+    server = ServerHandshake(JOB, TOKEN, "server")
+    step = converse(client, server)
+    assert (step.code, step.why, server.stage) == ("auth", "wrong token", "refused")
+    assert "token is not job 'job'" in step.message
+    # The client sent its proof all the same (the server counts the failure)
+    # and then refuses the server's proof itself.
+    assert not client.server_verified
+    with pytest.raises(AuthenticationError, match="token"):
+        client.verify_server()
+
+
+def test_a_wrong_job_is_refused_with_both_names():
+    server = ServerHandshake(JOB, TOKEN, "controller")
+    step = server.on_event(over_the_wire(ClientHandshake("other", TOKEN, "w0").hello()))
+    assert (step.code, step.why) == ("auth", "wrong job 'other'")
+    assert step.message == ("this controller serves job 'job', not 'other': check the job "
+                            "name and the controller address")
+
+
+@pytest.mark.parametrize("first", [Auth(proof=b"p" * 32), Pull(req=1)])
+def test_anything_before_a_hello_is_a_protocol_error(first):
+    step = ServerHandshake(JOB, TOKEN, "server").on_event(first)
+    assert step.code == "protocol"
+    assert step.message == f"expected a hello, got {type(first).__name__}"
+
+
+def test_anything_but_an_auth_after_the_challenge_is_a_protocol_error():
+    server = ServerHandshake(JOB, TOKEN, "server")
+    server.on_event(ClientHandshake(JOB, TOKEN, "w0").hello())
+    step = server.on_event(Hello(job=JOB, client="w0", nonce=b"n" * 16))
+    assert (step.code, step.message) == ("protocol", "expected an auth message, got Hello")
+
+
+def test_the_client_says_what_it_got_instead_and_what_the_server_said():
+    client = ClientHandshake(JOB, TOKEN, "w0")
+    with pytest.raises(ProtocolError, match="expected a challenge from the server, got Pull"):
+        client.on_challenge(Pull(req=1))
+    with pytest.raises(AuthenticationError, match="^nope$"):
+        client.on_challenge(Error(code="auth", message="nope"))
+    with pytest.raises(ProtocolError, match="expected a welcome from the server, got Pull"):
+        client.on_welcome(Pull(req=1))
+    err = handshake_error(Error(code="internal", message="boom"))
+    assert isinstance(err, ServerError) and err.code == "internal"
