@@ -96,7 +96,7 @@ def test_the_client_says_what_it_got_instead_and_what_the_server_said():
     client = ClientHandshake(JOB, TOKEN, "w0")
     with pytest.raises(ProtocolError, match="expected a challenge from the server, got Pull"):
         client.on_challenge(Pull(req=1))
-    with pytest.raises(AuthenticationError, match="^nope$"):
+    with pytest.raises(AuthenticationError, match=r"^nope$"):
         client.on_challenge(Error(code="auth", message="nope"))
     with pytest.raises(ProtocolError, match="expected a welcome from the server, got Pull"):
         client.on_welcome(Pull(req=1))
