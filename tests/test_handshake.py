@@ -19,6 +19,9 @@ from mlfabric.wire.protocol import (
     Welcome,
 )
 
+from support import JOB as JOB_LIVE
+from support import TOKEN as TOKEN_LIVE
+
 JOB, TOKEN = "job", b"t" * 32
 
 
@@ -102,3 +105,56 @@ def test_the_client_says_what_it_got_instead_and_what_the_server_said():
         client.on_welcome(Pull(req=1))
     err = handshake_error(Error(code="internal", message="boom"))
     assert isinstance(err, ServerError) and err.code == "internal"
+
+
+# --- each role takes its own events (wire.roles), live ---------------------------
+
+
+def _listener(role: str):
+    from mlfabric.agent.aggregator import Aggregator
+    from mlfabric.controller.controller import Controller
+    from mlfabric.replication.replica import ReplicaServer
+    from mlfabric.runtime.metrics import ServerMetrics
+    from mlfabric.scheduling.plan import fifo_policy
+    from mlfabric.server.store import ParameterStore
+
+    from support import ServerThread, make_model
+
+    if role == "server":
+        return ServerThread(ParameterStore(make_model()))
+    if role == "replica":
+        return ServerThread(None, endpoint=ReplicaServer(
+            ParameterStore(make_model()), job=JOB_LIVE, token=TOKEN_LIVE,
+            metrics=ServerMetrics()))
+    if role == "controller":
+        return ServerThread(None, endpoint=Controller(fifo_policy, job=JOB_LIVE,
+                                                      token=TOKEN_LIVE, tau_max=None))
+    return ServerThread(None, endpoint=Aggregator(job=JOB_LIVE, token=TOKEN_LIVE))
+
+
+@pytest.mark.parametrize("role, foreign", [
+    ("server", "StatusRequest"), ("replica", "TransferDone"),
+    ("controller", "Pull"), ("aggregator", "Ping")])
+def test_a_listener_refuses_what_its_role_does_not_take(role, foreign):
+    """After the handshake, an event of another role is a protocol error,
+    answered as such and counted, before any handler sees it."""
+    from mlfabric.wire import protocol as p
+    from mlfabric.wire import roles
+
+    from support import RawClient, sample
+
+    events = {"StatusRequest": p.StatusRequest(req=1),
+              "TransferDone": p.TransferDone(req=1, applied=True, version=1, delay=0,
+                                             seconds=0.1),
+              "Pull": p.Pull(req=1), "Ping": p.Ping(req=1)}
+    event = events[foreign]
+    assert not isinstance(event, getattr(roles, role.upper()))
+    with _listener(role) as st:
+        raw = RawClient(st.port)
+        raw.send(event)
+        answer = raw.recv_event()
+        assert (answer.code, answer.message) == ("protocol", f"unexpected {foreign} message")
+        assert raw.recv_event() is None  # and closed
+        raw.close()
+        metrics = st.server.metrics if hasattr(st, "server") else st.endpoint.metrics
+        assert sample(metrics.protocol_errors) == 1

@@ -43,6 +43,7 @@ from ..client.seams import ServerConnection
 from ..errors import ConfigError, ConnectionLost, MlfabricError
 from ..runtime.metrics import AggregatorMetrics
 from ..transport.listener import Endpoint, EndpointProtocol
+from ..wire import roles
 from ..wire.handshake import ClientHandshake
 from ..wire.protocol import (
     HEADER,
@@ -355,6 +356,7 @@ class _AggregatorProtocol(EndpointProtocol):
     """One worker's connection to the aggregator."""
 
     endpoint: Aggregator
+    accepts = roles.AGGREGATOR
 
     def __init__(self, aggregator: Aggregator) -> None:
         super().__init__(aggregator)
@@ -404,9 +406,6 @@ class _AggregatorProtocol(EndpointProtocol):
                     break
 
     def handle(self, event: Any) -> None:
-        if not isinstance(event, Push):
-            self.protocol_error(f"an aggregator takes pushes only, got {type(event).__name__}")
-            return
         agg = self.aggregator
         if event.group is None or event.uid is None or event.dst is None:
             self._refuse(event, "misrouted", "this is an aggregator: push here only what the "

@@ -25,6 +25,7 @@ from ..runtime.metrics import ControllerMetrics
 from ..scheduling.aggregation import AggregationConfig, Group, aggregating
 from ..scheduling.plan import Network, Policy, with_estimates, with_host_load
 from ..transport.listener import Endpoint, EndpointProtocol
+from ..wire import roles
 from ..wire.protocol import (
     Directive,
     Failover,
@@ -438,6 +439,7 @@ class Controller(Endpoint):
 
 class _ControllerProtocol(EndpointProtocol):
     endpoint: Controller
+    accepts = roles.CONTROLLER
 
     def on_ready(self) -> None:
         self.endpoint.state.join(self, f"{self.client} ({self.peer})")
@@ -453,8 +455,6 @@ class _ControllerProtocol(EndpointProtocol):
             self.endpoint.on_replica_done(event)
         elif isinstance(event, StatusRequest):
             self.send(Status(req=event.req, status=self.endpoint.status(asker=self)))
-        else:
-            self.protocol_error(f"unexpected {type(event).__name__} message")
 
     def on_lost(self) -> None:
         self.endpoint.on_lost(self)

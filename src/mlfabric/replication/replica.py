@@ -54,6 +54,7 @@ from ..runtime.loop import within
 from ..runtime.metrics import ServerMetrics
 from ..server.server import ParameterServer, ServerProtocol, velocity_norm
 from ..server.store import ParameterStore
+from ..wire import roles
 from ..wire.protocol import (
     Error,
     MsgType,
@@ -337,6 +338,7 @@ class _ReplicaProtocol(ServerProtocol):
     """One connection to a replica (from the server, or from a worker)."""
 
     endpoint: ReplicaServer
+    accepts = roles.REPLICA
 
     def handle(self, event: Any) -> None:
         replica = self.endpoint

@@ -20,6 +20,7 @@ from .. import kernels
 from ..errors import InvalidUpdate
 from ..runtime.metrics import ServerMetrics
 from ..transport.listener import Endpoint, EndpointProtocol
+from ..wire import roles
 from ..wire.protocol import (
     HEADER,
     MAX_META_LEN,
@@ -227,6 +228,7 @@ class ServerProtocol(EndpointProtocol):
     """One client connection of a parameter server: pulls and pushes."""
 
     endpoint: ParameterServer
+    accepts = roles.SERVER
 
     def __init__(self, server: ParameterServer) -> None:
         super().__init__(server)
@@ -270,8 +272,6 @@ class ServerProtocol(EndpointProtocol):
             self.send(Model(req=event.req, version=ckpt.version, tensors=tensors))
         elif isinstance(event, Ping):
             self.send(server.pong(event))
-        else:
-            self.protocol_error(f"unexpected {type(event).__name__} message")
 
     def after_events(self) -> None:
         """Apply the push that is arriving as far as its bytes have come."""

@@ -26,6 +26,7 @@ from ..wire.protocol import (
     Welcome,
     default_allocate,
 )
+from ..wire.roles import unexpected
 
 # Before a peer has authenticated, it may not make us allocate more than this.
 UNAUTHENTICATED_MAX_FRAME = 1 << 16
@@ -149,6 +150,9 @@ class EndpointProtocol(asyncio.BufferedProtocol):
         self.last_read = 0  # bytes of the latest read: large means data is backed up
         self.closing = False
 
+    # The events this listener's role takes once the peer is in (wire.roles).
+    accepts: tuple[type, ...] = ()
+
     @property
     def stage(self) -> str:
         """hello -> auth -> ready (or refused): how far the handshake is."""
@@ -204,10 +208,13 @@ class EndpointProtocol(asyncio.BufferedProtocol):
             if event is NEED_DATA:
                 break
             try:
-                if self.stage == "ready":
+                if self.stage != "ready":
+                    self._handshake(event)
+                elif isinstance(event, self.accepts):
                     self.handle(event)
                 else:
-                    self._handshake(event)
+                    self.protocol_error(unexpected(event))
+                    return
             except Exception:  # a bug: keep serving the others, say so loudly
                 self.log.exception("internal error handling %s from %s",
                                    type(event).__name__, self.peer)
