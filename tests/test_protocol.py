@@ -452,3 +452,48 @@ def test_error_event_round_trip_keeps_optional_request():
 def test_unknown_event_type_cannot_be_sent():
     with pytest.raises(TypeError, match="not an mlfabric event"):
         Connection().send(object())  # type: ignore[arg-type]
+
+
+# --- the codec table and the head of a frame still arriving -----------------------
+
+
+def test_the_codec_table_has_one_row_per_message_type_and_event():
+    from mlfabric.wire.protocol import CODECS
+
+    assert sorted(c.msg_type for c in CODECS) == sorted(MsgType)
+    assert len({c.event for c in CODECS}) == len(CODECS)
+    # The direct formatting, where a codec has one, says the same as JSON.
+    for event in (Push(req=3, base_version=7, tensors={}),
+                  Push(req=3, base_version=7, tensors={}, seq=9),
+                  PushResult(req=3, applied=True, version=8, delay=1),
+                  PushResult(req=3, applied=False, version=8, delay=None),
+                  Pull(req=4), Model(req=5, version=6, tensors={})):
+        codec = next(c for c in CODECS if c.event is type(event))
+        assert codec.fast is not None
+        assert json.loads(codec.fast(event)) == codec.encode(event)
+
+
+def test_a_frame_arriving_shows_its_checked_head_and_wrong_fields_are_refused_early():
+    w = np.arange(50_000, dtype=np.float32)
+    data = Connection().send_bytes(Push(req=2, base_version=4, tensors={"w": w}, seq=11))
+    conn = Connection()
+    conn.receive_data(data[: len(data) - w.nbytes + 1000])  # fields and 1000 data bytes
+    assert conn.next_event() is NEED_DATA
+    partial = conn.receiving()
+    assert partial is not None and partial.received == 1000
+    head = partial.head
+    assert (type(head), head.req, head.base_version, head.seq, head.tensors) == (
+        Push, 2, 4, 11, {})
+    # A push whose fields are wrong is refused when they arrive, before its
+    # data: nothing outside the codec reads them unchecked.
+    bad = bytearray(Connection().send_bytes(Push(req=2, base_version=4, tensors={"w": w})))
+    meta_len = struct.unpack_from("<I", bad, 8)[0]
+    meta = bytes(bad[HEADER.size:HEADER.size + meta_len])
+    swapped = meta.replace(b'"base_version":4', b'"base_version":-1')
+    assert len(swapped) == len(meta) + 1
+    forged = (HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.PUSH, 0, len(swapped), w.nbytes)
+              + swapped)
+    conn = Connection()
+    conn.receive_data(forged)  # no data at all yet
+    with pytest.raises(ProtocolError, match="base_version"):
+        conn.next_event()

@@ -375,17 +375,15 @@ class _AggregatorProtocol(EndpointProtocol):
         partial = self.conn.receiving()
         if partial is None or partial.msg_type is not MsgType.PUSH:
             return
-        meta = partial.meta
-        key, fan_in, index = (meta.get("dst"), meta.get("group")), meta.get("fan_in"), \
-            meta.get("index")
-        req, uid, base = meta.get("req"), meta.get("uid"), meta.get("base_version")
-        if not (isinstance(key[0], str) and type(key[1]) is int and type(fan_in) is int
-                and type(index) is int and 0 <= index < fan_in and type(req) is int
-                and isinstance(uid, str) and type(base) is int
-                and all(sp.dtype == np.dtype("<f4") for sp in partial.specs)):
-            return  # checked properly when the frame is complete
+        push = partial.head
+        key, fan_in, index = (push.dst, push.group), push.fan_in, push.index
+        req, uid, base = push.req, push.uid, push.base_version
+        if (push.dst is None or push.group is None or fan_in is None or index is None
+                or uid is None
+                or not all(sp.dtype == np.dtype("<f4") for sp in partial.specs)):
+            return  # not an aggregation member: refused when the frame is complete
         agg = self.aggregator
-        group = agg.group_for(key, fan_in, len(partial.data),  # type: ignore[arg-type]
+        group = agg.group_for(key, fan_in, len(partial.data),
                               partial.specs)
         if group is None or group.specs != partial.specs or group.sum.fan_in != fan_in:
             return

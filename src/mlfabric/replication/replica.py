@@ -361,8 +361,8 @@ class _ReplicaProtocol(ServerProtocol):
         partial = self.conn.receiving()
         seq = None
         if partial is not None and partial.msg_type is MsgType.PUSH:
-            seq = partial.meta.get("seq")
-        if type(seq) is int:
+            seq = partial.head.seq
+        if seq is not None:
             self.endpoint.arriving[self] = seq
         else:
             self.endpoint.arriving.pop(self, None)

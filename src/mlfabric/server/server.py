@@ -281,21 +281,19 @@ class ServerProtocol(EndpointProtocol):
         if partial.data is not self._staged_frame:
             self._staged_frame = partial.data
             self._staged = None
-            base = partial.meta.get("base_version")
+            push = partial.head
             threshold = self.server.stage_min_bytes
             # A uid applied already takes the whole-update path (answered,
-            # never applied twice), and so does a malformed member list.
-            uid = partial.meta.get("uid")
-            members = _members_of(partial.meta.get("members"))
-            plain = "members" not in partial.meta and (
-                uid is None or (isinstance(uid, str)
-                                and self.server.store.applied_before(uid) is None))
-            if (threshold is not None and len(partial.data) >= threshold
-                    and ((plain and type(base) is int) or members is not None)):
+            # never applied twice).
+            members = None if push.members is None else [(u, b) for u, b, _ in push.members]
+            plain = members is None and (
+                push.uid is None or self.server.store.applied_before(push.uid) is None)
+            if threshold is not None and len(partial.data) >= threshold and (
+                    plain or members is not None):
                 offsets, _ = layout(partial.specs)
                 self._staged = self.server.store.begin_staged(
-                    base if type(base) is int else 0, partial.specs, offsets, members,
-                    uid=uid if plain else None)
+                    push.base_version, partial.specs, offsets, members,
+                    uid=push.uid if plain else None)
                 if self._staged is not None and self.server.pull_waits is not None:
                     self.server.pull_waits.began(self._staged)
         staged = self._staged
@@ -364,18 +362,3 @@ def velocity_norm(store: ParameterStore) -> float:
     total = sum(kernels.l2_norm_diff(w, store.previous[n]) ** 2 for n, w in store.weights.items())
     v = float(np.sqrt(total))
     return v if v < 1e299 else 1e299
-
-
-def _members_of(raw: Any) -> list[tuple[str, int]] | None:
-    """An aggregate's (uid, base_version) pairs from a frame's meta as it
-    arrives (not yet validated), or None when they are not well formed: the
-    complete frame's decoder then says what is wrong."""
-    if not isinstance(raw, list) or not raw:
-        return None
-    pairs = []
-    for m in raw:
-        if not (isinstance(m, list) and len(m) == 3 and isinstance(m[0], str)
-                and type(m[1]) is int and m[1] >= 0):
-            return None
-        pairs.append((m[0], m[1]))
-    return pairs

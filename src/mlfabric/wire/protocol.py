@@ -29,6 +29,7 @@ one recv() can carry many of them.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import struct
@@ -641,241 +642,359 @@ def _decode_specs(raw: bytes) -> tuple[tuple[TensorSpec, ...], list[int], int]:
     return hit
 
 
+def _decode_hello(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    return Hello(job=_str(meta, "job", 256), client=_str(meta, "client", 256),
+                 nonce=_hex(meta, "nonce"))
+
+
+def _decode_challenge(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    return Challenge(nonce=_hex(meta, "nonce"), proof=_hex(meta, "proof"))
+
+
+def _decode_auth(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    return Auth(proof=_hex(meta, "proof"))
+
+
+def _decode_welcome(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    momentum = meta.get("momentum", 0.0)
+    if not isinstance(momentum, (int, float)) or isinstance(momentum, bool):
+        raise ProtocolError(f"field 'momentum' must be a number, got {momentum!r:.40}")
+    return Welcome(
+        session=_str(meta, "session", 256),
+        version=_int(meta, "version"),
+        tensors=_specs(meta),
+        tau_max=_opt_int(meta, "tau_max"),
+        momentum=float(momentum),
+        aggregators=_addresses(meta, "aggregators"),
+    )
+
+
+def _decode_pull(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    uid, wait = _opt_str(meta, "uid"), _opt_float(meta, "wait")
+    if uid is not None and len(uid) > MAX_UID_LEN:
+        raise ProtocolError(f"field 'uid' is longer than {MAX_UID_LEN} characters")
+    if (uid is None) != (wait is None) or (wait is not None
+                                           and not 0 < wait <= MAX_PULL_WAIT):
+        raise ProtocolError(f"a pull for an update needs both 'uid' and 'wait' (0 < wait "
+                            f"<= {MAX_PULL_WAIT} s), got uid={uid!r:.40} wait={wait!r}")
+    return Pull(req=_int(meta, "req"), uid=uid, wait=wait)
+
+
+def _decode_pull_cancel(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    return PullCancel(req=_int(meta, "req"))
+
+
+def _decode_model(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    streamed = meta.get("streamed", False)
+    if not isinstance(streamed, bool):
+        raise ProtocolError(f"field 'streamed' must be true or false, got {streamed!r:.40}")
+    return Model(req=_int(meta, "req"), version=_int(meta, "version"), tensors=tensors,
+                 streamed=streamed)
+
+
+def _decode_model_end(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    ok = meta.get("ok")
+    if not isinstance(ok, bool):
+        raise ProtocolError(f"field 'ok' must be true or false, got {ok!r:.40}")
+    return ModelEnd(req=_int(meta, "req"), ok=ok)
+
+
+def _decode_push(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    return Push(req=_int(meta, "req"), base_version=_int(meta, "base_version"),
+                tensors=tensors, seq=_opt_int(meta, "seq"), **_aggregation_fields(meta))
+
+
+def _decode_push_result(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    applied = meta.get("applied")
+    if not isinstance(applied, bool):
+        raise ProtocolError(f"field 'applied' must be a boolean, got {applied!r:.40}")
+    reason = meta.get("reason")
+    if reason is not None:
+        reason = _str(meta, "reason")
+    delays = meta.get("delays")
+    if delays is not None and (not isinstance(delays, list) or len(delays) > MAX_FAN_IN
+                               or not all(type(d) is int for d in delays)):
+        raise ProtocolError(f"field 'delays' must be a list of at most {MAX_FAN_IN} "
+                            f"integers, got {delays!r:.60}")
+    return PushResult(req=_int(meta, "req"), applied=applied, version=_int(meta, "version"),
+                      delay=_opt_int(meta, "delay"), reason=reason,
+                      delays=None if delays is None else tuple(delays))
+
+
+def _decode_error(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    return Error(code=_str(meta, "code", 64), message=_str(meta, "message"),
+                 req=_opt_int(meta, "req"))
+
+
+def _decode_transfer_request(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    return TransferRequest(req=_int(meta, "req"), host=_str(meta, "host", 256),
+                           dst=_str(meta, "dst", 256), nbytes=_int(meta, "nbytes"),
+                           base_version=_int(meta, "base_version"),
+                           norm=_float(meta, "norm"))
+
+
+def _decode_directive(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    action = _str(meta, "action", 16)
+    if action not in DIRECTIVE_ACTIONS:
+        raise ProtocolError(f"unknown directive action {action!r}")
+    via = meta.get("via")
+    group = {k: _opt_int(meta, k) for k in ("group", "fan_in", "index")}
+    if via is not None:
+        _check_membership(group["fan_in"], group["index"], "directive")
+        if group["group"] is None:
+            raise ProtocolError("a directive with 'via' needs 'group'")
+    return Directive(req=_int(meta, "req"), action=action, reason=_opt_str(meta, "reason"),
+                     position=_opt_int(meta, "position"),
+                     planned_seconds=_opt_float(meta, "planned_seconds"),
+                     via=None if via is None else _str(meta, "via", 256), **group)
+
+
+def _decode_status_request(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    return StatusRequest(req=_int(meta, "req"))
+
+
+def _decode_ping(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    return Ping(req=_int(meta, "req"), since=_opt_int(meta, "since"),
+                velocity=_opt_bool(meta, "velocity"))
+
+
+def _decode_pong(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    norms = _opt_norms(meta, "norms")
+    norms_from = _opt_int(meta, "norms_from")
+    if (norms is None) != (norms_from is None):
+        raise ProtocolError("a pong's 'norms' and 'norms_from' come together")
+    velocity, gap = _opt_float(meta, "velocity"), _opt_float(meta, "gap")
+    if (velocity is not None and velocity < 0) or (gap is not None and gap < 0):
+        raise ProtocolError(f"a pong's velocity and gap must be >= 0, got {velocity!r} "
+                            f"and {gap!r}")
+    return Pong(req=_int(meta, "req"), role=_str(meta, "role", 16),
+                version=_int(meta, "version"), norms_from=norms_from, norms=norms,
+                velocity=velocity, gap=gap)
+
+
+def _decode_promote(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    return Promote(req=_int(meta, "req"), server=_opt_str(meta, "server", 256),
+                   force=_opt_bool(meta, "force"))
+
+
+def _decode_resync(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    return Resync(req=_int(meta, "req"), server=_str(meta, "server", 256))
+
+
+def _decode_failover(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    return Failover(server=_str(meta, "server", 256), version=_int(meta, "version"))
+
+
+def _decode_state_request(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    return StateRequest(req=_int(meta, "req"))
+
+
+def _decode_replica_join(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    return ReplicaJoin(address=_str(meta, "address", 256), version=_int(meta, "version"),
+                       velocity=_opt_float(meta, "velocity") or 0.0)
+
+
+def _decode_replica_at(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    return ReplicaAt(address=_str(meta, "address", 256), version=_int(meta, "version"))
+
+
+def _decode_replica_done(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    return ReplicaDone(dst=_str(meta, "dst", 256), version=_int(meta, "version"))
+
+
+def _decode_status(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    status = meta.get("status")
+    if not isinstance(status, dict):
+        raise ProtocolError("field 'status' must be a JSON object")
+    return Status(req=_int(meta, "req"), status=status)
+
+
+def _decode_transfer_done(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    applied = meta.get("applied")
+    if not isinstance(applied, bool):
+        raise ProtocolError(f"field 'applied' must be a boolean, got {applied!r:.40}")
+    via_failed = meta.get("via_failed")
+    return TransferDone(req=_int(meta, "req"), applied=applied,
+                        version=_int(meta, "version"), delay=_opt_int(meta, "delay"),
+                        seconds=_float(meta, "seconds"),
+                        via_failed=None if via_failed is None else _str(meta, "via_failed",
+                                                                        256))
+
+
+def _fields(event: Event) -> dict[str, Any]:
+    """An event's fields as JSON, those that are None left out."""
+    return {k: list(v) if isinstance(v, tuple) else v
+            for k, v in vars(event).items() if v is not None}
+
+
+def _encode_hello(event: Hello) -> dict[str, Any]:
+    return {"job": event.job, "client": event.client, "nonce": event.nonce.hex()}
+
+
+def _encode_challenge(event: Challenge) -> dict[str, Any]:
+    return {"nonce": event.nonce.hex(), "proof": event.proof.hex()}
+
+
+def _encode_auth(event: Auth) -> dict[str, Any]:
+    return {"proof": event.proof.hex()}
+
+
+def _encode_welcome(event: Welcome) -> dict[str, Any]:
+    meta = {"session": event.session, "version": event.version,
+            "tensors": _meta_specs(event.tensors), "momentum": event.momentum}
+    if event.tau_max is not None:
+        meta["tau_max"] = event.tau_max
+    if event.aggregators:
+        meta["aggregators"] = list(event.aggregators)
+    return meta
+
+
+def _encode_model(event: Model) -> dict[str, Any]:
+    meta: dict[str, Any] = {"req": event.req, "version": event.version}
+    if event.streamed:
+        meta["streamed"] = True
+    return meta
+
+
+def _encode_push(event: Push) -> dict[str, Any]:
+    meta: dict[str, Any] = {"req": event.req, "base_version": event.base_version}
+    for key in ("seq", "uid", "group", "fan_in", "index", "dst"):
+        value = getattr(event, key)
+        if value is not None:
+            meta[key] = value
+    if event.members is not None:
+        meta["members"] = [list(m) for m in event.members]
+    return meta
+
+
+def _encode_push_result(event: PushResult) -> dict[str, Any]:
+    meta: dict[str, Any] = {"req": event.req, "applied": event.applied, "version": event.version,
+            "delay": event.delay}
+    if event.reason is not None:
+        meta["reason"] = event.reason
+    if event.delays is not None:
+        meta["delays"] = list(event.delays)
+    return meta
+
+
+def _encode_error(event: Error) -> dict[str, Any]:
+    meta: dict[str, Any] = {"code": event.code, "message": event.message}
+    if event.req is not None:
+        meta["req"] = event.req
+    return meta
+
+
+# The fields of the messages sent with every step, formatted directly:
+# json.dumps costs more than the rest of a small push. None: the general path.
+
+
+def _fast_push(event: Push) -> bytes | None:
+    if event.uid is not None or event.members is not None or event.group is not None \
+            or event.dst is not None:
+        return None
+    if event.seq is not None:
+        return b'{"req":%d,"base_version":%d,"seq":%d}' % (
+            event.req, event.base_version, event.seq)
+    return b'{"req":%d,"base_version":%d}' % (event.req, event.base_version)
+
+
+def _fast_push_result(event: PushResult) -> bytes | None:
+    if event.reason is not None or event.delays is not None:
+        return None
+    delay = b"null" if event.delay is None else b"%d" % event.delay
+    applied = b"true" if event.applied else b"false"
+    return b'{"req":%d,"applied":%s,"version":%d,"delay":%s}' % (
+        event.req, applied, event.version, delay)
+
+
+def _fast_pull(event: Pull) -> bytes | None:
+    return b'{"req":%d}' % event.req if event.uid is None else None
+
+
+def _fast_model(event: Model) -> bytes | None:
+    return None if event.streamed else b'{"req":%d,"version":%d}' % (event.req, event.version)
+
+
+@dataclass(frozen=True)
+class Codec:
+    """One message type: its event class, how its JSON fields are checked and
+    made into the event (`decode(meta, tensors)`), how an event's fields are
+    written (`encode`), and, for the messages of every step, a direct
+    formatting (`fast`, None when it does not apply to that event)."""
+
+    msg_type: MsgType
+    event: type
+    decode: Callable[[Mapping[str, Any], dict[str, np.ndarray]], Any]
+    encode: Callable[[Any], dict[str, Any]] = _fields
+    fast: Callable[[Any], bytes | None] | None = None
+
+
+CODECS: tuple[Codec, ...] = (
+    Codec(MsgType.HELLO, Hello, _decode_hello, _encode_hello),
+    Codec(MsgType.CHALLENGE, Challenge, _decode_challenge, _encode_challenge),
+    Codec(MsgType.AUTH, Auth, _decode_auth, _encode_auth),
+    Codec(MsgType.WELCOME, Welcome, _decode_welcome, _encode_welcome),
+    Codec(MsgType.PULL, Pull, _decode_pull, fast=_fast_pull),
+    Codec(MsgType.PULL_CANCEL, PullCancel, _decode_pull_cancel),
+    Codec(MsgType.MODEL, Model, _decode_model, _encode_model, _fast_model),
+    Codec(MsgType.MODEL_END, ModelEnd, _decode_model_end),
+    Codec(MsgType.PUSH, Push, _decode_push, _encode_push, _fast_push),
+    Codec(MsgType.PUSH_RESULT, PushResult, _decode_push_result, _encode_push_result,
+          _fast_push_result),
+    Codec(MsgType.ERROR, Error, _decode_error, _encode_error),
+    Codec(MsgType.TRANSFER_REQUEST, TransferRequest, _decode_transfer_request),
+    Codec(MsgType.DIRECTIVE, Directive, _decode_directive),
+    Codec(MsgType.TRANSFER_DONE, TransferDone, _decode_transfer_done),
+    Codec(MsgType.STATUS_REQUEST, StatusRequest, _decode_status_request),
+    Codec(MsgType.STATUS, Status, _decode_status),
+    Codec(MsgType.REPLICA_DONE, ReplicaDone, _decode_replica_done),
+    Codec(MsgType.PING, Ping, _decode_ping),
+    Codec(MsgType.PONG, Pong, _decode_pong),
+    Codec(MsgType.PROMOTE, Promote, _decode_promote),
+    Codec(MsgType.RESYNC, Resync, _decode_resync),
+    Codec(MsgType.FAILOVER, Failover, _decode_failover),
+    Codec(MsgType.STATE_REQUEST, StateRequest, _decode_state_request),
+    Codec(MsgType.REPLICA_JOIN, ReplicaJoin, _decode_replica_join),
+    Codec(MsgType.REPLICA_AT, ReplicaAt, _decode_replica_at),
+)
+_BY_TYPE = {c.msg_type: c for c in CODECS}
+_BY_EVENT = {c.event: c for c in CODECS}
+
+
 def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
-    if msg_type is MsgType.HELLO:
-        return Hello(job=_str(meta, "job", 256), client=_str(meta, "client", 256),
-                     nonce=_hex(meta, "nonce"))
-    if msg_type is MsgType.CHALLENGE:
-        return Challenge(nonce=_hex(meta, "nonce"), proof=_hex(meta, "proof"))
-    if msg_type is MsgType.AUTH:
-        return Auth(proof=_hex(meta, "proof"))
-    if msg_type is MsgType.WELCOME:
-        momentum = meta.get("momentum", 0.0)
-        if not isinstance(momentum, (int, float)) or isinstance(momentum, bool):
-            raise ProtocolError(f"field 'momentum' must be a number, got {momentum!r:.40}")
-        return Welcome(
-            session=_str(meta, "session", 256),
-            version=_int(meta, "version"),
-            tensors=_specs(meta),
-            tau_max=_opt_int(meta, "tau_max"),
-            momentum=float(momentum),
-            aggregators=_addresses(meta, "aggregators"),
-        )
-    if msg_type is MsgType.PULL:
-        uid, wait = _opt_str(meta, "uid"), _opt_float(meta, "wait")
-        if uid is not None and len(uid) > MAX_UID_LEN:
-            raise ProtocolError(f"field 'uid' is longer than {MAX_UID_LEN} characters")
-        if (uid is None) != (wait is None) or (wait is not None
-                                               and not 0 < wait <= MAX_PULL_WAIT):
-            raise ProtocolError(f"a pull for an update needs both 'uid' and 'wait' (0 < wait "
-                                f"<= {MAX_PULL_WAIT} s), got uid={uid!r:.40} wait={wait!r}")
-        return Pull(req=_int(meta, "req"), uid=uid, wait=wait)
-    if msg_type is MsgType.PULL_CANCEL:
-        return PullCancel(req=_int(meta, "req"))
-    if msg_type is MsgType.MODEL:
-        streamed = meta.get("streamed", False)
-        if not isinstance(streamed, bool):
-            raise ProtocolError(f"field 'streamed' must be true or false, got {streamed!r:.40}")
-        return Model(req=_int(meta, "req"), version=_int(meta, "version"), tensors=tensors,
-                     streamed=streamed)
-    if msg_type is MsgType.MODEL_END:
-        ok = meta.get("ok")
-        if not isinstance(ok, bool):
-            raise ProtocolError(f"field 'ok' must be true or false, got {ok!r:.40}")
-        return ModelEnd(req=_int(meta, "req"), ok=ok)
-    if msg_type is MsgType.PUSH:
-        return Push(req=_int(meta, "req"), base_version=_int(meta, "base_version"),
-                    tensors=tensors, seq=_opt_int(meta, "seq"), **_aggregation_fields(meta))
-    if msg_type is MsgType.PUSH_RESULT:
-        applied = meta.get("applied")
-        if not isinstance(applied, bool):
-            raise ProtocolError(f"field 'applied' must be a boolean, got {applied!r:.40}")
-        reason = meta.get("reason")
-        if reason is not None:
-            reason = _str(meta, "reason")
-        delays = meta.get("delays")
-        if delays is not None and (not isinstance(delays, list) or len(delays) > MAX_FAN_IN
-                                   or not all(type(d) is int for d in delays)):
-            raise ProtocolError(f"field 'delays' must be a list of at most {MAX_FAN_IN} "
-                                f"integers, got {delays!r:.60}")
-        return PushResult(req=_int(meta, "req"), applied=applied, version=_int(meta, "version"),
-                          delay=_opt_int(meta, "delay"), reason=reason,
-                          delays=None if delays is None else tuple(delays))
-    if msg_type is MsgType.ERROR:
-        return Error(code=_str(meta, "code", 64), message=_str(meta, "message"),
-                     req=_opt_int(meta, "req"))
-    if msg_type is MsgType.TRANSFER_REQUEST:
-        return TransferRequest(req=_int(meta, "req"), host=_str(meta, "host", 256),
-                               dst=_str(meta, "dst", 256), nbytes=_int(meta, "nbytes"),
-                               base_version=_int(meta, "base_version"),
-                               norm=_float(meta, "norm"))
-    if msg_type is MsgType.DIRECTIVE:
-        action = _str(meta, "action", 16)
-        if action not in DIRECTIVE_ACTIONS:
-            raise ProtocolError(f"unknown directive action {action!r}")
-        via = meta.get("via")
-        group = {k: _opt_int(meta, k) for k in ("group", "fan_in", "index")}
-        if via is not None:
-            _check_membership(group["fan_in"], group["index"], "directive")
-            if group["group"] is None:
-                raise ProtocolError("a directive with 'via' needs 'group'")
-        return Directive(req=_int(meta, "req"), action=action, reason=_opt_str(meta, "reason"),
-                         position=_opt_int(meta, "position"),
-                         planned_seconds=_opt_float(meta, "planned_seconds"),
-                         via=None if via is None else _str(meta, "via", 256), **group)
-    if msg_type is MsgType.STATUS_REQUEST:
-        return StatusRequest(req=_int(meta, "req"))
-    if msg_type is MsgType.PING:
-        return Ping(req=_int(meta, "req"), since=_opt_int(meta, "since"),
-                    velocity=_opt_bool(meta, "velocity"))
-    if msg_type is MsgType.PONG:
-        norms = _opt_norms(meta, "norms")
-        norms_from = _opt_int(meta, "norms_from")
-        if (norms is None) != (norms_from is None):
-            raise ProtocolError("a pong's 'norms' and 'norms_from' come together")
-        velocity, gap = _opt_float(meta, "velocity"), _opt_float(meta, "gap")
-        if (velocity is not None and velocity < 0) or (gap is not None and gap < 0):
-            raise ProtocolError(f"a pong's velocity and gap must be >= 0, got {velocity!r} "
-                                f"and {gap!r}")
-        return Pong(req=_int(meta, "req"), role=_str(meta, "role", 16),
-                    version=_int(meta, "version"), norms_from=norms_from, norms=norms,
-                    velocity=velocity, gap=gap)
-    if msg_type is MsgType.PROMOTE:
-        return Promote(req=_int(meta, "req"), server=_opt_str(meta, "server", 256),
-                       force=_opt_bool(meta, "force"))
-    if msg_type is MsgType.RESYNC:
-        return Resync(req=_int(meta, "req"), server=_str(meta, "server", 256))
-    if msg_type is MsgType.FAILOVER:
-        return Failover(server=_str(meta, "server", 256), version=_int(meta, "version"))
-    if msg_type is MsgType.STATE_REQUEST:
-        return StateRequest(req=_int(meta, "req"))
-    if msg_type is MsgType.REPLICA_JOIN:
-        return ReplicaJoin(address=_str(meta, "address", 256), version=_int(meta, "version"),
-                           velocity=_opt_float(meta, "velocity") or 0.0)
-    if msg_type is MsgType.REPLICA_AT:
-        return ReplicaAt(address=_str(meta, "address", 256), version=_int(meta, "version"))
-    if msg_type is MsgType.REPLICA_DONE:
-        return ReplicaDone(dst=_str(meta, "dst", 256), version=_int(meta, "version"))
-    if msg_type is MsgType.STATUS:
-        status = meta.get("status")
-        if not isinstance(status, dict):
-            raise ProtocolError("field 'status' must be a JSON object")
-        return Status(req=_int(meta, "req"), status=status)
-    if msg_type is MsgType.TRANSFER_DONE:
-        applied = meta.get("applied")
-        if not isinstance(applied, bool):
-            raise ProtocolError(f"field 'applied' must be a boolean, got {applied!r:.40}")
-        via_failed = meta.get("via_failed")
-        return TransferDone(req=_int(meta, "req"), applied=applied,
-                            version=_int(meta, "version"), delay=_opt_int(meta, "delay"),
-                            seconds=_float(meta, "seconds"),
-                            via_failed=None if via_failed is None else _str(meta, "via_failed",
-                                                                            256))
-    raise AssertionError(msg_type)  # pragma: no cover - MsgType() already checked
+    decoded: Event = _BY_TYPE[msg_type].decode(meta, tensors)
+    return decoded
 
 
 def _encode_meta(event: Event) -> tuple[MsgType, dict[str, Any], Sequence[TensorSpec], list]:
     """The message type, JSON fields, tensor specs and arrays of an event."""
-    if isinstance(event, Hello):
-        return MsgType.HELLO, {"job": event.job, "client": event.client,
-                               "nonce": event.nonce.hex()}, (), []
-    if isinstance(event, Challenge):
-        return MsgType.CHALLENGE, {"nonce": event.nonce.hex(), "proof": event.proof.hex()}, (), []
-    if isinstance(event, Auth):
-        return MsgType.AUTH, {"proof": event.proof.hex()}, (), []
-    if isinstance(event, Welcome):
-        meta = {"session": event.session, "version": event.version,
-                "tensors": _meta_specs(event.tensors), "momentum": event.momentum}
-        if event.tau_max is not None:
-            meta["tau_max"] = event.tau_max
-        if event.aggregators:
-            meta["aggregators"] = list(event.aggregators)
-        return MsgType.WELCOME, meta, (), []
-    if isinstance(event, Pull):
-        fields = {k: v for k, v in vars(event).items() if v is not None}
-        return MsgType.PULL, fields, (), []
-    if isinstance(event, PullCancel):
-        return MsgType.PULL_CANCEL, {"req": event.req}, (), []
-    if isinstance(event, ModelEnd):
-        return MsgType.MODEL_END, {"req": event.req, "ok": event.ok}, (), []
+    codec = _BY_EVENT.get(type(event))
+    if codec is None:
+        raise TypeError(f"not an mlfabric event: {event!r:.80}")
     if isinstance(event, (Model, Push)):
         names = list(event.tensors)
         arrays = [np.asarray(event.tensors[n]) for n in names]
         specs = [spec_of(n, a) for n, a in zip(names, arrays, strict=True)]
-        meta = {"req": event.req}
-        if isinstance(event, Model):
-            meta["version"] = event.version
-            if event.streamed:
-                meta["streamed"] = True
-            return MsgType.MODEL, meta, specs, arrays
-        meta["base_version"] = event.base_version
-        for key in ("seq", "uid", "group", "fan_in", "index", "dst"):
-            value = getattr(event, key)
-            if value is not None:
-                meta[key] = value
-        if event.members is not None:
-            meta["members"] = [list(m) for m in event.members]
-        return MsgType.PUSH, meta, specs, arrays
-    if isinstance(event, PushResult):
-        meta = {"req": event.req, "applied": event.applied, "version": event.version,
-                "delay": event.delay}
-        if event.reason is not None:
-            meta["reason"] = event.reason
-        if event.delays is not None:
-            meta["delays"] = list(event.delays)
-        return MsgType.PUSH_RESULT, meta, (), []
-    if isinstance(event, Error):
-        meta = {"code": event.code, "message": event.message}
-        if event.req is not None:
-            meta["req"] = event.req
-        return MsgType.ERROR, meta, (), []
-    if isinstance(event, (TransferRequest, Directive, TransferDone, StatusRequest, Status,
-                          ReplicaDone, Ping, Pong, Promote, Resync, Failover, StateRequest,
-                          ReplicaJoin, ReplicaAt)):
-        msg_type = {TransferRequest: MsgType.TRANSFER_REQUEST, Directive: MsgType.DIRECTIVE,
-                    TransferDone: MsgType.TRANSFER_DONE, StatusRequest: MsgType.STATUS_REQUEST,
-                    Status: MsgType.STATUS, ReplicaDone: MsgType.REPLICA_DONE,
-                    Ping: MsgType.PING, Pong: MsgType.PONG, Promote: MsgType.PROMOTE,
-                    Resync: MsgType.RESYNC, Failover: MsgType.FAILOVER,
-                    StateRequest: MsgType.STATE_REQUEST,
-                    ReplicaJoin: MsgType.REPLICA_JOIN, ReplicaAt: MsgType.REPLICA_AT}[type(event)]
-        fields = {k: list(v) if isinstance(v, tuple) else v
-                  for k, v in vars(event).items() if v is not None}
-        return msg_type, fields, (), []
-    raise TypeError(f"not an mlfabric event: {event!r:.80}")
+        return codec.msg_type, codec.encode(event), specs, arrays
+    return codec.msg_type, codec.encode(event), (), []
 
 
 @dataclass(frozen=True)
 class InProgress:
-    """A frame whose tensor data is still arriving (see Connection.receiving)."""
+    """A frame whose tensor data is still arriving (see Connection.receiving).
+    `head` is its event, every field checked, with no tensors yet."""
 
     msg_type: MsgType
-    meta: Mapping[str, Any]
+    head: Any  # Model | Push, tensors empty
     specs: tuple[TensorSpec, ...]
     data: memoryview  # the whole data block; bytes [0, received) have arrived
     received: int
 
 
 def _fast_meta(event: Event) -> bytes | None:
-    """The JSON fields of the messages sent with every step, formatted directly
-    (json.dumps costs more than the rest of a small push); None for others."""
-    if isinstance(event, Push):
-        if event.uid is not None or event.members is not None:
-            return None
-        if event.seq is not None:
-            return b'{"req":%d,"base_version":%d,"seq":%d}' % (
-                event.req, event.base_version, event.seq)
-        return b'{"req":%d,"base_version":%d}' % (event.req, event.base_version)
-    if isinstance(event, PushResult) and event.reason is None and event.delays is None:
-        delay = b"null" if event.delay is None else b"%d" % event.delay
-        applied = b"true" if event.applied else b"false"
-        return b'{"req":%d,"applied":%s,"version":%d,"delay":%s}' % (
-            event.req, applied, event.version, delay)
-    if isinstance(event, Pull) and event.uid is None:
-        return b'{"req":%d}' % event.req
-    if isinstance(event, Model) and not event.streamed:
-        return b'{"req":%d,"version":%d}' % (event.req, event.version)
-    return None
+    """The JSON fields of `event` formatted directly, if its codec can (see `Codec.fast`)."""
+    codec = _BY_EVENT.get(type(event))
+    return None if codec is None or codec.fast is None else codec.fast(event)
 
 
 class _State(enum.Enum):
@@ -890,7 +1009,7 @@ class _Frame:
     msg_type: MsgType
     meta_len: int
     data_len: int
-    meta: dict[str, Any] = field(default_factory=dict)
+    head: Any = None  # the frame's event, fields checked, tensors not yet attached
     specs: tuple[TensorSpec, ...] = ()
     offsets: list[int] = field(default_factory=list)
     data: memoryview | None = None
@@ -977,11 +1096,12 @@ class Connection:
     def receiving(self) -> InProgress | None:
         """The frame whose data is arriving now, if any: lets a receiver start
         working on the first bytes of a large frame before the last arrive.
-        Its metadata has passed the frame-level checks only."""
+        Its fields are checked (`head`): a frame whose fields are wrong is
+        refused when they arrive, before its data."""
         frame = self._frame
         if self._state is not _State.DATA or frame is None or frame.data is None:
             return None
-        return InProgress(frame.msg_type, frame.meta, frame.specs, frame.data, frame.received)
+        return InProgress(frame.msg_type, frame.head, frame.specs, frame.data, frame.received)
 
     def next_event(self) -> Event | _NeedData:
         """The next complete event, or NEED_DATA. Raises ProtocolError
@@ -1103,30 +1223,42 @@ class Connection:
             raise ProtocolError(f"{name} metadata is not valid JSON") from None
         if not isinstance(meta, dict):
             raise ProtocolError(f"{name} metadata is not a JSON object")
-        frame.meta = meta
+        # Every field checked now, so nothing outside the codec reads raw JSON,
+        # not even for a frame whose data is still arriving.
+        frame.head = _decode(frame.msg_type, meta, {})
 
     def _finish(self, frame: _Frame) -> Event:
+        if frame.msg_type not in (MsgType.MODEL, MsgType.PUSH):
+            return frame.head
         tensors: dict[str, np.ndarray] = {}
-        if frame.msg_type in (MsgType.MODEL, MsgType.PUSH):
-            data = frame.data
-            for spec, off in zip(frame.specs, frame.offsets, strict=True):
-                count = spec.nbytes // spec.dtype.itemsize
-                if count:
-                    assert data is not None
-                    arr = np.frombuffer(data, dtype=spec.dtype, count=count, offset=off)
-                else:
-                    arr = np.empty(0, dtype=spec.dtype)
-                tensors[spec.name] = arr.reshape(spec.shape)
-        return _decode(frame.msg_type, frame.meta, tensors)
+        data = frame.data
+        for spec, off in zip(frame.specs, frame.offsets, strict=True):
+            count = spec.nbytes // spec.dtype.itemsize
+            if count:
+                assert data is not None
+                arr = np.frombuffer(data, dtype=spec.dtype, count=count, offset=off)
+            else:
+                arr = np.empty(0, dtype=spec.dtype)
+            tensors[spec.name] = arr.reshape(spec.shape)
+        return dataclasses.replace(frame.head, tensors=tensors)
 
     # -- sending ------------------------------------------------------------
 
     def send(self, event: Event) -> list[bytes | memoryview]:
         """The frame for `event` as buffers to write in order (tensors not copied)."""
-        msg_type, meta, specs, arrays = _encode_meta(event)
-        meta_bytes = _fast_meta(event)
+        codec = _BY_EVENT.get(type(event))
+        if codec is None:
+            raise TypeError(f"not an mlfabric event: {event!r:.80}")
+        msg_type = codec.msg_type
+        meta_bytes = codec.fast(event) if codec.fast is not None else None
         if meta_bytes is None:
-            meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
+            meta_bytes = json.dumps(codec.encode(event), separators=(",", ":")).encode()
+        specs: Sequence[TensorSpec] = ()
+        arrays: list[np.ndarray] = []
+        if isinstance(event, (Model, Push)):
+            names = list(event.tensors)
+            arrays = [np.asarray(event.tensors[n]) for n in names]
+            specs = [spec_of(n, a) for n, a in zip(names, arrays, strict=True)]
         if msg_type in (MsgType.MODEL, MsgType.PUSH):
             specs_bytes, offsets, data_len = _encode_specs(tuple(specs))
             meta_bytes += b"\n" + specs_bytes
