@@ -15,7 +15,7 @@ from ..runtime import loop
 from ..runtime.metrics import ControllerMetrics, serve_metrics
 from ..scheduling.aggregation import AggregationConfig
 from ..scheduling.plan import POLICIES, Network, Policy, fifo_policy
-from ..transport.listener import add_listener_arguments, handshake_timeout, listen, until_stopped
+from ..transport.listener import add_listener_arguments, handshake_timeout, listen, stop_on_signals
 from ..wire import auth
 from ..wire.protocol import MAX_FAN_IN
 from .controller import Controller
@@ -211,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
                                 network=network, metrics=metrics, policy_name=args.policy,
                                 gate=gate, aggregators=aggregators,
                                 aggregation=aggregation)
+        stopped = stop_on_signals()  # before the "serving" line: see stop_on_signals
         bound = await listen(controller, host, port, args.listen)
         if agents:
             controller.watch_agents(agents, args.agent_interval)
@@ -223,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
               f"(policy {args.policy}, tau_max {tau_max}"
               f"{'' if gate is None else f', div_max {gate.div_max}'}"
               f"{f', {len(aggregators)} aggregators' if aggregators else ''})", flush=True)
-        await until_stopped()
+        await stopped.wait()
         await controller.close()
         print("mlfabric controller: stopped", flush=True)
 

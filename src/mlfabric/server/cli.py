@@ -23,7 +23,7 @@ from ..replication.replica import (
 )
 from ..runtime import loop
 from ..runtime.metrics import ServerMetrics, serve_metrics
-from ..transport.listener import add_listener_arguments, handshake_timeout, listen, until_stopped
+from ..transport.listener import add_listener_arguments, handshake_timeout, listen, stop_on_signals
 from ..wire import auth
 from . import checkpoint
 from .checkpointer import Checkpointer
@@ -273,6 +273,7 @@ def run_server(args: argparse.Namespace) -> int:
                                         interval=args.checkpoint_interval,
                                         keep=args.keep_checkpoints, metrics=metrics, run=run,
                                         resumed=resumed)
+        stopped = stop_on_signals()  # before the "serving" line: see stop_on_signals
         bound = await listen(server, host, port, args.listen)
         # The "serving" line is what scripts wait for: it carries the bound port.
         print(
@@ -294,7 +295,7 @@ def run_server(args: argparse.Namespace) -> int:
             address = args.advertise or f"{bound[0]}:{bound[1]}"
             await announce(args.controller, address=address, store=store, job=args.job,
                            token=token)
-        await until_stopped()
+        await stopped.wait()
         log.info("shutting down at version %d", store.version)
         if sampler is not None:
             await sampler.close()

@@ -74,12 +74,14 @@ async def listen(endpoint: Endpoint, host: str, port: int, address: str) -> tupl
         raise ConfigError(f"cannot listen on {address}: {exc.strerror}") from None
 
 
-async def until_stopped() -> None:
-    """Return on SIGINT or SIGTERM (Ctrl-C and a service manager's stop)."""
+def stop_on_signals() -> asyncio.Event:
+    """An event set on SIGINT or SIGTERM (Ctrl-C and a service manager's stop).
+    Call it before announcing the process as ready: a stop that comes right
+    after the announcement must still shut down cleanly, not kill it."""
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
+    return stop
 
 
 class Endpoint:
