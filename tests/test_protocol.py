@@ -46,6 +46,7 @@ from mlfabric.wire.protocol import (
     TransferRequest,
     Welcome,
     layout,
+    spec_of,
 )
 
 F4, F8 = DTYPES["f4"], DTYPES["f8"]
@@ -497,3 +498,66 @@ def test_a_frame_arriving_shows_its_checked_head_and_wrong_fields_are_refused_ea
     conn.receive_data(forged)  # no data at all yet
     with pytest.raises(ProtocolError, match="base_version"):
         conn.next_event()
+
+
+# --- streamed data blocks (wire.streamed) ------------------------------------------
+
+
+def feed_whole(conn, data):
+    conn.receive_data(data)
+    return drain(conn)
+
+
+def _streamed_model():
+    rng = np.random.default_rng(3)
+    # Odd sizes: padding between the tensors (they start at multiples of ALIGN).
+    return {"a": rng.standard_normal(37).astype(np.float32),
+            "b": rng.standard_normal((5, 7)).astype(np.float32),
+            "c": rng.standard_normal(3).astype(np.float32)}
+
+
+@pytest.mark.parametrize("chunks", [[1], [7, 64, 100], [10_000]])
+def test_a_streamed_frame_is_byte_for_byte_the_whole_frame(chunks):
+    from mlfabric.wire.streamed import StreamedBlock
+
+    tensors = _streamed_model()
+    event = Model(req=9, version=4, tensors=tensors, streamed=True)
+    whole = Connection().send_bytes(event)
+    head = Connection().send_head(event)
+    block = StreamedBlock([spec_of(n, a) for n, a in tensors.items()])
+    out = [head]
+    k = 0
+    while not block.done:
+        upto = min(block.total, block.sent + chunks[k % len(chunks)])
+        out.append(bytes(block.from_arrays(tensors, upto)))
+        k += 1
+    assert b"".join(out) == whole
+    assert block.replay(tensors) == bytearray(whole[len(head):])
+    # And as a contiguous block, without copies.
+    block = StreamedBlock(block.specs)
+    data = memoryview(whole[len(head):])
+    pieces = [block.from_block(data, 50), block.from_block(data, block.total)]
+    assert head + b"".join(bytes(p) for p in pieces) == whole
+    got = feed_whole(Connection(), whole)
+    np.testing.assert_array_equal(got[0].tensors["b"], tensors["b"])
+
+
+def test_a_void_stream_ends_whole_with_zeros_and_never_goes_back():
+    from mlfabric.wire.streamed import StreamedBlock
+
+    tensors = _streamed_model()
+    event = Model(req=9, version=4, tensors=tensors, streamed=True)
+    head = Connection().send_head(event)
+    block = StreamedBlock([spec_of(n, a) for n, a in tensors.items()])
+    first = bytes(block.from_arrays(tensors, 100))
+    rest = block.void()
+    assert block.done and len(first) + len(rest) == block.total and set(rest) <= {0}
+    (ev,) = feed_whole(Connection(), head + first + rest)
+    np.testing.assert_array_equal(ev.tensors["a"][:25], tensors["a"][:25])  # 100 bytes
+    assert not ev.tensors["b"].any() and not ev.tensors["c"].any()
+    with pytest.raises(ValueError, match="goes forward within its"):
+        block.from_arrays(tensors, block.total + 1)
+    again = StreamedBlock(block.specs)
+    again.from_arrays(tensors, 64)
+    with pytest.raises(ValueError, match="64 sent, asked up to 10"):
+        again.from_arrays(tensors, 10)

@@ -306,7 +306,7 @@ class Aggregator(Endpoint):
             if upto > frame.sent:
                 if not group.sum.all_in:
                     self.metrics.streamed_bytes.inc(upto - frame.sent)
-                frame.write(data[frame.sent:upto].data)
+                frame.write(data.data.cast("B"), upto)
             else:
                 group.progress.clear()
                 await group.progress.wait()

@@ -30,7 +30,9 @@ from ..wire.protocol import (
     Push,
     ReplicaAt,
     layout,
+    spec_of,
 )
+from ..wire.streamed import StreamedBlock
 from .agent_report import TransferReporter
 from .aio_control import AsyncControlledPushes
 from .control_book import AGGREGATOR_COMMAND, AGGREGATOR_DIAL_TIMEOUT
@@ -458,9 +460,9 @@ class AsyncClient:
         done (the caller serialises)."""
         fut, event = self._new_request(kind, make_event, base_version)
         proto = self._proto
-        head, *data = proto.conn.send(event)
-        proto.write(head)
-        return fut, FrameWriter(proto, sum(len(p) for p in data))
+        proto.write(proto.conn.send_head(event))
+        specs = [spec_of(n, np.asarray(a)) for n, a in event.tensors.items()]
+        return fut, FrameWriter(proto, StreamedBlock(specs))
 
     async def flushed(self) -> None:
         """Wait until every byte handed to this client's link has gone to the

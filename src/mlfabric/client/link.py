@@ -20,6 +20,7 @@ from ..runtime.loop import within
 from ..runtime.metrics import ClientMetrics
 from ..wire.handshake import ClientHandshake
 from ..wire.protocol import HEADER, MAX_META_LEN, NEED_DATA, Connection, layout
+from ..wire.streamed import StreamedBlock
 from .core import RequestTable, connection_lost_error, parse_address
 
 # Frames up to this size go out as one write (one syscall); larger ones as
@@ -231,26 +232,30 @@ class Link(asyncio.BufferedProtocol):
 
 
 class FrameWriter:
-    """The data block of a frame whose header is already sent, written in
-    order as its bytes become final (an aggregator forwards an aggregate
-    while its members are still arriving)."""
+    """The data block of a frame whose head is already sent, written on this
+    link in order as its bytes become final (`wire.streamed.StreamedBlock`:
+    an aggregator forwards an aggregate while its members still arrive)."""
 
-    def __init__(self, proto: Link, nbytes: int) -> None:
+    def __init__(self, proto: Link, block: StreamedBlock) -> None:
         self._proto = proto
-        self.nbytes = nbytes
-        self.sent = 0
+        self.block = block
 
-    def write(self, data: memoryview) -> None:
-        """Send the next `len(data)` bytes of the block (not copied: keep them
-        unchanged until the frame is answered)."""
-        if self.sent + len(data) > self.nbytes:
-            raise ValueError(f"{self.sent + len(data)} bytes written to a {self.nbytes}-byte "
-                             f"data block")
+    @property
+    def nbytes(self) -> int:
+        return self.block.total
+
+    @property
+    def sent(self) -> int:
+        return self.block.sent
+
+    def write(self, data: memoryview, upto: int) -> None:
+        """Send the block's bytes up to `upto`, from `data`, the whole block
+        as laid out on the wire (not copied: keep it unchanged until the
+        frame is answered)."""
         proto = self._proto
         if proto.error is not None or proto.transport is None:
             raise proto.error or ConnectionLost(f"the link to {proto.address} is closed")
-        proto.write(data)
-        self.sent += len(data)
+        proto.write(self.block.from_block(data, upto))
 
     def abort(self) -> None:
         """Give up on the frame: the link is dropped at once, so the far end

@@ -27,8 +27,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..wire.model_stream import block_bytes, final_prefix
 from ..wire.protocol import Model, ModelEnd, Pull, layout
+from ..wire.streamed import StreamedBlock
 from .store import StagedApply
 
 
@@ -47,7 +47,7 @@ class _Waiter:
 class _Stream:
     staged: StagedApply
     waiters: list[_Waiter]
-    sent: int = 0  # bytes of the data block written to every waiter
+    block: StreamedBlock  # the data block every waiter receives, in step
 
 
 class PullWaits:
@@ -87,21 +87,19 @@ class PullWaits:
         s = self.stream
         if s is None or s.staged is not self.store.staged or not s.staged.valid:
             return
-        end = final_prefix(self.store.specs, self.offsets, self.total, s.staged.computed())
-        if end > s.sent:
-            data = block_bytes(self.store.spare, self.store.specs, self.offsets, s.sent, end)
+        end = s.block.final_prefix(s.staged.computed())
+        if end > s.block.sent:
+            data = s.block.from_arrays(self.store.spare, end)
             for w in s.waiters:
                 w.proto.write_raw(data)
-            s.sent = end
 
     def committed(self, staged: StagedApply) -> None:
         """`staged` was applied: the store's weights are the streamed model."""
         s = self.stream
         if s is not None and s.staged is staged:
             self.stream = None
-            if s.sent < self.total:
-                data = block_bytes(self.store.weights, self.store.specs, self.offsets,
-                                   s.sent, self.total)
+            if not s.block.done:
+                data = s.block.from_arrays(self.store.weights, s.block.total)
                 for w in s.waiters:
                     w.proto.write_raw(data)
             for w in s.waiters:
@@ -117,7 +115,7 @@ class PullWaits:
         s, self.stream = self.stream, None
         if s is None:
             return
-        filler = bytes(self.total - s.sent)
+        filler = s.block.void()
         for w in s.waiters:
             w.streaming = False
             if filler:
@@ -169,9 +167,8 @@ class PullWaits:
         s = self.stream
         if s is None or s.staged is not staged:
             self.voided()
-            s = self.stream = _Stream(staged, [])
-        catch_up = (block_bytes(self.store.spare, self.store.specs, self.offsets, 0, s.sent)
-                    if s.sent else None)
+            s = self.stream = _Stream(staged, [], StreamedBlock(self.store.specs))
+        catch_up = s.block.replay(self.store.spare) if s.block.sent else None
         for w in waiters:
             if w.streaming or w.proto.streaming:
                 continue  # answered plainly once applied

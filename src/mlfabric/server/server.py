@@ -326,8 +326,7 @@ class ServerProtocol(EndpointProtocol):
     def stream_begin(self, model: Model) -> None:
         """Write the head of `model`'s frame; its data block follows through
         write_raw(), then stream_end()."""
-        head = self.conn.send(model)[0]
-        self.write_raw(head)
+        self.write_raw(self.conn.send_head(model))
         self.streaming = True
 
     def write_raw(self, data: Any) -> None:

@@ -1278,6 +1278,13 @@ class Connection:
         self.bytes_sent += len(parts[0]) + data_len
         return parts
 
+    def send_head(self, event: Model | Push) -> bytes:
+        """The head of `event`'s frame (header and fields) alone: its data
+        block follows as a `streamed.StreamedBlock` over the same tensors."""
+        head = self.send(event)[0]
+        assert isinstance(head, bytes)
+        return head
+
     def send_bytes(self, event: Event) -> bytes:
         """The frame for `event` as one bytes object (copies tensors)."""
         return b"".join(self.send(event))
