@@ -38,7 +38,6 @@ from ..wire.protocol import (
     StateRequest,
     Welcome,
     default_allocate,
-    layout,
 )
 from .pulls import PullWaits
 from .store import ParameterStore, StagedApply
@@ -134,24 +133,17 @@ class ParameterServer(Endpoint):
                                  f"without one")
         if event.members is not None:
             return self._apply_aggregate(event, staged, data)
-        before = self.store.applied_before(event.uid)
-        if before is not None:
-            # Re-sent after its aggregate failed, but the aggregate was applied.
-            if staged is not None:
-                staged.cancel()
-            m.updates_rejected.labels("duplicate").inc()
-            return PushResult(req=event.req, applied=True, version=before.version,
-                              delay=before.delay)
         started = time.perf_counter()
-        outcome = staged.finish(data) if staged is not None and data is not None else None
         try:
-            if outcome is None:
-                outcome = self.store.apply(event.base_version, event.tensors, event.uid)
-            else:
-                self.store.remember(event.uid, outcome)
+            outcome, duplicate = self.store.apply_push(event, staged, data)
         except InvalidUpdate as exc:
             m.updates_rejected.labels(exc.reason).inc()
             return Error(code=exc.reason, message=str(exc), req=event.req)
+        if duplicate:
+            # Re-sent after its aggregate failed, but the aggregate was applied.
+            m.updates_rejected.labels("duplicate").inc()
+            return PushResult(req=event.req, applied=True, version=outcome.version,
+                              delay=outcome.delay)
         if outcome.applied:
             m.apply_seconds.observe(time.perf_counter() - started)
             m.updates_applied.inc()
@@ -172,17 +164,9 @@ class ParameterServer(Endpoint):
         """An aggregator's sum of k members: one step, version + k."""
         m = self.metrics
         assert event.members is not None
-        members = [(uid, base) for uid, base, _ in event.members]
         started = time.perf_counter()
-        outcome = None
-        if staged is not None and data is not None:
-            if staged.members == tuple(members):
-                outcome = staged.finish_aggregate(data)
-            else:
-                staged.cancel()
         try:
-            if outcome is None:
-                outcome = self.store.apply_aggregate(members, event.tensors)
+            outcome = self.store.apply_aggregate_push(event, staged, data)
         except InvalidUpdate as exc:
             m.updates_rejected.labels(exc.reason).inc()
             return Error(code=exc.reason, message=str(exc), req=event.req)
@@ -281,21 +265,11 @@ class ServerProtocol(EndpointProtocol):
         if partial.data is not self._staged_frame:
             self._staged_frame = partial.data
             self._staged = None
-            push = partial.head
-            threshold = self.server.stage_min_bytes
-            # A uid applied already takes the whole-update path (answered,
-            # never applied twice).
-            members = None if push.members is None else [(u, b) for u, b, _ in push.members]
-            plain = members is None and (
-                push.uid is None or self.server.store.applied_before(push.uid) is None)
-            if threshold is not None and len(partial.data) >= threshold and (
-                    plain or members is not None):
-                offsets, _ = layout(partial.specs)
-                self._staged = self.server.store.begin_staged(
-                    push.base_version, partial.specs, offsets, members,
-                    uid=push.uid if plain else None)
-                if self._staged is not None and self.server.pull_waits is not None:
-                    self.server.pull_waits.began(self._staged)
+            # The store decides whether it is applied as it arrives.
+            self._staged = self.server.store.stage_for(
+                partial.head, partial.specs, len(partial.data), self.server.stage_min_bytes)
+            if self._staged is not None and self.server.pull_waits is not None:
+                self.server.pull_waits.began(self._staged)
         staged = self._staged
         if (staged is not None and self.last_read < STAGE_IDLE_READ
                 and partial.received - staged.fed >= STAGE_CHUNK):

@@ -35,7 +35,7 @@ import numpy as np
 from .. import kernels
 from ..client.outcome import PushOutcome
 from ..errors import ConfigError, InvalidUpdate
-from ..wire.protocol import TensorSpec, layout
+from ..wire.protocol import Push, TensorSpec, layout
 from .checkpoint import Checkpoint
 
 MODEL_DTYPE = np.dtype(np.float32)
@@ -388,6 +388,56 @@ class ParameterStore:
                     spare, w, self.previous[name])
             else:
                 self.weights[name], self.spare[name] = spare, w
+
+    # -- a received push: the store decides how it is applied ------------------
+
+    def stage_for(self, push: Push, specs: Sequence[TensorSpec], nbytes: int,
+                  min_bytes: int | None) -> StagedApply | None:
+        """Whether a push whose bytes are arriving (`push`: its checked head,
+        `nbytes` of data) is applied as they come in: its staging, or None
+        (applied whole at its end by `apply_push`). Only pushes of at least
+        `min_bytes` (None: none) are staged; never a sequenced one (only a
+        replica takes those) nor a duplicate (answered, never applied twice)."""
+        if min_bytes is None or nbytes < min_bytes or push.seq is not None:
+            return None
+        if push.members is not None:
+            members = [(uid, base) for uid, base, _ in push.members]
+            return self.begin_staged(push.base_version, specs, layout(specs)[0], members)
+        if push.uid is not None and self.applied_before(push.uid) is not None:
+            return None
+        return self.begin_staged(push.base_version, specs, layout(specs)[0], uid=push.uid)
+
+    def apply_push(self, push: Push, staged: StagedApply | None, data: memoryview | None
+                   ) -> tuple[PushOutcome, bool]:
+        """Apply a received push (not an aggregate), as staged while it
+        arrived if `staged` still holds, else whole. Returns its outcome and
+        whether it was a duplicate: a uid applied before is answered with its
+        first outcome and not applied again. Raises InvalidUpdate."""
+        before = self.applied_before(push.uid)
+        if before is not None:
+            if staged is not None:
+                staged.cancel()
+            return before, True
+        outcome = staged.finish(data) if staged is not None and data is not None else None
+        if outcome is None:
+            return self.apply(push.base_version, push.tensors, push.uid), False
+        self.remember(push.uid, outcome)
+        return outcome, False
+
+    def apply_aggregate_push(self, push: Push, staged: StagedApply | None,
+                             data: memoryview | None) -> AggregateOutcome:
+        """Apply a received aggregate: as staged if `staged` staged these very
+        members and still holds, else whole. Raises InvalidUpdate."""
+        assert push.members is not None
+        members = [(uid, base) for uid, base, _ in push.members]
+        if staged is not None and data is not None:
+            if staged.members == tuple(members):
+                outcome = staged.finish_aggregate(data)
+                if outcome is not None:
+                    return outcome
+            else:
+                staged.cancel()
+        return self.apply_aggregate(members, push.tensors)
 
     def begin_staged(
         self, base_version: int, specs: Sequence[TensorSpec], offsets: Sequence[int],
