@@ -496,3 +496,36 @@ def test_with_allow_nonfinite_the_norm_of_a_nonfinite_update_is_recorded():
     store = ParameterStore({"w": np.zeros(2, np.float32)}, allow_nonfinite=True)
     store.apply(0, {"w": np.array([np.inf, 1.0], np.float32)})
     assert store.norms_since(0) == (1, [math.inf])
+
+
+# --- a received push: the store decides how it is applied ---------------------------
+
+
+def test_the_store_decides_which_arriving_pushes_are_staged_and_how_they_end():
+    model = make_model(sizes=SIZES)
+    store = ParameterStore(model, momentum=0.9)
+    u = random_update(model, seed=1)
+    specs, _, data = frame_data(u)
+    head = Push(req=1, base_version=0, tensors={}, uid="w-1")
+    nbytes = len(data)
+    # Too small, or sequenced (only a replica takes those): applied whole.
+    assert store.stage_for(head, specs, nbytes, nbytes + 1) is None
+    assert store.stage_for(head, specs, nbytes, None) is None
+    seq_head = Push(req=1, base_version=0, tensors={}, seq=5)
+    assert store.stage_for(seq_head, specs, nbytes, 1) is None
+    # Staged, fed, and finished by apply_push with the whole update's result.
+    staged = store.stage_for(head, specs, nbytes, 1)
+    assert staged is not None and staged.uids == ("w-1",)
+    staged.feed(data, nbytes)
+    outcome, duplicate = store.apply_push(
+        Push(req=1, base_version=0, tensors=u, uid="w-1"), staged, data)
+    assert (outcome.applied, outcome.version, duplicate) == (True, 1, False)
+    want = Reference(model, 0.9)
+    want.apply(u)
+    assert_model_equal(store.weights, want.w)
+    # The same uid again: not staged, answered with its first outcome, not applied.
+    assert store.stage_for(head, specs, nbytes, 1) is None
+    again, duplicate = store.apply_push(Push(req=2, base_version=0, tensors=u, uid="w-1"),
+                                        None, None)
+    assert (again, duplicate, store.version) == (outcome, True, 1)
+    assert_model_equal(store.weights, want.w)
