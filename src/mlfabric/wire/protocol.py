@@ -459,7 +459,6 @@ Event = (Hello | Challenge | Auth | Welcome | Pull | PullCancel | Model | ModelE
 
 DIRECTIVE_ACTIONS = ("go", "drop")
 
-_TENSOR_EVENTS = (Model, Push)
 
 # Allocator: (message type, data length) -> a writable buffer of at least that
 # many bytes. The receiver decides where tensor bytes land (a pooled buffer on
@@ -966,19 +965,6 @@ def _decode(msg_type: MsgType, meta: Mapping[str, Any], tensors: dict[str, np.nd
     return decoded
 
 
-def _encode_meta(event: Event) -> tuple[MsgType, dict[str, Any], Sequence[TensorSpec], list]:
-    """The message type, JSON fields, tensor specs and arrays of an event."""
-    codec = _BY_EVENT.get(type(event))
-    if codec is None:
-        raise TypeError(f"not an mlfabric event: {event!r:.80}")
-    if isinstance(event, (Model, Push)):
-        names = list(event.tensors)
-        arrays = [np.asarray(event.tensors[n]) for n in names]
-        specs = [spec_of(n, a) for n, a in zip(names, arrays, strict=True)]
-        return codec.msg_type, codec.encode(event), specs, arrays
-    return codec.msg_type, codec.encode(event), (), []
-
-
 @dataclass(frozen=True)
 class InProgress:
     """A frame whose tensor data is still arriving (see Connection.receiving).
@@ -989,12 +975,6 @@ class InProgress:
     specs: tuple[TensorSpec, ...]
     data: memoryview  # the whole data block; bytes [0, received) have arrived
     received: int
-
-
-def _fast_meta(event: Event) -> bytes | None:
-    """The JSON fields of `event` formatted directly, if its codec can (see `Codec.fast`)."""
-    codec = _BY_EVENT.get(type(event))
-    return None if codec is None or codec.fast is None else codec.fast(event)
 
 
 class _State(enum.Enum):
