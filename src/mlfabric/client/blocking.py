@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -125,6 +126,7 @@ class Client:
         self.momentum = engine.momentum
         self.session = engine.session
         self._closed = False
+        self._closing = threading.Lock()  # close() from two threads runs once
 
     @property
     def address(self) -> str:
@@ -228,9 +230,10 @@ class Client:
 
     def close(self) -> None:
         """Close the connection; requests still waiting fail with ConnectionLost."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
         try:
             self._runner.run(self._engine.close(), 30.0)
         finally:
