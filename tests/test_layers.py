@@ -25,7 +25,7 @@ PACKAGE = SRC / "mlfabric"
 LAYERS: list[set[str]] = [
     {"errors"},
     {"kernels"},
-    {"wire", "scheduling"},
+    {"wire", "scheduling", "sharding"},
     {"runtime"},
     {"transport"},
     {"client"},
