@@ -125,9 +125,9 @@ class ParameterStore:
 
     def check_layout(self, specs: Iterable[tuple[str, np.dtype, tuple[int, ...]]]) -> None:
         """Raise InvalidUpdate unless (name, dtype, shape) triples match the model."""
-        names = []
+        names = set()
         for name, dtype, shape in specs:
-            names.append(name)
+            names.add(name)
             w = self.weights.get(name)
             if w is None:
                 raise InvalidUpdate(
