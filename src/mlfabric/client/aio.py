@@ -275,6 +275,10 @@ class AsyncClient:
         over to), or None. Safe to call from another thread: it only reads."""
         if self._feeds is not None or self._controlled is not None:
             return None  # parked for a failover, or the controller link reports it
+        return self._link_error()
+
+    def _link_error(self) -> BaseException | None:
+        """Why the link cannot take a request now, or None."""
         proto = self._proto
         if proto.error is not None or proto.transport is None:
             return proto.error or ConnectionLost(f"the client for {self.address} is closed")
@@ -445,9 +449,10 @@ class AsyncClient:
                      fut: asyncio.Future[Any] | None = None) -> tuple[asyncio.Future[Any], Any]:
         """A future registered for the answer (`fut`, or a new one), and the
         event to send for it."""
+        error = self._link_error()
+        if error is not None:
+            raise error
         proto = self._proto
-        if proto.error is not None or proto.transport is None:
-            raise proto.error or ConnectionLost(f"the client for {self.address} is closed")
         if fut is None:
             fut = asyncio.get_running_loop().create_future()
         return fut, make_event(proto.requests.add(kind, fut, base_version))

@@ -22,17 +22,16 @@ from typing import Any
 import numpy as np
 
 from ..errors import (
-    AuthenticationError,
     ConfigError,
     ConnectionLost,
     InvalidUpdate,
     MlfabricError,
     ProtocolError,
     PushTimeout,
-    ServerError,
 )
 from ..runtime.metrics import REJECT_REASONS, ClientMetrics
 from ..wire import auth
+from ..wire.handshake import handshake_error
 from ..wire.protocol import (
     Error,
     Model,
@@ -78,11 +77,8 @@ def error_from_event(event: Error, context: str = "") -> MlfabricError:
     message = f"{context}{event.message}"
     if event.code in REJECT_REASONS:
         return InvalidUpdate(message, reason=event.code)
-    if event.code == "auth":
-        return AuthenticationError(message)
-    if event.code == "protocol":
-        return ProtocolError(message)
-    return ServerError(f"{message} (server error code {event.code!r})", code=event.code)
+    # auth, protocol and server errors map as during the handshake
+    return handshake_error(Error(code=event.code, message=message, req=event.req))
 
 
 def check_update(

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..wire.protocol import Model, ModelEnd, Pull, layout
+from ..wire.protocol import Model, ModelEnd, Pull
 from ..wire.streamed import StreamedBlock
 from .store import StagedApply
 
@@ -57,7 +57,6 @@ class PullWaits:
         self.server = server
         self.store = server.store
         self.metrics = server.metrics
-        self.offsets, self.total = layout(self.store.specs)
         self.waiting: dict[str, list[_Waiter]] = {}
         self.stream: _Stream | None = None
 
