@@ -288,6 +288,39 @@ def thread_hop_seconds(n: int = 5000) -> float:
     return med(samples)
 
 
+def thread_pingpong_seconds(n: int = 5000) -> float:
+    """Two plain threads handing a lock back and forth: the operating
+    system's wake-up of a blocked thread, twice, with no event loop at all
+    (the floor under any design that crosses a thread per call)."""
+    import threading
+
+    ping, pong = threading.Lock(), threading.Lock()
+    ping.acquire()
+    pong.acquire()
+    stop = False
+
+    def other() -> None:
+        while True:
+            ping.acquire()
+            if stop:
+                return
+            pong.release()
+
+    t = threading.Thread(target=other, daemon=True)
+    t.start()
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            ping.release()
+            pong.acquire()
+        samples.append((time.perf_counter() - t0) / n)
+    stop = True
+    ping.release()
+    t.join(5.0)
+    return med(samples)
+
+
 # --- harness ---------------------------------------------------------------------------
 
 
@@ -525,8 +558,10 @@ def main() -> int:
     if args.before:
         print()
         hop = thread_hop_seconds()
+        bare = thread_pingpong_seconds()
         print(f"The bound on a blocking round trip through the client's loop thread: an "
-              f"empty call there and back costs {hop * 1e6:.1f} us here (median of 5 x 5000)")
+              f"empty call there and back costs {hop * 1e6:.1f} us here (median of 5 x 5000); "
+              f"two bare threads handing a lock back and forth, {bare * 1e6:.1f} us")
         print(f"Before ({args.before}) against after, the same servers, alternated round by "
               f"round: time before / time after (>1: after is faster)")
         for label, a, b, target in (
