@@ -38,6 +38,7 @@ from mlfabric.wire.protocol import (
     ReplicaDone,
     ReplicaJoin,
     Resync,
+    ShardInfo,
     StateRequest,
     Status,
     StatusRequest,
@@ -67,6 +68,9 @@ CASES = [
     ),
     Welcome(session="c", version=3, tensors=(), tau_max=8,
             aggregators=("10.0.0.2:7401", "10.0.0.3:7401")),
+    Welcome(session="d", version=4, tensors=(TensorSpec("w@0", F4, (6,)),),
+            shard=ShardInfo(index=1, count=3, chunk=65536, digest="0123456789abcdef",
+                            model=(TensorSpec("b", F4, (2,)), TensorSpec("w", F4, (3, 4))))),
     Pull(req=1),
     Pull(req=2**64 - 1),
     Pull(req=3, uid="c0ffee-7", wait=2.5),
@@ -285,6 +289,24 @@ BAD_FRAMES = {
                                          "base_version": 0, "norm": True}), "'norm'"),
     "applied not bool": (
         frame(MsgType.PUSH_RESULT, {"req": 1, "applied": 1, "version": 1}), "'applied'"),
+    "shard not object": (
+        frame(MsgType.WELCOME, {"session": "s", "version": 0, "tensors": [], "shard": [1]}),
+        "'shard' must be an object"),
+    "shard index past count": (
+        frame(MsgType.WELCOME, {"session": "s", "version": 0, "tensors": [],
+                                "shard": {"index": 3, "count": 3, "chunk": 1, "digest": "d",
+                                          "model": []}}),
+        "index < count"),
+    "shard count huge": (
+        frame(MsgType.WELCOME, {"session": "s", "version": 0, "tensors": [],
+                                "shard": {"index": 0, "count": 10**6, "chunk": 1,
+                                          "digest": "d", "model": []}}),
+        "count <= 4096"),
+    "shard model malformed": (
+        frame(MsgType.WELCOME, {"session": "s", "version": 0, "tensors": [],
+                                "shard": {"index": 0, "count": 2, "chunk": 1, "digest": "d",
+                                          "model": [["w", "f4"]]}}),
+        "must be \\[name, dtype, shape\\]"),
     "data on pull": (frame(MsgType.PULL, {"req": 1}, b"xxxx"), "carries 4 data bytes"),
     "tensors not list": (
         frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": {}}), "'tensors'"),

@@ -172,10 +172,25 @@ class Auth:
 
 
 @dataclass(frozen=True)
+class ShardInfo:
+    """Which part of the model a sharded server keeps: shard `index` of
+    `count`, cut with pieces of `chunk` bytes from the whole `model`, which
+    `mlfabric.sharding.partition` turns into the same partition on every
+    side; `digest` names that partition (a client checks it)."""
+
+    index: int
+    count: int
+    chunk: int
+    digest: str
+    model: tuple[TensorSpec, ...]
+
+
+@dataclass(frozen=True)
 class Welcome:
     """Server -> client: authenticated; the model's layout and current version.
     From a controller, `aggregators`: the addresses it may route pushes through
-    (a client dials them ahead, not when its first member is due)."""
+    (a client dials them ahead, not when its first member is due). From a
+    sharded server, `shard`: its part of the model (`tensors` are its pieces)."""
 
     session: str
     version: int
@@ -183,6 +198,7 @@ class Welcome:
     tau_max: int | None = None
     momentum: float = 0.0
     aggregators: tuple[str, ...] = ()
+    shard: ShardInfo | None = None
 
 
 @dataclass(frozen=True)
@@ -289,6 +305,7 @@ class TransferRequest:
     nbytes: int
     base_version: int
     norm: float
+    shard: int = 0  # which shard of a sharded job's servers (its own versions)
 
 
 @dataclass(frozen=True)
@@ -665,7 +682,26 @@ def _decode_welcome(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> 
         tau_max=_opt_int(meta, "tau_max"),
         momentum=float(momentum),
         aggregators=_addresses(meta, "aggregators"),
+        shard=_shard_info(meta),
     )
+
+
+MAX_SHARDS: Final = 4096
+
+
+def _shard_info(meta: Mapping[str, Any]) -> ShardInfo | None:
+    raw = meta.get("shard")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"field 'shard' must be an object, got {raw!r:.40}")
+    index, count, chunk = _int(raw, "index"), _int(raw, "count"), _int(raw, "chunk")
+    if not (1 <= count <= MAX_SHARDS and index < count and chunk > 0):
+        raise ProtocolError(f"field 'shard' must name shard index < count <= {MAX_SHARDS} "
+                            f"and a positive chunk, got index {index}, count {count}, "
+                            f"chunk {chunk}")
+    return ShardInfo(index, count, chunk, _str(raw, "digest", 64),
+                     _specs({"tensors": raw.get("model")}))
 
 
 def _decode_pull(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
@@ -729,7 +765,14 @@ def _decode_transfer_request(meta: Mapping[str, Any], tensors: dict[str, np.ndar
     return TransferRequest(req=_int(meta, "req"), host=_str(meta, "host", 256),
                            dst=_str(meta, "dst", 256), nbytes=_int(meta, "nbytes"),
                            base_version=_int(meta, "base_version"),
-                           norm=_float(meta, "norm"))
+                           norm=_float(meta, "norm"), shard=_shard_index(meta))
+
+
+def _shard_index(meta: Mapping[str, Any]) -> int:
+    shard = _opt_int(meta, "shard") or 0
+    if shard >= MAX_SHARDS:
+        raise ProtocolError(f"field 'shard' must be below {MAX_SHARDS}, got {shard}")
+    return shard
 
 
 def _decode_directive(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
@@ -845,6 +888,10 @@ def _encode_welcome(event: Welcome) -> dict[str, Any]:
         meta["tau_max"] = event.tau_max
     if event.aggregators:
         meta["aggregators"] = list(event.aggregators)
+    if event.shard is not None:
+        sh = event.shard
+        meta["shard"] = {"index": sh.index, "count": sh.count, "chunk": sh.chunk,
+                         "digest": sh.digest, "model": _meta_specs(sh.model)}
     return meta
 
 
