@@ -211,3 +211,66 @@ def test_status_lists_servers_and_agents_with_ages_on_the_given_clock():
         "peers": 2, "fresh": 2, "error": ""}
     state.replicas["r1"] = {"host": "r1", "version": 6}
     assert state.status()["replicas"] == [{"host": "r1", "version": 6}]
+
+
+# -- sharded servers: each shard's transfers against its own version -------------------
+
+
+def test_each_shard_is_planned_against_its_own_version_and_in_flight():
+    """Shard 0 is far ahead of shard 1; with tau_max = 2 a transfer computed
+    on shard 1's version 3 is fresh there, though stale against shard 0's 10.
+    Positions count only the shard's own transfers in flight."""
+    from mlfabric.scheduling.policies import mlfabric_policy
+
+    state = ControlState(mlfabric_policy, tau_max=2, network=Network(default=10 * MB))
+    state.request("w0", 1, host="a", dst="s0", nbytes=MB, base_version=10, norm=1.0, now=0.0,
+                  shard=0)
+    state.request("w0", 2, host="a", dst="s1", nbytes=MB, base_version=3, norm=1.0, now=0.0,
+                  shard=1)
+    assert state.shard_versions == {0: 10, 1: 3}
+    d = state.decide(now=0.0)
+    drops = [x for x in d.actions if isinstance(x, Drop)]
+    assert drops == []  # against one version (10), shard 1's part would be dropped
+    gone = {x.transfer.shard: x for x in d.actions if isinstance(x, Go)}
+    assert set(gone) == {0}  # shard 1's part waits: the worker's uplink is busy
+    # Shard 1's first transfer is at position 0 of shard 1, whatever runs at shard 0.
+    seen = []
+    state2 = ControlState(lambda snap: seen.append(snap) or [], tau_max=None)
+    for shard in (0, 0, 1):
+        state2.request("w", len(seen) + shard, host="h", dst="s", nbytes=1, base_version=0,
+                       norm=0.0, now=0.0, shard=shard)
+    state2.active = dict(state2.pending)
+    state2.pending.clear()
+    state2.request("w", 9, host="h", dst="s", nbytes=1, base_version=0, norm=0.0, now=0.0,
+                   shard=1)
+    state2.decide(now=0.0)
+    (snap,) = seen
+    assert [t.shard for t in snap.pending] == [1]
+    assert len(snap.active) == 3 and snap.server_in_flight == 1
+
+
+def test_the_shard_planned_first_rotates():
+    order = []
+
+    def policy(snap):
+        order.append(snap.pending[0].shard)
+        return []
+
+    state = ControlState(policy, tau_max=None)
+    for shard in (0, 1, 2):
+        state.request("w", shard, host="h", dst="s", nbytes=1, base_version=0, norm=0.0,
+                      now=0.0, shard=shard)
+    for _ in range(3):
+        state.decide(now=0.0)
+    assert order == [0, 1, 2, 1, 2, 0, 2, 0, 1]
+    assert state.status()["shards"] == [{"shard": 0, "version": 0}, {"shard": 1, "version": 0},
+                                        {"shard": 2, "version": 0}]
+
+
+def test_a_job_of_one_server_is_planned_as_before():
+    seen = []
+    state = ControlState(lambda snap: seen.append(snap) or [], tau_max=None)
+    state.request("w", 1, host="h", dst="s", nbytes=1, base_version=4, norm=0.0, now=0.0)
+    state.decide(now=0.0)
+    assert seen[0].in_flight is None and seen[0].version == 4
+    assert state.status()["shards"] == []

@@ -278,9 +278,18 @@ class Controller(Endpoint):
     # -- events -------------------------------------------------------------------
 
     def on_request(self, conn: _ControllerProtocol, ev: TransferRequest) -> None:
+        if ev.shard and (self.gate is not None or self.state.aggregators
+                         or self.monitor is not None):
+            what = ("--div-max" if self.gate is not None else
+                    "--aggregator" if self.state.aggregators else "failover (--server/--replica)")
+            conn.refuse("config", f"this controller runs with {what}, which does not work "
+                                  f"with sharded servers yet: run the sharded job's controller "
+                                  f"without it")
+            return
         self.metrics.requests.inc()
         self.state.request(conn, ev.req, host=ev.host, dst=ev.dst, nbytes=ev.nbytes,
-                           base_version=ev.base_version, norm=ev.norm, now=self.clock())
+                           base_version=ev.base_version, norm=ev.norm, now=self.clock(),
+                           shard=ev.shard)
         self.replan()
 
     def on_done(self, conn: _ControllerProtocol, ev: TransferDone) -> None:

@@ -12,12 +12,13 @@ clock (the `now` arguments).
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from ..scheduling.plan import (
     ColumnPlan,
     Network,
+    PlanItem,
     Policy,
     Route,
     Snapshot,
@@ -124,6 +125,10 @@ class ControlState:
         self.tau_max = tau_max
         self.network = network or Network()
         self.version = 0
+        # A sharded job's servers keep their own versions: shard -> newest heard
+        # of (shard 0 only, equal to `version`, for a job of one server).
+        self.shard_versions: dict[int, int] = {}
+        self._first_shard = 0  # the shard planned first next time (rotates)
         self.pending: dict[int, Transfer] = {}
         self.active: dict[int, Transfer] = {}
         self.workers: dict[Hashable, WorkerStats] = {}
@@ -147,8 +152,9 @@ class ControlState:
     # -- events ---------------------------------------------------------------
 
     def request(self, owner: Hashable, req: int, *, host: str, dst: str, nbytes: int,
-                base_version: int, norm: float, now: float) -> Transfer:
-        t = Transfer(self._next_id, owner, req, host, dst, nbytes, base_version, norm, now)
+                base_version: int, norm: float, now: float, shard: int = 0) -> Transfer:
+        t = Transfer(self._next_id, owner, req, host, dst, nbytes, base_version, norm, now,
+                     shard=shard)
         self._next_id += 1
         stats = self.workers.setdefault(owner, WorkerStats(str(owner)))
         stats.requests += 1
@@ -157,6 +163,7 @@ class ControlState:
         self.pending[t.id] = t
         # A worker computed on base_version, so the server has reached it.
         self.version = max(self.version, base_version)
+        self.shard_versions[shard] = max(self.shard_versions.get(shard, 0), base_version)
         return t
 
     def done(self, owner: Hashable, req: int, *, version: int, applied: bool = True,
@@ -176,6 +183,7 @@ class ControlState:
                 if via_failed is not None and t.route is not None and now is not None:
                     self.aggregator_failed(t.route.host, now)
                 self.version = max(self.version, version)
+                self.shard_versions[t.shard] = max(self.shard_versions.get(t.shard, 0), version)
                 server = self.servers.setdefault(t.dst, ServerStats(t.dst))
                 server.version = max(server.version or 0, version)
                 server.applied += applied
@@ -240,10 +248,39 @@ class ControlState:
     def decide(self, now: float) -> Decisions:
         """Ask the policy, and commit what is due now: transfers whose start
         has come are let go, drops are final. Later starts are re-planned at
-        `wake_at` (or earlier, at the next event)."""
+        `wake_at` (or earlier, at the next event).
+
+        With sharded servers, each shard's transfers are planned against its
+        own version, one shard after the other: a shard's plan sees the
+        transfers let go for the shards before it as running on their links.
+        The shard that goes first rotates from one decision to the next, so
+        no shard's transfers always have the links first."""
         if not self.pending:
             return Decisions((), None)
-        plan = self.policy(self.snapshot(now))
+        shards = sorted({t.shard for t in self.pending.values()})
+        if shards == [0] and len(self.shard_versions) <= 1:
+            return self._commit(self.policy(self.snapshot(now)), now)
+        first = self._first_shard % len(shards)
+        self._first_shard += 1
+        actions: list[Go | Drop] = []
+        wake_at = math.inf
+        for shard in shards[first:] + shards[:first]:
+            active = tuple(sorted(self.active.values(), key=lambda t: t.id))
+            snap = Snapshot(
+                now=now, version=self.shard_versions.get(shard, 0), tau_max=self.tau_max,
+                pending=tuple(sorted((t for t in self.pending.values() if t.shard == shard),
+                                     key=lambda t: t.id)),
+                active=active, network=self.network,
+                aggregators=self.usable_aggregators(now),
+                in_flight=sum(t.shard == shard for t in active))
+            decided = self._commit(self.policy(snap), now)
+            actions.extend(decided.actions)
+            if decided.wake_at is not None:
+                wake_at = min(wake_at, decided.wake_at)
+        return Decisions(tuple(actions), None if wake_at == math.inf else wake_at)
+
+    def _commit(self, plan: Sequence[PlanItem], now: float) -> Decisions:
+        """Carry out the part of `plan` due at `now` (see decide)."""
         wake_at = math.inf
         if isinstance(plan, ColumnPlan):
             plan, later = plan.due(now)
@@ -281,6 +318,8 @@ class ControlState:
                         *self.servers})
         return {
             "server_version": self.version,
+            "shards": [{"shard": k, "version": v} for k, v in sorted(self.shard_versions.items())]
+            if len(self.shard_versions) > 1 else [],
             "tau_max": self.tau_max,
             "pending": len(self.pending),
             "active": len(self.active),

@@ -110,6 +110,11 @@ def format_status(s: dict[str, Any], address: str) -> str:
               str(v["refused"]), _ago(v["last_heard_age_s"])) for v in servers])
     else:
         lines.append("servers: none seen yet (no transfer requested)")
+    shards = s.get("shards") or []
+    if shards:
+        lines.append(f"shards: {len(shards)}, each with its own version:")
+        lines += _table(("shard", "version"),
+                        [(str(x["shard"]), _cell(x["version"])) for x in shards])
     replicas = s.get("replicas") or []
     if replicas:
         # Whatever a replica reports, one column per key, in the order first seen.

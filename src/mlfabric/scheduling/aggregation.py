@@ -365,7 +365,7 @@ def route_groups(snap: Snapshot, items: Sequence[PlanItem], config: AggregationC
             # Positions count from the version after everything in flight.
             groups = rescue_drops(
                 groups, order, [_slot(pending[i.id]) for i in dropped[dst]], links, snap.now,
-                ready, first_version=snap.version + len(snap.active), tau_max=snap.tau_max,
+                ready, first_version=snap.version + snap.server_in_flight, tau_max=snap.tau_max,
                 config=config)
             for i in dropped[dst]:
                 plan_of[i.id] = PlanItem(i.id, start=snap.now)

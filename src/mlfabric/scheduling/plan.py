@@ -137,11 +137,17 @@ class Transfer:
     position: int | None = None
     planned_seconds: float | None = None
     route: Route | None = None
+    shard: int = 0  # the server shard it goes to (each keeps its own version)
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """What a policy sees: the state at `now`, read-only."""
+    """What a policy sees: the state at `now`, read-only.
+
+    With sharded servers the controller plans one shard at a time: `pending`
+    holds that shard's transfers and `version` is its version, while
+    `active` holds every running transfer (they all hold links) and
+    `in_flight` counts those still to be applied at this shard."""
 
     now: float
     version: int  # newest server version heard of
@@ -150,6 +156,12 @@ class Snapshot:
     active: tuple[Transfer, ...]
     network: Network
     aggregators: Mapping[str, str] = field(default_factory=dict)  # host -> address, usable now
+    in_flight: int | None = None  # None: len(active)
+
+    @property
+    def server_in_flight(self) -> int:
+        """Updates let go to this server and not yet applied."""
+        return len(self.active) if self.in_flight is None else self.in_flight
 
 
 class PlanItem(NamedTuple):
@@ -231,7 +243,7 @@ def fifo_policy(snap: Snapshot) -> list[PlanItem]:
     """The plain asynchronous parameter server: everything goes at once, in
     arrival order; concurrent transfers share the links as TCP shares them."""
     items = []
-    in_flight = len(snap.active)
+    in_flight = snap.server_in_flight
     for i, t in enumerate(sorted(snap.pending, key=lambda t: (t.arrival, t.id))):
         sharing = in_flight + i + 1
         rate = snap.network.rate(t.host, t.dst) / sharing

@@ -75,7 +75,7 @@ def mlfabric_policy(snap: Snapshot, *, idle_factor: float | None = 1.0,
                          np.fromiter((t.base_version for t in ranked), np.int64, n))
     result = schedule.plan_rows(
         snap.now, rows, running, _network(snap),
-        schedule.ServerState(snap.version, in_flight=len(snap.active)),
+        schedule.ServerState(snap.version, in_flight=snap.server_in_flight),
         schedule.PlanConfig(policy="mlfabric", tau_max=snap.tau_max, idle_factor=idle_factor,
                             overload=overload),
     )
