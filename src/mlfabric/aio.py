@@ -3,7 +3,8 @@
 It lives in `mlfabric.client.aio`; this module names what users import.
 """
 
-from .client.aio import AsyncClient, connect
+from .client.aio import AsyncClient
 from .client.futures import AsyncPushFuture
+from .client.sharded import ShardedClient, ShardedOutcome, connect
 
-__all__ = ["AsyncClient", "AsyncPushFuture", "connect"]
+__all__ = ["AsyncClient", "AsyncPushFuture", "ShardedClient", "ShardedOutcome", "connect"]

@@ -138,7 +138,8 @@ async def connect(
                 address, hs, AGGREGATOR_DIAL_TIMEOUT, "aggregator", command=AGGREGATOR_COMMAND)),
             host=host or sock.getsockname()[0], dst=sock.getpeername()[0],
             fallback=controller_fallback, timeout=controller_timeout,
-            aggregation=replica is None)
+            aggregation=replica is None,
+            shard=client.welcome_shard.index if client.welcome_shard is not None else 0)
         try:
             await controlled.start()
         except BaseException:
@@ -168,6 +169,7 @@ class AsyncClient:
         self.momentum = welcome.momentum
         self.session = welcome.session
         self.last_version = welcome.version
+        self.welcome_shard = welcome.shard  # a sharded server's part (see client.sharded)
         self._controlled: Any = None  # AsyncControlledPushes with a controller
         self._feeds: Any = None  # ReplicaFeeds with worker-driven replication
         self._failover: Any = None  # AsyncFailoverWait with a controller and a replica
@@ -269,6 +271,11 @@ class AsyncClient:
         left, for a caller that wants its arrays back sooner."""
         base = check_base_version(base_version)
         return self.submit(check_update(update, self.specs), base)
+
+    @staticmethod
+    def check_base(base_version: Any) -> int:
+        """`base_version` as push() takes it, or TypeError/ValueError."""
+        return check_base_version(base_version)
 
     def refusal(self) -> BaseException | None:
         """The error push() would raise now (a lost link with nothing to fail

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import ConnectError, MlfabricError
 from ..wire.handshake import ClientHandshake
-from ..wire.protocol import Directive, Failover, ReplicaAt, ReplicaDone
+from ..wire.protocol import Directive, Error, Failover, ReplicaAt, ReplicaDone
 from .control_book import (
     RECONNECT_EVERY,
     ControlBook,
@@ -41,11 +41,12 @@ class AsyncControlledPushes:
 
     def __init__(self, client: ControlledClient, address: str, hs: ClientHandshake, *,
                  aggregators: LinkPool[PushLink], host: str, dst: str,
-                 fallback: str = "fifo", timeout: float = 30.0, aggregation: bool = True) -> None:
+                 fallback: str = "fifo", timeout: float = 30.0, aggregation: bool = True,
+                 shard: int = 0) -> None:
         """`aggregators`: the links to the aggregators the controller may route
         pushes through, dialled by the client."""
         self.book = ControlBook(address, host=host, dst=dst, fallback=fallback,
-                                timeout=timeout, aggregation=aggregation)
+                                timeout=timeout, aggregation=aggregation, shard=shard)
         self._aggregators = aggregators
         self.client = client
         self.address = address
@@ -106,6 +107,8 @@ class AsyncControlledPushes:
         if isinstance(d, (Failover, ReplicaAt)):
             self.client.replica_change(d)
             return
+        if isinstance(d, Error):
+            raise MlfabricError(f"the controller refused this client: {d.message}")
         if not isinstance(d, Directive):
             raise MlfabricError(f"controller sent {type(d).__name__}")
         u, outcome = self.book.directive(d, self.client.last_version)

@@ -27,8 +27,8 @@ import numpy as np
 from ..errors import ConnectionLost
 from ..runtime.loop_thread import LoopThread
 from ..runtime.metrics import ClientMetrics
-from . import aio
-from .core import DEFAULT_PUSH_TIMEOUT, check_base_version, check_update
+from . import aio, sharded
+from .core import DEFAULT_PUSH_TIMEOUT, Version, check_update
 from .futures import PushFuture
 from .outcome import PushOutcome
 
@@ -95,7 +95,7 @@ def connect(
     """
     runner = LoopThread(name=f"mlfabric-client-{address}")
     try:
-        engine = runner.run(aio.connect(
+        engine = runner.run(sharded.connect(
             address, job=job, token=token, token_file=token_file, timeout=timeout, name=name,
             metrics=metrics, controller=controller, host=host,
             controller_fallback=controller_fallback, controller_timeout=controller_timeout,
@@ -116,7 +116,7 @@ SMALL_PUSH = 1 << 16
 class Client:
     """A connection to one parameter server. Thread-safe; use as a context manager."""
 
-    def __init__(self, engine: aio.AsyncClient, runner: LoopThread,
+    def __init__(self, engine: aio.AsyncClient | sharded.ShardedClient, runner: LoopThread,
                  metrics: ClientMetrics | None = None) -> None:
         self._engine = engine
         self._runner = runner
@@ -134,7 +134,7 @@ class Client:
         return self._engine.address
 
     @property
-    def last_version(self) -> int:
+    def last_version(self) -> Version:
         """The newest server version this client has seen."""
         return self._engine.last_version
 
@@ -142,7 +142,7 @@ class Client:
 
     def pull(self, timeout: float | None = None, *,
              including: concurrent.futures.Future[PushOutcome] | None = None,
-             ) -> tuple[int, dict[str, np.ndarray]]:
+             ) -> tuple[Version, dict[str, np.ndarray]]:
         """The model as (version, {name: array}), consistent at that version.
 
         With `including` (a future push() returned): the model once that
@@ -166,7 +166,7 @@ class Client:
                 f"pull() got no answer from {self.address} within {timeout} s") from None
 
     async def _pull(self, including: concurrent.futures.Future[PushOutcome] | None
-                    ) -> tuple[int, dict[str, np.ndarray]]:
+                    ) -> tuple[Version, dict[str, np.ndarray]]:
         if including is None:
             return await self._engine.pull()
         if isinstance(including, PushFuture) and including.pushed is not None:
@@ -182,7 +182,7 @@ class Client:
         if self._closed:
             raise ConnectionLost(f"the client for {self.address} is closed")
 
-    def push(self, update: Mapping[str, Any], *, base_version: int) -> PushFuture:
+    def push(self, update: Mapping[str, Any], *, base_version: Version) -> PushFuture:
         """Hand an update over; returns a future of its PushOutcome.
 
         `base_version` is the version of the model the update was computed on
@@ -191,7 +191,7 @@ class Client:
         arrays may be modified.
         """
         self._check_open()
-        base = check_base_version(base_version)
+        base = self._engine.check_base(base_version)
         arrays = check_update(update, self.specs)  # errors in the caller's thread
         refusal = self._engine.refusal()
         if refusal is not None:
@@ -207,7 +207,7 @@ class Client:
             self._runner.run(self._submit_and_flush(arrays, base, result))
         return result
 
-    def _submit(self, arrays: dict[str, np.ndarray], base: int, result: PushFuture) -> None:
+    def _submit(self, arrays: dict[str, np.ndarray], base: Any, result: PushFuture) -> None:
         """On the loop: push, and settle `result` as the push ends."""
         try:
             pushed = self._engine.submit(arrays, base)
@@ -217,7 +217,7 @@ class Client:
         result.attach(pushed)
         pushed.add_done_callback(lambda f: _settle(result, f))
 
-    async def _submit_and_flush(self, arrays: dict[str, np.ndarray], base: int,
+    async def _submit_and_flush(self, arrays: dict[str, np.ndarray], base: Any,
                                 result: PushFuture) -> None:
         self._submit(arrays, base, result)
         # The bytes of a frame not yet handed to the OS still point into the

@@ -60,10 +60,11 @@ def controlled_update(arrays: dict[str, np.ndarray], base_version: int, nbytes: 
 
 class ControlBook:
     def __init__(self, address: str, *, host: str, dst: str, fallback: str,
-                 timeout: float, aggregation: bool = True) -> None:
+                 timeout: float, aggregation: bool = True, shard: int = 0) -> None:
         """`aggregation`: follow directives through an aggregator (a client
         that replicates does not: a replica cannot replay an aggregate, so
-        its updates go straight to the server)."""
+        its updates go straight to the server). `shard`: the index of the
+        server shard this client's transfers go to."""
         if fallback not in FALLBACKS:
             raise ConfigError(f"controller fallback must be one of {FALLBACKS}, got {fallback!r}")
         self.address = address
@@ -78,6 +79,7 @@ class ControlBook:
         self._orphans: list[ControlledUpdate] = []  # waiting for the controller to return
         self._warned = False
         self.aggregation = aggregation
+        self.shard = shard
         self._uid_prefix = secrets.token_hex(8)
         self._uids = itertools.count(1)
         self._failed_aggregators: set[str] = set()  # warned about once each
@@ -86,7 +88,7 @@ class ControlBook:
         u.creq = next(self._ids)
         self._asked[u.creq] = u
         return TransferRequest(req=u.creq, host=self.host, dst=self.dst, nbytes=u.nbytes,
-                               base_version=u.base_version, norm=u.norm)
+                               base_version=u.base_version, norm=u.norm, shard=self.shard)
 
     def place(self, u: ControlledUpdate) -> tuple[TransferRequest | None, list[ControlledUpdate]]:
         """A new update: the request to send the controller, or (without one)

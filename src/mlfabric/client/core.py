@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -123,6 +123,13 @@ def check_update(
             reason="unknown_tensor",
         )
     return arrays
+
+
+# A model version: an int from one server; from a sharded job's servers, a
+# tuple of the shards' versions (client/sharded.py). Typed Any so that code
+# written for one server (comparing, storing versions as ints) type-checks
+# unchanged: a union would make every caller narrow it.
+Version: TypeAlias = Any
 
 
 def check_base_version(base_version: Any) -> int:

@@ -82,6 +82,10 @@ class ServerMetrics:
         )
         for reason in REJECT_REASONS:
             self.updates_rejected.labels(reason)
+        self.shard = Gauge(
+            "server_shard", "1 on a server that keeps one shard of a partitioned model "
+            "(--shard INDEX/COUNT), with its partition's digest", ["index", "count", "partition"],
+            namespace=ns, registry=r)
         self.delay = Histogram(
             "server_update_delay_versions",
             "Staleness of applied updates: server version at apply minus base version",
@@ -229,6 +233,20 @@ class ClientMetrics:
         self.received_bytes = Counter(
             "client_received_bytes", "Bytes received from servers", namespace=ns, registry=r
         )
+        # A sharded job's client: per shard (one label value per server shard).
+        # The metrics above count every shard's part as a push of its own.
+        self.shard_update_bytes = Counter(
+            "client_shard_update_bytes", "Update bytes pushed to each server shard",
+            ["shard"], namespace=ns, registry=r)
+        self.shard_model_bytes = Counter(
+            "client_shard_model_bytes", "Model bytes pulled from each server shard",
+            ["shard"], namespace=ns, registry=r)
+        self.shard_parts = Counter(
+            "client_shard_parts", "Outcomes of the update parts each server shard answered, "
+            "by result", ["shard", "result"], namespace=ns, registry=r)
+        self.shard_delay = Histogram(
+            "client_shard_delay_versions", "Delay of the parts each server shard applied",
+            ["shard"], namespace=ns, registry=r, buckets=DELAY_BUCKETS)
 
 
 class ControllerMetrics:

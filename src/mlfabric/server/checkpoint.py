@@ -6,12 +6,13 @@ the version and the run it belongs to, in one file (format 2):
     b"MLFBCKPT" | format u32 | header_len u32 | header (UTF-8 JSON) | data | sha256
 
 The header names the job, the run, the version, the momentum, the tensor list
-and the data length; the data is the weights then the previous weights, laid
-out as in a wire frame (each tensor at a multiple of 64 bytes). The trailing
-SHA-256 covers everything before it, header included: an edited version,
-momentum, shape, job or run is refused like flipped data bits. (Format 1
-checksummed the data alone; it is still read, with a warning, so old runs
-resume.)
+and the data length, and for a sharded server which shard of which partition
+it keeps (`--resume` refuses a checkpoint of another partition); the data is
+the weights then the previous weights, laid out as in a wire frame (each
+tensor at a multiple of 64 bytes). The trailing SHA-256 covers everything
+before it, header included: an edited version, momentum, shape, job or run
+is refused like flipped data bits. (Format 1 checksummed the data alone; it
+is still read, with a warning, so old runs resume.)
 
 A run id names one training run: made when a server starts from --init,
 kept when it resumes. Files are named `ckpt-VERSION-RUN.mlfckpt`, so two runs
@@ -39,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError
-from ..wire.protocol import DTYPES, TensorSpec, layout
+from ..wire.protocol import DTYPES, ShardInfo, TensorSpec, layout
 
 log = logging.getLogger("mlfabric.checkpoint")
 
@@ -59,6 +60,7 @@ class Checkpoint:
     weights: dict[str, np.ndarray]
     previous: dict[str, np.ndarray]
     run: str = ""  # the run it belongs to ("" for files written before runs had ids)
+    shard: ShardInfo | None = None  # a sharded server's: which part of which partition
 
 
 def new_run_id() -> str:
@@ -93,6 +95,11 @@ def write(directory: str | os.PathLike[str], ckpt: Checkpoint) -> Path:
         "tensors": [[s.name, "f4", list(s.shape)] for s in specs],
         "data_len": 2 * block,
     }
+    if ckpt.shard is not None:
+        sh = ckpt.shard
+        header["shard"] = {"index": sh.index, "count": sh.count, "chunk": sh.chunk,
+                           "digest": sh.digest,
+                           "model": [[m.name, "f4", list(m.shape)] for m in sh.model]}
     head = json.dumps(header, separators=(",", ":")).encode()
     path = d / file_name(ckpt.version, ckpt.run)
     tmp = d / f".{path.name}.tmp-{os.getpid()}"
@@ -161,6 +168,12 @@ def read(path: str | os.PathLike[str]) -> Checkpoint:
         if not (isinstance(job, str) and isinstance(run, str) and type(version) is int
                 and type(data_len) is int):
             raise TypeError
+        shard = None
+        if header.get("shard") is not None:
+            sh = header["shard"]
+            shard = ShardInfo(int(sh["index"]), int(sh["count"]), int(sh["chunk"]),
+                              str(sh["digest"]),
+                              tuple(TensorSpec(n, DTYPES[c], tuple(x)) for n, c, x in sh["model"]))
     except (UnicodeDecodeError, ValueError, KeyError, TypeError):
         raise ConfigError(
             f"checkpoint {str(p)!r} has a damaged header: use an older checkpoint"
@@ -191,7 +204,7 @@ def read(path: str | os.PathLike[str]) -> Checkpoint:
             count = spec.nbytes // 4
             target[spec.name] = np.frombuffer(
                 data, np.float32, count=count, offset=base + off).reshape(spec.shape).copy()
-    return Checkpoint(job, version, momentum, weights, previous, run)
+    return Checkpoint(job, version, momentum, weights, previous, run, shard)
 
 
 def found(directory: str | os.PathLike[str]) -> list[tuple[int, str, Path]]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ..client.core import parse_address
+from ..client.shards import shard_info
 from ..errors import ConfigError
 from ..replication.chain import ChainLink
 from ..replication.divergence_sampling import ReplicaSampler
@@ -23,8 +24,10 @@ from ..replication.replica import (
 )
 from ..runtime import loop
 from ..runtime.metrics import ServerMetrics, serve_metrics
+from ..sharding.partition import DEFAULT_CHUNK_BYTES, partition
 from ..transport.listener import add_listener_arguments, handshake_timeout, listen, stop_on_signals
 from ..wire import auth
+from ..wire.protocol import ShardInfo
 from . import checkpoint
 from .checkpointer import Checkpointer
 from .server import ParameterServer
@@ -76,6 +79,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-pending", type=int, default=DEFAULT_MAX_PENDING, metavar="N",
                    help="replica: updates that may wait for an earlier one; a push further "
                         f"ahead is refused (default: {DEFAULT_MAX_PENDING})")
+    p.add_argument("--shard", metavar="I/S", default=None,
+                   help="serve shard I of S (0 <= I < S): the model is partitioned over S "
+                        "servers, each started with the same --init and --chunk-bytes; "
+                        "workers list all S addresses in shard order (default: the whole "
+                        "model, as --shard 0/1)")
+    p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, metavar="N",
+                   help="with --shard: tensors larger than this are cut into pieces of at "
+                        "most N bytes (smaller still when needed to keep every shard within "
+                        f"5%% of the mean) (default: {DEFAULT_CHUNK_BYTES}, as BytePS)")
     p.add_argument("--init", metavar="MODEL.npz",
                    help="initial model: named float32 arrays in a .npz file "
                         "(required unless --resume)")
@@ -126,6 +138,54 @@ def load_model(path: str) -> dict[str, np.ndarray]:
     return tensors
 
 
+def parse_shard(value: str | None) -> tuple[int, int] | None:
+    """--shard "I/S" as (I, S); None for the whole model (no flag, or 0/1)."""
+    if value is None:
+        return None
+    try:
+        index, count = (int(x) for x in value.split("/"))
+    except ValueError:
+        raise ConfigError(f"--shard takes I/S, shard I of S (for example 0/4), got "
+                          f"{value!r}") from None
+    if not 0 <= index < count:
+        raise ConfigError(f"--shard {value}: the index I must be in 0..S-1 (S = {count}), got "
+                          f"{index}")
+    return None if count == 1 else (index, count)
+
+
+def shard_store(model: dict[str, np.ndarray], shard: tuple[int, int] | None,
+                chunk_bytes: int) -> tuple[dict[str, np.ndarray], ShardInfo | None]:
+    """The tensors this server keeps of `model`: all of them, or shard I's pieces."""
+    if shard is None:
+        return model, None
+    index, count = shard
+    part = partition([(n, a.dtype, a.shape) for n, a in model.items()], count, chunk_bytes)
+    return part.split(model)[index], shard_info(part, index)
+
+
+def check_resumed_shard(path: str, ckpt: checkpoint.Checkpoint,
+                        shard: tuple[int, int] | None, chunk_bytes: int) -> None:
+    """A checkpoint resumes only as the shard of the partition it was made under."""
+    have = ckpt.shard
+    if have is None:
+        if shard is None:
+            return
+        raise ConfigError(f"checkpoint {path!r} holds a whole model, not shard {shard[0]} of "
+                          f"{shard[1]}: resume it without --shard")
+    if shard is None:
+        raise ConfigError(f"checkpoint {path!r} holds shard {have.index} of {have.count}: "
+                          f"resume it with --shard {have.index}/{have.count}")
+    if shard != (have.index, have.count):
+        raise ConfigError(f"checkpoint {path!r} holds shard {have.index} of {have.count}, "
+                          f"not {shard[0]} of {shard[1]}: give its shard's checkpoint, or "
+                          f"--shard {have.index}/{have.count}")
+    again = partition([(m.name, m.dtype, m.shape) for m in have.model], have.count, chunk_bytes)
+    if again.digest != have.digest:
+        raise ConfigError(f"checkpoint {path!r} was made with --chunk-bytes giving "
+                          f"{have.chunk}-byte pieces, this server cuts {again.chunk_bytes}: "
+                          f"resume with the --chunk-bytes it was made with")
+
+
 def refuse_other_runs(args: argparse.Namespace) -> None:
     """A new run (--init, --join-from) in a folder holding checkpoints starts
     only with --fresh: the folder may hold a crashed run that the operator
@@ -154,9 +214,12 @@ def build_store(args: argparse.Namespace, tau_max: int | None
         if args.init is None:
             raise ConfigError("give the initial model with --init MODEL.npz (or --resume PATH)")
         refuse_other_runs(args)
-        return ParameterStore(load_model(args.init), momentum=args.momentum or 0.0,
-                              tau_max=tau_max,
-                              allow_nonfinite=args.allow_nonfinite), checkpoint.new_run_id(), None
+        tensors, info = shard_store(load_model(args.init), parse_shard(args.shard),
+                                    args.chunk_bytes)
+        store = ParameterStore(tensors, momentum=args.momentum or 0.0, tau_max=tau_max,
+                               allow_nonfinite=args.allow_nonfinite)
+        store.shard = info
+        return store, checkpoint.new_run_id(), None
     if args.fresh:
         raise ConfigError("--fresh starts a new run and --resume continues one: give one of them")
     path = args.resume
@@ -184,6 +247,7 @@ def build_store(args: argparse.Namespace, tau_max: int | None
         raise ConfigError(
             f"checkpoint {path!r} belongs to job {ckpt.job!r}, not {args.job!r}"
         )
+    check_resumed_shard(path, ckpt, parse_shard(args.shard), args.chunk_bytes)
     if args.resume != "latest":  # latest is the newest valid: only damaged files are later
         refuse_rollback(args, path, ckpt)
     run = ckpt.run or checkpoint.new_run_id()  # a format-1 file had none
@@ -222,6 +286,14 @@ def run_server(args: argparse.Namespace) -> int:
         raise ConfigError(f"--checkpoint-interval must be positive, got {args.checkpoint_interval}")
     if args.keep_checkpoints < 1:
         raise ConfigError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}")
+    if parse_shard(args.shard) is not None:
+        for flag, given in (("--role replica", args.role == "replica"),
+                            ("--replicate-to", args.replicate_to is not None),
+                            ("--sample-replica", args.sample_replica is not None),
+                            ("--join-from", args.join_from is not None)):
+            if given:
+                raise ConfigError(f"{flag} with --shard is not supported yet: replicas work "
+                                  f"with one server per job (drop --shard or {flag})")
     if args.join_from is not None:
         if args.role != "replica" or args.controller is None:
             raise ConfigError("--join-from is for a replica (--role replica) and needs "
@@ -237,6 +309,9 @@ def run_server(args: argparse.Namespace) -> int:
     else:
         store, run, resumed = build_store(args, tau_max)
     metrics = ServerMetrics()
+    if store is not None and store.shard is not None:
+        sh = store.shard
+        metrics.shard.labels(str(sh.index), str(sh.count), sh.digest).set(1)
     if args.metrics_port is not None:
         serve_metrics(metrics.registry, args.metrics_port, args.metrics_host)
 
@@ -276,9 +351,13 @@ def run_server(args: argparse.Namespace) -> int:
         stopped = stop_on_signals()  # before the "serving" line: see stop_on_signals
         bound = await listen(server, host, port, args.listen)
         # The "serving" line is what scripts wait for: it carries the bound port.
+        part = ("" if store.shard is None else
+                f"shard {store.shard.index} of {store.shard.count}, partition "
+                f"{store.shard.digest}, ")
         print(
             f"mlfabric {args.role}: serving job {args.job!r} on {bound[0]}:{bound[1]} "
-            f"({len(store.specs)} tensors, {store.nbytes} bytes, version {store.version})",
+            f"({part}{len(store.specs)} tensors, {store.nbytes} bytes, version "
+            f"{store.version})",
             flush=True,
         )
         if checkpointer is not None:

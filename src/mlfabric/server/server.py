@@ -99,7 +99,8 @@ class ParameterServer(Endpoint):
     def welcome(self, conn: EndpointProtocol) -> Welcome:
         store = self.store
         return Welcome(session=secrets.token_hex(8), version=store.version,
-                       tensors=store.specs, tau_max=store.tau_max, momentum=store.momentum)
+                       tensors=store.specs, tau_max=store.tau_max, momentum=store.momentum,
+                       shard=store.shard)
 
     # -- decisions on events (called by connections) --------------------------
 

@@ -35,7 +35,7 @@ import numpy as np
 from .. import kernels
 from ..client.outcome import PushOutcome
 from ..errors import ConfigError, InvalidUpdate
-from ..wire.protocol import Push, TensorSpec, layout
+from ..wire.protocol import Push, ShardInfo, TensorSpec, layout
 from .checkpoint import Checkpoint
 
 MODEL_DTYPE = np.dtype(np.float32)
@@ -122,6 +122,9 @@ class ParameterStore:
         self._norms_at = version  # the version the ring is up to date with
         # The norm of the newest applied update (None before the first).
         self.last_norm: float | None = None
+        # A sharded server's part of the model (its tensors are the pieces);
+        # None for a server that keeps the whole model.
+        self.shard: ShardInfo | None = None
 
     def check_layout(self, specs: Iterable[tuple[str, np.dtype, tuple[int, ...]]]) -> None:
         """Raise InvalidUpdate unless (name, dtype, shape) triples match the model."""
@@ -485,6 +488,7 @@ class ParameterStore:
             momentum=self.momentum,
             weights={n: w.copy() for n, w in self.weights.items()},
             previous={n: w.copy() for n, w in self.previous.items()},
+            shard=self.shard,
         )
 
     @classmethod
@@ -498,6 +502,7 @@ class ParameterStore:
             if name not in store.previous or prev.shape != store.previous[name].shape:
                 raise ConfigError(f"checkpoint's momentum history does not match tensor {name!r}")
             store.previous[name][...] = prev
+        store.shard = ckpt.shard
         return store
 
     def snapshot(self) -> tuple[int, dict[str, np.ndarray]]:

@@ -1,0 +1,277 @@
+"""The client of a sharded job: one asyncio client per shard, one model to the user.
+
+`connect("h0:7070,h1:7070,h2:7070", ...)` dials every shard at once and
+checks that they serve one partition of one model in that order
+(`shards.check_shards`). Then:
+
+- `pull()` asks every shard at once and returns the whole model as one dict,
+  with the version a tuple of the shards' versions;
+- `push(update, base_version=version)` cuts the update into the shards'
+  parts (views of the caller's arrays, no copy) and sends them at once; the
+  future resolves once every shard answered, to a `ShardedOutcome`.
+
+Each shard keeps its own version and applies its part by itself (tau_max per
+shard), as ps-lite's and Bösen's servers keep their own clocks: docs/design.md,
+"Sharded servers", says what a pull may see and what an outcome means. With a
+controller, each part is a transfer of its own to its shard's host.
+
+One address gives the plain `AsyncClient`: nothing changes for S = 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..runtime.metrics import ClientMetrics
+from ..sharding.partition import Partition
+from ..wire.protocol import TensorSpec
+from . import aio
+from .core import DEFAULT_PUSH_TIMEOUT, check_base_version, check_update
+from .futures import AsyncPushFuture
+from .outcome import PushOutcome
+from .shards import check_shards, split_addresses
+
+
+@dataclass(frozen=True)
+class ShardedOutcome(PushOutcome):
+    """A sharded push's outcome: `applied` if every shard applied its part,
+    `version` the shards' versions after it (a tuple, what pull() returns),
+    `delay` the largest delay among the shards that applied it, `reason` each
+    refusal with its shard; `shards[i]` shard i's own PushOutcome."""
+
+    shards: tuple[PushOutcome, ...] = ()
+
+    @classmethod
+    def of(cls, addresses: list[str], parts: list[PushOutcome]) -> ShardedOutcome:
+        delays = [p.delay for p in parts if p.applied and p.delay is not None]
+        refused = [f"shard {i} ({a}): {p.reason}" for i, (a, p)
+                   in enumerate(zip(addresses, parts, strict=True)) if not p.applied]
+        bases = [p.base_version for p in parts]
+        return cls(applied=not refused,
+                   version=tuple(p.version for p in parts),  # type: ignore[arg-type]
+                   delay=max(delays) if delays else None,
+                   reason="; ".join(refused) or None,
+                   base_version=None if None in bases else tuple(bases),  # type: ignore[arg-type]
+                   shards=tuple(parts))
+
+
+class ShardedPushFuture(AsyncPushFuture):
+    """A sharded push: resolves when every part's future has; `parts[i]` is
+    shard i's (what pull(including=...) waits on, part by part)."""
+
+    parts: tuple[asyncio.Future[PushOutcome], ...] = ()
+
+
+class ShardedClient:
+    """The asyncio client of S shards, with the API of `AsyncClient`."""
+
+    def __init__(self, shards: list[aio.AsyncClient], part: Partition,
+                 metrics: ClientMetrics | None = None) -> None:
+        self.shards = shards
+        self.partition = part
+        self.metrics = metrics
+        self._nbytes = part.bytes_per_shard()
+        self.addresses = [c.address for c in shards]
+        self.address = ",".join(self.addresses)
+        self.specs = tuple(TensorSpec(n, d, s) for n, d, s in part.specs)
+        self.tau_max = shards[0].tau_max
+        self.momentum = shards[0].momentum
+        self.session = ",".join(c.session for c in shards)
+
+    @property
+    def last_version(self) -> tuple[int, ...]:
+        return tuple(c.last_version for c in self.shards)
+
+    @property
+    def closed(self) -> bool:
+        return any(c.closed for c in self.shards)
+
+    def check_base(self, base_version: Any) -> tuple[int, ...]:
+        """`base_version` as the shards' versions, or TypeError/ValueError."""
+        n = len(self.shards)
+        if not (isinstance(base_version, tuple) and len(base_version) == n):
+            raise TypeError(
+                f"base_version must be the version pull() returned: with {n} shards, a tuple "
+                f"of {n} versions, one per shard; got {base_version!r:.80}")
+        return tuple(check_base_version(v) for v in base_version)
+
+    async def pull(self, *, including: asyncio.Future[PushOutcome] | None = None,
+                   ) -> tuple[tuple[int, ...], dict[str, np.ndarray]]:
+        """The whole model as (versions, {name: array}): every shard's part at
+        that shard's version. With `including` (a future push() returned), each
+        part once that shard's outcome of the update is known."""
+        parts = getattr(including, "parts", None) if including is not None else None
+        if including is not None and parts is None:
+            raise TypeError("including= takes the future this client's push() returned")
+        pulls = [c.pull(including=parts[i] if parts is not None else None)
+                 for i, c in enumerate(self.shards)]
+        answers = await _all(pulls)
+        if self.metrics is not None:
+            for i, n in enumerate(self._nbytes):
+                self.metrics.shard_model_bytes.labels(str(i)).inc(n)
+        return (tuple(v for v, _ in answers),
+                self.partition.join([params for _, params in answers]))
+
+    def push(self, update: Mapping[str, Any], *, base_version: Any) -> ShardedPushFuture:
+        """Hand an update over; returns a future of its ShardedOutcome at once.
+        As with AsyncClient.push(), the arrays are sent without a copy: do not
+        modify them until the future is done."""
+        base = self.check_base(base_version)
+        return self.submit(check_update(update, self.specs), base)
+
+    def refusal(self) -> BaseException | None:
+        for c in self.shards:
+            error = c.refusal()
+            if error is not None:
+                return error
+        return None
+
+    def submit(self, arrays: dict[str, np.ndarray], base: tuple[int, ...]
+               ) -> ShardedPushFuture:
+        """push() of a checked update (`check_update` against `specs`)."""
+        cut = self.partition.split(arrays)
+        parts = []
+        try:
+            for client, part, b in zip(self.shards, cut, base, strict=True):
+                parts.append(client.submit(part, b))
+        except BaseException:
+            for f in parts:
+                f.cancel()
+            raise
+        if self.metrics is not None:
+            self._count(parts)
+        done = ShardedPushFuture(loop=asyncio.get_running_loop())
+        done.parts = tuple(parts)
+        uids = [getattr(f, "uid", None) for f in parts]
+        done.uid = None if None in uids else ",".join(uids)  # type: ignore[arg-type]
+        _combine(done, parts, self.addresses)
+        return done
+
+    def _count(self, parts: list[AsyncPushFuture]) -> None:
+        m = self.metrics
+        assert m is not None
+        for i, (f, n) in enumerate(zip(parts, self._nbytes, strict=True)):
+            shard = str(i)
+            m.shard_update_bytes.labels(shard).inc(n)
+
+            def answered(f: asyncio.Future[PushOutcome], shard: str = shard) -> None:
+                if f.cancelled() or f.exception() is not None:
+                    m.shard_parts.labels(shard, "error").inc()
+                    return
+                outcome = f.result()
+                m.shard_parts.labels(shard, "applied" if outcome.applied else "rejected").inc()
+                if outcome.applied and outcome.delay is not None:
+                    m.shard_delay.labels(shard).observe(outcome.delay)
+
+            f.add_done_callback(answered)
+
+    async def flushed(self) -> None:
+        await asyncio.gather(*(c.flushed() for c in self.shards))
+
+    async def drain(self) -> None:
+        await asyncio.gather(*(c.drain() for c in self.shards))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.shards), return_exceptions=True)
+
+    async def __aenter__(self) -> ShardedClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return (f"<mlfabric.ShardedClient {self.address} shards={len(self.shards)} "
+                f"tensors={len(self.specs)}>")
+
+
+def _combine(done: ShardedPushFuture, parts: list[AsyncPushFuture],
+             addresses: list[str]) -> None:
+    """Resolve `done` once every part has; at the first failed part, with its
+    error (which names its shard). Cancelling `done` cancels the parts."""
+    left = [len(parts)]
+
+    def one_done(f: asyncio.Future[PushOutcome]) -> None:
+        left[0] -= 1
+        if done.done():
+            return
+        if f.cancelled():
+            done.cancel()
+        elif f.exception() is not None:
+            done.set_exception(f.exception())  # type: ignore[arg-type]
+        elif left[0] == 0:
+            done.set_result(ShardedOutcome.of(addresses, [p.result() for p in parts]))
+
+    def cancel_parts(f: asyncio.Future[PushOutcome]) -> None:
+        if f.cancelled():
+            for p in parts:
+                p.cancel()
+
+    for p in parts:
+        p.add_done_callback(one_done)
+    done.add_done_callback(cancel_parts)
+
+
+async def _all(coros: list[Any]) -> list[Any]:
+    """Every result, or the first error with the rest cancelled."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
+
+
+async def connect(address: str, *, job: str, token: str | bytes | None = None,
+                  token_file: str | os.PathLike[str] | None = None, timeout: float = 10.0,
+                  metrics: ClientMetrics | None = None, replica: str | None = None,
+                  push_timeout: float | None = DEFAULT_PUSH_TIMEOUT,
+                  **options: Any) -> aio.AsyncClient | ShardedClient:
+    """The client of the server at `address`, or of the shards at
+    "HOST:PORT,HOST:PORT,..." (in shard order). Takes aio.connect()'s
+    arguments; a sharded job has no replica yet (issue 31)."""
+    addresses = split_addresses(address)
+    if len(addresses) > 1 and replica is not None:
+        raise ConfigError("replica= with sharded servers is not supported yet: replicas "
+                          "work with one server (drop replica=, or give one server)")
+    common = dict(job=job, token=token, token_file=token_file, timeout=timeout,
+                  metrics=metrics, push_timeout=push_timeout, **options)
+    if len(addresses) == 1:
+        client = await aio.connect(addresses[0], replica=replica, **common)
+        info = client.welcome_shard
+        if info is not None and info.count > 1:  # one shard of several: say so
+            await client.close()
+            check_shards(addresses, [info], [client.specs])
+        return client
+    clients = await _all([aio.connect(a, **common) for a in addresses])
+    try:
+        part = check_shards(addresses, [c.welcome_shard for c in clients],
+                            [c.specs for c in clients])
+        _check_same_settings(clients)
+    except BaseException:
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+        raise
+    assert part is not None
+    return ShardedClient(clients, part, metrics)
+
+
+def _check_same_settings(clients: list[aio.AsyncClient]) -> None:
+    first = clients[0]
+    for c in clients[1:]:
+        for what, mine, theirs in (("--tau-max", first.tau_max, c.tau_max),
+                                   ("--momentum", first.momentum, c.momentum)):
+            if mine != theirs:
+                raise ConfigError(
+                    f"the shards serve with different {what}: {theirs} at {c.address}, "
+                    f"{mine} at {first.address}; start every shard with the same {what}")
+
+
+__all__ = ["ShardedClient", "ShardedOutcome", "ShardedPushFuture", "connect"]
