@@ -171,6 +171,26 @@ def test_demo_trains_to_the_target_accuracy(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_demo_trains_with_sharded_servers(tmp_path):
+    summary_file = tmp_path / "summary.json"
+    proc = subprocess.run(
+        mlfabric_cmd("demo", "--shards", "3", "--workers", "2", "--steps", "300", "--json",
+                     str(summary_file)),
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "3 parameter server shards" in proc.stdout
+    summary = json.loads(summary_file.read_text())
+    assert summary["accuracy"] >= 0.90
+    assert summary["applied"] + summary["dropped"] == 2 * 300
+    # A push counts as applied when every shard applied its part; a shard may
+    # have applied the part of a push another shard refused.
+    assert len(summary["version"]) == 3
+    assert all(summary["applied"] <= v <= 2 * 300 for v in summary["version"])
+    assert "shard versions" in proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
 def test_demo_rejects_bad_arguments(tmp_path):
     proc = subprocess.run(mlfabric_cmd("demo", "--workers", "0"), capture_output=True,
                           text=True, timeout=60, cwd=tmp_path)

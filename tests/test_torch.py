@@ -340,3 +340,39 @@ def test_through_a_controller_its_drops_are_counted(serve, tmp_path):
     m = st.server.metrics
     assert sample(m.pulls_cancelled) <= 2
     assert (sample(m.pulls_held), sample(m.pulls_expired)) == (0, 0)
+
+
+def test_a_sharded_job_trains_as_one_model(client):
+    """Two shards: the optimizer pulls the whole model into the module and
+    pushes -lr*grad; the shards together hold the numpy replay bit for bit."""
+    from mlfabric.server.cli import shard_store
+
+    model = Net()
+    served = mt.model_arrays(model)
+    threads = []
+    try:
+        for i in range(2):
+            tensors, info = shard_store(served, (i, 2), 1 << 16)
+            store = ParameterStore(tensors, momentum=0.5)
+            store.shard = info
+            threads.append(ServerThread(store).__enter__())
+        ps = mlfabric.connect(",".join(t.address for t in threads), job=JOB, token=TOKEN)
+        try:
+            opt = mt.DistributedOptimizer(model, ps, lr=0.05)
+            assert opt.version == (0, 0)
+            ref = Reference(arrays(model), gamma=0.5)
+            for step in range(3):
+                backward(model, seed=step)
+                update = {n: np.float32(-0.05) * p.grad.numpy()
+                          for n, p in model.named_parameters()}
+                outcome = opt.step()
+                ref.apply(update)
+                assert outcome.applied and outcome.delay == 0
+                assert opt.version == (step + 1, step + 1)
+                assert_model_equal(arrays(model), ref.w)
+            assert opt.stats().delays == {0: 3}
+        finally:
+            ps.close()
+    finally:
+        for t in threads:
+            t.__exit__(None, None, None)

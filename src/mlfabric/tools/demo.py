@@ -48,8 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"staleness bound in versions (default: {DEFAULTS['tau_max']})")
     p.add_argument("--hidden", type=int, default=DEFAULTS["hidden"], help="hidden units")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shards", type=int, default=1, metavar="S",
+                   help="partition the model over S server processes (`mlfabric server "
+                        "--shard I/S`), each applying its part (default: 1)")
     p.add_argument("--metrics-port", type=int, default=None,
-                   help="let the server export Prometheus metrics on this port")
+                   help="let the server export Prometheus metrics on this port (shard I "
+                        "on this port + I)")
     p.add_argument("--json", metavar="PATH", default=None,
                    help="also write the summary as JSON to PATH")
     p.add_argument("--contention", action="store_true",
@@ -68,6 +72,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
     if not args.eta > 0:
         raise ConfigError(f"--eta must be positive, got {args.eta}")
+    if not 1 <= args.shards <= 64:
+        raise ConfigError(f"--shards must be from 1 to 64, got {args.shards}")
 
 
 # --- worker processes -----------------------------------------------------------
@@ -197,6 +203,12 @@ def delay_summary(delays: list[int]) -> dict[str, Any]:
     }
 
 
+def _versions(version: Any) -> str:
+    if isinstance(version, (tuple, list)):  # sharded: one per shard
+        return "shard versions " + ", ".join(str(v) for v in version)
+    return f"server version {version}"
+
+
 def format_summary(s: dict[str, Any]) -> str:
     d = s["delay"]
     lines = [
@@ -204,7 +216,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"held-out accuracy   {s['accuracy']:.4f}  "
         f"({'reached' if s['accuracy'] >= TARGET_ACCURACY else 'BELOW'} the "
         f"{TARGET_ACCURACY:.2f} target)",
-        f"updates applied     {s['applied']}  (server version {s['version']})",
+        f"updates applied     {s['applied']}  ({_versions(s['version'])})",
         f"updates dropped     {s['dropped']}  (delay above tau_max = {s['tau_max']})",
         f"wall time           {s['seconds']:.1f} s with {s['workers']} workers",
     ]
@@ -234,9 +246,11 @@ def run(args: argparse.Namespace) -> int:
 
     _, _, x_test, y_test = load_digits_split(seed=args.seed)  # fails early without sklearn
     total = args.workers * args.steps
+    servers = ("a parameter server" if args.shards == 1 else
+               f"{args.shards} parameter server shards")
     print(
         f"mlfabric demo: {args.workers} workers train a {args.hidden}-unit MLP on the digits "
-        f"data set through a parameter server ({total} updates, momentum {args.momentum}, "
+        f"data set through {servers} ({total} updates, momentum {args.momentum}, "
         f"tau_max {args.tau_max})",
         flush=True,
     )
@@ -246,19 +260,24 @@ def run(args: argparse.Namespace) -> int:
         token_file.chmod(0o600)
         init = Path(tmp) / "init.npz"
         np.savez(init, **init_params(hidden=args.hidden, seed=args.seed))  # type: ignore[arg-type]
-        argv = [
-            sys.executable, "-m", "mlfabric", "--log-level", "WARNING", "server",
-            "--listen", "127.0.0.1:0", "--job", JOB, "--token-file", str(token_file),
-            "--init", str(init), "--momentum", str(args.momentum),
-            "--tau-max", str(args.tau_max),
-        ]
-        if args.metrics_port is not None:
-            argv += ["--metrics-port", str(args.metrics_port)]
-        server = _ServerProcess(argv, cwd=tmp)
+        shards: list[_ServerProcess] = []
         workers: list[Any] = []
         try:
-            address = server.wait_serving(timeout=60)
-            print(f"server listening on {address}; starting {args.workers} workers", flush=True)
+            for i in range(args.shards):
+                argv = [
+                    sys.executable, "-m", "mlfabric", "--log-level", "WARNING", "server",
+                    "--listen", "127.0.0.1:0", "--job", JOB, "--token-file", str(token_file),
+                    "--init", str(init), "--momentum", str(args.momentum),
+                    "--tau-max", str(args.tau_max),
+                ]
+                if args.shards > 1:
+                    argv += ["--shard", f"{i}/{args.shards}"]
+                if args.metrics_port is not None:
+                    argv += ["--metrics-port", str(args.metrics_port + i)]
+                shards.append(_ServerProcess(argv, cwd=tmp))
+            address = ",".join(server.wait_serving(timeout=60) for server in shards)
+            where = "server listening on" if args.shards == 1 else "shards listening on"
+            print(f"{where} {address}; starting {args.workers} workers", flush=True)
             ctx = mp.get_context("spawn")
             events = ctx.Queue()
             worker_args = {k: getattr(args, k) for k in ("seed", "workers", "steps",
@@ -287,7 +306,8 @@ def run(args: argparse.Namespace) -> int:
                     w.terminate()
             for w in workers:
                 w.join(5)
-            server.stop()
+            for server in shards:
+                server.stop()
     summary.update(workers=args.workers, tau_max=args.tau_max)
     print(format_summary(summary), flush=True)
     if args.json:
