@@ -144,7 +144,7 @@ def test_bad_launch_variables_are_one_line_errors(env, message):
         ("pull_every = 1.5", "setting pull_every (from config file '{path}') must be an "
                              "integer, got 1.5 (float)"),
         ("server = 7070", 'setting server (from config file \'{path}\') must be a string '
-                          '"HOST:PORT", got 7070 (int)'),
+                          '"HOST:PORT" or, for shards, "HOST:PORT,HOST:PORT,...", got 7070 (int)'),
         ("max_in_flight = true", "setting max_in_flight (from config file '{path}') must be an "
                                  "integer, got True (bool)"),
         ("timeout = -1", "setting timeout (from config file '{path}') must be a number, "
@@ -174,8 +174,8 @@ def test_config_file_errors(tmp_path, toml, message):
          "setting controller_fallback (from MLFABRIC_CONTROLLER_FALLBACK) must be one of "
          "'fifo', 'wait', got 'drop'"),
         ({"MLFABRIC_SERVER": "nohost"},
-         'setting server (from MLFABRIC_SERVER) must be a string "HOST:PORT", got \'nohost\' '
-         "(not HOST:PORT)"),
+         'setting server (from MLFABRIC_SERVER) must be a string "HOST:PORT" or, for shards, '
+         '"HOST:PORT,HOST:PORT,...", got \'nohost\' (address must be HOST:PORT'),
         ({"MLFABRIC_SEVER": "h:1"},
          "unknown environment variable MLFABRIC_SEVER; did you mean MLFABRIC_SERVER?"),
         ({"MLFABRIC_CONFIG": "/nonexistent/m.toml"},
@@ -318,3 +318,34 @@ def test_connect_with_good_settings_names_the_rank(token_file):
             np.testing.assert_array_equal(params["w"], make_model()["w"])
             names = st.call(lambda: [c.client for c in st.server.connections])
             assert names == [f"{socket.gethostname()}:rank2"]
+
+
+def test_the_server_setting_names_a_sharded_jobs_shards(tmp_path, token_file, refused_address):
+    from mlfabric.server.cli import shard_store
+
+    model = make_model(sizes={"w": (300, 1000), "b": (10,)})
+    stores = []
+    for i in range(2):
+        tensors, info = shard_store(model, (i, 2), 1 << 16)
+        stores.append(ParameterStore(tensors))
+        stores[-1].shard = info
+    with ServerThread(stores[0]) as a, ServerThread(stores[1]) as b:
+        path = write(tmp_path / "m.toml", f'server = "{a.address},{b.address}"\n')
+        s = config.resolve(config_file=path,
+                           environ={"MLFABRIC_JOB": JOB, "MLFABRIC_TOKEN_FILE": str(token_file)})
+        with config.connect(s) as ps:
+            version, params = ps.pull(timeout=5)
+            assert version == (0, 0)
+            np.testing.assert_array_equal(params["w"], model["w"])
+        s = config.resolve(environ={"MLFABRIC_SERVER": f"{a.address},{refused_address}",
+                                    "MLFABRIC_JOB": JOB, "MLFABRIC_TOKEN_FILE": str(token_file),
+                                    "MLFABRIC_TIMEOUT": "2"})
+        with pytest.raises(ConfigError) as exc:
+            config.connect(s)
+        assert one_line(exc).startswith(f"cannot reach the server at {a.address},"
+                                        f"{refused_address} (setting server (from "
+                                        f"MLFABRIC_SERVER)): ")
+        assert refused_address in one_line(exc).split("): ", 1)[1]
+    with pytest.raises(ConfigError) as exc:
+        config.resolve(environ={"MLFABRIC_SERVER": "a:1,,b:2"})
+    assert "has an empty entry" in one_line(exc)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .client.core import parse_address
+from .client.shards import split_addresses
 from .errors import (
     AuthenticationError,
     ConfigError,
@@ -61,7 +62,7 @@ class Setting:
     """One setting: its name (the config file's key), type, default and help."""
 
     name: str
-    kind: str  # "address", "str", "path", "float", "int", "choice"
+    kind: str  # "address", "addresses", "str", "path", "float", "int", "choice"
     default: Any
     help: str
     choices: tuple[str, ...] = ()
@@ -81,6 +82,7 @@ class Setting:
         """The expected type, in words, for error messages."""
         return {
             "address": 'a string "HOST:PORT"',
+            "addresses": 'a string "HOST:PORT" or, for shards, "HOST:PORT,HOST:PORT,..."',
             "str": "a string",
             "path": "a file path (string)",
             "float": "a number",
@@ -91,7 +93,9 @@ class Setting:
 
 #: Every setting, in the order the reference lists them.
 SETTINGS: tuple[Setting, ...] = (
-    Setting("server", "address", None, "the job's parameter server, HOST:PORT (required)"),
+    Setting("server", "addresses", None,
+            "the job's parameter server, HOST:PORT, or every shard of a sharded job, "
+            "HOST:PORT,HOST:PORT,... in shard order (required)"),
     Setting("job", "str", None, "the job's name, as the server was started with (required)"),
     Setting("token_file", "path", None,
             "file holding the job's secret token (required)"),
@@ -257,7 +261,7 @@ def _convert(s: Setting, value: Any, where: str, typed: bool = False) -> Any:
             f"{why}: fix {where}"
         )
 
-    if s.kind in ("address", "str", "path", "choice"):
+    if s.kind in ("address", "addresses", "str", "path", "choice"):
         if not is_text:
             raise bad(f" ({type(value).__name__})")
         if value == "":
@@ -269,6 +273,12 @@ def _convert(s: Setting, value: Any, where: str, typed: bool = False) -> Any:
                 parse_address(value)
             except ConfigError:
                 raise bad(" (not HOST:PORT)") from None
+        if s.kind == "addresses":
+            try:
+                for address in split_addresses(value):
+                    parse_address(address)
+            except ConfigError as exc:
+                raise bad(f" ({exc})") from None
         return value
     if isinstance(value, bool):
         raise bad(f" ({type(value).__name__})")
@@ -406,7 +416,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--config", metavar="FILE.toml", default=None,
                        help=f"read settings from this TOML file (default: ${CONFIG_ENV})")
     for s in SETTINGS:
-        metavar = {"address": "HOST:PORT", "path": "PATH", "float": "SECONDS", "int": "N",
+        metavar = {"address": "HOST:PORT", "addresses": "HOST:PORT[,...]", "path": "PATH",
+                   "float": "SECONDS", "int": "N",
                    "choice": "{" + ",".join(s.choices) + "}"}.get(s.kind, "NAME")
         # Values stay strings here: resolve() checks them with the other layers'
         # rules, so a bad flag gets the same one-line error as a bad variable.
@@ -493,6 +504,8 @@ def _unreachable(settings: Settings, which: str, exc: BaseException) -> ConfigEr
     command = {"server": "mlfabric server", "controller": "mlfabric controller",
                "replica": "mlfabric server --role replica"}[which]
     address = getattr(settings, which)
+    if "," in address and isinstance(exc, MlfabricError):
+        reason = str(exc)  # it names the shard that could not be reached
     return ConfigError(
         f"cannot reach the {which} at {address} ({settings.where(which)}): {reason}; start "
         f"`{command}` there or fix {settings._fix(which)}"
