@@ -2,8 +2,11 @@
 
 On the emulated cluster (root): a server host, 8 workers on heterogeneous
 links, two other tenants whose traffic starts, stops and moves, and one
-compute straggler (`mlfabric.tools.contention.Scenario`); and the same cluster
-uncontended. Every system runs on the same namespaces, alternated round by
+compute straggler (`mlfabric.tools.contention.Scenario`); the same with the
+tenants loading worker links as much as the server hosts'
+(contended-everywhere); and the same cluster uncontended. The sharded
+systems put one server shard on every worker host (mlfabric-colocated) or
+two on dedicated hosts (mlfabric-2shards). Every system runs on the same namespaces, alternated round by
 round; the medians of the rounds are compared.
 
     sudo .venv/bin/python benchmarks/contention.py [--rounds 3] [--systems fifo,mlfabric,ddp]
@@ -36,6 +39,7 @@ from mlfabric.tools.contention import (
     Scenario,
     cluster_hosts,
     cluster_rates,
+    contended_everywhere,
     first_reach,
     run_system,
     uncontended,
@@ -214,7 +218,7 @@ def tenant_rate(text: str) -> float | None:
     return rate
 
 
-SCENARIOS = ("contended", "uncontended")
+SCENARIOS = ("contended", "contended-everywhere", "uncontended")
 
 
 def main() -> int:
@@ -225,7 +229,7 @@ def main() -> int:
     ap.add_argument("--systems", default=",".join(SYSTEMS),
                     help="comma-separated, from: %(default)s (default: all)")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS),
-                    help="comma-separated, from: %(default)s (default: both)")
+                    help="comma-separated, from: %(default)s (default: all)")
     ap.add_argument("--time-limit", type=float, default=150.0,
                     help="seconds a run may take to reach the target accuracy "
                          "(default %(default)s)")
@@ -271,7 +275,8 @@ def main() -> int:
     except ConfigError as exc:
         ap.error(str(exc))
     require_root()
-    scenarios = {"contended": base, "uncontended": uncontended(base)}
+    scenarios = {"contended": base, "contended-everywhere": contended_everywhere(base),
+                 "uncontended": uncontended(base)}
     chosen = [scenarios[n] for n in names]
     results: dict[str, dict[str, list[RunResult]]] = {}
     hosts = cluster_hosts(base)

@@ -18,8 +18,10 @@ from mlfabric.tools.contention import (
     Scenario,
     cluster_hosts,
     cluster_rates,
+    contended_everywhere,
     first_reach,
     run_system,
+    shard_hosts,
     summarise_outcomes,
     tenant_flows,
     uncontended,
@@ -75,9 +77,30 @@ def test_uncontended_has_no_tenants_and_no_straggler():
 
 def test_cluster_layout():
     sc = Scenario(workers=3, straggler=2)
-    assert cluster_hosts(sc) == 6
+    assert cluster_hosts(sc) == 7
     assert cluster_rates(sc) == {"h0": (1000.0, 100.0), "h1": (1000.0, 1000.0),
-                                 "h2": (200.0, 200.0), "h3": (1000.0, 1000.0)}
+                                 "h2": (200.0, 200.0), "h3": (1000.0, 1000.0),
+                                 "h6": (1000.0, 100.0)}
+    # One server on h0; a shard on every worker host; two shards on server hosts.
+    assert shard_hosts(sc, "mlfabric") == shard_hosts(sc, "fifo") == [0]
+    assert shard_hosts(sc, "mlfabric-colocated") == [1, 2, 3]
+    assert shard_hosts(sc, "mlfabric-2shards") == [0, 6]
+
+
+def test_tenants_everywhere_load_both_server_hosts_and_two_worker_links_at_a_time():
+    sc = contended_everywhere(Scenario(time_limit=30.0, period=30.0, tenant_max_mbit=None))
+    assert sc.name == "contended-everywhere"
+    flows = tenant_flows(sc)
+    n = sc.workers
+    assert [(f.start, f.src, f.dst) for f in flows] == [
+        (0.0, n + 1, 0), (0.0, n + 2, 3), (0.0, 6, n + 2),
+        (10.0, n + 1, n + 3), (10.0, n + 2, 5), (10.0, 2, n + 1),
+        (20.0, n + 1, 0), (20.0, n + 2, 7), (20.0, 4, n + 2)]
+    for a, b in itertools.combinations(flows, 2):
+        if a.start < b.stop and b.start < a.stop:
+            assert a.dst != b.dst and a.src != b.src
+    with pytest.raises(ConfigError, match="tenants must be 'server' or 'everywhere'"):
+        Scenario(tenants="all")
 
 
 def test_every_process_computes_on_one_thread_unless_the_user_says_otherwise(tmp_path,
@@ -216,7 +239,7 @@ def test_benchmark_reprints_saved_runs_with_their_update_rate(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--scenarios", "contended,busy"],
-     "unknown scenario 'busy'; choose from contended, uncontended"),
+     "unknown scenario 'busy'; choose from contended, contended-everywhere, uncontended"),
     (["--systems", "fifo,gloo"], "unknown system 'gloo'; choose from fifo, mlfabric"),
     (["--rounds", "0"], "--rounds must be at least 1, got 0"),
     (["--workers", "9"], "worker_links lists 8 links for 9 workers"),

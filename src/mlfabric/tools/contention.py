@@ -27,6 +27,12 @@ accuracy reaches the target or the time limit passes:
 * ``mlfabric-agg-wait-late-pull``: ``mlfabric-agg-wait`` whose workers pull
   the next model only once their update's outcome is known, as ``fifo``'s
   do: the held pull the server streams is off (to measure what it adds);
+* ``mlfabric-colocated``: ``mlfabric`` with the model partitioned over one
+  server shard on every worker host (S = workers, as BytePS co-locates
+  them): each link carries a share of the updates instead of the server
+  host's downlink carrying them all;
+* ``mlfabric-2shards``: ``mlfabric`` with two server shards on dedicated
+  hosts (the server's host and a second one with the same link);
 * ``ddp``: synchronous data parallelism, PyTorch DistributedDataParallel over
   gloo, one rank per worker host (needs ``mlfabric[torch]``).
 
@@ -69,7 +75,10 @@ from .workload import scrape_metrics, serving_address, wait_for_line
 
 SYSTEMS: tuple[str, ...] = ("fifo", "mlfabric", "mlfabric-agg", "mlfabric-agg-wait", "ddp",
                              "mlfabric-static", "mlfabric-agg-static",
-                             "mlfabric-agg-wait-late-pull")
+                             "mlfabric-agg-wait-late-pull", "mlfabric-colocated",
+                             "mlfabric-2shards")
+# Sharded systems: where their shards run (see `shard_hosts`).
+SHARDED = ("mlfabric-colocated", "mlfabric-2shards")
 # This suffix: workers pull only once their update's outcome is known.
 LATE_PULL = "-late-pull"
 JOB = "contention"
@@ -108,6 +117,10 @@ class Scenario:
     straggler: int | None = 3  # worker index with slower compute
     straggler_factor: float = 3.0
     contention: bool = True
+    # Where the other tenants' flows go: "server" loads the server host's
+    # downlink and a few worker links in turn; "everywhere" also the second
+    # server host's and more worker links at once (two of them at any time).
+    tenants: str = "server"
     period: float = 30.0  # the cross-traffic pattern repeats with this period
     # Each tenant flow is paced at 60% of the link it loads, at most this. The
     # emulated network runs on the same CPU as the job: a 600 Mbit/s flow
@@ -146,6 +159,8 @@ class Scenario:
         from .testbed import check_mtu
 
         check_mtu(self.mtu)
+        if self.tenants not in ("server", "everywhere"):
+            raise ConfigError(f"tenants must be 'server' or 'everywhere', got {self.tenants!r}")
         if self.tenant_max_mbit is not None and not self.tenant_max_mbit > 0:
             raise ConfigError(f"tenant_max_mbit must be a positive rate in Mbit/s (or None: "
                               f"no bound), got {self.tenant_max_mbit}")
@@ -163,13 +178,19 @@ def uncontended(sc: Scenario) -> Scenario:
     return replace(sc, name="uncontended", contention=False, straggler=None)
 
 
+def contended_everywhere(sc: Scenario) -> Scenario:
+    """The tenants load worker hosts' links as much as the server hosts'."""
+    return replace(sc, name="contended-everywhere", tenants="everywhere")
+
+
 # --- the other tenants' traffic (pure: a list of timed actions) ---------------------
 
 
 @dataclass(frozen=True)
 class Flow:
     """Another tenant's paced TCP flow from `src` to `dst` (host indices: 0 is the
-    server's host, 1..N the workers, N+1 and N+2 the tenants' own hosts)."""
+    server's host, 1..N the workers, N+1 and N+2 the tenants' own hosts, N+3
+    the second server host)."""
 
     start: float
     stop: float
@@ -202,11 +223,18 @@ def tenant_flows(sc: Scenario) -> list[Flow]:
     def up(i: int) -> float:
         return min(cap, 0.6 * sc.worker_links[(worker(i) - 1)][0])
 
-    pattern = [
-        (0, a, 0, rate), (0, b, worker(2), down(2)),
-        (1, a, worker(4), down(4)), (1, worker(1), b, up(1)),
-        (2, a, 0, rate), (2, b, worker(6), down(6)),
-    ]
+    if sc.tenants == "server":
+        pattern = [
+            (0, a, 0, rate), (0, b, worker(2), down(2)),
+            (1, a, worker(4), down(4)), (1, worker(1), b, up(1)),
+            (2, a, 0, rate), (2, b, worker(6), down(6)),
+        ]
+    else:  # every third: a server host's downlink, a worker's downlink and another's uplink
+        pattern = [
+            (0, a, 0, rate), (0, b, worker(2), down(2)), (0, worker(5), b, up(5)),
+            (1, a, n + 3, rate), (1, b, worker(4), down(4)), (1, worker(1), a, up(1)),
+            (2, a, 0, rate), (2, b, worker(6), down(6)), (2, worker(3), b, up(3)),
+        ]
     flows = []
     t = 0.0
     while t < sc.time_limit:
@@ -312,11 +340,22 @@ def cluster_rates(sc: Scenario) -> dict[str, tuple[float | None, float | None]]:
     rates: dict[str, tuple[float | None, float | None]] = {"h0": sc.server_link}
     for i in range(sc.workers):
         rates[f"h{i + 1}"] = sc.worker_links[i]
+    rates[f"h{sc.workers + 3}"] = sc.server_link  # the second server host
     return rates
 
 
 def cluster_hosts(sc: Scenario) -> int:
-    return sc.workers + 3  # server, workers, two tenants
+    return sc.workers + 4  # server, workers, two tenants, a second server
+
+
+def shard_hosts(sc: Scenario, system: str) -> list[int]:
+    """The hosts (indices) of a system's servers, in shard order: one server
+    on h0 unless sharded."""
+    if system == "mlfabric-colocated":
+        return list(range(1, sc.workers + 1))
+    if system == "mlfabric-2shards":
+        return [0, sc.workers + 3]
+    return [0]
 
 
 # One compute thread per process, as the DDP ranks have (torch.set_num_threads(1)).
@@ -414,8 +453,6 @@ def _write_common(tmp: Path, sc: Scenario) -> tuple[Path, Path]:
 
 def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
             progress: Callable[[str], None] | None) -> RunResult:
-    from ..client import blocking as client
-
     policy = "fifo" if system == "fifo" else "mlfabric"
     # A plain parameter server's worker pulls once its push is answered;
     # mlfabric's pulls with the push (pull(including=...)).
@@ -425,45 +462,51 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
     token, init = _write_common(tmp, sc)
     h0 = tb.host("h0")
     workers = [tb.host(f"h{i + 1}") for i in range(sc.workers)]
+    servers = [tb.host(f"h{k}") for k in shard_hosts(sc, system)]
     py = [sys.executable, "-m", "mlfabric", "--log-level", "WARNING"]
     procs: list[subprocess.Popen[str]] = []
     helpers: list[subprocess.Popen[str]] = []
     sched = None
     try:
-        srv = _popen(tb, h0, [*py, "server", "--listen", f"{h0.ip}:0", "--job", JOB,
-                              "--token-file", str(token), "--init", str(init), "--momentum",
-                              str(sc.gamma), "--tau-max", str(sc.tau_max), "--metrics-port",
-                              str(METRICS_PORT), "--metrics-host", "127.0.0.1"], tmp)
-        helpers.append(srv)
-        srv_addr = serving_address(srv, "the server", timeout=90.0)
-        links = ["--link", f"{h0.ip}={sc.server_link[0]}/{sc.server_link[1]}"]
-        for i, w in enumerate(workers):
-            links += ["--link", f"{w.ip}={sc.worker_links[i][0]}/{sc.worker_links[i][1]}"]
+        for i, host in enumerate(servers):
+            shard = ["--shard", f"{i}/{len(servers)}"] if len(servers) > 1 else []
+            helpers.append(_popen(tb, host, [
+                *py, "server", "--listen", f"{host.ip}:0", "--job", JOB, "--token-file",
+                str(token), "--init", str(init), "--momentum", str(sc.gamma), "--tau-max",
+                str(sc.tau_max), "--metrics-port", str(METRICS_PORT), "--metrics-host",
+                "127.0.0.1", *shard], tmp))
+        srv_addr = ",".join(serving_address(p, f"server {i}", timeout=90.0)
+                            for i, p in enumerate(helpers))
+        rates = cluster_rates(sc)
+        links = []
+        for host in dict.fromkeys([h0, *servers, *workers]):
+            up, down = rates[host.name]
+            links += ["--link", f"{host.ip}={up}/{down}"]
         agents: list[str] = []
-        # the server's traffic is the job's own: the agents do not count it as load
-        job_port = ["--job-port", srv_addr.rpartition(":")[2]]
-        if base in ("mlfabric", "mlfabric-agg", "mlfabric-agg-wait", "mlfabric-agg-static"):
+        # the servers' traffic is the job's own: the agents do not count it as load
+        job_port = [a for address in srv_addr.split(",")
+                    for a in ("--job-port", address.rpartition(":")[2])]
+        if base in ("mlfabric", "mlfabric-agg", "mlfabric-agg-wait", "mlfabric-agg-static",
+                    *SHARDED):
             measured = base != "mlfabric-agg-static"  # the controller reads the agents
-            for w in workers:
+            # Each worker host's agent measures the paths to the server hosts, and
+            # each server host's agent (a worker's too, when co-located) the paths
+            # from the workers: together, others' load on every link the job uses.
+            for host in dict.fromkeys([*workers, *servers]):
+                peer_hosts = [p for p in workers if p is not host] if host in servers \
+                    else servers
+                peers = [a for p in peer_hosts for a in ("--peer", f"{p.ip}={p.ip}:{AGENT_PORT}")]
                 aggregate = []
-                if base.startswith("mlfabric-agg"):
-                    aggregate = ["--aggregate", f"{w.ip}:{AGGREGATE_PORT}", "--job", JOB,
+                if base.startswith("mlfabric-agg") and host in workers:
+                    aggregate = ["--aggregate", f"{host.ip}:{AGGREGATE_PORT}", "--job", JOB,
                                  "--token-file", str(token), "--metrics-port",
-                                 str(AGENT_METRICS_PORT), "--metrics-host", w.ip]
-                    agents += ["--aggregator", f"{w.ip}={w.ip}:{AGGREGATE_PORT}"]
-                helpers.append(_popen(tb, w, [*py, "agent", "--name", w.ip, "--listen",
-                                              f"{w.ip}:{AGENT_PORT}", "--peer",
-                                              f"{h0.ip}={h0.ip}:{AGENT_PORT}", *job_port,
-                                              *aggregate],
-                                      tmp))
+                                 str(AGENT_METRICS_PORT), "--metrics-host", host.ip]
+                    agents += ["--aggregator", f"{host.ip}={host.ip}:{AGGREGATE_PORT}"]
+                helpers.append(_popen(tb, host, [*py, "agent", "--name", host.ip, "--listen",
+                                                 f"{host.ip}:{AGENT_PORT}", *job_port, *peers,
+                                                 *aggregate], tmp))
                 if measured:
-                    agents += ["--agent", f"{w.ip}={w.ip}:{AGENT_PORT}"]
-            peers = [a for w in workers for a in ("--peer", f"{w.ip}={w.ip}:{AGENT_PORT}")]
-            helpers.append(_popen(tb, h0, [*py, "agent", "--name", h0.ip, "--listen",
-                                           f"{h0.ip}:{AGENT_PORT}", *job_port, *peers], tmp))
-            if measured:
-                # the server host's agent measures others' load on its downlink
-                agents += ["--agent", f"{h0.ip}={h0.ip}:{AGENT_PORT}"]
+                    agents += ["--agent", f"{host.ip}={host.ip}:{AGENT_PORT}"]
         # A group of every worker is full: it goes without waiting out the rest.
         wait = (["--group-wait", str(sc.group_wait), "--max-fan-in", str(sc.workers)]
                 if base == "mlfabric-agg-wait" else [])
@@ -489,8 +532,7 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
         for i, p in enumerate(procs):
             wait_for_line(p, "ready", f"worker {i}", timeout=90.0)
         _, _, x_test, y_test = load_digits_split(seed=sc.seed)
-        with h0.enter():  # the monitor's pulls stay on the server's host
-            monitor = client.connect(srv_addr, job=JOB, token_file=str(token))
+        monitor = _Monitor(servers, srv_addr.split(","), token)
         try:
             sched = _start_traffic(tb, sc)
             t0 = time.monotonic()
@@ -510,7 +552,8 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
                 err = p.stderr.read() if p.stderr else ""
                 raise RuntimeError(f"worker {i} failed ({p.returncode}): {err[-1500:]}")
             records += json.loads(lines[-1])["outcomes"]
-        bytes_in = _server_bytes_in(h0)
+        counted = [_server_bytes_in(host) for host in servers]
+        bytes_in = None if None in counted else sum(c for c in counted if c is not None)
         decisions = read_decisions(tmp / "decisions.jsonl")
         if base.startswith("mlfabric-agg"):
             decisions.update(aggregator_seconds(
@@ -523,6 +566,50 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
                      reached=first_reach(curve, sc.target) is not None,
                      time_to_target=first_reach(curve, sc.target), wall=wall, curve=curve,
                      server_bytes_in=bytes_in, **decisions, **summarise_outcomes(records))
+
+
+class _Monitor:
+    """Pulls the servers' model for the accuracy curve, each shard's part on
+    that shard's own host (its connection made inside the host's namespace,
+    so the pulls cross no link): one link of its own per shard, each on an
+    event loop thread started inside that host."""
+
+    def __init__(self, hosts: Sequence[Any], addresses: Sequence[str], token: Path) -> None:
+        from ..client import aio
+        from ..client.core import resolve_token
+        from ..client.shards import check_shards
+        from ..runtime.loop_thread import LoopThread
+
+        secret = resolve_token(None, str(token))
+        self._runners: list[LoopThread] = []
+        self._clients: list[Any] = []
+        try:
+            for host, address in zip(hosts, addresses, strict=True):
+                with host.enter():  # the loop thread, and so its sockets, live there
+                    runner = LoopThread(name=f"monitor-{host.name}")
+                self._runners.append(runner)
+                self._clients.append(runner.run(aio.connect(address, job=JOB, token=secret,
+                                                            name="contention-monitor",
+                                                            push_timeout=None)))
+            self.partition = check_shards(
+                list(addresses), [c.welcome_shard for c in self._clients],
+                [c.specs for c in self._clients])
+        except BaseException:
+            self.close()
+            raise
+
+    def pull(self) -> tuple[Any, dict[str, np.ndarray]]:
+        answers = [r.run(c.pull(), 60.0) for r, c in zip(self._runners, self._clients,
+                                                          strict=True)]
+        if self.partition is None:
+            return answers[0]
+        return (tuple(v for v, _ in answers), self.partition.join([p for _, p in answers]))
+
+    def close(self) -> None:
+        for r, c in zip(self._runners, self._clients, strict=False):
+            r.run(c.close(), 10.0)
+        for r in self._runners:
+            r.stop()
 
 
 def _watch_server(ps: Any, sc: Scenario, t0: float, progress: Callable[[str], None] | None,
