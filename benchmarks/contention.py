@@ -6,8 +6,8 @@ compute straggler (`mlfabric.tools.contention.Scenario`); the same with the
 tenants loading worker links as much as the server hosts'
 (contended-everywhere); and the same cluster uncontended. The sharded
 systems put one server shard on every worker host (mlfabric-colocated) or
-two on dedicated hosts (mlfabric-2shards). Every system runs on the same namespaces, alternated round by
-round; the medians of the rounds are compared.
+two on dedicated hosts (mlfabric-2shards). Every system runs on the same
+namespaces, alternated round by round; the medians of the rounds are compared.
 
     sudo .venv/bin/python benchmarks/contention.py [--rounds 3] [--systems fifo,mlfabric,ddp]
         [--scenarios contended,uncontended] [--time-limit 150] [--json out.json]
