@@ -736,3 +736,86 @@ def test_property_scaled_add(case):
 def test_property_all_finite(case):
     _, (x,), _ = case
     assert _core.all_finite(x) is bool(np.isfinite(x).all())
+
+
+# -- segments: one call over a flat buffer, as the calls tensor by tensor ---------------
+
+
+def _segmented(seed, sizes, gap=16):
+    rng = np.random.default_rng(seed)
+    starts, pos = [], 0
+    for n in sizes:
+        starts.append(pos)
+        pos += n + gap
+    arrays = [rng.standard_normal(pos).astype(np.float32) for _ in range(3)]
+    return arrays, np.array(starts, np.intp), np.array(sizes, np.intp)
+
+
+@pytest.mark.parametrize("gamma", [None, 0.0, 0.9])
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.integers(0, 3000), min_size=0, max_size=12), seed=st.integers(0, 50))
+def test_segments_match_the_kernels_called_segment_by_segment(gamma, sizes, seed):
+    (w, prev, u), starts, counts = _segmented(seed, sizes)
+    out = np.full_like(w, 7.0)
+    want = out.copy()
+    p = None if gamma is None else prev
+    g = 0.0 if gamma is None else gamma
+    assert _core.segments_momentum_into(out, w, p, u, g, starts, counts) == -1
+    squares = 0.0
+    for a, n in zip(starts, counts, strict=True):
+        _core.momentum_into(want[a:a + n], w[a:a + n], None if p is None else p[a:a + n],
+                            u[a:a + n], g)
+        squares += _core.l2_norm(u[a:a + n]) ** 2
+    assert np.array_equal(out.view(np.uint32), want.view(np.uint32))  # gaps untouched too
+    assert _core.segments_l2_norm(u, starts, counts) == (math.sqrt(squares), -1)
+
+
+def test_segments_report_the_first_non_finite_segment():
+    (w, prev, u), starts, counts = _segmented(0, [10, 20, 30])
+    u[starts[1] + 4] = np.inf
+    assert _core.segments_l2_norm(u, starts, counts)[1] == 1
+    out = np.zeros_like(w)
+    assert _core.segments_momentum_into(out, w, prev, u, 0.5, starts, counts) == 1
+    assert not out[starts[2]:starts[2] + 30].any()  # segments after it not computed
+
+
+def test_segments_stage_feeds_like_the_whole_call():
+    (w, prev, u), starts, counts = _segmented(4, [100, 0, 50, 200])
+    whole = np.zeros_like(w)
+    _core.segments_momentum_into(whole, w, prev, u, 0.9, starts, counts)
+    out = np.zeros_like(w)
+    done = np.zeros(4, np.intp)
+    squares = np.zeros(4)
+    for received in (0, 30, 117, 117, 180, 400, u.size):
+        assert _core.segments_stage(out, w, prev, u, 0.9, starts, counts, done, squares,
+                                    received, True) == -1
+    assert done.tolist() == counts.tolist()
+    for a, n in zip(starts, counts, strict=True):
+        assert np.array_equal(out[a:a + n].view(np.uint32), whole[a:a + n].view(np.uint32))
+    assert math.sqrt(sum(squares)) == pytest.approx(
+        _core.segments_l2_norm(u, starts, counts)[0], rel=1e-12)
+
+
+@pytest.mark.parametrize(("starts", "counts", "message"), [
+    ([0, 5], [5], "2 segment starts but 1 counts"),
+    ([-1], [3], "segment 0 \\[-1, 2\\) is outside the arrays of 10 elements"),
+    ([8], [3], "segment 0 \\[8, 11\\) is outside"),
+])
+def test_segments_outside_the_arrays_are_refused(starts, counts, message):
+    x = np.zeros(10, np.float32)
+    with pytest.raises(ValueError, match=message):
+        _core.segments_l2_norm(x, np.array(starts, np.intp), np.array(counts, np.intp))
+    with pytest.raises(ValueError, match=message):
+        _core.segments_momentum_into(x.copy(), x, None, x, 0.0, np.array(starts, np.intp),
+                                     np.array(counts, np.intp))
+
+
+def test_gather_copies_each_array_to_its_offset_and_refuses_what_does_not_fit():
+    out = np.zeros(24, np.uint8)
+    _core.gather(out, [np.arange(3, dtype=np.float32), np.full(2, 7, np.uint8)], [0, 16])
+    assert out[:12].view(np.float32).tolist() == [0.0, 1.0, 2.0]
+    assert out[12:16].tolist() == [0] * 4 and out[16:18].tolist() == [7, 7]
+    with pytest.raises(ValueError, match="array 0 of 12 bytes at offset 20 does not fit in 24"):
+        _core.gather(out, [np.zeros(3, np.float32)], [20])
+    with pytest.raises(TypeError, match="out must be a writable C-contiguous uint8"):
+        _core.gather(np.zeros(4, np.float32), [], [])

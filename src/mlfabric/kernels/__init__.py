@@ -6,21 +6,29 @@ expression in its docstring (see `_core.pxd`)."""
 from ._core import (
     NOGIL_MIN_ELEMENTS,
     all_finite,
+    gather,
     l2_norm,
     l2_norm_diff,
     momentum_apply,
     momentum_into,
     scaled_add,
+    segments_l2_norm,
+    segments_momentum_into,
+    segments_stage,
     sum_into,
 )
 
 __all__ = [
     "NOGIL_MIN_ELEMENTS",
     "all_finite",
+    "gather",
     "l2_norm",
     "l2_norm_diff",
     "momentum_apply",
     "momentum_into",
     "scaled_add",
+    "segments_l2_norm",
+    "segments_momentum_into",
+    "segments_stage",
     "sum_into",
 ]

@@ -13,6 +13,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 _FloatArray = NDArray[np.floating[Any]]
+_IndexArray = NDArray[np.intp]
 
 # Loops over at least this many elements release the GIL.
 NOGIL_MIN_ELEMENTS: int
@@ -40,3 +41,20 @@ def l2_norm_diff(a: _FloatArray, b: _FloatArray) -> float:
 
 def all_finite(x: _FloatArray) -> bool:
     """True iff x holds no NaN, +Inf or -Inf."""
+
+def segments_l2_norm(x: _FloatArray, starts: _IndexArray, counts: _IndexArray
+                     ) -> tuple[float, int]:
+    """(sqrt(sum of l2_norm(segment) ** 2), first non-finite segment or -1)."""
+
+def segments_momentum_into(out: _FloatArray, w: _FloatArray, prev: _FloatArray | None,
+                           u: _FloatArray, gamma: float, starts: _IndexArray,
+                           counts: _IndexArray) -> int:
+    """momentum_into on every segment; -1, or the first segment written non-finite."""
+
+def segments_stage(out: _FloatArray, w: _FloatArray, prev: _FloatArray | None, u: _FloatArray,
+                   gamma: float, starts: _IndexArray, counts: _IndexArray, done: _IndexArray,
+                   squares: NDArray[np.float64], received: int, check: bool) -> int:
+    """StagedApply.feed over segments; -1, or the first segment that voids the staging."""
+
+def gather(out: NDArray[np.uint8], arrays: Iterable[Any], offsets: Iterable[int]) -> None:
+    """Copy each C-contiguous array's bytes into out at its offset."""
