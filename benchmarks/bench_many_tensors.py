@@ -7,6 +7,7 @@ push by push; the time is push() to its outcome (received, checked, applied,
 answered), median over the pushes, and the ratio is paired per round.
 
     python benchmarks/bench_many_tensors.py [--tensors 1000] [--kib 4] [--pushes 200]
+        [--shards 4]
 """
 
 from __future__ import annotations
@@ -24,14 +25,15 @@ import numpy as np
 JOB = "bench"
 
 
-def start_server(tmp: Path, name: str, model: dict[str, np.ndarray]) -> tuple[subprocess.Popen,
-                                                                               str]:
+def start_server(tmp: Path, name: str, model: dict[str, np.ndarray],
+                 shard: tuple[int, int] | None = None) -> tuple[subprocess.Popen, str]:
     init = tmp / f"{name}.npz"
     np.savez(init, **model)
+    part = ["--shard", f"{shard[0]}/{shard[1]}"] if shard is not None else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlfabric", "--log-level", "WARNING", "server", "--listen",
          "127.0.0.1:0", "--job", JOB, "--token-file", str(tmp / "job.token"), "--init",
-         str(init), "--momentum", "0.9"],
+         str(init), "--momentum", "0.9", *part],
         stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -46,6 +48,8 @@ def main() -> int:
     ap.add_argument("--tensors", type=int, default=1000)
     ap.add_argument("--kib", type=int, default=4, help="KiB per small tensor (default 4)")
     ap.add_argument("--pushes", type=int, default=200, help="pushes to each (default 200)")
+    ap.add_argument("--shards", type=int, default=1,
+                    help="server shards per model, all on this machine (default 1)")
     args = ap.parse_args()
     import mlfabric
 
@@ -61,9 +65,14 @@ def main() -> int:
         try:
             clients = {}
             for name, model in (("many", many), ("one", one)):
-                proc, address = start_server(tmp, name, model)
-                procs.append(proc)
-                clients[name] = mlfabric.connect(address, job=JOB, token_file=str(token))
+                addresses = []
+                for i in range(args.shards):
+                    proc, address = start_server(
+                        tmp, name, model, (i, args.shards) if args.shards > 1 else None)
+                    procs.append(proc)
+                    addresses.append(address)
+                clients[name] = mlfabric.connect(",".join(addresses), job=JOB,
+                                                 token_file=str(token))
             times: dict[str, list[float]] = {"many": [], "one": []}
             updates = {"many": {k: np.full_like(a, 1e-3) for k, a in many.items()},
                        "one": {k: np.full_like(a, 1e-3) for k, a in one.items()}}
@@ -88,7 +97,8 @@ def main() -> int:
     paired = statistics.median(a / b for a, b in zip(times["many"], times["one"], strict=True))
     total = n * 4 * args.tensors
     print(f"push to outcome, {args.tensors} tensors of {args.kib} KiB against one tensor of "
-          f"{total / 2**20:.1f} MiB; median of {args.pushes}, alternated push by push")
+          f"{total / 2**20:.1f} MiB, {args.shards} server shard(s) each; median of "
+          f"{args.pushes}, alternated push by push")
     print(f"  one tensor      {med['one'] * 1e3:8.2f} ms")
     print(f"  many tensors    {med['many'] * 1e3:8.2f} ms")
     print(f"  many / one      {med['many'] / med['one']:5.2f}x   (paired {paired:.2f}x)   "

@@ -583,3 +583,30 @@ def test_a_void_stream_ends_whole_with_zeros_and_never_goes_back():
     again.from_arrays(tensors, 64)
     with pytest.raises(ValueError, match="64 sent, asked up to 10"):
         again.from_arrays(tensors, 10)
+
+
+def test_an_update_of_many_small_tensors_goes_out_laid_out_in_one_buffer():
+    """The client gathers many small tensors into one data block; the frame
+    is byte for byte the one of the tensors sent one by one."""
+    from mlfabric.client.core import check_update, laid_out
+    from mlfabric.wire.protocol import FrameTensors
+
+    specs = tuple(TensorSpec(f"t{i:02d}", F4, (3 + i % 4,)) for i in range(40))
+    block = layout(specs)
+    rng = np.random.default_rng(0)
+    update = check_update({s.name: rng.standard_normal(s.shape).astype(np.float32)
+                           for s in specs}, specs)
+    gathered = laid_out(update, specs, block)
+    assert isinstance(gathered, FrameTensors)
+    parts = Connection().send(Push(req=3, base_version=2, tensors=gathered))
+    assert len(parts) == 2
+    assert b"".join(parts) == Connection().send_bytes(Push(req=3, base_version=2,
+                                                           tensors=update))
+    # Few tensors, large ones, or another order: sent as they are.
+    assert not isinstance(laid_out(dict(list(update.items())[:10]), specs[:10],
+                                   layout(specs[:10])), FrameTensors)
+    reordered = dict(reversed(list(update.items())))
+    assert laid_out(reordered, specs, block) is reordered
+    big = tuple(TensorSpec(f"b{i:02d}", F4, (1 << 15,)) for i in range(20))
+    big_update = {s.name: np.zeros(s.shape, np.float32) for s in big}
+    assert laid_out(big_update, big, layout(big)) is big_update

@@ -32,20 +32,23 @@ def frame_data(update):
     return specs, offsets, memoryview(data)
 
 
-def stage(store, update, cuts, base_version=None):
+def stage(store, update, cuts, base_version=None, flat=False):
+    """`flat`: hand the tensor list over as the codec does (a tuple), so an
+    update in the store's layout is fed in one kernel call (segments_stage)."""
     specs, offsets, data = frame_data(update)
     base = store.version if base_version is None else base_version
-    staged = store.begin_staged(base, specs, offsets)
+    staged = store.begin_staged(base, tuple(specs) if flat else specs, offsets)
     assert staged is not None
     for cut in cuts:
         staged.feed(data, min(cut, len(data)))
     return staged, data
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["per-tensor", "flat"])
 @pytest.mark.parametrize("gamma", [0.0, 0.9])
 @settings(max_examples=25, deadline=None)
 @given(cuts=st.lists(st.integers(0, 5000 * 4), max_size=6).map(sorted), seed=st.integers(0, 99))
-def test_staged_apply_is_bit_identical_to_whole_apply(gamma, cuts, seed):
+def test_staged_apply_is_bit_identical_to_whole_apply(gamma, flat, cuts, seed):
     model = make_model(seed, SIZES)
     whole = ParameterStore(model, momentum=gamma)
     staged_store = ParameterStore(model, momentum=gamma)
@@ -53,7 +56,8 @@ def test_staged_apply_is_bit_identical_to_whole_apply(gamma, cuts, seed):
     for step in range(3):
         u = random_update(model, seed=seed * 10 + step)
         want = whole.apply(whole.version, u)
-        staged, data = stage(staged_store, u, cuts)
+        staged, data = stage(staged_store, u, cuts, flat=flat)
+        assert staged._flat is flat
         got = staged.finish(data)
         ref.apply(u)
         assert got == want
@@ -529,3 +533,80 @@ def test_the_store_decides_which_arriving_pushes_are_staged_and_how_they_end():
                                         None, None)
     assert (again, duplicate, store.version) == (outcome, True, 1)
     assert_model_equal(store.weights, want.w)
+
+
+# -- a push in the store's own layout: applied over its data block in one call ---------
+
+
+def decoded_push(update, base_version, uid=None):
+    """The Push event a server decodes from the real encoder's frame."""
+    conn = Connection()
+    conn.receive_data(Connection().send_bytes(Push(req=1, base_version=base_version,
+                                                   tensors=update, uid=uid)))
+    return conn.next_event()
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.9])
+def test_a_push_in_the_stores_layout_is_applied_flat_bit_for_bit(gamma):
+    sizes = {f"t{i:03d}": (7 + i % 5, 3) for i in range(200)}
+    model = make_model(1, sizes)
+    flat, per_tensor = (ParameterStore(model, momentum=gamma, tau_max=3) for _ in range(2))
+    ref = Reference(model, gamma)
+    for step in range(4):
+        u = random_update(model, seed=step)
+        push = decoded_push(u, base_version=flat.version, uid=f"u{step}")
+        assert flat.flat_layout(push.tensors.specs)
+        got, duplicate = flat.apply_push(push, None, None)
+        want = per_tensor.apply(per_tensor.version, u, uid=f"u{step}")
+        ref.apply(u)
+        assert not duplicate and got == want
+        assert_model_equal(flat.weights, ref.w)
+        assert_model_equal(flat.previous, per_tensor.previous)
+        assert flat.norms_since(0) == per_tensor.norms_since(0)  # the norms bit for bit
+    # Its tensors were never made into views: nothing but the block was read.
+    assert push.tensors._views is None
+    # A duplicate uid, a stale base and the tensor order of another client
+    # behave as on the per-tensor path.
+    again = decoded_push(u, base_version=flat.version, uid="u3")
+    assert flat.apply_push(again, None, None) == (flat.applied_before("u3"), True)
+    stale = flat.apply_push(decoded_push(u, base_version=0), None, None)[0]
+    assert not stale.applied and stale.reason.startswith("stale: delay 4 exceeds tau_max 3")
+    reordered = decoded_push(dict(reversed(list(u.items()))), base_version=flat.version)
+    assert not flat.flat_layout(reordered.tensors.specs)
+    assert flat.apply_push(reordered, None, None)[0].applied
+
+
+def test_a_flat_push_holding_nan_or_overflowing_names_its_tensor_and_changes_nothing():
+    model = make_model(2, {"a": (100,), "b": (10,), "c": (50,)})
+    store = ParameterStore(model, momentum=0.5)
+    before = {n: w.copy() for n, w in store.weights.items()}
+    bad = {n: np.zeros_like(w) for n, w in model.items()}
+    bad["b"][3] = np.nan
+    with pytest.raises(InvalidUpdate, match="'b' holds NaN or Inf") as exc:
+        store.apply_push(decoded_push(bad, 0), None, None)
+    assert exc.value.reason == "nonfinite"
+    huge = {n: np.zeros_like(w) for n, w in model.items()}
+    huge["c"][:] = np.float32(3e38)
+    store.weights["c"][...] = np.float32(3e38)
+    before["c"][...] = np.float32(3e38)
+    with pytest.raises(InvalidUpdate, match="tensor 'c' non-finite") as exc:
+        store.apply_push(decoded_push(huge, 0), None, None)
+    assert exc.value.reason == "overflow"
+    assert store.version == 0
+    assert_model_equal(store.weights, before)
+
+
+def test_the_tensors_are_views_of_one_buffer_through_rotations():
+    model = make_model(3, SIZES)
+    store = ParameterStore(model, momentum=0.9)
+    for step in range(3):
+        store.apply_push(decoded_push(random_update(model, step), store.version), None, None)
+        for name, w in store.weights.items():
+            assert np.shares_memory(w, store._flat_w)
+            assert np.shares_memory(store.previous[name], store._flat_prev)
+            assert np.shares_memory(store.spare[name], store._flat_spare)
+    # The padding between tensors stays zero.
+    used = np.zeros(store._flat_w.size, bool)
+    for a, n in zip(store._starts, store._counts, strict=True):
+        used[a:a + n] = True
+    assert not store._flat_w[~used].any() and not store._flat_prev[~used].any()

@@ -43,6 +43,7 @@ from .core import (
     check_push_timeout,
     check_update,
     default_client_name,
+    laid_out,
     parse_address,
     resolve_token,
     watch_period,
@@ -170,6 +171,7 @@ class AsyncClient:
         self.session = welcome.session
         self.last_version = welcome.version
         self.welcome_shard = welcome.shard  # a sharded server's part (see client.sharded)
+        self._block = layout(self.specs)  # the frame layout of a whole update
         self._controlled: Any = None  # AsyncControlledPushes with a controller
         self._feeds: Any = None  # ReplicaFeeds with worker-driven replication
         self._failover: Any = None  # AsyncFailoverWait with a controller and a replica
@@ -429,8 +431,9 @@ class AsyncClient:
         """Send a push frame as given, without push()'s checks (`PushLink`).
         `fields`: a push's uid and aggregation fields (protocol.Push)."""
         fut = AsyncPushFuture(loop=asyncio.get_running_loop())
+        tensors = laid_out(arrays, self.specs, self._block)
         _, event = self._new_request(
-            "push", lambda req: Push(req, base, arrays, seq, **fields), base, fut)
+            "push", lambda req: Push(req, base, tensors, seq, **fields), base, fut)
         self._proto.send(event)
         fut.add_done_callback(self._note_version)
         if self._reporter is not None:

@@ -16,16 +16,12 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Generic, Protocol, TypeVar
 
 from ..errors import ConnectError, ConnectionLost, MlfabricError
-from ..runtime.loop import within
+from ..runtime.loop import within, write_parts
 from ..runtime.metrics import ClientMetrics
 from ..wire.handshake import ClientHandshake
 from ..wire.protocol import HEADER, MAX_META_LEN, NEED_DATA, Connection, layout
 from ..wire.streamed import StreamedBlock
 from .core import RequestTable, connection_lost_error, parse_address
-
-# Frames up to this size go out as one write (one syscall); larger ones as
-# their parts, so a model's data block is never copied.
-JOIN_LIMIT = 1 << 16
 
 
 async def open_link(address: str, hs: ClientHandshake, timeout: float, what: str, *,
@@ -211,13 +207,10 @@ class Link(asyncio.BufferedProtocol):
         self.requests.fail_all(self.error)
 
     def send(self, event: Any) -> int:
-        parts = self.conn.send(event)
-        size = sum(len(p) for p in parts)
-        if size <= JOIN_LIMIT:
-            self.write(b"".join(parts))
-        else:
-            for part in parts:
-                self.write(part)
+        assert self.transport is not None
+        size = write_parts(self.transport, self.conn.send(event))
+        if self.metrics is not None:
+            self.metrics.sent_bytes.inc(size)
         return size
 
     def write(self, data: Any) -> None:

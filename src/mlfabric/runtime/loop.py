@@ -45,3 +45,34 @@ async def within(aw: Awaitable[T], seconds: float | None) -> T:
     cancels and keeps every one. Raises TimeoutError after `seconds`."""
     async with asyncio.timeout(seconds):
         return await aw
+
+
+# A frame's parts (header, tensors, padding) are written as they are when
+# large, so tensors are not copied; runs of small neighbours are joined into
+# writes of up to this many bytes, so a model of 1,000 small tensors is a few
+# dozen writes (each may be a send() syscall), not two thousand.
+JOIN_LIMIT = 1 << 16
+
+
+def write_parts(transport: asyncio.WriteTransport, parts: list[Any]) -> int:
+    """Write a frame's parts in order; returns the bytes written."""
+    total = 0
+    run: list[Any] = []
+    run_size = 0
+    for part in parts:
+        n = len(part)
+        total += n
+        if n >= JOIN_LIMIT:
+            if run:
+                transport.write(b"".join(run) if len(run) > 1 else run[0])
+                run, run_size = [], 0
+            transport.write(part)
+            continue
+        run.append(part)
+        run_size += n
+        if run_size >= JOIN_LIMIT:
+            transport.write(b"".join(run))
+            run, run_size = [], 0
+    if run:
+        transport.write(b"".join(run) if len(run) > 1 else run[0])
+    return total

@@ -35,7 +35,7 @@ import numpy as np
 from .. import kernels
 from ..client.outcome import PushOutcome
 from ..errors import ConfigError, InvalidUpdate
-from ..wire.protocol import Push, ShardInfo, TensorSpec, layout
+from ..wire.protocol import FrameTensors, Push, ShardInfo, TensorSpec, layout
 from .checkpoint import Checkpoint
 
 MODEL_DTYPE = np.dtype(np.float32)
@@ -85,7 +85,7 @@ class ParameterStore:
             raise ConfigError(f"momentum must be in [0, 1), got {momentum}")
         if tau_max is not None and tau_max < 0:
             raise ConfigError(f"tau_max must be >= 0 (or None for no bound), got {tau_max}")
-        self.weights: dict[str, np.ndarray] = {}
+        arrays = {}
         for name, value in tensors.items():
             arr = np.asarray(value)
             if arr.dtype != MODEL_DTYPE:
@@ -95,20 +95,35 @@ class ParameterStore:
                 )
             if not np.all(np.isfinite(arr)):
                 raise ConfigError(f"tensor {name!r} holds NaN or Inf values")
-            self.weights[name] = np.array(arr, dtype=MODEL_DTYPE, order="C", copy=True)
-        # w_{t-1}: equal to w_0 at the start, so the first update has no momentum term.
-        self.previous = {n: w.copy() for n, w in self.weights.items()}
+            arrays[name] = arr
         self.momentum = float(momentum)
         self.tau_max = tau_max
         self.allow_nonfinite = allow_nonfinite
         self.version = version
         self.specs = tuple(
-            TensorSpec(n, MODEL_DTYPE.newbyteorder("<"), w.shape) for n, w in self.weights.items()
+            TensorSpec(n, MODEL_DTYPE.newbyteorder("<"), a.shape) for n, a in arrays.items()
         )
-        self.nbytes = layout(self.specs)[1]
-        # Where a staged update writes the next weights; rotated in when it
-        # completes, so w and w_prev are never half-updated.
-        self.spare = {n: np.empty_like(w) for n, w in self.weights.items()}
+        offsets, self.nbytes = layout(self.specs)
+        # The weights, the previous weights (w_{t-1}) and the spare buffer a
+        # step writes the next weights into (rotated in when complete, so w
+        # and w_prev are never half-updated) each live in one flat buffer laid
+        # out as a frame's data block, the tensors being views into it: a push
+        # whose frame has this layout is applied with one kernel call over its
+        # data, not one per tensor (`_apply_flat`). The padding stays zero.
+        self._starts = np.array([off // 4 for off in offsets], np.intp)
+        self._counts = np.array([sp.nbytes // 4 for sp in self.specs], np.intp)
+        self._flat_w, self._flat_prev, self._flat_spare = (
+            np.zeros(self.nbytes // 4, MODEL_DTYPE) for _ in range(3))
+        self.weights = self._views(self._flat_w)
+        self.previous = self._views(self._flat_prev)
+        self.spare = self._views(self._flat_spare)
+        for name, arr in arrays.items():
+            self.weights[name][...] = arr
+        # w_{t-1}: equal to w_0 at the start, so the first update has no momentum term.
+        self._flat_prev[...] = self._flat_w
+        # The tensor list of the frames found to have this layout (the codec
+        # hands out one tuple per distinct list), so the check is done once.
+        self._flat_specs: tuple[TensorSpec, ...] | None = None
         self.staged: StagedApply | None = None
         # After a failover, workers hold base versions of the lost server,
         # which may be ahead of this one's: accepted, with delay 0.
@@ -125,6 +140,11 @@ class ParameterStore:
         # A sharded server's part of the model (its tensors are the pieces);
         # None for a server that keeps the whole model.
         self.shard: ShardInfo | None = None
+
+    def _views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        return {sp.name: flat[a:a + n].reshape(sp.shape)
+                for sp, a, n in zip(self.specs, self._starts.tolist(), self._counts.tolist(),
+                                    strict=True)}
 
     def check_layout(self, specs: Iterable[tuple[str, np.dtype, tuple[int, ...]]]) -> None:
         """Raise InvalidUpdate unless (name, dtype, shape) triples match the model."""
@@ -383,14 +403,55 @@ class ParameterStore:
 
     def _rotate(self) -> None:
         """The spare buffers hold the next weights: w_prev <- w, w <- spare
-        (spare <- the old w_prev, reused next time)."""
-        for name in self.weights:
-            w, spare = self.weights[name], self.spare[name]
-            if self.momentum:
-                self.weights[name], self.previous[name], self.spare[name] = (
-                    spare, w, self.previous[name])
-            else:
-                self.weights[name], self.spare[name] = spare, w
+        (spare <- the old w_prev, reused next time). Whole buffers and their
+        views move together: no copy, and no loop over the tensors."""
+        if self.momentum:
+            self._flat_w, self._flat_prev, self._flat_spare = (
+                self._flat_spare, self._flat_w, self._flat_prev)
+            self.weights, self.previous, self.spare = self.spare, self.weights, self.previous
+        else:
+            self._flat_w, self._flat_spare = self._flat_spare, self._flat_w
+            self.weights, self.spare = self.spare, self.weights
+
+    def flat_layout(self, specs: tuple[TensorSpec, ...]) -> bool:
+        """Whether a frame listing `specs` lays its data out exactly as this
+        store's buffers (the same tensors in the same order)."""
+        if specs is self._flat_specs:
+            return True
+        if specs != self.specs:
+            return False
+        self._flat_specs = specs
+        return True
+
+    def _apply_flat(self, base_version: int, data: np.ndarray, uid: str | None
+                    ) -> PushOutcome:
+        """apply() of an update given as a frame's data block in this store's
+        layout (`flat_layout`): the same checks, outcome and arithmetic, bit
+        for bit, in one kernel call each instead of one per tensor."""
+        self.check_base_version(base_version)
+        norm, bad = kernels.segments_l2_norm(data, self._starts, self._counts)
+        if bad >= 0:
+            raise InvalidUpdate(_nonfinite_message(self.specs[bad].name), reason="nonfinite")
+        if uid is not None and uid in self._applied_uids:
+            raise InvalidUpdate(f"update {uid!r} was applied already (version "
+                                f"{self._applied_uids[uid].version})", reason="duplicate")
+        delay = max(0, self.version - base_version)
+        reason = self.stale_reason(delay)
+        if reason is not None:
+            return PushOutcome(False, self.version, delay, reason, base_version)
+        if self.staged is not None:
+            self.staged.valid = False  # as _step: its partial results are in spare
+        gamma = self.momentum
+        bad = kernels.segments_momentum_into(
+            self._flat_spare, self._flat_w, self._flat_prev if gamma else None, data, gamma,
+            self._starts, self._counts)
+        if bad >= 0:
+            raise InvalidUpdate(_overflow_message(self.specs[bad].name), reason="overflow")
+        self._rotate()
+        self._advance(1, norm)
+        outcome = PushOutcome(True, self.version, delay, base_version=base_version)
+        self.remember(uid, outcome)
+        return outcome
 
     # -- a received push: the store decides how it is applied ------------------
 
@@ -405,10 +466,10 @@ class ParameterStore:
             return None
         if push.members is not None:
             members = [(uid, base) for uid, base, _ in push.members]
-            return self.begin_staged(push.base_version, specs, layout(specs)[0], members)
+            return self.begin_staged(push.base_version, specs, None, members)
         if push.uid is not None and self.applied_before(push.uid) is not None:
             return None
-        return self.begin_staged(push.base_version, specs, layout(specs)[0], uid=push.uid)
+        return self.begin_staged(push.base_version, specs, None, uid=push.uid)
 
     def apply_push(self, push: Push, staged: StagedApply | None, data: memoryview | None
                    ) -> tuple[PushOutcome, bool]:
@@ -423,6 +484,10 @@ class ParameterStore:
             return before, True
         outcome = staged.finish(data) if staged is not None and data is not None else None
         if outcome is None:
+            tensors = push.tensors
+            if (isinstance(tensors, FrameTensors) and not self.allow_nonfinite
+                    and self.flat_layout(tensors.specs)):
+                return self._apply_flat(push.base_version, tensors.flat(), push.uid), False
             return self.apply(push.base_version, push.tensors, push.uid), False
         self.remember(push.uid, outcome)
         return outcome, False
@@ -443,7 +508,7 @@ class ParameterStore:
         return self.apply_aggregate(members, push.tensors)
 
     def begin_staged(
-        self, base_version: int, specs: Sequence[TensorSpec], offsets: Sequence[int],
+        self, base_version: int, specs: Sequence[TensorSpec], offsets: Sequence[int] | None,
         members: Sequence[tuple[str, int]] | None = None, uid: str | None = None,
     ) -> StagedApply | None:
         """Start applying an update whose bytes are still arriving, or None
@@ -453,7 +518,9 @@ class ParameterStore:
 
         `members` ((uid, base_version) each) makes it an aggregate, judged as
         apply_aggregate() judges one: `base_version` is then ignored. `uid`
-        names a single update (one applied already is not staged)."""
+        names a single update (one applied already is not staged). `offsets`:
+        where each tensor starts in the data block (None: computed from
+        `specs`, when needed at all)."""
         if self.staged is not None or (uid is not None and uid in self._applied_uids):
             return None
         if members is not None:
@@ -462,7 +529,8 @@ class ParameterStore:
                 return None
             base_version = max(base for _, base in members)
         try:
-            self.check_layout((sp.name, sp.dtype, sp.shape) for sp in specs)
+            if not (isinstance(specs, tuple) and self.flat_layout(specs)):
+                self.check_layout((sp.name, sp.dtype, sp.shape) for sp in specs)
             self.check_base_version(base_version)
             if members is not None:
                 self._check_members_new(members)
@@ -551,7 +619,7 @@ class StagedApply:
         store: ParameterStore,
         base_version: int,
         specs: Sequence[TensorSpec],
-        offsets: Sequence[int],
+        offsets: Sequence[int] | None,
         members: Sequence[tuple[str, int]] | None = None,
     ) -> None:
         self.store = store
@@ -562,11 +630,22 @@ class StagedApply:
         self.version = store.version
         # The version once committed (an aggregate of k advances it by k).
         self.next_version = store.version + (1 if members is None else len(members))
-        self._plan = [_Piece(sp.name, off, sp.nbytes // 4)
-                      for sp, off in zip(specs, offsets, strict=True)]
         self.valid = True
         self.fed = 0  # bytes of the data block seen by feed()
         self.committed = False
+        # An update laid out as the store's buffers is fed in one kernel call
+        # over them (segments_stage), with its progress in two arrays;
+        # otherwise tensor by tensor.
+        self._flat = isinstance(specs, tuple) and store.flat_layout(specs)
+        self._plan: list[_Piece] = []
+        if self._flat:
+            self._done = np.zeros(len(specs), np.intp)
+            self._flat_squares = np.zeros(len(specs), np.float64)
+        else:
+            if offsets is None:
+                offsets = layout(specs)[0]
+            self._plan = [_Piece(sp.name, off, sp.nbytes // 4)
+                          for sp, off in zip(specs, offsets, strict=True)]
         # Per tensor, the sum of squares of the update's elements fed so far.
         self._squares = [0.0] * len(self._plan)
 
@@ -579,6 +658,14 @@ class StagedApply:
         self.fed = received
         gamma = store.momentum
         check = not store.allow_nonfinite
+        if self._flat:
+            u = np.frombuffer(data, np.float32, count=len(data) // 4)
+            if kernels.segments_stage(
+                    store._flat_spare, store._flat_w, store._flat_prev if gamma else None, u,
+                    gamma, store._starts, store._counts, self._done, self._flat_squares,
+                    received // 4, check) >= 0:
+                self.valid = False  # NaN/Inf, or an overflow: see the loop below
+            return
         for k, piece in enumerate(self._plan):
             name, done = piece.name, piece.done
             avail = min(piece.count, max(0, (received - piece.offset) // 4))
@@ -607,6 +694,9 @@ class StagedApply:
     def computed(self) -> dict[str, int]:
         """Per tensor, how many leading elements of the next weights are in
         the store's spare buffers (final if the staging commits)."""
+        if self._flat:
+            return dict(zip((sp.name for sp in self.store.specs), self._done.tolist(),
+                            strict=True))
         return {p.name: p.done for p in self._plan}
 
     def cancel(self) -> None:
@@ -642,11 +732,12 @@ class StagedApply:
         # Summed per tensor first, as _update_norm sums its tensors' norms:
         # equal to the whole update's norm to rounding (the chunks' partial
         # sums add up in another order).
-        return math.sqrt(sum(self._squares))
+        return math.sqrt(sum(self._flat_squares.tolist() if self._flat else self._squares))
 
     def _commit(self, data: memoryview) -> bool:
         store = self.store
-        total = max((p.offset + p.count * 4 for p in self._plan), default=0)
+        total = (store.nbytes if self._flat else
+                 max((p.offset + p.count * 4 for p in self._plan), default=0))
         self.feed(data, total)
         if store.staged is self:
             store.staged = None

@@ -16,6 +16,7 @@ import signal
 from typing import Any
 
 from ..errors import ConfigError, ProtocolError
+from ..runtime.loop import write_parts
 from ..wire import auth
 from ..wire.handshake import ServerHandshake
 from ..wire.protocol import (
@@ -30,9 +31,6 @@ from ..wire.roles import unexpected
 
 # Before a peer has authenticated, it may not make us allocate more than this.
 UNAUTHENTICATED_MAX_FRAME = 1 << 16
-# Frames up to this size are joined into one write (one syscall); larger ones
-# are written buffer by buffer so tensors are not copied.
-JOIN_LIMIT = 1 << 16
 
 
 def add_listener_arguments(p: argparse.ArgumentParser, peers: str) -> None:
@@ -261,14 +259,8 @@ class EndpointProtocol(asyncio.BufferedProtocol):
     def send(self, event: Any) -> None:
         if self.transport is None:
             return
-        parts = self.conn.send(event)
-        size = sum(len(p) for p in parts)
+        size = write_parts(self.transport, self.conn.send(event))
         self.endpoint.metrics.sent_bytes.inc(size)
-        if size <= JOIN_LIMIT:
-            self.transport.write(b"".join(parts))
-        else:
-            for part in parts:
-                self.transport.write(part)
 
     def refuse(self, code: str, message: str) -> None:
         """Answer with a connection-wide error and close."""
