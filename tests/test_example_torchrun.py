@@ -136,6 +136,35 @@ def test_torchrun_example_with_a_server_from_a_config_file(tmp_path):
         assert f":rank{rank} (" in log, log
 
 
+@pytest.mark.slow
+def test_torchrun_example_through_two_shards_named_by_the_environment(tmp_path):
+    init = tmp_path / "init.npz"
+    proc = run([sys.executable, str(EXAMPLE), "--write-init", str(init)], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    token = tmp_path / "job.token"
+    token.write_text(auth.generate_token())
+    token.chmod(0o600)
+    shards = [Server(tmp_path, "--job", "digits-shards", "--token-file", str(token), "--init",
+                     str(init), "--momentum", "0.3", "--tau-max", "8", "--shard", f"{i}/2")
+              for i in range(2)]
+    try:
+        out = tmp_path / "summary.json"
+        proc = run(torchrun("--json", str(out)), tmp_path,
+                   clean_env(MLFABRIC_SERVER=",".join(s.address for s in shards),
+                             MLFABRIC_JOB="digits-shards", MLFABRIC_TOKEN_FILE=str(token)))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        summary = json.loads(out.read_text())
+        assert summary["ranks"] == 4 and summary["accuracy"] >= STATED_ACCURACY, summary
+        assert summary["applied"] + summary["dropped"] == 4 * 350
+        # An update counts as applied when both shards applied their parts.
+        versions = summary["version"]
+        assert len(versions) == 2 and all(summary["applied"] <= v <= 4 * 350 for v in versions)
+        assert "Traceback" not in proc.stderr
+    finally:
+        for s in shards:
+            s.stop()
+
+
 @pytest.mark.parametrize(
     ("args", "files", "message"),
     [
