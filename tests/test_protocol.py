@@ -610,3 +610,33 @@ def test_an_update_of_many_small_tensors_goes_out_laid_out_in_one_buffer():
     big = tuple(TensorSpec(f"b{i:02d}", F4, (1 << 15,)) for i in range(20))
     big_update = {s.name: np.zeros(s.shape, np.float32) for s in big}
     assert laid_out(big_update, big, layout(big)) is big_update
+
+
+def test_an_update_is_checked_and_gathered_in_one_pass_or_checked_the_slow_way():
+    """gathered_update: the same block as check_update + laid_out for a good
+    update; None for anything else, so that check_update names the mistake."""
+    from mlfabric.client.core import check_update, gathered_update, laid_out
+    from mlfabric.errors import InvalidUpdate
+
+    specs = tuple(TensorSpec(f"t{i:02d}", F4, (2, 3 + i % 4)) for i in range(20))
+    block = layout(specs)
+    rng = np.random.default_rng(1)
+    update = {s.name: rng.standard_normal(s.shape).astype(np.float32) for s in specs}
+    fast = gathered_update(update, specs, block)
+    slow = laid_out(check_update(update, specs), specs, block)
+    assert fast is not None and bytes(fast.data) == bytes(slow.data)
+    bad_dtype = dict(update, t03=update["t03"].astype(np.float64))
+    wrong_shape = dict(update, t04=np.zeros((3, 2), np.float32))
+    strided = dict(update, t05=np.zeros((2, 20), np.float32)[:, ::4][:, :4].copy(order="F"))
+    missing = {k: v for k, v in update.items() if k != "t06"}
+    reordered = dict(reversed(list(update.items())))
+    for bad in (bad_dtype, wrong_shape, missing, reordered, strided):
+        assert gathered_update(bad, specs, block) is None
+    with pytest.raises(InvalidUpdate, match="tensor 't03' is float64"):
+        check_update(bad_dtype, specs)
+    with pytest.raises(InvalidUpdate, match=r"tensor 't04' has shape \(3, 2\)"):
+        check_update(wrong_shape, specs)
+    with pytest.raises(InvalidUpdate, match="update lacks tensor 't06'"):
+        check_update(missing, specs)
+    # A torch tensor or any other mapping: the slow way too.
+    assert gathered_update(list(update.items()), specs, block) is None

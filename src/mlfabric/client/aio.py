@@ -25,6 +25,7 @@ from ..runtime.metrics import ClientMetrics
 from ..wire.handshake import ClientHandshake
 from ..wire.protocol import (
     Failover,
+    FrameTensors,
     Pull,
     PullCancel,
     Push,
@@ -43,6 +44,7 @@ from .core import (
     check_push_timeout,
     check_update,
     default_client_name,
+    gathered_update,
     laid_out,
     parse_address,
     resolve_token,
@@ -272,7 +274,13 @@ class AsyncClient:
         for the replica). `await client.flushed()` says when the bytes have
         left, for a caller that wants its arrays back sooner."""
         base = check_base_version(base_version)
-        return self.submit(check_update(update, self.specs), base)
+        return self.submit(self.prepare(update), base)
+
+    def prepare(self, update: Mapping[str, Any]) -> Mapping[str, np.ndarray]:
+        """`update` checked against the model: its arrays, or, for many small
+        tensors, a copy laid out as one frame block (`core.gathered_update`)."""
+        gathered = gathered_update(update, self.specs, self._block)
+        return gathered if gathered is not None else check_update(update, self.specs)
 
     @staticmethod
     def check_base(base_version: Any) -> int:
@@ -293,16 +301,16 @@ class AsyncClient:
             return proto.error or ConnectionLost(f"the client for {self.address} is closed")
         return None
 
-    def submit(self, arrays: dict[str, np.ndarray], base: int) -> AsyncPushFuture:
+    def submit(self, arrays: Mapping[str, np.ndarray], base: int) -> AsyncPushFuture:
         """push() of an update it has already checked (`check_update`): the
         blocking client checks in the caller's thread, then submits here."""
         if self._feeds is not None:
             return self._push_replicated({n: a.copy() for n, a in arrays.items()}, base)
         if self._controlled is not None:
-            return self._controlled.push(arrays, base, layout(self.specs)[1])
+            return self._controlled.push(arrays, base, self._block[1])
         return self.send_push(arrays, base)
 
-    def _push_replicated(self, arrays: dict[str, np.ndarray], base: int
+    def _push_replicated(self, arrays: Mapping[str, np.ndarray], base: int
                          ) -> AsyncPushFuture:
         """To the server, then, numbered with the version it produced,
         straight to the replica; resolved once the replica has it."""
@@ -310,7 +318,7 @@ class AsyncClient:
         self._push_to_server(arrays, base, done, via_controller=True)
         return done
 
-    def _push_to_server(self, arrays: dict[str, np.ndarray], base: int,
+    def _push_to_server(self, arrays: Mapping[str, np.ndarray], base: int,
                         done: asyncio.Future[PushOutcome], via_controller: bool) -> None:
         """An update the server never answered is parked for the failover,
         then re-sent straight to the promoted replica, without asking the
@@ -329,7 +337,7 @@ class AsyncClient:
             return
         try:
             if via_controller and self._controlled is not None:
-                at_server = self._controlled.push(arrays, base, layout(self.specs)[1])
+                at_server = self._controlled.push(arrays, base, self._block[1])
             else:
                 at_server = self.send_push(arrays, base)
         except MlfabricError as exc:
@@ -426,7 +434,7 @@ class AsyncClient:
         log.warning("replica at %s joined from version %d; %d kept updates sent to it",
                     address, version, len(kept))
 
-    def send_push(self, arrays: dict[str, np.ndarray], base: int, seq: int | None = None,
+    def send_push(self, arrays: Mapping[str, np.ndarray], base: int, seq: int | None = None,
                   **fields: Any) -> AsyncPushFuture:
         """Send a push frame as given, without push()'s checks (`PushLink`).
         `fields`: a push's uid and aggregation fields (protocol.Push)."""
@@ -437,7 +445,8 @@ class AsyncClient:
         self._proto.send(event)
         fut.add_done_callback(self._note_version)
         if self._reporter is not None:
-            nbytes = sum(a.nbytes for a in arrays.values())
+            nbytes = (len(tensors.data) if isinstance(tensors, FrameTensors)
+                      else sum(a.nbytes for a in arrays.values()))
             fut.add_done_callback(functools.partial(self._report, nbytes, time.monotonic()))
         return fut
 

@@ -27,8 +27,9 @@ import numpy as np
 from ..errors import ConnectionLost
 from ..runtime.loop_thread import LoopThread
 from ..runtime.metrics import ClientMetrics
+from ..wire.protocol import FrameTensors
 from . import aio, sharded
-from .core import DEFAULT_PUSH_TIMEOUT, Version, check_update
+from .core import DEFAULT_PUSH_TIMEOUT, Version
 from .futures import PushFuture
 from .outcome import PushOutcome
 
@@ -192,13 +193,17 @@ class Client:
         """
         self._check_open()
         base = self._engine.check_base(base_version)
-        arrays = check_update(update, self.specs)  # errors in the caller's thread
+        arrays = self._engine.prepare(update)  # errors in the caller's thread
         refusal = self._engine.refusal()
         if refusal is not None:
             raise refusal
         result = PushFuture()
         result.add_done_callback(self._cancelled)
-        if sum(a.nbytes for a in arrays.values()) <= SMALL_PUSH:
+        if isinstance(arrays, FrameTensors):
+            # Many small tensors, already copied into one block: nothing of
+            # the caller's is sent, so nothing to wait for.
+            self._runner.call_soon(self._submit, arrays, base, result)
+        elif sum(a.nbytes for a in arrays.values()) <= SMALL_PUSH:
             # A copy costs less than waiting for the loop to send it: hand it
             # over and return.
             copies = {n: a.copy() for n, a in arrays.items()}
@@ -207,7 +212,7 @@ class Client:
             self._runner.run(self._submit_and_flush(arrays, base, result))
         return result
 
-    def _submit(self, arrays: dict[str, np.ndarray], base: Any, result: PushFuture) -> None:
+    def _submit(self, arrays: Mapping[str, np.ndarray], base: Any, result: PushFuture) -> None:
         """On the loop: push, and settle `result` as the push ends."""
         try:
             pushed = self._engine.submit(arrays, base)
@@ -217,7 +222,7 @@ class Client:
         result.attach(pushed)
         pushed.add_done_callback(lambda f: _settle(result, f))
 
-    async def _submit_and_flush(self, arrays: dict[str, np.ndarray], base: Any,
+    async def _submit_and_flush(self, arrays: Mapping[str, np.ndarray], base: Any,
                                 result: PushFuture) -> None:
         self._submit(arrays, base, result)
         # The bytes of a frame not yet handed to the OS still point into the

@@ -157,7 +157,36 @@ GATHER_MIN_TENSORS = 16
 GATHER_MEAN_BYTES = 1 << 16
 
 
-def laid_out(arrays: dict[str, np.ndarray], specs: tuple[TensorSpec, ...],
+def _pays(specs: tuple[TensorSpec, ...], total: int) -> bool:
+    n = len(specs)
+    return n >= GATHER_MIN_TENSORS and total <= n * GATHER_MEAN_BYTES
+
+
+_GATHER_CACHE: dict[int, tuple[tuple[TensorSpec, ...], list[str], list[tuple[int, ...]]]] = {}
+
+
+def gathered_update(update: Any, specs: tuple[TensorSpec, ...],
+                    block: tuple[list[int], int]) -> FrameTensors | None:
+    """`update` checked and copied into one laid-out block in a single pass in
+    C, when that pays (see laid_out) and it is a dict of C-contiguous float32
+    arrays naming the model's tensors in order; else None (check_update then
+    checks it, and names what is wrong)."""
+    offsets, total = block
+    if not _pays(specs, total) or type(update) is not dict:
+        return None
+    hit = _GATHER_CACHE.get(id(specs))
+    if hit is None or hit[0] is not specs:
+        if len(_GATHER_CACHE) >= 64:
+            _GATHER_CACHE.clear()
+        hit = _GATHER_CACHE[id(specs)] = (specs, [s.name for s in specs],
+                                          [s.shape for s in specs])
+    data = np.zeros(total, np.uint8)
+    if not kernels.check_gather(update, hit[1], hit[2], offsets, data):
+        return None
+    return FrameTensors(specs, offsets, data)
+
+
+def laid_out(arrays: Mapping[str, np.ndarray], specs: tuple[TensorSpec, ...],
              block: tuple[list[int], int]) -> Mapping[str, np.ndarray]:
     """`arrays` (checked against `specs`, whose frame layout is `block`:
     offsets and size) as one laid-out data block when that pays, else as
@@ -165,8 +194,7 @@ def laid_out(arrays: dict[str, np.ndarray], specs: tuple[TensorSpec, ...],
     gathered: a server whose store has that layout then applies the block as
     it is, too."""
     offsets, total = block
-    n = len(specs)
-    if n < GATHER_MIN_TENSORS or total > n * GATHER_MEAN_BYTES or len(arrays) != n:
+    if isinstance(arrays, FrameTensors) or not _pays(specs, total) or len(arrays) != len(specs):
         return arrays
     if list(arrays) != [sp.name for sp in specs]:
         return arrays

@@ -124,7 +124,11 @@ class ShardedClient:
         As with AsyncClient.push(), the arrays are sent without a copy: do not
         modify them until the future is done."""
         base = self.check_base(base_version)
-        return self.submit(check_update(update, self.specs), base)
+        return self.submit(self.prepare(update), base)
+
+    def prepare(self, update: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """`update` checked against the whole model (cut into parts at submit)."""
+        return check_update(update, self.specs)
 
     def refusal(self) -> BaseException | None:
         for c in self.shards:
@@ -133,7 +137,7 @@ class ShardedClient:
                 return error
         return None
 
-    def submit(self, arrays: dict[str, np.ndarray], base: tuple[int, ...]
+    def submit(self, arrays: Mapping[str, np.ndarray], base: tuple[int, ...]
                ) -> ShardedPushFuture:
         """push() of a checked update (`check_update` against `specs`)."""
         cut = self.partition.split(arrays)

@@ -6,6 +6,7 @@ expression in its docstring (see `_core.pxd`)."""
 from ._core import (
     NOGIL_MIN_ELEMENTS,
     all_finite,
+    check_gather,
     gather,
     l2_norm,
     l2_norm_diff,
@@ -21,6 +22,7 @@ from ._core import (
 __all__ = [
     "NOGIL_MIN_ELEMENTS",
     "all_finite",
+    "check_gather",
     "gather",
     "l2_norm",
     "l2_norm_diff",

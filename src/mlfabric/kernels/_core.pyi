@@ -58,3 +58,7 @@ def segments_stage(out: _FloatArray, w: _FloatArray, prev: _FloatArray | None, u
 
 def gather(out: NDArray[np.uint8], arrays: Iterable[Any], offsets: Iterable[int]) -> None:
     """Copy each C-contiguous array's bytes into out at its offset."""
+
+def check_gather(update: Any, names: list[str], shapes: list[tuple[int, ...]],
+                 offsets: list[int], out: NDArray[np.uint8]) -> bool:
+    """Check a dict of float32 arrays against names/shapes and gather it into out."""

@@ -57,6 +57,7 @@ interval (5 ms) when another thread is running Python code.
 
 from cpython.buffer cimport (
     PyBUF_C_CONTIGUOUS,
+    PyBUF_FORMAT,
     PyBUF_WRITABLE,
     PyBuffer_Release,
     PyObject_GetBuffer,
@@ -960,3 +961,59 @@ def gather(out, arrays, offsets):
             memcpy(base + off, view.buf, view.len)
         finally:
             PyBuffer_Release(&view)
+
+
+def check_gather(update, list names, list shapes, list offsets, out):
+    """If `update` is a dict naming exactly `names`, in that order, each a
+    C-contiguous float32 numpy array of the shape in `shapes`: copy each into
+    `out` (uint8, zeroed) at its offset and return True. Otherwise False,
+    with nothing promised about `out`: the caller checks the update the slow
+    way, which says what is wrong. (The whole check of an update of 1,000
+    small tensors, in C: a few microseconds instead of a third of a
+    millisecond.)"""
+    if type(update) is not dict or not isinstance(out, np.ndarray) or out.dtype != np.uint8 \
+            or not out.flags.c_contiguous or not out.flags.writeable:
+        return False
+    cdef dict d = <dict>update
+    cdef Py_ssize_t n = len(names), k = 0, i, off, size = out.size
+    if len(d) != n or len(shapes) != n or len(offsets) != n:
+        return False
+    cdef _Buffers dst = _acquire([out], [True])
+    cdef char* base = <char*>dst.ptr(0)
+    cdef Py_buffer view
+    cdef tuple shape
+    cdef bint ok
+    cdef const char* fmt
+    for key, value in d.items():
+        name = names[k]
+        if key is not name and key != name:
+            return False
+        if type(value) is not np.ndarray:
+            return False
+        try:
+            PyObject_GetBuffer(value, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+        except (BufferError, ValueError):  # not C-contiguous
+            return False
+        try:
+            shape = <tuple>shapes[k]
+            fmt = view.format
+            ok = (view.itemsize == 4 and fmt != NULL
+                  and (fmt[0] == c'f' or ((fmt[0] == c'<' or fmt[0] == c'=' or fmt[0] == c'@')
+                                          and fmt[1] == c'f'))
+                  and view.ndim == len(shape))
+            if ok:
+                for i in range(view.ndim):
+                    if view.shape[i] != shape[i]:
+                        ok = False
+                        break
+            off = offsets[k]
+            if ok and (off < 0 or off > size - view.len):
+                ok = False
+            if ok:
+                memcpy(base + off, view.buf, view.len)
+        finally:
+            PyBuffer_Release(&view)
+        if not ok:
+            return False
+        k += 1
+    return True
