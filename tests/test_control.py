@@ -263,8 +263,8 @@ def test_the_shard_planned_first_rotates():
     for _ in range(3):
         state.decide(now=0.0)
     assert order == [0, 1, 2, 1, 2, 0, 2, 0, 1]
-    assert state.status()["shards"] == [{"shard": 0, "version": 0}, {"shard": 1, "version": 0},
-                                        {"shard": 2, "version": 0}]
+    assert state.status()["shards"] == [{"shard": k, "host": "s", "version": 0}
+                                        for k in range(3)]
 
 
 def test_a_job_of_one_server_is_planned_as_before():

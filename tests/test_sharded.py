@@ -341,7 +341,8 @@ def test_with_a_controller_each_part_is_a_transfer_to_its_shard():
             version, params = ps.pull(timeout=10)
         assert_model_equal(params, ref.w)
         status = controller.call(lambda: controller.server.state.status())
-        assert status["shards"] == [{"shard": i, "version": 3} for i in range(3)]
+        assert status["shards"] == [{"shard": i, "host": "127.0.0.1", "version": 3}
+                                    for i in range(3)]
         assert sum(w["applied"] for w in status["workers"]) == 9  # 3 pushes x 3 parts
 
 

@@ -69,8 +69,10 @@ def test_status_text_says_what_is_missing_and_shows_any_replica_fields():
 
 
 def test_status_text_lists_the_shards_of_a_sharded_job():
-    sharded = {**STATUS, "shards": [{"shard": 0, "version": 42}, {"shard": 1, "version": 41}]}
+    sharded = {**STATUS, "shards": [{"shard": 0, "host": "10.0.0.1", "version": 42},
+                                    {"shard": 1, "host": "10.0.0.2", "version": 41}]}
     lines = format_status(sharded, "ctl:7071").splitlines()
     i = lines.index("shards: 2, each with its own version:")
-    assert lines[i + 1:i + 4] == ["  shard  version", "  0      42", "  1      41"]
+    assert lines[i + 1:i + 4] == ["  shard  host      version", "  0      10.0.0.1  42",
+                                  "  1      10.0.0.2  41"]
     assert not any(line.startswith("shards") for line in format_status(STATUS, "c").splitlines())

@@ -129,6 +129,7 @@ class ControlState:
         # of (shard 0 only, equal to `version`, for a job of one server).
         self.shard_versions: dict[int, int] = {}
         self._first_shard = 0  # the shard planned first next time (rotates)
+        self.shard_hosts: dict[int, str] = {}  # shard -> its server's host, from the requests
         self.pending: dict[int, Transfer] = {}
         self.active: dict[int, Transfer] = {}
         self.workers: dict[Hashable, WorkerStats] = {}
@@ -164,6 +165,7 @@ class ControlState:
         # A worker computed on base_version, so the server has reached it.
         self.version = max(self.version, base_version)
         self.shard_versions[shard] = max(self.shard_versions.get(shard, 0), base_version)
+        self.shard_hosts[shard] = dst
         return t
 
     def done(self, owner: Hashable, req: int, *, version: int, applied: bool = True,
@@ -318,7 +320,8 @@ class ControlState:
                         *self.servers})
         return {
             "server_version": self.version,
-            "shards": [{"shard": k, "version": v} for k, v in sorted(self.shard_versions.items())]
+            "shards": [{"shard": k, "host": self.shard_hosts.get(k), "version": v}
+                       for k, v in sorted(self.shard_versions.items())]
             if len(self.shard_versions) > 1 else [],
             "tau_max": self.tau_max,
             "pending": len(self.pending),

@@ -113,8 +113,9 @@ def format_status(s: dict[str, Any], address: str) -> str:
     shards = s.get("shards") or []
     if shards:
         lines.append(f"shards: {len(shards)}, each with its own version:")
-        lines += _table(("shard", "version"),
-                        [(str(x["shard"]), _cell(x["version"])) for x in shards])
+        lines += _table(("shard", "host", "version"),
+                        [(str(x["shard"]), _cell(x.get("host")), _cell(x["version"]))
+                         for x in shards])
     replicas = s.get("replicas") or []
     if replicas:
         # Whatever a replica reports, one column per key, in the order first seen.
