@@ -385,3 +385,27 @@ def test_client_metrics_count_each_shards_bytes_parts_and_delays():
         assert sample(metrics.shard_model_bytes, shard=str(i)) == n
         assert sample(metrics.shard_parts, shard=str(i), result="applied") == 1
     assert sum(per_shard) == sum(a.nbytes for a in model.values())
+
+
+def test_an_update_of_many_small_tensors_is_cut_into_the_shards_blocks_bit_for_bit():
+    """Gathered into the whole model's block in C, then cut into each shard's
+    block (copy_ranges): the same model as the update sent tensor by tensor."""
+    sizes = {f"t{i:03d}": (50 + i % 7, 3) for i in range(120)}
+    sizes["big"] = (70000,)  # cut into pieces across the shards
+    model = make_model(sizes=sizes)
+    ref = Reference(model, 0.5)
+    with shard_servers(model, 3) as servers, \
+            mlfabric.connect(addresses(servers), job=JOB, token=TOKEN) as ps:
+        engine = ps._engine
+        version, params = ps.pull(timeout=10)
+        for step in range(3):
+            u = {n: np.random.default_rng(step).standard_normal(a.shape).astype(np.float32)
+                 for n, a in params.items()}  # the model's order: gathered
+            assert type(engine.prepare(u)).__name__ == "FrameTensors"
+            assert ps.push(u, base_version=version).result(10).applied
+            ref.apply(u)
+            version, params = ps.pull(timeout=10)
+        assert_model_equal(params, ref.w)
+        for i, server in enumerate(servers):
+            assert_model_equal(server.call(lambda s=server: dict(s.store.weights)),
+                               engine.partition.split(ref.w)[i])

@@ -173,7 +173,7 @@ class AsyncClient:
         self.session = welcome.session
         self.last_version = welcome.version
         self.welcome_shard = welcome.shard  # a sharded server's part (see client.sharded)
-        self._block = layout(self.specs)  # the frame layout of a whole update
+        self.block_layout = layout(self.specs)  # the frame layout of a whole update
         self._controlled: Any = None  # AsyncControlledPushes with a controller
         self._feeds: Any = None  # ReplicaFeeds with worker-driven replication
         self._failover: Any = None  # AsyncFailoverWait with a controller and a replica
@@ -279,7 +279,7 @@ class AsyncClient:
     def prepare(self, update: Mapping[str, Any]) -> Mapping[str, np.ndarray]:
         """`update` checked against the model: its arrays, or, for many small
         tensors, a copy laid out as one frame block (`core.gathered_update`)."""
-        gathered = gathered_update(update, self.specs, self._block)
+        gathered = gathered_update(update, self.specs, self.block_layout)
         return gathered if gathered is not None else check_update(update, self.specs)
 
     @staticmethod
@@ -307,7 +307,7 @@ class AsyncClient:
         if self._feeds is not None:
             return self._push_replicated({n: a.copy() for n, a in arrays.items()}, base)
         if self._controlled is not None:
-            return self._controlled.push(arrays, base, self._block[1])
+            return self._controlled.push(arrays, base, self.block_layout[1])
         return self.send_push(arrays, base)
 
     def _push_replicated(self, arrays: Mapping[str, np.ndarray], base: int
@@ -337,7 +337,7 @@ class AsyncClient:
             return
         try:
             if via_controller and self._controlled is not None:
-                at_server = self._controlled.push(arrays, base, self._block[1])
+                at_server = self._controlled.push(arrays, base, self.block_layout[1])
             else:
                 at_server = self.send_push(arrays, base)
         except MlfabricError as exc:
@@ -439,7 +439,7 @@ class AsyncClient:
         """Send a push frame as given, without push()'s checks (`PushLink`).
         `fields`: a push's uid and aggregation fields (protocol.Push)."""
         fut = AsyncPushFuture(loop=asyncio.get_running_loop())
-        tensors = laid_out(arrays, self.specs, self._block)
+        tensors = laid_out(arrays, self.specs, self.block_layout)
         _, event = self._new_request(
             "push", lambda req: Push(req, base, tensors, seq, **fields), base, fut)
         self._proto.send(event)

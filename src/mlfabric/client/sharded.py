@@ -22,18 +22,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .. import kernels
 from ..errors import ConfigError
 from ..runtime.metrics import ClientMetrics
 from ..sharding.partition import Partition
-from ..wire.protocol import TensorSpec
+from ..wire.protocol import FrameTensors, TensorSpec, layout
 from . import aio
-from .core import DEFAULT_PUSH_TIMEOUT, check_base_version, check_update
+from .core import DEFAULT_PUSH_TIMEOUT, check_base_version, check_update, gathered_update
 from .futures import AsyncPushFuture
 from .outcome import PushOutcome
 from .shards import check_shards, split_addresses
@@ -80,10 +81,21 @@ class ShardedClient:
         self._nbytes = part.bytes_per_shard()
         self.addresses = [c.address for c in shards]
         self.address = ",".join(self.addresses)
-        self.specs = tuple(TensorSpec(n, d, s) for n, d, s in part.specs)
+        self.specs: tuple[TensorSpec, ...] = tuple(TensorSpec(n, d, s) for n, d, s in part.specs)
         self.tau_max = shards[0].tau_max
         self.momentum = shards[0].momentum
         self.session = ",".join(c.session for c in shards)
+        # Where each shard's pieces lie in the whole model's frame block and in
+        # the shard's: an update gathered into the former is cut into the
+        # latter with one memcpy per piece, in C (see submit).
+        self._block = layout(self.specs)
+        where = {sp.name: off for sp, off in zip(self.specs, self._block[0], strict=True)}
+        itemsize = {sp.name: sp.dtype.itemsize for sp in self.specs}
+        self._cuts = []
+        for client, pieces in zip(shards, part.pieces, strict=True):
+            src = [where[p.tensor] + p.start * itemsize[p.tensor] for p in pieces]
+            self._cuts.append((np.array(client.block_layout[0], np.intp), np.array(src, np.intp),
+                               np.array([p.nbytes for p in pieces], np.intp)))
 
     @property
     def last_version(self) -> tuple[int, ...]:
@@ -126,9 +138,12 @@ class ShardedClient:
         base = self.check_base(base_version)
         return self.submit(self.prepare(update), base)
 
-    def prepare(self, update: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """`update` checked against the whole model (cut into parts at submit)."""
-        return check_update(update, self.specs)
+    def prepare(self, update: Mapping[str, Any]) -> Mapping[str, np.ndarray]:
+        """`update` checked against the whole model (cut into parts at submit):
+        for many small tensors, copied into the whole model's block in one
+        pass (`core.gathered_update`)."""
+        gathered = gathered_update(update, self.specs, self._block)
+        return gathered if gathered is not None else check_update(update, self.specs)
 
     def refusal(self) -> BaseException | None:
         for c in self.shards:
@@ -140,7 +155,16 @@ class ShardedClient:
     def submit(self, arrays: Mapping[str, np.ndarray], base: tuple[int, ...]
                ) -> ShardedPushFuture:
         """push() of a checked update (`check_update` against `specs`)."""
-        cut = self.partition.split(arrays)
+        cut: Sequence[Mapping[str, np.ndarray]]
+        if isinstance(arrays, FrameTensors) and arrays.specs is self.specs:
+            blocks = []
+            for client, (dst, src, lengths) in zip(self.shards, self._cuts, strict=True):
+                block = np.zeros(client.block_layout[1], np.uint8)
+                kernels.copy_ranges(block, dst, arrays.data, src, lengths)
+                blocks.append(FrameTensors(client.specs, client.block_layout[0], block))
+            cut = blocks
+        else:
+            cut = self.partition.split(arrays)
         parts = []
         try:
             for client, part, b in zip(self.shards, cut, base, strict=True):
@@ -260,11 +284,11 @@ async def connect(address: str, *, job: str, token: str | bytes | None = None,
         part = check_shards(addresses, [c.welcome_shard for c in clients],
                             [c.specs for c in clients])
         _check_same_settings(clients)
+        assert part is not None
+        return ShardedClient(clients, part, metrics)
     except BaseException:
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
         raise
-    assert part is not None
-    return ShardedClient(clients, part, metrics)
 
 
 def _check_same_settings(clients: list[aio.AsyncClient]) -> None:

@@ -1017,3 +1017,32 @@ def check_gather(update, list names, list shapes, list offsets, out):
             return False
         k += 1
     return True
+
+
+def copy_ranges(dst, dst_offsets, src, src_offsets, lengths):
+    """dst[dst_offsets[k]:+lengths[k]] = src[src_offsets[k]:+lengths[k]] for
+    every k, on uint8 arrays: a sharded client's update, gathered into the
+    whole model's block once, cut into each shard's block without a Python
+    object per piece."""
+    for name, arr, w in (("dst", dst, True), ("src", src, False)):
+        if not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 \
+                or not arr.flags.c_contiguous or (w and not arr.flags.writeable):
+            raise TypeError(f"copy_ranges: {name} must be a C-contiguous uint8 numpy array"
+                            f"{' (writable)' if w else ''}")
+    cdef const Py_ssize_t[::1] do = dst_offsets
+    cdef const Py_ssize_t[::1] so = src_offsets
+    cdef const Py_ssize_t[::1] ln = lengths
+    cdef Py_ssize_t m = ln.shape[0], k, nd = dst.size, ns = src.size
+    if do.shape[0] != m or so.shape[0] != m:
+        raise ValueError(f"copy_ranges: {do.shape[0]} and {so.shape[0]} offsets for {m} lengths")
+    for k in range(m):
+        if (ln[k] < 0 or do[k] < 0 or so[k] < 0 or do[k] > nd - ln[k]
+                or so[k] > ns - ln[k]):
+            raise ValueError(f"copy_ranges: range {k} ({ln[k]} bytes from {so[k]} to "
+                             f"{do[k]}) is outside the arrays ({ns} and {nd} bytes)")
+    cdef _Buffers b = _acquire([dst, src], [True, False])
+    cdef char* dp = <char*>b.ptr(0)
+    cdef const char* sp = <const char*>b.ptr(1)
+    with nogil:
+        for k in range(m):
+            memcpy(dp + do[k], sp + so[k], ln[k])
