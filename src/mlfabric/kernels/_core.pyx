@@ -816,6 +816,14 @@ cdef Py_ssize_t _segments_momentum(float* out, const float* w, const float* prev
     return -1
 
 
+def _momentum_arguments(out, w, prev, u):
+    """The arrays of a momentum kernel, their names and which are written
+    (prev None: no momentum term)."""
+    if prev is None:
+        return ["out", "w", "u"], [out, w, u], [True, False, False]
+    return ["out", "w", "prev", "u"], [out, w, prev, u], [True, False, False, False]
+
+
 def segments_momentum_into(out, w, prev, u, gamma, starts, counts):
     """momentum_into(out[seg], w[seg], prev[seg], u[seg], gamma) for every
     segment seg = [starts[k], starts[k] + counts[k]) of flat float32 arrays
@@ -823,12 +831,7 @@ def segments_momentum_into(out, w, prev, u, gamma, starts, counts):
     not touched. Bit-identical to the calls one by one. Returns -1 when every
     element written is finite, else the first segment k that is not (the
     segments after it are not computed)."""
-    if prev is None:
-        names, arrays = ["out", "w", "u"], [out, w, u]
-        writable = [True, False, False]
-    else:
-        names, arrays = ["out", "w", "prev", "u"], [out, w, prev, u]
-        writable = [True, False, False, False]
+    names, arrays, writable = _momentum_arguments(out, w, prev, u)
     cdef bint f32 = _check_arrays("segments_momentum_into", names, arrays, writable)
     if not f32:
         raise TypeError("segments_momentum_into: the arrays must be float32")
@@ -896,12 +899,7 @@ def segments_stage(out, w, prev, u, gamma, starts, counts, done, squares,
     squares[k] and moving done[k] on; segments not yet reached stop it. With
     `check`, returns the first segment whose stretch holds NaN/Inf or would
     overflow (the staging is then void), else -1."""
-    if prev is None:
-        names, arrays = ["out", "w", "u"], [out, w, u]
-        writable = [True, False, False]
-    else:
-        names, arrays = ["out", "w", "prev", "u"], [out, w, prev, u]
-        writable = [True, False, False, False]
+    names, arrays, writable = _momentum_arguments(out, w, prev, u)
     if not _check_arrays("segments_stage", names, arrays, writable):
         raise TypeError("segments_stage: the arrays must be float32")
     cdef double g = _scalar("segments_stage", "gamma", gamma)

@@ -223,17 +223,28 @@ class ParameterStore:
         """
         update = {n: np.asarray(u) for n, u in update.items()}
         norm = self.validate(base_version, update)
+        delay, stale = self._judge(base_version, uid)
+        if stale is not None:
+            return stale
+        self._step(update, norm)
+        return self._applied(delay, base_version, uid)
+
+    def _judge(self, base_version: int, uid: str | None) -> tuple[int, PushOutcome | None]:
+        """A valid update's delay, and its outcome if it is too stale to apply;
+        InvalidUpdate if its uid was applied already."""
         if uid is not None and uid in self._applied_uids:
             raise InvalidUpdate(f"update {uid!r} was applied already (version "
                                 f"{self._applied_uids[uid].version})", reason="duplicate")
         delay = max(0, self.version - base_version)
         reason = self.stale_reason(delay)
-        if reason is not None:
-            return PushOutcome(False, self.version, delay, reason, base_version)
-        self._step(update, norm)
-        outcome = PushOutcome(
-            applied=True, version=self.version, delay=delay, base_version=base_version
-        )
+        if reason is None:
+            return delay, None
+        return delay, PushOutcome(False, self.version, delay, reason, base_version)
+
+    def _applied(self, delay: int, base_version: int, uid: str | None) -> PushOutcome:
+        """The outcome of an update just applied, remembered by its uid."""
+        outcome = PushOutcome(applied=True, version=self.version, delay=delay,
+                              base_version=base_version)
         self.remember(uid, outcome)
         return outcome
 
@@ -432,13 +443,9 @@ class ParameterStore:
         norm, bad = kernels.segments_l2_norm(data, self._starts, self._counts)
         if bad >= 0:
             raise InvalidUpdate(_nonfinite_message(self.specs[bad].name), reason="nonfinite")
-        if uid is not None and uid in self._applied_uids:
-            raise InvalidUpdate(f"update {uid!r} was applied already (version "
-                                f"{self._applied_uids[uid].version})", reason="duplicate")
-        delay = max(0, self.version - base_version)
-        reason = self.stale_reason(delay)
-        if reason is not None:
-            return PushOutcome(False, self.version, delay, reason, base_version)
+        delay, stale = self._judge(base_version, uid)
+        if stale is not None:
+            return stale
         if self.staged is not None:
             self.staged.valid = False  # as _step: its partial results are in spare
         gamma = self.momentum
@@ -449,9 +456,7 @@ class ParameterStore:
             raise InvalidUpdate(_overflow_message(self.specs[bad].name), reason="overflow")
         self._rotate()
         self._advance(1, norm)
-        outcome = PushOutcome(True, self.version, delay, base_version=base_version)
-        self.remember(uid, outcome)
-        return outcome
+        return self._applied(delay, base_version, uid)
 
     # -- a received push: the store decides how it is applied ------------------
 
