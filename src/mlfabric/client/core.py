@@ -83,17 +83,28 @@ def error_from_event(event: Error, context: str = "") -> MlfabricError:
     return handshake_error(Error(code=event.code, message=message, req=event.req))
 
 
-_NAMES_CACHE: dict[int, tuple[tuple[TensorSpec, ...], dict[str, TensorSpec]]] = {}
+@dataclass(frozen=True)
+class _SpecsIndex:
+    """What checking an update against a tensor list needs, made once per
+    list object (a client's specs): {name: spec}, the names and the shapes."""
+
+    specs: tuple[TensorSpec, ...]
+    by_name: dict[str, TensorSpec]
+    names: list[str]
+    shapes: list[tuple[int, ...]]
 
 
-def _by_name(specs: tuple[TensorSpec, ...]) -> dict[str, TensorSpec]:
-    """{name: spec}, made once per tensor list object (a client's specs)."""
-    hit = _NAMES_CACHE.get(id(specs))
-    if hit is None or hit[0] is not specs:
-        if len(_NAMES_CACHE) >= 64:
-            _NAMES_CACHE.clear()
-        hit = _NAMES_CACHE[id(specs)] = (specs, {s.name: s for s in specs})
-    return hit[1]
+_SPECS_INDEX: dict[int, _SpecsIndex] = {}
+
+
+def _index(specs: tuple[TensorSpec, ...]) -> _SpecsIndex:
+    hit = _SPECS_INDEX.get(id(specs))
+    if hit is None or hit.specs is not specs:  # held, so its id is not reused meanwhile
+        if len(_SPECS_INDEX) >= 64:
+            _SPECS_INDEX.clear()
+        hit = _SPECS_INDEX[id(specs)] = _SpecsIndex(
+            specs, {s.name: s for s in specs}, [s.name for s in specs], [s.shape for s in specs])
+    return hit
 
 
 def check_update(
@@ -106,7 +117,7 @@ def check_update(
     """
     if not isinstance(update, Mapping):
         raise TypeError(f"push() takes a mapping of tensor name to array, got {type(update)}")
-    by_name = _by_name(specs)
+    by_name = _index(specs).by_name
     arrays: dict[str, np.ndarray] = {}
     for name, value in update.items():
         if name not in by_name:
@@ -162,9 +173,6 @@ def _pays(specs: tuple[TensorSpec, ...], total: int) -> bool:
     return n >= GATHER_MIN_TENSORS and total <= n * GATHER_MEAN_BYTES
 
 
-_GATHER_CACHE: dict[int, tuple[tuple[TensorSpec, ...], list[str], list[tuple[int, ...]]]] = {}
-
-
 def gathered_update(update: Any, specs: tuple[TensorSpec, ...],
                     block: tuple[list[int], int]) -> FrameTensors | None:
     """`update` checked and copied into one laid-out block in a single pass in
@@ -174,14 +182,9 @@ def gathered_update(update: Any, specs: tuple[TensorSpec, ...],
     offsets, total = block
     if not _pays(specs, total) or type(update) is not dict:
         return None
-    hit = _GATHER_CACHE.get(id(specs))
-    if hit is None or hit[0] is not specs:
-        if len(_GATHER_CACHE) >= 64:
-            _GATHER_CACHE.clear()
-        hit = _GATHER_CACHE[id(specs)] = (specs, [s.name for s in specs],
-                                          [s.shape for s in specs])
+    index = _index(specs)
     data = np.zeros(total, np.uint8)
-    if not kernels.check_gather(update, hit[1], hit[2], offsets, data):
+    if not kernels.check_gather(update, index.names, index.shapes, offsets, data):
         return None
     return FrameTensors(specs, offsets, data)
 
@@ -196,7 +199,7 @@ def laid_out(arrays: Mapping[str, np.ndarray], specs: tuple[TensorSpec, ...],
     offsets, total = block
     if isinstance(arrays, FrameTensors) or not _pays(specs, total) or len(arrays) != len(specs):
         return arrays
-    if list(arrays) != [sp.name for sp in specs]:
+    if list(arrays) != _index(specs).names:
         return arrays
     data = np.zeros(total, np.uint8)
     kernels.gather(data, list(arrays.values()), offsets)
