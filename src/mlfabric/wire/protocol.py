@@ -91,6 +91,7 @@ class MsgType(enum.IntEnum):
     MODEL_END = 23
     PULL_CANCEL = 24
     RESYNC = 25
+    TRANSFER_PROGRESS = 26
 
 
 class _NeedData:
@@ -306,6 +307,10 @@ class TransferRequest:
     base_version: int
     norm: float
     shard: int = 0  # which shard of a sharded job's servers (its own versions)
+    # Above 0: the controller may let the update go `chunk` bytes of its data
+    # block at a time (each grant a `Directive.upto`), so that a shorter
+    # transfer can pass it between chunks. 0: all at once.
+    chunk: int = 0
 
 
 @dataclass(frozen=True)
@@ -316,7 +321,10 @@ class Directive:
     `position` is its place in the planned order, `planned_seconds` the
     transfer time the plan expects (both for metrics and the decision log).
     A "go" with `via` sends the update to the aggregator at that address as
-    member `index` of group `group` (`fan_in` members), not to the server."""
+    member `index` of group `group` (`fan_in` members), not to the server.
+    A "go" with `upto` lets the first `upto` bytes of the update's data block
+    go (a chunked request): the client reports `TransferProgress` once they
+    have left, and waits for the next "go" for the rest."""
 
     req: int
     action: str
@@ -327,6 +335,16 @@ class Directive:
     group: int | None = None
     fan_in: int | None = None
     index: int | None = None
+    upto: int | None = None
+
+
+@dataclass(frozen=True)
+class TransferProgress:
+    """Client -> controller: the first `sent` bytes of a chunked transfer's
+    data have left (its grant so far is used up); the rest waits for a go."""
+
+    req: int
+    sent: int
 
 
 @dataclass(frozen=True)
@@ -470,7 +488,8 @@ class Status:
 
 
 Event = (Hello | Challenge | Auth | Welcome | Pull | PullCancel | Model | ModelEnd | Push
-         | PushResult | Error | TransferRequest | Directive | TransferDone | StatusRequest
+         | PushResult | Error | TransferRequest | Directive | TransferDone | TransferProgress
+         | StatusRequest
          | Status | ReplicaDone | Ping | Pong | Promote | Resync | Failover | StateRequest
          | ReplicaJoin | ReplicaAt)
 
@@ -837,7 +856,8 @@ def _decode_transfer_request(meta: Mapping[str, Any], tensors: dict[str, np.ndar
     return TransferRequest(req=_int(meta, "req"), host=_str(meta, "host", 256),
                            dst=_str(meta, "dst", 256), nbytes=_int(meta, "nbytes"),
                            base_version=_int(meta, "base_version"),
-                           norm=_float(meta, "norm"), shard=_shard_index(meta))
+                           norm=_float(meta, "norm"), shard=_shard_index(meta),
+                           chunk=_opt_int(meta, "chunk") or 0)
 
 
 def _shard_index(meta: Mapping[str, Any]) -> int:
@@ -860,7 +880,13 @@ def _decode_directive(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -
     return Directive(req=_int(meta, "req"), action=action, reason=_opt_str(meta, "reason"),
                      position=_opt_int(meta, "position"),
                      planned_seconds=_opt_float(meta, "planned_seconds"),
-                     via=None if via is None else _str(meta, "via", 256), **group)
+                     via=None if via is None else _str(meta, "via", 256),
+                     upto=_opt_int(meta, "upto"), **group)
+
+
+def _decode_transfer_progress(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]
+                              ) -> Event:
+    return TransferProgress(req=_int(meta, "req"), sent=_int(meta, "sent"))
 
 
 def _decode_status_request(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
@@ -1063,6 +1089,7 @@ CODECS: tuple[Codec, ...] = (
     Codec(MsgType.TRANSFER_REQUEST, TransferRequest, _decode_transfer_request),
     Codec(MsgType.DIRECTIVE, Directive, _decode_directive),
     Codec(MsgType.TRANSFER_DONE, TransferDone, _decode_transfer_done),
+    Codec(MsgType.TRANSFER_PROGRESS, TransferProgress, _decode_transfer_progress),
     Codec(MsgType.STATUS_REQUEST, StatusRequest, _decode_status_request),
     Codec(MsgType.STATUS, Status, _decode_status),
     Codec(MsgType.REPLICA_DONE, ReplicaDone, _decode_replica_done),

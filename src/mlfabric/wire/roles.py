@@ -19,13 +19,14 @@ from .protocol import (
     StateRequest,
     StatusRequest,
     TransferDone,
+    TransferProgress,
     TransferRequest,
 )
 
 SERVER: tuple[type, ...] = (Push, Pull, PullCancel, StateRequest, Ping)
 REPLICA: tuple[type, ...] = (*SERVER, Promote, Resync)
-CONTROLLER: tuple[type, ...] = (TransferRequest, TransferDone, ReplicaJoin, ReplicaDone,
-                                StatusRequest)
+CONTROLLER: tuple[type, ...] = (TransferRequest, TransferDone, TransferProgress, ReplicaJoin,
+                                ReplicaDone, StatusRequest)
 AGGREGATOR: tuple[type, ...] = (Push,)
 
 
