@@ -274,3 +274,169 @@ def test_a_job_of_one_server_is_planned_as_before():
     state.decide(now=0.0)
     assert seen[0].in_flight is None and seen[0].version == 4
     assert state.status()["shards"] == []
+
+
+# -- chunked transfers: a shorter transfer passes a long one between its chunks -------
+
+MiB = 1 << 20
+
+
+def _chunked_state(**kw):
+    from mlfabric.scheduling.policies import mlfabric_policy
+
+    return ControlState(mlfabric_policy, tau_max=None, network=Network(default=10 * MB), **kw)
+
+
+def test_a_shorter_transfer_passes_a_chunked_one_at_its_next_chunk():
+    state = _chunked_state()
+    big = state.request("w0", 1, host="a", dst="s", nbytes=8 * MiB, base_version=0, norm=1.0,
+                        now=0.0, chunk=MiB)
+    (go,) = state.decide(now=0.0).actions
+    assert (go.transfer, go.upto, go.first) == (big, MiB, True)
+    assert go.planned_seconds == pytest.approx(MiB / (10 * MB))
+    small = state.request("w1", 1, host="b", dst="s", nbytes=2 * MiB, base_version=0,
+                          norm=1.0, now=0.05)
+    d = state.decide(now=0.05)
+    # The server's downlink is the big transfer's until its chunk ends, not until all of it.
+    assert d.actions == () and d.wake_at == pytest.approx(MiB / (10 * MB))
+    assert state.progress("w0", 1, sent=MiB, now=0.105) is big
+    assert set(state.pending) == {big.id, small.id}
+    (go,) = state.decide(now=0.105).actions
+    assert go.transfer is small and go.upto is None  # shortest remaining first
+    assert state.done("w1", 1, version=1, now=0.32) is small
+    (go,) = state.decide(now=0.32).actions
+    assert (go.transfer, go.upto, go.first) == (big, 2 * MiB, False)
+    assert go.planned_seconds == pytest.approx(MiB / (10 * MB))
+    # Without chunks the short transfer would have waited for all 8 MiB.
+    whole = _chunked_state()
+    whole.request("w0", 1, host="a", dst="s", nbytes=8 * MiB, base_version=0, norm=1.0,
+                  now=0.0)
+    (go,) = whole.decide(now=0.0).actions
+    assert go.upto is None and go.planned_seconds == pytest.approx(8 * MiB / (10 * MB))
+    whole.request("w1", 1, host="b", dst="s", nbytes=2 * MiB, base_version=0, norm=1.0,
+                  now=0.05)
+    assert whole.decide(now=0.05).wake_at == pytest.approx(8 * MiB / (10 * MB))
+
+
+def test_a_chunked_transfer_goes_to_its_end_and_counts_once():
+    state = _chunked_state()
+    t = state.request("w", 1, host="a", dst="s", nbytes=2 * MiB + 10, base_version=0,
+                      norm=1.0, now=0.0, chunk=MiB)
+    uptos, now = [], 0.0
+    while True:
+        (go,) = state.decide(now=now).actions
+        uptos.append(go.upto)
+        now += 0.2
+        if go.upto == t.nbytes:
+            break
+        assert state.progress("w", 1, sent=go.upto, now=now) is t
+    assert uptos == [MiB, 2 * MiB, 2 * MiB + 10]
+    assert state.progress("w", 1, sent=t.nbytes, now=now) is None  # all of it let go
+    assert state.done("w", 1, version=1, now=now) is t
+    stats = next(iter(state.workers.values()))
+    assert (stats.requests, stats.sent, stats.applied) == (1, 1, 1)
+
+
+def test_a_chunked_transfer_part_sent_is_let_go_whole_instead_of_dropped():
+    """A drop cannot take back bytes on the wire: the rest goes, and the
+    server judges its staleness."""
+    drop_all = [False]
+
+    def policy(snap):
+        if drop_all[0]:
+            return [PlanItem(t.id, drop="deadline_missed") for t in snap.pending]
+        return [PlanItem(t.id, start=snap.now, position=0, planned_seconds=1.0)
+                for t in snap.pending]
+
+    state = ControlState(policy, tau_max=2, network=Network(default=10 * MB))
+    state.request("w", 1, host="a", dst="s", nbytes=4 * MiB, base_version=0, norm=1.0,
+                      now=0.0, chunk=MiB)
+    (go,) = state.decide(now=0.0).actions
+    assert go.upto == MiB and go.planned_seconds == pytest.approx(0.25)  # a quarter of it
+    state.progress("w", 1, sent=MiB, now=0.1)
+    drop_all[0] = True
+    (go,) = state.decide(now=0.1).actions
+    assert isinstance(go, Go) and (go.upto, go.first) == (4 * MiB, False)
+    assert go.planned_seconds == pytest.approx(3 * MiB / (10 * MB))
+    other = state.request("w", 2, host="a", dst="s", nbytes=4 * MiB, base_version=0,
+                          norm=1.0, now=0.2, chunk=MiB)
+    (drop,) = state.decide(now=0.2).actions
+    assert drop == Drop(other, "deadline_missed", "")  # nothing of it was sent: dropped
+
+
+def test_chunks_have_a_floor_and_a_transfer_of_one_chunk_goes_whole():
+    from mlfabric.controller.state import MIN_CHUNK
+
+    state = _chunked_state()
+    tiny = state.request("w", 1, host="a", dst="s", nbytes=4 * MIN_CHUNK, base_version=0,
+                         norm=1.0, now=0.0, chunk=1)
+    one = state.request("w", 2, host="b", dst="t", nbytes=MiB, base_version=0, norm=1.0,
+                        now=0.0, chunk=MiB)
+    assert (tiny.chunk, one.chunk) == (MIN_CHUNK, 0)
+    uptos = {a.transfer.id: a.upto for a in state.decide(now=0.0).actions}
+    assert uptos == {tiny.id: MIN_CHUNK, one.id: None}
+
+
+def test_a_worker_that_sends_the_rest_alone_holds_the_link_until_done():
+    state = _chunked_state()
+    t = state.request("w", 1, host="a", dst="s", nbytes=4 * MiB, base_version=0, norm=1.0,
+                      now=0.0, chunk=MiB)
+    state.decide(now=0.0)
+    state.progress("w", 1, sent=MiB, now=0.1)
+    assert t.id in state.pending
+    # Its controller link failed over, or its push failed: all the rest went at once.
+    assert state.progress("w", 1, sent=4 * MiB, now=0.2) is t
+    assert t.id in state.active and (t.granted, t.piece) == (4 * MiB, 3 * MiB)
+    assert t.planned_seconds == pytest.approx(3 * MiB / (10 * MB))
+    assert state.decide(now=0.2).actions == ()
+    # Reported done while waiting for a grant, it still counts as sent and applied.
+    u = state.request("w", 2, host="a", dst="s", nbytes=4 * MiB, base_version=0, norm=1.0,
+                      now=0.3, chunk=MiB)
+    assert state.done("w", 1, version=1, now=0.5) is t
+    state.decide(now=0.5)
+    state.progress("w", 2, sent=MiB, now=0.6)
+    assert state.done("w", 2, version=2, applied=False, now=0.7) is u
+    assert not state.pending and not state.active
+    stats = state.workers["w"]
+    assert (stats.sent, stats.applied, stats.refused) == (2, 1, 1)
+
+
+def test_the_clients_book_finishes_a_part_sent_update_rather_than_withdraw_it():
+    """An update sent in part cannot be withdrawn or wait for a lost
+    controller: its frame's rest holds up the server's link."""
+    from types import SimpleNamespace
+
+    from mlfabric.client.control_book import ControlBook, ControlledUpdate
+    from mlfabric.wire.protocol import Directive, TransferProgress
+
+    book = ControlBook("ctl:1", host="h", dst="s", fallback="wait", timeout=30.0, shard=2,
+                       chunk=MiB)
+    book.connected = True
+    updates = [ControlledUpdate({}, 0, 3 * MiB, 1.0, SimpleNamespace(), requested=0.0)
+               for _ in range(2)]
+    requests = [book.place(u)[0] for u in updates]
+    assert [(r.shard, r.chunk) for r in requests] == [(2, MiB)] * 2
+    part_sent, waiting = updates
+    u, outcome = book.directive(Directive(req=part_sent.creq, action="go", upto=MiB), 0)
+    assert u is part_sent and outcome is None and u.upto == MiB
+    u.part = SimpleNamespace(sent=MiB, whole=False, total=3 * MiB)  # its first chunk went
+    assert book.next_chunk(u) == TransferProgress(req=u.creq, sent=MiB)
+    # Past push_timeout, only the update with nothing sent is withdrawn.
+    assert [x[0] for x in book.overdue(now=100.0, timeout=10.0)] == [waiting]
+    # A drop for it would be carried out as "all the rest" (never sent by a controller).
+    u, outcome = book.directive(Directive(req=part_sent.creq, action="drop", reason="x"), 0)
+    assert u is part_sent and outcome is None and u.upto is None
+    book.next_chunk(u)
+    # The controller is lost: with fallback "wait" too, it is finished at once.
+    assert book.lost(None) == [part_sent] and part_sent.upto is None
+    assert book.finished_alone(part_sent) == TransferProgress(req=part_sent.creq,
+                                                              sent=3 * MiB)
+
+
+def test_without_chunks_a_chunked_request_goes_whole():
+    state = _chunked_state()
+    state.chunks = False  # mlfabric controller --no-chunks
+    t = state.request("w", 1, host="a", dst="s", nbytes=8 * MiB, base_version=0, norm=1.0,
+                      now=0.0, chunk=MiB)
+    (go,) = state.decide(now=0.0).actions
+    assert t.chunk == 0 and go.upto is None

@@ -66,6 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "server's downlink is overloaded joins an aggregate that goes anyway, "
                         "when it meets its deadline there and delays no other past its own "
                         "(default: on)")
+    p.add_argument("--chunks", action=argparse.BooleanOptionalAction, default=True,
+                   help="let a sharded job's parts go a chunk at a time (the partition's "
+                        "--chunk-bytes, at least 256 KiB), so that a shorter transfer can "
+                        "pass a long one between two of its chunks; --no-chunks plans each "
+                        "part whole (default: on)")
     p.add_argument("--div-max", type=float, default=None, metavar="X",
                    help="worker-driven replication: keep a bound on ||w_server - w_replica||_2 "
                         "at most X by holding server transfers until the replica catches up "
@@ -211,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
                                 network=network, metrics=metrics, policy_name=args.policy,
                                 gate=gate, aggregators=aggregators,
                                 aggregation=aggregation)
+        controller.state.chunks = args.chunks
         stopped = stop_on_signals()  # before the "serving" line: see stop_on_signals
         bound = await listen(controller, host, port, args.listen)
         if agents:

@@ -36,6 +36,7 @@ from ..wire.protocol import (
     Status,
     StatusRequest,
     TransferDone,
+    TransferProgress,
     TransferRequest,
     Welcome,
 )
@@ -289,8 +290,14 @@ class Controller(Endpoint):
         self.metrics.requests.inc()
         self.state.request(conn, ev.req, host=ev.host, dst=ev.dst, nbytes=ev.nbytes,
                            base_version=ev.base_version, norm=ev.norm, now=self.clock(),
-                           shard=ev.shard)
+                           shard=ev.shard, chunk=ev.chunk)
         self.replan()
+
+    def on_progress(self, conn: _ControllerProtocol, ev: TransferProgress) -> None:
+        """A chunk of a chunked transfer has left: plan what is left of it
+        with the pending transfers."""
+        if self.state.progress(conn, ev.req, sent=ev.sent, now=self.clock()) is not None:
+            self.replan()
 
     def on_done(self, conn: _ControllerProtocol, ev: TransferDone) -> None:
         t = self.state.done(conn, ev.req, version=ev.version, applied=ev.applied,
@@ -357,6 +364,16 @@ class Controller(Endpoint):
             wait = now - t.arrival
             # Count first, then tell the worker: whoever sees the directive's
             # effect also sees it counted.
+            if isinstance(action, Go) and not action.first:
+                # The next chunk of a transfer let go before.
+                m.chunks.inc()
+                conn.send(Directive(req=t.req, action="go", position=action.position,
+                                    planned_seconds=action.planned_seconds, upto=action.upto))
+                decision_log.info(json.dumps({
+                    "event": "chunk", "at": round(now, 6), "id": t.id, "host": t.host,
+                    "upto": action.upto, "nbytes": t.nbytes, "position": action.position,
+                    "planned_seconds": round(action.planned_seconds, 6)}))
+                continue
             m.queue_wait.observe(wait)
             if isinstance(action, Go):
                 m.directives.labels("go").inc()
@@ -367,9 +384,11 @@ class Controller(Endpoint):
                     planned_seconds=action.planned_seconds,
                     via=route.address if route else None, group=route.group if route else None,
                     fan_in=route.fan_in if route else None,
-                    index=route.index if route else None))
+                    index=route.index if route else None, upto=action.upto))
                 record = {"event": "go", "at": round(now, 6), "position": action.position,
                           "planned_seconds": round(action.planned_seconds, 6)}
+                if action.upto is not None:
+                    record["upto"] = action.upto
                 if route is not None:
                     m.aggregation_members.inc()
                     record.update(via=route.host, group=route.group, index=route.index)
@@ -458,6 +477,8 @@ class _ControllerProtocol(EndpointProtocol):
             self.endpoint.on_request(self, event)
         elif isinstance(event, TransferDone):
             self.endpoint.on_done(self, event)
+        elif isinstance(event, TransferProgress):
+            self.endpoint.on_progress(self, event)
         elif isinstance(event, ReplicaJoin):
             self.endpoint.on_replica_join(event)
         elif isinstance(event, ReplicaDone):

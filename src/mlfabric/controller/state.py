@@ -12,8 +12,8 @@ clock (the `now` arguments).
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, replace
 
 from ..scheduling.plan import (
     ColumnPlan,
@@ -25,16 +25,25 @@ from ..scheduling.plan import (
     Transfer,
 )
 
+# The smallest chunk a chunked transfer is let go in: each grant costs a
+# round trip to the controller and a re-plan, so a peer's smaller chunk is
+# planned as this one.
+MIN_CHUNK = 256 * 1024
+
 
 @dataclass(frozen=True)
 class Go:
     """Let `transfer` go now, to be applied at `position` (it was planned to
-    take `planned_seconds`), through the aggregator of `route` if set."""
+    take `planned_seconds`), through the aggregator of `route` if set.
+    A chunked transfer's go lets its data go up to byte `upto` (None: all);
+    `first` is False for the grants after its first."""
 
     transfer: Transfer
     position: int
     planned_seconds: float
     route: Route | None = None
+    upto: int | None = None
+    first: bool = True
 
 
 @dataclass(frozen=True)
@@ -118,6 +127,16 @@ class Decisions:
     wake_at: float | None  # ask again at this time (a planned start), if any
 
 
+def _planned(transfers: Iterable[Transfer], *, active: bool = False) -> tuple[Transfer, ...]:
+    """Transfers as a policy plans them: a chunked transfer that waits for
+    its next grant by what is left of it, and an `active` one by the chunk it
+    is sending (the policies know nothing of chunks)."""
+    if active:
+        return tuple(replace(t, nbytes=t.piece) if t.chunk and t.piece else t
+                     for t in transfers)
+    return tuple(replace(t, nbytes=t.rest) if t.granted else t for t in transfers)
+
+
 class ControlState:
     def __init__(self, policy: Policy, *, tau_max: int | None,
                  network: Network | None = None) -> None:
@@ -129,6 +148,7 @@ class ControlState:
         # of (shard 0 only, equal to `version`, for a job of one server).
         self.shard_versions: dict[int, int] = {}
         self._first_shard = 0  # the shard planned first next time (rotates)
+        self.chunks = True  # let chunked requests go a chunk at a time (else whole)
         self.shard_hosts: dict[int, str] = {}  # shard -> its server's host, from the requests
         self.pending: dict[int, Transfer] = {}
         self.active: dict[int, Transfer] = {}
@@ -153,9 +173,14 @@ class ControlState:
     # -- events ---------------------------------------------------------------
 
     def request(self, owner: Hashable, req: int, *, host: str, dst: str, nbytes: int,
-                base_version: int, norm: float, now: float, shard: int = 0) -> Transfer:
+                base_version: int, norm: float, now: float, shard: int = 0,
+                chunk: int = 0) -> Transfer:
+        """A worker asks to send an update. `chunk` > 0: it may be let go
+        that many bytes at a time (at least `MIN_CHUNK`), so that shorter
+        transfers can pass it between chunks."""
+        chunk = max(chunk, MIN_CHUNK) if chunk > 0 and self.chunks else 0
         t = Transfer(self._next_id, owner, req, host, dst, nbytes, base_version, norm, now,
-                     shard=shard)
+                     shard=shard, chunk=chunk if nbytes > chunk else 0)
         self._next_id += 1
         stats = self.workers.setdefault(owner, WorkerStats(str(owner)))
         stats.requests += 1
@@ -174,11 +199,15 @@ class ControlState:
         """An active transfer ended at the server (applied or not).
         `via_failed`: its aggregator failed it (it was then sent directly).
         A pending one reported done was withdrawn by its worker (it waited
-        past its push_timeout): forgotten, never let go."""
+        past its push_timeout): forgotten, never let go. A chunked transfer
+        waiting for its next grant has ended all the same (its link failed)."""
         for t in list(self.pending.values()):
             if t.owner == owner and t.req == req:
                 del self.pending[t.id]
-                return None
+                if not t.granted:
+                    return None
+                self.active[t.id] = t
+                break
         for t in self.active.values():
             if t.owner == owner and t.req == req:
                 del self.active[t.id]
@@ -200,6 +229,34 @@ class ControlState:
                     stats.last_delay = delay if applied else stats.last_delay
                 return t
         return None
+
+    def progress(self, owner: Hashable, req: int, *, sent: int, now: float
+                 ) -> Transfer | None:
+        """The first `sent` bytes of a chunked transfer have left. Short of
+        all of it, it no longer holds its links, and what is left of it is
+        planned again with the pending transfers (a shorter one may pass it
+        now). All of it (the worker could not wait for the grants): it is
+        active until done. Returns the transfer if the plan changes."""
+        t = next((t for t in (*self.active.values(), *self.pending.values())
+                  if t.owner == owner and t.req == req), None)
+        if t is None or not t.chunk or t.granted >= t.nbytes:
+            return None
+        if sent >= t.nbytes:
+            rate = self.network.rate(t.host, t.dst)
+            if self.pending.pop(t.id, None) is not None:  # between two grants
+                t.started, t.piece = now, t.rest
+                t.planned_seconds = t.rest / rate
+                self.active[t.id] = t
+            else:  # during one: the rest follows the chunk under way
+                t.piece += t.rest
+                t.planned_seconds = (t.planned_seconds or 0.0) + t.rest / rate
+            t.granted = t.nbytes
+            return t
+        if t.id not in self.active or sent < t.granted:
+            return None  # a report of a chunk already planned again
+        del self.active[t.id]
+        self.pending[t.id] = t
+        return t
 
     def forget(self, owner: Hashable) -> list[Transfer]:
         """The owner is gone: its transfers, pending or active, are forgotten."""
@@ -241,8 +298,8 @@ class ControlState:
             now=now,
             version=self.version,
             tau_max=self.tau_max,
-            pending=tuple(sorted(self.pending.values(), key=lambda t: t.id)),
-            active=tuple(sorted(self.active.values(), key=lambda t: t.id)),
+            pending=_planned(sorted(self.pending.values(), key=lambda t: t.id)),
+            active=_planned(sorted(self.active.values(), key=lambda t: t.id), active=True),
             network=self.network,
             aggregators=self.usable_aggregators(now),
         )
@@ -267,11 +324,11 @@ class ControlState:
         actions: list[Go | Drop] = []
         wake_at = math.inf
         for shard in shards[first:] + shards[:first]:
-            active = tuple(sorted(self.active.values(), key=lambda t: t.id))
+            active = _planned(sorted(self.active.values(), key=lambda t: t.id), active=True)
             snap = Snapshot(
                 now=now, version=self.shard_versions.get(shard, 0), tau_max=self.tau_max,
-                pending=tuple(sorted((t for t in self.pending.values() if t.shard == shard),
-                                     key=lambda t: t.id)),
+                pending=_planned(sorted((t for t in self.pending.values() if t.shard == shard),
+                                        key=lambda t: t.id)),
                 active=active, network=self.network,
                 aggregators=self.usable_aggregators(now),
                 in_flight=sum(t.shard == shard for t in active))
@@ -293,24 +350,44 @@ class ControlState:
             if t is None:
                 continue
             stats = self.workers.get(t.owner)
-            if item.drop is not None:
+            if item.drop is not None and t.granted:
+                # Part of it is on the wire, and the server's connection holds
+                # the rest of its frame: it cannot be dropped now. It goes
+                # whole, and the server refuses it if it is too stale by then.
+                forced = PlanItem(t.id, start=now, position=sum(
+                    a.shard == t.shard for a in self.active.values()),
+                    planned_seconds=t.rest / self.network.rate(t.host, t.dst))
+                actions.append(self._let_go(t, forced, now, whole=True))
+            elif item.drop is not None:
                 del self.pending[t.id]
                 actions.append(Drop(t, item.drop, item.detail))
                 if stats is not None:
                     stats.dropped += 1
             elif item.start is not None and item.start <= now:
-                del self.pending[t.id]
-                t.started, t.position = now, item.position
-                t.planned_seconds = item.planned_seconds
-                t.route = item.route
-                self.active[t.id] = t
-                actions.append(Go(t, item.position or 0, item.planned_seconds or 0.0,
-                                  item.route))
-                if stats is not None:
+                if stats is not None and not t.granted:
                     stats.sent += 1
+                actions.append(self._let_go(t, item, now))
             elif item.start is not None:
                 wake_at = min(wake_at, item.start)
         return Decisions(tuple(actions), None if wake_at == math.inf else wake_at)
+
+    def _let_go(self, t: Transfer, item: PlanItem, now: float, whole: bool = False) -> Go:
+        """Move pending `t` to active as planned by `item`: all of it, or for
+        a chunked transfer its next chunk (the rest of it if `whole`)."""
+        del self.pending[t.id]
+        first = not t.granted
+        planned = item.planned_seconds or 0.0
+        upto = None
+        if t.chunk:
+            upto = t.nbytes if whole else min(t.granted + t.chunk, t.nbytes)
+            # The plan was for all that is left; this grant is a part of it.
+            planned *= (upto - t.granted) / max(t.rest, 1)
+            t.piece, t.granted = upto - t.granted, upto
+        t.started, t.position = now, item.position
+        t.planned_seconds = planned
+        t.route = item.route
+        self.active[t.id] = t
+        return Go(t, item.position or 0, planned, item.route, upto=upto, first=first)
 
     def status(self, now: float | None = None) -> dict[str, object]:
         """The job at a glance (what `mlfabric status` prints), JSON-ready.

@@ -281,6 +281,10 @@ class ControllerMetrics:
         self.aggregation_members = Counter(
             "controller_aggregation_members", "Updates told to go through an aggregator",
             namespace=ns, registry=r)
+        self.chunks = Counter(
+            "controller_chunk_grants",
+            "Grants of a chunked transfer's next chunk (after its first): each is a point "
+            "where a shorter transfer could have passed it", namespace=ns, registry=r)
         self.aggregator_failures = Counter(
             "controller_aggregator_failures",
             "Updates whose aggregator failed them (sent directly instead); each benches "

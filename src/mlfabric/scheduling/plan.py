@@ -138,6 +138,17 @@ class Transfer:
     planned_seconds: float | None = None
     route: Route | None = None
     shard: int = 0  # the server shard it goes to (each keeps its own version)
+    # A chunked transfer (`chunk` > 0) is let go a chunk at a time: `granted`
+    # data bytes are let go so far, the last grant being `piece` bytes. Between
+    # grants it is pending again, planned with what is left to send.
+    chunk: int = 0
+    granted: int = 0
+    piece: int = 0
+
+    @property
+    def rest(self) -> int:
+        """The bytes not let go yet."""
+        return self.nbytes - self.granted
 
 
 @dataclass(frozen=True)
