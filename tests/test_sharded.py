@@ -344,6 +344,92 @@ def test_with_a_controller_each_part_is_a_transfer_to_its_shard():
         assert status["shards"] == [{"shard": i, "host": "127.0.0.1", "version": 3}
                                     for i in range(3)]
         assert sum(w["applied"] for w in status["workers"]) == 9  # 3 pushes x 3 parts
+        # Each part (about 460 KiB) is more than one chunk (the 256 KiB floor):
+        # every one went in two grants.
+        grants = controller.call(lambda: controller.server.metrics.registry.get_sample_value(
+            "mlfabric_controller_chunk_grants_total"))
+        assert grants == 9
+
+
+def test_chunked_parts_of_concurrent_pushes_and_pulls_arrive_whole(caplog):
+    """Two clients pipeline pushes whose parts go a chunk at a time, and pull
+    meanwhile: frames sent while one is in parts wait for it (a pull, or a
+    second push sent whole behind it), and every shard applies every update
+    once."""
+    import logging
+
+    from mlfabric.controller.controller import Controller
+    from mlfabric.scheduling.policies import mlfabric_policy
+
+    model = make_model(sizes={"w": (1000, 1000), "b": (10,)})  # 4 MB: 4 parts of 1 MB
+    with shard_servers(model, 4, momentum=0.0) as servers, \
+            ServerThread(None, endpoint=Controller(mlfabric_policy, job=JOB, token=TOKEN,
+                                                   tau_max=None)) as controller, \
+            mlfabric.connect(addresses(servers), job=JOB, token=TOKEN, name="a",
+                             controller=controller.address, controller_fallback="wait") as a, \
+            mlfabric.connect(addresses(servers), job=JOB, token=TOKEN, name="b",
+                             controller=controller.address, controller_fallback="wait") as b, \
+            caplog.at_level(logging.INFO, logger="mlfabric.decisions"):
+        version, _ = a.pull(timeout=10)
+        futures, pulls = [], []
+        for k in range(4):
+            for c, sign in ((a, 1.0), (b, -0.5)):
+                u = {n: np.full(x.shape, sign * (k + 1), np.float32) for n, x in model.items()}
+                futures.append(c.push(u, base_version=version))
+            pulls.append(b.pull(timeout=30))
+        outcomes = [f.result(30) for f in futures]
+        assert all(o.applied for o in outcomes)
+        for v, params in pulls:
+            assert len(v) == 4 and all(0 <= x <= 8 for x in v) and set(params) == set(model)
+        version, params = a.pull(timeout=10)
+        assert version == (8,) * 4
+        # With momentum 0 the model moves by the sum of the updates, whatever the order.
+        total = sum((k + 1) * (1.0 - 0.5) for k in range(4))
+        expected = {n: (x + np.float32(total)).astype(np.float32) for n, x in model.items()}
+        for n in model:
+            np.testing.assert_allclose(params[n], expected[n], rtol=0, atol=1e-5)
+        grants = controller.call(lambda: controller.server.metrics.registry.get_sample_value(
+            "mlfabric_controller_chunk_grants_total"))
+    chunks = [r.getMessage() for r in caplog.records if '"event": "chunk"' in r.getMessage()]
+    assert grants >= 1 and len(chunks) == grants
+
+
+def test_frames_sent_while_one_goes_in_parts_wait_for_it():
+    """The link's byte stream is the frames in order, whatever the chunks."""
+    import asyncio
+
+    from mlfabric.client.link import Link
+    from mlfabric.wire.handshake import ClientHandshake
+    from mlfabric.wire.protocol import Connection, Pull, Push
+
+    class Transport:
+        def __init__(self):
+            self.out = bytearray()
+
+        def write(self, data):
+            self.out += bytes(data)
+
+    big = Push(1, 0, {"a": np.arange(1000, dtype=np.float32), "b": np.ones(7, np.float32)})
+    other = Push(2, 0, {"a": np.zeros(1000, np.float32), "b": np.ones(7, np.float32)})
+
+    async def run():
+        link = Link("x:1", ClientHandshake(JOB, TOKEN, "t"), None)
+        link.transport = Transport()
+        part = link.send_part(big, 100)
+        head = len(Connection().send(big)[0])
+        assert len(link.transport.out) == head + 100 and part.sent == 100
+        link.send(Pull(3))
+        assert link.send_part(other, 10) is None  # under way already: goes whole after it
+        assert len(link.transport.out) == head + 100  # both held
+        part.advance(1000)
+        part.advance(500)  # never backwards
+        assert part.sent == 1000 and not part.whole
+        part.advance(part.total + 99)
+        assert part.whole
+        return bytes(link.transport.out)
+
+    expected = b"".join(Connection().send_bytes(e) for e in (big, Pull(3), other))
+    assert asyncio.run(run()) == expected
 
 
 def test_a_controller_with_aggregators_refuses_sharded_transfers(caplog):

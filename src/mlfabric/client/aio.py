@@ -51,7 +51,7 @@ from .core import (
     watch_period,
 )
 from .futures import AsyncPushFuture
-from .link import FrameWriter, Link, LinkPool, open_link
+from .link import FrameWriter, Link, LinkPool, PartFrame, open_link
 from .outcome import PushOutcome
 
 log = logging.getLogger("mlfabric.client")
@@ -142,7 +142,8 @@ async def connect(
             host=host or sock.getsockname()[0], dst=sock.getpeername()[0],
             fallback=controller_fallback, timeout=controller_timeout,
             aggregation=replica is None,
-            shard=client.welcome_shard.index if client.welcome_shard is not None else 0)
+            shard=client.welcome_shard.index if client.welcome_shard is not None else 0,
+            chunk=client.welcome_shard.chunk if client.welcome_shard is not None else 0)
         try:
             await controlled.start()
         except BaseException:
@@ -438,17 +439,30 @@ class AsyncClient:
                   **fields: Any) -> AsyncPushFuture:
         """Send a push frame as given, without push()'s checks (`PushLink`).
         `fields`: a push's uid and aggregation fields (protocol.Push)."""
+        return self.send_push_part(arrays, base, None, seq, **fields)[0]
+
+    def send_push_part(self, arrays: Mapping[str, np.ndarray], base: int, upto: int | None,
+                       seq: int | None = None, **fields: Any
+                       ) -> tuple[AsyncPushFuture, PartFrame | None]:
+        """`send_push`, with only the first `upto` bytes of the frame's data
+        block sent now (None: all of it): the returned `PartFrame` sends the
+        rest (it is None if the whole frame went, or waits to go whole
+        behind another frame sent in parts)."""
         fut = AsyncPushFuture(loop=asyncio.get_running_loop())
         tensors = laid_out(arrays, self.specs, self.block_layout)
         _, event = self._new_request(
             "push", lambda req: Push(req, base, tensors, seq, **fields), base, fut)
-        self._proto.send(event)
+        part = None
+        if upto is None:
+            self._proto.send(event)
+        else:
+            part = self._proto.send_part(event, upto)
         fut.add_done_callback(self._note_version)
         if self._reporter is not None:
             nbytes = (len(tensors.data) if isinstance(tensors, FrameTensors)
                       else sum(a.nbytes for a in arrays.values()))
             fut.add_done_callback(functools.partial(self._report, nbytes, time.monotonic()))
-        return fut
+        return fut, part
 
     def _report(self, nbytes: int, started: float, fut: asyncio.Future[Any]) -> None:
         """Tell the agent how long the push took (a sample of the path's rate)."""

@@ -42,11 +42,14 @@ class AsyncControlledPushes:
     def __init__(self, client: ControlledClient, address: str, hs: ClientHandshake, *,
                  aggregators: LinkPool[PushLink], host: str, dst: str,
                  fallback: str = "fifo", timeout: float = 30.0, aggregation: bool = True,
-                 shard: int = 0) -> None:
+                 shard: int = 0, chunk: int = 0) -> None:
         """`aggregators`: the links to the aggregators the controller may route
-        pushes through, dialled by the client."""
+        pushes through, dialled by the client. `chunk` > 0: the controller
+        may let an update go that many bytes at a time (a sharded job's
+        chunk), so that a shorter transfer can pass it."""
         self.book = ControlBook(address, host=host, dst=dst, fallback=fallback,
-                                timeout=timeout, aggregation=aggregation, shard=shard)
+                                timeout=timeout, aggregation=aggregation, shard=shard,
+                                chunk=chunk)
         self._aggregators = aggregators
         self.client = client
         self.address = address
@@ -146,18 +149,49 @@ class AsyncControlledPushes:
     # -- sending ------------------------------------------------------------------------
 
     def _send(self, u: ControlledUpdate) -> None:
+        if u.part is not None:  # the next chunk of a transfer under way, or all the rest
+            u.part.advance(u.part.total if u.upto is None else u.upto)
+            self._chunk_sent(u)
+            return
         if u.sent is None:
             u.sent = time.monotonic()
         if u.via is not None:
             asyncio.get_running_loop().create_task(self._send_member(u))
             return
         try:
-            server_future = self.client.send_push(u.arrays, u.base_version, uid=u.uid)
+            server_future, u.part = self.client.send_push_part(
+                u.arrays, u.base_version, u.upto if u.upto is not None else None, uid=u.uid)
         except MlfabricError as exc:
             if not u.future.done():
                 u.future.set_exception(exc)
             return
         server_future.add_done_callback(lambda f: self._finish(u, f, u.sent or 0.0))
+        if u.upto is not None and u.part is None:
+            # Another frame is under way on the link: this one goes whole after it.
+            report = self.book.finished_alone(u)
+            if report is not None and self._link is not None:
+                self._link.send(report)
+        elif u.part is not None:
+            self._chunk_sent(u)
+
+    def _chunk_sent(self, u: ControlledUpdate) -> None:
+        """A chunk of `u` is handed to the link: once its bytes have left,
+        tell the controller, and wait for its next grant (nothing to do once
+        all of `u` is sent: the server's answer ends it)."""
+        if u.part.whole or u.future.done():
+            return
+        report = self.book.next_chunk(u)
+        if self._link is None:  # the controller is gone: nobody to wait for
+            self.book.finished_alone(u)
+            u.part.advance(u.part.total)
+            return
+
+        async def when_sent() -> None:
+            await self.client.flushed()
+            if self._link is not None:
+                self._link.send(report)
+
+        asyncio.get_running_loop().create_task(when_sent())
 
     async def _send_member(self, u: ControlledUpdate) -> None:
         """To the aggregator the controller chose; straight to the server
@@ -175,6 +209,13 @@ class AsyncControlledPushes:
 
     def _finish(self, u: ControlledUpdate, server_future: asyncio.Future[Any],
                 started: float) -> None:
+        if u.in_parts:
+            # Failed or cancelled before all of it was let go: finish the
+            # frame all the same, or the link would stay in the middle of it.
+            progress = self.book.finished_alone(u)
+            u.part.advance(u.part.total)
+            if progress is not None and self._link is not None:
+                self._link.send(progress)
         if u.future.done():
             return
         if server_future.cancelled():

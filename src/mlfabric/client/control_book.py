@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import kernels
 from ..errors import ConfigError, ConnectionLost, PushTimeout, ServerError
-from ..wire.protocol import Directive, TransferDone, TransferRequest
+from ..wire.protocol import Directive, TransferDone, TransferProgress, TransferRequest
 from .outcome import PushOutcome
 
 log = logging.getLogger("mlfabric.client")
@@ -47,6 +47,17 @@ class ControlledUpdate:
     member: dict[str, Any] = field(default_factory=dict)  # group, fan_in, index
     via_failed: str | None = None  # why the aggregator did not deliver it
     sent: float | None = None  # when it was first sent (a re-send keeps it)
+    # A chunked transfer: the data bytes the controller let go so far (None:
+    # all), and once its first chunk is sent, the frame that sends the rest
+    # (a `link.PartFrame`).
+    upto: int | None = None
+    part: Any = None
+
+    @property
+    def in_parts(self) -> bool:
+        """Part of its frame is sent and the rest waits for the controller:
+        it can no longer be withdrawn, only finished."""
+        return self.part is not None and not self.part.whole
 
 
 def controlled_update(arrays: dict[str, np.ndarray], base_version: int, nbytes: int,
@@ -60,11 +71,13 @@ def controlled_update(arrays: dict[str, np.ndarray], base_version: int, nbytes: 
 
 class ControlBook:
     def __init__(self, address: str, *, host: str, dst: str, fallback: str,
-                 timeout: float, aggregation: bool = True, shard: int = 0) -> None:
+                 timeout: float, aggregation: bool = True, shard: int = 0,
+                 chunk: int = 0) -> None:
         """`aggregation`: follow directives through an aggregator (a client
         that replicates does not: a replica cannot replay an aggregate, so
         its updates go straight to the server). `shard`: the index of the
-        server shard this client's transfers go to."""
+        server shard this client's transfers go to. `chunk` > 0: the
+        controller may let them go that many bytes at a time."""
         if fallback not in FALLBACKS:
             raise ConfigError(f"controller fallback must be one of {FALLBACKS}, got {fallback!r}")
         self.address = address
@@ -80,6 +93,7 @@ class ControlBook:
         self._warned = False
         self.aggregation = aggregation
         self.shard = shard
+        self.chunk = chunk
         self._uid_prefix = secrets.token_hex(8)
         self._uids = itertools.count(1)
         self._failed_aggregators: set[str] = set()  # warned about once each
@@ -88,7 +102,8 @@ class ControlBook:
         u.creq = next(self._ids)
         self._asked[u.creq] = u
         return TransferRequest(req=u.creq, host=self.host, dst=self.dst, nbytes=u.nbytes,
-                               base_version=u.base_version, norm=u.norm, shard=self.shard)
+                               base_version=u.base_version, norm=u.norm, shard=self.shard,
+                               chunk=self.chunk)
 
     def place(self, u: ControlledUpdate) -> tuple[TransferRequest | None, list[ControlledUpdate]]:
         """A new update: the request to send the controller, or (without one)
@@ -122,7 +137,13 @@ class ControlBook:
         if u is None:
             log.warning("controller sent a directive for unknown request %d", d.req)
             return None, None
+        if u.part is not None:
+            # The next chunk of a transfer under way (a drop cannot stop it:
+            # its frame is part sent; the controller never sends one).
+            u.upto = d.upto if d.action == "go" else None
+            return u, None
         if d.action == "go":
+            u.upto = d.upto
             if d.via is not None and self.aggregation:
                 u.via = d.via
                 u.member = {"group": d.group, "fan_in": d.fan_in, "index": d.index}
@@ -136,16 +157,36 @@ class ControlBook:
                               reason=f"dropped by the controller: {d.reason}",
                               base_version=u.base_version)
 
+    def next_chunk(self, u: ControlledUpdate) -> TransferProgress:
+        """`u`'s grant so far has been sent: it waits for the next one (the
+        report to send the controller once those bytes have left)."""
+        assert u.creq is not None and u.part is not None
+        self._asked[u.creq] = u
+        return TransferProgress(req=u.creq, sent=u.part.sent)
+
+    def finished_alone(self, u: ControlledUpdate) -> TransferProgress | None:
+        """`u` was sent whole without waiting for the controller's grants
+        (its frame could not wait): the report that says so, if asked for."""
+        if u.creq is None:
+            return None
+        self._asked.pop(u.creq, None)
+        return TransferProgress(req=u.creq, sent=u.nbytes)
+
     def lost(self, exc: BaseException | None) -> list[ControlledUpdate]:
-        """The controller went away: the updates to send to the server now."""
+        """The controller went away: the updates to send to the server now
+        (those sent in part among them, whatever the fallback: the rest of
+        their frame holds up the server's link)."""
         self.connected = False
         stranded = list(self._asked.values())
         self._asked.clear()
         if self.closed:
-            return []
+            return [u for u in stranded if u.in_parts]
         log.warning("lost the controller %s (%s); %d updates waiting", self.address, exc,
                     len(stranded))
-        return self._without_controller(stranded)
+        for u in stranded:
+            u.upto = None
+        return ([u for u in stranded if u.in_parts]
+                + self._without_controller([u for u in stranded if not u.in_parts]))
 
     def reconnected(self) -> list[TransferRequest]:
         """The controller is back: requests for the updates that waited for it."""
@@ -175,7 +216,10 @@ class ControlBook:
         yet: withdrawn (a late directive for one is ignored), each with the
         report that tells the controller to forget it and the error to fail
         it with."""
-        late = [u for u in self._asked.values() if now - u.requested > timeout]
+        # One sent in part is past withdrawing: the server's answer (or its
+        # own push_timeout there) ends it.
+        late = [u for u in self._asked.values()
+                if now - u.requested > timeout and not u.in_parts]
         out = []
         for u in late:
             assert u.creq is not None
@@ -192,7 +236,7 @@ class ControlBook:
     def close(self) -> list[tuple[ControlledUpdate, ConnectionLost]]:
         """Updates that will never be sent, with the error to fail them with."""
         self.closed, self.connected = True, False
-        waiting = [*self._asked.values(), *self._orphans]
+        waiting = [*(u for u in self._asked.values() if not u.in_parts), *self._orphans]
         self._asked.clear()
         self._orphans = []
         return [(u, ConnectionLost("the client was closed before the controller let this "

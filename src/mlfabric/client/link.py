@@ -1,7 +1,8 @@
 """A link to an mlfabric listener (a parameter server, replica, aggregator or
 controller), for asyncio code: the protocol that frames and authenticates it
 (`Link`), the dial (`open_link`), a frame's data block sent as it becomes
-final (`FrameWriter`), and links kept per address (`LinkPool`).
+final (`FrameWriter`), a frame sent a chunk at a time (`PartFrame`), and
+links kept per address (`LinkPool`).
 
 The asyncio client is built on it, and so is every other component that
 talks to a server: the replica, chain replication, measured divergence,
@@ -127,6 +128,10 @@ class Link(asyncio.BufferedProtocol):
         self._stage = "challenge"
         self.can_write = asyncio.Event()
         self.can_write.set()
+        # While a frame is sent a chunk at a time (`send_part`), the frames
+        # sent meanwhile wait here: the stream is in the middle of one.
+        self._part: PartFrame | None = None
+        self._held: list[list[Any]] = []
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
@@ -184,6 +189,7 @@ class Link(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.can_write.set()  # wake drain(); it then raises the connection's error
+        self._part, self._held = None, []
         if not self.welcomed.done():
             # A peer that dies mid-handshake: callers fall back on ConnectionLost
             # (an aggregator's members go straight to the server).
@@ -208,10 +214,39 @@ class Link(asyncio.BufferedProtocol):
 
     def send(self, event: Any) -> int:
         assert self.transport is not None
-        size = write_parts(self.transport, self.conn.send(event))
+        parts = self.conn.send(event)
+        if self._part is not None:
+            self._held.append(parts)
+            return sum(len(p) for p in parts)
+        size = write_parts(self.transport, parts)
         if self.metrics is not None:
             self.metrics.sent_bytes.inc(size)
         return size
+
+    def send_part(self, event: Any, upto: int) -> PartFrame | None:
+        """Send `event`'s frame up to byte `upto` of its data block; the rest
+        goes on `PartFrame.advance`. Frames sent meanwhile wait for it to
+        end. None if another frame is under way: this one then goes whole
+        after it."""
+        if self._part is not None:
+            self.send(event)
+            return None
+        parts = self.conn.send(event)
+        self.write(parts[0])
+        self._part = PartFrame(self, parts[1:])
+        self._part.advance(upto)
+        return self._part
+
+    def _part_ended(self) -> None:
+        """The frame sent a chunk at a time is whole: send what waited for it."""
+        self._part = None
+        held, self._held = self._held, []
+        for parts in held:
+            if self.transport is None:
+                return
+            size = write_parts(self.transport, parts)
+            if self.metrics is not None:
+                self.metrics.sent_bytes.inc(size)
 
     def write(self, data: Any) -> None:
         """Put bytes of a frame on the link, counted as sent."""
@@ -222,6 +257,38 @@ class Link(asyncio.BufferedProtocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+class PartFrame:
+    """The data block of a frame whose head is sent, sent on its link in
+    chunks as the controller lets them go (`Link.send_part`)."""
+
+    def __init__(self, link: Link, parts: list[Any]) -> None:
+        self._link = link
+        self._parts = parts
+        self._next = 0  # index of the next part to write
+        self._offset = 0  # bytes of that part already written
+        self.sent = 0
+        self.total = sum(len(p) for p in parts)
+
+    @property
+    def whole(self) -> bool:
+        return self.sent >= self.total
+
+    def advance(self, upto: int) -> None:
+        """Write the data block up to byte `upto` (at most all of it)."""
+        upto = min(upto, self.total)
+        link = self._link
+        while self.sent < upto and link.transport is not None:
+            part = memoryview(self._parts[self._next]).cast("B")
+            take = min(len(part) - self._offset, upto - self.sent)
+            link.write(part[self._offset:self._offset + take])
+            self.sent += take
+            self._offset += take
+            if self._offset == len(part):
+                self._next, self._offset = self._next + 1, 0
+        if self.whole and link._part is self:
+            link._part_ended()
 
 
 class FrameWriter:

@@ -8,7 +8,7 @@ other, as `typing.Protocol`s, so a change on one side is checked on the other.
   The blocking client answers with `concurrent.futures.Future`s, the asyncio
   client with `asyncio.Future`s: both have the `Answer` methods used here.
 - `ControlledClient`: what the link to the controller needs of the asyncio
-  client it routes pushes for.
+  client it routes pushes for (a push sent a chunk at a time among it).
 - `ServerConnection`: what the aggregator needs of its link to the server: a
   request whose data block follows as it becomes final.
 """
@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..wire.protocol import Failover, ReplicaAt
-from .link import FrameWriter
+from .link import FrameWriter, PartFrame
 from .outcome import PushOutcome
 
 
@@ -63,6 +63,12 @@ class ControlledClient(Protocol):
 
     def send_push(self, arrays: dict[str, np.ndarray], base: int, seq: int | None = None,
                   **fields: Any) -> asyncio.Future[PushOutcome]: ...
+
+    def send_push_part(self, arrays: dict[str, np.ndarray], base: int, upto: int | None,
+                       seq: int | None = None, **fields: Any
+                       ) -> tuple[asyncio.Future[PushOutcome], PartFrame | None]: ...
+
+    async def flushed(self) -> None: ...
 
     def replica_change(self, event: Failover | ReplicaAt) -> None: ...
 
