@@ -60,8 +60,10 @@ def make_model(total_bytes: int, seed: int = 0) -> dict[str, np.ndarray]:
 def worker(args: argparse.Namespace) -> int:
     import mlfabric
 
+    controller = {"controller": args.controller, "controller_fallback": "wait"} \
+        if args.controller else {}
     with mlfabric.connect(args.servers, job=JOB, token_file=args.token_file,
-                          timeout=60, push_timeout=600) as ps:
+                          timeout=60, push_timeout=600, **controller) as ps:
         version, model = ps.pull(timeout=600)
         update = {n: np.zeros_like(a) for n, a in model.items()}
         print("ready", flush=True)
@@ -146,6 +148,7 @@ def main() -> int:
     w.add_argument("--servers", required=True)
     w.add_argument("--token-file", required=True)
     w.add_argument("--rounds", type=int, default=1)
+    w.add_argument("--controller", default=None)  # bench_chunks.py: through a controller
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--model-mib", type=int, default=64)
     ap.add_argument("--server-mbit", type=float, default=100.0)
