@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import bench_shards
 import numpy as np
-from bench_shards import JOB, METRICS_PORT, TOKEN, make_model, popen
+from bench_shards import JOB, METRICS_PORT, TOKEN, make_model, popen, race, stop
 
 CONFIGS = ("chunks", "whole")
 
@@ -67,24 +65,10 @@ def run_one(tb, config: str, args: argparse.Namespace, tmp: Path, init: Path, to
                 "--controller", controller], tmp))
         for w, p in enumerate(workers):
             wait_for_line(p, "ready", f"worker {w}", timeout=900)
-        t0 = time.perf_counter()
-        for p in workers:
-            assert p.stdin is not None
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        for w, p in enumerate(workers):
-            wait_for_line(p, "done", f"worker {w}", timeout=1800)
-        seconds = time.perf_counter() - t0
+        seconds = race(workers)
         grants = scrape_metrics(ctl_host, METRICS_PORT)["mlfabric_controller_chunk_grants_total"]
     finally:
-        for p in workers + procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in workers + procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(workers + procs)
     moved = 2 * args.model_bytes * args.rounds * args.workers
     return {"seconds": seconds, "throughput": moved / seconds, "grants": grants}
 

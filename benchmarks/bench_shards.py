@@ -90,6 +90,31 @@ def popen(tb, host, argv: list[str], tmp: Path) -> subprocess.Popen[str]:
                     stderr=subprocess.PIPE, text=True, cwd=tmp, env=env)
 
 
+def race(workers: list[subprocess.Popen[str]]) -> float:
+    """Start the workers waiting at the start line; seconds until the last is done."""
+    from mlfabric.tools.workload import wait_for_line
+
+    t0 = time.perf_counter()
+    for p in workers:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    for w, p in enumerate(workers):
+        wait_for_line(p, "done", f"worker {w}", timeout=1800)
+    return time.perf_counter() - t0
+
+
+def stop(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def run_one(tb, s: int, args: argparse.Namespace, tmp: Path, init: Path, token: Path
             ) -> dict[str, float | list[float]]:
     from mlfabric.tools.workload import scrape_metrics, serving_address, wait_for_line
@@ -119,24 +144,10 @@ def run_one(tb, s: int, args: argparse.Namespace, tmp: Path, init: Path, token: 
                     ["mlfabric_server_received_bytes_total"] for i in range(s)]
 
         before = received()
-        t0 = time.perf_counter()
-        for p in workers:
-            assert p.stdin is not None
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        for w, p in enumerate(workers):
-            wait_for_line(p, "done", f"worker {w}", timeout=1800)
-        seconds = time.perf_counter() - t0
+        seconds = race(workers)
         per_shard = [b - a for a, b in zip(before, received(), strict=True)]
     finally:
-        for p in workers + servers:
-            if p.poll() is None:
-                p.terminate()
-        for p in workers + servers:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(workers + servers)
     moved = 2 * args.model_bytes * args.rounds * args.workers
     return {"seconds": seconds, "throughput": moved / seconds, "per_shard": per_shard}
 
