@@ -159,8 +159,8 @@ class AsyncControlledPushes:
             asyncio.get_running_loop().create_task(self._send_member(u))
             return
         try:
-            server_future, u.part = self.client.send_push_part(
-                u.arrays, u.base_version, u.upto if u.upto is not None else None, uid=u.uid)
+            server_future, u.part = self.client.send_push_part(u.arrays, u.base_version,
+                                                               u.upto, uid=u.uid)
         except MlfabricError as exc:
             if not u.future.done():
                 u.future.set_exception(exc)
