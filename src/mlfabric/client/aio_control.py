@@ -180,11 +180,10 @@ class AsyncControlledPushes:
         all of `u` is sent: the server's answer ends it)."""
         if u.part.whole or u.future.done():
             return
-        report = self.book.next_chunk(u)
         if self._link is None:  # the controller is gone: nobody to wait for
-            self.book.finished_alone(u)
             u.part.advance(u.part.total)
             return
+        report = self.book.next_chunk(u)
 
         async def when_sent() -> None:
             await self.client.flushed()

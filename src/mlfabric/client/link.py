@@ -218,6 +218,9 @@ class Link(asyncio.BufferedProtocol):
         if self._part is not None:
             self._held.append(parts)
             return sum(len(p) for p in parts)
+        return self._write_frame(parts)
+
+    def _write_frame(self, parts: list[Any]) -> int:
         size = write_parts(self.transport, parts)
         if self.metrics is not None:
             self.metrics.sent_bytes.inc(size)
@@ -237,16 +240,16 @@ class Link(asyncio.BufferedProtocol):
         self._part.advance(upto)
         return self._part
 
-    def _part_ended(self) -> None:
-        """The frame sent a chunk at a time is whole: send what waited for it."""
+    def part_ended(self, part: PartFrame) -> None:
+        """`part`, sent a chunk at a time, is whole: send what waited for it."""
+        if part is not self._part:
+            return  # the link was lost meanwhile (and what waited with it)
         self._part = None
         held, self._held = self._held, []
         for parts in held:
             if self.transport is None:
                 return
-            size = write_parts(self.transport, parts)
-            if self.metrics is not None:
-                self.metrics.sent_bytes.inc(size)
+            self._write_frame(parts)
 
     def write(self, data: Any) -> None:
         """Put bytes of a frame on the link, counted as sent."""
@@ -287,8 +290,8 @@ class PartFrame:
             self._offset += take
             if self._offset == len(part):
                 self._next, self._offset = self._next + 1, 0
-        if self.whole and link._part is self:
-            link._part_ended()
+        if self.whole:
+            link.part_ended(self)
 
 
 class FrameWriter:
