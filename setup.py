@@ -7,6 +7,7 @@ server and its replica compute bit-identical weights on any x86-64 or arm64
 build. No -ffast-math for the same reason.
 """
 
+import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
@@ -15,6 +16,9 @@ extensions = [
         "mlfabric.kernels._core",
         ["src/mlfabric/kernels/_core.pyx"],
         extra_compile_args=["-O3", "-ffp-contract=off"],
+        # check_gather reads arrays through numpy's C API.
+        include_dirs=[numpy.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     ),
     # The scheduling core's hot loop: a port of schedule.py's reference that
     # must take the same floating-point steps, hence the same flags.

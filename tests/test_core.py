@@ -819,3 +819,33 @@ def test_gather_copies_each_array_to_its_offset_and_refuses_what_does_not_fit():
         _core.gather(out, [np.zeros(3, np.float32)], [20])
     with pytest.raises(TypeError, match="out must be a writable C-contiguous uint8"):
         _core.gather(np.zeros(4, np.float32), [], [])
+
+
+def test_check_gather_fills_a_garbage_buffer_exactly_and_refuses_what_it_cannot_take():
+    """out may come from np.empty: the gaps between tensors and the tail are
+    zeroed, so the block is the same bytes as one gathered into zeros."""
+    names, shapes, offsets = ["a", "b"], [(3,), (2, 1)], [0, 16]
+    update = {"a": np.arange(3, dtype=np.float32), "b": np.array([[5], [6]], np.float32)}
+    out = np.full(32, 0xAB, np.uint8)
+    assert _core.check_gather(update, names, shapes, offsets, out)
+    expected = np.zeros(32, np.uint8)
+    _core.gather(expected, [update["a"], update["b"]], offsets)
+    assert out.tobytes() == expected.tobytes()
+    assert _core.check_laid_out(update, names, shapes) == [update["a"], update["b"]]
+    assert all(x is y for x, y in zip(_core.check_laid_out(update, names, shapes),
+                                      update.values(), strict=True))
+    refused = [
+        dict(update, a=update["a"].astype(np.float64)),    # another dtype
+        dict(update, a=update["a"].astype(">f4")),         # byte-swapped
+        dict(update, b=np.zeros((1, 2), np.float32)),      # another shape
+        dict(update, b=np.zeros((2, 2), np.float32)[:, :1]),  # not contiguous
+        {"b": update["b"], "a": update["a"]},              # another order
+        {"a": update["a"]},                                # a tensor missing
+        dict(update, a=list(update["a"])),                 # not an array
+    ]
+    for bad in refused:
+        assert not _core.check_gather(bad, names, shapes, offsets, out)
+        assert _core.check_laid_out(bad, names, shapes) is None
+    # Offsets that do not increase, or run past the end: refused, not written.
+    assert not _core.check_gather(update, names, shapes, [16, 0], out)
+    assert not _core.check_gather(update, names, shapes, [0, 28], out)

@@ -63,6 +63,10 @@ def check_gather(update: Any, names: list[str], shapes: list[tuple[int, ...]],
                  offsets: list[int], out: NDArray[np.uint8]) -> bool:
     """Check a dict of float32 arrays against names/shapes and gather it into out."""
 
+def check_laid_out(update: Any, names: list[str], shapes: list[tuple[int, ...]]
+                   ) -> list[NDArray[np.float32]] | None:
+    """check_gather's check without the copy: the arrays in order, or None."""
+
 def copy_ranges(dst: NDArray[np.uint8], dst_offsets: _IndexArray, src: NDArray[np.uint8],
                 src_offsets: _IndexArray, lengths: _IndexArray) -> None:
     """dst[dst_offsets[k]:+lengths[k]] = src[src_offsets[k]:+lengths[k]]."""

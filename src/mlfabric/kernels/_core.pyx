@@ -65,11 +65,17 @@ from cpython.buffer cimport (
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.math cimport isfinite, pow, sqrt
 from libc.stdint cimport uint32_t, uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
+
+cimport numpy as cnp
 
 import numbers
 
 import numpy as np
+
+# The numpy C API serves the one place where a Python-level buffer export per
+# array costs more than the work: checking 1,000 small tensors (check_gather).
+cnp.import_array()
 
 # Loops over at least this many elements release the GIL.
 NOGIL_MIN_ELEMENTS = 8192
@@ -961,60 +967,79 @@ def gather(out, arrays, offsets):
             PyBuffer_Release(&view)
 
 
+cdef inline Py_ssize_t _checked_nbytes(object value, tuple shape):
+    """The bytes of `value` if it is a C-contiguous native float32 numpy array
+    of `shape` (read through numpy's C API), else -1."""
+    if type(value) is not np.ndarray:
+        return -1
+    cdef cnp.ndarray arr = <cnp.ndarray>value
+    if (cnp.PyArray_TYPE(arr) != cnp.NPY_FLOAT32 or not cnp.PyArray_ISNOTSWAPPED(arr)
+            or not cnp.PyArray_IS_C_CONTIGUOUS(arr)):
+        return -1
+    cdef int i, ndim = cnp.PyArray_NDIM(arr)
+    if ndim != len(shape):
+        return -1
+    cdef cnp.npy_intp* dims = cnp.PyArray_DIMS(arr)
+    for i in range(ndim):
+        if dims[i] != <Py_ssize_t>shape[i]:
+            return -1
+    return cnp.PyArray_NBYTES(arr)
+
+
 def check_gather(update, list names, list shapes, list offsets, out):
     """If `update` is a dict naming exactly `names`, in that order, each a
-    C-contiguous float32 numpy array of the shape in `shapes`: copy each into
-    `out` (uint8, zeroed) at its offset and return True. Otherwise False,
-    with nothing promised about `out`: the caller checks the update the slow
-    way, which says what is wrong. (The whole check of an update of 1,000
-    small tensors, in C: a few microseconds instead of a third of a
-    millisecond.)"""
+    C-contiguous float32 numpy array of the shape in `shapes`, at increasing
+    `offsets`: copy each into `out` (uint8) at its offset, zero the bytes
+    between and after them, and return True (so `out` may be np.empty: a
+    zeroed buffer would be written twice). Otherwise False, with nothing
+    promised about `out`: the caller checks the update the slow way, which
+    says what is wrong. (The whole check of an update of 1,000 small tensors,
+    in C, reading each array's fields through numpy's C API: a buffer export
+    per array would cost more than copying its 4 KB.)"""
     if type(update) is not dict or not isinstance(out, np.ndarray) or out.dtype != np.uint8 \
             or not out.flags.c_contiguous or not out.flags.writeable:
         return False
     cdef dict d = <dict>update
-    cdef Py_ssize_t n = len(names), k = 0, i, off, size = out.size
+    cdef Py_ssize_t n = len(names), k = 0, off, nbytes, pos = 0, size = out.size
     if len(d) != n or len(shapes) != n or len(offsets) != n:
         return False
-    cdef _Buffers dst = _acquire([out], [True])
-    cdef char* base = <char*>dst.ptr(0)
-    cdef Py_buffer view
-    cdef tuple shape
-    cdef bint ok
-    cdef const char* fmt
+    cdef char* base = <char*>cnp.PyArray_DATA(<cnp.ndarray>out)
     for key, value in d.items():
         name = names[k]
         if key is not name and key != name:
             return False
-        if type(value) is not np.ndarray:
+        nbytes = _checked_nbytes(value, <tuple>shapes[k])
+        off = offsets[k]
+        if nbytes < 0 or off < pos or off > size - nbytes:
             return False
-        try:
-            PyObject_GetBuffer(value, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
-        except (BufferError, ValueError):  # not C-contiguous
-            return False
-        try:
-            shape = <tuple>shapes[k]
-            fmt = view.format
-            ok = (view.itemsize == 4 and fmt != NULL
-                  and (fmt[0] == c'f' or ((fmt[0] == c'<' or fmt[0] == c'=' or fmt[0] == c'@')
-                                          and fmt[1] == c'f'))
-                  and view.ndim == len(shape))
-            if ok:
-                for i in range(view.ndim):
-                    if view.shape[i] != shape[i]:
-                        ok = False
-                        break
-            off = offsets[k]
-            if ok and (off < 0 or off > size - view.len):
-                ok = False
-            if ok:
-                memcpy(base + off, view.buf, view.len)
-        finally:
-            PyBuffer_Release(&view)
-        if not ok:
-            return False
+        memset(base + pos, 0, off - pos)
+        memcpy(base + off, cnp.PyArray_DATA(<cnp.ndarray>value), nbytes)
+        pos = off + nbytes
         k += 1
+    memset(base + pos, 0, size - pos)
     return True
+
+
+def check_laid_out(update, list names, list shapes):
+    """check_gather's check without the copy: the arrays of `update` in
+    order if it is a dict naming exactly `names`, in that order, each a
+    C-contiguous float32 numpy array of the shape in `shapes`; else None.
+    (An update of many small tensors then goes out straight from its arrays,
+    in one writev: see runtime._sendv.)"""
+    if type(update) is not dict:
+        return None
+    cdef dict d = <dict>update
+    cdef Py_ssize_t n = len(names), k = 0
+    if len(d) != n or len(shapes) != n:
+        return None
+    for key, value in d.items():
+        name = names[k]
+        if key is not name and key != name:
+            return None
+        if _checked_nbytes(value, <tuple>shapes[k]) < 0:
+            return None
+        k += 1
+    return list(d.values())
 
 
 def copy_ranges(dst, dst_offsets, src, src_offsets, lengths):
