@@ -1,5 +1,6 @@
-"""Build the Cython extensions: the numeric kernels (src/mlfabric/kernels/_core.pyx)
-and the scheduling core's hot loop (src/mlfabric/scheduling/_stf.pyx).
+"""Build the Cython extensions: the numeric kernels (src/mlfabric/kernels/_core.pyx),
+the scheduling core's hot loop (src/mlfabric/scheduling/_stf.pyx) and the
+scatter-gather send of a frame (src/mlfabric/runtime/_sendv.pyx).
 
 -ffp-contract=off keeps the compiler from fusing a*b+c into one FMA, so every
 kernel rounds exactly like the numpy expression it is tested against, and the
@@ -17,6 +18,14 @@ extensions = [
         ["src/mlfabric/kernels/_core.pyx"],
         extra_compile_args=["-O3", "-ffp-contract=off"],
         # check_gather reads arrays through numpy's C API.
+        include_dirs=[numpy.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    ),
+    # A frame sent straight from many arrays in one sendmsg (runtime.loop).
+    Extension(
+        "mlfabric.runtime._sendv",
+        ["src/mlfabric/runtime/_sendv.pyx"],
+        extra_compile_args=["-O3"],
         include_dirs=[numpy.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     ),

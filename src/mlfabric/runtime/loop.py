@@ -8,6 +8,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from ..errors import ConfigError
+from ..wire.protocol import ScatteredBlock, expand_parts
+from ._sendv import rest, sendv
 
 T = TypeVar("T")
 
@@ -55,7 +57,11 @@ JOIN_LIMIT = 1 << 16
 
 
 def write_parts(transport: asyncio.WriteTransport, parts: list[Any]) -> int:
-    """Write a frame's parts in order; returns the bytes written."""
+    """Write a frame's parts in order; returns the bytes written. A frame
+    whose data block is a `ScatteredBlock` goes out straight from its arrays
+    (`_write_scattered`)."""
+    if parts and isinstance(parts[-1], ScatteredBlock):
+        return _write_scattered(transport, parts)
     total = 0
     run: list[Any] = []
     run_size = 0
@@ -76,3 +82,32 @@ def write_parts(transport: asyncio.WriteTransport, parts: list[Any]) -> int:
     if run:
         transport.write(b"".join(run) if len(run) > 1 else run[0])
     return total
+
+
+def _write_scattered(transport: asyncio.WriteTransport, parts: list[Any]) -> int:
+    """A frame of a head and a `ScatteredBlock`: when nothing is queued on a
+    plain TCP transport, one sendmsg straight from the arrays hands the
+    socket what it takes (the transport would send at once too, and the
+    stream's order holds), and only what it does not take is copied and
+    queued. Otherwise the pieces are queued as buffers."""
+    block: ScatteredBlock = parts[-1]
+    head = b"".join(parts[:-1])
+    size = len(head) + len(block)
+    sock = transport.get_extra_info("socket")
+    if (sock is None or transport.get_write_buffer_size() or transport.is_closing()
+            or transport.get_extra_info("sslcontext") is not None):
+        return write_parts(transport, expand_parts([head, block]))
+    plan = block.plan
+    try:
+        sent = sendv(sock.fileno(), head, block.arrays, plan.index, plan.starts,
+                     plan.lengths, plan.offsets, plan.total)
+    except OSError:
+        # The transport meets the same error on its next write and reports
+        # the connection lost the usual way.
+        return write_parts(transport, expand_parts([head, block]))
+    if sent < len(head):
+        transport.write(head[sent:])
+    if sent < size:
+        transport.write(rest(block.arrays, plan.index, plan.starts, plan.lengths,
+                             plan.offsets, plan.total, max(0, sent - len(head))))
+    return size
