@@ -624,26 +624,41 @@ def test_an_update_of_many_small_tensors_goes_out_laid_out_in_one_buffer():
     assert laid_out(big_update, big, layout(big)) is big_update
 
 
-def test_an_update_is_checked_and_gathered_in_one_pass_or_checked_the_slow_way():
-    """gathered_update: the same block as check_update + laid_out for a good
-    update; None for anything else, so that check_update names the mistake."""
-    from mlfabric.client.core import check_update, gathered_update, laid_out
+@pytest.mark.parametrize("columns", [3, 1200])  # 20 tensors of < 64 KiB in all, or more
+def test_an_update_is_checked_and_laid_out_in_one_pass_or_checked_the_slow_way(columns):
+    """laid_out_update: for a good update, the same frame as check_update +
+    laid_out (gathered into a copy when small, else the arrays themselves);
+    None for anything else, so that check_update names the mistake."""
+    from mlfabric.client.core import GATHER_MAX_BYTES, check_update, laid_out, laid_out_update
     from mlfabric.errors import InvalidUpdate
+    from mlfabric.wire.protocol import BlockPlan, FrameTensors, LaidOutTensors
 
-    specs = tuple(TensorSpec(f"t{i:02d}", F4, (2, 3 + i % 4)) for i in range(20))
+    specs = tuple(TensorSpec(f"t{i:02d}", F4, (2, columns + i % 4)) for i in range(20))
     block = layout(specs)
+    plan = BlockPlan.whole(specs)
     rng = np.random.default_rng(1)
     update = {s.name: rng.standard_normal(s.shape).astype(np.float32) for s in specs}
-    fast = gathered_update(update, specs, block)
+    fast = laid_out_update(update, specs, block, plan)
     slow = laid_out(check_update(update, specs), specs, block)
-    assert fast is not None and bytes(fast.data) == bytes(slow.data)
+    assert isinstance(slow, FrameTensors)
+    if block[1] <= GATHER_MAX_BYTES:
+        assert isinstance(fast, FrameTensors) and bytes(fast.data) == bytes(slow.data)
+    else:
+        # Not copied: the arrays themselves, and by name the same tensors.
+        assert isinstance(fast, LaidOutTensors)
+        assert all(a is update[s.name] for a, s in zip(fast.arrays, specs, strict=True))
+        assert list(fast) == [s.name for s in specs] and len(fast) == 20
+        for name, a in update.items():
+            assert np.array_equal(fast[name], a) and fast[name].shape == a.shape
+    assert Connection().send_bytes(Push(1, 2, fast)) == Connection().send_bytes(Push(1, 2, slow))
     bad_dtype = dict(update, t03=update["t03"].astype(np.float64))
+    swapped = dict(update, t02=update["t02"].astype(">f4"))
     wrong_shape = dict(update, t04=np.zeros((3, 2), np.float32))
     strided = dict(update, t05=np.zeros((2, 20), np.float32)[:, ::4][:, :4].copy(order="F"))
     missing = {k: v for k, v in update.items() if k != "t06"}
     reordered = dict(reversed(list(update.items())))
-    for bad in (bad_dtype, wrong_shape, missing, reordered, strided):
-        assert gathered_update(bad, specs, block) is None
+    for bad in (bad_dtype, swapped, wrong_shape, missing, reordered, strided):
+        assert laid_out_update(bad, specs, block, plan) is None
     with pytest.raises(InvalidUpdate, match="tensor 't03' is float64"):
         check_update(bad_dtype, specs)
     with pytest.raises(InvalidUpdate, match=r"tensor 't04' has shape \(3, 2\)"):
@@ -651,4 +666,4 @@ def test_an_update_is_checked_and_gathered_in_one_pass_or_checked_the_slow_way()
     with pytest.raises(InvalidUpdate, match="update lacks tensor 't06'"):
         check_update(missing, specs)
     # A torch tensor or any other mapping: the slow way too.
-    assert gathered_update(list(update.items()), specs, block) is None
+    assert laid_out_update(list(update.items()), specs, block, plan) is None

@@ -473,11 +473,15 @@ def test_client_metrics_count_each_shards_bytes_parts_and_delays():
     assert sum(per_shard) == sum(a.nbytes for a in model.values())
 
 
-def test_an_update_of_many_small_tensors_is_cut_into_the_shards_blocks_bit_for_bit():
-    """Gathered into the whole model's block in C, then cut into each shard's
-    block (copy_ranges): the same model as the update sent tensor by tensor."""
-    sizes = {f"t{i:03d}": (50 + i % 7, 3) for i in range(120)}
-    sizes["big"] = (70000,)  # cut into pieces across the shards
+@pytest.mark.parametrize("big, kind", [(None, "FrameTensors"), (70000, "LaidOutTensors")])
+def test_an_update_of_many_small_tensors_is_cut_into_the_shards_blocks_bit_for_bit(big, kind):
+    """Small in all: gathered into the whole model's block in C, then cut
+    into each shard's block (copy_ranges). Larger: sent to each shard
+    straight from the update's arrays, as the shard's plan cuts them. Either
+    way, the same model as the update sent tensor by tensor."""
+    sizes = {f"t{i:03d}": (10 + i % 7, 3) for i in range(120)}
+    if big is not None:
+        sizes["big"] = (big,)  # cut into pieces across the shards
     model = make_model(sizes=sizes)
     ref = Reference(model, 0.5)
     with shard_servers(model, 3) as servers, \
@@ -486,8 +490,8 @@ def test_an_update_of_many_small_tensors_is_cut_into_the_shards_blocks_bit_for_b
         version, params = ps.pull(timeout=10)
         for step in range(3):
             u = {n: np.random.default_rng(step).standard_normal(a.shape).astype(np.float32)
-                 for n, a in params.items()}  # the model's order: gathered
-            assert type(engine.prepare(u)).__name__ == "FrameTensors"
+                 for n, a in params.items()}  # the model's order: laid out
+            assert type(engine.prepare(u)).__name__ == kind
             assert ps.push(u, base_version=version).result(10).applied
             ref.apply(u)
             version, params = ps.pull(timeout=10)

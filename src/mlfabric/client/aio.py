@@ -24,8 +24,10 @@ from ..errors import ConfigError, ConnectionLost, MlfabricError
 from ..runtime.metrics import ClientMetrics
 from ..wire.handshake import ClientHandshake
 from ..wire.protocol import (
+    BlockPlan,
     Failover,
     FrameTensors,
+    LaidOutTensors,
     Pull,
     PullCancel,
     Push,
@@ -44,8 +46,8 @@ from .core import (
     check_push_timeout,
     check_update,
     default_client_name,
-    gathered_update,
     laid_out,
+    laid_out_update,
     parse_address,
     resolve_token,
     watch_period,
@@ -175,6 +177,7 @@ class AsyncClient:
         self.last_version = welcome.version
         self.welcome_shard = welcome.shard  # a sharded server's part (see client.sharded)
         self.block_layout = layout(self.specs)  # the frame layout of a whole update
+        self.block_plan = BlockPlan.whole(self.specs)  # the same, sent from the arrays
         self._controlled: Any = None  # AsyncControlledPushes with a controller
         self._feeds: Any = None  # ReplicaFeeds with worker-driven replication
         self._failover: Any = None  # AsyncFailoverWait with a controller and a replica
@@ -278,10 +281,10 @@ class AsyncClient:
         return self.submit(self.prepare(update), base)
 
     def prepare(self, update: Mapping[str, Any]) -> Mapping[str, np.ndarray]:
-        """`update` checked against the model: its arrays, or, for many small
-        tensors, a copy laid out as one frame block (`core.gathered_update`)."""
-        gathered = gathered_update(update, self.specs, self.block_layout)
-        return gathered if gathered is not None else check_update(update, self.specs)
+        """`update` checked against the model: its arrays; for many small
+        tensors, laid out as one frame block (`core.laid_out_update`)."""
+        fast = laid_out_update(update, self.specs, self.block_layout, self.block_plan)
+        return fast if fast is not None else check_update(update, self.specs)
 
     @staticmethod
     def check_base(base_version: Any) -> int:
@@ -460,6 +463,7 @@ class AsyncClient:
         fut.add_done_callback(self._note_version)
         if self._reporter is not None:
             nbytes = (len(tensors.data) if isinstance(tensors, FrameTensors)
+                      else tensors.nbytes if isinstance(tensors, LaidOutTensors)
                       else sum(a.nbytes for a in arrays.values()))
             fut.add_done_callback(functools.partial(self._report, nbytes, time.monotonic()))
         return fut, part

@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import ConnectionLost
 from ..runtime.loop_thread import LoopThread
 from ..runtime.metrics import ClientMetrics
-from ..wire.protocol import FrameTensors
+from ..wire.protocol import FrameTensors, LaidOutTensors
 from . import aio, sharded
 from .core import DEFAULT_PUSH_TIMEOUT, Version
 from .futures import PushFuture
@@ -203,6 +203,10 @@ class Client:
             # Many small tensors, already copied into one block: nothing of
             # the caller's is sent, so nothing to wait for.
             self._runner.call_soon(self._submit, arrays, base, result)
+        elif isinstance(arrays, LaidOutTensors):
+            # Many small tensors sent straight from their arrays: wait, as
+            # for one large tensor, until they have left.
+            self._runner.run(self._submit_and_flush(arrays, base, result))
         elif sum(a.nbytes for a in arrays.values()) <= SMALL_PUSH:
             # A copy costs less than waiting for the loop to send it: hand it
             # over and return.

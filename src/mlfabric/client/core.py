@@ -34,8 +34,10 @@ from ..runtime.metrics import REJECT_REASONS, ClientMetrics
 from ..wire import auth
 from ..wire.handshake import handshake_error
 from ..wire.protocol import (
+    BlockPlan,
     Error,
     FrameTensors,
+    LaidOutTensors,
     Model,
     ModelEnd,
     PushResult,
@@ -160,12 +162,17 @@ def check_update(
 Version: TypeAlias = Any
 
 
-# An update of many small tensors goes out as one buffer, its tensors copied
-# into a frame's data block (a memcpy each, in C), rather than as a buffer per
-# tensor, which costs the encoder and the transport a few microseconds each:
-# for at least this many tensors of at most this mean size.
+# An update of many small tensors goes out as one frame data block, not as a
+# buffer per tensor, which costs the encoder and the transport a few
+# microseconds each: for at least this many tensors of at most this mean size.
 GATHER_MIN_TENSORS = 16
 GATHER_MEAN_BYTES = 1 << 16
+# Up to this many bytes, the block is gathered: copied into one buffer, which
+# costs less than waiting for the link to send it (the caller may reuse its
+# arrays at once). Above, it goes straight from the arrays (`LaidOutTensors`,
+# one sendmsg): the copy would be bound by memory bandwidth and cost about
+# as much as sending.
+GATHER_MAX_BYTES = 1 << 16
 
 
 def _pays(specs: tuple[TensorSpec, ...], total: int) -> bool:
@@ -173,17 +180,22 @@ def _pays(specs: tuple[TensorSpec, ...], total: int) -> bool:
     return n >= GATHER_MIN_TENSORS and total <= n * GATHER_MEAN_BYTES
 
 
-def gathered_update(update: Any, specs: tuple[TensorSpec, ...],
-                    block: tuple[list[int], int]) -> FrameTensors | None:
-    """`update` checked and copied into one laid-out block in a single pass in
-    C, when that pays (see laid_out) and it is a dict of C-contiguous float32
-    arrays naming the model's tensors in order; else None (check_update then
-    checks it, and names what is wrong)."""
+def laid_out_update(update: Any, specs: tuple[TensorSpec, ...], block: tuple[list[int], int],
+                    plan: BlockPlan) -> FrameTensors | LaidOutTensors | None:
+    """`update` checked in a single pass in C and laid out as one frame data
+    block, when that pays (see above) and it is a dict of C-contiguous
+    float32 arrays naming the model's tensors in order: gathered into a copy
+    up to GATHER_MAX_BYTES, else its arrays as they are (`plan`: the whole
+    tensors in their frame layout). Else None (check_update then checks it,
+    and names what is wrong)."""
     offsets, total = block
     if not _pays(specs, total) or type(update) is not dict:
         return None
     index = _index(specs)
-    data = np.zeros(total, np.uint8)
+    if total > GATHER_MAX_BYTES:
+        arrays = kernels.check_laid_out(update, index.names, index.shapes)
+        return None if arrays is None else LaidOutTensors(specs, arrays, plan)
+    data = np.empty(total, np.uint8)  # check_gather zeroes the padding
     if not kernels.check_gather(update, index.names, index.shapes, offsets, data):
         return None
     return FrameTensors(specs, offsets, data)
@@ -197,7 +209,8 @@ def laid_out(arrays: Mapping[str, np.ndarray], specs: tuple[TensorSpec, ...],
     gathered: a server whose store has that layout then applies the block as
     it is, too."""
     offsets, total = block
-    if isinstance(arrays, FrameTensors) or not _pays(specs, total) or len(arrays) != len(specs):
+    if (isinstance(arrays, (FrameTensors, LaidOutTensors)) or not _pays(specs, total)
+            or len(arrays) != len(specs)):
         return arrays
     if list(arrays) != _index(specs).names:
         return arrays

@@ -20,7 +20,15 @@ from ..errors import ConnectError, ConnectionLost, MlfabricError
 from ..runtime.loop import within, write_parts
 from ..runtime.metrics import ClientMetrics
 from ..wire.handshake import ClientHandshake
-from ..wire.protocol import HEADER, MAX_META_LEN, NEED_DATA, Connection, layout
+from ..wire.protocol import (
+    HEADER,
+    MAX_META_LEN,
+    NEED_DATA,
+    Connection,
+    ScatteredBlock,
+    expand_parts,
+    layout,
+)
 from ..wire.streamed import StreamedBlock
 from .core import RequestTable, connection_lost_error, parse_address
 
@@ -216,6 +224,9 @@ class Link(asyncio.BufferedProtocol):
         assert self.transport is not None
         parts = self.conn.send(event)
         if self._part is not None:
+            if isinstance(parts[-1], ScatteredBlock):
+                # Held, it would point into the caller's arrays after flushed().
+                parts = [b"".join(expand_parts(parts))]
             self._held.append(parts)
             return sum(len(p) for p in parts)
         return self._write_frame(parts)
@@ -234,7 +245,7 @@ class Link(asyncio.BufferedProtocol):
         if self._part is not None:
             self.send(event)
             return None
-        parts = self.conn.send(event)
+        parts = expand_parts(self.conn.send(event))
         self.write(parts[0])
         self._part = PartFrame(self, parts[1:])
         self._part.advance(upto)

@@ -32,9 +32,9 @@ from .. import kernels
 from ..errors import ConfigError
 from ..runtime.metrics import ClientMetrics
 from ..sharding.partition import Partition
-from ..wire.protocol import FrameTensors, TensorSpec, layout
+from ..wire.protocol import BlockPlan, FrameTensors, LaidOutTensors, TensorSpec, layout
 from . import aio
-from .core import DEFAULT_PUSH_TIMEOUT, check_base_version, check_update, gathered_update
+from .core import DEFAULT_PUSH_TIMEOUT, check_base_version, check_update, laid_out_update
 from .futures import AsyncPushFuture
 from .outcome import PushOutcome
 from .shards import check_shards, split_addresses
@@ -86,16 +86,26 @@ class ShardedClient:
         self.momentum = shards[0].momentum
         self.session = ",".join(c.session for c in shards)
         # Where each shard's pieces lie in the whole model's frame block and in
-        # the shard's: an update gathered into the former is cut into the
-        # latter with one memcpy per piece, in C (see submit).
+        # the shard's: a small update gathered into the former is cut into the
+        # latter with one memcpy per piece, in C; a larger one goes to each
+        # shard straight from the update's arrays, as each shard's plan says
+        # (see submit).
         self._block = layout(self.specs)
+        self._plan = BlockPlan.whole(self.specs)
         where = {sp.name: off for sp, off in zip(self.specs, self._block[0], strict=True)}
+        number = {sp.name: i for i, sp in enumerate(self.specs)}
         itemsize = {sp.name: sp.dtype.itemsize for sp in self.specs}
         self._cuts = []
+        self._plans = []
         for client, pieces in zip(shards, part.pieces, strict=True):
             src = [where[p.tensor] + p.start * itemsize[p.tensor] for p in pieces]
-            self._cuts.append((np.array(client.block_layout[0], np.intp), np.array(src, np.intp),
-                               np.array([p.nbytes for p in pieces], np.intp)))
+            dst = np.array(client.block_layout[0], np.intp)
+            lengths = np.array([p.nbytes for p in pieces], np.intp)
+            self._cuts.append((dst, np.array(src, np.intp), lengths))
+            self._plans.append(BlockPlan(
+                np.array([number[p.tensor] for p in pieces], np.intp),
+                np.array([p.start * itemsize[p.tensor] for p in pieces], np.intp),
+                lengths, dst, client.block_layout[1]))
 
     @property
     def last_version(self) -> tuple[int, ...]:
@@ -140,10 +150,10 @@ class ShardedClient:
 
     def prepare(self, update: Mapping[str, Any]) -> Mapping[str, np.ndarray]:
         """`update` checked against the whole model (cut into parts at submit):
-        for many small tensors, copied into the whole model's block in one
-        pass (`core.gathered_update`)."""
-        gathered = gathered_update(update, self.specs, self._block)
-        return gathered if gathered is not None else check_update(update, self.specs)
+        for many small tensors, checked in one pass and laid out as the whole
+        model's block (`core.laid_out_update`)."""
+        fast = laid_out_update(update, self.specs, self._block, self._plan)
+        return fast if fast is not None else check_update(update, self.specs)
 
     def refusal(self) -> BaseException | None:
         for c in self.shards:
@@ -163,6 +173,9 @@ class ShardedClient:
                 kernels.copy_ranges(block, dst, arrays.data, src, lengths)
                 blocks.append(FrameTensors(client.specs, client.block_layout[0], block))
             cut = blocks
+        elif isinstance(arrays, LaidOutTensors) and arrays.specs is self.specs:
+            cut = [LaidOutTensors(client.specs, arrays.arrays, plan)
+                   for client, plan in zip(self.shards, self._plans, strict=True)]
         else:
             cut = self.partition.split(arrays)
         parts = []
