@@ -667,3 +667,72 @@ def test_an_update_is_checked_and_laid_out_in_one_pass_or_checked_the_slow_way(c
         check_update(missing, specs)
     # A torch tensor or any other mapping: the slow way too.
     assert laid_out_update(list(update.items()), specs, block, plan) is None
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 100, 1 << 20])
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_a_model_is_received_straight_into_a_scatters_runs_whatever_the_chunks(chunk, zero_copy):
+    """A MODEL frame that lists the scatter's tensors lands in its runs (the
+    padding in a spare buffer), bit for bit; the event carries the scatter's
+    own tensors. Other frames around it are untouched by it."""
+    from mlfabric.wire.protocol import Scatter, TensorSpec, layout
+
+    rng = np.random.default_rng(2)
+    tensors = {"a": rng.standard_normal(5).astype(np.float32),  # 20 B, then 44 B padding
+               "b": rng.standard_normal((3, 7)).astype(np.float32),
+               "c": np.arange(3, dtype=np.float64)}
+    specs = tuple(TensorSpec(n, DTYPES["f4" if a.dtype == np.float32 else "f8"], a.shape)
+                  for n, a in tensors.items())
+    offsets, total = layout(specs)
+    # The receiver's memory: the tensors in reverse order, each in its own array.
+    dest = {n: np.full(a.shape, -1, a.dtype) for n, a in tensors.items()}
+    spare = bytearray(ALIGN)
+    runs = []
+    for spec, off, nxt in zip(specs, offsets, [*offsets[1:], total], strict=True):
+        runs.append(memoryview(dest[spec.name]).cast("B"))
+        if nxt > off + spec.nbytes:
+            runs.append(memoryview(spare)[:nxt - off - spec.nbytes])
+    mine = {"dest": dest}
+    scatter = Scatter(specs, runs, mine)
+    asked = []
+
+    def scatter_for(head):
+        asked.append(head.req)
+        return scatter if head.req == 5 else None
+
+    other = {"a": np.float32([1, 2])}  # another tensor list: a buffer of its own
+    stream = b"".join(Connection().send_bytes(e) for e in (
+        Model(req=5, version=3, tensors=tensors), Model(req=5, version=4, tensors=other),
+        Push(req=5, base_version=0, tensors=tensors), Model(req=6, version=1, tensors=tensors)))
+    r = Connection()
+    r.scatter_for = scatter_for
+    if zero_copy:
+        events = feed_zero_copy(r, stream, chunk)
+    else:
+        events = []
+        for i in range(0, len(stream), chunk):
+            r.receive_data(stream[i:i + chunk])
+            events += drain(r)
+    assert asked == [5, 5, 6]  # only MODEL frames ask
+    assert events[0].tensors is mine and events[0].version == 3
+    for n, a in tensors.items():
+        assert dest[n].tobytes() == a.tobytes()
+    np.testing.assert_array_equal(events[1].tensors["a"], other["a"])
+    for ev in events[2:]:
+        for n, a in tensors.items():
+            np.testing.assert_array_equal(ev.tensors[n], a)
+            assert not np.shares_memory(ev.tensors[n], dest[n])
+
+
+def test_a_scatter_must_cover_its_block_with_writable_bytes():
+    from mlfabric.wire.protocol import Scatter, TensorSpec
+
+    specs = (TensorSpec("w", DTYPES["f4"], (4,)),)
+    with pytest.raises(ValueError, match="runs hold 12 bytes; the block of its tensors is 16"):
+        Scatter(specs, [memoryview(bytearray(12))], {})
+    with pytest.raises(ValueError, match="writable contiguous byte views"):
+        Scatter(specs, [memoryview(bytes(16))], {})
+    with pytest.raises(ValueError, match="writable contiguous byte views"):
+        Scatter(specs, [memoryview(np.zeros(4, np.float32))], {})
+    assert Scatter(specs, [memoryview(bytearray(10)), memoryview(bytearray(0)),
+                           memoryview(bytearray(6))], {}).runs[1].nbytes == 6

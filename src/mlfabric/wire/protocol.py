@@ -628,6 +628,32 @@ def expand_parts(parts: list[Any]) -> list[Any]:
     return [*parts[:-1], *parts[-1].pieces()]
 
 
+class Scatter:
+    """Where a MODEL frame's data block is received when not into one new
+    buffer: the block's bytes in order, as consecutive writable runs (the
+    receiver's own arrays, and a spare buffer for the padding between them).
+    A sharded client receives each shard's part straight into the whole
+    model this way (no join copy). Used only for a frame that lists exactly
+    `specs`; any other frame gets a buffer of its own. `tensors` is what the
+    event then carries, this very object: the receiver's view of where the
+    bytes went."""
+
+    __slots__ = ("runs", "specs", "tensors")
+
+    def __init__(self, specs: tuple[TensorSpec, ...], runs: Sequence[memoryview],
+                 tensors: Mapping[str, np.ndarray]) -> None:
+        self.specs = specs
+        self.runs = [r for r in runs if len(r)]
+        for r in self.runs:
+            if r.readonly or r.format != "B" or not r.c_contiguous:
+                raise ValueError("a Scatter's runs must be writable contiguous byte views")
+        total = layout(specs)[1]
+        if sum(len(r) for r in self.runs) != total or (total and not self.runs):
+            raise ValueError(f"a Scatter's runs hold {sum(len(r) for r in self.runs)} bytes; "
+                             f"the block of its tensors is {total}")
+        self.tensors = tensors
+
+
 class LaidOutTensors(Mapping[str, np.ndarray]):
     """An update checked against the tensor list `specs`, to be sent as one
     frame data block in their layout straight from `arrays`, not copied
@@ -1250,8 +1276,22 @@ class _Frame:
     head: Any = None  # the frame's event, fields checked, tensors not yet attached
     specs: tuple[TensorSpec, ...] = ()
     offsets: list[int] = field(default_factory=list)
-    data: memoryview | None = None
+    data: memoryview | None = None  # the whole block (None when scattered)
     received: int = 0
+    # Where the next received bytes go: `sink` holds block bytes
+    # [sink_start, sink_end); the whole block, or one run of a `scatter`.
+    scatter: Scatter | None = None
+    run: int = 0
+    sink: memoryview | None = None
+    sink_start: int = 0
+    sink_end: int = 0
+
+    def next_run(self) -> None:
+        """The sink is full: on to the scatter's next run, if any."""
+        if self.scatter is not None and self.run + 1 < len(self.scatter.runs):
+            self.run += 1
+            self.sink = self.scatter.runs[self.run]
+            self.sink_start, self.sink_end = self.sink_end, self.sink_end + len(self.sink)
 
 
 class Connection:
@@ -1275,6 +1315,10 @@ class Connection:
     ) -> None:
         self.max_frame_size = max_frame_size
         self._allocate = allocate
+        # For a MODEL frame: where its data block goes, by its fields (a
+        # `Scatter`, or None for a buffer of its own). Set by a receiver that
+        # knows, from the request it answers, where the model belongs.
+        self.scatter_for: Callable[[Any], Scatter | None] | None = None
         self._scratch = bytearray(_SCRATCH_SIZE)
         self._start = 0  # first unparsed byte in scratch
         self._end = 0  # end of received bytes in scratch
@@ -1289,8 +1333,8 @@ class Connection:
         """Where the next received bytes should be written."""
         frame = self._frame
         if self._into_frame():
-            assert frame is not None and frame.data is not None
-            return frame.data[frame.received:]
+            assert frame is not None and frame.sink is not None
+            return frame.sink[frame.received - frame.sink_start:]
         if self._state is _State.BROKEN:
             raise ProtocolError("connection is broken by an earlier protocol error")
         if self._end == len(self._scratch):
@@ -1303,6 +1347,8 @@ class Connection:
         if self._into_frame():
             assert frame is not None
             frame.received += nbytes
+            if frame.received == frame.sink_end:
+                frame.next_run()
         else:
             self._end += nbytes
 
@@ -1369,26 +1415,41 @@ class Connection:
                 self._parse_meta(frame)
                 self._state = _State.DATA
                 if frame.data_len:
-                    buf = self._allocate(frame.msg_type, frame.data_len)
-                    frame.data = memoryview(buf).cast("B")[: frame.data_len]
-                    if len(frame.data) < frame.data_len:
-                        raise ProtocolError("allocator returned a buffer that is too small")
+                    self._sink(frame)
             if self._state is _State.DATA:
-                if frame.received < frame.data_len and self._end > self._start:
-                    n = min(frame.data_len - frame.received, self._end - self._start)
-                    assert frame.data is not None
-                    frame.data[frame.received:frame.received + n] = (
-                        self._scratch[self._start:self._start + n]
-                    )
+                while frame.received < frame.data_len and self._end > self._start:
+                    n = min(frame.sink_end - frame.received, self._end - self._start)
+                    assert frame.sink is not None
+                    at = frame.received - frame.sink_start
+                    frame.sink[at:at + n] = self._scratch[self._start:self._start + n]
                     frame.received += n
                     self._start += n
-                    if self._start == self._end:
-                        self._start = self._end = 0
+                    if frame.received == frame.sink_end:
+                        frame.next_run()
+                if self._start == self._end:
+                    self._start = self._end = 0
                 if frame.received < frame.data_len:
                     return NEED_DATA
                 self._state = _State.HEADER
                 self._frame = None
                 return self._finish(frame)
+
+    def _sink(self, frame: _Frame) -> None:
+        """Where the frame's data block goes: the receiver's scatter for it
+        if it lists the tensors the scatter expects, else a new buffer."""
+        scatter = (self.scatter_for(frame.head)
+                   if self.scatter_for is not None and frame.msg_type is MsgType.MODEL
+                   else None)
+        if scatter is not None and scatter.specs == frame.specs:
+            frame.scatter = scatter
+            frame.sink = scatter.runs[0]
+            frame.sink_end = len(frame.sink)
+            return
+        buf = self._allocate(frame.msg_type, frame.data_len)
+        frame.data = memoryview(buf).cast("B")[: frame.data_len]
+        if len(frame.data) < frame.data_len:
+            raise ProtocolError("allocator returned a buffer that is too small")
+        frame.sink, frame.sink_end = frame.data, frame.data_len
 
     def _grow(self, size: int) -> None:
         """Compact the scratch buffer into a new one of at least `size` bytes.
@@ -1473,6 +1534,8 @@ class Connection:
             # store has this layout applies the data block as it is.
             return dataclasses.replace(
                 frame.head, tensors=FrameTensors(frame.specs, frame.offsets, frame.data))
+        if frame.scatter is not None:
+            return dataclasses.replace(frame.head, tensors=frame.scatter.tensors)
         return dataclasses.replace(frame.head,
                                    tensors=_tensor_views(frame.specs, frame.offsets, frame.data))
 
