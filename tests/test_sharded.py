@@ -496,6 +496,16 @@ def test_an_update_of_many_small_tensors_is_cut_into_the_shards_blocks_bit_for_b
             ref.apply(u)
             version, params = ps.pull(timeout=10)
         assert_model_equal(params, ref.w)
+        # Every shard's part was received straight into one buffer: no join copy.
+        roots = {id(_root(a)) for a in params.values()}
+        assert len(roots) == 1 and all(a.flags.writeable for a in params.values())
         for i, server in enumerate(servers):
             assert_model_equal(server.call(lambda s=server: dict(s.store.weights)),
                                engine.partition.split(ref.w)[i])
+
+
+def _root(a: np.ndarray) -> object:
+    """The object owning an array's memory."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a.base if a.base is not None else a

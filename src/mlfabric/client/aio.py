@@ -32,6 +32,7 @@ from ..wire.protocol import (
     PullCancel,
     Push,
     ReplicaAt,
+    Scatter,
     layout,
     spec_of,
 )
@@ -205,7 +206,7 @@ class AsyncClient:
         self._watcher = asyncio.get_running_loop().create_task(watch())
 
     async def pull(self, *, including: asyncio.Future[PushOutcome] | None = None,
-                   ) -> tuple[int, dict[str, np.ndarray]]:
+                   into: Scatter | None = None) -> tuple[int, dict[str, np.ndarray]]:
         """The model as (version, {name: array}), consistent at that version.
 
         With `including` (a future push() returned): the model once that
@@ -213,21 +214,26 @@ class AsyncClient:
         the server streams it while the update arrives, as for the blocking
         client's pull(including=...). Cancelling this call leaves the push
         alone.
+
+        With `into`, the model's bytes are received straight into the
+        scatter's runs and the arrays returned are its `tensors` (a sharded
+        client receives every shard's part into the whole model so); if the
+        server's tensor list is not the scatter's, into a buffer of their own.
         """
         if including is not None:
-            return await self._pull_including(including)
+            return await self._pull_including(including, into)
         failover = self._failover
         generation = failover.generation if failover is not None else 0
         try:
-            version, params = await self._request("pull", Pull, None)
+            version, params = await self._request("pull", Pull, None, into)
         except ConnectionLost:
             if failover is None or not await failover.wait_past(generation):
                 raise
-            return await self.pull()  # from the promoted replica
+            return await self.pull(into=into)  # from the promoted replica
         self.last_version = max(self.last_version, version)
         return version, params
 
-    async def _pull_including(self, push: asyncio.Future[PushOutcome]
+    async def _pull_including(self, push: asyncio.Future[PushOutcome], into: Scatter | None
                               ) -> tuple[int, dict[str, np.ndarray]]:
         uid = getattr(push, "uid", None)
         held: asyncio.Future[Any] | None = None
@@ -239,7 +245,7 @@ class AsyncClient:
                 reqs.append((proto, req))
                 return Pull(req=req, uid=uid, wait=PULL_WAIT)
             try:
-                held = self._request("pull", held_pull, None)
+                held = self._request("pull", held_pull, None, into)
             except ConnectionLost:
                 held = None  # the link is lost: the pull after the outcome fails over
         try:
@@ -251,13 +257,13 @@ class AsyncClient:
                 try:
                     version, params = await held
                 except ConnectionLost:
-                    return await self.pull()  # failover: from the promoted replica
+                    return await self.pull(into=into)  # failover: from the promoted replica
                 if version >= outcome.version:
                     self.last_version = max(self.last_version, version)
                     return version, params
         finally:
             self._give_up(reqs)  # unless answered: not applied, or cancelled
-        return await self.pull()
+        return await self.pull(into=into)
 
     def _give_up(self, reqs: list[tuple[Link, int]]) -> None:
         """Ignore the held pull's answer, and tell the server to forget it
@@ -477,13 +483,15 @@ class AsyncClient:
         if not fut.cancelled() and fut.exception() is None:
             self.last_version = max(self.last_version, fut.result().version)
 
-    def _request(self, kind: str, make_event: Any, base_version: int | None) -> Any:
-        fut, event = self._new_request(kind, make_event, base_version)
+    def _request(self, kind: str, make_event: Any, base_version: int | None,
+                 into: Scatter | None = None) -> Any:
+        fut, event = self._new_request(kind, make_event, base_version, into=into)
         self._proto.send(event)
         return fut
 
     def _new_request(self, kind: str, make_event: Any, base_version: int | None,
-                     fut: asyncio.Future[Any] | None = None) -> tuple[asyncio.Future[Any], Any]:
+                     fut: asyncio.Future[Any] | None = None, into: Scatter | None = None,
+                     ) -> tuple[asyncio.Future[Any], Any]:
         """A future registered for the answer (`fut`, or a new one), and the
         event to send for it."""
         error = self._link_error()
@@ -492,7 +500,7 @@ class AsyncClient:
         proto = self._proto
         if fut is None:
             fut = asyncio.get_running_loop().create_future()
-        return fut, make_event(proto.requests.add(kind, fut, base_version))
+        return fut, make_event(proto.requests.add(kind, fut, base_version, into))
 
     def request_streamed(self, kind: str, make_event: Any, base_version: int | None
                           ) -> tuple[asyncio.Future[Any], FrameWriter]:

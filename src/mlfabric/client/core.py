@@ -41,6 +41,7 @@ from ..wire.protocol import (
     Model,
     ModelEnd,
     PushResult,
+    Scatter,
     TensorSpec,
 )
 from .outcome import PushOutcome
@@ -245,6 +246,7 @@ class _Pending:
     base_version: int | None
     started: float
     streamed: Model | None = None  # a streamed model awaiting its MODEL_END
+    into: Scatter | None = None  # where a pull's model goes (else a buffer of its own)
 
 
 # Requests given up on (a pull that timed out) whose late answers are ignored.
@@ -267,10 +269,18 @@ class RequestTable:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def add(self, kind: str, future: Any, base_version: int | None = None) -> int:
+    def add(self, kind: str, future: Any, base_version: int | None = None,
+            into: Scatter | None = None) -> int:
         req = next(self._ids)
-        self._pending[req] = _Pending(kind, future, base_version, time.perf_counter())
+        self._pending[req] = _Pending(kind, future, base_version, time.perf_counter(),
+                                      into=into)
         return req
+
+    def scatter_for(self, head: Any) -> Scatter | None:
+        """Where the model answering a pending pull goes (Connection.scatter_for);
+        the answer to a request given up on gets a buffer of its own."""
+        pending = self._pending.get(getattr(head, "req", None))  # type: ignore[arg-type]
+        return pending.into if pending is not None and pending.kind == "pull" else None
 
     def discard(self, req: int) -> bool:
         """Give up on a request: an answer that still comes is ignored. False
@@ -334,7 +344,11 @@ class RequestTable:
             if m is not None:
                 m.pull_seconds.observe(elapsed)
             if not fut.done():
-                fut.set_result((event.version, dict(event.tensors)))
+                # A model received into the pull's scatter is its tensors, as they are.
+                into = pending.into
+                fut.set_result((event.version, event.tensors
+                                if into is not None and event.tensors is into.tensors
+                                else dict(event.tensors)))
         else:
             raise ProtocolError(
                 f"server answered a {pending.kind} with {type(event).__name__}"

@@ -129,6 +129,7 @@ class Link(asyncio.BufferedProtocol):
         self.metrics = metrics
         self.conn = Connection()
         self.requests = RequestTable(metrics)
+        self.conn.scatter_for = self.requests.scatter_for
         self.transport: Any = None
         self.welcomed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()

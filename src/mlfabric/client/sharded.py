@@ -32,7 +32,15 @@ from .. import kernels
 from ..errors import ConfigError
 from ..runtime.metrics import ClientMetrics
 from ..sharding.partition import Partition
-from ..wire.protocol import BlockPlan, FrameTensors, LaidOutTensors, TensorSpec, layout
+from ..wire.protocol import (
+    ALIGN,
+    BlockPlan,
+    FrameTensors,
+    LaidOutTensors,
+    Scatter,
+    TensorSpec,
+    layout,
+)
 from . import aio
 from .core import DEFAULT_PUSH_TIMEOUT, check_base_version, check_update, laid_out_update
 from .futures import AsyncPushFuture
@@ -106,6 +114,12 @@ class ShardedClient:
                 np.array([number[p.tensor] for p in pieces], np.intp),
                 np.array([p.start * itemsize[p.tensor] for p in pieces], np.intp),
                 lengths, dst, client.block_layout[1]))
+        # A pull receives each shard's block straight into the whole model's:
+        # the block's runs, in order, as (offset in the whole block, length),
+        # offset -1 for padding (into a spare buffer).
+        self._runs = [_runs(*cut, client.block_layout[1]) for cut, client
+                      in zip(self._cuts, shards, strict=True)]
+        self._spare = memoryview(bytearray(ALIGN))
 
     @property
     def last_version(self) -> tuple[int, ...]:
@@ -132,14 +146,29 @@ class ShardedClient:
         parts = getattr(including, "parts", None) if including is not None else None
         if including is not None and parts is None:
             raise TypeError("including= takes the future this client's push() returned")
-        pulls = [c.pull(including=parts[i] if parts is not None else None)
+        model, into = self._new_model()
+        pulls = [c.pull(including=parts[i] if parts is not None else None, into=into[i])
                  for i, c in enumerate(self.shards)]
         answers = await _all(pulls)
+        for i, (_, params) in enumerate(answers):
+            if params is not model:  # the shard listed other tensors: received apart
+                self.partition.put(model, i, params)
         if self.metrics is not None:
             for i, n in enumerate(self._nbytes):
                 self.metrics.shard_model_bytes.labels(str(i)).inc(n)
-        return (tuple(v for v, _ in answers),
-                self.partition.join([params for _, params in answers]))
+        return tuple(v for v, _ in answers), model
+
+    def _new_model(self) -> tuple[dict[str, np.ndarray], list[Scatter]]:
+        """A new whole model (views of one buffer in its frame layout), and
+        for each shard where its part goes in it."""
+        whole = np.empty(self._block[1], np.uint8)
+        model = {sp.name: whole[off:off + sp.nbytes].view(sp.dtype).reshape(sp.shape)
+                 for sp, off in zip(self.specs, self._block[0], strict=True)}
+        view, spare = whole.data, self._spare
+        return model, [
+            Scatter(client.specs, [spare[:n] if at < 0 else view[at:at + n] for at, n in runs],
+                    model)
+            for client, runs in zip(self.shards, self._runs, strict=True)]
 
     def push(self, update: Mapping[str, Any], *, base_version: Any) -> ShardedPushFuture:
         """Hand an update over; returns a future of its ShardedOutcome at once.
@@ -258,6 +287,22 @@ def _combine(done: ShardedPushFuture, parts: list[AsyncPushFuture],
     for p in parts:
         p.add_done_callback(one_done)
     done.add_done_callback(cancel_parts)
+
+
+def _runs(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, total: int
+          ) -> list[tuple[int, int]]:
+    """A shard block of `total` bytes whose pieces lie at `dst` and come from
+    `src` in the whole block, as runs (offset in the whole block, or -1 for
+    padding; length) in the shard block's order."""
+    runs, pos = [], 0
+    for at, start, n in zip(dst.tolist(), src.tolist(), lengths.tolist(), strict=True):
+        if at > pos:
+            runs.append((-1, at - pos))
+        runs.append((start, n))
+        pos = at + n
+    if total > pos:
+        runs.append((-1, total - pos))
+    return runs
 
 
 async def _all(coros: list[Any]) -> list[Any]:

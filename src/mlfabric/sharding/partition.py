@@ -93,10 +93,15 @@ class Partition:
         if len(parts) != self.shards:
             raise ConfigError(f"{len(parts)} parts for a partition over {self.shards} shards")
         out = {name: np.empty(shape, dtype) for name, dtype, shape in self.specs}
-        for shard, part in zip(self.pieces, parts, strict=True):
-            for p in shard:
-                out[p.tensor].reshape(-1)[p.start:p.stop] = np.asarray(part[p.key]).reshape(-1)
+        for shard, part in enumerate(parts):
+            self.put(out, shard, part)
         return out
+
+    def put(self, model: Mapping[str, np.ndarray], shard: int,
+            part: Mapping[str, np.ndarray]) -> None:
+        """Copy shard `shard`'s part into the whole `model`'s (C-contiguous) arrays."""
+        for p in self.pieces[shard]:
+            model[p.tensor].reshape(-1)[p.start:p.stop] = np.asarray(part[p.key]).reshape(-1)
 
 
 def partition(specs: Sequence[Spec], shards: int,
