@@ -30,6 +30,7 @@ from support import (
     assert_model_equal,
     free_port,
     make_model,
+    wait_until,
 )
 from test_cli import Server, mlfabric_cmd
 
@@ -333,6 +334,11 @@ def test_with_a_controller_each_part_is_a_transfer_to_its_shard():
             mlfabric.connect(addresses(servers), job=JOB, token=TOKEN,
                              controller=controller.address, controller_fallback="wait") as ps:
         version, _ = ps.pull(timeout=10)
+        # Every shard is listed before any transfer: each part's link says where it is.
+        listed = [{"shard": i, "host": "127.0.0.1", "version": 0} for i in range(3)]
+        wait_until(lambda: controller.call(
+            lambda: controller.server.state.status())["shards"] == listed,
+            what="the controller to list the 3 shards")
         for k in range(3):
             u = {n: np.full(a.shape, 0.01 * (k + 1), np.float32) for n, a in model.items()}
             outcome = ps.push(u, base_version=version).result(10)

@@ -145,7 +145,7 @@ async def connect(
             host=host or sock.getsockname()[0], dst=sock.getpeername()[0],
             fallback=controller_fallback, timeout=controller_timeout,
             aggregation=replica is None,
-            shard=client.welcome_shard.index if client.welcome_shard is not None else 0,
+            shard=client.welcome_shard.index if client.welcome_shard is not None else None,
             chunk=client.welcome_shard.chunk if client.welcome_shard is not None else 0)
         try:
             await controlled.start()

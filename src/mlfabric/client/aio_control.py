@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import ConnectError, MlfabricError
 from ..wire.handshake import ClientHandshake
-from ..wire.protocol import Directive, Error, Failover, ReplicaAt, ReplicaDone
+from ..wire.protocol import Directive, Error, Failover, ReplicaAt, ReplicaDone, ShardAt
 from .control_book import (
     RECONNECT_EVERY,
     ControlBook,
@@ -42,14 +42,17 @@ class AsyncControlledPushes:
     def __init__(self, client: ControlledClient, address: str, hs: ClientHandshake, *,
                  aggregators: LinkPool[PushLink], host: str, dst: str,
                  fallback: str = "fifo", timeout: float = 30.0, aggregation: bool = True,
-                 shard: int = 0, chunk: int = 0) -> None:
+                 shard: int | None = None, chunk: int = 0) -> None:
         """`aggregators`: the links to the aggregators the controller may route
-        pushes through, dialled by the client. `chunk` > 0: the controller
-        may let an update go that many bytes at a time (a sharded job's
-        chunk), so that a shorter transfer can pass it."""
+        pushes through, dialled by the client. `shard`: this client's shard
+        of a sharded job (announced on every link to the controller), else
+        None. `chunk` > 0: the controller may let an update go that many
+        bytes at a time (a sharded job's chunk), so that a shorter transfer
+        can pass it."""
         self.book = ControlBook(address, host=host, dst=dst, fallback=fallback,
-                                timeout=timeout, aggregation=aggregation, shard=shard,
+                                timeout=timeout, aggregation=aggregation, shard=shard or 0,
                                 chunk=chunk)
+        self.sharded = shard is not None
         self._aggregators = aggregators
         self.client = client
         self.address = address
@@ -72,6 +75,9 @@ class AsyncControlledPushes:
     async def _connect(self) -> Link:
         link = await open_link(self.address, self.hs, min(self.book.timeout, 10.0),
                                "controller", on_event=self._directive, on_lost=self._lost)
+        if self.sharded:  # so that `mlfabric status` lists every shard from the start
+            link.send(ShardAt(shard=self.book.shard, dst=self.book.dst,
+                              version=self.client.last_version))
         if self.book.aggregation:
             # Every aggregator the controller may route through, dialled ahead
             # of use (a member then does not wait for the handshake).

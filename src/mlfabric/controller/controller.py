@@ -33,6 +33,7 @@ from ..wire.protocol import (
     ReplicaAt,
     ReplicaDone,
     ReplicaJoin,
+    ShardAt,
     Status,
     StatusRequest,
     TransferDone,
@@ -483,6 +484,8 @@ class _ControllerProtocol(EndpointProtocol):
             self.endpoint.on_replica_join(event)
         elif isinstance(event, ReplicaDone):
             self.endpoint.on_replica_done(event)
+        elif isinstance(event, ShardAt):
+            self.endpoint.state.shard_at(event.shard, event.dst, event.version)
         elif isinstance(event, StatusRequest):
             self.send(Status(req=event.req, status=self.endpoint.status(asker=self)))
 

@@ -193,6 +193,11 @@ class ControlState:
         self.shard_hosts[shard] = dst
         return t
 
+    def shard_at(self, shard: int, dst: str, version: int) -> None:
+        """A client says shard `shard` is served at `dst`, at least at `version`."""
+        self.shard_versions[shard] = max(self.shard_versions.get(shard, 0), version)
+        self.shard_hosts[shard] = dst
+
     def done(self, owner: Hashable, req: int, *, version: int, applied: bool = True,
              delay: int | None = None, now: float | None = None,
              via_failed: str | None = None) -> Transfer | None:

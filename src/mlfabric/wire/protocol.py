@@ -92,6 +92,7 @@ class MsgType(enum.IntEnum):
     PULL_CANCEL = 24
     RESYNC = 25
     TRANSFER_PROGRESS = 26
+    SHARD_AT = 27
 
 
 class _NeedData:
@@ -362,6 +363,17 @@ class TransferDone:
 
 
 @dataclass(frozen=True)
+class ShardAt:
+    """Client -> controller, once per link: shard `shard` of a sharded job is
+    served at host `dst`, at `version` when this client last heard (so the
+    controller lists every shard before any transfer to it)."""
+
+    shard: int
+    dst: str
+    version: int
+
+
+@dataclass(frozen=True)
 class ReplicaDone:
     """Client -> controller: the replica at `dst` has applied the update the
     server applied as `version` (worker-driven replication)."""
@@ -490,7 +502,7 @@ class Status:
 Event = (Hello | Challenge | Auth | Welcome | Pull | PullCancel | Model | ModelEnd | Push
          | PushResult | Error | TransferRequest | Directive | TransferDone | TransferProgress
          | StatusRequest
-         | Status | ReplicaDone | Ping | Pong | Promote | Resync | Failover | StateRequest
+         | Status | ShardAt | ReplicaDone | Ping | Pong | Promote | Resync | Failover | StateRequest
          | ReplicaJoin | ReplicaAt)
 
 DIRECTIVE_ACTIONS = ("go", "drop")
@@ -1027,6 +1039,11 @@ def _decode_transfer_progress(meta: Mapping[str, Any], tensors: dict[str, np.nda
     return TransferProgress(req=_int(meta, "req"), sent=_int(meta, "sent"))
 
 
+def _decode_shard_at(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    return ShardAt(shard=_shard_index(meta), dst=_str(meta, "dst", 256),
+                   version=_int(meta, "version"))
+
+
 def _decode_status_request(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
     return StatusRequest(req=_int(meta, "req"))
 
@@ -1230,6 +1247,7 @@ CODECS: tuple[Codec, ...] = (
     Codec(MsgType.TRANSFER_PROGRESS, TransferProgress, _decode_transfer_progress),
     Codec(MsgType.STATUS_REQUEST, StatusRequest, _decode_status_request),
     Codec(MsgType.STATUS, Status, _decode_status),
+    Codec(MsgType.SHARD_AT, ShardAt, _decode_shard_at),
     Codec(MsgType.REPLICA_DONE, ReplicaDone, _decode_replica_done),
     Codec(MsgType.PING, Ping, _decode_ping),
     Codec(MsgType.PONG, Pong, _decode_pong),

@@ -16,6 +16,7 @@ from .protocol import (
     ReplicaDone,
     ReplicaJoin,
     Resync,
+    ShardAt,
     StateRequest,
     StatusRequest,
     TransferDone,
@@ -26,7 +27,7 @@ from .protocol import (
 SERVER: tuple[type, ...] = (Push, Pull, PullCancel, StateRequest, Ping)
 REPLICA: tuple[type, ...] = (*SERVER, Promote, Resync)
 CONTROLLER: tuple[type, ...] = (TransferRequest, TransferDone, TransferProgress, ReplicaJoin,
-                                ReplicaDone, StatusRequest)
+                                ReplicaDone, StatusRequest, ShardAt)
 AGGREGATOR: tuple[type, ...] = (Push,)
 
 
