@@ -461,3 +461,77 @@ def test_a_group_wait_holds_the_last_group_and_a_lone_update_for_company():
     # aggregate formed now.
     items, groups = route_groups(snap, plan, AggregationConfig(hold=False, wait=0.5))
     assert [g.ids for g in groups] == [(1, 2, 3)] and [i.start for i in items] == [0.25] * 3
+
+
+def test_with_shards_each_shards_parts_form_groups_of_their_own_on_their_best_aggregator():
+    """The controller plans each shard's transfers on their own, so a group
+    never mixes shards. Groups for two shards form at once, each on the
+    aggregator with the fastest forward into its shard's server (a is slow
+    to s1, b to s0), and each shard's order starts with a transfer straight
+    into its server: the never-stall rule holds per shard link."""
+    from mlfabric.controller.state import Go
+    from mlfabric.scheduling.aggregation import aggregating
+    from mlfabric.scheduling.policies import mlfabric_policy
+
+    net = Network(default=125 * MB, down={"s0": 12.5 * MB, "s1": 12.5 * MB},
+                  pair={("a", "s1"): 5 * MB, ("b", "s0"): 5 * MB})
+    state = ControlState(aggregating(mlfabric_policy, AggregationConfig(hold=False)),
+                         tau_max=None, network=net)
+    state.aggregators = {"a": "10.0.0.1:7401", "b": "10.0.0.2:7401"}
+    for w in range(5):
+        for shard in (0, 1):
+            state.request(f"c{w}", shard, host=f"w{w}", dst=f"s{shard}", nbytes=2 * MB,
+                          base_version=0, norm=1.0, now=0.0, shard=shard)
+    decided = state.decide(0.0)
+    assert decided.wake_at is None and not state.pending
+    goes = [a for a in decided.actions if isinstance(a, Go)]
+    assert len(goes) == 10
+    for shard, aggregator in ((0, "a"), (1, "b")):
+        mine = sorted((g for g in goes if g.transfer.shard == shard), key=lambda g: g.position)
+        assert [g.position for g in mine] == [0, 1, 2, 3, 4]
+        assert mine[0].route is None and mine[0].planned_seconds == pytest.approx(0.16)
+        routes = [g.route for g in mine[1:]]
+        assert {r.host for r in routes} == {aggregator}
+        assert {r.group for r in routes} == {mine[1].transfer.id}
+        assert [r.index for r in routes] == [0, 1, 2, 3] and {r.fan_in for r in routes} == {4}
+        # One forward of 2 MB at 12.5 MB/s behind the direct one: 0.32 s.
+        assert [g.planned_seconds for g in mine[1:]] == [pytest.approx(0.32)] * 4
+
+
+def test_a_chunked_transfer_goes_whole_through_an_aggregator_and_never_joins_one_in_part():
+    """An aggregate is one frame: a chunked transfer routed through an
+    aggregator is let go whole (no `upto`). One whose first chunk went
+    straight to the server goes on alone, whatever groups form around it."""
+    from mlfabric.controller.state import Go
+    from mlfabric.scheduling.aggregation import aggregating
+    from mlfabric.scheduling.policies import mlfabric_policy
+
+    state = ControlState(aggregating(mlfabric_policy, AggregationConfig(hold=False)),
+                         tau_max=None, network=Network(default=125 * MB, down={"s": 12.5 * MB}))
+    state.aggregators = {"a": "10.0.0.1:7401"}
+
+    def ask(w, now):
+        state.request(f"c{w}", w, host=f"w{w}", dst="s", nbytes=2 * MB, base_version=0,
+                      norm=1.0, now=now, shard=1, chunk=MB)
+
+    for w in range(5):
+        ask(w, 0.0)
+    goes = {a.transfer.host: a for a in state.decide(0.0).actions if isinstance(a, Go)}
+    first = goes.pop("w0")
+    assert first.route is None and first.upto == MB  # straight in, a chunk at a time
+    assert {g.route.host for g in goes.values()} == {"a"}
+    assert {g.upto for g in goes.values()} == {None}  # whole, through the aggregator
+    # w0's first chunk has left; three more workers ask meanwhile.
+    state.progress("c0", 0, sent=MB, now=0.08)
+    for w in range(5, 8):
+        ask(w, 0.08)
+    decided = state.decide(0.08)
+    goes = {a.transfer.host: a for a in decided.actions if isinstance(a, Go)}
+    assert {g.route.host for g in goes.values()} == {"a"} and set(goes) == {"w5", "w6", "w7"}
+    # The rest of w0 is planned behind the aggregates; once they are in, it
+    # goes, alone.
+    assert decided.wake_at is not None
+    for w in range(1, 8):
+        state.done(f"c{w}", w, version=w, now=0.5)
+    (rest,) = [a for a in state.decide(0.5).actions if isinstance(a, Go)]
+    assert rest.transfer.host == "w0" and rest.route is None and rest.upto == 2 * MB

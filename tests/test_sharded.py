@@ -438,10 +438,11 @@ def test_frames_sent_while_one_goes_in_parts_wait_for_it():
     assert asyncio.run(run()) == expected
 
 
-def test_a_controller_with_aggregators_refuses_sharded_transfers(caplog):
+def test_a_controller_with_a_divergence_bound_refuses_sharded_transfers(caplog):
     import logging
 
     from mlfabric.controller.controller import Controller
+    from mlfabric.replication.divergence import DivergenceGate
     from mlfabric.scheduling.plan import fifo_policy
 
     model = make_model(sizes=SIZES)
@@ -449,15 +450,61 @@ def test_a_controller_with_aggregators_refuses_sharded_transfers(caplog):
     with shard_servers(model, 2) as servers, \
             ServerThread(None, endpoint=Controller(fifo_policy, job=JOB, token=TOKEN,
                                                    tau_max=None,
-                                                   aggregators={"h": "127.0.0.1:1"})) as ctl, \
+                                                   gate=DivergenceGate(0.5, 1.0))) as ctl, \
             mlfabric.connect(addresses(servers), job=JOB, token=TOKEN,
                              controller=ctl.address) as ps:
         version, params = ps.pull(timeout=10)
         # Refused by the controller: the client goes on without it (fallback
         # "fifo") and says why.
         assert ps.push(params, base_version=version).result(10).applied
-    assert any("this controller runs with --aggregator, which does not work with sharded "
+    assert any("this controller runs with --div-max, which does not work with sharded "
                "servers yet" in r.getMessage() for r in caplog.records)
+
+
+def test_with_aggregators_each_shards_parts_are_summed_into_one_aggregate_per_shard(loop_kind):
+    """Each shard's transfers are planned, and grouped, on their own: a
+    group's members are parts of one shard, the aggregator sums them and
+    forwards one aggregate to that shard. Every shard ends bit for bit at
+    the aggregate replay, and each member is told its own outcome."""
+    from test_aggregator import grouping_policy
+
+    from mlfabric.agent.aggregator import Aggregator
+    from mlfabric.controller.controller import Controller
+    from mlfabric.runtime.metrics import AggregatorMetrics
+    from mlfabric.scheduling.aggregation import apply_aggregate
+
+    model = make_model(sizes=SIZES)
+    k, gamma = 3, 0.5
+    with shard_servers(model, 2, momentum=gamma) as servers, \
+            ServerThread(None, loop_kind=loop_kind, endpoint=Aggregator(
+                job=JOB, token=TOKEN, group_timeout=5.0, metrics=AggregatorMetrics())) as agg, \
+            ServerThread(None, loop_kind=loop_kind, endpoint=Controller(
+                grouping_policy(k, agg.address), job=JOB, token=TOKEN, tau_max=None)) as ctl, \
+            mlfabric.connect(addresses(servers), job=JOB, token=TOKEN,
+                             controller=ctl.address, controller_fallback="wait") as ps:
+        w, prev, version = dict(model), dict(model), 0
+        base, _ = ps.pull(timeout=10)
+        for rnd in range(2):
+            updates = [{n: np.random.default_rng(10 * rnd + i).standard_normal(a.shape)
+                        .astype(np.float32) * 0.01 for n, a in model.items()} for i in range(k)]
+            futures = [ps.push(u, base_version=base) for u in updates]
+            # Asked at once: each shard answers once its aggregate is in.
+            base, params = ps.pull(timeout=10, including=futures[-1])
+            outcomes = [f.result(10) for f in futures]
+            w, prev, version, delays = apply_aggregate(
+                w, prev, version, [(u, version) for u in updates], gamma)
+            assert [(o.applied, o.version, o.delay) for o in outcomes] == \
+                [(True, (version, version), d) for d in delays]
+            assert base == (version, version)
+            assert_model_equal(params, w)
+        for server in servers:
+            m = server.metrics
+            assert (m.aggregates_applied._value.get(), m.updates_applied._value.get()) == (2, 6)
+            # Each held pull was answered with its shard's aggregate in it.
+            assert (m.pulls_expired._value.get(), m.pulls_cancelled._value.get()) == (0, 0)
+        am = agg.metrics
+        assert am.aggregates.labels("applied")._value.get() == 4  # 2 rounds x 2 shards
+        assert am.members._value.get() == 12
 
 
 def test_client_metrics_count_each_shards_bytes_parts_and_delays():

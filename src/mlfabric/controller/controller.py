@@ -280,10 +280,10 @@ class Controller(Endpoint):
     # -- events -------------------------------------------------------------------
 
     def on_request(self, conn: _ControllerProtocol, ev: TransferRequest) -> None:
-        if ev.shard and (self.gate is not None or self.state.aggregators
-                         or self.monitor is not None):
-            what = ("--div-max" if self.gate is not None else
-                    "--aggregator" if self.state.aggregators else "failover (--server/--replica)")
+        # Aggregation works per shard: each shard's transfers are planned (and
+        # grouped) on their own, so a group's members are parts of one shard.
+        if ev.shard and (self.gate is not None or self.monitor is not None):
+            what = "--div-max" if self.gate is not None else "failover (--server/--replica)"
             conn.refuse("config", f"this controller runs with {what}, which does not work "
                                   f"with sharded servers yet: run the sharded job's controller "
                                   f"without it")

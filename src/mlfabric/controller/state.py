@@ -383,7 +383,11 @@ class ControlState:
         first = not t.granted
         planned = item.planned_seconds or 0.0
         upto = None
-        if t.chunk:
+        if t.chunk and item.route is not None:
+            # Through an aggregator it goes whole: an aggregate is one frame
+            # (route_groups never groups a transfer already sent in part).
+            t.piece, t.granted = t.nbytes, t.nbytes
+        elif t.chunk:
             upto = t.nbytes if whole else min(t.granted + t.chunk, t.nbytes)
             # The plan was for all that is left; this grant is a part of it.
             planned *= (upto - t.granted) / max(t.rest, 1)

@@ -337,7 +337,9 @@ def route_groups(snap: Snapshot, items: Sequence[PlanItem], config: AggregationC
     by_dst: dict[str, list[PlanItem]] = {}
     dropped: dict[str, list[PlanItem]] = {}
     for item in items:
-        if item.id not in pending:
+        if item.id not in pending or pending[item.id].granted:
+            # A chunked transfer sent in part goes on to its server alone:
+            # the rest of its frame is on that link already.
             continue
         if item.drop is None and item.start is not None:
             by_dst.setdefault(pending[item.id].dst, []).append(item)
