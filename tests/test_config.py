@@ -269,6 +269,20 @@ def test_an_unreachable_replica_names_the_address_and_the_setting(token_file,
     )
 
 
+def test_a_replica_per_shard_is_probed_one_by_one(token_file, refused_address):
+    with ServerThread(ParameterStore(make_model())) as st:
+        replicas = f"{st.address},{refused_address}"
+        s = config.resolve({"server": st.address, "job": JOB, "token_file": str(token_file),
+                            "replica": replicas}, environ={})
+        assert s.replica == replicas
+        with pytest.raises(ConfigError) as exc:
+            config.connect(s)
+    assert one_line(exc).startswith(
+        f"cannot reach the replica at {replicas} (setting replica (from ")
+    assert f"): {refused_address}: Connection refused; start `mlfabric server --role " \
+           f"replica` there" in one_line(exc)
+
+
 def test_a_wrong_token_or_job_names_both_settings(tmp_path):
     other = write(tmp_path / "other.token", "another-token-0123456789")
     with ServerThread(ParameterStore(make_model())) as st:

@@ -231,9 +231,44 @@ def test_a_shard_that_is_down_is_named():
             ps.close()
 
 
-def test_replica_with_shards_is_refused():
-    with pytest.raises(ConfigError, match="replica= with sharded servers is not supported"):
-        mlfabric.connect("a:1,b:1", job=JOB, token=TOKEN, replica="c:1")
+def test_each_shard_has_a_replica_fed_by_the_workers(tmp_path):
+    """`mlfabric server --role replica --shard I/S` keeps shard I; a worker
+    given one replica per shard sends each shard's part to its replica too,
+    and a push resolves once every part is on both. The replicas, pulled as
+    a sharded job of their own, hold the model bit for bit."""
+    model = make_model(sizes=SIZES)
+    ref = Reference(model, 0.5)
+    replicas = [Server(tmp_path, "--role", "replica", "--shard", f"{i}/2", "--chunk-bytes",
+                       "65536", "--momentum", "0.5", model=model) for i in range(2)]
+    try:
+        with shard_servers(model, 2) as servers:
+            with mlfabric.connect(addresses(servers), job=JOB, token=TOKEN,
+                                  replica=",".join(r.address for r in replicas)) as ps:
+                version, _ = ps.pull(timeout=10)
+                for k in range(3):
+                    u = {n: np.random.default_rng(k).standard_normal(a.shape)
+                         .astype(np.float32) * 0.01 for n, a in model.items()}
+                    outcome = ps.push(u, base_version=version).result(10)
+                    ref.apply(u)
+                    assert outcome.applied and outcome.version == (k + 1, k + 1)
+                    version, _ = ps.pull(timeout=10)
+            with mlfabric.connect(",".join(r.address for r in replicas), job=JOB,
+                                  token=TOKEN) as on_replicas:
+                version, params = on_replicas.pull(timeout=10)
+            assert version == (3, 3)
+            assert_model_equal(params, ref.w)
+            # In the wrong order, or fewer than the shards: refused, naming why.
+            swapped = ",".join(r.address for r in reversed(replicas))
+            with pytest.raises(ConfigError, match=r"the replica at .* keeps shard 1 of 2, the "
+                                                  r"server at .* shard 0 of 2"):
+                mlfabric.connect(addresses(servers), job=JOB, token=TOKEN, replica=swapped)
+            with pytest.raises(ConfigError, match=r"names 1 replica.* for 2 server address"):
+                mlfabric.connect(addresses(servers), job=JOB, token=TOKEN,
+                                 replica=replicas[0].address)
+    finally:
+        outs = [r.stop() for r in replicas]
+    for code, _, err in outs:
+        assert code == 0, err
 
 
 # -- the command ---------------------------------------------------------------------
@@ -270,7 +305,7 @@ def test_mlfabric_server_shard_serves_its_part(tmp_path):
 @pytest.mark.parametrize(("extra", "message"), [
     (["--shard", "3/3"], "the index I must be in 0..S-1 (S = 3), got 3"),
     (["--shard", "two"], "--shard takes I/S"),
-    (["--shard", "0/2", "--role", "replica"], "--role replica with --shard is not supported"),
+    (["--shard", "0/2", "--sample-replica", "127.0.0.1:1"], "--sample-replica with --shard"),
     (["--shard", "0/2", "--replicate-to", "127.0.0.1:1"], "--replicate-to with --shard"),
     (["--shard", "0/2", "--chunk-bytes", "0"], "chunk size must be a positive number"),
 ])

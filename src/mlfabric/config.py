@@ -101,9 +101,10 @@ SETTINGS: tuple[Setting, ...] = (
             "file holding the job's secret token (required)"),
     Setting("controller", "address", None,
             "the job's controller, HOST:PORT (default: none; pushes go straight to the server)"),
-    Setting("replica", "address", None,
-            "the job's replica, HOST:PORT: every applied update is also sent there "
-            "(worker-driven replication; default: none)"),
+    Setting("replica", "addresses", None,
+            "the job's replica, HOST:PORT, or one per shard of a sharded job, "
+            "HOST:PORT,HOST:PORT,... in shard order: every applied update (part) is also "
+            "sent there (worker-driven replication; default: none)"),
     Setting("agent", "address", None,
             "this host's mlfabric agent, HOST:PORT: pushes are reported to it as bandwidth "
             "samples (default: none)"),
@@ -482,16 +483,21 @@ def connect(settings: Settings, *, launch: Launch | None = None, **extra: Any) -
 
 
 def _probe(settings: Settings, which: str) -> None:
-    address = getattr(settings, which)
-    host, port = parse_address(address)
-    try:
-        sock = socket.create_connection((host, port), timeout=settings.timeout)
-    except OSError as exc:
-        raise _unreachable(settings, which, exc) from None
-    sock.close()
+    addresses = getattr(settings, which).split(",")  # a replica per shard: each of them
+    for address in addresses:
+        host, port = parse_address(address.strip())
+        try:
+            sock = socket.create_connection((host, port), timeout=settings.timeout)
+        except OSError as exc:
+            raise _unreachable(settings, which, exc,
+                               address.strip() if len(addresses) > 1 else None) from None
+        sock.close()
 
 
-def _unreachable(settings: Settings, which: str, exc: BaseException) -> ConfigError:
+def _unreachable(settings: Settings, which: str, exc: BaseException,
+                 one: str | None = None) -> ConfigError:
+    """The error for a `which` that cannot be reached (`one`: the address of
+    several that could not)."""
     cause: BaseException = exc
     if isinstance(exc, MlfabricError) and isinstance(exc.__context__, OSError):
         cause = exc.__context__
@@ -506,6 +512,8 @@ def _unreachable(settings: Settings, which: str, exc: BaseException) -> ConfigEr
     address = getattr(settings, which)
     if "," in address and isinstance(exc, MlfabricError):
         reason = str(exc)  # it names the shard that could not be reached
+    elif one is not None:
+        reason = f"{one}: {reason}"
     return ConfigError(
         f"cannot reach the {which} at {address} ({settings.where(which)}): {reason}; start "
         f"`{command}` there or fix {settings._fix(which)}"

@@ -116,6 +116,11 @@ async def connect(
         except BaseException:
             await client.close()
             raise
+        mismatch = _replica_mismatch(client, replica_client)
+        if mismatch is not None:
+            await replica_client.close()
+            await client.close()
+            raise ConfigError(mismatch)
         client._replica_timeout = replica_timeout
         try:
             feed = ReplicaFeed(replica_client, parse_address(replica)[0],
@@ -162,6 +167,29 @@ async def dial(address: str, hs: ClientHandshake, timeout: float, what: str,
                command: str | None = None) -> AsyncClient:
     """An `AsyncClient` on a new link to `address` (a server or an aggregator)."""
     return AsyncClient(await open_link(address, hs, timeout, what, command=command))
+
+
+def _replica_mismatch(server: AsyncClient, replica: AsyncClient) -> str | None:
+    """Why `replica` cannot keep `server`'s model, or None: it must serve the
+    same shard of the same partition (or, like it, the whole model)."""
+    def what(info: Any) -> str:
+        return "the whole model" if info is None else f"shard {info.index} of {info.count}"
+
+    mine, theirs = server.welcome_shard, replica.welcome_shard
+    if (mine is None) != (theirs is None) or (
+            mine is not None and theirs is not None
+            and (mine.index, mine.count, mine.digest) != (theirs.index, theirs.count,
+                                                           theirs.digest)):
+        same_place = (mine is not None and theirs is not None
+                      and (mine.index, mine.count) == (theirs.index, theirs.count))
+        return (f"the replica at {replica.address} keeps "
+                f"{what(theirs) + ' of another partition' if same_place else what(theirs)}, "
+                f"the server at {server.address} {what(mine)}: give each shard the replica "
+                f"started with its --shard, the same --init and --chunk-bytes")
+    if replica.specs != server.specs:
+        return (f"the replica at {replica.address} keeps another model than the server at "
+                f"{server.address}: start it with the server's --init")
+    return None
 
 
 class AsyncClient:

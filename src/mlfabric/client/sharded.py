@@ -323,21 +323,28 @@ async def connect(address: str, *, job: str, token: str | bytes | None = None,
                   **options: Any) -> aio.AsyncClient | ShardedClient:
     """The client of the server at `address`, or of the shards at
     "HOST:PORT,HOST:PORT,..." (in shard order). Takes aio.connect()'s
-    arguments; a sharded job has no replica yet (issue 31)."""
+    arguments; `replica` names one replica per shard, in the same order
+    ("HOST:PORT,HOST:PORT,..."), each fed with its shard's parts."""
     addresses = split_addresses(address)
-    if len(addresses) > 1 and replica is not None:
-        raise ConfigError("replica= with sharded servers is not supported yet: replicas "
-                          "work with one server (drop replica=, or give one server)")
+    replicas: list[str | None] = [None] * len(addresses)
+    if replica is not None:
+        named = split_addresses(replica)
+        if len(named) != len(addresses):
+            raise ConfigError(
+                f"replica= names {len(named)} replica(s) for {len(addresses)} server "
+                f"address(es): give one replica per shard, in shard order")
+        replicas = list(named)
     common = dict(job=job, token=token, token_file=token_file, timeout=timeout,
                   metrics=metrics, push_timeout=push_timeout, **options)
     if len(addresses) == 1:
-        client = await aio.connect(addresses[0], replica=replica, **common)
+        client = await aio.connect(addresses[0], replica=replicas[0], **common)
         info = client.welcome_shard
         if info is not None and info.count > 1:  # one shard of several: say so
             await client.close()
             check_shards(addresses, [info], [client.specs])
         return client
-    clients = await _all([aio.connect(a, **common) for a in addresses])
+    clients = await _all([aio.connect(a, replica=r, **common)
+                          for a, r in zip(addresses, replicas, strict=True)])
     try:
         part = check_shards(addresses, [c.welcome_shard for c in clients],
                             [c.specs for c in clients])

@@ -287,13 +287,16 @@ def run_server(args: argparse.Namespace) -> int:
     if args.keep_checkpoints < 1:
         raise ConfigError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}")
     if parse_shard(args.shard) is not None:
-        for flag, given in (("--role replica", args.role == "replica"),
-                            ("--replicate-to", args.replicate_to is not None),
+        # A shard's replica (--role replica --shard I/S) is fed by the
+        # shard's workers (mlfabric.connect(..., replica=...)); the server-
+        # driven and joining replicas are one server's only for now.
+        for flag, given in (("--replicate-to", args.replicate_to is not None),
                             ("--sample-replica", args.sample_replica is not None),
                             ("--join-from", args.join_from is not None)):
             if given:
-                raise ConfigError(f"{flag} with --shard is not supported yet: replicas work "
-                                  f"with one server per job (drop --shard or {flag})")
+                raise ConfigError(f"{flag} with --shard is not supported yet: a shard's "
+                                  f"replica is fed by its workers (start it with --role replica "
+                                  f"--shard I/S and give the workers replica=...), drop {flag}")
     if args.join_from is not None:
         if args.role != "replica" or args.controller is None:
             raise ConfigError("--join-from is for a replica (--role replica) and needs "
