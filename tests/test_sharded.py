@@ -597,3 +597,118 @@ def _root(a: np.ndarray) -> object:
     while isinstance(a.base, np.ndarray):
         a = a.base
     return a.base if a.base is not None else a
+
+
+# -- failover per shard -----------------------------------------------------------------
+
+
+def test_a_controller_watching_fewer_servers_than_shards_refuses_the_others(caplog):
+    import logging
+
+    from mlfabric.controller.controller import Controller
+    from mlfabric.scheduling.plan import fifo_policy
+
+    model = make_model(sizes=SIZES)
+    caplog.set_level(logging.WARNING, logger="mlfabric.client")
+    ctl = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None)
+    with shard_servers(model, 2) as servers, shard_servers(model, 2) as spare, \
+            ServerThread(None, endpoint=ctl) as controller:
+        controller.call(lambda: ctl.watch_server(servers[0].address, spare[0].address))
+        with mlfabric.connect(addresses(servers), job=JOB, token=TOKEN,
+                              controller=controller.address) as ps:
+            version, params = ps.pull(timeout=10)
+            assert ps.push(params, base_version=version).result(10).applied
+    assert any("this controller watches 1 server(s) for failover, not shard 1: give --server "
+               "and --replica one address per shard" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("lost", [0, 1])
+def test_losing_one_shard_moves_only_that_shard_to_its_replica_and_loses_nothing(lost):
+    """Two shards, each with a replica its workers feed, watched by the
+    controller. Shard `lost`'s server dies mid-training: only its replica
+    is promoted and only its workers' links fail over; the other shard
+    keeps its server and replica. Every acknowledged part is applied once,
+    and each shard's final model is the numpy replay of its parts in its
+    own version order, bit for bit."""
+    import threading
+    import time
+
+    from mlfabric.controller.controller import Controller
+    from mlfabric.replication.replica import ReplicaServer
+    from mlfabric.runtime.metrics import ServerMetrics
+    from mlfabric.scheduling.plan import fifo_policy
+
+    from support import random_update
+
+    gamma, workers, steps = 0.5, 3, 8
+    model = make_model(sizes=SIZES)
+    servers = [ServerThread(sharded_store(model, i, 2, momentum=gamma)) for i in range(2)]
+    endpoints = [ReplicaServer(sharded_store(model, i, 2, momentum=gamma), job=JOB,
+                               token=TOKEN, metrics=ServerMetrics(), recovery=0.2)
+                 for i in range(2)]
+    replicas = [ServerThread(None, endpoint=ep) for ep in endpoints]
+    ctl = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None)
+    controller = ServerThread(None, endpoint=ctl)
+    acked: list[dict[int, dict[str, np.ndarray]]] = [{}, {}]
+    acked_at: list[float] = []
+    lock = threading.Lock()
+    killed = threading.Event()
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            with mlfabric.connect(addresses(servers), job=JOB, token=TOKEN,
+                                  controller=controller.address, controller_fallback="wait",
+                                  replica=",".join(r.address for r in replicas),
+                                  failover_timeout=10) as ps:
+                for i in range(steps):
+                    version, _ = ps.pull(timeout=10)
+                    u = random_update(model, seed=100 * w + i)
+                    outcome = ps.push(u, base_version=version).result(20)
+                    assert outcome.applied, outcome
+                    with lock:
+                        for shard, part in enumerate(outcome.shards):
+                            assert part.version not in acked[shard], outcome
+                            acked[shard][part.version] = u
+                        acked_at.append(time.monotonic())
+                        if len(acked[0]) == 7:
+                            killed.set()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    with controller, replicas[0], replicas[1]:
+        for s in servers:
+            s.__enter__()
+        controller.call(lambda: ctl.watch_servers([s.address for s in servers],
+                                                  [r.address for r in replicas],
+                                                  interval=0.05, timeout=0.3))
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(workers)]
+        for t in threads:
+            t.start()
+        assert killed.wait(30)
+        kill_time = time.monotonic()
+        servers[lost].__exit__(None, None, None)  # every connection to it drops
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        kept = 1 - lost
+        finals = {lost: replicas[lost], kept: servers[kept]}
+        final = {i: finals[i].call(lambda st=finals[i]: (
+            st.server.store.version, {n: a.copy() for n, a in st.server.store.weights.items()}))
+            for i in (0, 1)}
+        status = controller.call(lambda: ctl.state.status())
+        servers[kept].__exit__(None, None, None)
+    total = workers * steps
+    part = partition([(n, a.dtype, a.shape) for n, a in model.items()], 2, 1 << 16)
+    for shard in (0, 1):
+        assert sorted(acked[shard]) == list(range(1, total + 1))
+        assert final[shard][0] == total
+        ref = Reference(model, gamma)
+        for v in sorted(acked[shard]):
+            ref.apply(acked[shard][v])
+        assert_model_equal(final[shard][1], part.split(ref.w)[shard])
+    assert ctl.metrics.failovers._value.get() == 1
+    assert endpoints[lost].serving and not endpoints[kept].serving
+    assert [x["host"] for x in status["shards"]] == ["127.0.0.1", "127.0.0.1"]
+    resumed = min(t for t in acked_at if t > kill_time)
+    assert resumed - kill_time < 2.0

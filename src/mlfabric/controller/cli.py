@@ -77,11 +77,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(workers connect with replica=...; needs --momentum)")
     p.add_argument("--momentum", type=float, default=None, metavar="G",
                    help="the server's momentum gamma, for the divergence bound (--div-max)")
-    p.add_argument("--server", metavar="HOST:PORT", default=None,
+    p.add_argument("--server", metavar="HOST:PORT[,...]", default=None,
                    help="failover: send heartbeats to the server here, and when it stops "
-                        "answering promote --replica and tell the workers (needs --replica)")
-    p.add_argument("--replica", metavar="HOST:PORT", default=None,
-                   help="failover: the replica to promote (mlfabric server --role replica)")
+                        "answering promote --replica and tell the workers (needs --replica); "
+                        "for a sharded job every shard's server, in shard order: losing one "
+                        "moves only that shard to its replica")
+    p.add_argument("--replica", metavar="HOST:PORT[,...]", default=None,
+                   help="failover: the replica to promote (mlfabric server --role replica); "
+                        "for a sharded job one per shard, in shard order")
     p.add_argument("--heartbeat-interval", type=float, default=0.2, metavar="SECONDS",
                    help="seconds between heartbeats to the server (default: 0.2)")
     p.add_argument("--heartbeat-timeout", type=float, default=1.0, metavar="SECONDS",
@@ -175,9 +178,20 @@ def run(args: argparse.Namespace) -> int:
                                     wait=args.group_wait, rescue=args.rescue_drops)
     if (args.server is None) != (args.replica is None):
         raise ConfigError("failover needs both --server HOST:PORT and --replica HOST:PORT")
+    servers: list[str] = []
+    replicas: list[str] = []
     if args.server is not None:
-        parse_address(args.server)
-        parse_address(args.replica)
+        servers = [a.strip() for a in args.server.split(",")]
+        replicas = [a.strip() for a in args.replica.split(",")]
+        for address in (*servers, *replicas):
+            parse_address(address)
+        if len(servers) != len(replicas):
+            raise ConfigError(f"--server names {len(servers)} server(s) and --replica "
+                              f"{len(replicas)} replica(s): give one replica per shard's "
+                              f"server, in shard order")
+        if len(servers) > 1 and args.div_max is not None:
+            raise ConfigError("--div-max does not work with sharded servers yet (--server "
+                              "names several): drop --div-max")
         if not args.replica_gap_timeout > 0:
             raise ConfigError(f"--replica-gap-timeout must be positive, got "
                               f"{args.replica_gap_timeout}")
@@ -221,11 +235,10 @@ def run(args: argparse.Namespace) -> int:
         bound = await listen(controller, host, port, args.listen)
         if agents:
             controller.watch_agents(agents, args.agent_interval)
-        if args.server is not None:
-            controller.watch_server(args.server, args.replica,
-                                    interval=args.heartbeat_interval,
-                                    timeout=args.heartbeat_timeout,
-                                    gap_timeout=args.replica_gap_timeout)
+        if servers:
+            controller.watch_servers(servers, replicas, interval=args.heartbeat_interval,
+                                     timeout=args.heartbeat_timeout,
+                                     gap_timeout=args.replica_gap_timeout)
         print(f"mlfabric controller: serving job {args.job!r} on {bound[0]}:{bound[1]} "
               f"(policy {args.policy}, tau_max {tau_max}"
               f"{'' if gate is None else f', div_max {gate.div_max}'}"

@@ -10,11 +10,13 @@ decisions out, logs them (one JSON line per decision) and counts them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
 import secrets
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ConfigError, MlfabricError
@@ -85,7 +87,9 @@ class Controller(Endpoint):
         self._events = 0  # events since the last re-plan
         self._held_seen = self._overrides_seen = self._stalls_seen = 0
         self._norms_known = 0  # the server's update norms are known up to this version
-        self.monitor: FailoverMonitor | None = None
+        # One per server watched for failover, by shard index (one for a job
+        # of one server).
+        self.monitors: list[FailoverMonitor] = []
 
     # -- agents -------------------------------------------------------------------
 
@@ -140,15 +144,50 @@ class Controller(Endpoint):
         divergence gate (the norms of the server's applied updates, the
         replica's version) and resync a replica that waits `gap_timeout`
         seconds for an update that will not come."""
-        self.monitor = FailoverMonitor(
-            server=server, replica=replica, job=self.job, token=self.token,
-            interval=interval, timeout=timeout, on_failover=self.on_failover,
-            on_server_up=lambda up: self.metrics.server_up.set(int(up)),
-            on_replica_lost=self.on_replica_lost,
-            since=self._norms_since, on_server_pong=self.on_server_pong,
-            on_replica_pong=self.on_replica_pong, on_resynced=self.on_resynced,
-            gap_timeout=gap_timeout)
-        self.monitor.start()
+        self.watch_servers([server], [replica], interval=interval, timeout=timeout,
+                           gap_timeout=gap_timeout)
+
+    def watch_servers(self, servers: Sequence[str], replicas: Sequence[str], *,
+                      interval: float = 0.2, timeout: float = 1.0,
+                      gap_timeout: float = DEFAULT_GAP_TIMEOUT) -> None:
+        """`watch_server` for each shard of a sharded job (`servers[i]` is
+        shard i's, `replicas[i]` its replica): losing one shard promotes only
+        its replica and tells only the workers' links to that shard."""
+        if len(servers) != len(replicas) or not servers:
+            raise ConfigError(f"failover needs one replica per server: {len(servers)} "
+                              f"server(s), {len(replicas)} replica(s)")
+        if len(servers) > 1 and self.gate is not None:
+            raise ConfigError("--div-max does not work with sharded servers yet: run the "
+                              "sharded job's controller without it")
+        up = [False] * len(servers)
+
+        def server_up(shard: int, is_up: bool) -> None:
+            up[shard] = is_up  # the gauge says whether every server answers
+            self.metrics.server_up.set(int(all(up)))
+
+        for shard, (server, replica) in enumerate(zip(servers, replicas, strict=True)):
+            self.monitors.append(FailoverMonitor(
+                server=server, replica=replica, job=self.job, token=self.token,
+                interval=interval, timeout=timeout,
+                on_failover=functools.partial(self.on_failover, shard=shard),
+                on_server_up=functools.partial(server_up, shard),
+                on_replica_lost=functools.partial(self.on_replica_lost, shard=shard),
+                since=self._norms_since, on_server_pong=self.on_server_pong,
+                on_replica_pong=self.on_replica_pong,
+                on_resynced=functools.partial(self.on_resynced, shard=shard),
+                gap_timeout=gap_timeout))
+        for monitor in self.monitors:
+            monitor.start()
+
+    def _peers(self, shard: int) -> list[_ControllerProtocol]:
+        """The connections to tell of a change at `shard`'s server: every one
+        for a job of one server; with shards, the links that said they talk
+        to that shard (SHARD_AT)."""
+        ready = [c for c in list(self.connections)
+                 if isinstance(c, _ControllerProtocol) and c.stage == "ready"]
+        if len(self.monitors) <= 1:
+            return ready
+        return [c for c in ready if c.shard == shard]
 
     def _norms_since(self) -> int | None:
         """The version above which the gate wants the server's update norms."""
@@ -191,13 +230,16 @@ class Controller(Endpoint):
                                          "div_max": gate.div_max}
             self.replan()
 
-    def on_resynced(self, address: str, version: int, velocity: float) -> None:
+    def on_resynced(self, address: str, version: int, velocity: float, shard: int = 0
+                    ) -> None:
         """The replica started over from the server's state at `version`:
         as a join there (workers that gave it up send it what they kept)."""
         self.metrics.replica_resyncs.inc()
-        self.on_replica_join(ReplicaJoin(address=address, version=version, velocity=velocity))
+        self.on_replica_join(ReplicaJoin(address=address, version=version, velocity=velocity),
+                             shard=shard)
 
-    def on_failover(self, address: str, version: int, silent_since: float) -> None:
+    def on_failover(self, address: str, version: int, silent_since: float, shard: int = 0
+                    ) -> None:
         m = self.metrics
         m.failovers.inc()
         if self.gate is not None:
@@ -206,51 +248,66 @@ class Controller(Endpoint):
             # updates than the lost server's: forget the old norms there.
             self.gate.applied = {v: n for v, n in self.gate.applied.items() if v <= version}
         self._norms_known = min(self._norms_known, version)
-        self.state.replicas.clear()
+        sharded = len(self.monitors) > 1
+        host = address.rsplit(":", 1)[0]
+        if sharded:  # the other shards' replicas and transfers are untouched
+            self.state.replicas.pop(host, None)
+            self.state.shard_hosts[shard] = host
+        else:
+            self.state.replicas.clear()
         # Transfers let go to the lost server are never reported: their
         # workers re-send them to the new server directly.
-        self.state.active.clear()
+        for k in [k for k, t in self.state.active.items() if not sharded or t.shard == shard]:
+            del self.state.active[k]
         event = Failover(server=address, version=version)
-        told = 0
-        for conn in list(self.connections):
-            if conn.stage == "ready":
-                conn.send(event)
-                told += 1
+        peers = self._peers(shard)
+        for conn in peers:
+            conn.send(event)
         seconds = asyncio.get_running_loop().time() - silent_since
         m.failover_seconds.observe(seconds)
-        log.warning("failover: the replica at %s is the server (version %d); %d peers told, "
-                    "%.2f s after the last heartbeat", address, version, told, seconds)
+        what = f"shard {shard}'s server" if sharded else "the server"
+        log.warning("failover: the replica at %s is %s (version %d); %d peers told, "
+                    "%.2f s after the last heartbeat", address, what, version, len(peers),
+                    seconds)
         decision_log.info(json.dumps({"event": "failover", "server": address,
-                                      "version": version, "seconds": round(seconds, 6)}))
+                                      "version": version, "seconds": round(seconds, 6),
+                                      **({"shard": shard} if sharded else {})}))
         self.replan()
 
-    def on_replica_lost(self, address: str) -> None:
+    def on_replica_lost(self, address: str, shard: int = 0) -> None:
         """No replica any more: nothing to bound the divergence from, so server
         transfers are no longer held (training goes on, unreplicated)."""
         self.metrics.replicas_lost.inc()
         if self.gate is not None:
             self.gate.active = False
-        self.state.replicas.clear()
+        if len(self.monitors) > 1:
+            self.state.replicas.pop(address.rsplit(":", 1)[0], None)
+        else:
+            self.state.replicas.clear()
         decision_log.info(json.dumps({"event": "replica_lost", "replica": address}))
         self.replan()
 
-    def on_replica_join(self, ev: ReplicaJoin) -> None:
+    def on_replica_join(self, ev: ReplicaJoin, shard: int = 0) -> None:
         """A new replica serves from ev.version: workers send it the updates
-        above that version, and it is the one to promote at the next failover."""
-        if self.monitor is not None:
-            self.monitor.replica = ev.address
+        above that version, and it is the one to promote at the next failover.
+        (A replica that announces itself is for a job of one server; with
+        shards only a resync, which knows its shard, comes here.)"""
+        if shard < len(self.monitors):
+            self.monitors[shard].replica = ev.address
         if self.gate is not None:
             self.gate.start(ev.version, ev.velocity)
             self.gate.active = True
             self._norms_known = max(self._norms_known, ev.version)
         host = ev.address.rsplit(":", 1)[0]
-        self.state.replicas = {host: {"host": host, "address": ev.address,
-                                      "version": ev.version}}
-        told = 0
-        for conn in list(self.connections):
-            if conn.stage == "ready":
-                conn.send(ReplicaAt(address=ev.address, version=ev.version))
-                told += 1
+        entry = {"host": host, "address": ev.address, "version": ev.version}
+        if len(self.monitors) > 1:
+            self.state.replicas[host] = entry
+        else:
+            self.state.replicas = {host: entry}
+        peers = self._peers(shard)
+        for conn in peers:
+            conn.send(ReplicaAt(address=ev.address, version=ev.version))
+        told = len(peers)
         log.warning("replica joined at %s from version %d; %d peers told", ev.address,
                     ev.version, told)
         decision_log.info(json.dumps({"event": "replica_join", "replica": ev.address,
@@ -282,11 +339,15 @@ class Controller(Endpoint):
     def on_request(self, conn: _ControllerProtocol, ev: TransferRequest) -> None:
         # Aggregation works per shard: each shard's transfers are planned (and
         # grouped) on their own, so a group's members are parts of one shard.
-        if ev.shard and (self.gate is not None or self.monitor is not None):
-            what = "--div-max" if self.gate is not None else "failover (--server/--replica)"
-            conn.refuse("config", f"this controller runs with {what}, which does not work "
-                                  f"with sharded servers yet: run the sharded job's controller "
-                                  f"without it")
+        if ev.shard and self.gate is not None:
+            conn.refuse("config", "this controller runs with --div-max, which does not work "
+                                  "with sharded servers yet: run the sharded job's controller "
+                                  "without it")
+            return
+        if ev.shard and self.monitors and ev.shard >= len(self.monitors):
+            conn.refuse("config", f"this controller watches {len(self.monitors)} server(s) "
+                                  f"for failover, not shard {ev.shard}: give --server and "
+                                  f"--replica one address per shard, in shard order")
             return
         self.metrics.requests.inc()
         self.state.request(conn, ev.req, host=ev.host, dst=ev.dst, nbytes=ev.nbytes,
@@ -461,14 +522,15 @@ class Controller(Endpoint):
             task.cancel()
         if self._agent_tasks:  # no re-plan from an agent's report after close
             await asyncio.wait(self._agent_tasks, timeout=5.0)
-        if self.monitor is not None:
-            await self.monitor.close()
+        for monitor in self.monitors:
+            await monitor.close()
         await super().close()
 
 
 class _ControllerProtocol(EndpointProtocol):
     endpoint: Controller
     accepts = roles.CONTROLLER
+    shard: int | None = None  # the shard a sharded client's link talks to (SHARD_AT)
 
     def on_ready(self) -> None:
         self.endpoint.state.join(self, f"{self.client} ({self.peer})")
@@ -485,6 +547,7 @@ class _ControllerProtocol(EndpointProtocol):
         elif isinstance(event, ReplicaDone):
             self.endpoint.on_replica_done(event)
         elif isinstance(event, ShardAt):
+            self.shard = event.shard  # failover news for that shard come here
             self.endpoint.state.shard_at(event.shard, event.dst, event.version)
         elif isinstance(event, StatusRequest):
             self.send(Status(req=event.req, status=self.endpoint.status(asker=self)))
