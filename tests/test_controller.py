@@ -235,9 +235,6 @@ def test_controller_command_serves_and_stops_cleanly(tmp_path):
     (["--server", "127.0.0.1:1,127.0.0.1:2", "--replica", "127.0.0.1:3"],
      "--server names 2 server(s) and --replica 1 replica(s): give one replica per shard's "
      "server, in shard order"),
-    (["--server", "127.0.0.1:1,127.0.0.1:2", "--replica", "127.0.0.1:3,127.0.0.1:4",
-      "--div-max", "1", "--momentum", "0.5"],
-     "--div-max does not work with sharded servers yet (--server names several)"),
     (["--server", "127.0.0.1:1,nonsense", "--replica", "127.0.0.1:3,127.0.0.1:4"],
      "nonsense"),
 ])

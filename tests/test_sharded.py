@@ -259,8 +259,10 @@ def test_each_shard_has_a_replica_fed_by_the_workers(tmp_path):
             assert_model_equal(params, ref.w)
             # In the wrong order, or fewer than the shards: refused, naming why.
             swapped = ",".join(r.address for r in reversed(replicas))
-            with pytest.raises(ConfigError, match=r"the replica at .* keeps shard 1 of 2, the "
-                                                  r"server at .* shard 0 of 2"):
+            # (Both shards are dialled at once: either one's mismatch is named.)
+            with pytest.raises(ConfigError, match=r"the replica at .* keeps shard (1|0) of 2, "
+                                                  r"the server at .* shard (0|1) of 2: give each "
+                                                  r"shard the replica started with its --shard"):
                 mlfabric.connect(addresses(servers), job=JOB, token=TOKEN, replica=swapped)
             with pytest.raises(ConfigError, match=r"names 1 replica.* for 2 server address"):
                 mlfabric.connect(addresses(servers), job=JOB, token=TOKEN,
@@ -305,7 +307,8 @@ def test_mlfabric_server_shard_serves_its_part(tmp_path):
 @pytest.mark.parametrize(("extra", "message"), [
     (["--shard", "3/3"], "the index I must be in 0..S-1 (S = 3), got 3"),
     (["--shard", "two"], "--shard takes I/S"),
-    (["--shard", "0/2", "--sample-replica", "127.0.0.1:1"], "--sample-replica with --shard"),
+    (["--shard", "0/2", "--join-from", "127.0.0.1:1", "--role", "replica"],
+     "--join-from with --shard"),
     (["--shard", "0/2", "--replicate-to", "127.0.0.1:1"], "--replicate-to with --shard"),
     (["--shard", "0/2", "--chunk-bytes", "0"], "chunk size must be a positive number"),
 ])
@@ -473,7 +476,7 @@ def test_frames_sent_while_one_goes_in_parts_wait_for_it():
     assert asyncio.run(run()) == expected
 
 
-def test_a_controller_with_a_divergence_bound_refuses_sharded_transfers(caplog):
+def test_a_controller_bounding_one_server_refuses_the_other_shards(caplog):
     import logging
 
     from mlfabric.controller.controller import Controller
@@ -492,8 +495,9 @@ def test_a_controller_with_a_divergence_bound_refuses_sharded_transfers(caplog):
         # Refused by the controller: the client goes on without it (fallback
         # "fifo") and says why.
         assert ps.push(params, base_version=version).result(10).applied
-    assert any("this controller runs with --div-max, which does not work with sharded "
-               "servers yet" in r.getMessage() for r in caplog.records)
+    assert any("this controller bounds the divergence (--div-max) of 1 server(s), not of "
+               "shard 1: give --server and --replica one address per shard" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_with_aggregators_each_shards_parts_are_summed_into_one_aggregate_per_shard(loop_kind):
@@ -712,3 +716,106 @@ def test_losing_one_shard_moves_only_that_shard_to_its_replica_and_loses_nothing
     assert [x["host"] for x in status["shards"]] == ["127.0.0.1", "127.0.0.1"]
     resumed = min(t for t in acked_at if t > kill_time)
     assert resumed - kill_time < 2.0
+
+
+def test_each_shards_measured_divergence_stays_within_its_share_of_div_max():
+    """With --div-max X over S shards, each shard's gate keeps its part
+    within X / sqrt(S), measured with each shard and its replica frozen at
+    one instant; so the whole model stays within X. The bound here is as
+    tight as one server step allows, so it holds transfers back."""
+    import math
+    import threading
+
+    from mlfabric.controller.controller import Controller
+    from mlfabric.kernels import _core
+    from mlfabric.replication.divergence import ROUNDING, DivergenceGate
+    from mlfabric.replication.replica import ReplicaServer
+    from mlfabric.runtime.metrics import ServerMetrics
+    from mlfabric.scheduling.plan import fifo_policy
+
+    from support import random_update
+
+    gamma, workers, steps = 0.5, 3, 10
+    model = make_model(sizes=SIZES)
+    part = partition([(n, a.dtype, a.shape) for n, a in model.items()], 2, 1 << 16)
+
+    def update(w, i):  # mixed sizes: some are large next to the bound
+        return random_update(model, seed=1000 * w + i, scale=0.05 * (1 + i % 3))
+
+    def norm(tensors):
+        return math.sqrt(sum(_core.l2_norm(a.reshape(-1)) ** 2 for a in tensors.values()))
+
+    step = max(norm(p) for w in range(workers) for i in range(steps)
+               for p in part.split(update(w, i)))
+    per_shard = (step + gamma * step / (1 - gamma)) * 1.001  # one server step, no lag
+    div_max = per_shard * math.sqrt(2)
+    servers = [ServerThread(sharded_store(model, i, 2, momentum=gamma)) for i in range(2)]
+    replicas = [ServerThread(None, endpoint=ReplicaServer(
+        sharded_store(model, i, 2, momentum=gamma), job=JOB, token=TOKEN,
+        metrics=ServerMetrics())) for i in range(2)]
+    ctl = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None,
+                     gate=DivergenceGate(gamma, div_max))
+    controller = ServerThread(None, endpoint=ctl)
+    samples: list[list[tuple[int, int, float, float]]] = [[], []]
+    acked: list[set[int]] = [set(), set()]
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def snapshot(store):
+        return store.version, {n: a.copy() for n, a in store.weights.items()}
+
+    def sample(i):
+        # In shard i's loop thread: it applies nothing until its replica's
+        # snapshot is taken, so both are of one instant.
+        vs, ws = snapshot(servers[i].store)
+        vr, wr = replicas[i].call(lambda: snapshot(replicas[i].server.store))
+        return vs, vr, ws, wr
+
+    def sampler():
+        while not stop.is_set():
+            for i in (0, 1):
+                vs, vr, ws, wr = servers[i].call(lambda i=i: sample(i))
+                measured = math.sqrt(sum(_core.l2_norm_diff(ws[n], wr[n]) ** 2 for n in ws))
+                samples[i].append((vs, vr, measured, norm(ws)))
+            stop.wait(0)
+
+    def worker(w):
+        with mlfabric.connect(addresses(servers), job=JOB, token=TOKEN,
+                              controller=controller.address, controller_fallback="wait",
+                              replica=",".join(r.address for r in replicas)) as ps:
+            for i in range(steps):
+                version, _ = ps.pull(timeout=10)
+                outcome = ps.push(update(w, i), base_version=version).result(20)
+                assert outcome.applied, outcome
+                with lock:
+                    for shard, p in enumerate(outcome.shards):
+                        acked[shard].add(p.version)
+
+    with servers[0], servers[1], replicas[0], replicas[1], controller:
+        controller.call(lambda: ctl.watch_servers([s.address for s in servers],
+                                                  [r.address for r in replicas]))
+        sampling = threading.Thread(target=sampler)
+        sampling.start()
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        stop.set()
+        sampling.join(10)
+        finals = [servers[i].call(lambda i=i: sample(i)) for i in (0, 1)]
+    assert sorted(ctl.gates) == [0, 1]
+    for i in (0, 1):
+        gate = ctl.gates[i]
+        assert gate.div_max == pytest.approx(div_max / math.sqrt(2))
+        assert sorted(acked[i]) == list(range(1, workers * steps + 1))
+        assert len(samples[i]) >= 20
+        for vs, vr, measured, w_norm in samples[i]:
+            allowance = ROUNDING * w_norm * (vs - vr + 1) * 10  # float32, see divergence.py
+            assert measured <= gate.div_max + allowance, (i, vs, vr, measured, gate.div_max)
+        assert gate.overrides == 0
+        vs, vr, ws, wr = finals[i]
+        assert vs == vr == workers * steps  # every part acknowledged is on both
+        assert_model_equal(ws, wr)
+    assert ctl.gates[0].held + ctl.gates[1].held > 0  # the bound held transfers back
+    assert ctl.metrics.divergence_holds._value.get() == ctl.gates[0].held + ctl.gates[1].held

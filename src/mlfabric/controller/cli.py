@@ -74,7 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--div-max", type=float, default=None, metavar="X",
                    help="worker-driven replication: keep a bound on ||w_server - w_replica||_2 "
                         "at most X by holding server transfers until the replica catches up "
-                        "(workers connect with replica=...; needs --momentum)")
+                        "(workers connect with replica=...; needs --momentum). With shards "
+                        "(several --server), each shard's part is kept within X/sqrt(S), so "
+                        "the whole model stays within X")
     p.add_argument("--momentum", type=float, default=None, metavar="G",
                    help="the server's momentum gamma, for the divergence bound (--div-max)")
     p.add_argument("--server", metavar="HOST:PORT[,...]", default=None,
@@ -189,9 +191,6 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--server names {len(servers)} server(s) and --replica "
                               f"{len(replicas)} replica(s): give one replica per shard's "
                               f"server, in shard order")
-        if len(servers) > 1 and args.div_max is not None:
-            raise ConfigError("--div-max does not work with sharded servers yet (--server "
-                              "names several): drop --div-max")
         if not args.replica_gap_timeout > 0:
             raise ConfigError(f"--replica-gap-timeout must be positive, got "
                               f"{args.replica_gap_timeout}")

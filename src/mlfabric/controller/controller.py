@@ -13,6 +13,7 @@ import asyncio
 import functools
 import json
 import logging
+import math
 import os
 import secrets
 import time
@@ -60,15 +61,19 @@ class Controller(Endpoint):
                  aggregators: dict[str, str] | None = None,
                  aggregation: AggregationConfig | None = None) -> None:
         """`gate`: worker-driven replication with a divergence bound; server
-        transfers are held back so that it stays within gate.div_max.
+        transfers are held back so that it stays within gate.div_max. With
+        sharded servers (`watch_servers`) each shard gets a gate of its own
+        with a bound of gate.div_max / sqrt(S), so that the whole model's
+        divergence stays within gate.div_max (docs/design.md).
         `aggregators` (host -> "ADDR:PORT" of its agent's aggregator): the
         policy's order is grouped and routed through them (aggregation.py)."""
         super().__init__(job=job, token=token,
                          metrics=metrics if metrics is not None else ControllerMetrics(),
                          handshake_timeout=handshake_timeout)
-        self.gate = gate
+        # The divergence gates, by shard (shard 0 only, for one server).
+        self.gates: dict[int, DivergenceGate] = {} if gate is None else {0: gate}
         if gate is not None:
-            policy = gated(policy, gate)
+            policy = gated(policy, self.gates)
         if aggregators:
             if gate is not None:
                 raise ConfigError("aggregation and worker-driven replication (--div-max) do not "
@@ -85,8 +90,9 @@ class Controller(Endpoint):
         self._wake: asyncio.TimerHandle | None = None
         self._soon: asyncio.Handle | None = None  # the re-plan this turn's events asked for
         self._events = 0  # events since the last re-plan
-        self._held_seen = self._overrides_seen = self._stalls_seen = 0
-        self._norms_known = 0  # the server's update norms are known up to this version
+        # By shard: the server's update norms are known up to this version.
+        self._norms_known: dict[int, int] = {}
+        self._seen: dict[int, tuple[int, int, int]] = {}  # gate counters already counted
         # One per server watched for failover, by shard index (one for a job
         # of one server).
         self.monitors: list[FailoverMonitor] = []
@@ -156,9 +162,14 @@ class Controller(Endpoint):
         if len(servers) != len(replicas) or not servers:
             raise ConfigError(f"failover needs one replica per server: {len(servers)} "
                               f"server(s), {len(replicas)} replica(s)")
-        if len(servers) > 1 and self.gate is not None:
-            raise ConfigError("--div-max does not work with sharded servers yet: run the "
-                              "sharded job's controller without it")
+        template = self.gates.get(0)
+        if template is not None and len(servers) > 1:
+            # sqrt(sum over shards of (div_max / sqrt(S))^2) = div_max: the
+            # whole model keeps the bound the user gave (docs/design.md).
+            per_shard = template.div_max / math.sqrt(len(servers))
+            for shard in range(len(servers)):
+                self.gates[shard] = DivergenceGate(template.gamma, per_shard,
+                                                   lag_timeout=template.lag_timeout)
         up = [False] * len(servers)
 
         def server_up(shard: int, is_up: bool) -> None:
@@ -172,8 +183,9 @@ class Controller(Endpoint):
                 on_failover=functools.partial(self.on_failover, shard=shard),
                 on_server_up=functools.partial(server_up, shard),
                 on_replica_lost=functools.partial(self.on_replica_lost, shard=shard),
-                since=self._norms_since, on_server_pong=self.on_server_pong,
-                on_replica_pong=self.on_replica_pong,
+                since=functools.partial(self._norms_since, shard),
+                on_server_pong=functools.partial(self.on_server_pong, shard=shard),
+                on_replica_pong=functools.partial(self.on_replica_pong, shard=shard),
                 on_resynced=functools.partial(self.on_resynced, shard=shard),
                 gap_timeout=gap_timeout))
         for monitor in self.monitors:
@@ -189,19 +201,25 @@ class Controller(Endpoint):
             return ready
         return [c for c in ready if c.shard == shard]
 
-    def _norms_since(self) -> int | None:
-        """The version above which the gate wants the server's update norms."""
-        if self.gate is None:
-            return None
-        return max(self._norms_known, self.gate.replica)
+    @property
+    def gate(self) -> DivergenceGate | None:
+        """The divergence gate of a job of one server (shard 0's with shards)."""
+        return self.gates.get(0)
 
-    def on_server_pong(self, pong: Pong) -> None:
+    def _norms_since(self, shard: int = 0) -> int | None:
+        """The version above which `shard`'s gate wants its server's update norms."""
+        gate = self.gates.get(shard)
+        if gate is None:
+            return None
+        return max(self._norms_known.get(shard, 0), gate.replica)
+
+    def on_server_pong(self, pong: Pong, shard: int = 0) -> None:
         """The server's heartbeat answer: every update it applied, with its
         norm, reaches the gate even if the worker that pushed it died."""
-        gate = self.gate
+        gate = self.gates.get(shard)
         if gate is None or pong.norms is None or pong.norms_from is None:
             return
-        wanted = self._norms_since()
+        wanted = self._norms_since(shard)
         if wanted is not None and pong.norms_from > wanted + 1:
             log.warning("the server no longer knows the norms of versions %d..%d: the "
                         "divergence gate cannot fold them (it will hold, then give up "
@@ -209,13 +227,14 @@ class Controller(Endpoint):
                         pong.norms_from - 1)
         for i, norm in enumerate(pong.norms):
             gate.server_applied(pong.norms_from + i, norm)
-        self._norms_known = max(self._norms_known, pong.norms_from + len(pong.norms) - 1)
+        self._norms_known[shard] = max(self._norms_known.get(shard, 0),
+                                       pong.norms_from + len(pong.norms) - 1)
         self.replan()
 
-    def on_replica_pong(self, address: str, pong: Pong) -> None:
+    def on_replica_pong(self, address: str, pong: Pong, shard: int = 0) -> None:
         """The replica's heartbeat answer: its version (and, first on each
         connection, its velocity, which gives the gate an exact start)."""
-        gate = self.gate
+        gate = self.gates.get(shard)
         if gate is None or not gate.active:
             return
         before = (gate.replica, gate.replica_reported)
@@ -224,11 +243,21 @@ class Controller(Endpoint):
         else:
             gate.replica_applied(pong.version)
         if (gate.replica, gate.replica_reported) != before:
-            host = address.rsplit(":", 1)[0]
-            self.state.replicas[host] = {"host": host, "address": address,
-                                         "version": gate.replica_reported,
-                                         "div_max": gate.div_max}
+            self._replica_row(shard, address, gate.replica_reported, div_max=gate.div_max)
             self.replan()
+
+    def _replica_row(self, shard: int, address: str, version: int, **more: Any) -> None:
+        """What `mlfabric status` lists of shard `shard`'s replica (`address`
+        its HOST:PORT, or only its host as a worker names it)."""
+        host = address.rsplit(":", 1)[0] if ":" in address else address
+        row = {"host": host, "version": version, **more}
+        if ":" in address:
+            row["address"] = address
+        if len(self.monitors) > 1:  # one row per shard
+            self.state.replicas[shard] = {**self.state.replicas.get(shard, {}), **row,
+                                          "shard": shard}
+        else:
+            self.state.replicas[host] = row
 
     def on_resynced(self, address: str, version: int, velocity: float, shard: int = 0
                     ) -> None:
@@ -242,16 +271,17 @@ class Controller(Endpoint):
                     ) -> None:
         m = self.metrics
         m.failovers.inc()
-        if self.gate is not None:
-            self.gate.active = False  # no replica left to diverge from
+        gate = self.gates.get(shard)
+        if gate is not None:
+            gate.active = False  # no replica left to diverge from
             # The promoted replica's versions above `version` are other
             # updates than the lost server's: forget the old norms there.
-            self.gate.applied = {v: n for v, n in self.gate.applied.items() if v <= version}
-        self._norms_known = min(self._norms_known, version)
+            gate.applied = {v: n for v, n in gate.applied.items() if v <= version}
+        self._norms_known[shard] = min(self._norms_known.get(shard, 0), version)
         sharded = len(self.monitors) > 1
         host = address.rsplit(":", 1)[0]
         if sharded:  # the other shards' replicas and transfers are untouched
-            self.state.replicas.pop(host, None)
+            self.state.replicas.pop(shard, None)
             self.state.shard_hosts[shard] = host
         else:
             self.state.replicas.clear()
@@ -278,10 +308,11 @@ class Controller(Endpoint):
         """No replica any more: nothing to bound the divergence from, so server
         transfers are no longer held (training goes on, unreplicated)."""
         self.metrics.replicas_lost.inc()
-        if self.gate is not None:
-            self.gate.active = False
+        gate = self.gates.get(shard)
+        if gate is not None:
+            gate.active = False
         if len(self.monitors) > 1:
-            self.state.replicas.pop(address.rsplit(":", 1)[0], None)
+            self.state.replicas.pop(shard, None)
         else:
             self.state.replicas.clear()
         decision_log.info(json.dumps({"event": "replica_lost", "replica": address}))
@@ -294,16 +325,14 @@ class Controller(Endpoint):
         shards only a resync, which knows its shard, comes here.)"""
         if shard < len(self.monitors):
             self.monitors[shard].replica = ev.address
-        if self.gate is not None:
-            self.gate.start(ev.version, ev.velocity)
-            self.gate.active = True
-            self._norms_known = max(self._norms_known, ev.version)
-        host = ev.address.rsplit(":", 1)[0]
-        entry = {"host": host, "address": ev.address, "version": ev.version}
-        if len(self.monitors) > 1:
-            self.state.replicas[host] = entry
-        else:
-            self.state.replicas = {host: entry}
+        gate = self.gates.get(shard)
+        if gate is not None:
+            gate.start(ev.version, ev.velocity)
+            gate.active = True
+            self._norms_known[shard] = max(self._norms_known.get(shard, 0), ev.version)
+        if len(self.monitors) <= 1:
+            self.state.replicas.clear()
+        self._replica_row(shard, ev.address, ev.version)
         peers = self._peers(shard)
         for conn in peers:
             conn.send(ReplicaAt(address=ev.address, version=ev.version))
@@ -339,10 +368,11 @@ class Controller(Endpoint):
     def on_request(self, conn: _ControllerProtocol, ev: TransferRequest) -> None:
         # Aggregation works per shard: each shard's transfers are planned (and
         # grouped) on their own, so a group's members are parts of one shard.
-        if ev.shard and self.gate is not None:
-            conn.refuse("config", "this controller runs with --div-max, which does not work "
-                                  "with sharded servers yet: run the sharded job's controller "
-                                  "without it")
+        if ev.shard and self.gates and ev.shard not in self.gates:
+            conn.refuse("config", f"this controller bounds the divergence (--div-max) of "
+                                  f"{len(self.gates)} server(s), not of shard {ev.shard}: give "
+                                  f"--server and --replica one address per shard, in shard "
+                                  f"order")
             return
         if ev.shard and self.monitors and ev.shard >= len(self.monitors):
             conn.refuse("config", f"this controller watches {len(self.monitors)} server(s) "
@@ -369,8 +399,9 @@ class Controller(Endpoint):
             log.warning("aggregator on %s failed update %d (%s); routing nothing through it "
                         "for %.0f s", t.route.host, t.id, ev.via_failed,
                         self.state.bench_seconds)
-        if t is not None and ev.applied and self.gate is not None:
-            self.gate.server_applied(ev.version, t.norm)
+        gate = self.gates.get(t.shard) if t is not None else None
+        if t is not None and ev.applied and gate is not None:
+            gate.server_applied(ev.version, t.norm)
         if t is not None:
             self.metrics.actual_seconds.observe(ev.seconds)
             if ev.applied and ev.delay is not None:
@@ -382,13 +413,14 @@ class Controller(Endpoint):
                 "planned_seconds": t.planned_seconds}))
         self.replan()
 
-    def on_replica_done(self, ev: ReplicaDone) -> None:
-        gate = self.gate
+    def on_replica_done(self, ev: ReplicaDone, shard: int = 0) -> None:
+        """A worker's replica (of `shard`, the one its link talks to) applied
+        an update."""
+        gate = self.gates.get(shard)
         if gate is None:
             return  # replication without a bound: nothing to decide
         gate.replica_applied(ev.version)
-        self.state.replicas[ev.dst] = {"host": ev.dst, "version": gate.replica_reported,
-                                       "div_max": gate.div_max}
+        self._replica_row(shard, ev.dst, gate.replica_reported, div_max=gate.div_max)
         self.replan()
 
     def on_lost(self, conn: _ControllerProtocol) -> None:
@@ -469,7 +501,7 @@ class Controller(Endpoint):
         m.pending.set(len(self.state.pending))
         m.active.set(len(self.state.active))
         m.version.set(self.state.version)
-        if self.gate is not None:
+        if self.gates:
             self._replication_metrics()
         if self._wake is not None:
             self._wake.cancel()
@@ -479,29 +511,38 @@ class Controller(Endpoint):
             self._wake = asyncio.get_running_loop().call_later(delay, self.replan)
 
     def _replication_metrics(self) -> None:
-        gate, m = self.gate, self.metrics
-        assert gate is not None
-        flying = [t.norm for t in self.state.active.values()]
-        lag, bound = gate.lag(len(flying)), gate.bound(flying)
+        """The gauges show the shard nearest its bound (the one gate of a job
+        of one server); the counters count every shard's."""
+        m = self.metrics
+        worst: tuple[float, int, float, int] | None = None  # (bound/div_max, lag, bound, v)
+        for shard, gate in sorted(self.gates.items()):
+            flying = [t.norm for t in self.state.active.values() if t.shard == shard]
+            lag, bound = gate.lag(len(flying)), gate.bound(flying)
+            if worst is None or bound / gate.div_max > worst[0]:
+                worst = (bound / gate.div_max, lag, bound, gate.replica_reported)
+            held, overrides, stalls = self._seen.get(shard, (0, 0, 0))
+            m.divergence_holds.inc(gate.held - held)
+            m.divergence_overrides.inc(gate.overrides - overrides)
+            if gate.stalls > stalls:
+                m.divergence_stalls.inc(gate.stalls - stalls)
+                log.error("the replica%s made no progress for %.1f s while server transfers "
+                          "were held (replica at version %d, lag %d): letting transfers go "
+                          "without the divergence bound until it catches up or is resynced",
+                          f" of shard {shard}" if len(self.gates) > 1 else "",
+                          gate.lag_timeout or 0.0, gate.replica_reported, lag)
+                decision_log.info(json.dumps({
+                    "event": "replica_stalled", "replica_version": gate.replica_reported,
+                    "lag": lag, **({"shard": shard} if len(self.gates) > 1 else {})}))
+            self._seen[shard] = (gate.held, gate.overrides, gate.stalls)
+            for key, row in self.state.replicas.items():
+                if len(self.gates) == 1 or key == shard:
+                    row.update(lag_updates=lag, divergence_bound=bound)
+        assert worst is not None
+        _, lag, bound, version = worst
         m.replica_lag.set(lag)
         m.divergence_bound.set(bound)
-        m.replica_version.set(gate.replica_reported)
-        m.divergence_holds.inc(gate.held - self._held_seen)
-        m.divergence_overrides.inc(gate.overrides - self._overrides_seen)
-        if gate.stalls > self._stalls_seen:
-            m.divergence_stalls.inc(gate.stalls - self._stalls_seen)
-            log.error("the replica made no progress for %.1f s while server transfers were "
-                      "held (replica at version %d, lag %d): letting transfers go without "
-                      "the divergence bound until it catches up or is resynced",
-                      gate.lag_timeout or 0.0, gate.replica_reported, lag)
-            decision_log.info(json.dumps({"event": "replica_stalled",
-                                          "replica_version": gate.replica_reported,
-                                          "lag": lag}))
-        m.replica_stalled.set(int(gate.stalled))
-        self._held_seen, self._overrides_seen = gate.held, gate.overrides
-        self._stalls_seen = gate.stalls
-        for row in self.state.replicas.values():
-            row.update(lag_updates=lag, divergence_bound=bound)
+        m.replica_version.set(version)
+        m.replica_stalled.set(int(any(g.stalled for g in self.gates.values())))
 
     def status(self, asker: Any = None) -> dict[str, Any]:
         """The job at a glance; `asker` (the connection asking) is not a worker."""
@@ -545,7 +586,7 @@ class _ControllerProtocol(EndpointProtocol):
         elif isinstance(event, ReplicaJoin):
             self.endpoint.on_replica_join(event)
         elif isinstance(event, ReplicaDone):
-            self.endpoint.on_replica_done(event)
+            self.endpoint.on_replica_done(event, self.shard or 0)
         elif isinstance(event, ShardAt):
             self.shard = event.shard  # failover news for that shard come here
             self.endpoint.state.shard_at(event.shard, event.dst, event.version)

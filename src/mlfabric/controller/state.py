@@ -158,7 +158,8 @@ class ControlState:
         self.agents: dict[str, AgentStats] = {}
         # Replicas (worker-driven replication) register here: host -> a JSON-ready dict that
         # `mlfabric status` prints as one row (host, version, lag, ...).
-        self.replicas: dict[str, dict[str, object]] = {}
+        # The replicas `mlfabric status` lists: by host, or by shard index.
+        self.replicas: dict[str | int, dict[str, object]] = {}
         # Aggregators (agents that sum updates): host -> address, and the
         # hosts benched after a failure: host -> until when.
         self.aggregators: dict[str, str] = {}

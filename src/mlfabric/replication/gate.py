@@ -10,20 +10,32 @@ next server transfers back until the replica has caught up far enough.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from ..scheduling.plan import PlanItem, Policy, Snapshot
 from .divergence import DivergenceGate
 
 
-def gated(policy: Policy, gate: DivergenceGate) -> Policy:
+def gated(policy: Policy, gate: DivergenceGate | Mapping[int, DivergenceGate]) -> Policy:
     """`policy`, except that a transfer it starts now stays pending when
     letting it go could take the divergence bound past `gate.div_max`. A
     held transfer is planned for the moment the gate would give up holding
     (`gate.release_at()`), so the controller re-plans then even if no other
     event comes; it is asked again at every event before that (e.g. the
-    replica's progress)."""
+    replica's progress).
 
-    def gated_policy(snap: Snapshot) -> list[PlanItem]:
-        flying = [t.norm for t in snap.active]
+    With sharded servers `gate` maps each shard to its own gate: the
+    controller plans one shard at a time, and a snapshot's transfers are
+    held by their shard's gate, against that shard's transfers in flight."""
+
+    gates = gate
+
+    def gated_policy(snap: Snapshot) -> Sequence[PlanItem]:
+        shard = snap.pending[0].shard if snap.pending else 0
+        gate = gates.get(shard) if isinstance(gates, Mapping) else gates
+        if gate is None:
+            return policy(snap)  # a shard without a bound: nothing to hold
+        flying = [t.norm for t in snap.active if t.shard == shard]
         if gate.stalled:
             gate.recheck(flying)
         norms = {t.id: t.norm for t in snap.pending}

@@ -326,14 +326,18 @@ class ControllerMetrics:
         # Worker-driven replication (--div-max).
         self.replica_lag = Gauge(
             "controller_replica_lag_updates",
-            "Updates the server may have applied that the replica has not (in flight included)",
+            "Updates the server may have applied that the replica has not (in flight "
+            "included); with shards, of the shard nearest its bound",
             namespace=ns, registry=r)
         self.divergence_bound = Gauge(
             "controller_divergence_bound",
-            "Bound on ||w_server - w_replica||_2 from the reported update norms",
+            "Bound on ||w_server - w_replica||_2 from the reported update norms; with "
+            "shards, of the shard nearest its bound (each within div_max / sqrt(S))",
             namespace=ns, registry=r)
         self.replica_version = Gauge(
-            "controller_replica_version", "Newest version the replica was reported at",
+            "controller_replica_version",
+            "Newest version the replica was reported at (with shards: of the shard nearest "
+            "its bound)",
             namespace=ns, registry=r)
         self.divergence_holds = Counter(
             "controller_divergence_holds",

@@ -288,10 +288,10 @@ def run_server(args: argparse.Namespace) -> int:
         raise ConfigError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}")
     if parse_shard(args.shard) is not None:
         # A shard's replica (--role replica --shard I/S) is fed by the
-        # shard's workers (mlfabric.connect(..., replica=...)); the server-
+        # shard's workers (mlfabric.connect(..., replica=...)), and the shard
+        # may sample its divergence from it (--sample-replica); the server-
         # driven and joining replicas are one server's only for now.
         for flag, given in (("--replicate-to", args.replicate_to is not None),
-                            ("--sample-replica", args.sample_replica is not None),
                             ("--join-from", args.join_from is not None)):
             if given:
                 raise ConfigError(f"{flag} with --shard is not supported yet: a shard's "
