@@ -133,6 +133,7 @@ CASES = [
     Failover(server="10.0.0.3:7070", version=40),
     StateRequest(req=3),
     ReplicaJoin(address="10.0.0.4:7070", version=41, velocity=0.25),
+    ReplicaJoin(address="10.0.0.4:7070", version=41, velocity=0.25, shard=3),
     ReplicaAt(address="10.0.0.4:7070", version=41),
     Status(req=3, status={"job": "j", "workers": [{"host": "h1", "requests": 4}]}),
     Error(code="bad_shape", message="tensor 'w' has shape (2,)", req=77),
@@ -411,6 +412,9 @@ BAD_FRAMES = {
     "force not a bool": (frame(MsgType.PROMOTE, {"req": 1, "force": 1}), "'force'"),
     "resync without server": (frame(MsgType.RESYNC, {"req": 1}), "'server'"),
     "progress negative": (frame(MsgType.TRANSFER_PROGRESS, {"req": 1, "sent": -4}), "'sent'"),
+    "joining shard past the bound": (
+        frame(MsgType.REPLICA_JOIN, {"address": "h:1", "version": 0, "shard": 10**9}),
+        "'shard' must be below"),
     "shard past the bound": (frame(MsgType.SHARD_AT, {"shard": 10**9, "dst": "h", "version": 0}),
                              "'shard' must be below"),
     "shard host too long": (frame(MsgType.SHARD_AT, {"shard": 1, "dst": "h" * 257, "version": 0}),

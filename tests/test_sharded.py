@@ -307,8 +307,6 @@ def test_mlfabric_server_shard_serves_its_part(tmp_path):
 @pytest.mark.parametrize(("extra", "message"), [
     (["--shard", "3/3"], "the index I must be in 0..S-1 (S = 3), got 3"),
     (["--shard", "two"], "--shard takes I/S"),
-    (["--shard", "0/2", "--join-from", "127.0.0.1:1", "--role", "replica"],
-     "--join-from with --shard"),
     (["--shard", "0/2", "--replicate-to", "127.0.0.1:1"], "--replicate-to with --shard"),
     (["--shard", "0/2", "--chunk-bytes", "0"], "chunk size must be a positive number"),
 ])
@@ -324,6 +322,20 @@ def test_bad_shard_flags_are_one_line_errors(tmp_path, extra, message):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_joining_replica_keeps_what_its_server_keeps():
+    from mlfabric.server.cli import check_joined_shard
+
+    info = shard_info(partition([("w", np.dtype("f4"), (100000,))], 2, 1 << 16), 1)
+    check_joined_shard("s:1", info, None)  # no --shard: the server's shard
+    check_joined_shard("s:1", info, (1, 2))
+    check_joined_shard("s:1", None, None)
+    with pytest.raises(ConfigError, match=r"the server at s:1 keeps shard 1 of 2, not shard 0 "
+                                          r"of 2: join from that shard's server"):
+        check_joined_shard("s:1", info, (0, 2))
+    with pytest.raises(ConfigError, match="keeps the whole model, not shard 0 of 2"):
+        check_joined_shard("s:1", None, (0, 2))
 
 
 def test_parse_shard():
@@ -819,3 +831,104 @@ def test_each_shards_measured_divergence_stays_within_its_share_of_div_max():
         assert_model_equal(ws, wr)
     assert ctl.gates[0].held + ctl.gates[1].held > 0  # the bound held transfers back
     assert ctl.metrics.divergence_holds._value.get() == ctl.gates[0].held + ctl.gates[1].held
+
+
+def test_a_replica_joins_a_shard_after_its_failover_and_takes_over_at_the_next_loss():
+    """Shard 1 lost twice in one run: after the first failover a new replica
+    joins from the promoted server's state (it keeps shard 1, and says so to
+    the controller), shard 1's workers send it what they kept, and it is the
+    one promoted at the second loss. Shard 0 keeps its server throughout.
+    Every acknowledged part is applied once, each shard its own replay."""
+    import asyncio
+    import threading
+
+    from mlfabric.controller.controller import Controller
+    from mlfabric.replication.replica import ReplicaServer, announce, fetch_state
+    from mlfabric.runtime.metrics import ServerMetrics
+    from mlfabric.scheduling.plan import fifo_policy
+
+    from support import random_update
+
+    gamma, kills = 0.5, 2
+    model = make_model(sizes=SIZES)
+    part = partition([(n, a.dtype, a.shape) for n, a in model.items()], 2, 1 << 16)
+    stop = threading.Event()
+
+    def new_replica(store):
+        ep = ReplicaServer(store, job=JOB, token=TOKEN, metrics=ServerMetrics(), recovery=0.1)
+        return ServerThread(None, endpoint=ep).__enter__()
+
+    servers = [ServerThread(sharded_store(model, i, 2, momentum=gamma)).__enter__()
+               for i in range(2)]
+    replicas = [new_replica(sharded_store(model, i, 2, momentum=gamma)) for i in range(2)]
+    ctl = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None)
+    controller = ServerThread(None, endpoint=ctl).__enter__()
+    controller.call(lambda: ctl.watch_servers([s.address for s in servers],
+                                              [r.address for r in replicas],
+                                              interval=0.05, timeout=0.3))
+    acked: list[dict[int, dict[str, np.ndarray]]] = [{}, {}]
+    lock = threading.Lock()
+    progress = threading.Condition(lock)
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            with mlfabric.connect(addresses(servers), job=JOB, token=TOKEN,
+                                  controller=controller.address, controller_fallback="wait",
+                                  replica=",".join(r.address for r in replicas),
+                                  failover_timeout=10) as ps:
+                for i in range(500):  # until the test says stop
+                    if stop.is_set():
+                        break
+                    version, _ = ps.pull(timeout=10)
+                    u = random_update(model, seed=100 * w + i)
+                    outcome = ps.push(u, base_version=version).result(20)
+                    assert outcome.applied, outcome
+                    with progress:
+                        for shard, p in enumerate(outcome.shards):
+                            assert p.version not in acked[shard], outcome
+                            acked[shard][p.version] = u
+                        progress.notify_all()
+        except BaseException as exc:
+            errors.append(exc)
+
+    alive = [*servers, *replicas, controller]
+    try:
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(3)]
+        for t in threads:
+            t.start()
+        for k in range(kills):
+            with progress:
+                assert progress.wait_for(lambda k=k: len(acked[1]) >= 8 * (k + 1), 30)
+            servers[1].__exit__(None, None, None)  # shard 1 lost
+            alive.remove(servers[1])
+            servers[1] = replicas[1]
+            with progress:  # the promoted replica serves: training goes on
+                n = len(acked[1])
+                assert progress.wait_for(lambda n=n: len(acked[1]) > n + 2, 10)
+            store = asyncio.run(fetch_state(servers[1].address, job=JOB, token=TOKEN))
+            assert store.shard is not None and store.shard.index == 1
+            replicas[1] = new_replica(store)
+            alive.append(replicas[1])
+            asyncio.run(announce(controller.address, address=replicas[1].address, store=store,
+                                 job=JOB, token=TOKEN))
+        with progress:
+            n = len(acked[1])
+            assert progress.wait_for(lambda n=n: len(acked[1]) > n + 5, 10)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        finals = [s.call(lambda s=s: (s.server.store.version, {
+            n: a.copy() for n, a in s.server.store.weights.items()})) for s in servers]
+    finally:
+        for st in alive:
+            st.__exit__(None, None, None)
+    assert ctl.metrics.failovers._value.get() == kills
+    for shard in (0, 1):
+        assert sorted(acked[shard]) == list(range(1, len(acked[shard]) + 1))
+        assert finals[shard][0] == len(acked[shard])
+        ref = Reference(model, gamma)
+        for v in sorted(acked[shard]):
+            ref.apply(acked[shard][v])
+        assert_model_equal(finals[shard][1], part.split(ref.w)[shard])

@@ -321,8 +321,7 @@ class Controller(Endpoint):
     def on_replica_join(self, ev: ReplicaJoin, shard: int = 0) -> None:
         """A new replica serves from ev.version: workers send it the updates
         above that version, and it is the one to promote at the next failover.
-        (A replica that announces itself is for a job of one server; with
-        shards only a resync, which knows its shard, comes here.)"""
+        With shards, only for `shard`: its monitor, its gate, its workers' links."""
         if shard < len(self.monitors):
             self.monitors[shard].replica = ev.address
         gate = self.gates.get(shard)
@@ -584,7 +583,7 @@ class _ControllerProtocol(EndpointProtocol):
         elif isinstance(event, TransferProgress):
             self.endpoint.on_progress(self, event)
         elif isinstance(event, ReplicaJoin):
-            self.endpoint.on_replica_join(event)
+            self.endpoint.on_replica_join(event, event.shard or 0)
         elif isinstance(event, ReplicaDone):
             self.endpoint.on_replica_done(event, self.shard or 0)
         elif isinstance(event, ShardAt):

@@ -427,6 +427,7 @@ async def fetch_state(address: str, *, job: str, token: bytes, timeout: float = 
     store = ParameterStore(weights, momentum=welcome.momentum, version=version)
     for name in weights:
         store.previous[name][...] = tensors[PREVIOUS_PREFIX + name]
+    store.shard = welcome.shard  # a shard's state: the replica keeps that shard
     return store
 
 
@@ -441,6 +442,7 @@ async def announce(controller: str, *, address: str, store: ParameterStore, job:
                            "controller")
     velocity = float(np.sqrt(sum(
         kernels.l2_norm_diff(w, store.previous[n]) ** 2 for n, w in store.weights.items())))
-    link.send(ReplicaJoin(address=address, version=store.version, velocity=velocity))
+    link.send(ReplicaJoin(address=address, version=store.version, velocity=velocity,
+                          shard=None if store.shard is None else store.shard.index))
     link.close()
     await link.closed

@@ -163,6 +163,18 @@ def shard_store(model: dict[str, np.ndarray], shard: tuple[int, int] | None,
     return part.split(model)[index], shard_info(part, index)
 
 
+def check_joined_shard(address: str, have: ShardInfo | None,
+                       shard: tuple[int, int] | None) -> None:
+    """A replica that joins keeps what the server it joins from keeps: with
+    --shard given, that must be the server's shard."""
+    if shard is None or (have is not None and (have.index, have.count) == shard):
+        return
+    what = "the whole model" if have is None else f"shard {have.index} of {have.count}"
+    raise ConfigError(f"the server at {address} keeps {what}, not shard {shard[0]} of "
+                      f"{shard[1]}: join from that shard's server, or drop --shard (a joining "
+                      f"replica keeps what its server keeps)")
+
+
 def check_resumed_shard(path: str, ckpt: checkpoint.Checkpoint,
                         shard: tuple[int, int] | None, chunk_bytes: int) -> None:
     """A checkpoint resumes only as the shard of the partition it was made under."""
@@ -288,11 +300,11 @@ def run_server(args: argparse.Namespace) -> int:
         raise ConfigError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}")
     if parse_shard(args.shard) is not None:
         # A shard's replica (--role replica --shard I/S) is fed by the
-        # shard's workers (mlfabric.connect(..., replica=...)), and the shard
-        # may sample its divergence from it (--sample-replica); the server-
-        # driven and joining replicas are one server's only for now.
-        for flag, given in (("--replicate-to", args.replicate_to is not None),
-                            ("--join-from", args.join_from is not None)):
+        # shard's workers (mlfabric.connect(..., replica=...)) or joins from
+        # the shard's server (--join-from), and the shard may sample its
+        # divergence from it (--sample-replica); the server-driven replica
+        # is one server's only for now.
+        for flag, given in (("--replicate-to", args.replicate_to is not None),):
             if given:
                 raise ConfigError(f"{flag} with --shard is not supported yet: a shard's "
                                   f"replica is fed by its workers (start it with --role replica "
@@ -333,6 +345,7 @@ def run_server(args: argparse.Namespace) -> int:
         if store is None:
             store = await fetch_state(args.join_from, job=args.job, token=token)
             log.info("took the state of %s at version %d", args.join_from, store.version)
+            check_joined_shard(args.join_from, store.shard, parse_shard(args.shard))
         server: ParameterServer
         if args.role == "replica":
             server = ReplicaServer(store, job=args.job, token=token, metrics=metrics,

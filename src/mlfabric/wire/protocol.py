@@ -468,11 +468,13 @@ PREVIOUS_PREFIX: Final = "\x00previous/"
 @dataclass(frozen=True)
 class ReplicaJoin:
     """New replica -> controller: serving at `address` from `version`, with
-    ||w - w_prev|| = `velocity` (for the divergence bound)."""
+    ||w - w_prev|| = `velocity` (for the divergence bound); `shard`: the
+    shard it keeps, for a sharded job's replica."""
 
     address: str
     version: int
     velocity: float = 0.0
+    shard: int | None = None
 
 
 @dataclass(frozen=True)
@@ -1086,7 +1088,8 @@ def _decode_state_request(meta: Mapping[str, Any], tensors: dict[str, np.ndarray
 
 def _decode_replica_join(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
     return ReplicaJoin(address=_str(meta, "address", 256), version=_int(meta, "version"),
-                       velocity=_opt_float(meta, "velocity") or 0.0)
+                       velocity=_opt_float(meta, "velocity") or 0.0,
+                       shard=None if meta.get("shard") is None else _shard_index(meta))
 
 
 def _decode_replica_at(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
