@@ -524,11 +524,11 @@ class Controller(Endpoint):
             m.divergence_overrides.inc(gate.overrides - overrides)
             if gate.stalls > stalls:
                 m.divergence_stalls.inc(gate.stalls - stalls)
-                log.error("the replica%s made no progress for %.1f s while server transfers "
+                log.error("the replica made no progress for %.1f s while server transfers "
                           "were held (replica at version %d, lag %d): letting transfers go "
-                          "without the divergence bound until it catches up or is resynced",
-                          f" of shard {shard}" if len(self.gates) > 1 else "",
-                          gate.lag_timeout or 0.0, gate.replica_reported, lag)
+                          "without the divergence bound until it catches up or is resynced%s",
+                          gate.lag_timeout or 0.0, gate.replica_reported, lag,
+                          f" (shard {shard})" if len(self.gates) > 1 else "")
                 decision_log.info(json.dumps({
                     "event": "replica_stalled", "replica_version": gate.replica_reported,
                     "lag": lag, **({"shard": shard} if len(self.gates) > 1 else {})}))
