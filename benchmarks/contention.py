@@ -34,6 +34,7 @@ from pathlib import Path
 
 from mlfabric.errors import ConfigError
 from mlfabric.tools.contention import (
+    SHARDED,
     SYSTEMS,
     RunResult,
     Scenario,
@@ -93,6 +94,8 @@ def forwards_floor(sc: Scenario, runs: dict[str, list[RunResult]]) -> list[str]:
     ddp = runs.get("ddp") or []
     lines = []
     for system, rs in runs.items():
+        if system in SHARDED:  # groups per shard, on links of their own: no one floor
+            continue
         if not rs or not all(r.groups and r.forward_mean is not None and r.grouped == r.applied
                              for r in rs):
             continue
@@ -167,7 +170,9 @@ def plot(path: str, results: dict[str, dict[str, list[RunResult]]]) -> None:
     colours = {"fifo": "tab:red", "mlfabric": "tab:blue", "ddp": "tab:green",
                "mlfabric-agg": "tab:purple", "mlfabric-agg-wait": "tab:orange",
                "mlfabric-static": "tab:gray",
-               "mlfabric-agg-static": "tab:brown"}
+               "mlfabric-agg-static": "tab:brown", "mlfabric-colocated": "tab:cyan",
+               "mlfabric-2shards": "tab:olive", "mlfabric-colocated-agg": "tab:pink",
+               "mlfabric-colocated-agg-wait": "black"}
     for ax, (name, runs) in zip(axes[0], results.items(), strict=True):
         for system, rs in runs.items():
             for k, r in enumerate(rs):

@@ -84,6 +84,12 @@ def test_cluster_layout():
     # One server on h0; a shard on every worker host; two shards on server hosts.
     assert shard_hosts(sc, "mlfabric") == shard_hosts(sc, "fifo") == [0]
     assert shard_hosts(sc, "mlfabric-colocated") == [1, 2, 3]
+    assert shard_hosts(sc, "mlfabric-colocated-agg") == [1, 2, 3]
+    assert shard_hosts(sc, "mlfabric-colocated-agg-wait") == [1, 2, 3]
+    assert [s for s in contention.SYSTEMS if contention.aggregates(s)] == [
+        "mlfabric-agg", "mlfabric-agg-wait", "mlfabric-agg-static",
+        "mlfabric-agg-wait-late-pull", "mlfabric-colocated-agg",
+        "mlfabric-colocated-agg-wait"]
     assert shard_hosts(sc, "mlfabric-2shards") == [0, 6]
 
 
@@ -281,7 +287,7 @@ def test_demo_without_root_says_what_it_needs(monkeypatch):
         contention.run_demo()
 
 
-SYSTEMS = ["fifo", "mlfabric", "mlfabric-agg", "mlfabric-agg-wait"] + (
+SYSTEMS = ["fifo", "mlfabric", "mlfabric-agg", "mlfabric-agg-wait", "mlfabric-colocated-agg"] + (
     ["ddp"] if importlib.util.find_spec("torch") else [])
 
 
@@ -313,7 +319,7 @@ def test_each_system_really_trains_on_the_emulated_cluster():
                 assert r.applied > 0 and r.delay_max <= sc.tau_max
                 assert r.server_bytes_in is not None
                 # Aggregates carry k updates in one transfer; the others, one each.
-                if not system.startswith("mlfabric-agg"):
+                if not contention.aggregates(system):
                     assert r.server_bytes_in >= r.applied * sc.model_bytes
                 elif r.groups:  # the aggregators' metrics were read, and the plan's parts
                     assert r.gather_mean is not None and r.forward_mean is not None

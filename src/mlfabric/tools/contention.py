@@ -33,6 +33,11 @@ accuracy reaches the target or the time limit passes:
   host's downlink carrying them all;
 * ``mlfabric-2shards``: ``mlfabric`` with two server shards on dedicated
   hosts (the server's host and a second one with the same link);
+* ``mlfabric-colocated-agg``: ``mlfabric-colocated`` with aggregation as in
+  ``mlfabric-agg``: each shard's parts are grouped on their own, and an
+  aggregator sums one shard's parts and forwards them to that shard;
+* ``mlfabric-colocated-agg-wait``: ``mlfabric-colocated-agg`` whose
+  controller waits for groups as ``mlfabric-agg-wait``'s does;
 * ``ddp``: synchronous data parallelism, PyTorch DistributedDataParallel over
   gloo, one rank per worker host (needs ``mlfabric[torch]``).
 
@@ -76,9 +81,16 @@ from .workload import scrape_metrics, serving_address, wait_for_line
 SYSTEMS: tuple[str, ...] = ("fifo", "mlfabric", "mlfabric-agg", "mlfabric-agg-wait", "ddp",
                              "mlfabric-static", "mlfabric-agg-static",
                              "mlfabric-agg-wait-late-pull", "mlfabric-colocated",
-                             "mlfabric-2shards")
+                             "mlfabric-2shards", "mlfabric-colocated-agg",
+                             "mlfabric-colocated-agg-wait")
 # Sharded systems: where their shards run (see `shard_hosts`).
-SHARDED = ("mlfabric-colocated", "mlfabric-2shards")
+SHARDED = ("mlfabric-colocated", "mlfabric-2shards", "mlfabric-colocated-agg",
+           "mlfabric-colocated-agg-wait")
+
+
+def aggregates(system: str) -> bool:
+    """Whether `system` routes updates through aggregators."""
+    return system.startswith(("mlfabric-agg", "mlfabric-colocated-agg"))
 # This suffix: workers pull only once their update's outcome is known.
 LATE_PULL = "-late-pull"
 JOB = "contention"
@@ -351,7 +363,7 @@ def cluster_hosts(sc: Scenario) -> int:
 def shard_hosts(sc: Scenario, system: str) -> list[int]:
     """The hosts (indices) of a system's servers, in shard order: one server
     on h0 unless sharded."""
-    if system == "mlfabric-colocated":
+    if system.startswith("mlfabric-colocated"):
         return list(range(1, sc.workers + 1))
     if system == "mlfabric-2shards":
         return [0, sc.workers + 3]
@@ -497,7 +509,7 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
                     else servers
                 peers = [a for p in peer_hosts for a in ("--peer", f"{p.ip}={p.ip}:{AGENT_PORT}")]
                 aggregate = []
-                if base.startswith("mlfabric-agg") and host in workers:
+                if aggregates(base) and host in workers:
                     aggregate = ["--aggregate", f"{host.ip}:{AGGREGATE_PORT}", "--job", JOB,
                                  "--token-file", str(token), "--metrics-port",
                                  str(AGENT_METRICS_PORT), "--metrics-host", host.ip]
@@ -509,7 +521,7 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
                     agents += ["--agent", f"{host.ip}={host.ip}:{AGENT_PORT}"]
         # A group of every worker is full: it goes without waiting out the rest.
         wait = (["--group-wait", str(sc.group_wait), "--max-fan-in", str(sc.workers)]
-                if base == "mlfabric-agg-wait" else [])
+                if base.endswith("-agg-wait") else [])
         ctl = _popen(tb, h0, [*py, "controller", "--listen", f"{h0.ip}:{CONTROLLER_PORT}",
                               "--job", JOB, "--token-file", str(token), "--tau-max",
                               str(sc.tau_max), "--policy", policy, "--decision-log",
@@ -555,7 +567,7 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
         counted = [_server_bytes_in(host) for host in servers]
         bytes_in = None if None in counted else sum(c for c in counted if c is not None)
         decisions = read_decisions(tmp / "decisions.jsonl")
-        if base.startswith("mlfabric-agg"):
+        if aggregates(base):
             decisions.update(aggregator_seconds(
                 [scrape_metrics(w, AGENT_METRICS_PORT) for w in workers]))
     finally:
