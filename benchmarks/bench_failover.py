@@ -184,6 +184,24 @@ def replay(init: dict[str, np.ndarray], updates: list[dict[str, np.ndarray]],
     return w
 
 
+def collect(workers: list[subprocess.Popen[str]], tmp: str, tag: str, *, timeout: float
+            ) -> tuple[list[dict[str, Any]], list[dict[str, np.ndarray]]]:
+    """Wait for the workers and read what each recorded: every step's record
+    (its update's index in the second list as "u") and every update."""
+    records: list[dict[str, Any]] = []
+    updates: list[dict[str, np.ndarray]] = []
+    for i, p in enumerate(workers):
+        if p.wait(timeout=timeout) != 0:
+            raise RuntimeError(f"worker {i} failed: {p.stderr.read()[-3000:]}")
+        arrays = np.load(f"{tmp}/{tag}-w{i}.npz")
+        for r in json.loads(Path(f"{tmp}/{tag}-w{i}.json").read_text()):
+            names = [k.split("/", 1)[1] for k in arrays.files if k.startswith(f"u{r['i']}/")]
+            r["u"] = len(updates)
+            updates.append({n: arrays[f"u{r['i']}/{n}"] for n in names})
+            records.append(r)
+    return records, updates
+
+
 def one_run(tb: Any, tmp: str, args: argparse.Namespace, rng: random.Random,
             kills: int, tag: str) -> dict[str, Any]:
     import mlfabric
@@ -262,17 +280,7 @@ def one_run(tb: Any, tmp: str, args: argparse.Namespace, rng: random.Random,
             server_proc, server_addr, server_host = replica_proc, replica_addr, replica_host
             replica_proc, replica_addr, replica_host = new, new_addr, server_host_lost
             fed_from = pong(replica_host, replica_addr, secret).version
-        records: list[dict[str, Any]] = []
-        updates: list[dict[str, np.ndarray]] = []
-        for i, p in enumerate(workers_p):
-            if p.wait(timeout=600) != 0:
-                raise RuntimeError(f"worker {i} failed: {p.stderr.read()[-3000:]}")
-            arrays = np.load(f"{tmp}/{tag}-w{i}.npz")
-            for r in json.loads(Path(f"{tmp}/{tag}-w{i}.json").read_text()):
-                names = [k.split("/", 1)[1] for k in arrays.files if k.startswith(f"u{r['i']}/")]
-                r["u"] = len(updates)
-                updates.append({n: arrays[f"u{r['i']}/{n}"] for n in names})
-                records.append(r)
+        records, updates = collect(workers_p, tmp, tag, timeout=600)
         # Without kills the server serves to the end; with them, the replica
         # promoted at the last kill.
         with ctl_host.enter(), mlfabric.connect(server_addr, job=JOB, token_file=token,

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_failover import Recorder, pong, replay, wait_for
+from bench_failover import Recorder, collect, pong, replay, wait_for
 
 from mlfabric.tools.workload import serving_address
 
@@ -178,17 +178,7 @@ def one_run(tb: Any, tmp: str, args: argparse.Namespace, rng: random.Random,
             s.rep_proc, s.rep_addr, s.rep_host = new, serving_address(
                 new, f"replica joining shard {i}"), lost_host
             s.fed_from = pong(s.rep_host, s.rep_addr, secret).version
-        records: list[dict[str, Any]] = []
-        updates: list[dict[str, np.ndarray]] = []
-        for w, p in enumerate(workers_p):
-            if p.wait(timeout=900) != 0:
-                raise RuntimeError(f"worker {w} failed: {p.stderr.read()[-3000:]}")
-            arrays = np.load(f"{tmp}/{tag}-w{w}.npz")
-            for r in json.loads(Path(f"{tmp}/{tag}-w{w}.json").read_text()):
-                names = [k.split("/", 1)[1] for k in arrays.files if k.startswith(f"u{r['i']}/")]
-                r["u"] = len(updates)
-                updates.append({n: arrays[f"u{r['i']}/{n}"] for n in names})
-                records.append(r)
+        records, updates = collect(workers_p, tmp, tag, timeout=900)
         with ctl_host.enter(), mlfabric.connect(",".join(s.addr for s in shards), job=JOB,
                                                 token_file=token, timeout=30) as ps:
             final_versions, final = ps.pull(timeout=60)
