@@ -26,16 +26,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-import bench_shards
 import numpy as np
-from bench_shards import JOB, METRICS_PORT, TOKEN, make_model, popen, race, stop
+from bench_shards import JOB, METRICS_PORT, TOKEN, make_model, popen, race, start_workers, stop
 
 CONFIGS = ("chunks", "whole")
 
 
 def run_one(tb, config: str, args: argparse.Namespace, tmp: Path, init: Path, token: Path
             ) -> dict[str, float]:
-    from mlfabric.tools.workload import scrape_metrics, serving_address, wait_for_line
+    from mlfabric.tools.workload import scrape_metrics, serving_address
 
     py = [sys.executable, "-m", "mlfabric", "--log-level", "WARNING"]
     procs, workers = [], []
@@ -57,14 +56,8 @@ def run_one(tb, config: str, args: argparse.Namespace, tmp: Path, init: Path, to
                 f"{i}/{args.shards}", "--chunk-bytes", str(args.chunk_mib << 20)], tmp))
         addresses = ",".join(serving_address(p, f"shard {i}", timeout=120)
                              for i, p in enumerate(procs[1:]))
-        for w in range(args.workers):
-            host = tb.host(f"h{args.shards + w}")
-            workers.append(popen(tb, host, [
-                sys.executable, bench_shards.__file__, "worker", "--servers", addresses,
-                "--token-file", str(token), "--rounds", str(args.rounds),
-                "--controller", controller], tmp))
-        for w, p in enumerate(workers):
-            wait_for_line(p, "ready", f"worker {w}", timeout=900)
+        start_workers(tb, [tb.host(f"h{args.shards + w}") for w in range(args.workers)],
+                      addresses, token, tmp, args.rounds, workers, controller)
         seconds = race(workers)
         grants = scrape_metrics(ctl_host, METRICS_PORT)["mlfabric_controller_chunk_grants_total"]
     finally:

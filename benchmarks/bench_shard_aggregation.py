@@ -29,9 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import bench_shards
 import numpy as np
-from bench_shards import JOB, METRICS_PORT, TOKEN, make_model, popen, race, stop
+from bench_shards import JOB, METRICS_PORT, TOKEN, make_model, popen, race, start_workers, stop
 
 CONFIGS = ("with", "without")
 AGGREGATE_PORT = 7401
@@ -79,14 +78,8 @@ def run_one(tb, config: str, args: argparse.Namespace, tmp: Path, init: Path, to
         procs += servers
         addresses = ",".join(serving_address(p, f"shard {i}", timeout=120)
                              for i, p in enumerate(servers))
-        for w in range(args.workers):
-            host = tb.host(f"h{args.shards + w}")
-            workers.append(popen(tb, host, [
-                sys.executable, bench_shards.__file__, "worker", "--servers", addresses,
-                "--token-file", str(token), "--rounds", str(args.rounds),
-                "--controller", controller], tmp))
-        for w, p in enumerate(workers):
-            wait_for_line(p, "ready", f"worker {w}", timeout=900)
+        start_workers(tb, [tb.host(f"h{args.shards + w}") for w in range(args.workers)],
+                      addresses, token, tmp, args.rounds, workers, controller)
 
         def scrape(name: str) -> list[float]:
             return [scrape_metrics(tb.host(f"h{i}"), METRICS_PORT)[name]

@@ -115,9 +115,24 @@ def stop(procs: list[subprocess.Popen[str]]) -> None:
             p.kill()
 
 
+def start_workers(tb, hosts: list, addresses: str, token: Path, tmp: Path, rounds: int,
+                  workers: list[subprocess.Popen[str]], controller: str | None = None) -> None:
+    """A worker on each of `hosts`, appended to `workers` as it starts (the
+    caller stops them, whatever fails), then waited for at the start line."""
+    from mlfabric.tools.workload import wait_for_line
+
+    via = ["--controller", controller] if controller else []
+    for host in hosts:
+        workers.append(popen(tb, host, [
+            sys.executable, str(Path(__file__).resolve()), "worker", "--servers", addresses,
+            "--token-file", str(token), "--rounds", str(rounds), *via], tmp))
+    for w, p in enumerate(workers):
+        wait_for_line(p, "ready", f"worker {w}", timeout=900)
+
+
 def run_one(tb, s: int, args: argparse.Namespace, tmp: Path, init: Path, token: Path
             ) -> dict[str, float | list[float]]:
-    from mlfabric.tools.workload import scrape_metrics, serving_address, wait_for_line
+    from mlfabric.tools.workload import scrape_metrics, serving_address
 
     py = [sys.executable, "-m", "mlfabric", "--log-level", "WARNING"]
     servers, workers = [], []
@@ -131,13 +146,8 @@ def run_one(tb, s: int, args: argparse.Namespace, tmp: Path, init: Path, token: 
                 str(METRICS_PORT), "--metrics-host", host.ip, *shard], tmp))
         addresses = ",".join(serving_address(p, f"shard {i}", timeout=120)
                              for i, p in enumerate(servers))
-        for w in range(args.workers):
-            host = tb.host(f"h{args.max_shards + w}")
-            workers.append(popen(tb, host, [
-                sys.executable, str(Path(__file__).resolve()), "worker", "--servers", addresses,
-                "--token-file", str(token), "--rounds", str(args.rounds)], tmp))
-        for w, p in enumerate(workers):
-            wait_for_line(p, "ready", f"worker {w}", timeout=900)
+        start_workers(tb, [tb.host(f"h{args.max_shards + w}") for w in range(args.workers)],
+                      addresses, token, tmp, args.rounds, workers)
 
         def received() -> list[float]:
             return [scrape_metrics(tb.host(f"h{i}"), METRICS_PORT)
