@@ -932,3 +932,73 @@ def test_a_replica_joins_a_shard_after_its_failover_and_takes_over_at_the_next_l
         for v in sorted(acked[shard]):
             ref.apply(acked[shard][v])
         assert_model_equal(finals[shard][1], part.split(ref.w)[shard])
+
+
+def test_the_asyncio_client_fails_a_shard_over_too(run_async):
+    """mlfabric.aio over two shards with replicas, two pushes at a time:
+    shard 0's server is lost mid-training; the next parts for it wait for
+    the promoted replica and go there, shard 1 keeps its server, and
+    nothing acknowledged is lost or applied twice."""
+    import asyncio
+    import threading
+
+    from mlfabric.controller.controller import Controller
+    from mlfabric.replication.replica import ReplicaServer
+    from mlfabric.runtime.metrics import ServerMetrics
+    from mlfabric.scheduling.plan import fifo_policy
+
+    from support import random_update
+
+    gamma = 0.5
+    model = make_model(sizes=SIZES)
+    part = partition([(n, a.dtype, a.shape) for n, a in model.items()], 2, 1 << 16)
+    servers = [ServerThread(sharded_store(model, i, 2, momentum=gamma)) for i in range(2)]
+    endpoints = [ReplicaServer(sharded_store(model, i, 2, momentum=gamma), job=JOB,
+                               token=TOKEN, metrics=ServerMetrics(), recovery=0.2)
+                 for i in range(2)]
+    replicas = [ServerThread(None, endpoint=ep) for ep in endpoints]
+    ctl = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None)
+    controller = ServerThread(None, endpoint=ctl)
+    acked: list[dict[int, dict[str, np.ndarray]]] = [{}, {}]
+    halfway = threading.Event()
+
+    async def train():
+        async with await mlfabric.aio.connect(
+                addresses(servers), job=JOB, token=TOKEN, controller=controller.address,
+                controller_fallback="wait", replica=",".join(r.address for r in replicas),
+                failover_timeout=10) as ps:
+            for i in range(8):
+                version, _ = await ps.pull()
+                # Two pushes in flight at a time.
+                updates = [random_update(model, seed=10 * i + k) for k in range(2)]
+                outcomes = await asyncio.gather(*(ps.push(u, base_version=version)
+                                                  for u in updates))
+                for u, outcome in zip(updates, outcomes, strict=True):
+                    assert outcome.applied, outcome
+                    for shard, p in enumerate(outcome.shards):
+                        assert p.version not in acked[shard]
+                        acked[shard][p.version] = u
+                if i == 3:
+                    halfway.set()
+                    await asyncio.to_thread(servers[0].__exit__, None, None, None)
+
+    with controller, replicas[0], replicas[1]:
+        for s in servers:
+            s.__enter__()
+        controller.call(lambda: ctl.watch_servers([s.address for s in servers],
+                                                  [r.address for r in replicas],
+                                                  interval=0.05, timeout=0.3))
+        run_async(train(), timeout=60)
+        assert halfway.is_set()
+        finals = [st.call(lambda st=st: (st.server.store.version, {
+            n: a.copy() for n, a in st.server.store.weights.items()}))
+            for st in (replicas[0], servers[1])]
+        servers[1].__exit__(None, None, None)
+    assert ctl.metrics.failovers._value.get() == 1
+    assert endpoints[0].serving and not endpoints[1].serving
+    for shard in (0, 1):
+        assert sorted(acked[shard]) == list(range(1, 17)) and finals[shard][0] == 16
+        ref = Reference(model, gamma)
+        for v in sorted(acked[shard]):
+            ref.apply(acked[shard][v])
+        assert_model_equal(finals[shard][1], part.split(ref.w)[shard])
