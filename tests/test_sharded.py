@@ -649,22 +649,11 @@ def test_losing_one_shard_moves_only_that_shard_to_its_replica_and_loses_nothing
     import threading
     import time
 
-    from mlfabric.controller.controller import Controller
-    from mlfabric.replication.replica import ReplicaServer
-    from mlfabric.runtime.metrics import ServerMetrics
-    from mlfabric.scheduling.plan import fifo_policy
-
     from support import random_update
 
     gamma, workers, steps = 0.5, 3, 8
     model = make_model(sizes=SIZES)
-    servers = [ServerThread(sharded_store(model, i, 2, momentum=gamma)) for i in range(2)]
-    endpoints = [ReplicaServer(sharded_store(model, i, 2, momentum=gamma), job=JOB,
-                               token=TOKEN, metrics=ServerMetrics(), recovery=0.2)
-                 for i in range(2)]
-    replicas = [ServerThread(None, endpoint=ep) for ep in endpoints]
-    ctl = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None)
-    controller = ServerThread(None, endpoint=ctl)
+    servers, endpoints, replicas, ctl, controller = replicated_shards(model, gamma)
     acked: list[dict[int, dict[str, np.ndarray]]] = [{}, {}]
     acked_at: list[float] = []
     lock = threading.Lock()
@@ -709,20 +698,10 @@ def test_losing_one_shard_moves_only_that_shard_to_its_replica_and_loses_nothing
         assert not errors, errors
         kept = 1 - lost
         finals = {lost: replicas[lost], kept: servers[kept]}
-        final = {i: finals[i].call(lambda st=finals[i]: (
-            st.server.store.version, {n: a.copy() for n, a in st.server.store.weights.items()}))
-            for i in (0, 1)}
+        final = [store_state(finals[i]) for i in (0, 1)]
         status = controller.call(lambda: ctl.state.status())
         servers[kept].__exit__(None, None, None)
-    total = workers * steps
-    part = partition([(n, a.dtype, a.shape) for n, a in model.items()], 2, 1 << 16)
-    for shard in (0, 1):
-        assert sorted(acked[shard]) == list(range(1, total + 1))
-        assert final[shard][0] == total
-        ref = Reference(model, gamma)
-        for v in sorted(acked[shard]):
-            ref.apply(acked[shard][v])
-        assert_model_equal(final[shard][1], part.split(ref.w)[shard])
+    assert_each_shard_replays(model, gamma, acked, final, workers * steps)
     assert ctl.metrics.failovers._value.get() == 1
     assert endpoints[lost].serving and not endpoints[kept].serving
     assert [x["host"] for x in status["shards"]] == ["127.0.0.1", "127.0.0.1"]
@@ -851,7 +830,6 @@ def test_a_replica_joins_a_shard_after_its_failover_and_takes_over_at_the_next_l
 
     gamma, kills = 0.5, 2
     model = make_model(sizes=SIZES)
-    part = partition([(n, a.dtype, a.shape) for n, a in model.items()], 2, 1 << 16)
     stop = threading.Event()
 
     def new_replica(store):
@@ -919,19 +897,12 @@ def test_a_replica_joins_a_shard_after_its_failover_and_takes_over_at_the_next_l
         for t in threads:
             t.join(60)
         assert not errors, errors
-        finals = [s.call(lambda s=s: (s.server.store.version, {
-            n: a.copy() for n, a in s.server.store.weights.items()})) for s in servers]
+        finals = [store_state(s) for s in servers]
     finally:
         for st in alive:
             st.__exit__(None, None, None)
     assert ctl.metrics.failovers._value.get() == kills
-    for shard in (0, 1):
-        assert sorted(acked[shard]) == list(range(1, len(acked[shard]) + 1))
-        assert finals[shard][0] == len(acked[shard])
-        ref = Reference(model, gamma)
-        for v in sorted(acked[shard]):
-            ref.apply(acked[shard][v])
-        assert_model_equal(finals[shard][1], part.split(ref.w)[shard])
+    assert_each_shard_replays(model, gamma, acked, finals)
 
 
 def test_the_asyncio_client_fails_a_shard_over_too(run_async):
@@ -942,23 +913,11 @@ def test_the_asyncio_client_fails_a_shard_over_too(run_async):
     import asyncio
     import threading
 
-    from mlfabric.controller.controller import Controller
-    from mlfabric.replication.replica import ReplicaServer
-    from mlfabric.runtime.metrics import ServerMetrics
-    from mlfabric.scheduling.plan import fifo_policy
-
     from support import random_update
 
     gamma = 0.5
     model = make_model(sizes=SIZES)
-    part = partition([(n, a.dtype, a.shape) for n, a in model.items()], 2, 1 << 16)
-    servers = [ServerThread(sharded_store(model, i, 2, momentum=gamma)) for i in range(2)]
-    endpoints = [ReplicaServer(sharded_store(model, i, 2, momentum=gamma), job=JOB,
-                               token=TOKEN, metrics=ServerMetrics(), recovery=0.2)
-                 for i in range(2)]
-    replicas = [ServerThread(None, endpoint=ep) for ep in endpoints]
-    ctl = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None)
-    controller = ServerThread(None, endpoint=ctl)
+    servers, endpoints, replicas, ctl, controller = replicated_shards(model, gamma)
     acked: list[dict[int, dict[str, np.ndarray]]] = [{}, {}]
     halfway = threading.Event()
 
@@ -990,15 +949,48 @@ def test_the_asyncio_client_fails_a_shard_over_too(run_async):
                                                   interval=0.05, timeout=0.3))
         run_async(train(), timeout=60)
         assert halfway.is_set()
-        finals = [st.call(lambda st=st: (st.server.store.version, {
-            n: a.copy() for n, a in st.server.store.weights.items()}))
-            for st in (replicas[0], servers[1])]
+        finals = [store_state(st) for st in (replicas[0], servers[1])]
         servers[1].__exit__(None, None, None)
     assert ctl.metrics.failovers._value.get() == 1
     assert endpoints[0].serving and not endpoints[1].serving
-    for shard in (0, 1):
-        assert sorted(acked[shard]) == list(range(1, 17)) and finals[shard][0] == 16
+    assert_each_shard_replays(model, gamma, acked, finals, 16)
+
+
+def replicated_shards(model, gamma, count=2):
+    """`count` shard servers, each with a replica (promoted after 0.2 s of
+    recovery), and a controller (fifo, no bound); none started yet."""
+    from mlfabric.controller.controller import Controller
+    from mlfabric.replication.replica import ReplicaServer
+    from mlfabric.runtime.metrics import ServerMetrics
+    from mlfabric.scheduling.plan import fifo_policy
+
+    servers = [ServerThread(sharded_store(model, i, count, momentum=gamma))
+               for i in range(count)]
+    endpoints = [ReplicaServer(sharded_store(model, i, count, momentum=gamma), job=JOB,
+                               token=TOKEN, metrics=ServerMetrics(), recovery=0.2)
+                 for i in range(count)]
+    replicas = [ServerThread(None, endpoint=ep) for ep in endpoints]
+    ctl = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None)
+    return servers, endpoints, replicas, ctl, ServerThread(None, endpoint=ctl)
+
+
+def store_state(st):
+    """(version, a copy of the weights) of a ServerThread's store, read in its loop."""
+    store = st.server.store
+    return st.call(lambda: (store.version, {n: a.copy() for n, a in store.weights.items()}))
+
+
+def assert_each_shard_replays(model, gamma, acked, finals, total=None):
+    """Shard i's acknowledged versions (`acked[i]`: version -> the update) are
+    exactly 1..N (`total` if given), its final (version, weights) is at N, and
+    its weights are the numpy replay of its parts in its own version order,
+    bit for bit."""
+    part = partition([(n, a.dtype, a.shape) for n, a in model.items()], len(acked), 1 << 16)
+    for shard, by_version in enumerate(acked):
+        n = len(by_version) if total is None else total
+        assert sorted(by_version) == list(range(1, n + 1))
+        assert finals[shard][0] == n
         ref = Reference(model, gamma)
-        for v in sorted(acked[shard]):
-            ref.apply(acked[shard][v])
+        for v in sorted(by_version):
+            ref.apply(by_version[v])
         assert_model_equal(finals[shard][1], part.split(ref.w)[shard])
