@@ -26,8 +26,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-from bench_shards import JOB, METRICS_PORT, TOKEN, make_model, popen, race, start_workers, stop
+from bench_shards import (
+    JOB,
+    METRICS_PORT,
+    job_files,
+    make_model,
+    popen,
+    race,
+    start_workers,
+    stop,
+)
 
 CONFIGS = ("chunks", "whole")
 
@@ -94,11 +102,7 @@ def main() -> int:
     results: dict[str, list[dict[str, float]]] = {c: [] for c in CONFIGS}
     with tempfile.TemporaryDirectory(prefix="bench-chunks-") as d:
         tmp = Path(d)
-        token = tmp / "job.token"
-        token.write_bytes(TOKEN)
-        token.chmod(0o600)
-        init = tmp / "init.npz"
-        np.savez(init, **model)
+        token, init = job_files(tmp, model)
         with Testbed(hosts=args.shards + args.workers + 1, rate_mbit=args.worker_mbit,
                      rates=rates, mtu=9000, queue_ms=args.queue_ms) as tb:
             for r in range(args.repeats):

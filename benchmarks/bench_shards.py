@@ -115,6 +115,16 @@ def stop(procs: list[subprocess.Popen[str]]) -> None:
             p.kill()
 
 
+def job_files(tmp: Path, model: dict[str, np.ndarray]) -> tuple[Path, Path]:
+    """The job's token file (private) and its --init model, written in `tmp`."""
+    token = tmp / "job.token"
+    token.write_bytes(TOKEN)
+    token.chmod(0o600)
+    init = tmp / "init.npz"
+    np.savez(init, **model)
+    return token, init
+
+
 def start_workers(tb, hosts: list, addresses: str, token: Path, tmp: Path, rounds: int,
                   workers: list[subprocess.Popen[str]], controller: str | None = None) -> None:
     """A worker on each of `hosts`, appended to `workers` as it starts (the
@@ -199,11 +209,7 @@ def main() -> int:
     results: dict[int, list[dict]] = {s: [] for s in shards}
     with tempfile.TemporaryDirectory(prefix="bench-shards-") as d:
         tmp = Path(d)
-        token = tmp / "job.token"
-        token.write_bytes(TOKEN)
-        token.chmod(0o600)
-        init = tmp / "init.npz"
-        np.savez(init, **model)
+        token, init = job_files(tmp, model)
         with Testbed(hosts=args.max_shards + args.workers, rate_mbit=args.worker_mbit,
                      rates=rates, mtu=9000, queue_ms=args.queue_ms) as tb:
             for r in range(args.repeats):
