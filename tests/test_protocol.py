@@ -104,6 +104,8 @@ CASES = [
     PushResult(req=3, applied=True, version=11, delay=2),
     PushResult(req=6, applied=True, version=14, delay=1, delays=(1, 3, 2)),
     PushResult(req=4, applied=False, version=11, delay=None, reason="stale: delay 9 > 8"),
+    PushResult(req=7, applied=True, version=20, delay=3, fan_in=4, index=3),
+    Push(req=16, base_version=4, tensors={"a": np.float32([0.5])}, seq=18, fan_in=4, index=1),
     Error(code="protocol", message="bad frame"),
     TransferRequest(req=4, host="h1", dst="10.0.0.1:7070", nbytes=2**40, base_version=3,
                     norm=0.125),
@@ -118,6 +120,7 @@ CASES = [
     TransferDone(req=4, applied=True, version=9, delay=2, seconds=1.5),
     TransferDone(req=5, applied=False, version=9, delay=None, seconds=0.0),
     TransferDone(req=6, applied=True, version=12, delay=0, seconds=0.5, via_failed="10.0.0.7"),
+    TransferDone(req=7, applied=True, version=12, delay=0, seconds=0.5, fan_in=3),
     StatusRequest(req=3),
     ReplicaDone(dst="10.0.0.2", version=2**33),
     ShardAt(shard=3, dst="10.0.0.5", version=17),
@@ -125,6 +128,8 @@ CASES = [
     Ping(req=2, since=40, velocity=True),
     Pong(req=1, role="replica", version=12),
     Pong(req=2, role="server", version=44, norms_from=41, norms=(0.5, 0.0, 1e30, 2.0)),
+    Pong(req=4, role="server", version=44, norms_from=41, norms=(0.5, 0.0, 0.0, 2.0),
+         spans=((44, 3),)),
     Pong(req=3, role="replica", version=40, velocity=0.125, gap=1.5),
     Promote(req=2),
     Promote(req=3, server="10.0.0.3:7070"),
@@ -407,6 +412,27 @@ BAD_FRAMES = {
     "norm not a number": (
         frame(MsgType.PONG, {"req": 1, "role": "server", "version": 3, "norms_from": 3,
                              "norms": ["x"]}), "'norms'"),
+    "span outside the norms": (
+        frame(MsgType.PONG, {"req": 1, "role": "server", "version": 3, "norms_from": 3,
+                             "norms": [1.0], "spans": [[5, 2]]}), "'spans'"),
+    "span of one": (
+        frame(MsgType.PONG, {"req": 1, "role": "server", "version": 3, "norms_from": 3,
+                             "norms": [1.0], "spans": [[3, 1]]}), "'spans'"),
+    "spans without norms": (
+        frame(MsgType.PONG, {"req": 1, "role": "server", "version": 3, "spans": [[3, 2]]}),
+        "'spans'"),
+    "member index without fan_in": (
+        frame(MsgType.PUSH_RESULT, {"req": 1, "applied": True, "version": 3, "delay": 0,
+                                    "index": 0}), "come together"),
+    "member index past fan_in": (
+        frame(MsgType.PUSH_RESULT, {"req": 1, "applied": True, "version": 3, "delay": 0,
+                                    "fan_in": 2, "index": 2}), "0 <= index < fan_in"),
+    "fan_in too large": (
+        frame(MsgType.TRANSFER_DONE, {"req": 1, "applied": True, "version": 3, "delay": 0,
+                                      "seconds": 0.1, "fan_in": 65}), "'fan_in'"),
+    "replica member without index": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "seq": 4, "fan_in": 2,
+                             "tensors": [["a", "f4", [1]]]}, b"\0" * 4), "0 <= index < fan_in"),
     "gap negative": (
         frame(MsgType.PONG, {"req": 1, "role": "replica", "version": 3, "gap": -1}), "gap"),
     "force not a bool": (frame(MsgType.PROMOTE, {"req": 1, "force": 1}), "'force'"),

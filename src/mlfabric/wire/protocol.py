@@ -251,6 +251,10 @@ class Push:
 
     `seq` is set only on pushes to a replica: the server version this update
     produced when the server applied it (the replica applies seq v+1 next).
+    An update the server applied as member `index` of an aggregate of
+    `fan_in` (one momentum step with their sum, versions v+1 .. v+fan_in)
+    goes to a replica with seq = v + 1 + index and those two fields, without
+    a `group`: the replica applies the aggregate once all its members are in.
 
     Aggregation (docs/design.md, "Aggregation"): `uid` names the update
     uniquely (a server applies a uid at most once, so re-sending after a
@@ -276,7 +280,11 @@ class Push:
 @dataclass(frozen=True)
 class PushResult:
     """The answer to a push. For an aggregate, `delays` holds each member's
-    delay, in member order (`delay` is the smallest)."""
+    delay, in member order (`delay` is the smallest). To a member of an
+    aggregate the server applied (answered by the aggregator, or by the
+    server to a member re-sent after its aggregate was applied), `fan_in`
+    and `index`: it was member `index` of `fan_in`, which took the server
+    from version - fan_in to `version` in one step."""
 
     req: int
     applied: bool
@@ -284,6 +292,8 @@ class PushResult:
     delay: int | None
     reason: str | None = None
     delays: tuple[int, ...] | None = None
+    fan_in: int | None = None
+    index: int | None = None
 
 
 @dataclass(frozen=True)
@@ -360,6 +370,9 @@ class TransferDone:
     delay: int | None
     seconds: float  # from "go" to the server's answer
     via_failed: str | None = None
+    # Applied as one of an aggregate of `fan_in` (versions version - fan_in
+    # + 1 .. version, one step): None for an update applied alone.
+    fan_in: int | None = None
 
 
 @dataclass(frozen=True)
@@ -409,13 +422,17 @@ class Pong:
     norms_from, norms_from + 1, ... (answering a Ping's `since`; norms_from
     is above since + 1 when older ones are no longer kept). `velocity`:
     ||w - w_prev|| at `version`, when asked. `gap`: a replica waiting for a
-    missing sequence number says for how many seconds it has waited."""
+    missing sequence number says for how many seconds it has waited.
+    `spans`: (version, k) for each aggregate of k > 1 among `norms`: one
+    step, whose norm is at `version`, took the server there from version - k
+    (the norms at the k - 1 versions it skipped are 0.0, and no step)."""
 
     req: int
     role: str
     version: int
     norms_from: int | None = None
     norms: tuple[float, ...] | None = None
+    spans: tuple[tuple[int, int], ...] | None = None
     velocity: float | None = None
     gap: float | None = None
 
@@ -789,10 +806,17 @@ def _opt_norms(meta: Mapping[str, Any], key: str) -> tuple[float, ...] | None:
     return tuple(float(x) for x in value)
 
 
+def _opt_fan_in(meta: Mapping[str, Any]) -> int | None:
+    fan_in = _opt_int(meta, "fan_in")
+    if fan_in is not None and not 1 <= fan_in <= MAX_FAN_IN:
+        raise ProtocolError(f"field 'fan_in' must be 1 to {MAX_FAN_IN}, got {fan_in}")
+    return fan_in
+
+
 def _check_membership(fan_in: int | None, index: int | None, what: str) -> None:
     if fan_in is None or index is None or not 1 <= fan_in <= MAX_FAN_IN \
             or not 0 <= index < fan_in:
-        raise ProtocolError(f"a {what} to an aggregator needs 1 <= fan_in <= {MAX_FAN_IN} and "
+        raise ProtocolError(f"a {what} for an aggregate needs 1 <= fan_in <= {MAX_FAN_IN} and "
                             f"0 <= index < fan_in, got fan_in={fan_in!r} index={index!r}")
 
 
@@ -808,6 +832,10 @@ def _aggregation_fields(meta: Mapping[str, Any]) -> dict[str, Any]:
         fields["dst"] = _str(meta, "dst", 256)
         if "uid" not in fields:
             raise ProtocolError("a push to an aggregator needs a 'uid'")
+    elif meta.get("seq") is not None and meta.get("fan_in") is not None:
+        # A member of an aggregate, to a replica.
+        fields["fan_in"], fields["index"] = _opt_int(meta, "fan_in"), _opt_int(meta, "index")
+        _check_membership(fields["fan_in"], fields["index"], "push")
     members = meta.get("members")
     if members is not None:
         if (not isinstance(members, list) or not 1 <= len(members) <= MAX_FAN_IN
@@ -994,9 +1022,14 @@ def _decode_push_result(meta: Mapping[str, Any], tensors: dict[str, np.ndarray])
                                or not all(type(d) is int for d in delays)):
         raise ProtocolError(f"field 'delays' must be a list of at most {MAX_FAN_IN} "
                             f"integers, got {delays!r:.60}")
+    fan_in, index = _opt_fan_in(meta), _opt_int(meta, "index")
+    if (fan_in is None) != (index is None) or (index is not None and index >= fan_in):
+        raise ProtocolError(f"a push result's 'fan_in' and 'index' come together, with "
+                            f"0 <= index < fan_in; got {fan_in!r} and {index!r}")
     return PushResult(req=_int(meta, "req"), applied=applied, version=_int(meta, "version"),
                       delay=_opt_int(meta, "delay"), reason=reason,
-                      delays=None if delays is None else tuple(delays))
+                      delays=None if delays is None else tuple(delays),
+                      fan_in=fan_in, index=index)
 
 
 def _decode_error(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
@@ -1064,9 +1097,20 @@ def _decode_pong(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Eve
     if (velocity is not None and velocity < 0) or (gap is not None and gap < 0):
         raise ProtocolError(f"a pong's velocity and gap must be >= 0, got {velocity!r} "
                             f"and {gap!r}")
+    spans = meta.get("spans")
+    if spans is not None:
+        if norms is None or norms_from is None or not (
+                isinstance(spans, list) and len(spans) <= len(norms) and all(
+                    isinstance(x, list) and len(x) == 2 and type(x[0]) is int
+                    and type(x[1]) is int and 2 <= x[1] <= MAX_FAN_IN
+                    and norms_from <= x[0] < norms_from + len(norms) for x in spans)):
+            raise ProtocolError(f"a pong's 'spans' must be [version, k] pairs with 2 <= k <= "
+                                f"{MAX_FAN_IN} and a version among its norms, got "
+                                f"{spans!r:.80}")
+        spans = tuple((v, k) for v, k in spans)
     return Pong(req=_int(meta, "req"), role=_str(meta, "role", 16),
                 version=_int(meta, "version"), norms_from=norms_from, norms=norms,
-                velocity=velocity, gap=gap)
+                spans=spans, velocity=velocity, gap=gap)
 
 
 def _decode_promote(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
@@ -1116,7 +1160,8 @@ def _decode_transfer_done(meta: Mapping[str, Any], tensors: dict[str, np.ndarray
                         version=_int(meta, "version"), delay=_opt_int(meta, "delay"),
                         seconds=_float(meta, "seconds"),
                         via_failed=None if via_failed is None else _str(meta, "via_failed",
-                                                                        256))
+                                                                        256),
+                        fan_in=_opt_fan_in(meta))
 
 
 def _fields(event: Event) -> dict[str, Any]:
@@ -1176,6 +1221,8 @@ def _encode_push_result(event: PushResult) -> dict[str, Any]:
         meta["reason"] = event.reason
     if event.delays is not None:
         meta["delays"] = list(event.delays)
+    if event.fan_in is not None:
+        meta["fan_in"], meta["index"] = event.fan_in, event.index
     return meta
 
 
@@ -1192,7 +1239,7 @@ def _encode_error(event: Error) -> dict[str, Any]:
 
 def _fast_push(event: Push) -> bytes | None:
     if event.uid is not None or event.members is not None or event.group is not None \
-            or event.dst is not None:
+            or event.dst is not None or event.fan_in is not None:
         return None
     if event.seq is not None:
         return b'{"req":%d,"base_version":%d,"seq":%d}' % (
@@ -1201,7 +1248,7 @@ def _fast_push(event: Push) -> bytes | None:
 
 
 def _fast_push_result(event: PushResult) -> bytes | None:
-    if event.reason is not None or event.delays is not None:
+    if event.reason is not None or event.delays is not None or event.fan_in is not None:
         return None
     delay = b"null" if event.delay is None else b"%d" % event.delay
     applied = b"true" if event.applied else b"false"
