@@ -118,6 +118,37 @@ def test_a_group_is_summed_forwarded_once_and_each_member_told(live):
     assert 0 < seconds["forward"][1] <= seconds["aggregation"][1]
 
 
+def test_a_replicating_worker_aggregates_and_its_replica_replays_every_aggregate(live):
+    """Worker-driven replication through an aggregator: each member goes to
+    the replica at its place in the aggregate, and the replica ends bit for
+    bit where the server is, each aggregate applied as the server's one step."""
+    from mlfabric.replication.replica import ReplicaServer
+    from mlfabric.runtime.metrics import ServerMetrics
+
+    server, _agg, controller, model = live(4)
+    with ServerThread(None, loop_kind=server.loop_kind, endpoint=ReplicaServer(
+            ParameterStore(model, momentum=GAMMA), job=JOB, token=TOKEN,
+            metrics=ServerMetrics())) as replica, \
+            mlfabric.connect(server.address, job=JOB, token=TOKEN,
+                             controller=controller.address, replica=replica.address) as ps:
+        w, prev, version = dict(model), dict(model), 0
+        for rnd in range(3):
+            updates = [random_update(model, seed=10 * rnd + i) for i in range(4)]
+            outcomes = [f.result(10) for f in [ps.push(u, base_version=version)
+                                                for u in updates]]
+            w, prev, version, _ = apply_aggregate(
+                w, prev, version, [(u, version) for u in updates], GAMMA)
+            assert [(o.applied, o.version, o.fan_in, o.index) for o in outcomes] == \
+                [(True, version, 4, i) for i in range(4)]
+        # A push's future resolves once the replica has it too.
+        store = replica.server.store
+        assert replica.call(lambda: store.version) == version == 12
+        assert_model_equal(replica.call(lambda: store.snapshot()[1]), w)
+        assert_model_equal(ps.pull(timeout=10)[1], w)
+    assert replica.metrics.aggregates_applied._value.get() == 3
+    assert server.metrics.aggregates_applied._value.get() == 3
+
+
 def test_members_from_several_workers_with_different_base_versions(live):
     """Members are summed in the controller's order (request order here),
     and each gets its own delay: version before the step minus its base."""
@@ -247,13 +278,11 @@ def test_workers_dial_the_controllers_aggregators_before_any_push(loop_kind, api
 
             run_async(body())
         wait_until(lambda: dialled() == 0, what="the link closed with the client")
-        # A replicating client does not aggregate: it has no use for the links.
+        # A replicating client aggregates too (its replica replays aggregates).
         with ServerThread(ParameterStore(model), loop_kind=loop_kind) as replica, \
                 mlfabric.connect(server.address, job=JOB, token=TOKEN,
                                  controller=controller.address, replica=replica.address):
-            wait_until(lambda: controller.metrics.connected_clients._value.get() == 1,
-                       what="the client at the controller")
-            assert dialled() == 0
+            wait_until(lambda: dialled() == 1, what="the replicating client's aggregator link")
 
 
 def test_a_member_resent_after_its_aggregate_was_applied_is_not_applied_again(loop_kind):
@@ -268,7 +297,8 @@ def test_a_member_resent_after_its_aggregate_was_applied_is_not_applied_again(lo
         raw.send(Push(1, 0, total, members=(("a-1", 0, "w1"), ("b-1", 0, "w2"))))
         assert raw.recv_event() == PushResult(1, True, 2, 0, None, (0, 0))
         raw.send(Push(2, 0, u2, uid="b-1"))
-        assert raw.recv_event() == PushResult(2, True, 2, 0)
+        # With its place in the aggregate, where its worker's replica takes it.
+        assert raw.recv_event() == PushResult(2, True, 2, 0, fan_in=2, index=1)
         w, _, _, _ = apply_aggregate(model, model, 0, [(u1, 0), (u2, 0)], GAMMA)
         assert_model_equal(server.call(lambda: server.store.snapshot()[1]), w)
         # An aggregate naming a member applied already is refused whole.
@@ -438,7 +468,8 @@ def test_the_aggregate_streams_to_the_server_while_a_member_is_still_arriving(st
     assert agg.metrics.streamed_bytes._value.get() >= 1 << 20
     assert server.call(lambda: server.store.version) == 0
     members[1].send_raw(rest)
-    assert [m.recv_event() for m in members] == [PushResult(1, True, 2, 0)] * 2
+    assert [m.recv_event() for m in members] == [
+        PushResult(1, True, 2, 0, fan_in=2, index=i) for i in range(2)]
     w, _, _, _ = apply_aggregate(model, model, 0, [(u, 0) for u in updates], GAMMA)
     assert_model_equal(server.call(lambda: server.store.snapshot()[1]), w)
     assert agg.metrics.streamed_bytes._value.get() < sum(u.nbytes for u in updates[0].values())
@@ -476,7 +507,8 @@ def test_a_member_lost_mid_update_abandons_the_streamed_aggregate(streaming, how
     updates, frames = _member_frames(model, 8, server.address, seed=10)
     for m, f in zip(members, frames, strict=True):
         m.send_raw(f)
-    assert [m.recv_event() for m in members] == [PushResult(1, True, 2, 0)] * 2
+    assert [m.recv_event() for m in members] == [
+        PushResult(1, True, 2, 0, fan_in=2, index=i) for i in range(2)]
     w, _, _, _ = apply_aggregate(model, model, 0, [(u, 0) for u in updates], GAMMA)
     assert_model_equal(server.call(lambda: server.store.snapshot()[1]), w)
     for m in members:

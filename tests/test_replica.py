@@ -386,3 +386,153 @@ def test_a_missing_update_still_arriving_is_no_gap(replica):
     finally:
         for raw in (fast, probe):
             raw.close()
+
+
+# -- aggregates ---------------------------------------------------------------
+
+
+def test_sequencer_releases_an_aggregate_only_whole():
+    # Items are (fan_in, index); an aggregate's first member names its span.
+    s: Sequencer[tuple[int, int]] = Sequencer(1, max_pending=8, span=lambda item: item[0])
+    s.offer(1, (1, 0))
+    assert list(s.ready()) == [(1, (1, 0))]
+    for seq, item in ((2, (3, 0)), (4, (3, 2)), (5, (1, 0))):
+        s.offer(seq, item)
+    assert list(s.ready()) == [] and s.waiting_for() == 3
+    s.offer(3, (3, 1))
+    assert list(s.ready()) == [(2, (3, 0)), (3, (3, 1)), (4, (3, 2)), (5, (1, 0))]
+    assert s.next_seq == 6 and s.waiting_for() == 6
+
+
+def _server_steps(model, gamma):
+    """A server store through single updates and aggregates (summed as an
+    aggregator sums them, streamed in small chunks or whole), and the
+    members of each step as (first version, [(base, update), ...])."""
+    from mlfabric.agent.group_sum import GroupSum
+
+    store = ParameterStore(model, momentum=gamma)
+    steps = []
+    for sizes, seed in (((1,), 0), ((3,), 10), ((1,), 20), ((2,), 30), ((4,), 40)):
+        (k,) = sizes
+        members = [(store.version, random_update(model, seed + i)) for i in range(k)]
+        first = store.version + 1
+        if k == 1:
+            store.apply(*members[0])
+        else:
+            flat = [np.concatenate([u[n].reshape(-1) for n in model]) for _, u in members]
+            group = GroupSum(k, flat[0].nbytes, chunk=7)
+            for i in reversed(range(k)):  # bytes arrive in any order
+                group.member_done(i, flat[i].view(np.uint8))
+            total, offset = {}, 0
+            acc = group.total()
+            for n, w in model.items():
+                total[n] = acc[offset:offset + w.size].reshape(w.shape)
+                offset += w.size
+            store.apply_aggregate([(f"u{seed}-{i}", b) for i, (b, _) in enumerate(members)],
+                                  total)
+        steps.append((first, members))
+    return store, steps
+
+
+def test_a_replica_replays_aggregates_bit_for_bit_whatever_the_arrival_order(replica):
+    """Members of an aggregate go to the replica at their places with
+    (fan_in, index); it holds them until all are in and applies their sum as
+    the server's one step: the same weights, version and norms, bit for bit."""
+    model = make_model()
+    server, steps = _server_steps(model, 0.9)
+    st = replica(model, momentum=0.9)
+    pushes = []
+    for first, members in steps:
+        for i, (base, u) in enumerate(members):
+            place = {} if len(members) == 1 else {"fan_in": len(members), "index": i}
+            pushes.append(Push(req=len(pushes) + 1, base_version=base, tensors=u,
+                               seq=first + i, **place))
+    order = np.random.default_rng(5).permutation(len(pushes))
+    raws = [RawClient(st.port), RawClient(st.port)]
+    try:
+        for j, i in enumerate(order):
+            raws[j % 2].send(pushes[i])
+        answers = {}
+        for r, raw in enumerate(raws):
+            for _ in range(len(order[r::2])):
+                event = raw.recv_event()
+                assert isinstance(event, PushResult), event
+                answers[event.req] = event
+        raws[0].send(Pull(req=99))
+        pulled = raws[0].recv_event()
+        raws[0].send(Ping(req=100, since=0))
+        pong = raws[0].recv_event()
+    finally:
+        for raw in raws:
+            raw.close()
+    for first, members in steps:
+        k = len(members)
+        for i in range(k):
+            push = next(p for p in pushes if p.seq == first + i)
+            want = (True, first + k - 1, first - 1 - members[i][0])
+            a = answers[push.req]
+            assert (a.applied, a.version, a.delay) == want
+            assert (a.fan_in, a.index) == ((None, None) if k == 1 else (k, i))
+    assert pulled.version == server.version == 11
+    assert_model_equal(dict(pulled.tensors), server.weights)
+    assert pong.norms_from == 1 and list(pong.norms) == server.norms_since(0)[1]
+    assert pong.spans == ((4, 3), (7, 2), (11, 4))
+    assert st.metrics.aggregates_applied._value.get() == 3
+    assert st.metrics.updates_applied._value.get() == 11
+
+
+def test_a_replica_refuses_a_member_that_does_not_fit_its_aggregate(replica):
+    model = make_model()
+    st = replica(model, max_pending=4)
+    raw = RawClient(st.port)
+    u = random_update(model, 0)
+    try:
+        raw.send(Push(req=1, base_version=0, tensors=u, seq=2, fan_in=2, index=1))
+        raw.send(Push(req=2, base_version=0, tensors=u, seq=3, fan_in=3, index=1))
+        err = raw.recv_event()
+        assert isinstance(err, Error) and (err.code, err.req) == ("out_of_order", 2)
+        assert err.message == ("update 3 says it is a step of 3 from version 2, but the update "
+                               "held at 2 says 2 from 1")
+        raw.send(Push(req=3, base_version=0, tensors=u, seq=1, fan_in=5, index=0))
+        err = raw.recv_event()
+        assert isinstance(err, Error) and err.message == (
+            "update 1 is a member of an aggregate of 5, more than the 4 updates this replica "
+            "holds out of order: start it with --max-pending 5 or more")
+        raw.send(Push(req=4, base_version=0, tensors=u, seq=1, fan_in=2, index=0))
+        done = [raw.recv_event(), raw.recv_event()]
+        assert sorted((d.req, d.version, d.index) for d in done) == [(1, 2, 1), (4, 2, 0)]
+        # Past the aggregate's start, a member claiming a place inside it does not fit.
+        raw.send(Push(req=5, base_version=0, tensors=u, seq=3, fan_in=3, index=2))
+        err = raw.recv_event()
+        assert isinstance(err, Error) and err.message == (
+            "update 3 is member 2 of an aggregate from version 1, but this replica is past "
+            "version 0")
+    finally:
+        raw.close()
+    assert st.metrics.updates_rejected.labels("out_of_order")._value.get() == 3
+
+
+def test_a_promoted_replica_applies_the_members_that_came_as_one_step(replica):
+    """The server died after applying an aggregate of 3; one member's worker
+    died with it: the promoted replica applies the two it has as one step
+    (renumbered), and each member is told its new place."""
+    model = make_model()
+    st = replica(model, momentum=0.9, recovery=0.1)
+    u = [random_update(model, seed) for seed in range(3)]
+    raw = RawClient(st.port)
+    try:
+        raw.send(Push(req=1, base_version=0, tensors=u[0], seq=1, fan_in=3, index=0))
+        raw.send(Push(req=2, base_version=0, tensors=u[2], seq=3, fan_in=3, index=2))
+        raw.send(Promote(req=3, force=True))
+        assert raw.recv_event() == Pong(req=3, role="server", version=0)
+        answers = sorted((raw.recv_event() for _ in range(2)), key=lambda a: a.req)
+        raw.send(Pull(req=4))
+        pulled = raw.recv_event()
+    finally:
+        raw.close()
+    assert answers == [PushResult(1, True, 2, 0, fan_in=2, index=0),
+                       PushResult(2, True, 2, 0, fan_in=2, index=1)]
+    ref = ParameterStore(model, momentum=0.9)
+    ref.apply_aggregate([("a", 0), ("c", 0)], {n: u[0][n] + u[2][n] for n in model})
+    assert pulled.version == 2
+    assert_model_equal(dict(pulled.tensors), ref.weights)

@@ -290,9 +290,10 @@ class Aggregator(Endpoint):
         m.fan_in.observe(len(members))
         m.members.inc(len(members))
         m.saved_bytes.inc((len(members) - 1) * total.nbytes)
-        for mb, delay in zip(members, result.delays, strict=True):
+        for index, (mb, delay) in enumerate(zip(members, result.delays, strict=True)):
+            # Its place in the aggregate, for its worker's replica.
             mb.conn.send(PushResult(req=mb.req, applied=True, version=result.version,
-                                    delay=delay))
+                                    delay=delay, fan_in=len(members), index=index))
 
     async def _stream(self, group: _Group, frame: Any, data: np.ndarray, final: Any) -> None:
         """Write the aggregate's bytes as they become final; raises if the

@@ -149,7 +149,6 @@ async def connect(
                 address, hs, AGGREGATOR_DIAL_TIMEOUT, "aggregator", command=AGGREGATOR_COMMAND)),
             host=host or sock.getsockname()[0], dst=sock.getpeername()[0],
             fallback=controller_fallback, timeout=controller_timeout,
-            aggregation=replica is None,
             shard=client.welcome_shard.index if client.welcome_shard is not None else None,
             chunk=client.welcome_shard.chunk if client.welcome_shard is not None else 0)
         try:
@@ -466,9 +465,8 @@ class AsyncClient:
         feed.on_lost = self._feeds.lost
         kept = self._feeds.attach(feed, version)
         loop = asyncio.get_running_loop()
-        for v, (arrays, base) in kept:
-            feed.replicate(arrays, base, PushOutcome(True, v, None, None, base),
-                           loop.create_future())
+        for _, (arrays, base, outcome) in kept:
+            feed.replicate(arrays, base, outcome, loop.create_future())
         log.warning("replica at %s joined from version %d; %d kept updates sent to it",
                     address, version, len(kept))
 

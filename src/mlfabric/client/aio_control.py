@@ -41,7 +41,7 @@ class AsyncControlledPushes:
 
     def __init__(self, client: ControlledClient, address: str, hs: ClientHandshake, *,
                  aggregators: LinkPool[PushLink], host: str, dst: str,
-                 fallback: str = "fifo", timeout: float = 30.0, aggregation: bool = True,
+                 fallback: str = "fifo", timeout: float = 30.0,
                  shard: int | None = None, chunk: int = 0) -> None:
         """`aggregators`: the links to the aggregators the controller may route
         pushes through, dialled by the client. `shard`: this client's shard
@@ -50,7 +50,7 @@ class AsyncControlledPushes:
         bytes at a time (a sharded job's chunk), so that a shorter transfer
         can pass it."""
         self.book = ControlBook(address, host=host, dst=dst, fallback=fallback,
-                                timeout=timeout, aggregation=aggregation, shard=shard or 0,
+                                timeout=timeout, shard=shard or 0,
                                 chunk=chunk)
         self.sharded = shard is not None
         self._aggregators = aggregators
@@ -78,11 +78,10 @@ class AsyncControlledPushes:
         if self.sharded:  # so that `mlfabric status` lists every shard from the start
             link.send(ShardAt(shard=self.book.shard, dst=self.book.dst,
                               version=self.client.last_version))
-        if self.book.aggregation:
-            # Every aggregator the controller may route through, dialled ahead
-            # of use (a member then does not wait for the handshake).
-            for address in link.welcomed.result().aggregators:
-                self._aggregators.ahead(address)
+        # Every aggregator the controller may route through, dialled ahead
+        # of use (a member then does not wait for the handshake).
+        for address in link.welcomed.result().aggregators:
+            self._aggregators.ahead(address)
         return link
 
     def push(self, arrays: dict[str, np.ndarray], base_version: int, nbytes: int

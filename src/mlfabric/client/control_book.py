@@ -71,13 +71,10 @@ def controlled_update(arrays: dict[str, np.ndarray], base_version: int, nbytes: 
 
 class ControlBook:
     def __init__(self, address: str, *, host: str, dst: str, fallback: str,
-                 timeout: float, aggregation: bool = True, shard: int = 0,
-                 chunk: int = 0) -> None:
-        """`aggregation`: follow directives through an aggregator (a client
-        that replicates does not: a replica cannot replay an aggregate, so
-        its updates go straight to the server). `shard`: the index of the
-        server shard this client's transfers go to. `chunk` > 0: the
-        controller may let them go that many bytes at a time."""
+                 timeout: float, shard: int = 0, chunk: int = 0) -> None:
+        """`shard`: the index of the server shard this client's transfers go
+        to. `chunk` > 0: the controller may let them go that many bytes at a
+        time."""
         if fallback not in FALLBACKS:
             raise ConfigError(f"controller fallback must be one of {FALLBACKS}, got {fallback!r}")
         self.address = address
@@ -91,7 +88,6 @@ class ControlBook:
         self._asked: dict[int, ControlledUpdate] = {}  # waiting for a directive
         self._orphans: list[ControlledUpdate] = []  # waiting for the controller to return
         self._warned = False
-        self.aggregation = aggregation
         self.shard = shard
         self.chunk = chunk
         self._uid_prefix = secrets.token_hex(8)
@@ -144,14 +140,9 @@ class ControlBook:
             return u, None
         if d.action == "go":
             u.upto = d.upto
-            if d.via is not None and self.aggregation:
+            if d.via is not None:
                 u.via = d.via
                 u.member = {"group": d.group, "fan_in": d.fan_in, "index": d.index}
-            elif d.via is not None and d.via not in self._failed_aggregators:
-                self._failed_aggregators.add(d.via)
-                log.warning("the controller routes updates through the aggregator %s, but this "
-                            "client replicates (a replica cannot replay an aggregate): sending "
-                            "them straight to the server", d.via)
             return u, None
         return u, PushOutcome(applied=False, version=last_version, delay=None,
                               reason=f"dropped by the controller: {d.reason}",
@@ -267,8 +258,12 @@ class ControlBook:
     def report(u: ControlledUpdate, outcome: PushOutcome, seconds: float) -> TransferDone | None:
         if u.creq is None:
             return None  # sent without the controller: nothing to report
+        # A member of an aggregate says so: the divergence gate counts the
+        # aggregate as one step of k versions.
+        fan_in = outcome.fan_in if outcome.applied and (outcome.fan_in or 1) > 1 else None
         return TransferDone(req=u.creq, applied=outcome.applied, version=outcome.version,
-                            delay=outcome.delay, seconds=seconds, via_failed=u.via_failed)
+                            delay=outcome.delay, seconds=seconds, via_failed=u.via_failed,
+                            fan_in=fan_in)
 
     @staticmethod
     def report_failed(u: ControlledUpdate, seconds: float) -> TransferDone | None:

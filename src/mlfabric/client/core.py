@@ -331,6 +331,8 @@ class RequestTable:
                 delay=event.delay,
                 reason=event.reason,
                 base_version=pending.base_version,
+                fan_in=event.fan_in,
+                index=event.index,
             )
             if m is not None:
                 m.push_seconds.observe(elapsed)

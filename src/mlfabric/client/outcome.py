@@ -13,6 +13,9 @@ class PushOutcome:
     version: the server's version after applying it (or its version then, if not).
     delay: the server's version at apply minus `base_version` (the staleness).
     reason: why it was not applied (None when applied).
+    fan_in, index: it was applied as member `index` of an aggregate of
+        `fan_in` updates, one step that took the server from version -
+        fan_in to `version` (None when applied alone).
     """
 
     applied: bool
@@ -20,3 +23,14 @@ class PushOutcome:
     delay: int | None
     reason: str | None = None
     base_version: int | None = None
+    fan_in: int | None = None
+    index: int | None = None
+
+    @property
+    def seq(self) -> int:
+        """The version this update holds in the server's order: its own for
+        an update applied alone; for member `index` of an aggregate, the
+        aggregate's first version plus `index` (where a replica takes it)."""
+        if self.fan_in is None or self.index is None:
+            return self.version
+        return self.version - self.fan_in + 1 + self.index

@@ -38,6 +38,11 @@ from .outcome import PushOutcome
 
 log = logging.getLogger("mlfabric.client")
 
+# An update kept for a replica: its arrays, base version and the server's
+# outcome (which says where in the server's order it goes), by that place
+# (`PushOutcome.seq`).
+Kept = tuple[dict[str, np.ndarray], int, PushOutcome]
+
 DEFAULT_REPLICA_TIMEOUT = 10.0  # seconds a push waits for the replica's answer
 
 Schedule = Callable[[float, Callable[[], None]], Any]
@@ -66,9 +71,8 @@ class ReplicaFeed:
         # Called once, outside any lock of this feed, when the replica is
         # found unreachable (the client then keeps updates for the next one).
         self.on_lost: Callable[[ReplicaFeed], None] | None = None
-        # version -> (arrays, base_version): applied at the server, not yet
-        # known to be applied at the replica.
-        self.unreplicated: dict[int, tuple[dict[str, np.ndarray], int]] = {}
+        # Applied at the server, not yet known to be applied at the replica.
+        self.unreplicated: dict[int, Kept] = {}
         self._warned = False
         # Called after every answer or failure (close() waits on them).
         self._watchers: list[Callable[[], None]] = []
@@ -77,14 +81,18 @@ class ReplicaFeed:
                   outcome: PushOutcome, done: Any) -> None:
         """Send an update the server answered; resolve `done` (a concurrent or
         asyncio future) with `outcome` once the replica has it (at once if
-        the server did not apply it)."""
+        the server did not apply it). A member of an aggregate goes at its
+        place in the aggregate, with that place: the replica applies the
+        aggregate once all its members are in, as the server did."""
         if not outcome.applied:
             _resolve(done, outcome)
             return
-        seq = outcome.version
-        self.unreplicated[seq] = (arrays, base_version)
+        seq = outcome.seq
+        self.unreplicated[seq] = (arrays, base_version, outcome)
+        fields = ({} if outcome.fan_in is None or outcome.fan_in < 2
+                  else {"fan_in": outcome.fan_in, "index": outcome.index})
         try:
-            sent = self.replica.send_push(arrays, base_version, seq=seq)
+            sent = self.replica.send_push(arrays, base_version, seq=seq, **fields)
         except MlfabricError as exc:
             self._failed(seq, exc)
             _resolve(done, outcome)
@@ -124,13 +132,16 @@ class ReplicaFeed:
             # Applied now, or a duplicate: either way the replica has it.
             self.unreplicated.pop(seq, None)
             self._changed()
-            if self.report is not None:
-                self.report(self.host, seq)
             answer = f.result()
-            if answer.applied and answer.version != seq:
+            if self.report is not None:
+                # The replica is at the version the server reached with it
+                # (an aggregate's last: it applies the whole aggregate at once).
+                self.report(self.host, outcome.version)
+            if answer.applied and answer.version != outcome.version:
                 # A promoted replica renumbered it (an earlier update of the
                 # lost server never arrived): its history is the one that lives on.
-                outcome = dataclasses.replace(outcome, version=answer.version)
+                outcome = dataclasses.replace(outcome, version=answer.version,
+                                              fan_in=answer.fan_in, index=answer.index)
         _resolve(done, outcome)
 
     def _changed(self) -> None:
@@ -147,7 +158,7 @@ class ReplicaFeed:
             if self.on_lost is not None:
                 self.on_lost(self)
 
-    def take_unreplicated(self) -> dict[int, tuple[dict[str, np.ndarray], int]]:
+    def take_unreplicated(self) -> dict[int, Kept]:
         return dict(self.unreplicated)
 
     async def aclose(self, timeout: float | None = None) -> None:
@@ -197,7 +208,7 @@ class ReplicaFeeds:
         self.current = current
         self.limit = limit
         self.retired: list[ReplicaFeed] = []
-        self.backlog: dict[int, tuple[dict[str, np.ndarray], int]] = {}
+        self.backlog: dict[int, Kept] = {}  # by place in the server's order
 
     def acknowledged(self, arrays: dict[str, np.ndarray], base: int, outcome: PushOutcome
                      ) -> ReplicaFeed | None:
@@ -206,7 +217,7 @@ class ReplicaFeeds:
         # The replica now, not at push time: one may have joined since.
         feed = self.current
         if feed is None and outcome.applied and self.limit:
-            self.backlog[outcome.version] = (arrays, base)
+            self.backlog[outcome.seq] = (arrays, base, outcome)
             self._trim()
         return feed
 
@@ -233,8 +244,7 @@ class ReplicaFeeds:
         self.backlog.update(kept)
         self._trim()
 
-    def attach(self, feed: ReplicaFeed, version: int
-               ) -> list[tuple[int, tuple[dict[str, np.ndarray], int]]]:
+    def attach(self, feed: ReplicaFeed, version: int) -> list[tuple[int, Kept]]:
         """A new replica serves from `version`: the kept updates above it, in
         version order, to send it before anything else."""
         old, self.current = self.current, feed

@@ -82,6 +82,16 @@ class _Held:
     event: Push
     waiters: list[tuple[_ReplicaProtocol, int]] = field(default_factory=list)
 
+    @property
+    def fan_in(self) -> int:
+        """1 for an update the server applied alone; k for a member of an
+        aggregate of k (one step of k versions)."""
+        return self.event.fan_in or 1
+
+    def first(self, seq: int) -> int:
+        """The first version of the step this update (held at `seq`) is part of."""
+        return seq - (self.event.index or 0)
+
 
 class ReplicaServer(ParameterServer):
     """Holds a copy of the model and applies sequenced pushes in order.
@@ -106,8 +116,9 @@ class ReplicaServer(ParameterServer):
         # Pulls for an update are answered at once: updates reach a replica
         # in sequence, not staged.
         self.pull_waits = None
-        self.sequencer: Sequencer[_Held] = Sequencer(store.version + 1,
-                                                     max_pending=max_pending)
+        # An aggregate's members are released together, as one step.
+        self.sequencer: Sequencer[_Held] = Sequencer(store.version + 1, max_pending=max_pending,
+                                                     span=lambda held: held.fan_in)
         self.recovery = recovery
         self.promoted = False  # PROMOTE received
         self.serving = False  # recovery over: a server now
@@ -180,7 +191,7 @@ class ReplicaServer(ParameterServer):
         since = self.gap_since
         if since is None or self.promoted:
             return 0.0
-        if self.sequencer.next_seq in list(self.arriving.values()):
+        if self.sequencer.waiting_for() in list(self.arriving.values()):
             return 0.0
         return max(time.monotonic() - since, 0.0)
 
@@ -224,10 +235,15 @@ class ReplicaServer(ParameterServer):
                 store.previous[name][...] = fresh.previous[name]
             store.version = fresh.version
             # What was held at or below the new version is in the state.
+            # (A state's version is a step's end: an aggregate is all in it or not.)
             for seq in sorted(s for s in self.sequencer.pending if s <= fresh.version):
                 held = self.sequencer.pending.pop(seq)
+                aggregate = held.fan_in > 1
                 for c, req in held.waiters:
-                    c.send(PushResult(req=req, applied=True, version=seq, delay=None))
+                    c.send(PushResult(req=req, applied=True,
+                                      version=held.first(seq) + held.fan_in - 1, delay=None,
+                                      fan_in=held.fan_in if aggregate else None,
+                                      index=held.event.index if aggregate else None))
             self.sequencer.reset(fresh.version + 1)
             self.metrics.replica_resyncs.inc()
             log.warning("resynced from %s: version %d (%d updates taken from its state)",
@@ -243,9 +259,22 @@ class ReplicaServer(ParameterServer):
         if missing:
             log.error("updates %s were applied by the lost server but reached neither this "
                       "replica nor a worker that could re-send them: lost", missing)
+        # In sequence order, an aggregate's members together: as one step,
+        # renumbered from this replica's version on (with the members that
+        # came, if some never did).
+        steps: list[tuple[tuple[int, int], list[_Held]]] = []
         for seq in seq_held:
             held = self.sequencer.pending.pop(seq)
-            self._apply_one(self.store.version + 1, held)
+            step = (held.first(seq), held.fan_in)
+            if held.fan_in > 1 and steps and steps[-1][0] == step:
+                steps[-1][1].append(held)
+            else:
+                steps.append((step, [held]))
+        for (_, fan_in), members in steps:
+            if fan_in == 1:
+                self._apply_one(self.store.version + 1, members[0])
+            else:
+                self._replay_aggregate(self.store.version + 1, members)
         self.sequencer.reset(self.store.version + 1)
         self.serving = True
         self.role = "server"
@@ -281,6 +310,11 @@ class ReplicaServer(ParameterServer):
                         f"updates with the sequence number the server gave them; push to the "
                         f"server"))
             return
+        misplaced = self._misplaced(event.seq, _Held(event))
+        if misplaced is not None:
+            m.updates_rejected.labels("out_of_order").inc()
+            conn.send(Error(code="out_of_order", req=event.req, message=misplaced))
+            return
         try:
             self.store.check_layout((n, u.dtype, u.shape) for n, u in event.tensors.items())
             offer = self.sequencer.offer(event.seq, _Held(event))
@@ -305,10 +339,40 @@ class ReplicaServer(ParameterServer):
         held.waiters.append((conn, event.req))
         self._apply_ready()
 
+    def _misplaced(self, seq: int, held: _Held) -> str | None:
+        """Why an update cannot take place `seq` (None: it can): a member of an
+        aggregate must agree with the members of it held here, and the
+        aggregate must fit the out-of-order buffer and be still ahead."""
+        seqr = self.sequencer
+        first, k = held.first(seq), held.fan_in
+        if k > seqr.max_pending:
+            return (f"update {seq} is a member of an aggregate of {k}, more than the "
+                    f"{seqr.max_pending} updates this replica holds out of order: start it "
+                    f"with --max-pending {k} or more")
+        if first < seqr.next_seq <= seq:
+            return (f"update {seq} is member {held.event.index} of an aggregate from version "
+                    f"{first}, but this replica is past version {first - 1}")
+        for other_seq, other in seqr.pending.items():
+            o_first, o_k = other.first(other_seq), other.fan_in
+            overlap = first <= o_first + o_k - 1 and o_first <= first + k - 1
+            if overlap and (o_first, o_k) != (first, k):
+                return (f"update {seq} says it is a step of {k} from version {first}, but the "
+                        f"update held at {other_seq} says {o_k} from {o_first}")
+        return None
+
     def _apply_ready(self) -> None:
         m = self.metrics
+        members: list[_Held] = []
         for seq, held in self.sequencer.ready():
-            self._apply_one(seq, held)
+            if held.fan_in == 1:
+                self._apply_one(seq, held)
+                continue
+            # The sequencer releases an aggregate's members together, in order.
+            members.append(held)
+            if len(members) == held.fan_in:
+                self._replay_aggregate(seq - held.fan_in + 1, members)
+                members = []
+        assert not members, "an aggregate was released in part"
         m.version.set(self.store.version)
         m.replica_pending.set(len(self.sequencer.pending))
         # Something arrived ahead of a sequence number that has not: a gap.
@@ -324,6 +388,21 @@ class ReplicaServer(ParameterServer):
         if self._checks:
             await asyncio.wait(self._checks, timeout=5.0)
         await super().close()
+
+    def _replay_aggregate(self, first: int, members: list[_Held]) -> None:
+        """Apply members, in member order, as the one step the server took
+        with their sum (a promoted replica may apply fewer than were summed:
+        the others never came)."""
+        outcome = self.store.apply_sequenced_aggregate(
+            first, [(h.event.base_version, h.event.tensors) for h in members])
+        m = self.metrics
+        m.updates_applied.inc(len(members))
+        m.aggregates_applied.inc()
+        for index, (held, delay) in enumerate(zip(members, outcome.delays, strict=True)):
+            m.delay.observe(delay)
+            for conn, req in held.waiters:
+                conn.send(PushResult(req=req, applied=True, version=outcome.version,
+                                     delay=delay, fan_in=len(members), index=index))
 
     def _apply_one(self, seq: int, held: _Held) -> None:
         ev = held.event

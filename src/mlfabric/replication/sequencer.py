@@ -6,11 +6,15 @@ by gamma * (u1 - u2)). Each update sent to a replica carries its sequence
 number: the server version it produced. `Sequencer` holds the updates that
 arrived early and releases them strictly as seq = next, next + 1, ... Pure
 bookkeeping: no I/O, no clock; the replica endpoint acts on its answers.
+
+An aggregate the server applied as one step of k versions is released only
+whole: its first item names its `span` (k), and it waits until all k are
+held, so the replica never stands between two versions of one step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Generic, Literal, TypeVar
 
 from ..errors import ConfigError, SequenceGap
@@ -30,13 +34,17 @@ class Sequencer(Generic[T]):
     ('accepted', [(1, 'a'), (2, 'b')])
     """
 
-    def __init__(self, next_seq: int, *, max_pending: int = 64) -> None:
+    def __init__(self, next_seq: int, *, max_pending: int = 64,
+                 span: Callable[[T], int] | None = None) -> None:
+        """`span(item)`: how many consecutive sequence numbers, from the
+        item's own, are released together (None: one each)."""
         if max_pending < 1:
             raise ConfigError(f"the replica's out-of-order buffer must hold at least 1 "
                               f"update, got {max_pending}")
         self.next_seq = next_seq
         self.max_pending = max_pending
         self.pending: dict[int, T] = {}
+        self.span = span
 
     def offer(self, seq: int, item: T) -> Offer:
         """Take an update: "accepted" (new), "held" (already waiting here; this
@@ -59,12 +67,25 @@ class Sequencer(Generic[T]):
 
     def ready(self) -> Iterator[tuple[int, T]]:
         """Release the updates that are next in sequence, in order; each is
-        counted as applied when it is yielded."""
+        counted as applied when it is yielded. The items of a span come out
+        one after another, only once all of them are held."""
         while self.next_seq in self.pending:
-            seq = self.next_seq
-            item = self.pending.pop(seq)
-            self.next_seq = seq + 1
-            yield seq, item
+            first = self.next_seq
+            k = 1 if self.span is None else self.span(self.pending[first])
+            if any(first + j not in self.pending for j in range(1, k)):
+                return
+            for seq in range(first, first + k):
+                item = self.pending.pop(seq)
+                self.next_seq = seq + 1
+                yield seq, item
+
+    def waiting_for(self) -> int:
+        """The sequence number whose absence holds the next release back."""
+        seq = self.next_seq
+        if seq in self.pending and self.span is not None:
+            k = self.span(self.pending[seq])
+            return next((seq + j for j in range(1, k) if seq + j not in self.pending), seq)
+        return seq
 
     def missing(self) -> list[int]:
         """Sequence numbers below the highest held one that have not arrived."""

@@ -132,6 +132,18 @@ class ParameterServer(Endpoint):
                          message=f"this is the server: push {event.req} carries sequence "
                                  f"number {event.seq}, which only a replica takes; push "
                                  f"without one")
+        if event.members is not None and self.chain is not None:
+            # The chain forwards each applied update as one sequence number;
+            # an aggregate is k of them in one step, which it cannot carry.
+            # Refused, its members go straight to the server one by one.
+            if staged is not None:
+                staged.cancel()
+            m.updates_rejected.labels("misrouted").inc()
+            return Error(code="misrouted", req=event.req,
+                         message="this server replicates through a chain (--replicate-to), "
+                                 "which carries single updates only: send the aggregate's "
+                                 "members one by one (worker-driven replicas, --replica, "
+                                 "replay aggregates)")
         if event.members is not None:
             return self._apply_aggregate(event, staged, data)
         started = time.perf_counter()
@@ -144,7 +156,8 @@ class ParameterServer(Endpoint):
             # Re-sent after its aggregate failed, but the aggregate was applied.
             m.updates_rejected.labels("duplicate").inc()
             return PushResult(req=event.req, applied=True, version=outcome.version,
-                              delay=outcome.delay)
+                              delay=outcome.delay, fan_in=outcome.fan_in,
+                              index=outcome.index)
         if outcome.applied:
             m.apply_seconds.observe(time.perf_counter() - started)
             m.updates_applied.inc()
@@ -198,6 +211,9 @@ class ParameterServer(Endpoint):
                 # carries finite numbers, and 1e299 holds any gate back alike.
                 fields.update(norms_from=first,
                               norms=tuple(n if n < 1e299 else 1e299 for n in norms))
+                spans = store.spans_between(first, first + len(norms) - 1)
+                if spans:
+                    fields["spans"] = tuple(spans)
         if ping.velocity:
             fields["velocity"] = velocity_norm(store)
         return Pong(req=ping.req, role=self.role, version=store.version, **fields)

@@ -135,6 +135,10 @@ class ParameterStore:
         self._norms = np.zeros(NORM_WINDOW, np.float64)
         self._norms_from = version + 1
         self._norms_at = version  # the version the ring is up to date with
+        # version -> k of each aggregate of k > 1 among the kept norms (the
+        # norms of the k - 1 versions it skipped are 0.0 and no step), in
+        # version order: the divergence gate counts steps, not versions.
+        self._spans: OrderedDict[int, int] = OrderedDict()
         # The norm of the newest applied update (None before the first).
         self.last_norm: float | None = None
         # A sharded server's part of the model (its tensors are the pieces);
@@ -304,8 +308,13 @@ class ParameterStore:
 
     def _remember_members(self, members: Sequence[tuple[str, int]],
                           delays: tuple[int, ...]) -> AggregateOutcome:
-        for (uid, base), delay in zip(members, delays, strict=True):
-            self.remember(uid, PushOutcome(True, self.version, delay, None, base))
+        k = len(members)
+        for index, ((uid, base), delay) in enumerate(zip(members, delays, strict=True)):
+            # With its place in the aggregate: a member re-sent after its
+            # aggregate was applied is answered with it, and its worker
+            # sends it to the replica at that place.
+            self.remember(uid, PushOutcome(True, self.version, delay, None, base,
+                                           fan_in=k, index=index))
         return AggregateOutcome(True, self.version, delays)
 
     def apply_sequenced(self, seq: int, base_version: int,
@@ -327,12 +336,43 @@ class ParameterStore:
             )
         update = {n: np.asarray(u) for n, u in update.items()}
         self.check_layout((n, u.dtype, u.shape) for n, u in update.items())
+        self._step(update, self._update_norm_unchecked(update), check=False)
+        return PushOutcome(True, self.version, max(0, seq - 1 - base_version), None,
+                           base_version)
+
+    def apply_sequenced_aggregate(self, first: int,
+                                  members: Sequence[tuple[int, Mapping[str, np.ndarray]]]
+                                  ) -> AggregateOutcome:
+        """Apply the aggregate the server applied as versions first ..
+        first + k - 1 from its k members ((base_version, update) each, in
+        member order), as a replica: their sum, formed left to right in
+        member order with the aggregator's kernel (so bit for bit the sum the
+        server applied), is one step, and the version advances by k. Only
+        the layout and the order are checked, as in `apply_sequenced`."""
+        if not members:
+            raise InvalidUpdate("an aggregate needs at least one member", reason="malformed")
+        if first != self.version + 1:
+            raise InvalidUpdate(
+                f"sequence number {first} is not the next one ({self.version + 1}): "
+                f"updates must reach a replica's store in the server's order",
+                reason="out_of_order")
+        for _, update in members:
+            self.check_layout((n, np.asarray(u).dtype, np.asarray(u).shape)
+                              for n, u in update.items())
+        total = {}
+        for name, w in self.weights.items():
+            out = np.empty(w.shape, w.dtype)
+            kernels.sum_into(out, tuple(c_contiguous(np.asarray(u[name])) for _, u in members))
+            total[name] = out
+        delays = tuple(max(0, first - 1 - base) for base, _ in members)
+        self._step(total, self._update_norm_unchecked(total), steps=len(members), check=False)
+        return AggregateOutcome(True, self.version, delays)
+
+    def _update_norm_unchecked(self, update: Mapping[str, np.ndarray]) -> float:
         squares = 0.0
         for u in update.values():
             squares += kernels.l2_norm(c_contiguous(u).reshape(-1)) ** 2
-        self._step(update, math.sqrt(squares), check=False)
-        return PushOutcome(True, self.version, max(0, seq - 1 - base_version), None,
-                           base_version)
+        return math.sqrt(squares)
 
     def _step(self, update: Mapping[str, np.ndarray], norm: float, *, steps: int = 1,
               check: bool = True) -> None:
@@ -386,6 +426,11 @@ class ParameterStore:
         ring[self.version % window] = norm
         self._norms_at = self.version
         self.last_norm = norm
+        spans = self._spans
+        if steps > 1:
+            spans[self.version] = steps
+        while spans and next(iter(spans)) <= self.version - window:
+            spans.popitem(last=False)
 
     def _norms_sync(self) -> None:
         # The version was set from outside (a replica resynced from its
@@ -393,6 +438,7 @@ class ParameterStore:
         if self._norms_at != self.version:
             self._norms_from = self.version + 1
             self._norms_at = self.version
+            self._spans.clear()
 
     def norms_since(self, version: int, limit: int = 4096) -> tuple[int, list[float]]:
         """The L2 norms of the updates that produced versions version + 1,
@@ -411,6 +457,12 @@ class ParameterStore:
         if lo <= hi:
             return first, self._norms[lo:hi + 1].tolist()
         return first, self._norms[lo:].tolist() + self._norms[:hi + 1].tolist()
+
+    def spans_between(self, first: int, last: int) -> list[tuple[int, int]]:
+        """(version, k) of each aggregate of k > 1 whose step is at a version
+        from first to last (see `norms_since`; the other versions there were
+        single steps), in version order."""
+        return [(v, k) for v, k in self._spans.items() if first <= v <= last]
 
     def _rotate(self) -> None:
         """The spare buffers hold the next weights: w_prev <- w, w <- spare

@@ -1023,7 +1023,8 @@ def _decode_push_result(meta: Mapping[str, Any], tensors: dict[str, np.ndarray])
         raise ProtocolError(f"field 'delays' must be a list of at most {MAX_FAN_IN} "
                             f"integers, got {delays!r:.60}")
     fan_in, index = _opt_fan_in(meta), _opt_int(meta, "index")
-    if (fan_in is None) != (index is None) or (index is not None and index >= fan_in):
+    if (fan_in is None) != (index is None) or (
+            index is not None and fan_in is not None and index >= fan_in):
         raise ProtocolError(f"a push result's 'fan_in' and 'index' come together, with "
                             f"0 <= index < fan_in; got {fan_in!r} and {index!r}")
     return PushResult(req=_int(meta, "req"), applied=applied, version=_int(meta, "version"),
