@@ -173,3 +173,195 @@ def test_gate_holds_server_transfers_until_the_replica_catches_up():
     # 0.75 + 2.5 = 3.25 > 3, but with nothing lagging it must go (or never would).
     assert gate.admit([], 2.5) and gate.overrides == 1
 
+
+
+# -- aggregates: one momentum step of the members' sum, version += k ----------------
+
+
+def test_an_aggregate_is_folded_as_one_step_not_one_per_version():
+    """The server's heartbeat: versions 1..3 are one aggregate of norm 2 (spans
+    (3, 3)). Folded once: B = 2 + gamma * 4, not 2 + gamma^3 * 4."""
+    from mlfabric.replication.divergence import DivergenceGate
+
+    gate = DivergenceGate(0.5, div_max=100.0)
+    gate.start(0, 4.0)
+    gate.server_applied(3, 2.0, 3)
+    assert gate.lag() == 3 and gate.bound() == pytest.approx(2.0 + 0.5 * 4.0)
+    gate.replica_applied(3)
+    assert (gate.replica, gate.lag(), gate.velocity) == (3, 0, 2.0 + 0.5 * 4.0)
+    # One step ahead (norm 1): 1 + gamma * 4, where a per-version fold says 1 + 0.5 * 2.5.
+    gate.server_applied(4, 1.0)
+    assert gate.bound() == 1.0 + 0.5 * 4.0
+
+
+def test_members_are_summed_and_folded_only_once_all_reported():
+    from mlfabric.replication.divergence import DivergenceGate
+
+    gate = DivergenceGate(0.5, div_max=100.0)
+    gate.start(0, 4.0)
+    gate.server_applied(3, 1.0, 3, member=True)  # each member reports the aggregate's end
+    gate.server_applied(3, 2.0, 3, member=True)
+    gate.replica_applied(3)
+    # Incomplete: counted as one lagging step of 3.0 (the third member is in
+    # flight, counted there), not folded; its two versions count in the lag.
+    assert (gate.replica, gate.applied, gate.lag(in_flight=1)) == (0, {3: 3.0}, 3)
+    assert gate.bound([0.5]) == pytest.approx(0.5 * 1.5 * 4.0 + 1.5 * 3.0 + 0.5)
+    gate.server_applied(3, 0.5, 3, member=True)
+    assert (gate.replica, gate.lag()) == (3, 0)
+    assert gate.velocity == 3.5 + 0.5 * 4.0  # sum of member norms >= ||A||
+    # The server's exact norm replaces a partial sum; later members are ignored.
+    gate.server_applied(5, 9.0, 2, member=True)
+    gate.server_applied(5, 1.0, 2)
+    gate.server_applied(5, 9.0, 2, member=True)
+    assert gate.applied == {5: 1.0}
+    gate.replica_applied(5)
+    assert (gate.replica, gate.velocity) == (5, 1.0 + 0.5 * (3.5 + 0.5 * 4.0))
+
+
+def test_versions_an_aggregate_skipped_are_no_steps():
+    """A heartbeat without spans (a server that does not send them) lists
+    0.0 at the versions an aggregate skipped: taken for steps of zero until
+    a member's report says they were one aggregate, and ignored after."""
+    from mlfabric.replication.divergence import DivergenceGate
+
+    gate = DivergenceGate(0.9, div_max=100.0)
+    gate.start(0, 10.0)
+    for version, norm in ((1, 0.0), (2, 0.0), (3, 5.0)):
+        gate.server_applied(version, norm)
+    assert gate.lag() == 3 and sorted(gate.applied) == [1, 2, 3]
+    gate.server_applied(3, 2.0, 3, member=True)
+    assert gate.applied == {3: 5.0} and gate.lag() == 3
+    gate.server_applied(2, 0.0)  # the same heartbeat again
+    assert gate.applied == {3: 5.0}
+    gate.replica_applied(3)
+    assert gate.velocity == 5.0 + 0.9 * 10.0
+    # A report of a version the gate folded already changes nothing.
+    gate.server_applied(3, 7.0)
+    assert (gate.replica, gate.applied) == (3, {})
+
+
+def test_a_step_waits_for_the_versions_before_it():
+    """The replica reported 5, but the step ending at 2 is not known: nothing
+    past it folds, and steps are never folded past the replica's report."""
+    from mlfabric.replication.divergence import DivergenceGate
+
+    gate = DivergenceGate(0.5, div_max=100.0)
+    gate.server_applied(5, 1.0, 3)
+    gate.server_applied(1, 1.0)
+    gate.replica_applied(5)
+    assert (gate.replica, gate.lag()) == (1, 3)
+    gate.server_applied(2, 2.0)
+    assert (gate.replica, gate.lag()) == (5, 0)
+    assert gate.velocity == 1.0 + 0.5 * (2.0 + 0.5 * 1.0)
+    gate.server_applied(8, 1.0, 3)
+    gate.replica_applied(6)  # not a step's end (wrong input): nothing folds
+    assert gate.replica == 5
+    gate.start(8, 0.0)  # drops the steps ending at or below 8
+    assert gate.applied == {} and gate.lag() == 0
+    gate.server_applied(12, 1.0, 4)
+    gate.forget_above(11)
+    assert gate.applied == {}
+
+
+def test_step_input_is_checked():
+    from mlfabric.replication.divergence import DivergenceGate
+
+    gate = DivergenceGate(0.5, div_max=1.0)
+    with pytest.raises(ValueError,
+                       match=r"a step spans 1 or more versions \(an aggregate's fan-in\), got 0"):
+        gate.server_applied(3, 1.0, 0)
+    with pytest.raises(ValueError, match=r"norm must be >= 0, got -1\.0"):
+        gate.server_applied(3, -1.0, 2, member=True)
+
+
+def replay_steps(w0, v0, steps, gamma):
+    """The server's rule over steps in float64: each step one momentum step
+    of its update (an aggregate: the sum of its members)."""
+    w, prev = w0.copy(), w0 - v0
+    for a in steps:
+        w, prev = w + a + gamma * (w - prev), w
+    return w
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([0.0, 0.5, 0.9, 0.99]) | st.floats(0, 0.999),
+       st.data())
+def test_a_lagging_aggregate_counted_as_its_members_stays_a_bound(seed, gamma, data):
+    """Splitting one lagging step of ||A|| into items n_1..n_j with
+    sum n_j >= ||A|| never lowers the bound (module docstring, "Aggregates"):
+    here A's members are counted as separate items (some reported and summed,
+    the others in flight), against a float64 replay of A as one step."""
+    from mlfabric.replication.divergence import unordered_bound
+
+    rng = np.random.default_rng(seed)
+    dim = data.draw(st.integers(1, 4))
+    n = data.draw(st.integers(1, 6))
+    k = data.draw(st.integers(2, 6))
+    at = data.draw(st.integers(0, n - 1))  # which lagging step is the aggregate
+    m = data.draw(st.integers(0, at))  # the replica's steps: A lags
+    aligned = data.draw(st.booleans())  # same-direction updates: a tight triangle inequality
+
+    def update(scale):
+        d = np.ones(dim) + 0.01 * rng.standard_normal(dim) if aligned else \
+            rng.standard_normal(dim)
+        return scale * d
+
+    members = [update(rng.choice([0.0, 1e-3, 1.0])) for _ in range(k)]
+    steps = [update(rng.choice([1e-3, 1.0, 10.0])) for _ in range(n)]
+    steps[at] = sum(members)
+    w0, v0 = rng.standard_normal(dim), update(rng.choice([0.0, 1.0, 10.0]))
+    true = np.linalg.norm(replay_steps(w0, v0, steps, gamma)
+                          - replay_steps(w0, v0, steps[:m], gamma))
+    b_m = np.linalg.norm(v0)
+    for a in steps[:m]:
+        b_m = np.linalg.norm(a) + gamma * b_m
+    exact = unordered_bound(b_m, [np.linalg.norm(a) for a in steps[m:]], gamma)
+    norms = [float(np.linalg.norm(u)) for u in members]
+    reported = data.draw(st.integers(0, k))
+    items = [np.linalg.norm(a) for j, a in enumerate(steps[m:], m) if j != at]
+    split = unordered_bound(b_m, [*items, *([sum(norms[:reported])] if reported else []),
+                                  *norms[reported:]], gamma)
+    assert exact >= true * (1 - 1e-9) - 1e-9
+    assert split >= exact * (1 - 1e-12)
+    assert split >= true * (1 - 1e-9) - 1e-9
+
+
+def test_folding_an_aggregate_per_version_or_per_member_is_not_a_bound():
+    """The counter-example. From rest, update u (||u|| = 10) is applied on
+    both sides, so B = 10 exactly. Then an aggregate of two members 0.1 e
+    (same direction) on both sides: the true velocity is ||A + gamma u|| =
+    9.2. Then one more step of a zero update at the server only: the truth
+    is gamma * 9.2 = 8.28. Folding the aggregate once (the gate) bounds it;
+    folding its versions (0, ||A||) or its members as steps does not."""
+    from mlfabric.replication.divergence import DivergenceGate
+
+    gamma = 0.9
+    e = np.array([1.0, 0.0])
+    u, member, zero = 10.0 * e, 0.1 * e, 0.0 * e
+    w0 = np.zeros(2)
+    server = replay_steps(w0, w0, [u, member + member, zero], gamma)
+    replica = replay_steps(w0, w0, [u, member + member], gamma)
+    true = np.linalg.norm(server - replica)
+    assert true == pytest.approx(0.9 * 9.2)
+
+    def fed(reports):
+        gate = DivergenceGate(gamma, div_max=100.0)
+        gate.start(0, 0.0)
+        gate.server_applied(1, 10.0)
+        for version, norm, span, is_member in reports:
+            gate.server_applied(version, norm, span, member=is_member)
+        gate.server_applied(4, 0.0)
+        gate.replica_applied(3)
+        assert gate.replica == 3
+        return gate.bound()
+
+    one_step = fed([(3, 0.2, 2, False)])
+    members_summed = fed([(3, 0.1, 2, True), (3, 0.1, 2, True)])
+    per_version = fed([(2, 0.0, 1, False), (3, 0.2, 1, False)])
+    # Members as steps: the old controller's overwrite aside, fold 0.1 then 0.1.
+    per_member = fed([(2, 0.1, 1, False), (3, 0.1, 1, False)])
+    assert one_step == pytest.approx(0.9 * (0.2 + 0.9 * 10.0)) and one_step >= true
+    assert members_summed == pytest.approx(one_step)
+    assert per_version == pytest.approx(0.9 * (0.2 + 0.81 * 10.0)) and per_version < true
+    assert per_member == pytest.approx(0.9 * (0.1 + 0.9 * (0.1 + 0.9 * 10.0)))
+    assert per_member < true

@@ -168,9 +168,6 @@ def run(args: argparse.Namespace) -> int:
     if aggregators and args.policy != "mlfabric":
         raise ConfigError(f"--aggregator needs --policy mlfabric (got {args.policy}): "
                           f"aggregation groups the mlfabric policy's order")
-    if aggregators and args.div_max is not None:
-        raise ConfigError("--aggregator and --div-max do not combine yet: a replica cannot "
-                          "replay an aggregate; use one of them")
     if not 2 <= args.max_fan_in <= MAX_FAN_IN:
         raise ConfigError(f"--max-fan-in must be in 2..{MAX_FAN_IN}, got {args.max_fan_in}")
     if not 0 <= args.group_wait < math.inf:

@@ -23,7 +23,7 @@ from typing import Any
 from ..errors import ConfigError, MlfabricError
 from ..replication.divergence import DivergenceGate
 from ..replication.failover import DEFAULT_GAP_TIMEOUT, FailoverMonitor
-from ..replication.gate import gated
+from ..replication.gate import gated, in_flight_norms
 from ..runtime.metrics import ControllerMetrics
 from ..scheduling.aggregation import AggregationConfig, Group, aggregating
 from ..scheduling.plan import Network, Policy, with_estimates, with_host_load
@@ -66,22 +66,24 @@ class Controller(Endpoint):
         with a bound of gate.div_max / sqrt(S), so that the whole model's
         divergence stays within gate.div_max (docs/design.md).
         `aggregators` (host -> "ADDR:PORT" of its agent's aggregator): the
-        policy's order is grouped and routed through them (aggregation.py)."""
+        policy's order is grouped and routed through them (aggregation.py).
+        With both, the gate wraps the grouping (it holds whole groups, each
+        one step of the server: gate.py), not the other way round: grouping
+        starts every member of a group at once, also ones the gate held."""
         super().__init__(job=job, token=token,
                          metrics=metrics if metrics is not None else ControllerMetrics(),
                          handshake_timeout=handshake_timeout)
         # The divergence gates, by shard (shard 0 only, for one server).
         self.gates: dict[int, DivergenceGate] = {} if gate is None else {0: gate}
+        # Groups formed by the plan being decided; counted once they go (the
+        # gate may hold a group, and the next plan forms it afresh).
+        self._formed: list[Group] = []
+        if aggregators:
+            # A new epoch per controller: group ids stay unique across restarts.
+            policy = aggregating(policy, aggregation, on_groups=self._formed.extend,
+                                 epoch=secrets.randbits(24))
         if gate is not None:
             policy = gated(policy, self.gates)
-        if aggregators:
-            if gate is not None:
-                raise ConfigError("aggregation and worker-driven replication (--div-max) do not "
-                                  "combine yet: a replica cannot replay an aggregate; use one "
-                                  "of them")
-            # A new epoch per controller: group ids stay unique across restarts.
-            policy = aggregating(policy, aggregation, on_groups=self._groups_formed,
-                                 epoch=secrets.randbits(24))
         self.state = ControlState(policy, tau_max=tau_max, network=network)
         self.state.aggregators = dict(aggregators or {})
         self.clock = clock
@@ -219,14 +221,23 @@ class Controller(Endpoint):
         gate = self.gates.get(shard)
         if gate is None or pong.norms is None or pong.norms_from is None:
             return
+        # (version, k): an aggregate of k, one step ending at `version`; the
+        # k - 1 versions before it are no steps (their norms are 0.0).
+        spans = dict(pong.spans or ())
+        skipped = {v for end, k in spans.items() for v in range(end - k + 1, end)}
+        # A span may start before norms_from: the versions it skipped are
+        # not missing.
+        first = min([pong.norms_from, *(end - k + 1 for end, k in spans.items())])
         wanted = self._norms_since(shard)
-        if wanted is not None and pong.norms_from > wanted + 1:
+        if wanted is not None and first > wanted + 1:
             log.warning("the server no longer knows the norms of versions %d..%d: the "
                         "divergence gate cannot fold them (it will hold, then give up "
                         "holding, until the replica reports past them)", wanted + 1,
-                        pong.norms_from - 1)
+                        first - 1)
         for i, norm in enumerate(pong.norms):
-            gate.server_applied(pong.norms_from + i, norm)
+            version = pong.norms_from + i
+            if version not in skipped:
+                gate.server_applied(version, norm, spans.get(version, 1))
         self._norms_known[shard] = max(self._norms_known.get(shard, 0),
                                        pong.norms_from + len(pong.norms) - 1)
         self.replan()
@@ -276,7 +287,7 @@ class Controller(Endpoint):
             gate.active = False  # no replica left to diverge from
             # The promoted replica's versions above `version` are other
             # updates than the lost server's: forget the old norms there.
-            gate.applied = {v: n for v, n in gate.applied.items() if v <= version}
+            gate.forget_above(version)
         self._norms_known[shard] = min(self._norms_known.get(shard, 0), version)
         sharded = len(self.monitors) > 1
         host = address.rsplit(":", 1)[0]
@@ -343,6 +354,7 @@ class Controller(Endpoint):
         self.replan()
 
     def _groups_formed(self, groups: list[Group]) -> None:
+        """Count and log the groups that go (their members were let go)."""
         m = self.metrics
         for g in groups:
             m.aggregation_groups.inc()
@@ -400,7 +412,12 @@ class Controller(Endpoint):
                         self.state.bench_seconds)
         gate = self.gates.get(t.shard) if t is not None else None
         if t is not None and ev.applied and gate is not None:
-            gate.server_applied(ev.version, t.norm)
+            if ev.fan_in is None:
+                gate.server_applied(ev.version, t.norm)
+            else:
+                # One member of an aggregate of fan_in (each reports the
+                # aggregate's end version): the gate sums their norms.
+                gate.server_applied(ev.version, t.norm, ev.fan_in, member=True)
         if t is not None:
             self.metrics.actual_seconds.observe(ev.seconds)
             if ev.applied and ev.delay is not None:
@@ -448,6 +465,11 @@ class Controller(Endpoint):
         decisions = self.state.decide(now)
         m = self.metrics
         m.decision_seconds.observe(time.perf_counter() - started)
+        if self._formed:
+            went = {a.transfer.id for a in decisions.actions
+                    if isinstance(a, Go) and a.route is not None}
+            self._groups_formed([g for g in self._formed if g.ids[0] in went])
+            self._formed.clear()
         m.replan_events.observe(self._events)
         self._events = 0
         for action in decisions.actions:
@@ -515,8 +537,8 @@ class Controller(Endpoint):
         m = self.metrics
         worst: tuple[float, int, float, int] | None = None  # (bound/div_max, lag, bound, v)
         for shard, gate in sorted(self.gates.items()):
-            flying = [t.norm for t in self.state.active.values() if t.shard == shard]
-            lag, bound = gate.lag(len(flying)), gate.bound(flying)
+            bound = gate.bound(in_flight_norms(self.state.active.values(), shard))
+            lag = gate.lag(sum(t.shard == shard for t in self.state.active.values()))
             if worst is None or bound / gate.div_max > worst[0]:
                 worst = (bound / gate.div_max, lag, bound, gate.replica_reported)
             held, overrides, stalls = self._seen.get(shard, (0, 0, 0))

@@ -38,12 +38,43 @@ but each step the server is ahead rounds w_{t+1} by up to a few units in the
 last place, a perturbation of norm <= 2^-22 * ||w|| that momentum then
 carries forward like an update. `PrefixBound` adds that allowance,
 2^-22 * ||w|| * sum over lagging steps of c(n-t), when given ||w||.
+
+Aggregates. An aggregate of k members is ONE momentum step with their sum
+A = u_1 + ... + u_k: Delta = A + gamma * Delta_prev, and the version moves
+v -> v+k, so the recursion above runs over steps, not versions (a replica
+replays the aggregate as the same one step, and is never between v+1 and
+v+k-1). `DivergenceGate` therefore keeps one norm per step: lagging steps
+are counted once each, and folding a step into B is B <- ||A|| + gamma * B,
+once. Folding the k versions as k steps of norms 0, ..., 0, ||A|| (what the
+store records) would give ||A|| + gamma^k * B, short of the true bound by
+(gamma - gamma^k) * B, and every later bound would inherit that deficit
+(decaying by gamma per step): not a bound any more.
+
+Until the server's exact ||A|| is known, the gate learns an aggregate from
+its members' reports, each with its own norm n_i; sum n_i >= ||A|| by the
+triangle inequality. Counting it, while it lags, as one step of the sum
+its reported members give plus one item for those still in flight (their
+summed norms, `gate.in_flight_norms`) stays an upper bound, by this lemma:
+replacing one lagging step of norm a by j >= 1 lagging items x_1..x_j with
+sum x_i >= a never lowers the prefix bound (nor does adding an item).
+Put the items where the step was, at positions p..p+j-1 of an order with
+n' = n+j-1: the steps after them keep their weights c(n-t), the steps
+before them gain (c is increasing), the velocity term gamma*c(L-1)*B_m grows
+with L, and the items' weights are c(n-p+j-1), ..., c(n-p), each >= c(n-p),
+so their part is >= c(n-p) * sum x_i >= c(n-p) * a. The unordered bound
+covers that order (rearrangement). Folding is another matter: once the
+replica passed the step, folding the member norms as j steps gives
+n_j + gamma*n_{j-1} + ... + gamma^j * B, which with small members (or a
+zero update) is again short of ||A|| + gamma * B. So an aggregate is folded
+only as one step, and only once its norm is complete: all k members
+reported (their sum) or the server's exact norm.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from ..errors import ConfigError
 
@@ -150,7 +181,9 @@ def unordered_bound(replica_velocity: float, lagging: Iterable[float], gamma: fl
     """The prefix bound when the order of the lagging updates is unknown
     (some are still in flight, or reported out of order): by the
     rearrangement inequality, the largest norms take the largest weights
-    c(L-1), c(L-2), ..., c(0), which bounds every order."""
+    c(L-1), c(L-2), ..., c(0), which bounds every order. One norm per step:
+    an aggregate is one step of its sum's norm (or of an upper bound on it,
+    see the module's docstring), and the versions it skipped are no steps."""
     ordered = sorted(lagging, reverse=True)
     n = len(ordered)
     total = gamma * weight(n - 1, gamma) * replica_velocity
@@ -162,17 +195,47 @@ def unordered_bound(replica_velocity: float, lagging: Iterable[float], gamma: fl
     return total + ROUNDING * weights_norm * carried
 
 
+@dataclass(slots=True)
+class Step:
+    """One step the server took (`DivergenceGate.steps`, keyed by the
+    version it ended at): an update alone (`span` 1) or an aggregate of
+    `span` members, one momentum step over versions end - span + 1 .. end."""
+
+    span: int
+    norm: float = 0.0  # the step's norm, or the sum of its members' reported so far
+    reported: int = 0  # members whose norms `norm` sums
+    exact: bool = False  # `norm` is the step's own: the server's, or a lone update's
+
+    @property
+    def known(self) -> bool:
+        """Its norm is complete (an upper bound on ||A|| at worst), so it may
+        be folded into the replica's velocity."""
+        return self.exact or self.reported >= self.span
+
+    @property
+    def versions(self) -> int:
+        """The versions of it the gate counts in its lag: all once its norm
+        is complete; until then one per member reported (the others are still
+        in flight, and counted there)."""
+        return self.span if self.known else self.reported
+
+
 class DivergenceGate:
     """The controller's view of one replica under worker-driven replication.
 
     The controller learns the server's order late (a worker reports the
     version an update produced when the server answers, and the server's
-    heartbeat answers carry the norm of every update it applied) and the
+    heartbeat answers carry the norm of every step it took) and the
     replica's progress later still, so it bounds with `unordered_bound` over
-    every update the replica may lack: those the server applied (norm known,
-    version above the replica's) and those let go to the server but not yet
-    reported. `admit` says whether one more may go without the bound passing
-    `div_max`.
+    every step the replica may lack: those the server took (`steps`, above
+    the replica) and those let go to the server but not yet reported. `admit`
+    says whether one more may go without the bound passing `div_max`.
+
+    The gate counts steps, not versions: an aggregate of k is one step of k
+    versions (the module's docstring, "Aggregates"), learnt from its
+    members' reports (`server_applied(..., span=k, member=True)`, summed) or
+    from the server's heartbeat (its exact norm). The replica's reported
+    version is always a step's end.
 
     A replica that stops making progress (dead, partitioned, or waiting for
     an update whose worker died) must not hold the job hostage: once server
@@ -191,8 +254,8 @@ class DivergenceGate:
             raise ConfigError(f"--replica-lag-timeout must be positive, got {lag_timeout}")
         self.div_max = float(div_max)
         self.lag_timeout = lag_timeout
-        self.applied: dict[int, float] = {}  # server version -> norm, above `replica`
-        self.replica = 0  # replica version folded into `velocity`
+        self.steps: dict[int, Step] = {}  # by the server version each ended at, above `replica`
+        self.replica = 0  # replica version folded into `velocity` (a step's end)
         self.replica_reported = 0  # highest version the replica was reported at
         self.velocity = 0.0  # B at the replica's version
         self.overrides = 0  # updates let go with the bound past div_max (see admit)
@@ -201,44 +264,118 @@ class DivergenceGate:
         self.stalled = False  # holding was given up: the replica made no progress
         self.stalls = 0  # times the gate gave up holding
         self.synced = False  # `start` was called: replica and velocity are known
+        self._widest = 1  # the largest span heard of: how far back a step may start
         self._holding_since: float | None = None  # first hold with no progress since
         self._progress = (0, 0)  # (replica, replica_reported) when last seen
+
+    @property
+    def applied(self) -> dict[int, float]:
+        """The lagging steps' norms by the version each ended at (a copy)."""
+        return {v: s.norm for v, s in self.steps.items()}
 
     def start(self, version: int, velocity_norm: float = 0.0) -> None:
         """Both sides hold version `version`, with ||w - w_prev|| <= velocity_norm."""
         self.replica = self.replica_reported = version
         self.velocity = float(velocity_norm)
-        self.applied = {v: n for v, n in self.applied.items() if v > version}
+        self.steps = {v: s for v, s in self.steps.items() if v > version}
         self.synced = True
         self.stalled = False
         self._holding_since = None
 
-    def server_applied(self, version: int, norm: float) -> None:
-        if version > self.replica:
-            self.applied[version] = float(norm)
+    def forget_above(self, version: int) -> None:
+        """The steps past `version` were another server's: a replica promoted
+        at `version` numbers its own updates from there."""
+        self.steps = {v: s for v, s in self.steps.items() if v <= version}
+
+    def server_applied(self, version: int, norm: float, span: int = 1, *,
+                       member: bool = False) -> None:
+        """The server took a step of `span` versions ending at `version` (an
+        aggregate of `span` members, or an update alone).
+
+        `member`: `norm` is one member's own norm (its worker's report): the
+        step's norm is the sum of its members' (>= ||sum||, the triangle
+        inequality), complete once all `span` reported. Otherwise `norm` is
+        the step's own (the server's heartbeat, or an update applied alone):
+        it replaces a partial sum, and later member reports are ignored."""
+        if not norm >= 0.0:
+            raise ValueError(f"an update norm must be >= 0, got {norm}")
+        if not (isinstance(span, int) and span >= 1):
+            raise ValueError(f"a step spans 1 or more versions (an aggregate's fan-in), got "
+                             f"{span!r}")
+        if version <= self.replica or self._skipped(version):
+            return  # folded already, or a version an aggregate skipped: no step
+        step = self.steps.get(version)
+        if step is None:
+            step = self.steps[version] = Step(span)
+        elif span > step.span:
+            # A report that did not know the step was an aggregate (a
+            # heartbeat without spans) gives way to one that did.
+            step.span = span
+        if span > 1:
+            self._widest = max(self._widest, span)
+            for v in range(version - span + 1, version):
+                self.steps.pop(v, None)  # taken for single steps of 0.0 before
+        if not member:
+            step.norm, step.exact = float(norm), True
+        elif not step.exact and not step.known:
+            step.norm += float(norm)
+            step.reported += 1
         self._advance()
+
+    def _skipped(self, version: int) -> bool:
+        """`version` lies inside a known aggregate's span, before its end."""
+        for end in range(version + 1, version + self._widest):
+            step = self.steps.get(end)
+            if step is not None and end - step.span < version:
+                return True
+        return False
+
+    def _next_step(self) -> tuple[int, Step] | None:
+        """The step that starts at replica + 1, if the gate heard of it."""
+        for end in range(self.replica + 1, self.replica + self._widest + 1):
+            step = self.steps.get(end)
+            if step is not None:
+                return (end, step) if end - step.span == self.replica else None
+        return None
 
     def replica_applied(self, version: int) -> None:
         self.replica_reported = max(self.replica_reported, version)
         self._advance()
 
     def _advance(self) -> None:
-        # Fold in order, and only updates whose norm is known; the rest stay
-        # counted as lagging (an over-estimate until their report arrives).
-        while self.replica < self.replica_reported and self.replica + 1 in self.applied:
-            self.replica += 1
-            self.velocity = self.applied.pop(self.replica) + self.gamma * self.velocity
+        # Fold whole steps, in order, and only those whose norm is complete;
+        # the rest stay counted as lagging (an over-estimate until the last
+        # member's report or the server's norm arrives).
+        while self.replica < self.replica_reported:
+            found = self._next_step()
+            if found is None:
+                return
+            end, step = found
+            if not step.known or end > self.replica_reported:
+                return
+            del self.steps[end]
+            self.replica = end
+            self.velocity = step.norm + self.gamma * self.velocity
 
     def lag(self, in_flight: int = 0) -> int:
-        return len(self.applied) + in_flight
+        """Versions (updates) the replica may lack, as users count them: those
+        of the lagging steps heard of plus `in_flight` updates let go to the
+        server and not reported (an aggregate's member in flight whose step
+        the server's heartbeat already reported counts twice for a moment)."""
+        return sum(s.versions for s in self.steps.values()) + in_flight
 
     def bound(self, in_flight: Iterable[float] = ()) -> float:
-        return unordered_bound(self.velocity, [*self.applied.values(), *in_flight], self.gamma)
+        """The bound now; `in_flight`: one norm per step let go and not yet
+        reported (the members of one aggregate are one step, of their summed
+        norms: `gate.in_flight_norms`)."""
+        return unordered_bound(self.velocity, [*(s.norm for s in self.steps.values()),
+                                               *in_flight], self.gamma)
 
     def admit(self, in_flight: Iterable[float], norm: float, now: float | None = None) -> bool:
-        """May an update of norm `norm` go to the server now? Yes if the bound
-        stays within div_max, or if nothing is lagging at all: an update larger
-        than div_max on its own would otherwise never go (counted in `overrides`).
+        """May a step of norm `norm` (an update, or an aggregate: its members'
+        summed norms) go to the server now? Yes if the bound stays within
+        div_max, or if nothing is lagging at all: a step larger than div_max
+        on its own would otherwise never go (counted in `overrides`).
         With `now`, also yes once the gate has held for `lag_timeout` seconds
         while the replica made no progress (the gate is then `stalled`)."""
         if not self.active or self.stalled:
@@ -247,7 +384,7 @@ class DivergenceGate:
         if self.bound([*flying, norm]) <= self.div_max:
             self._holding_since = None
             return True
-        if not flying and not self.applied:
+        if not flying and not self.steps:
             self.overrides += 1
             return True
         if now is not None and self.lag_timeout is not None:
