@@ -15,9 +15,16 @@ continuously. X is a multiple (--factors) of sqrt(S) times the largest
 single step a shard can make (||a|| / (1 - gamma) over the parts): below
 one step no bound can be kept. Factors alternate within every round.
 
+With --aggregate, two aggregators (on hosts of their own) sum groups of up
+to --max-fan-in updates per shard (the controller holds a group up to 0.3 s
+for company), every worker still feeding its shard's replica: each
+aggregate reaches the replica as its members, which it applies as the
+server's one step, and the gate counts it as one step. A shard's largest
+step is then an aggregate's: --max-fan-in times the single update's.
+
     sudo python benchmarks/bench_shard_divergence.py [--rounds 2] [--shards 4]
         [--workers 8] [--steps 20] [--model-mib 1] [--mbit 200] [--factors 1,2,inf]
-        [--correlation 0.9]
+        [--correlation 0.9] [--aggregate] [--max-fan-in 4]
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import numpy as np
 from bench_divergence import GAMMA, LoopThread, make_update
 
 JOB = "bench-divergence"
+AGGREGATORS = 2  # with --aggregate
 
 
 def worker(argv: list[str]) -> int:
@@ -67,11 +75,13 @@ def worker(argv: list[str]) -> int:
 
 
 def one_run(tb: Any, tmp: str, args: argparse.Namespace, div_max: float) -> dict[str, Any]:
+    from mlfabric.agent.aggregator import Aggregator
     from mlfabric.controller.controller import Controller
     from mlfabric.kernels import _core
     from mlfabric.replication.divergence import DivergenceGate
     from mlfabric.replication.replica import ReplicaServer
-    from mlfabric.runtime.metrics import ServerMetrics
+    from mlfabric.runtime.metrics import AggregatorMetrics, ServerMetrics
+    from mlfabric.scheduling.aggregation import AggregationConfig
     from mlfabric.scheduling.plan import fifo_policy
     from mlfabric.server.server import ParameterServer
     from mlfabric.server.store import ParameterStore
@@ -93,8 +103,13 @@ def one_run(tb: Any, tmp: str, args: argparse.Namespace, div_max: float) -> dict
     replicas = [LoopThread(ReplicaServer(store(i), job=JOB, token=token,
                                          metrics=ServerMetrics()), hosts[S + i])
                 for i in range(S)]
+    aggs = [LoopThread(Aggregator(job=JOB, token=token, metrics=AggregatorMetrics()), h)
+            for h in (hosts[2 * S + 1:2 * S + 1 + AGGREGATORS] if args.aggregate else ())]
     ctl = Controller(fifo_policy, job=JOB, token=token, tau_max=None,
-                     gate=DivergenceGate(GAMMA, div_max if math.isfinite(div_max) else 1e300))
+                     gate=DivergenceGate(GAMMA, div_max if math.isfinite(div_max) else 1e300),
+                     aggregators={a.host.ip: a.address for a in aggs} or None,
+                     aggregation=AggregationConfig(max_fan_in=args.max_fan_in, hold=True,
+                                                   wait=0.3) if aggs else None)
     controller = LoopThread(ctl, hosts[2 * S])
     controller.call(lambda: ctl.watch_servers([s.address for s in servers],
                                               [r.address for r in replicas]))
@@ -119,7 +134,7 @@ def one_run(tb: Any, tmp: str, args: argparse.Namespace, div_max: float) -> dict
         sampling = [threading.Thread(target=sampler, args=(i,), daemon=True) for i in range(S)]
         for t in sampling:
             t.start()
-        for w, h in enumerate(hosts[2 * S + 1:]):
+        for w, h in enumerate(hosts[2 * S + 1 + len(aggs):]):
             procs.append(tb.popen(h, [
                 sys.executable, os.path.abspath(__file__), "--worker",
                 "--servers", ",".join(s.address for s in servers),
@@ -140,12 +155,16 @@ def one_run(tb: Any, tmp: str, args: argparse.Namespace, div_max: float) -> dict
         final = [servers[i].call(lambda i=i: sample_both(i)) for i in range(S)]
         gates = controller.call(lambda: [(g.div_max, g.held, g.overrides)
                                          for _, g in sorted(ctl.gates.items())])
+        aggregates = [s.call(lambda s=s: s.endpoint.metrics.aggregates_applied._value.get())
+                      for s in servers]
+        replayed = [r.call(lambda r=r: r.endpoint.metrics.aggregates_applied._value.get())
+                    for r in replicas]
     finally:
         stop.set()
         for p in procs:
             if p.poll() is None:
                 p.kill()
-        for lt in (controller, *servers, *replicas):
+        for lt in (controller, *aggs, *servers, *replicas):
             lt.close()
     span = max(r["t"] for r in records) - min(r["t"] - r["push"] for r in records)
     return {"samples": [len(x) for x in samples],
@@ -153,6 +172,7 @@ def one_run(tb: Any, tmp: str, args: argparse.Namespace, div_max: float) -> dict
             "max_measured": max(max(x) for x in samples),
             "final": max(final), "held": sum(g[1] for g in gates),
             "overrides": sum(g[2] for g in gates), "gates": len(gates),
+            "aggregates": int(sum(aggregates)), "replayed": int(sum(replayed)),
             "applied": sum(r["applied"] for r in records),
             "push_s": statistics.median(r["push"] for r in records),
             "updates_per_s": len(records) / span}
@@ -170,6 +190,9 @@ def main() -> int:
     ap.add_argument("--mbit", type=float, default=200.0)
     ap.add_argument("--correlation", type=float, default=0.9,
                     help="share of a common direction in every update (0: independent)")
+    ap.add_argument("--aggregate", action="store_true",
+                    help=f"route groups through {AGGREGATORS} aggregators")
+    ap.add_argument("--max-fan-in", type=int, default=4)
     ap.add_argument("--factors", default="1,2,inf",
                     help="Div_max as multiples of sqrt(S) times a shard's largest single step")
     args = ap.parse_args()
@@ -189,11 +212,14 @@ def main() -> int:
     a_max = max(math.sqrt(sum(_core.l2_norm(a) ** 2 for a in p.values()))
                 for w in range(args.workers) for i in range(args.steps)
                 for p in part.split(make_update(n, 1000 * w + i, args.correlation)))
-    step = a_max / (1 - GAMMA)  # a shard's ||a|| + gamma B with B <= ||a|| / (1 - gamma)
+    # A shard's ||a|| + gamma B with B <= ||a|| / (1 - gamma); an aggregate's
+    # step is the sum of up to max_fan_in updates.
+    step = a_max * (args.max_fan_in if args.aggregate else 1) / (1 - GAMMA)
     factors = [float(f) for f in args.factors.split(",")]
     runs: dict[float, list[dict[str, Any]]] = {f: [] for f in factors}
     with tempfile.TemporaryDirectory(prefix="mlfabric-bench-shard-div-") as tmp, \
-            Testbed(hosts=2 * args.shards + 1 + args.workers, rate_mbit=args.mbit) as tb:
+            Testbed(hosts=2 * args.shards + 1 + args.workers
+                    + (AGGREGATORS if args.aggregate else 0), rate_mbit=args.mbit) as tb:
         token = Path(tmp) / "job.token"
         token.write_text(auth.generate_token())
         token.chmod(0o600)
@@ -208,7 +234,11 @@ def main() -> int:
     print()
     print(f"{args.shards} shards with a replica each, {args.workers} workers x {args.steps} "
           f"steps, {args.model_mib} MiB model, links {args.mbit:g} Mbit/s, momentum {GAMMA}, "
-          f"correlation {args.correlation}; a shard's largest single step {step:.3f}")
+          f"correlation {args.correlation}; a shard's largest single step {step:.3f}"
+          + (f" (aggregates of up to {args.max_fan_in} through {AGGREGATORS} aggregators; "
+             f"aggregates applied / replayed by the replicas per run: "
+             + ", ".join(f"{r['aggregates']}/{r['replayed']}" for f in factors
+                         for r in runs[f]) + ")" if args.aggregate else ""))
     print(f"  {'div_max':>10s} {'per shard':>10s} {'samples':>8s} {'max meas.':>10s} "
           f"{'max/bound':>10s} "
           f"{'held':>6s} {'overrides':>9s} {'push s':>8s} {'upd/s':>8s}")

@@ -4,6 +4,7 @@ model is a numpy replay of every acknowledged update in the order applied."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -17,7 +18,7 @@ from mlfabric.replication.divergence import DivergenceGate
 from mlfabric.replication.failover import Heartbeat
 from mlfabric.replication.replica import ReplicaServer
 from mlfabric.runtime.metrics import ServerMetrics
-from mlfabric.scheduling.plan import fifo_policy
+from mlfabric.scheduling.plan import PlanItem, Route, Snapshot, fifo_policy
 from mlfabric.server.store import ParameterStore
 
 from support import (
@@ -105,6 +106,104 @@ def test_workers_fail_over_to_the_promoted_replica_and_lose_nothing(kill_after):
     assert replica_server.serving
     resumed = min(t for t in acked_at if t > kill_time[0])
     assert resumed - kill_time[0] < 2.0
+
+
+def grouping(address: str, k: int, wait: float):
+    """A policy that sends what is pending as one group (up to k) through the
+    aggregator at `address`, once k wait or the oldest has waited `wait`."""
+
+    def policy(snap: Snapshot) -> list[PlanItem]:
+        pending = snap.pending[:k]
+        if not pending:
+            return []
+        if len(pending) < k and snap.now < pending[0].arrival + wait:
+            return [PlanItem(t.id, start=pending[0].arrival + wait) for t in pending]
+        if len(pending) == 1:
+            return [PlanItem(pending[0].id, start=snap.now, position=0, planned_seconds=0.01)]
+        return [PlanItem(t.id, start=snap.now, position=i, planned_seconds=0.01,
+                         route=Route("agg", address, pending[0].id, len(pending), i))
+                for i, t in enumerate(pending)]
+
+    return policy
+
+
+def test_workers_fail_over_with_aggregates_and_lose_nothing():
+    """Aggregation and worker-driven replication together: aggregates reach
+    the replica as their members, so when the server is lost after applying
+    some, the promoted replica holds each as the server's one step, and the
+    final model is the numpy replay of every acknowledged step."""
+    from mlfabric.agent.aggregator import Aggregator
+    from mlfabric.runtime.metrics import AggregatorMetrics
+
+    model = make_model()
+    gamma = 0.9
+    server = ServerThread(ParameterStore(model, momentum=gamma))
+    replica_server = ReplicaServer(ParameterStore(model, momentum=gamma), job=JOB, token=TOKEN,
+                                   metrics=ServerMetrics(), recovery=0.2)
+    replica = ServerThread(None, endpoint=replica_server)
+    agg = ServerThread(None, endpoint=Aggregator(job=JOB, token=TOKEN,
+                                                 metrics=AggregatorMetrics())).__enter__()
+    # Everything is on one host here, where a group never pays in the
+    # planner's model: a policy that groups whatever waits (up to 3, held
+    # 0.05 s for company), wrapped by the divergence gate as any policy is.
+    controller_ep = Controller(grouping(agg.address, 3, 0.05), job=JOB, token=TOKEN,
+                               tau_max=None, gate=DivergenceGate(gamma, 1e9))
+    controller = ServerThread(None, endpoint=controller_ep)
+    acked: dict[int, tuple[dict[str, np.ndarray], int, int]] = {}  # place -> (u, end, k)
+    lock = threading.Lock()
+    killed = threading.Event()
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            with mlfabric.connect(server.address, job=JOB, token=TOKEN,
+                                  controller=controller.address, controller_fallback="wait",
+                                  replica=replica.address, failover_timeout=10) as ps:
+                for i in range(12):
+                    version, _ = ps.pull(timeout=10)
+                    u = random_update(model, seed=100 * w + i)
+                    outcome = ps.push(u, base_version=version).result(20)
+                    assert outcome.applied, outcome
+                    with lock:
+                        assert outcome.seq not in acked, outcome
+                        acked[outcome.seq] = (u, outcome.version, outcome.fan_in or 1)
+                        if (len(acked) >= 9 and not killed.is_set()
+                                and any(k > 1 for _, _, k in acked.values())):
+                            killed.set()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    try:
+        with replica, controller:
+            server.__enter__()
+            controller.call(lambda: controller_ep.watch_server(
+                server.address, replica.address, interval=0.05, timeout=0.3))
+            threads = [threading.Thread(target=worker, args=(w,)) for w in range(3)]
+            for t in threads:
+                t.start()
+            assert killed.wait(30), (errors, {p: a[1:] for p, a in acked.items()})
+            server.__exit__(None, None, None)  # every connection to it drops
+            for t in threads:
+                t.join(60)
+            assert not errors, errors
+            final_version, final = replica.call(
+                lambda: (replica_server.store.version,
+                         {n: w.copy() for n, w in replica_server.store.weights.items()}))
+    finally:
+        agg.__exit__(None, None, None)
+    assert sorted(acked) == list(range(1, 37)), sorted(acked)
+    assert final_version == 36
+    assert replica_server.metrics.aggregates_applied._value.get() >= 1
+    ref = Reference(model, gamma)
+    place = 1
+    while place <= 36:
+        _, end, k = acked[place]
+        members = [acked[p][0] for p in range(place, place + k)]
+        assert [acked[p][1:] for p in range(place, place + k)] == [(end, k)] * k
+        # One step with the members' sum, formed left to right in member order.
+        ref.apply({n: functools.reduce(np.add, (u[n] for u in members)) for n in model})
+        place += k
+    assert_model_equal(final, ref.w)
 
 
 def test_sigkill_of_the_server_process(tmp_path):

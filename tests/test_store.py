@@ -461,6 +461,33 @@ def test_a_replica_records_the_norms_its_server_recorded(gamma):
     assert replica.norms_since(0) == server.norms_since(0)
 
 
+def test_aggregates_are_listed_as_spans_and_norms_never_end_inside_one():
+    """The divergence gate counts steps: the heartbeat's norms carry each
+    aggregate's span, and a list cut at `limit` ends where a step ends."""
+    model = make_model(0, SIZES)
+    store = ParameterStore(model, momentum=0.9)
+    u = [random_update(model, s) for s in range(6)]
+    store.apply(0, u[0])  # version 1
+    store.apply_aggregate([("a", 1), ("b", 1), ("c", 1)],
+                          {n: u[1][n] + u[2][n] + u[3][n] for n in model})  # 2..4
+    store.apply(4, u[4])  # 5
+    store.apply_aggregate([("d", 5), ("e", 5)], {n: u[5][n] + u[0][n] for n in model})  # 6..7
+    assert store.spans_between(1, 7) == [(4, 3), (7, 2)]
+    assert store.spans_between(5, 6) == []
+    first, norms = store.norms_since(0)
+    assert first == 1 and len(norms) == 7 and norms[1:3] == [0.0, 0.0]
+    for limit, last in ((1, 1), (2, 1), (3, 1), (4, 4), (5, 5), (6, 5), (7, 7)):
+        assert store.norms_since(0, limit) == (1, norms[:last]), limit
+    # A replica that replays the same steps lists the same spans.
+    replica = ParameterStore(model, momentum=0.9)
+    replica.apply_sequenced(1, 0, u[0])
+    replica.apply_sequenced_aggregate(2, [(1, u[1]), (1, u[2]), (1, u[3])])
+    replica.apply_sequenced(5, 4, u[4])
+    replica.apply_sequenced_aggregate(6, [(5, u[5]), (5, u[0])])
+    assert replica.spans_between(1, 7) == store.spans_between(1, 7)
+    assert_model_equal(replica.weights, store.weights)
+
+
 def test_norms_before_a_version_set_from_outside_are_unknown():
     """A replica's resync writes the server's state and version into its
     store: the norms of the versions it skipped were never seen here."""

@@ -445,12 +445,17 @@ class ParameterStore:
         version + 2, ... (at most `limit`, in order) as (first_version, norms),
         first_version being the version of norms[0]. It is above version + 1
         when older norms are not known (before this store started, or fallen
-        out of the last NORM_WINDOW versions). Empty list when nothing newer."""
+        out of the last NORM_WINDOW versions). Empty list when nothing newer.
+        The list ends where a step ends: never inside an aggregate."""
         if limit < 0:
             raise ValueError(f"limit must be >= 0, got {limit}")
         self._norms_sync()
         first = max(version + 1, self._norms_from, self.version - NORM_WINDOW + 1)
         last = min(self.version, first + limit - 1)
+        # End on a step: an aggregate cut short would read as zero steps.
+        end = next((v for v in self._spans if v > last), None)
+        if end is not None and end - self._spans[end] < last:
+            last = end - self._spans[end]
         if last < first:
             return first, []
         lo, hi = first % NORM_WINDOW, last % NORM_WINDOW
