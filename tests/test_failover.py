@@ -275,9 +275,7 @@ def test_sigkill_of_the_server_process(tmp_path):
 def test_new_replicas_join_from_a_snapshot_and_take_over_again():
     """Three servers lost in one run: after each failover a new replica joins
     from the promoted one's state, workers send it what they kept, and it is
-    the one promoted at the next loss. (Workers run until told to stop: one
-    that quits while no replica is attached takes its kept updates along,
-    see docs/design.md.)"""
+    the one promoted at the next loss."""
     import asyncio
 
     from mlfabric.replication.replica import announce, fetch_state
@@ -356,6 +354,117 @@ def test_new_replicas_join_from_a_snapshot_and_take_over_again():
         for st in alive:
             st.__exit__(None, None, None)
     assert controller_ep.metrics.failovers._value.get() == kills
+    assert sorted(acked) == list(range(1, len(acked) + 1))
+    assert final_version == len(acked)
+    ref = Reference(model, gamma)
+    for v in sorted(acked):
+        ref.apply(acked[v])
+    assert_model_equal(final, ref.w)
+
+
+def test_a_worker_that_quits_while_no_replica_is_attached_loses_nothing():
+    """Issue 31's loss case: after a failover, a worker's updates are
+    acknowledged by the promoted server alone and kept by the worker for the
+    next replica; the worker quits before one joins, taking them along. They
+    are on the server: the replica that joins (from a snapshot older than
+    them) waits at the gap, the controller resyncs it from the server's
+    state, and at the next loss nothing acknowledged is missing."""
+    import asyncio
+
+    from mlfabric.replication.replica import announce, fetch_state
+
+    model = make_model()
+    gamma = 0.9
+    stop = threading.Event()
+
+    def new_replica(store):
+        ep = ReplicaServer(store, job=JOB, token=TOKEN, metrics=ServerMetrics(), recovery=0.1)
+        return ServerThread(None, endpoint=ep).__enter__()
+
+    server = ServerThread(ParameterStore(model, momentum=gamma)).__enter__()
+    replica = new_replica(ParameterStore(model, momentum=gamma))
+    controller_ep = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None,
+                               gate=DivergenceGate(gamma, 1e9))
+    controller = ServerThread(None, endpoint=controller_ep).__enter__()
+    controller.call(lambda: controller_ep.watch_server(
+        server.address, replica.address, interval=0.05, timeout=0.3, gap_timeout=0.3))
+    acked: dict[int, dict[str, np.ndarray]] = {}
+    lock = threading.Lock()
+    progress = threading.Condition(lock)
+    errors: list[BaseException] = []
+
+    def connect():
+        return mlfabric.connect(server.address, job=JOB, token=TOKEN,
+                                controller=controller.address, controller_fallback="wait",
+                                replica=replica.address, failover_timeout=10)
+
+    def step(ps, seed: int) -> None:
+        version, _ = ps.pull(timeout=10)
+        u = random_update(model, seed=seed)
+        outcome = ps.push(u, base_version=version).result(20)
+        assert outcome.applied, outcome
+        with progress:
+            assert outcome.version not in acked, outcome
+            acked[outcome.version] = u
+            progress.notify_all()
+
+    def worker(w: int) -> None:
+        try:
+            with connect() as ps:
+                for i in range(500):  # until the test says stop
+                    if stop.is_set():
+                        break
+                    step(ps, 100 * w + i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    alive = [server, replica, controller]
+    quitter = connect()
+    try:
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(2)]
+        for t in threads:
+            t.start()
+        for i in range(3):
+            step(quitter, 900 + i)
+        with progress:
+            assert progress.wait_for(lambda: len(acked) >= 8, 30)
+        server.__exit__(None, None, None)  # lost
+        alive.remove(server)
+        server = replica  # promoted: no replica now
+        step(quitter, 910)  # waits for the failover, then served by the promoted one
+        store = asyncio.run(fetch_state(server.address, job=JOB, token=TOKEN))
+        for i in range(3):  # above the snapshot: kept by the quitter alone
+            step(quitter, 920 + i)
+        quitter.close()  # warns: 3 updates acknowledged by the server alone
+        replica = new_replica(store)
+        alive.append(replica)
+        asyncio.run(announce(controller.address, address=replica.address, store=store,
+                             job=JOB, token=TOKEN))
+        # The new replica waits at the quitter's updates, and is resynced.
+        ep = replica.server
+        wait_until(lambda: ep.metrics.replica_resyncs._value.get() >= 1, timeout=20,
+                   what="the joined replica resynced past the quitter's updates")
+        with progress:
+            n = len(acked)
+            assert progress.wait_for(lambda n=n: len(acked) > n + 4, 10)
+        server.__exit__(None, None, None)  # the second loss
+        alive.remove(server)
+        server = replica
+        with progress:
+            n = len(acked)
+            assert progress.wait_for(lambda n=n: len(acked) > n + 4, 10)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        ep = server.server
+        final_version, final = server.call(
+            lambda: (ep.store.version, {n: w.copy() for n, w in ep.store.weights.items()}))
+    finally:
+        quitter.close()
+        for st in alive:
+            st.__exit__(None, None, None)
+    assert controller_ep.metrics.failovers._value.get() == 2
     assert sorted(acked) == list(range(1, len(acked) + 1))
     assert final_version == len(acked)
     ref = Reference(model, gamma)
