@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -90,7 +91,12 @@ class Recorder:
         def done(f: Any) -> None:
             record["t"] = time.perf_counter()
             if f.exception() is None:
-                record["version"], record["applied"] = f.result().version, f.result().applied
+                outcome = f.result()
+                record["version"], record["applied"] = outcome.version, outcome.applied
+                # Each shard's place in its server's order, and the size of
+                # the step it was part of (an aggregate's members share one).
+                parts = getattr(outcome, "shards", ()) or (outcome,)
+                record["place"] = [[o.seq, o.fan_in or 1] for o in parts]
 
         fut.add_done_callback(done)
         return fut
@@ -170,6 +176,25 @@ def wait_for(what: str, host: Any, address: str, token: bytes, check: Any,
             raise RuntimeError(f"no {what} within {timeout} s")
         time.sleep(0.02)
     return answer
+
+
+def steps(placed: list[tuple[int, int, dict[str, np.ndarray]]]
+          ) -> tuple[list[dict[str, np.ndarray]], bool]:
+    """One server's steps from its acknowledged updates as (place, fan_in,
+    update): an update alone is a step, and an aggregate's members (places
+    p .. p + k - 1) are one step with their sum, formed left to right in
+    member order as the aggregator forms it. Also whether the places are
+    exactly 1..N, each aggregate whole (none lost, none twice)."""
+    placed = sorted(placed, key=lambda x: x[0])
+    exact = [p for p, _, _ in placed] == list(range(1, len(placed) + 1))
+    out, i = [], 0
+    while i < len(placed):
+        k = placed[i][1]
+        members = [u for _, _, u in placed[i:i + k]]
+        exact &= len(members) == k and all(f == k for _, f, _ in placed[i:i + k])
+        out.append({n: functools.reduce(np.add, (u[n] for u in members)) for n in members[0]})
+        i += k
+    return out, exact
 
 
 def replay(init: dict[str, np.ndarray], updates: list[dict[str, np.ndarray]],

@@ -20,11 +20,13 @@ to --max-fan-in updates per shard (the controller holds a group up to 0.3 s
 for company), every worker still feeding its shard's replica: each
 aggregate reaches the replica as its members, which it applies as the
 server's one step, and the gate counts it as one step. A shard's largest
-step is then an aggregate's: --max-fan-in times the single update's.
+step is then an aggregate's: --max-fan-in times the single update's. Only
+the servers' links are shaped to --mbit then (the bottleneck, where a group
+pays); the others run at --fast-mbit, and the controller is told both.
 
     sudo python benchmarks/bench_shard_divergence.py [--rounds 2] [--shards 4]
         [--workers 8] [--steps 20] [--model-mib 1] [--mbit 200] [--factors 1,2,inf]
-        [--correlation 0.9] [--aggregate] [--max-fan-in 4]
+        [--correlation 0.9] [--aggregate] [--max-fan-in 4] [--fast-mbit 1000]
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def one_run(tb: Any, tmp: str, args: argparse.Namespace, div_max: float) -> dict
     from mlfabric.replication.replica import ReplicaServer
     from mlfabric.runtime.metrics import AggregatorMetrics, ServerMetrics
     from mlfabric.scheduling.aggregation import AggregationConfig
-    from mlfabric.scheduling.plan import fifo_policy
+    from mlfabric.scheduling.plan import Network, fifo_policy
     from mlfabric.server.server import ParameterServer
     from mlfabric.server.store import ParameterStore
 
@@ -108,6 +110,10 @@ def one_run(tb: Any, tmp: str, args: argparse.Namespace, div_max: float) -> dict
     ctl = Controller(fifo_policy, job=JOB, token=token, tau_max=None,
                      gate=DivergenceGate(GAMMA, div_max if math.isfinite(div_max) else 1e300),
                      aggregators={a.host.ip: a.address for a in aggs} or None,
+                     network=Network(default=args.fast_mbit * 1e6 / 8,
+                                     up={s.host.ip: args.mbit * 1e6 / 8 for s in servers},
+                                     down={s.host.ip: args.mbit * 1e6 / 8 for s in servers})
+                     if aggs else None,
                      aggregation=AggregationConfig(max_fan_in=args.max_fan_in, hold=True,
                                                    wait=0.3) if aggs else None)
     controller = LoopThread(ctl, hosts[2 * S])
@@ -193,6 +199,8 @@ def main() -> int:
     ap.add_argument("--aggregate", action="store_true",
                     help=f"route groups through {AGGREGATORS} aggregators")
     ap.add_argument("--max-fan-in", type=int, default=4)
+    ap.add_argument("--fast-mbit", type=float, default=1000.0,
+                    help="with --aggregate: every link but the servers'")
     ap.add_argument("--factors", default="1,2,inf",
                     help="Div_max as multiples of sqrt(S) times a shard's largest single step")
     args = ap.parse_args()
@@ -219,7 +227,10 @@ def main() -> int:
     runs: dict[float, list[dict[str, Any]]] = {f: [] for f in factors}
     with tempfile.TemporaryDirectory(prefix="mlfabric-bench-shard-div-") as tmp, \
             Testbed(hosts=2 * args.shards + 1 + args.workers
-                    + (AGGREGATORS if args.aggregate else 0), rate_mbit=args.mbit) as tb:
+                    + (AGGREGATORS if args.aggregate else 0),
+                    rate_mbit=args.fast_mbit if args.aggregate else args.mbit,
+                    rates={f"h{i}": (args.mbit, args.mbit) for i in range(args.shards)}
+                    if args.aggregate else None) as tb:
         token = Path(tmp) / "job.token"
         token.write_text(auth.generate_token())
         token.chmod(0o600)

@@ -28,9 +28,19 @@ equals the numpy replay of every acknowledged part, each shard's in that
 shard's version order, bit for bit; and the final model's held-out
 accuracy.
 
+With --aggregate, the controller (`--policy mlfabric`) routes groups of
+up to --max-fan-in parts per shard through two aggregators (`mlfabric agent
+--aggregate` on hosts of their own, --group-wait 0.1 s), the workers still
+feeding every shard's replica: each aggregate reaches a replica as its
+members, so a promoted replica holds it as the server's one step. Only the
+servers' and replicas' links are shaped to --mbit then (where a group
+pays); the others run at --fast-mbit, and the controller is told both. The
+replay then applies each aggregate as one step with its members' sum.
+
     sudo python benchmarks/bench_shard_failover.py [--runs 5] [--shards 4]
         [--workers 8] [--steps 60] [--compute-ms 100] [--kills 5] [--mbit 200]
-        [--heartbeat-timeout 0.5] [--seed 0]
+        [--heartbeat-timeout 0.5] [--seed 0] [--aggregate] [--max-fan-in 4]
+        [--fast-mbit 1000]
 """
 
 from __future__ import annotations
@@ -49,11 +59,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_failover import Recorder, collect, pong, replay, wait_for
+from bench_failover import Recorder, collect, pong, replay, steps, wait_for
 
-from mlfabric.tools.workload import serving_address
+from mlfabric.tools.workload import serving_address, wait_for_line
 
 JOB = "bench-failover"  # bench_failover's helpers speak to this job
+AGGREGATORS = 2  # with --aggregate
+AGGREGATE_PORT = 7401
+AGENT_PORT = 7400
 
 
 def worker(argv: list[str]) -> int:
@@ -98,7 +111,8 @@ def one_run(tb: Any, tmp: str, args: argparse.Namespace, rng: random.Random,
     S = args.shards
     hosts = tb.hosts
     server_hosts, replica_hosts = hosts[:S], hosts[S:2 * S]
-    ctl_host, workers = hosts[2 * S], hosts[2 * S + 1:]
+    ctl_host, workers = hosts[2 * S], hosts[2 * S + 1:2 * S + 1 + args.workers]
+    aggs = hosts[2 * S + 1 + args.workers:] if args.aggregate else []
     token = f"{tmp}/job.token"
     secret = Path(token).read_bytes().strip()
     py = [sys.executable, "-m", "mlfabric", "--log-level", "WARNING"]
@@ -127,9 +141,23 @@ def one_run(tb: Any, tmp: str, args: argparse.Namespace, rng: random.Random,
             shards.append(Shard((srv, serving_address(srv, f"shard {i}"), server_hosts[i]),
                                 (rep, serving_address(rep, f"replica {i}"),
                                  replica_hosts[i])))
+        routing = ["--policy", "fifo"]
+        if aggs:
+            routing = ["--policy", "mlfabric", "--max-fan-in", str(args.max_fan_in),
+                       "--group-wait", "0.1", "--default-link-mbit", str(args.fast_mbit),
+                       *(f"--link={h.ip}={args.mbit:g}/{args.mbit:g}"
+                         for h in hosts[:2 * S]),
+                       *(f"--aggregator={a.ip}={a.ip}:{AGGREGATE_PORT}" for a in aggs)]
+            for a in aggs:
+                agent = tb.popen(a, [
+                    *py, "agent", "--name", a.ip, "--listen", f"{a.ip}:{AGENT_PORT}",
+                    "--aggregate", f"{a.ip}:{AGGREGATE_PORT}", "--job", JOB, "--token-file",
+                    token], **kw)
+                procs.append(agent)
+                wait_for_line(agent, "aggregating", f"aggregator on {a.name}", timeout=120)
         ctl = tb.popen(ctl_host, [
             *py, "controller", "--listen", f"{ctl_host.ip}:0", "--job", JOB, "--token-file",
-            token, "--policy", "fifo", "--tau-max", "-1",
+            token, *routing, "--tau-max", "-1",
             "--server", ",".join(s.addr for s in shards),
             "--replica", ",".join(s.rep_addr for s in shards),
             "--heartbeat-interval", str(args.heartbeat_timeout / 5),
@@ -196,12 +224,15 @@ def one_run(tb: Any, tmp: str, args: argparse.Namespace, rng: random.Random,
                      args.chunk_bytes)
     expected = {n: np.empty_like(a) for n, a in start.items()}
     exact = True
+    aggregated = 0  # parts applied as members of an aggregate
     for i in range(S):
-        # Shard i applied the parts in its own version order.
-        order = sorted(acked, key=lambda r: r["version"][i])
-        exact &= [r["version"][i] for r in order] == list(range(1, len(order) + 1))
-        exact &= final_versions[i] == len(order)
-        ref = replay(start, [updates[r["u"]] for r in order], args.gamma)
+        # Shard i applied the parts in its own order: each alone or as a
+        # member of an aggregate (one step with the members' sum).
+        placed = [(r["place"][i][0], r["place"][i][1], updates[r["u"]]) for r in acked]
+        aggregated += sum(k > 1 for _, k, _ in placed)
+        shard_steps, shard_exact = steps(placed)
+        exact &= shard_exact and final_versions[i] == len(placed)
+        ref = replay(start, shard_steps, args.gamma)
         part.put(expected, i, part.split(ref)[i])
     resumed = []
     for killed_at in kill_times:
@@ -212,7 +243,7 @@ def one_run(tb: Any, tmp: str, args: argparse.Namespace, rng: random.Random,
     _, _, X_test, y_test = dm.load_digits_split()
     return {
         "kills": len(kill_times), "shards_killed": killed_shards, "pushed": len(records),
-        "acked": len(acked), "versions_exact": exact,
+        "acked": len(acked), "aggregated": aggregated, "versions_exact": exact,
         "replay_equal": all(np.array_equal(expected[n].view(np.uint32),
                                            final[n].view(np.uint32)) for n in expected),
         "resumed_s": resumed, "accuracy": dm.accuracy(final, X_test, y_test)}
@@ -237,6 +268,11 @@ def main() -> int:
     ap.add_argument("--heartbeat-timeout", type=float, default=0.5)
     ap.add_argument("--kills", type=int, default=5, help="shard servers lost per run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--aggregate", action="store_true",
+                    help=f"route groups through {AGGREGATORS} aggregators")
+    ap.add_argument("--max-fan-in", type=int, default=4)
+    ap.add_argument("--fast-mbit", type=float, default=1000.0,
+                    help="with --aggregate: every link but the servers' and replicas'")
     args = ap.parse_args()
     from mlfabric.sharding.partition import DEFAULT_CHUNK_BYTES
     from mlfabric.tools import demo_model as dm
@@ -254,7 +290,11 @@ def main() -> int:
     killed: list[dict[str, Any]] = []
     clean: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="mlfabric-bench-shard-failover-") as tmp, \
-            Testbed(hosts=2 * args.shards + 1 + args.workers, rate_mbit=args.mbit) as tb:
+            Testbed(hosts=2 * args.shards + 1 + args.workers
+                    + (AGGREGATORS if args.aggregate else 0),
+                    rate_mbit=args.fast_mbit if args.aggregate else args.mbit,
+                    rates={f"h{i}": (args.mbit, args.mbit) for i in range(2 * args.shards)}
+                    if args.aggregate else None) as tb:
         token = Path(tmp) / "job.token"
         token.write_text(auth.generate_token())
         token.chmod(0o600)
