@@ -22,10 +22,25 @@ and, for the static rates, the tool a user would pick instead: a bulk TCP
 test (iperf-like, 1 s) from h0 to h1, with its error against the TCP goodput
 of the link and its cost (the whole link for a second). Medians over --runs.
 
+The "shapers" scenario is issue 32's accuracy matrix: an asymmetric 5-host
+cluster (ASYMMETRIC: up and down rates differ per host, so a path's
+bottleneck is the sender's uplink or the receiver's downlink), every agent
+probing every other, each directed pair's estimate read once a second for
+--seconds (60) after a settling time, under each shaper: token buckets of
+1 ms at the rate, 64 KB and 10 ms at the rate (each with a 50 ms queue),
+and 1 ms buckets with a TCP flow of other traffic taking half of h0's
+300 Mbit/s downlink (the truth for paths into h0 is then the smaller of the
+path's rate and what the flow leaves). Per case: the median, p90 and
+largest |estimate - truth| / truth over every pair-sample (a stale
+estimate counts as an error of 100%), and the share of samples off by more
+than 25%; medians over --runs. Goal: median <= 5%, p90 <= 10%, none > 25%
+(within 15% with cross traffic).
+
     sudo python benchmarks/bench_bandwidth.py                # 3 runs, ~3 minutes
     sudo python benchmarks/bench_bandwidth.py --runs 5 --rates 50 100 200 400
     sudo python benchmarks/bench_bandwidth.py --runs 9 --scenarios change
     sudo python benchmarks/bench_bandwidth.py --runs 5 --rates 50 --scenarios static --steady 30
+    sudo python benchmarks/bench_bandwidth.py --runs 3 --scenarios shapers [--seconds 60]
 """
 
 from __future__ import annotations
@@ -50,6 +65,10 @@ from mlfabric.tools import traffic  # noqa: E402
 from mlfabric.tools.testbed import Testbed, require_root  # noqa: E402
 from mlfabric.tools.workload import scrape_metrics  # noqa: E402
 
+# issue 32's asymmetric cluster: (uplink, downlink) Mbit/s per host
+ASYMMETRIC = {"h0": (300.0, 300.0), "h1": (80.0, 300.0), "h2": (200.0, 100.0),
+              "h3": (120.0, 240.0), "h4": (60.0, 150.0)}
+SHAPERS = ("burst 1ms", "burst 64KB", "burst 10ms", "cross tcp 50% into h0")
 PORT = 7400
 METRICS_PORT = 9470
 WINDOW = 4.0  # seconds over which the probe overhead is judged
@@ -135,6 +154,32 @@ class Cluster:
                 rx1, tx1 = after[name]
                 worst = max(worst, (rx1 - rx0) * 8 / (t1 - t0), (tx1 - tx0) * 8 / (t1 - t0))
         return worst / (rate * 1e6)
+
+    def overhead_per_link(self, rates: dict[str, tuple[float, float]],
+                          seconds: float = WINDOW) -> float:
+        """The largest share of its own link's rate that any host's uplink or
+        downlink carried over `seconds` (probes, reports and acks, with no job
+        traffic; cross traffic, if any, is excluded by the caller's choice of
+        window: run it without)."""
+        def counters() -> dict[str, tuple[int, int]]:
+            out = {}
+            for h in self.tb.hosts:
+                with h.enter():
+                    got = read_net_dev(h.ifname)
+                assert got is not None
+                out[h.name] = got
+            return out
+
+        t0, before = time.monotonic(), counters()
+        time.sleep(seconds)
+        t1, after = time.monotonic(), counters()
+        worst = 0.0
+        for name, (rx0, tx0) in before.items():
+            rx1, tx1 = after[name]
+            up, down = rates[name]
+            worst = max(worst, (tx1 - tx0) * 8 / (t1 - t0) / (up * 1e6),
+                        (rx1 - rx0) * 8 / (t1 - t0) / (down * 1e6))
+        return worst
 
     def reprobes(self) -> float:
         """Trains that found no queue, per 100 trains, over all agents so far."""
@@ -242,12 +287,59 @@ def cross(proto: str, rate: float = 100) -> dict[str, float]:
             "remainder_mbit": measured_remainder / 1e6}
 
 
+def shapers(case: str, seconds: float, settle: float = 10.0) -> dict[str, float]:
+    """One case of the accuracy matrix (see the module's docstring)."""
+    burst = case.split()[1] if case.startswith("burst") else "1ms"
+    with Testbed(hosts=len(ASYMMETRIC), rates=ASYMMETRIC, burst=burst,
+                 queue_ms=50.0) as tb:
+        c = Cluster(tb)
+        try:
+            c.start()
+            rates = {h.name: (h.up_mbit, h.down_mbit) for h in tb.hosts}
+            cross_mbit = 0.0
+            ct = None
+            time.sleep(settle / 2)
+            overhead = c.overhead_per_link(rates)  # before any other traffic
+            if case.startswith("cross"):
+                # another tenant's TCP flow into h0 (from h2, whose uplink has room)
+                cross_mbit = rates["h0"][1] / 2
+                ct = tb.cross_traffic("h2", "h0", rate_mbit=cross_mbit, proto="tcp")
+
+            def truth(a: str, b: str) -> float:
+                down = rates[b][1] - (cross_mbit / TCP_PAYLOAD if b == "h0" else 0.0)
+                up = rates[a][0] - (cross_mbit / TCP_PAYLOAD if a == "h2" else 0.0)
+                return min(up, down) * 1e6 * PAYLOAD
+
+            time.sleep(settle / 2)
+            errs: list[float] = []
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < seconds:
+                tick = time.monotonic()
+                ests = c.estimates()
+                for p in pairs_of(tb):
+                    e = ests[p]
+                    errs.append(1.0 if e != e else abs(e - truth(*p)) / truth(*p))
+                time.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
+            if ct is not None:
+                ct.stop()
+        finally:
+            c.stop()
+    errs.sort()
+    return {"median": statistics.median(errs), "p90": errs[int(0.9 * (len(errs) - 1))],
+            "max": errs[-1], "over_25": sum(e > 0.25 for e in errs) / len(errs),
+            "samples": float(len(errs)), "overhead": overhead}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--rates", type=float, nargs="+", default=[50, 100, 200])
-    ap.add_argument("--scenarios", nargs="+", choices=["static", "change", "cross"],
+    ap.add_argument("--scenarios", nargs="+", choices=["static", "change", "cross", "shapers"],
                     default=["static", "change", "cross"])
+    ap.add_argument("--seconds", type=float, default=60.0,
+                    help="shapers: seconds of once-a-second samples per case")
+    ap.add_argument("--cases", nargs="+", choices=SHAPERS, default=list(SHAPERS),
+                    metavar="CASE", help=f"shapers: which cases ({', '.join(SHAPERS)})")
     ap.add_argument("--steady", type=float, default=WINDOW,
                     help="seconds of steady state to find the worst 4 s probe overhead in")
     args = ap.parse_args()
@@ -264,6 +356,12 @@ def main() -> int:
         if "cross" in args.scenarios:
             for proto in ("tcp", "udp"):
                 results.setdefault(f"cross {proto} 50%", []).append(cross(proto))
+        if "shapers" in args.scenarios:
+            for case in args.cases:
+                res = shapers(case, args.seconds)
+                print(f"  {case}: " + ", ".join(f"{k}={v:.3g}" for k, v in res.items()),
+                      file=sys.stderr, flush=True)
+                results.setdefault(f"shapers {case}", []).append(res)
         print(f"run {run + 1}/{args.runs} done", file=sys.stderr, flush=True)
 
     def med(rows: list[dict[str, float]], key: str) -> float:
@@ -272,10 +370,25 @@ def main() -> int:
     print(f"# bench_bandwidth: {args.runs} runs, medians; {platform.node()}, "
           f"{os.cpu_count()} CPUs, Python {platform.python_version()}")
     print()
-    print("| scenario | error | reaction (s) | probe overhead (worst 4 s of "
-          f"{args.steady:g} s) | re-probes per 100 trains | bulk TCP test error | "
-          "bulk TCP test cost |")
-    print("|---|---|---|---|---|---|---|")
+    matrix = {n: r for n, r in results.items() if n.startswith("shapers")}
+    results = {n: r for n, r in results.items() if not n.startswith("shapers")}
+    if matrix:
+        print(f"asymmetric 5-host cluster {ASYMMETRIC} (up, down Mbit/s), every directed "
+              f"pair once a second for {args.seconds:g} s; error = |estimate - truth| / truth")
+        print()
+        print("| case | median | p90 | largest | samples > 25% | probe overhead (busiest link, "
+              "idle job) |")
+        print("|---|---|---|---|---|---|")
+        for name, rows in matrix.items():
+            print(f"| {name.removeprefix('shapers ')} | {med(rows, 'median'):.1%} | "
+                  f"{med(rows, 'p90'):.1%} | {med(rows, 'max'):.1%} | "
+                  f"{med(rows, 'over_25'):.1%} | {med(rows, 'overhead'):.2%} |")
+        print()
+    if results:
+        print("| scenario | error | reaction (s) | probe overhead (worst 4 s of "
+              f"{args.steady:g} s) | re-probes per 100 trains | bulk TCP test error | "
+              "bulk TCP test cost |")
+        print("|---|---|---|---|---|---|---|")
     for name, rows in results.items():
         if name.startswith("static"):
             print(f"| {name} Mbit/s | {med(rows, 'error'):.1%} | "
@@ -293,7 +406,7 @@ def main() -> int:
                   f"{med(rows, 'error'):.1%} | {med(rows, 'reaction_s'):.2f} | | | | |")
     print()
     print("per-run values:")
-    for name, rows in results.items():
+    for name, rows in {**matrix, **results}.items():
         for r in rows:
             print(f"  {name}: " + ", ".join(f"{k}={v:.3g}" for k, v in r.items()))
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
 import signal
@@ -33,7 +34,7 @@ from mlfabric.agent.daemon import (
     query_estimates,
     read_net_dev,
 )
-from mlfabric.agent.estimator import ProbeConfig
+from mlfabric.agent.estimator import PathEstimator, ProbeConfig
 from mlfabric.errors import ConfigError, ProtocolError
 from mlfabric.runtime.metrics import AgentMetrics
 from mlfabric.wire import agent_protocol as probe
@@ -148,6 +149,73 @@ def test_transfer_reports_feed_the_passive_estimate(run_async) -> None:
             await _stop(a)
 
     run_async(main())
+
+
+def test_a_transfer_report_faster_than_the_link_is_refused_and_never_averaged_in(
+        run_async, caplog) -> None:
+    """Issue 32: a fabricated report (50 MB in 1 ms, 400 Gbit/s) must not set
+    an estimate; and no estimate is reported above the link's limit."""
+    async def main() -> None:
+        metrics = AgentMetrics()
+        cfg = _config("a", peers={"b": (LOCAL, 9)})
+        cfg.probe = replace(cfg.probe, max_bps=1e9)  # a 1 Gbit/s NIC
+        a = Agent(cfg, metrics=metrics)
+        await a.start()
+        try:
+            async with await AgentClient.connect(LOCAL, a.port) as client:
+                await client.report_transfer("b", 50_000_000, 0.001)
+                est = await client.estimates()
+                (e,) = est.estimates
+                assert math.isnan(e.bandwidth_bps) and e.stale  # nothing learnt
+                await client.report_transfer("b", 100_000_000, 1.0)  # 800 Mbit/s: fine
+                (e,) = (await client.estimates()).estimates
+            assert e.bandwidth_bps == pytest.approx(800e6)
+            assert metrics.transfer_reports.labels("refused")._value.get() == 1
+            assert metrics.transfer_reports.labels("accepted")._value.get() == 1
+        finally:
+            await _stop(a)
+
+    with caplog.at_level(logging.WARNING, logger="mlfabric.agent"):
+        run_async(main())
+    assert "refused a transfer report for b from" in caplog.text
+    assert ("50000000 bytes in 0.001 s is 400,000 Mbit/s, above this host's link "
+            "(1,000 Mbit/s)") in caplog.text
+
+
+def test_passive_problems_and_the_estimate_cap() -> None:
+    est = PathEstimator(ProbeConfig(max_bps=1e9), clock=lambda: 10.0)
+    assert est.passive_problem(10**6, 0.01) is None
+    assert est.passive_problem(10**6, 0.0) == "1000000 bytes in 0.0 s is no transfer"
+    assert est.passive_problem(10**6, math.nan) == "1000000 bytes in nan s is no transfer"
+    assert est.passive_problem(10**9, 1.0) == (
+        "1000000000 bytes in 1 s is 8,000 Mbit/s, above this host's link (1,000 Mbit/s)")
+    assert not est.on_passive(10**9, 1.0)
+    # A capacity sample above the link (a burst let a train through at a
+    # faster NIC's pace) is still never reported above the limit.
+    est.capacity.add(3e9, 10.0)
+    assert est.snapshot(10.0).bandwidth_bps == 1e9
+
+
+def test_the_nic_speed_is_read_from_the_kernel_and_bounds_the_estimates(tmp_path) -> None:
+    from mlfabric.agent.daemon import read_nic_speed
+
+    net_dev = tmp_path / "dev"
+    net_dev.write_text("Inter-|\n face |\n    lo: 0 0\n  eth0: 0 0\n  eth1: 0 0\n"
+                       "  veth9: 0 0\n")
+    sysfs = tmp_path / "net"
+    for name, speed in (("lo", "x"), ("eth0", "25000"), ("eth1", "10000"), ("veth9", "-1")):
+        (sysfs / name).mkdir(parents=True)
+        (sysfs / name / "speed").write_text(speed + "\n")
+    paths = dict(sysfs=str(sysfs), net_dev=(str(net_dev),))
+    assert read_nic_speed(None, **paths) == 25e9  # the fastest
+    assert read_nic_speed("eth1", **paths) == 10e9
+    assert read_nic_speed("veth9", **paths) is None  # a virtual NIC says -1: unknown
+    assert read_nic_speed("wlan0", **paths) is None
+    cfg, _ = build_config(_args(["--nic-mbit", "2500"]))
+    assert cfg.probe.max_bps == 2.5e9
+    with pytest.raises(ConfigError, match=r"nic-mbit must be the link's speed in Mbit/s, "
+                                          r"above 0, got -5\.0"):
+        build_config(_args(["--nic-mbit", "-5"]))
 
 
 def test_set_peers_from_the_controller(run_async) -> None:

@@ -29,6 +29,7 @@ from mlfabric.errors import ConfigError
 from mlfabric.tools import testbed_cli
 from mlfabric.tools.testbed import (
     STATE_DIR,
+    Burst,
     SetRate,
     Shaping,
     StartTraffic,
@@ -104,6 +105,23 @@ def test_shaping_keeps_bucket_small_and_queue_moderate() -> None:
     # tbf drops a packet larger than its bucket: with jumbo frames it holds two of them.
     assert Shaping.for_rate(10, frame_bytes=9014).burst_bytes == 2 * 9014
     assert Shaping.for_rate(200, frame_bytes=9014).burst_bytes == 25_000
+
+
+def test_a_burst_is_bytes_or_time_at_the_rate_as_real_shapers_have() -> None:
+    """Issue 32: shapers with the buckets users meet (64 KB, 10 ms at rate)."""
+    assert Burst.parse("64KB") == Burst(nbytes=64_000)
+    assert Burst.parse("100KiB") == Burst(nbytes=102_400)
+    assert Burst.parse("10ms") == Burst(seconds=0.01)
+    assert str(Burst.parse("10ms")) == "10ms" and str(Burst.parse("64KB")) == "64000B"
+    assert Shaping.for_rate(200, burst=Burst.parse("64KB")).burst_bytes == 64_000
+    assert Shaping.for_rate(200, burst=Burst.parse("10ms")).burst_bytes == 250_000
+    # the queue holds two buckets at least, so a full bucket never overflows it
+    assert Shaping.for_rate(10, burst=Burst.parse("100KB")).limit_bytes == 200_000
+    assert Shaping.for_rate(10, burst=Burst.parse("1500B")).burst_bytes == 2 * 1514
+    for bad, why in (("64", "bytes .* or time at the rate"), ("0ms", r"not in \(0, 1 s\]"),
+                     ("100MB", r"not in \(0, 64 MiB\]"), ("fast", "got 'fast'")):
+        with pytest.raises(ConfigError, match=why):
+            Burst.parse(bad)
 
 
 class FakeClock:

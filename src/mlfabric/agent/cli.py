@@ -26,7 +26,14 @@ from typing import Any
 from ..errors import ConfigError
 from ..transport.listener import add_handshake_timeout, handshake_timeout
 from ..wire import auth
-from .daemon import Agent, AgentConfig, parse_hostport, parse_peer, read_net_dev
+from .daemon import (
+    Agent,
+    AgentConfig,
+    parse_hostport,
+    parse_peer,
+    read_net_dev,
+    read_nic_speed,
+)
 from .estimator import ProbeConfig
 from .job_traffic import JobTrafficReader
 
@@ -41,6 +48,7 @@ CONFIG_KEYS = {
     "probe_budget": "--probe-budget",
     "stale_after": "--stale-after",
     "interface": "--interface",
+    "nic_mbit": "--nic-mbit",
     "job_ports": "--job-port",  # a list of port numbers
     "job_rediscover": "--job-rediscover",
     "aggregate": "--aggregate",
@@ -69,6 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interface", metavar="NAME",
                    help="NIC whose byte counters give the load on this host's links "
                         "(default: all but loopback)")
+    p.add_argument("--nic-mbit", type=float, metavar="MBIT",
+                   help="the physical limit of this host's link, Mbit/s: no estimate is "
+                        "reported above it and a transfer report above it is refused "
+                        "(default: the NIC's speed as the kernel reports it, else none)")
     p.add_argument("--job-port", type=int, action="append", default=[], metavar="PORT",
                    help="a port of the job's servers (parameter server, replica); TCP "
                         "traffic to or from it is the job's own and not counted as load on "
@@ -205,7 +217,14 @@ def build_config(args: argparse.Namespace, aggregate: AggregateConfig | None = N
     ports = parse_job_ports(file.get("job_ports", []), args.job_port)
     if aggregate is not None and aggregate.port != 0:
         ports = sorted({*ports, aggregate.port})
+    nic_mbit = _pick(args.nic_mbit, file, "nic_mbit")
+    if nic_mbit is not None and (not _is_number(nic_mbit) or not 0 < nic_mbit < 1e7):
+        raise ConfigError(f"nic-mbit must be the link's speed in Mbit/s, above 0, got "
+                          f"{nic_mbit!r}")
+    nic_bps = nic_mbit * 1e6 if nic_mbit is not None else read_nic_speed(interface)
     probe_cfg = replace(ProbeConfig(), budget=float(budget), stale_after=float(stale))
+    if nic_bps is not None:
+        probe_cfg = replace(probe_cfg, max_bps=min(probe_cfg.max_bps, nic_bps))
     config = AgentConfig(name=name, host=host, port=port, peers=peers, probe=probe_cfg,
                          counters=functools.partial(read_net_dev, interface),
                          job_traffic=JobTrafficReader(ports, rediscover=float(rediscover))

@@ -94,6 +94,35 @@ def read_net_dev(interface: str | None = None,
     return None
 
 
+def read_nic_speed(interface: str | None = None, sysfs: str = "/sys/class/net",
+                   net_dev: tuple[str, ...] = ("/proc/thread-self/net/dev", "/proc/net/dev"),
+                   ) -> float | None:
+    """The line rate of `interface` (or the fastest interface but loopback) in
+    bit/s, from the kernel's `speed` (Mbit/s); None when no interface says
+    (virtual ones often do not, or say -1). The interfaces are listed from the
+    calling thread's network namespace."""
+    names: list[str] = []
+    for path in net_dev:
+        try:
+            with open(path) as f:
+                names = [line.partition(":")[0].strip() for line in f.readlines()[2:]]
+            break
+        except OSError:
+            continue
+    best = None
+    for name in names:
+        if name == "lo" or (interface is not None and name != interface):
+            continue
+        try:
+            with open(f"{sysfs}/{name}/speed") as f:
+                mbit = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if mbit > 0:
+            best = max(best or 0.0, mbit * 1e6)
+    return best
+
+
 def parse_hostport(text: str, what: str = "address") -> tuple[str, int]:
     """'HOST:PORT' or '[V6]:PORT' -> (host, port); ConfigError on bad input."""
     host, sep, port_s = text.rpartition(":")
@@ -203,6 +232,7 @@ class Agent:
         self.load = LoadMeter(config.load_window)
         self._load_task: asyncio.Task[None] | None = None
         self._progress = asyncio.Condition()
+        self._refused_warned = -math.inf  # when a refused transfer report was last logged
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -741,11 +771,23 @@ class Agent:
             ctl.send(self._estimates_event(ev.request_id))
         elif isinstance(ev, probe.TransferReport):
             st = self._peers.get(ev.peer)
+            problem = None if st is None else st.estimator.passive_problem(ev.nbytes,
+                                                                          ev.seconds)
+            result = ("unknown_peer" if st is None else "refused" if problem is not None
+                      else "accepted")
             if self.metrics is not None:
-                self.metrics.transfer_reports.labels(
-                    "accepted" if st is not None else "unknown_peer"
-                ).inc()
-            if st is not None:
+                self.metrics.transfer_reports.labels(result).inc()
+            if problem is not None:
+                # Never averaged in: one made-up report would otherwise set the
+                # path's estimate for as long as passive samples count.
+                now = self.clock()
+                if now - self._refused_warned >= 60.0:
+                    self._refused_warned = now
+                    log.warning("refused a transfer report for %s from %s: %s (counted in "
+                                "mlfabric_agent_transfer_reports_total{result=\"refused\"}; "
+                                "warned once a minute)", ev.peer, ctl.peer_name or "a client",
+                                problem)
+            elif st is not None:
                 st.estimator.on_passive(ev.nbytes, ev.seconds)
         elif isinstance(ev, probe.SetPeers):
             try:

@@ -354,7 +354,7 @@ class ProbeConfig:
     quick_interval: float = 0.02  # confirmation / escalation probes
     startup_trains: int = 3  # quick trains right after start
     initial_bps: float = 100e6
-    max_bps: float = 40e9
+    max_bps: float = 40e9  # the link's physical limit: the NIC's speed when known
     min_bps: float = 1e6
     stale_after: float = 3.0
     passive_fresh: float = 3.0  # a passive sample counts this long
@@ -579,11 +579,23 @@ class PathEstimator:
     def on_rtt(self, seconds: float, now: float | None = None) -> None:
         self.rtt.add(seconds, self.clock() if now is None else now)
 
+    def passive_problem(self, nbytes: int, seconds: float) -> str | None:
+        """Why a reported transfer cannot be true (None: it can): a duration
+        that is not a finite positive number, or a rate above the physical
+        limit of this host's link (`max_bps`, the NIC's speed when known)."""
+        if not (math.isfinite(seconds) and seconds > 0) or nbytes < 0:
+            return f"{nbytes} bytes in {seconds!r} s is no transfer"
+        rate = nbytes * 8 / seconds
+        if rate > self.config.max_bps:
+            return (f"{nbytes} bytes in {seconds:g} s is {rate / 1e6:,.0f} Mbit/s, above "
+                    f"this host's link ({self.config.max_bps / 1e6:,.0f} Mbit/s)")
+        return None
+
     def on_passive(self, nbytes: int, seconds: float, now: float | None = None) -> bool:
         """A real transfer of `nbytes` took `seconds`. Small transfers (slow start
         dominated) are ignored; returns whether the sample was used."""
         now = self.clock() if now is None else now
-        if nbytes < self.config.min_passive_bytes or seconds <= 0:
+        if nbytes < self.config.min_passive_bytes or self.passive_problem(nbytes, seconds):
             return False
         self.passive_bps = nbytes * 8 / seconds
         self._passive_at = now
@@ -612,6 +624,8 @@ class PathEstimator:
                                                                      cap or math.inf))
             if cap is None:
                 age = now - self._passive_at  # type: ignore[operator]
+        # Never above the physical limit of this host's link.
+        bw = min(bw, c.max_bps) if not math.isnan(bw) else bw
         return PathEstimate(
             bandwidth_bps=bw,
             capacity_bps=math.nan if cap is None else cap,

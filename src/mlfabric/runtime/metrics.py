@@ -518,10 +518,11 @@ class AgentMetrics:
             self.bad_messages.labels(kind)
         self.transfer_reports = Counter(
             "agent_transfer_reports",
-            "Transfer reports from local clients, by result (accepted, unknown_peer)",
+            "Transfer reports from local clients, by result (accepted, unknown_peer, "
+            "refused: a rate above the NIC's speed or a duration that is no number)",
             ["result"], namespace=ns, registry=r,
         )
-        for result in ("accepted", "unknown_peer"):
+        for result in ("accepted", "unknown_peer", "refused"):
             self.transfer_reports.labels(result)
         self.job_traffic_bytes = Counter(
             "agent_job_traffic_bytes",

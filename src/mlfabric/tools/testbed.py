@@ -14,7 +14,9 @@ The testbed builds exactly that::
   range 198.18.0.0/15 and there is no default route, so no traffic leaves.
 * Shaping is a ``tbf`` qdisc with a small bucket (``max(2 frames, 1 ms at
   the rate)``; a frame is the MTU plus 14 B of Ethernet header) so that
-  even short packet trains see the shaped rate, and a moderate queue
+  even short packet trains see the shaped rate (``burst`` sets another
+  bucket, as real shapers and cloud rate limiters have: "64KB", "10ms" at
+  the rate), and a moderate queue
   (``queue_ms`` at the rate, at least 64 KiB) so that TCP reaches it.
   ``delay_ms`` adds one-way latency on every uplink with a ``netem`` root
   and the ``tbf`` as its child (kernels without sch_netem get a
@@ -117,6 +119,36 @@ def require_root(ip: str = "ip") -> None:
 
 
 @dataclass(frozen=True)
+class Burst:
+    """A token bucket's depth: bytes, or seconds at the link's rate."""
+
+    nbytes: int | None = None
+    seconds: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Burst:
+        """ "64KB", "100KB", "1500B", "10ms"; a ConfigError that says why otherwise."""
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|B|KB|KiB|MB|MiB)\s*", str(text))
+        if m is None:
+            raise ConfigError(f"a burst is bytes (64KB, 1500B) or time at the rate (10ms), "
+                              f"got {text!r}")
+        value, unit = float(m.group(1)), m.group(2)
+        if unit in ("ms", "s"):
+            seconds = value / 1000 if unit == "ms" else value
+            if not 0 < seconds <= 1:
+                raise ConfigError(f"a burst of {text!r} is not in (0, 1 s]")
+            return cls(seconds=seconds)
+        scale = {"B": 1, "KB": 1000, "KiB": 1024, "MB": 1000**2, "MiB": 1024**2}[unit]
+        nbytes = int(value * scale)
+        if not 0 < nbytes <= 64 * 1024**2:
+            raise ConfigError(f"a burst of {text!r} is not in (0, 64 MiB]")
+        return cls(nbytes=nbytes)
+
+    def __str__(self) -> str:
+        return f"{self.nbytes}B" if self.nbytes is not None else f"{(self.seconds or 0) * 1000:g}ms"
+
+
+@dataclass(frozen=True)
 class Shaping:
     """tbf parameters for one link direction, derived from the rate."""
 
@@ -126,12 +158,14 @@ class Shaping:
 
     @classmethod
     def for_rate(cls, rate_mbit: float, queue_ms: float = 50.0,
-                 frame_bytes: int = MTU_FRAME) -> Shaping:
+                 frame_bytes: int = MTU_FRAME, burst: Burst | None = None) -> Shaping:
         rate_bytes = rate_mbit * 1e6 / 8
+        depth = burst or Burst(seconds=0.001)
         # tbf drops a packet larger than its bucket, so it holds two frames at least.
-        burst = max(2 * frame_bytes, int(rate_bytes * 0.001))
-        limit = max(64 * 1024, int(rate_bytes * queue_ms / 1000), 2 * burst)
-        return cls(rate_mbit, burst, limit)
+        burst_bytes = max(2 * frame_bytes, depth.nbytes if depth.nbytes is not None else int(
+            rate_bytes * (depth.seconds or 0.0)))
+        limit = max(64 * 1024, int(rate_bytes * queue_ms / 1000), 2 * burst_bytes)
+        return cls(rate_mbit, burst_bytes, limit)
 
     def tbf_args(self) -> list[str]:
         rate_kbit = max(1, round(self.rate_mbit * 1000))
@@ -501,6 +535,7 @@ class Testbed:
         rates: dict[str, tuple[float | None, float | None]] | None = None,
         *,
         queue_ms: float = 50.0,
+        burst: str | Burst = "1ms",
         mtu: int = DEFAULT_MTU,
         run_id: str | None = None,
         subnet: int | None = None,
@@ -546,6 +581,7 @@ class Testbed:
         self.n_hosts = hosts
         self.delay_ms = float(delay_ms)
         self.queue_ms = float(queue_ms)
+        self.burst = burst if isinstance(burst, Burst) else Burst.parse(burst)
         self.mtu = mtu
         self.ip = ip
         self.tc = tc
@@ -881,7 +917,7 @@ class Testbed:
                 h.down_mbit = down_rate
 
     def _set_tbf(self, ns: str, dev: str, rate: float, nested: bool, live: bool = False) -> None:
-        shaping = Shaping.for_rate(rate, self.queue_ms, self.frame_bytes)
+        shaping = Shaping.for_rate(rate, self.queue_ms, self.frame_bytes, self.burst)
         if live and not self._nl_broken:
             try:
                 self._set_tbf_netlink(ns, dev, shaping, nested)

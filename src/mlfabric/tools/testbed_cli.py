@@ -35,6 +35,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--delay-ms", type=float, default=0.0, help="one-way latency added on every uplink"
     )
     up.add_argument(
+        "--burst", default="1ms",
+        help="every shaper's token bucket: bytes (64KB) or time at the rate (10ms); "
+             "default 1ms",
+    )
+    up.add_argument(
+        "--queue-ms", type=float, default=50.0,
+        help="every shaper's queue, in milliseconds at the rate (default: 50)",
+    )
+    up.add_argument(
         "--mtu", type=int, default=DEFAULT_MTU,
         help=f"every link's MTU, {MTU_RANGE[0]}-{MTU_RANGE[1]} bytes (default: {DEFAULT_MTU})",
     )
@@ -64,6 +73,8 @@ def _up(args: argparse.Namespace) -> int:
             delay_ms=args.delay_ms,
             up_mbit=args.up_mbit,
             down_mbit=args.down_mbit,
+            burst=args.burst,
+            queue_ms=args.queue_ms,
             mtu=args.mtu,
         )
     try:
@@ -75,6 +86,7 @@ def _up(args: argparse.Namespace) -> int:
                     f"  {h.name:<6}  netns={h.netns}  ip={h.ip}  if={h.ifname}"
                     f"  up={_fmt(h.up_mbit)}  down={_fmt(h.down_mbit)}"
                     + (f"  delay={tb.delay_ms:g}ms" if tb.delay_ms else "")
+                    + (f"  burst={tb.burst}" if str(tb.burst) != "1ms" else "")
                     + (f"  mtu={tb.mtu}" if tb.mtu != DEFAULT_MTU else "")
                 )
             print(f"run a command in a host: ip netns exec {tb.hosts[0].netns} <command>")
