@@ -545,6 +545,60 @@ def test_available_is_capacity_less_the_busier_edge() -> None:
     assert est.snapshot(local_up_load=500e6).bandwidth_bps == 0.0
 
 
+def test_a_links_load_comes_off_that_link_only() -> None:
+    """Issue 32: on an asymmetric cluster, a path bottlenecked at the sender's
+    80 Mbit/s uplink kept reading 0 while other tenants used 150 of the
+    receiver's 300 Mbit/s downlink ("capacity less the busier edge")."""
+    clock = FakeClock()
+    est = PathEstimator(ProbeConfig(), clock)
+    _settle(est, clock, 80 * MBIT)
+    down_load = 150 * MBIT / PAYLOAD  # wire bit/s, as the peer reports it
+    # The trains kept coming through at 80 while the downlink carried 150: it
+    # has room for both, so it is not this path's bottleneck.
+    for _ in range(4):
+        est.on_train(_measure(80 * MBIT), peer_down_load=down_load)
+        clock.advance(0.3)
+        assert est.snapshot(local_up_load=0.0).bandwidth_bps == 0.0  # not proven yet
+    est.on_train(_measure(79 * MBIT), peer_down_load=down_load)
+    # The smallest proof: 79 + 150.
+    assert est.down_capacity() == pytest.approx(229 * MBIT)
+    assert est.snapshot(local_up_load=0.0).bandwidth_bps == pytest.approx(79 * MBIT)
+    # More load than the proven room leaves comes off it.
+    est.on_train(_measure(80 * MBIT), peer_down_load=down_load)
+    est.peer_down_load = 200 * MBIT / PAYLOAD
+    assert est.snapshot(local_up_load=0.0).bandwidth_bps == pytest.approx(29 * MBIT)
+
+
+def test_a_downlink_without_room_slows_the_trains_and_proves_nothing() -> None:
+    """Cross traffic that fills the downlink leaves the trains a share, below
+    the threshold: one such train in the last five, and the downlink's load
+    comes off the path's capacity as before."""
+    clock = FakeClock()
+    est = PathEstimator(ProbeConfig(), clock)
+    _settle(est, clock, 100 * MBIT)
+    down_load = 50 * MBIT / PAYLOAD
+    for rate in (100, 100, 67, 100, 100):  # paced cross traffic let four through clean
+        est.on_train(_measure(rate * MBIT), peer_down_load=down_load)
+        clock.advance(0.3)
+    assert est.down_capacity() == pytest.approx(100 * MBIT)
+    assert est.snapshot(local_up_load=0.0).bandwidth_bps == pytest.approx(50 * MBIT)
+
+
+def test_the_uplinks_load_comes_off_the_fastest_path_seen_from_it() -> None:
+    """A path bottlenecked at the receiver's 80 Mbit/s downlink, from a host
+    whose uplink carries 150 of other traffic and reaches another peer at
+    300: the uplink still has 150 left, so the path has its 80."""
+    clock = FakeClock()
+    est = PathEstimator(ProbeConfig(), clock)
+    _settle(est, clock, 80 * MBIT)
+    up_load = 150 * MBIT / PAYLOAD
+    assert est.snapshot(local_up_load=up_load).bandwidth_bps == 0.0  # alone: unknown
+    snap = est.snapshot(local_up_load=up_load, up_capacity=300 * MBIT)
+    assert snap.bandwidth_bps == pytest.approx(80 * MBIT)
+    snap = est.snapshot(local_up_load=250 * MBIT / PAYLOAD, up_capacity=300 * MBIT)
+    assert snap.bandwidth_bps == pytest.approx(50 * MBIT)
+
+
 def test_recorded_cross_traffic_gives_the_remainder() -> None:
     clock = FakeClock()
     est = PathEstimator(ProbeConfig(), clock)

@@ -408,7 +408,14 @@ class Agent:
         now = self.clock()
         load = self.link_load()
         up = None if load is None else load[1]
-        return {n: (p.estimator.snapshot(now, up), p.connected) for n, p in self._peers.items()}
+        up_capacity = self.up_capacity()
+        return {n: (p.estimator.snapshot(now, up, up_capacity), p.connected)
+                for n, p in self._peers.items()}
+
+    def up_capacity(self) -> float | None:
+        """A lower bound of this host's uplink capacity: its fastest path's."""
+        caps = [p.estimator.capacity.value for p in self._peers.values()]
+        return max((c for c in caps if c is not None), default=None)
 
     def _estimates_event(self, request_id: int) -> probe.Estimates:
         return probe.Estimates(
@@ -615,7 +622,8 @@ class Agent:
     def _record(self, st: _PeerState, plan: TrainPlan, m: TrainMeasurement,
                 outcome: str) -> None:
         load = self.link_load()
-        e = st.estimator.snapshot(local_up_load=None if load is None else load[1])
+        e = st.estimator.snapshot(local_up_load=None if load is None else load[1],
+                                  up_capacity=self.up_capacity())
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "train %s->%s n=%d recv=%d queued=%d C=%s send=%s -> %s "

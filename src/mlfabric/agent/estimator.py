@@ -1,10 +1,28 @@
 """Available-bandwidth estimation: pure code, no I/O, an injectable clock.
 
 The model (the design brief's "big switch"): a transfer a -> b crosses a's
-uplink and b's downlink. Its available bandwidth is the path's bottleneck
-capacity ``C`` less the load already on those two edge links::
+uplink and b's downlink. Its available bandwidth is what the tighter of the
+two edge links leaves, never more than the path's bottleneck capacity ``C``::
 
-    A(a -> b) = C(a -> b) - max(load_up(a), load_down(b))
+    A(a -> b) = min(C(a -> b), U(a) - load_up(a), D(b) - load_down(b))
+
+with U(a) and D(b) the two links' capacities, each at least C (issue 32: the
+old ``C - max(load_up(a), load_down(b))`` took one link's load off another
+link's capacity, and a path bottlenecked at a's 80 Mbit/s uplink read 0 while
+other tenants used half of b's idle 300 Mbit/s downlink). Neither is
+measured directly; each is a lower bound from what was seen:
+
+* U(a) is the largest capacity of a's paths (`snapshot`'s `up_capacity`: the
+  agent knows all of them). Trains cannot tell more: a TCP flow leaving the
+  same host is held back by TCP small queues while a train sits in the
+  qdisc, so a train sees an idle uplink whatever its load.
+* D(b) is C, or more where the trains prove it: when each of the last
+  `EVIDENCE` capacity samples of the path was clean (within the filter's
+  threshold of C) while b's downlink carried load L, the downlink carried
+  the train and L together, so D(b) >= sample + L (the smallest of them).
+  A downlink without room for the train slows it to a share, below the
+  threshold; paced cross traffic arriving in bursts lets a train through
+  clean now and then, but not every one of several.
 
 Each part is measured where it can be measured exactly:
 
@@ -63,6 +81,9 @@ from ..wire.agent_protocol import WIRE_OVERHEAD
 Clock = Callable[[], float]
 
 DEFAULT_PACKET_SIZE = 1472  # UDP payload of a full 1500-byte IP packet
+# Capacity samples in a row that must all be clean to prove room on the
+# peer's downlink beyond C (PathEstimator.down_capacity).
+EVIDENCE = 5
 
 
 class RobustFilter:
@@ -403,6 +424,8 @@ class PathEstimator:
         self._sends: deque[float] = deque(maxlen=8)  # recent send rates of this host
         self._last = ""  # the last train's outcome
         self.outcomes: dict[str, int] = {}
+        # (capacity sample, the peer's downlink load then), payload bit/s
+        self._evidence: deque[tuple[float, float]] = deque(maxlen=EVIDENCE)
 
     # -- planning ------------------------------------------------------------
 
@@ -562,6 +585,9 @@ class PathEstimator:
             # likely than a capacity drop; it refreshes the age but moves nothing
             self.capacity.touch(now)
             return self._outcome("weak", quick=False)
+        # What the peer's downlink carried with this train (down_capacity).
+        self._evidence.append((m.capacity_bps,
+                               (self.peer_down_load or 0.0) * c.payload_ratio))
         self.capacity.add(m.capacity_bps, now, slack=self.load_bps(0.0))
         # while a step is being confirmed, size the next train for the larger of the
         # two, so that it queues long enough to be trusted either way
@@ -603,21 +629,44 @@ class PathEstimator:
 
     # -- reading -------------------------------------------------------------
 
+    def down_capacity(self) -> float | None:
+        """A lower bound of the peer's downlink capacity in payload bit/s (see
+        the module's docstring): C, or the smallest sample + downlink load of
+        the last EVIDENCE trains if all of them were clean. None: no C yet."""
+        cap = self.capacity.value
+        if cap is None:
+            return None
+        ev = self._evidence
+        clean = (1 - self.config.threshold) * cap
+        if len(ev) < EVIDENCE or any(sample < clean for sample, _ in ev):
+            return cap
+        return max(cap, min(sample + load for sample, load in ev))
+
     def load_bps(self, local_up_load: float | None) -> float:
         """Load on the path in payload bit/s: the busier of our uplink and the
         peer's downlink (wire bit/s from the counters, scaled to payload)."""
         loads = [x for x in (local_up_load, self.peer_down_load) if x is not None]
         return max(loads, default=0.0) * self.config.payload_ratio
 
-    def snapshot(self, now: float | None = None,
-                 local_up_load: float | None = None) -> PathEstimate:
+    def snapshot(self, now: float | None = None, local_up_load: float | None = None,
+                 up_capacity: float | None = None) -> PathEstimate:
+        """The estimate now. `local_up_load`: this host's uplink load (wire
+        bit/s); `up_capacity`: the largest capacity of this host's paths, a
+        lower bound of its uplink's (payload bit/s; default this path's)."""
         now = self.clock() if now is None else now
         c = self.config
         cap = self.capacity.value
         last = self.capacity.last_sample
         age = math.inf if last is None else max(0.0, now - last)
         load = self.load_bps(local_up_load)
-        bw = math.nan if cap is None else min(max(cap - load, 0.0), cap)
+        bw = math.nan
+        if cap is not None:
+            # Each link's load comes off that link's capacity only.
+            up_load = (local_up_load or 0.0) * c.payload_ratio
+            down_load = (self.peer_down_load or 0.0) * c.payload_ratio
+            up = max(cap, up_capacity or 0.0) - up_load
+            down = (self.down_capacity() or cap) - down_load
+            bw = max(min(cap, up, down), 0.0)
         fresh_passive = self._passive_at is not None and now - self._passive_at <= c.passive_fresh
         if fresh_passive:
             bw = self.passive_bps if math.isnan(bw) else max(bw, min(self.passive_bps,
