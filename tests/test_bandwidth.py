@@ -397,15 +397,19 @@ def test_step_change_is_followed_within_two_trains_and_noise_is_not() -> None:
     assert est.snapshot().bandwidth_bps == pytest.approx(48.5e6, rel=0.02)
 
 
-def test_faster_path_escalates_the_train_size() -> None:
+def test_no_queue_twice_doubles_the_train_and_a_faster_path_is_taken_at_once() -> None:
+    """A train that formed no queue left far faster than the path's rate: the
+    path sped up, or a token bucket let all of it through. The next train is
+    twice as long (past such a bucket) and tells which."""
     clock = FakeClock()
     est = PathEstimator(ProbeConfig(initial_bps=50 * MBIT), clock)
     _settle(est, clock, 50 * MBIT * PAYLOAD)
     small = est.plan(1).count
-    no_queue = TrainMeasurement(14, 0, None, 1e9, 0)
+    no_queue = TrainMeasurement(small, 0, None, 1e9, 0)
     assert est.on_train(no_queue) == "unqueued"
-    assert est.on_train(no_queue) == "escalate"
-    assert est.plan(2).count >= 3 * small
+    assert est.on_train(no_queue) == "burst"
+    assert est.burst_bytes == 2 * small * 1514
+    assert est.plan(2).count >= 2 * small
     assert est.on_train(_measure(194 * MBIT)) == "sample"
     # no queue twice, then a faster path measured: the step needs no further confirmation
     assert est.snapshot().capacity_bps == pytest.approx(194e6)
@@ -476,7 +480,36 @@ def test_a_short_queue_at_another_rate_still_means_a_faster_path() -> None:
     _settle(est, clock, 48.6 * MBIT)
     jitter = TrainMeasurement(12, 0, None, 1e9, 2, spacing_bps=190 * MBIT)
     assert est.on_train(jitter) == "unqueued"
-    assert est.on_train(jitter) == "escalate"
+    assert est.on_train(jitter) == "burst"  # a longer train next, to tell
+
+
+@pytest.mark.parametrize(("rate_mbit", "bucket"), [(30, 64_000), (60, 75_000), (300, 375_000),
+                                                  (30, 100_000)])
+def test_a_large_token_bucket_is_learnt_and_never_read_as_a_faster_path(
+        rate_mbit: float, bucket: int) -> None:
+    """Issue 32: behind a tbf with a 64 KB, 100 KB or 10 ms bucket, trains
+    sized for a 1 ms one went through whole at the sender's pace; the agent
+    escalated, then took the send rate (1,232 Mbit/s for a 30 Mbit/s path).
+    End to end through analyze_train and a simulated bucket that refills
+    between trains: once the estimate exists, it stays within 5% of the
+    path's rate, and the trains grow past the bucket instead."""
+    clock = FakeClock()
+    rate = rate_mbit * MBIT
+    est = PathEstimator(ProbeConfig(share=4, initial_bps=rate * PAYLOAD), clock)
+    seen = []
+    for i in range(120):
+        plan = est.plan(i)
+        est.record_sent(plan.wire_bytes)
+        sent = [k * 6_000 for k in range(plan.count)]  # the sender's ~2 Gbit/s pace
+        est.on_train(analyze_train(plan, sent, _tbf(sent, rate, bucket)))
+        clock.advance(est.interval())
+        bw = est.snapshot().bandwidth_bps
+        if bw == bw:
+            seen.append(bw / (rate * PAYLOAD))
+    assert seen and max(seen) <= 1.05 and min(seen) >= 0.95, (min(seen), max(seen))
+    assert est.outcomes.get("sender-limited", 0) == 0
+    assert est.burst_bytes >= bucket
+    assert not est.snapshot().stale
 
 
 def test_sender_limited_path_takes_the_send_rate() -> None:
