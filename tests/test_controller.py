@@ -406,6 +406,56 @@ def test_close_ends_agent_polling_whenever_it_lands(run_async):
     run_async(body())
 
 
+def test_a_jump_in_an_agents_estimate_is_held_until_its_next_reports_agree(
+        run_async, caplog, monkeypatch):
+    """Issue 32: one report far from the last (a token bucket's spike) does
+    not reach the plan; the same level reported twice in a row does. The
+    decision log says which estimates the plans use. The agent's reports are
+    scripted (a real agent's spikes come and go with the shaper)."""
+    from mlfabric.agent.daemon import AgentClient
+    from mlfabric.wire import agent_protocol as probe
+
+    mbit = [80, 80, 8000, 80, 80, 320, 320, 320]  # a spike, then a real step of 4x
+    answered = asyncio.Event()
+
+    class ScriptedAgent:
+        async def estimates(self):
+            rate = mbit.pop(0) * 1e6 if mbit else 320e6
+            if not mbit:
+                answered.set()
+            return probe.Estimates(1, "hA", (probe.PeerEstimate(
+                "hB", rate, rate, 0.0, 1e-4, 0.1, False, True, 5),))
+
+        async def close(self):
+            pass
+
+    async def connect(*args, **kwargs):
+        return ScriptedAgent()
+
+    monkeypatch.setattr(AgentClient, "connect", connect)
+
+    async def body():
+        controller = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None)
+        await controller.start("127.0.0.1", 0)
+        try:
+            controller.watch_agents({"hA": ("127.0.0.1", 9)}, interval=0.01)
+            await asyncio.wait_for(answered.wait(), 10)
+            assert controller.state.network.pair[("hA", "hB")] == 40e6
+            assert controller.metrics.estimates_held.labels("jump")._value.get() == 2
+        finally:
+            await controller.close()
+
+    with caplog.at_level(logging.INFO):
+        run_async(body())
+    assert ("agent hA reports 8000.0 Mbit/s to hB, more than 3x the 80.0 Mbit/s the plans "
+            "use: held until its next reports agree") in caplog.text
+    events = [json.loads(r.getMessage()) for r in caplog.records
+              if r.name == "mlfabric.decisions" and '"estimates"' in r.getMessage()]
+    # The spike never reached a plan; the step did, at its second report.
+    assert [e["used"] for e in events] == [{"hB": 10_000_000}, {"hB": 40_000_000}]
+    assert events[1]["held"] == []
+
+
 def test_the_events_of_one_loop_turn_share_one_replan(run_async):
     """Requests read in one turn of the loop get one re-plan that answers them
     all (three here), not one re-plan each; a later event gets its own."""

@@ -26,6 +26,7 @@ from ..replication.failover import DEFAULT_GAP_TIMEOUT, FailoverMonitor
 from ..replication.gate import gated, in_flight_norms
 from ..runtime.metrics import ControllerMetrics
 from ..scheduling.aggregation import AggregationConfig, Group, aggregating
+from ..scheduling.estimates import EstimateGuard, Held
 from ..scheduling.plan import Network, Policy, with_estimates, with_host_load
 from ..transport.listener import Endpoint, EndpointProtocol
 from ..wire import roles
@@ -89,6 +90,10 @@ class Controller(Endpoint):
         self.clock = clock
         self.policy_name = policy_name or getattr(policy, "__name__", "custom")
         self._agent_tasks: list[asyncio.Task[None]] = []
+        # Which agent estimates the plans use (issue 32: one made-up spike or
+        # a stale path must not steer them).
+        self.estimate_guard = EstimateGuard()
+        self._held_warned: dict[tuple[str, str, str], float] = {}
         self._wake: asyncio.TimerHandle | None = None
         self._soon: asyncio.Handle | None = None  # the re-plan this turn's events asked for
         self._events = 0  # events since the last re-plan
@@ -128,11 +133,13 @@ class Controller(Endpoint):
                 client = None
                 await asyncio.sleep(interval)
                 continue
-            measured = {e.peer: (e.bandwidth_bps / 8, e.stale or not e.connected)
+            reported = {e.peer: (e.bandwidth_bps / 8, e.stale or not e.connected)
                         for e in est.estimates}
-            self.state.agent_reported(host, now=self.clock(), peers=len(measured),
+            self.state.agent_reported(host, now=self.clock(), peers=len(reported),
                                       fresh=sum(not stale and rate > 0
-                                                for rate, stale in measured.values()))
+                                                for rate, stale in reported.values()))
+            measured, held = self.estimate_guard.update(host, reported, self.clock())
+            self._held_estimates(held)
             network = with_host_load(with_estimates(self.state.network, host, measured),
                                      host, est.down_load_bps / 8, est.up_load_bps / 8)
             if network != self.state.network:
@@ -140,8 +147,36 @@ class Controller(Endpoint):
                 for (src, dst), rate in network.pair.items():
                     if src == host:
                         self.metrics.bandwidth.labels(src, dst).set(rate)
+                # Which estimates the plans use from now on, and which reports not.
+                decision_log.info(json.dumps({
+                    "event": "estimates", "at": round(self.clock(), 6), "host": host,
+                    "used": {dst: round(rate) for (src, dst), rate in network.pair.items()
+                             if src == host},
+                    "held": [{"peer": h.peer, "reason": h.reason,
+                              "reported": None if math.isnan(h.reported) else round(h.reported)}
+                             for h in held]}))
                 self.replan()
             await asyncio.sleep(interval)
+
+    def _held_estimates(self, held: list[Held]) -> None:
+        """Count the reports the plan did not take, and say so once a minute
+        per path."""
+        now = self.clock()
+        for h in held:
+            self.metrics.estimates_held.labels(h.reason).inc()
+            key = (h.host, h.peer, h.reason)
+            if now - self._held_warned.get(key, -math.inf) < 60.0:
+                continue
+            self._held_warned[key] = now
+            if h.reason == "jump":
+                log.warning("agent %s reports %.1f Mbit/s to %s, more than %gx the %.1f Mbit/s "
+                            "the plans use: held until its next reports agree", h.host,
+                            h.reported * 8e-6, h.peer, self.estimate_guard.jump,
+                            h.used * 8e-6)
+            else:
+                log.warning("agent %s has no fresh estimate to %s: planning with its last "
+                            "good one (%.1f Mbit/s) for up to %g s", h.host, h.peer,
+                            h.used * 8e-6, self.estimate_guard.keep_stale)
 
     # -- failover -----------------------------------------------------------------
 

@@ -320,8 +320,15 @@ class ControllerMetrics:
                              namespace=ns, registry=r)
         # Hosts are the job's configured set, so the labels are bounded.
         self.bandwidth = Gauge("controller_path_bandwidth_bytes_per_second",
-                               "Available bandwidth per path, as agents measured it",
-                               ["src", "dst"], namespace=ns, registry=r)
+                               "Available bandwidth per path the plans use, as agents "
+                               "measured it", ["src", "dst"], namespace=ns, registry=r)
+        self.estimates_held = Counter(
+            "controller_estimates_held",
+            "Agent reports the plan did not take, by reason: jump (more than 3x from the "
+            "last one used, until confirmed) or stale (planned with the last good one)",
+            ["reason"], namespace=ns, registry=r)
+        for reason in ("jump", "stale"):
+            self.estimates_held.labels(reason)
         _listener_metrics(self, "controller", "peer", r)
         # Worker-driven replication (--div-max).
         self.replica_lag = Gauge(
