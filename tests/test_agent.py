@@ -218,6 +218,34 @@ def test_the_nic_speed_is_read_from_the_kernel_and_bounds_the_estimates(tmp_path
         build_config(_args(["--nic-mbit", "-5"]))
 
 
+def test_while_the_job_transfers_every_path_probes_at_half_the_budget(run_async) -> None:
+    """The job's own TCP bytes (the socket counters, here scripted at 80 Mbit/s
+    in all) make the host busy: every path's probes take half the budget."""
+    job = {"bytes": 0}
+
+    def job_traffic() -> tuple[int, int]:
+        job["bytes"] += 1_000_000  # per reading, 0.1 s apart
+        return job["bytes"], 0
+
+    async def main() -> None:
+        cfg = _config("a", peers={"b": (LOCAL, 9)})
+        cfg.counters = lambda: (0, 0)
+        cfg.job_traffic = job_traffic
+        a = Agent(cfg)
+        await a.start()
+        try:
+            est = a.path("b")
+            deadline = asyncio.get_running_loop().time() + 10
+            while not est.busy:
+                assert asyncio.get_running_loop().time() < deadline, "never busy"
+                await asyncio.sleep(0.02)
+            assert est.budget() == cfg.probe.budget / 2
+        finally:
+            await _stop(a)
+
+    run_async(main())
+
+
 def test_set_peers_from_the_controller(run_async) -> None:
     async def main() -> None:
         a, b = await _pair()

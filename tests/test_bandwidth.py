@@ -632,6 +632,27 @@ def test_the_uplinks_load_comes_off_the_fastest_path_seen_from_it() -> None:
     assert snap.bandwidth_bps == pytest.approx(50 * MBIT)
 
 
+def test_probes_take_half_the_budget_while_the_job_transfers() -> None:
+    """Issue 32: at most 1% of a link while the job transfers, 2% idle."""
+    from mlfabric.agent.estimator import BusyMeter
+
+    meter = BusyMeter(window=1.0, threshold=8e6)
+    assert not meter.update(0.0, 0)
+    assert not meter.update(0.5, 400_000)  # 6.4 Mbit/s: idle
+    assert meter.update(1.0, 2_000_000)  # 16 Mbit/s over the last second
+    assert not meter.update(2.5, 2_000_000)  # a quiet second
+    assert not meter.update(3.0, 100)  # counters started over
+    clock = FakeClock()
+    est = PathEstimator(ProbeConfig(budget=0.02, share=1), clock)
+    _settle(est, clock, 100 * MBIT)
+    idle = est.budget_bytes_per_s()
+    est.busy = True
+    assert est.budget() == 0.01
+    assert est.budget_bytes_per_s() == pytest.approx(idle / 2)
+    assert est.steady_interval() == pytest.approx(
+        max(est.plan(0).wire_bytes / (idle / 2), ProbeConfig().min_interval))
+
+
 def test_recorded_cross_traffic_gives_the_remainder() -> None:
     clock = FakeClock()
     est = PathEstimator(ProbeConfig(), clock)

@@ -34,6 +34,7 @@ from ..errors import ConfigError, ConnectionLost, ProtocolError
 from ..runtime.loop import within
 from ..wire import agent_protocol as probe
 from .estimator import (
+    BusyMeter,
     LoadMeter,
     PathEstimate,
     PathEstimator,
@@ -230,6 +231,7 @@ class Agent:
         self.job_tx_bytes = 0
         self._job_traffic = config.job_traffic  # None once unreadable
         self.load = LoadMeter(config.load_window)
+        self._job_busy = BusyMeter()  # the job's own transfers: probes take half
         self._load_task: asyncio.Task[None] | None = None
         self._progress = asyncio.Condition()
         self._refused_warned = -math.inf  # when a refused transfer report was last logged
@@ -344,6 +346,9 @@ class Agent:
             self.metrics.job_traffic_bytes.labels("rx").inc(max(0, rx - self.job_rx_bytes))
             self.metrics.job_traffic_bytes.labels("tx").inc(max(0, tx - self.job_tx_bytes))
         self.job_rx_bytes, self.job_tx_bytes = rx, tx
+        busy = self._job_busy.update(self.clock(), rx + tx)
+        for st in self._peers.values():
+            st.estimator.busy = busy
 
     def link_load(self) -> tuple[float, float] | None:
         """(downlink, uplink) load of this host in wire bit/s, probes and the job's
@@ -390,6 +395,13 @@ class Agent:
             st.estimator.config = replace(st.estimator.config, share=share)
         if self.metrics is not None and self._peers.get(st.name) is st:
             self.metrics.probe_share.labels(st.name).set(share)
+
+    def path(self, peer: str) -> PathEstimator:
+        """The estimator of the path to `peer` (tools, tests)."""
+        st = self._peers.get(peer)
+        if st is None:
+            raise ConfigError(f"{peer!r} is not a peer of agent {self.name!r}")
+        return st.estimator
 
     async def wait_trains(self, peer: str, count: int, timeout: float) -> None:
         """Wait until `count` more trains to `peer` have been measured (tools, tests)."""

@@ -344,6 +344,33 @@ class LoadMeter:
         return down, up
 
 
+class BusyMeter:
+    """Whether the job itself is transferring on this host: its own TCP bytes
+    (in and out, from the socket counters) ran above `threshold` bit/s over
+    the last `window` seconds. Feed cumulative byte counts with `update`."""
+
+    def __init__(self, window: float = 1.0, threshold: float = 8e6) -> None:
+        self.window = window
+        self.threshold = threshold
+        self._readings: deque[tuple[float, int]] = deque()
+
+    def update(self, now: float, total_bytes: int) -> bool:
+        r = self._readings
+        if r and total_bytes < r[-1][1]:
+            r.clear()  # counters started over
+        r.append((now, total_bytes))
+        while len(r) > 2 and now - r[1][0] >= self.window:
+            r.popleft()
+        return self.busy
+
+    @property
+    def busy(self) -> bool:
+        r = self._readings
+        if len(r) < 2 or r[-1][0] <= r[0][0]:
+            return False
+        return (r[-1][1] - r[0][1]) * 8 / (r[-1][0] - r[0][0]) > self.threshold
+
+
 @dataclass(frozen=True)
 class PathEstimate:
     bandwidth_bps: float  # available; NaN when unknown
@@ -429,6 +456,7 @@ class PathEstimator:
         # (0: the default burst_s is enough). Kept: a shaper's bucket does not
         # shrink on its own, and a larger train only costs budget.
         self.burst_bytes = 0
+        self.busy = False  # the job transfers on this host now (see budget())
         # (capacity sample, the peer's downlink load then), payload bit/s
         self._evidence: deque[tuple[float, float]] = deque(maxlen=EVIDENCE)
 
@@ -450,17 +478,24 @@ class PathEstimator:
         count = min(max(count, c.min_packets), c.max_packets)
         return TrainPlan(train_id, count, c.packet_size)
 
+    def budget(self) -> float:
+        """The fraction of the path's capacity probes may take now: the
+        configured budget, halved while the job itself transfers on this
+        host (issue 32: at most 1% then, 2% idle; the job's transfers are
+        measured as they go, and probes then take from them)."""
+        return self.config.budget * (0.5 if self.busy else 1.0)
+
     def budget_bytes_per_s(self) -> float:
         """Wire bytes per second this path may spend on probes in steady state."""
         c = self.config
-        return c.budget * c.target * self.hint_bps / c.payload_ratio / 8 / c.share
+        return self.budget() * c.target * self.hint_bps / c.payload_ratio / 8 / c.share
 
     def _refill(self, now: float) -> float:
         """The budget's token bucket: refills at `hard_cap` of the budget for the
         current capacity, holds `cap_depth` seconds of it. Returns the fill rate."""
         c = self.config
         cap = max(self.capacity.value or 0.0, self.hint_bps)
-        rate = c.budget * c.hard_cap * cap / c.payload_ratio / 8 / c.share
+        rate = self.budget() * c.hard_cap * cap / c.payload_ratio / 8 / c.share
         depth = rate * c.cap_depth
         if self._tokens_at is None:
             self._tokens = depth
