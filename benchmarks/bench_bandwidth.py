@@ -298,8 +298,8 @@ def shapers(case: str, seconds: float, settle: float = 10.0) -> dict[str, float]
             rates = {h.name: (h.up_mbit, h.down_mbit) for h in tb.hosts}
             cross_mbit = 0.0
             ct = None
-            time.sleep(settle / 2)
-            overhead = c.overhead_per_link(rates)  # before any other traffic
+            time.sleep(settle)
+            overhead = c.overhead_per_link(rates)  # settled, before any other traffic
             if case.startswith("cross"):
                 # another tenant's TCP flow into h0 (from h2, whose uplink has room)
                 cross_mbit = rates["h0"][1] / 2

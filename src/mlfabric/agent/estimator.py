@@ -647,10 +647,12 @@ class PathEstimator:
         and cloud rate limiters have): it left far faster than the path's
         known capacity, so either the path sped up or a bucket let all of it
         through. The next train is twice as long, past such a bucket, and
-        measures which (a faster path is then taken at once, as after an
-        escalation). Taking the send rate as the capacity instead read a
-        30 Mbit/s path at 1,232. Up to the largest train; past it the old
-        rules (escalate, then the send rate) hold."""
+        measures which; a faster path is then confirmed by a second sample,
+        as any step (not taken at once as after an escalation: the first
+        train past a bucket can leave it partly full, and measured 2-3x the
+        rate now and then). Taking the send rate as the capacity instead
+        read a 30 Mbit/s path at 1,232. Up to the largest train; past it the
+        old rules (escalate, then the send rate) hold."""
         c = self.config
         v = self.capacity.value
         wire = c.packet_size + WIRE_OVERHEAD
@@ -658,7 +660,6 @@ class PathEstimator:
         if v is None or send < 1.5 * v or train >= c.max_packets * wire:
             return False
         self._unqueued = 0
-        self._escalated = True
         self.burst_bytes = min(max(2 * train, self.burst_bytes), c.max_packets * wire)
         return True
 
