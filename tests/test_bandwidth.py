@@ -514,9 +514,13 @@ def test_a_large_token_bucket_is_learnt_and_never_read_as_a_faster_path(
 
 
 def test_sender_limited_path_takes_the_send_rate() -> None:
+    """Only the largest train forming no queue says the path is as fast as
+    this host sends: a shorter one may have gone through a token bucket."""
     est = PathEstimator(ProbeConfig(initial_bps=1e9), FakeClock())
-    no_queue = TrainMeasurement(100, 0, None, 1.1e9, 0)
-    assert est.on_train(no_queue) == "sender-limited"
+    assert est.on_train(TrainMeasurement(100, 0, None, 1.1e9, 0)) == "burst"
+    assert est.burst_bytes == 200 * 1514
+    largest = ProbeConfig().max_packets
+    assert est.on_train(TrainMeasurement(largest, 0, None, 1.1e9, 0)) == "sender-limited"
     assert est.snapshot().capacity_bps == pytest.approx(1.1e9)
 
 
@@ -604,18 +608,28 @@ def test_a_links_load_comes_off_that_link_only() -> None:
 
 
 def test_a_downlink_without_room_slows_the_trains_and_proves_nothing() -> None:
-    """Cross traffic that fills the downlink leaves the trains a share, below
-    the threshold: one such train in the last five, and the downlink's load
-    comes off the path's capacity as before."""
+    """Cross traffic that fills the downlink leaves most trains a share,
+    below the threshold: then the downlink's load comes off the path's
+    capacity as before. Room once proven stays proven while most trains
+    come through clean (paced cross traffic slows one now and then)."""
     clock = FakeClock()
     est = PathEstimator(ProbeConfig(), clock)
     _settle(est, clock, 100 * MBIT)
     down_load = 50 * MBIT / PAYLOAD
-    for rate in (100, 100, 67, 100, 100):  # paced cross traffic let four through clean
+    for rate in (100, 67, 70, 67, 100):  # most slowed to a share
         est.on_train(_measure(rate * MBIT), peer_down_load=down_load)
         clock.advance(0.3)
     assert est.down_capacity() == pytest.approx(100 * MBIT)
     assert est.snapshot(local_up_load=0.0).bandwidth_bps == pytest.approx(50 * MBIT)
+    # A downlink with room: proven by five clean trains in a row ...
+    est.peer_down_load = 0.0
+    for _ in range(5):
+        est.on_train(_measure(100 * MBIT), peer_down_load=20 * MBIT / PAYLOAD)
+    assert est.down_capacity() == pytest.approx(120 * MBIT)
+    # ... and one train slowed by a burst of cross traffic does not undo it.
+    est.on_train(_measure(70 * MBIT), peer_down_load=20 * MBIT / PAYLOAD)
+    assert est.down_capacity() == pytest.approx(120 * MBIT)
+    assert est.snapshot(local_up_load=0.0).bandwidth_bps == pytest.approx(100 * MBIT)
 
 
 def test_the_uplinks_load_comes_off_the_fastest_path_seen_from_it() -> None:

@@ -396,6 +396,15 @@ class Agent:
         if self.metrics is not None and self._peers.get(st.name) is st:
             self.metrics.probe_share.labels(st.name).set(share)
 
+    def _share_bucket(self, nbytes: int) -> None:
+        """A bucket learnt on one path is likely this host's uplink shaper,
+        which every path's trains cross: all of them go past it. (Otherwise
+        a train cleared the peer's larger downlink bucket but not this
+        uplink's, and measured the downlink's rate: a path bottlenecked at
+        an 80 Mbit/s uplink read 100.)"""
+        for st in self._peers.values():
+            st.estimator.burst_bytes = max(st.estimator.burst_bytes, nbytes)
+
     def path(self, peer: str) -> PathEstimator:
         """The estimator of the path to `peer` (tools, tests)."""
         st = self._peers.get(peer)
@@ -557,6 +566,8 @@ class Agent:
                     fut.cancel()
                 outcome = st.estimator.on_train(m, peer_down_load=peer_load,
                                                 overlapped=overlapped)
+                if outcome == "burst":
+                    self._share_bucket(st.estimator.burst_bytes)
                 if len(pings) > 16:
                     pings.clear()
                 self._record(st, plan, m, outcome)

@@ -459,6 +459,7 @@ class PathEstimator:
         self.busy = False  # the job transfers on this host now (see budget())
         # (capacity sample, the peer's downlink load then), payload bit/s
         self._evidence: deque[tuple[float, float]] = deque(maxlen=EVIDENCE)
+        self._proven: float | None = None  # the downlink capacity the evidence proved
 
     # -- planning ------------------------------------------------------------
 
@@ -634,6 +635,7 @@ class PathEstimator:
         self._evidence.append((m.capacity_bps,
                                (self.peer_down_load or 0.0) * c.payload_ratio))
         self.capacity.add(m.capacity_bps, now, slack=self.load_bps(0.0))
+        self._weigh_evidence()
         # while a step is being confirmed, size the next train for the larger of the
         # two, so that it queues long enough to be trusted either way
         v = self.capacity.value
@@ -657,8 +659,11 @@ class PathEstimator:
         v = self.capacity.value
         wire = c.packet_size + WIRE_OVERHEAD
         train = (m.received + m.lost) * wire
-        if v is None or send < 1.5 * v or train >= c.max_packets * wire:
+        if train >= c.max_packets * wire or (v is not None and send < 1.5 * v):
             return False
+        # (With no estimate yet, likewise: the send rate taken at start-up
+        # behind a bucket stayed the estimate, since no later train left
+        # 1.5x faster than it.)
         self._unqueued = 0
         self.burst_bytes = min(max(2 * train, self.burst_bytes), c.max_packets * wire)
         return True
@@ -708,11 +713,22 @@ class PathEstimator:
         cap = self.capacity.value
         if cap is None:
             return None
+        return cap if self._proven is None else max(cap, self._proven)
+
+    def _weigh_evidence(self) -> None:
+        """After each capacity sample: all of the last EVIDENCE clean proves
+        room on the peer's downlink; it stays proven while most are (a burst
+        of cross traffic slows one train now and then; a downlink without
+        room slows most of them)."""
+        cap = self.capacity.value
         ev = self._evidence
-        clean = (1 - self.config.threshold) * cap
-        if len(ev) < EVIDENCE or any(sample < clean for sample, _ in ev):
-            return cap
-        return max(cap, min(sample + load for sample, load in ev))
+        if cap is None or len(ev) < EVIDENCE:
+            self._proven = None
+            return
+        clean = [sample + load for sample, load in ev
+                 if sample >= (1 - self.config.threshold) * cap]
+        needed = EVIDENCE if self._proven is None else EVIDENCE // 2 + 1
+        self._proven = min(clean) if len(clean) >= needed else None
 
     def load_bps(self, local_up_load: float | None) -> float:
         """Load on the path in payload bit/s: the busier of our uplink and the
