@@ -128,21 +128,22 @@ class Cluster:
             time.sleep(POLL)
         return statistics.median(errs)
 
+    def counters(self) -> dict[str, tuple[int, int]]:
+        """Every host's NIC (rx, tx) byte counters now."""
+        out = {}
+        for h in self.tb.hosts:
+            with h.enter():
+                got = read_net_dev(h.ifname)
+            assert got is not None
+            out[h.name] = got
+        return out
+
     def overhead(self, rate: float, seconds: float = WINDOW) -> float:
         """The busiest NIC direction's rate over the worst WINDOW s of `seconds` (>= WINDOW)."""
-        def counters() -> dict[str, tuple[int, int]]:
-            out = {}
-            for h in self.tb.hosts:
-                with h.enter():
-                    got = read_net_dev(h.ifname)
-                assert got is not None
-                out[h.name] = got
-            return out
-
-        readings = [(time.monotonic(), counters())]
+        readings = [(time.monotonic(), self.counters())]
         while readings[-1][0] - readings[0][0] < seconds:
             time.sleep(0.1)
-            readings.append((time.monotonic(), counters()))
+            readings.append((time.monotonic(), self.counters()))
         worst = 0.0
         for i, (t0, before) in enumerate(readings):
             # the first reading at least WINDOW s later closes this window
@@ -161,18 +162,9 @@ class Cluster:
         downlink carried over `seconds` (probes, reports and acks, with no job
         traffic; cross traffic, if any, is excluded by the caller's choice of
         window: run it without)."""
-        def counters() -> dict[str, tuple[int, int]]:
-            out = {}
-            for h in self.tb.hosts:
-                with h.enter():
-                    got = read_net_dev(h.ifname)
-                assert got is not None
-                out[h.name] = got
-            return out
-
-        t0, before = time.monotonic(), counters()
+        t0, before = time.monotonic(), self.counters()
         time.sleep(seconds)
-        t1, after = time.monotonic(), counters()
+        t1, after = time.monotonic(), self.counters()
         worst = 0.0
         for name, (rx0, tx0) in before.items():
             rx1, tx1 = after[name]

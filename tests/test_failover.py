@@ -34,6 +34,24 @@ from support import (
 )
 
 
+def connect_replicated(server, controller, replica):
+    """A worker of these tests: through the controller (which it waits for),
+    feeding the replica, failing over within 10 s."""
+    return mlfabric.connect(server.address, job=JOB, token=TOKEN,
+                            controller=controller.address, controller_fallback="wait",
+                            replica=replica.address, failover_timeout=10)
+
+
+def step(ps, model, seed: int):
+    """One training step of these tests: pull, push a random update, and
+    wait for its acknowledgement, which must say applied."""
+    version, _ = ps.pull(timeout=10)
+    u = random_update(model, seed=seed)
+    outcome = ps.push(u, base_version=version).result(20)
+    assert outcome.applied, outcome
+    return u, outcome
+
+
 def test_heartbeat_declares_a_server_dead_only_after_it_answered_once():
     hb = Heartbeat(1.0)
     assert not hb.dead(100.0)  # never heard: not failed over
@@ -62,14 +80,9 @@ def test_workers_fail_over_to_the_promoted_replica_and_lose_nothing(kill_after):
 
     def worker(w: int) -> None:
         try:
-            with mlfabric.connect(server.address, job=JOB, token=TOKEN,
-                                  controller=controller.address, controller_fallback="wait",
-                                  replica=replica.address, failover_timeout=10) as ps:
+            with connect_replicated(server, controller, replica) as ps:
                 for i in range(12):
-                    version, _ = ps.pull(timeout=10)
-                    u = random_update(model, seed=100 * w + i)
-                    outcome = ps.push(u, base_version=version).result(20)
-                    assert outcome.applied, outcome
+                    u, outcome = step(ps, model, 100 * w + i)
                     with lock:
                         assert outcome.version not in acked, outcome
                         acked[outcome.version] = u
@@ -156,14 +169,9 @@ def test_workers_fail_over_with_aggregates_and_lose_nothing():
 
     def worker(w: int) -> None:
         try:
-            with mlfabric.connect(server.address, job=JOB, token=TOKEN,
-                                  controller=controller.address, controller_fallback="wait",
-                                  replica=replica.address, failover_timeout=10) as ps:
+            with connect_replicated(server, controller, replica) as ps:
                 for i in range(12):
-                    version, _ = ps.pull(timeout=10)
-                    u = random_update(model, seed=100 * w + i)
-                    outcome = ps.push(u, base_version=version).result(20)
-                    assert outcome.applied, outcome
+                    u, outcome = step(ps, model, 100 * w + i)
                     with lock:
                         assert outcome.seq not in acked, outcome
                         acked[outcome.seq] = (u, outcome.version, outcome.fan_in or 1)
@@ -229,14 +237,9 @@ def test_sigkill_of_the_server_process(tmp_path):
 
     def worker(w: int) -> None:
         try:
-            with mlfabric.connect(server.address, job=JOB, token=TOKEN,
-                                  controller=controller.address, controller_fallback="wait",
-                                  replica=replica.address, failover_timeout=10) as ps:
+            with connect_replicated(server, controller, replica) as ps:
                 for i in range(10):
-                    version, _ = ps.pull(timeout=10)
-                    u = random_update(model, seed=100 * w + i)
-                    outcome = ps.push(u, base_version=version).result(20)
-                    assert outcome.applied, outcome
+                    u, outcome = step(ps, model, 100 * w + i)
                     with lock:
                         acked[outcome.version] = u
                         acked_at.append(time.monotonic())
@@ -303,16 +306,11 @@ def test_new_replicas_join_from_a_snapshot_and_take_over_again():
 
     def worker(w: int) -> None:
         try:
-            with mlfabric.connect(server.address, job=JOB, token=TOKEN,
-                                  controller=controller.address, controller_fallback="wait",
-                                  replica=replica.address, failover_timeout=10) as ps:
+            with connect_replicated(server, controller, replica) as ps:
                 for i in range(500):  # until the test says stop
                     if stop.is_set():
                         break
-                    version, _ = ps.pull(timeout=10)
-                    u = random_update(model, seed=100 * w + i)
-                    outcome = ps.push(u, base_version=version).result(20)
-                    assert outcome.applied, outcome
+                    u, outcome = step(ps, model, 100 * w + i)
                     with progress:
                         assert outcome.version not in acked, outcome
                         acked[outcome.version] = u
@@ -393,16 +391,8 @@ def test_a_worker_that_quits_while_no_replica_is_attached_loses_nothing():
     progress = threading.Condition(lock)
     errors: list[BaseException] = []
 
-    def connect():
-        return mlfabric.connect(server.address, job=JOB, token=TOKEN,
-                                controller=controller.address, controller_fallback="wait",
-                                replica=replica.address, failover_timeout=10)
-
-    def step(ps, seed: int) -> None:
-        version, _ = ps.pull(timeout=10)
-        u = random_update(model, seed=seed)
-        outcome = ps.push(u, base_version=version).result(20)
-        assert outcome.applied, outcome
+    def record(ps, seed: int) -> None:
+        u, outcome = step(ps, model, seed)
         with progress:
             assert outcome.version not in acked, outcome
             acked[outcome.version] = u
@@ -410,31 +400,31 @@ def test_a_worker_that_quits_while_no_replica_is_attached_loses_nothing():
 
     def worker(w: int) -> None:
         try:
-            with connect() as ps:
+            with connect_replicated(server, controller, replica) as ps:
                 for i in range(500):  # until the test says stop
                     if stop.is_set():
                         break
-                    step(ps, 100 * w + i)
+                    record(ps, 100 * w + i)
         except BaseException as exc:
             errors.append(exc)
 
     alive = [server, replica, controller]
-    quitter = connect()
+    quitter = connect_replicated(server, controller, replica)
     try:
         threads = [threading.Thread(target=worker, args=(w,)) for w in range(2)]
         for t in threads:
             t.start()
         for i in range(3):
-            step(quitter, 900 + i)
+            record(quitter, 900 + i)
         with progress:
             assert progress.wait_for(lambda: len(acked) >= 8, 30)
         server.__exit__(None, None, None)  # lost
         alive.remove(server)
         server = replica  # promoted: no replica now
-        step(quitter, 910)  # waits for the failover, then served by the promoted one
+        record(quitter, 910)  # waits for the failover, then served by the promoted one
         store = asyncio.run(fetch_state(server.address, job=JOB, token=TOKEN))
         for i in range(3):  # above the snapshot: kept by the quitter alone
-            step(quitter, 920 + i)
+            record(quitter, 920 + i)
         quitter.close()  # warns: 3 updates acknowledged by the server alone
         replica = new_replica(store)
         alive.append(replica)
@@ -507,9 +497,7 @@ def test_training_through_two_server_losses_reaches_the_target_accuracy():
 
     def worker(w: int) -> None:
         try:
-            with mlfabric.connect(server.address, job=JOB, token=TOKEN,
-                                  controller=controller.address, controller_fallback="wait",
-                                  replica=replica.address, failover_timeout=10) as ps:
+            with connect_replicated(server, controller, replica) as ps:
                 Xs, ys = dm.shard(X, y, workers, w)
                 dm.train_worker(ps, Xs, ys, steps=steps, batch_size=32,
                                 eta=dm.DEFAULTS["eta"], seed=w, on_outcome=count)
@@ -579,16 +567,11 @@ def test_a_lost_replica_does_not_stall_training_and_a_new_one_catches_up():
 
     def worker(w: int) -> None:
         try:
-            with mlfabric.connect(server.address, job=JOB, token=TOKEN,
-                                  controller=controller.address, controller_fallback="wait",
-                                  replica=replica.address, failover_timeout=10) as ps:
+            with connect_replicated(server, controller, replica) as ps:
                 for i in range(500):
                     if stop.is_set():
                         break
-                    version, _ = ps.pull(timeout=10)
-                    u = random_update(model, seed=100 * w + i)
-                    outcome = ps.push(u, base_version=version).result(20)
-                    assert outcome.applied, outcome
+                    u, outcome = step(ps, model, 100 * w + i)
                     with progress:
                         acked[outcome.version] = u
                         progress.notify_all()
