@@ -52,6 +52,25 @@ def step(ps, model, seed: int):
     return u, outcome
 
 
+def new_replica(store):
+    """A replica serving `store`, started (its recovery after a promotion: 0.1 s)."""
+    ep = ReplicaServer(store, job=JOB, token=TOKEN, metrics=ServerMetrics(), recovery=0.1)
+    return ServerThread(None, endpoint=ep).__enter__()
+
+
+def watched_job(model, gamma: float, **watch):
+    """A server, its replica and a controller that watches them for failover
+    (heartbeats every 0.05 s, lost after 0.3 s), all started."""
+    server = ServerThread(ParameterStore(model, momentum=gamma)).__enter__()
+    replica = new_replica(ParameterStore(model, momentum=gamma))
+    controller_ep = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None,
+                               gate=DivergenceGate(gamma, 1e9))
+    controller = ServerThread(None, endpoint=controller_ep).__enter__()
+    controller.call(lambda: controller_ep.watch_server(
+        server.address, replica.address, interval=0.05, timeout=0.3, **watch))
+    return server, replica, controller_ep, controller
+
+
 def test_heartbeat_declares_a_server_dead_only_after_it_answered_once():
     hb = Heartbeat(1.0)
     assert not hb.dead(100.0)  # never heard: not failed over
@@ -288,17 +307,7 @@ def test_new_replicas_join_from_a_snapshot_and_take_over_again():
     kills = 3
     stop = threading.Event()
 
-    def new_replica(store):
-        ep = ReplicaServer(store, job=JOB, token=TOKEN, metrics=ServerMetrics(), recovery=0.1)
-        return ServerThread(None, endpoint=ep).__enter__()
-
-    server = ServerThread(ParameterStore(model, momentum=gamma)).__enter__()
-    replica = new_replica(ParameterStore(model, momentum=gamma))
-    controller_ep = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None,
-                               gate=DivergenceGate(gamma, 1e9))
-    controller = ServerThread(None, endpoint=controller_ep).__enter__()
-    controller.call(lambda: controller_ep.watch_server(
-        server.address, replica.address, interval=0.05, timeout=0.3))
+    server, replica, controller_ep, controller = watched_job(model, gamma)
     acked: dict[int, dict[str, np.ndarray]] = {}
     lock = threading.Lock()
     progress = threading.Condition(lock)
@@ -375,17 +384,7 @@ def test_a_worker_that_quits_while_no_replica_is_attached_loses_nothing():
     gamma = 0.9
     stop = threading.Event()
 
-    def new_replica(store):
-        ep = ReplicaServer(store, job=JOB, token=TOKEN, metrics=ServerMetrics(), recovery=0.1)
-        return ServerThread(None, endpoint=ep).__enter__()
-
-    server = ServerThread(ParameterStore(model, momentum=gamma)).__enter__()
-    replica = new_replica(ParameterStore(model, momentum=gamma))
-    controller_ep = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None,
-                               gate=DivergenceGate(gamma, 1e9))
-    controller = ServerThread(None, endpoint=controller_ep).__enter__()
-    controller.call(lambda: controller_ep.watch_server(
-        server.address, replica.address, interval=0.05, timeout=0.3, gap_timeout=0.3))
+    server, replica, controller_ep, controller = watched_job(model, gamma, gap_timeout=0.3)
     acked: dict[int, dict[str, np.ndarray]] = {}
     lock = threading.Lock()
     progress = threading.Condition(lock)
@@ -475,10 +474,6 @@ def test_training_through_two_server_losses_reaches_the_target_accuracy():
     X, y, X_test, y_test = dm.load_digits_split()
     init = dm.init_params(seed=0)
     gamma, workers, steps = dm.DEFAULTS["gamma"], 3, 200
-
-    def new_replica(store):
-        ep = ReplicaServer(store, job=JOB, token=TOKEN, metrics=ServerMetrics(), recovery=0.1)
-        return ServerThread(None, endpoint=ep).__enter__()
 
     server = ServerThread(ParameterStore(init, momentum=gamma, tau_max=8)).__enter__()
     replica = new_replica(ParameterStore(init, momentum=gamma))
