@@ -479,8 +479,11 @@ def test_training_through_two_server_losses_reaches_the_target_accuracy():
     replica = new_replica(ParameterStore(init, momentum=gamma))
     controller_ep = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None)
     controller = ServerThread(None, endpoint=controller_ep).__enter__()
+    # The default heartbeat timeout (1 s): three workers training in this
+    # process share its GIL with the replica's loop, which in a full CI run
+    # once went 0.3 s without answering, and was taken for lost.
     controller.call(lambda: controller_ep.watch_server(
-        server.address, replica.address, interval=0.05, timeout=0.3))
+        server.address, replica.address, interval=0.05, timeout=1.0))
     applied = [0]
     lock = threading.Condition()
     errors: list[BaseException] = []
