@@ -71,6 +71,31 @@ def watched_job(model, gamma: float, **watch):
     return server, replica, controller_ep, controller
 
 
+def more_acked(progress: threading.Condition, acked: dict, k: int) -> None:
+    """Wait (10 s at most) until `k` more updates are acknowledged."""
+    with progress:
+        n = len(acked)
+        assert progress.wait_for(lambda: len(acked) > n + k, 10)
+
+
+def server_state(server) -> tuple[int, dict[str, np.ndarray]]:
+    """The version and weights of the endpoint serving in `server`, read in its loop."""
+    ep = server.server
+    return server.call(
+        lambda: (ep.store.version, {n: w.copy() for n, w in ep.store.weights.items()}))
+
+
+def assert_replays(model, gamma: float, acked: dict, final_version: int, final) -> None:
+    """Every acknowledged version 1..N is in the final model, which equals
+    their numpy replay in version order, bit for bit."""
+    assert sorted(acked) == list(range(1, len(acked) + 1))
+    assert final_version == len(acked)
+    ref = Reference(model, gamma)
+    for v in sorted(acked):
+        ref.apply(acked[v])
+    assert_model_equal(final, ref.w)
+
+
 def test_heartbeat_declares_a_server_dead_only_after_it_answered_once():
     hb = Heartbeat(1.0)
     assert not hb.dead(100.0)  # never heard: not failed over
@@ -338,35 +363,24 @@ def test_new_replicas_join_from_a_snapshot_and_take_over_again():
             server.__exit__(None, None, None)  # lost
             alive.remove(server)
             promoted = replica
-            with progress:  # the promoted replica serves: training goes on
-                n = len(acked)
-                assert progress.wait_for(lambda n=n: len(acked) > n + 2, 10)
+            more_acked(progress, acked, 2)  # the promoted replica serves: training goes on
             server = promoted
             store = asyncio.run(fetch_state(promoted.address, job=JOB, token=TOKEN))
             replica = new_replica(store)
             alive.append(replica)
             asyncio.run(announce(controller.address, address=replica.address, store=store,
                                  job=JOB, token=TOKEN))
-        with progress:
-            n = len(acked)
-            assert progress.wait_for(lambda n=n: len(acked) > n + 5, 10)
+        more_acked(progress, acked, 5)
         stop.set()
         for t in threads:
             t.join(60)
         assert not errors, errors
-        ep = server.server
-        final_version, final = server.call(
-            lambda: (ep.store.version, {n: w.copy() for n, w in ep.store.weights.items()}))
+        final_version, final = server_state(server)
     finally:
         for st in alive:
             st.__exit__(None, None, None)
     assert controller_ep.metrics.failovers._value.get() == kills
-    assert sorted(acked) == list(range(1, len(acked) + 1))
-    assert final_version == len(acked)
-    ref = Reference(model, gamma)
-    for v in sorted(acked):
-        ref.apply(acked[v])
-    assert_model_equal(final, ref.w)
+    assert_replays(model, gamma, acked, final_version, final)
 
 
 def test_a_worker_that_quits_while_no_replica_is_attached_loses_nothing():
@@ -433,33 +447,22 @@ def test_a_worker_that_quits_while_no_replica_is_attached_loses_nothing():
         ep = replica.server
         wait_until(lambda: ep.metrics.replica_resyncs._value.get() >= 1, timeout=20,
                    what="the joined replica resynced past the quitter's updates")
-        with progress:
-            n = len(acked)
-            assert progress.wait_for(lambda n=n: len(acked) > n + 4, 10)
+        more_acked(progress, acked, 4)
         server.__exit__(None, None, None)  # the second loss
         alive.remove(server)
         server = replica
-        with progress:
-            n = len(acked)
-            assert progress.wait_for(lambda n=n: len(acked) > n + 4, 10)
+        more_acked(progress, acked, 4)
         stop.set()
         for t in threads:
             t.join(60)
         assert not errors, errors
-        ep = server.server
-        final_version, final = server.call(
-            lambda: (ep.store.version, {n: w.copy() for n, w in ep.store.weights.items()}))
+        final_version, final = server_state(server)
     finally:
         quitter.close()
         for st in alive:
             st.__exit__(None, None, None)
     assert controller_ep.metrics.failovers._value.get() == 2
-    assert sorted(acked) == list(range(1, len(acked) + 1))
-    assert final_version == len(acked)
-    ref = Reference(model, gamma)
-    for v in sorted(acked):
-        ref.apply(acked[v])
-    assert_model_equal(final, ref.w)
+    assert_replays(model, gamma, acked, final_version, final)
 
 
 def test_training_through_two_server_losses_reaches_the_target_accuracy():
