@@ -227,7 +227,7 @@ def test_agents_probing_one_host_share_its_downlink_budget() -> None:
         assert ok, note
 
 
-def test_rate_change_followed_within_1s() -> None:
+def test_rate_change_followed_within_1s_down_and_2s_up() -> None:
     with cluster(200) as (tb, agents):
         agents.start_all()
         pairs = all_pairs(tb)
@@ -237,12 +237,14 @@ def test_rate_change_followed_within_1s() -> None:
             return lambda a, b: (h0_rate if "h0" in (a, b) else 200) * 1e6 * PAYLOAD
 
         wait_for(lambda: within(agents.estimates(), pairs, expect_for(200), 0.10), 3.0)
-        for new in (50, 200):
+        # issue 32's goals: within 1 s after a decrease, 2 s after an increase
+        # (an increase is believed once a second train agrees, see _rise_check)
+        for new, limit in ((50, 1.0), (200, 2.0)):
             time.sleep(1.0)  # steady state before the change
             tb.set_rate("h0", up=new, down=new)
             elapsed, _ = wait_for(
                 lambda new=new: within(agents.estimates(), involved, expect_for(new), 0.10),
-                timeout=1.0,
+                timeout=limit,
             )
             print(f"\nh0 set to {new} Mbit/s: its 4 paths within 10% after {elapsed:.2f} s")
             ok, note = within(agents.estimates(), pairs, expect_for(new), 0.10)

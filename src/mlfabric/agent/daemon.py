@@ -564,9 +564,10 @@ class Agent:
                 else:
                     m = analyze_train(plan, sent_ns, ())
                     fut.cancel()
+                bucket = st.estimator.burst_bytes
                 outcome = st.estimator.on_train(m, peer_down_load=peer_load,
                                                 overlapped=overlapped)
-                if outcome == "burst":
+                if st.estimator.burst_bytes > bucket:  # a token bucket learnt
                     self._share_bucket(st.estimator.burst_bytes)
                 if len(pings) > 16:
                     pings.clear()
@@ -578,8 +579,10 @@ class Agent:
                     raise ConnectionLost(
                         f"peer {st.name} reported none of the last {c.max_lost_trains} trains"
                     )
-                # jitter keeps the trains of different agents from meeting
-                interval = st.estimator.interval() * random.uniform(0.85, 1.15)
+                # jitter keeps the trains of different agents from meeting; after
+                # they met, retries spread over the whole backoff
+                spread = 0.5 if outcome == "collision" else 0.15
+                interval = st.estimator.interval() * random.uniform(1 - spread, 1 + spread)
                 # RTT between trains, so that neither end is busy with a train
                 pings[train_id] = time.perf_counter()
                 writer.write(conn.send(probe.Ping(train_id, time.monotonic_ns())))

@@ -209,6 +209,10 @@ class TrainMeasurement:
     send_bps: float | None  # how fast the sender got the train out
     queued: int  # packets that arrived spaced by the bottleneck
     spacing_bps: float | None = None  # rate of the typical queued gap, even if too few queued
+    # sequence number where the measured queued run begins: the packets before
+    # it went through the bottleneck's token bucket (or another link's queue)
+    run_start: int = 0
+    head_bps: float | None = None  # how fast the packets before the run arrived
 
     @property
     def sender_limited(self) -> bool:
@@ -248,12 +252,15 @@ def analyze_train(
         send_bps = (len(sent_ns) - 1) * bits * 1e9 / (sent_ns[-1] - sent_ns[0])
     capacity = None
     spacing = None
-    queued = 0
+    queued = run = 0
+    head = None
     have_send = len(sent_ns) == plan.count
     steps = []  # (packets, receive ns, send ns) between consecutive arrivals
+    firsts = []  # the sequence number each step starts from
     for (s0, t0), (s1, t1) in itertools.pairwise(got):
         if s1 > s0:
             steps.append((s1 - s0, t1 - t0, sent_ns[s1] - sent_ns[s0] if have_send else 0))
+            firsts.append(s0)
     if len(steps) >= 2:
         # a gap shows the bottleneck's spacing only if the packet waited in its queue:
         # it arrived further behind its predecessor than it was sent
@@ -265,10 +272,11 @@ def analyze_train(
             q75 = sorted(cand)[(3 * len(cand)) // 4]
             m = statistics.median([g for g in cand if g >= 0.5 * q75])
         best = (0, 0)  # (packets, ns) of the longest clean run
+        best_start = run_start = 0
         run_k = run_t = 0
         late_k = late_t = 0  # a late arrival and the bunched ones after it, not yet in a run
         prev_g = 0.0  # the gap of the run's last step
-        for (k, dr, _), g, w in zip(steps, gaps, waited, strict=True):
+        for (k, dr, _), g, w, first in zip(steps, gaps, waited, firsts, strict=True):
             if late_k:
                 if g < 0.85 * m:
                     late_k += k
@@ -279,7 +287,7 @@ def analyze_train(
                         run_k, run_t, late_k, late_t = run_k + late_k, run_t + late_t, 0, 0
                         prev_g = m
                         if run_k > best[0]:
-                            best = (run_k, run_t)
+                            best, best_start = (run_k, run_t), run_start
                     continue
                 # a long gap and then regular ones: cross traffic slipped in
                 run_k = run_t = late_k = late_t = 0
@@ -296,19 +304,23 @@ def analyze_train(
             elif w and m > 0 and 0.9 * m <= g <= 1.5 * m:
                 # a run does not start with a short gap: it may be shortened by the
                 # tokens left in the bucket when the queue began
-                run_k, run_t = k, dr
+                run_k, run_t, run_start = k, dr, first
             else:
                 run_k = run_t = 0
             prev_g = g
             if run_k > best[0]:
-                best = (run_k, run_t)
+                best, best_start = (run_k, run_t), run_start
         queued = best[0]
         if queued >= min_queued and best[1] > 0:
             capacity = queued * bits * 1e9 / best[1]
+            run = best_start
+            at = dict(got)
+            if run in at and run - got[0][0] >= 2 and at[run] > got[0][1]:
+                head = (run - got[0][0]) * bits * 1e9 / (at[run] - got[0][1])
         if m > 0:
             spacing = bits * 1e9 / m
     return TrainMeasurement(len(got), plan.count - len(got), capacity, send_bps, queued,
-                            spacing)
+                            spacing, run, head)
 
 
 class LoadMeter:
@@ -395,6 +407,10 @@ class ProbeConfig:
     packet_size: int = DEFAULT_PACKET_SIZE
     burst_s: float = 0.0012  # token-bucket burst to push through before queueing starts
     measure_s: float = 0.0015  # queued part of the train, for the capacity sample
+    # A reading that is news (the first, or a rise) is believed from a train
+    # lasting this long at that reading: one that drains token buckets of up
+    # to half as long at the path's rate (issue 32: shapers allow 1 ms to 10 ms).
+    verify_s: float = 0.02
     min_packets: int = 8
     max_packets: int = 2000
     min_interval: float = 0.15
@@ -443,11 +459,11 @@ class PathEstimator:
         self._quick = False
         self.lost_streak = 0  # trains in a row that got no (usable) report
         self._unqueued = 0  # trains in a row that formed no queue
-        self._escalated = False  # the last train was sized up after finding no queue
         self._tokens = 0.0  # the budget's token bucket (wire bytes), see interval()
         self._tokens_at: float | None = None
         self._free_quick = 0  # quick trains in a row that did not wait for the bucket
         self._free = True  # the next train is not charged to the token bucket
+        self._collided = 0  # trains in a row that met another agent's at the peer
         self._sends: deque[float] = deque(maxlen=8)  # recent send rates of this host
         self._last = ""  # the last train's outcome
         self.outcomes: dict[str, int] = {}
@@ -460,6 +476,9 @@ class PathEstimator:
         # (capacity sample, the peer's downlink load then), payload bit/s
         self._evidence: deque[tuple[float, float]] = deque(maxlen=EVIDENCE)
         self._proven: float | None = None  # the downlink capacity the evidence proved
+        # (wire bytes, sample) of the train that measured a first sample or a
+        # rise not yet vouched for by a long enough train (see _rise_check).
+        self._rise: tuple[int, float] | None = None
 
     # -- planning ------------------------------------------------------------
 
@@ -476,6 +495,10 @@ class PathEstimator:
         affordable = self.budget_bytes_per_s() * c.max_interval - burst
         measure = max(min(measure, affordable), c.min_packets * wire if self.burst_bytes else 0)
         count = math.ceil((burst + measure) / wire)
+        if self._rise is not None:
+            # the train that can vouch for the held reading (_rise_check)
+            held, reading = self._rise
+            count = max(count, math.ceil(max(2 * held, self.verify_bytes(reading)) / wire))
         count = min(max(count, c.min_packets), c.max_packets)
         return TrainPlan(train_id, count, c.packet_size)
 
@@ -528,23 +551,36 @@ class PathEstimator:
         self._free = False
         if self._trains < c.startup_trains:
             self._free = True
-            return c.quick_interval
+            return max(c.quick_interval, self._backoff(nxt))
         if not self._quick:
             self._free_quick = 0
             interval = max(nxt / self.budget_bytes_per_s(), c.min_interval)
         elif self._free_quick < 5 and (
-            self._last in ("unqueued", "escalate", "burst", "sample")
+            self._last in ("unqueued", "escalate", "burst", "sample", "rise")
             or (self._free_quick > 0 and self._last in ("sender-slow", "lost", "collision"))
         ):
             # following a change: a few trains in a row go at once
             self._free_quick += 1
             self._free = True
-            return c.quick_interval
+            return max(c.quick_interval, self._backoff(nxt))
         else:
-            interval = c.quick_interval
+            interval = max(c.quick_interval, self._backoff(nxt))
         if nxt > self._tokens:
             interval = max(interval, (nxt - self._tokens) / rate)
         return interval
+
+    def _backoff(self, nbytes: int) -> float:
+        """After trains in a row that met another agent's at the peer: wait
+        2, 4, .. 16 times as long as the next train lasts before retrying
+        (the daemon spreads it at random), as Ethernet does. Agents starting
+        together each send quick trains; once a train lasts as long as the
+        quick interval (20 ms, as a train vouching for a new reading does,
+        see `_rise_check`), retrying at that interval met the other
+        agent's retries every time."""
+        if not self._collided:
+            return 0.0
+        lasts = nbytes * 8 / (self.hint_bps / self.config.payload_ratio)
+        return lasts * 2 ** min(self._collided, 4)
 
     # -- samples -------------------------------------------------------------
 
@@ -553,6 +589,8 @@ class PathEstimator:
         """Fold one train in. Returns how it was taken:
 
         * "sample": a capacity sample (kept or not by the filter);
+        * "rise": the first sample, or one above the estimate, held until a
+          train long enough to drain a token bucket measures it (`_rise_check`);
         * "unqueued": no queue formed, once: re-probe to confirm;
         * "escalate": no queue formed twice: the path is faster than the train
           was sized for, the next one is sized for a 4x faster path;
@@ -570,24 +608,22 @@ class PathEstimator:
         c = self.config
         self._trains += 1
         self._quick = False
-        escalated, self._escalated = self._escalated, False
         if peer_down_load is not None and math.isfinite(peer_down_load):
             self.peer_down_load = peer_down_load
         if m.send_bps is not None:
             self._sends.append(m.send_bps)
         if m.received < 3:
             self.lost_streak += 1
-            self._escalated = escalated  # a lost train does not end an escalation
             return self._outcome("lost", quick=self.lost_streak == 1)
         self.lost_streak = 0
         if overlapped:
-            self._escalated = escalated
+            self._collided += 1
             return self._outcome("collision", quick=True)
+        self._collided = 0
         if m.sender_limited:
             send = m.send_bps
             if send is None or send < 0.8 * self.hint_bps:
                 # the sender was slower than the path we expect (descheduled): no news
-                self._escalated = escalated
                 return self._outcome("sender-slow", quick=True)
             v = self.capacity.value
             if (m.queued >= 2 and m.spacing_bps is not None and v is not None
@@ -610,7 +646,6 @@ class PathEstimator:
                 # sized for a slower path: a train for a faster one next (but not
                 # beyond what this host has recently managed to send)
                 self._unqueued = 0
-                self._escalated = True
                 self.hint_bps = min(max(self.hint_bps * 4, c.min_bps), fastest, c.max_bps)
                 return self._outcome("escalate", quick=True)
             # sized for as fast as this host sends, and still no queue
@@ -620,11 +655,10 @@ class PathEstimator:
             return self._outcome("sender-limited")
         self._unqueued = 0
         assert m.capacity_bps is not None
+        rise = self._rise_check(m, now)
+        if rise is not None:
+            return self._outcome(rise, quick=True)
         v = self.capacity.value
-        if escalated and v is not None and m.capacity_bps > v * (1 + c.threshold):
-            # two trains found no queue, a bigger one measured a faster path: that
-            # confirms the increase already
-            self.capacity.reset()
         if (m.queued < c.min_confident and v is not None
                 and m.capacity_bps < v * (1 - c.threshold)):
             # a short queued run well below the estimate: cross traffic or jitter more
@@ -643,16 +677,96 @@ class PathEstimator:
         self.hint_bps = min(max(size_for or m.capacity_bps, c.min_bps), c.max_bps)
         return self._outcome("sample", quick=self.capacity.pending > 0)
 
+    def verify_bytes(self, rate_bps: float) -> int:
+        """Wire bytes of a train that can vouch for a reading of `rate_bps`:
+        `verify_s` at that rate, so that a token bucket of up to half as
+        long at the path's true rate runs dry within it (see `_rise_check`)."""
+        c = self.config
+        return math.ceil(c.verify_s * rate_bps / c.payload_ratio / 8)
+
+    def _rise_check(self, m: TrainMeasurement, now: float) -> str | None:
+        """The first sample, and a sample above the estimate, are believed
+        only from a train long enough to have drained a shaper's token
+        bucket (issue 32: "make trains long enough to drain any burst",
+        paid for only when the reading is news).
+
+        A train that fits a token bucket goes through it, and whatever
+        queues then queues behind the next link, at line rate: on the
+        emulated cluster, trains of 240 packets behind a 10 ms bucket at
+        300 Mbit/s read 915-1,096 Mbit/s twice in a row, and a filter that
+        confirmed a step with a second sample took it; with a sender faster
+        than the line every train that fits reads the line's rate, and two
+        such trains of different lengths agree on it. So a reading of x
+        that is news is held ("rise") until a train lasting `verify_s` at x
+        (`verify_bytes`, at least twice the first, at most the longest
+        train) measures it. That train drains any bucket of up to about
+        half as long at the true rate and reads the true rate then; where
+        it reads less, the first went through a bucket, and every later
+        train starts past the packets that went through before the queue
+        formed, twice over (`burst_bytes`).
+
+        A train that shows the bucket running dry (`_drained`) vouches for
+        itself: its sample goes to the filter as any, and a rise needs a
+        second such sample, as any step.
+
+        Returns "rise" while a reading is held, else None: the caller folds
+        the sample in as usual (after a rise vouched for by a long train
+        the filter's window has started over)."""
+        c = self.config
+        v = self.capacity.value
+        wire = c.packet_size + WIRE_OVERHEAD
+        train = (m.received + m.lost) * wire
+        x = m.capacity_bps
+        assert x is not None
+        held = self._rise
+        # (a reading within the threshold of the one the train was sized for vouches)
+        vouches = (train >= self.verify_bytes(x / (1 + c.threshold))
+                   or train >= c.max_packets * wire)
+        if held is not None and vouches and x < held[1] * (1 - c.threshold):
+            # it read less than the shorter train: that one went through a bucket
+            # (twice the packets ahead of the queue: the queued part of a train
+            # must outnumber them for analyze_train to take its spacing)
+            past = max(2 * held[0], 2 * m.run_start * wire)
+            self.burst_bytes = min(max(self.burst_bytes, past), c.max_packets * wire)
+        if v is not None and x <= v * (1 + c.threshold):
+            self._rise = None  # no news: an ordinary sample
+            return None
+        if self._drained(m):
+            self._rise = None  # the filter takes it (a rise: once a second agrees)
+            return None
+        if vouches:
+            self._rise = None
+            if v is not None:
+                self.capacity.reset()  # the path is faster: a new window
+            return None
+        self._rise = (train, x)
+        self.capacity.touch(now)
+        return "rise"
+
+    @staticmethod
+    def _drained(m: TrainMeasurement) -> bool:
+        """The train shows its bottleneck's bucket running dry: packets went
+        through quickly (at least 2x the reading), then queued at a rate far
+        below this host's sending (at most a quarter): no bucket ahead of a
+        slower line. A queue at line rate behind a bucket reads close to
+        the send rate (915-1,096 Mbit/s against 680-1,330 on the emulated
+        cluster) or starts at the first packet (a sender faster than the
+        line); a shaper's queue after its 1 ms bucket read 97 Mbit/s against
+        1,600."""
+        x, send, head = m.capacity_bps, m.send_bps, m.head_bps
+        return (x is not None and send is not None and head is not None
+                and m.run_start >= 2 and 4 * x <= send and 2 * x <= head)
+
     def _bucket(self, m: TrainMeasurement, send: float) -> bool:
         """Whether a train that formed no queue went through a token bucket
         (issue 32: tbf bursts of 64 KB or 10 ms at the rate, as real shapers
         and cloud rate limiters have): it left far faster than the path's
         known capacity, so either the path sped up or a bucket let all of it
         through. The next train is twice as long, past such a bucket, and
-        measures which; a faster path is then confirmed by a second sample,
-        as any step (not taken at once as after an escalation: the first
-        train past a bucket can leave it partly full, and measured 2-3x the
-        rate now and then). Taking the send rate as the capacity instead
+        measures which; a faster path is then believed from a train long
+        enough, as any rise (`_rise_check`: the first train past a
+        bucket can leave it partly full, and measured 2-3x the rate now and
+        then). Taking the send rate as the capacity instead
         read a 30 Mbit/s path at 1,232. Up to the largest train; past it the
         old rules (escalate, then the send rate) hold."""
         c = self.config
