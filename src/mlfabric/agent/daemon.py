@@ -579,10 +579,8 @@ class Agent:
                     raise ConnectionLost(
                         f"peer {st.name} reported none of the last {c.max_lost_trains} trains"
                     )
-                # jitter keeps the trains of different agents from meeting; after
-                # they met, retries spread over the whole backoff
-                spread = 0.5 if outcome == "collision" else 0.15
-                interval = st.estimator.interval() * random.uniform(1 - spread, 1 + spread)
+                # jitter keeps the trains of different agents from meeting
+                interval = st.estimator.interval() * random.uniform(0.85, 1.15)
                 # RTT between trains, so that neither end is busy with a train
                 pings[train_id] = time.perf_counter()
                 writer.write(conn.send(probe.Ping(train_id, time.monotonic_ns())))
