@@ -279,6 +279,9 @@ def cross(proto: str, rate: float = 100) -> dict[str, float]:
             "remainder_mbit": measured_remainder / 1e6}
 
 
+OVERHEAD_WINDOW = 20.0
+
+
 def shapers(case: str, seconds: float, settle: float = 10.0) -> dict[str, float]:
     """One case of the accuracy matrix (see the module's docstring)."""
     burst = case.split()[1] if case.startswith("burst") else "1ms"
@@ -291,7 +294,10 @@ def shapers(case: str, seconds: float, settle: float = 10.0) -> dict[str, float]
             cross_mbit = 0.0
             ct = None
             time.sleep(settle)
-            overhead = c.overhead_per_link(rates)  # settled, before any other traffic
+            # settled, before any other traffic; over 20 s, several probe intervals
+            # (behind 10 ms buckets a path's trains are 5-11 s apart, so a 4 s
+            # window holds one train or none of each path)
+            overhead = c.overhead_per_link(rates, seconds=OVERHEAD_WINDOW)
             if case.startswith("cross"):
                 # another tenant's TCP flow into h0 (from h2, whose uplink has room)
                 cross_mbit = rates["h0"][1] / 2
@@ -369,7 +375,7 @@ def main() -> int:
               f"pair once a second for {args.seconds:g} s; error = |estimate - truth| / truth")
         print()
         print("| case | median | p90 | largest | samples > 25% | probe overhead (busiest link, "
-              "idle job) |")
+              f"idle job, {OVERHEAD_WINDOW:g} s) |")
         print("|---|---|---|---|---|---|")
         for name, rows in matrix.items():
             print(f"| {name.removeprefix('shapers ')} | {med(rows, 'median'):.1%} | "

@@ -370,6 +370,63 @@ def test_the_jobs_own_tcp_traffic_is_not_load() -> None:
         ct.stop()
 
 
+def test_the_jobs_bulk_transfer_measures_its_path_and_probes_stay_within_1pct() -> None:
+    """Issue 32: while the job transfers, its own flow measures the path (the
+    kernel's delivery-rate samples, as BBR takes them) and the path's trains
+    pause; the other paths' probes take the halved budget. A bulk TCP flow
+    of the job h0 -> h1 fills h0's uplink and h1's downlink: once a train
+    measured the path's capacity, h0 -> h1 keeps its full estimate, fresh,
+    from the flow's samples; h0 sends no train to h1 over 6 s (without the
+    samples: a train every 2-3 s); and h0's probes take at most
+    1% of its uplink. Paths that do not cross the flow's links keep their
+    full estimate. (A path into h1 from elsewhere reads about half: its
+    trains share h1's downlink with the job's flow, see RESULTS.md.)"""
+    rate = 100
+    with cluster(rate) as (tb, agents):
+        ct = tb.cross_traffic("h0", "h1", proto="tcp")  # bulk
+        agents.extra += ["--job-port", str(ct.port)]
+        agents.start_all()
+        pairs = all_pairs(tb)
+        full = rate * 1e6 * PAYLOAD
+        wait_for(lambda: within(agents.estimates(), [("h0", "h1")], lambda a, b: full, 0.10),
+                 5.0)
+
+        def measured() -> tuple[bool, str]:
+            # the flow's samples stand in for trains once a train measured the capacity
+            cap = agents.estimates()[("h0", "h1")].capacity_bps
+            return abs(cap - full) <= 0.10 * full, f"h0 -> h1 capacity {cap / 1e6:.1f}"
+
+        wait_for(measured, 10.0)
+        h0 = tb.hosts[0]
+        time.sleep(1.0)
+        before = scrape_metrics(h0, METRICS_PORT)
+        t0 = time.monotonic()
+        time.sleep(6.0)
+        after = scrape_metrics(h0, METRICS_PORT)
+        dt = time.monotonic() - t0
+
+        def delta(name: str) -> float:
+            return sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(name))
+
+        probes = delta("mlfabric_agent_probe_sent_bytes_total")
+        to_h1 = delta('mlfabric_agent_probe_sent_bytes_total{peer="h1"}')
+        used = after['mlfabric_agent_delivery_samples_total{peer="h1",result="used"}']
+        e = agents.estimates()[("h0", "h1")]
+        flow = traffic.rate_mbit(ct.received_samples, t0, time.monotonic())
+        print(f"\njob flow h0 -> h1 at {flow:.0f} Mbit/s (sink): h0 -> h1 reads "
+              f"{e.bandwidth_bps / 1e6:.1f} Mbit/s "
+              f"(stale {e.stale}), {used:.0f} delivery samples used; h0's probes "
+              f"{probes * 8 / dt / rate / 1e4:.2f}% of its uplink, {to_h1:.0f} bytes to h1")
+        assert used > 0
+        assert not e.stale and abs(e.bandwidth_bps - full) <= 0.10 * full
+        assert to_h1 == 0
+        assert probes * 8 / dt <= 0.01 * rate * 1e6
+        clear = [p for p in pairs if p[1] != "h1"]
+        ok, note = within(agents.estimates(), clear, lambda a, b: full, 0.10)
+        assert ok, note
+        ct.stop()
+
+
 def test_survives_bad_input_a_dead_peer_and_its_restart() -> None:
     with cluster(100, "--stale-after", "1.0") as (tb, agents):
         agents.start_all()

@@ -905,3 +905,32 @@ def test_trains_longer_than_the_budgets_bucket_still_go_at_the_steady_pace() -> 
         clock.advance(gaps[-1])
     assert plan.count == 144
     assert gaps[5:] == pytest.approx([est.steady_interval()] * 15, rel=1e-6)
+
+
+def test_the_jobs_delivery_rate_is_a_passive_sample_and_pauses_the_trains() -> None:
+    """Issue 32: delivery-rate samples of the job's own flows (as BBR takes
+    them), max-filtered over 3 s. While they show the capacity, the path
+    needs no trains and its estimate stays fresh; once they stop, trains
+    resume. A sample above the NIC or no number is refused."""
+    clock = FakeClock()
+    est = PathEstimator(ProbeConfig(max_bps=1e9), clock)
+    _settle(est, clock, 97.2 * MBIT)
+    assert not est.delivering()
+    assert est.on_delivery(60 * MBIT)  # a flow still in slow start: below the capacity
+    assert not est.delivering()
+    clock.advance(0.5)
+    assert est.on_delivery(96 * MBIT)
+    clock.advance(0.5)
+    assert est.on_delivery(80 * MBIT)  # a dip: the window's largest holds
+    assert est.delivering()
+    assert est.snapshot().passive_bps == 96 * MBIT
+    for _ in range(20):  # 10 s of the job's transfer, no trains
+        clock.advance(0.5)
+        est.on_delivery(95 * MBIT)
+    e = est.snapshot()
+    assert est.delivering() and not e.stale and e.age_s == 0.0
+    assert e.bandwidth_bps == pytest.approx(97.2 * MBIT)
+    clock.advance(3.1)  # the transfer ended
+    assert not est.delivering()
+    assert not est.on_delivery(2e9) and not est.on_delivery(math.nan)
+    assert not est.on_delivery(0.0)

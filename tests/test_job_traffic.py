@@ -269,3 +269,42 @@ def test_lookups_follow_known_sockets_and_a_dump_finds_new_ones() -> None:
         srv.close()
         reader.close()
     assert diag.calls == ["dump", "lookup 2", "dump", "lookup 4", "lookup 4"]
+
+
+def test_parse_reads_the_kernels_delivery_rate_and_app_limited_bit() -> None:
+    """struct tcp_info carries the delivery-rate sample BBR uses (bytes/s) and
+    whether the sender was app-limited then (bit 0 of byte 7)."""
+    info = bytearray(_info(10, 20, 1, 1))
+    struct.pack_into("=Q", info, jt._DELIVERY_RATE, 12_000_000)  # 96 Mbit/s
+    bulk = _diag_msg(40001, 7100, "10.0.0.1", "10.0.0.2", 1, bytes(info))
+    info[jt._APP_LIMITED_BYTE] |= 1
+    idle = _diag_msg(40002, 7100, "10.0.0.1", "10.0.0.3", 2, bytes(info))
+    old = _diag_msg(40003, 7100, "10.0.0.1", "10.0.0.4", 3, _info(10, 20, 1, 1, length=160))
+    socks, done = jt.parse_dump(bulk + idle + old + _done())
+    assert done
+    assert [(s.delivery_bps, s.app_limited) for s in socks] == [
+        (96e6, False), (96e6, True), (0.0, True)]
+
+
+def test_job_traffic_keeps_the_delivery_rates_of_bulk_sending_job_flows() -> None:
+    """Per remote address, the largest delivery rate among the job's flows
+    that sent at least min_sent bytes since the last reading and were not
+    app-limited; nothing from a flow seen for the first time (its history is
+    unknown), a slow or app-limited one, or another port's."""
+    t = JobTraffic([7100], min_sent=1000)
+
+    def flow(cookie: int, remote: str, tx: int, rate: float, limited: bool = False,
+             port: int = 7100) -> TcpSocketBytes:
+        return TcpSocketBytes(cookie, ("10.0.0.1", 40000 + cookie), (remote, port), 0, tx,
+                              rate, limited)
+
+    t.update([flow(1, "10.0.0.2", 0, 0.0), flow(2, "10.0.0.2", 0, 0.0),
+              flow(3, "10.0.0.3", 0, 0.0), flow(4, "10.0.0.4", 0, 0.0),
+              flow(5, "10.0.0.5", 0, 0.0, port=80)])
+    assert t.deliveries == {}
+    t.update([flow(1, "10.0.0.2", 5000, 50e6), flow(2, "10.0.0.2", 5000, 70e6),
+              flow(3, "10.0.0.3", 500, 90e6), flow(4, "10.0.0.4", 5000, 90e6, limited=True),
+              flow(5, "10.0.0.5", 5000, 90e6, port=80), flow(6, "10.0.0.6", 9000, 90e6)])
+    assert t.deliveries == {"10.0.0.2": 70e6}
+    t.update([flow(1, "10.0.0.2", 5000, 50e6)])  # nothing sent since
+    assert t.deliveries == {}

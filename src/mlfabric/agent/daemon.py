@@ -43,6 +43,7 @@ from .estimator import (
     TrainPlan,
     analyze_train,
 )
+from .job_traffic import SEGMENT_OVERHEAD, JobTrafficReader
 
 if TYPE_CHECKING:
     from ..runtime.metrics import AgentMetrics
@@ -166,6 +167,12 @@ class AgentConfig:
     # probes (mlfabric.agent.job_traffic); None: every byte on the NIC is someone else's
     job_traffic: Callable[[], tuple[int, int]] | None = None
     max_lost_trains: int = 5  # then the connection is dropped and re-established
+
+
+# A full frame of 1514 bytes carries 1448 bytes of TCP payload (timestamps on)
+# or 1472 of a probe datagram's: rates of the job's TCP flows are converted
+# to what the estimates count.
+TCP_TO_DATAGRAM = (1514 - 42) / (1514 - SEGMENT_OVERHEAD)
 
 
 @dataclass
@@ -346,9 +353,19 @@ class Agent:
             self.metrics.job_traffic_bytes.labels("rx").inc(max(0, rx - self.job_rx_bytes))
             self.metrics.job_traffic_bytes.labels("tx").inc(max(0, tx - self.job_tx_bytes))
         self.job_rx_bytes, self.job_tx_bytes = rx, tx
-        busy = self._job_busy.update(self.clock(), rx + tx)
+        now = self.clock()
+        busy = self._job_busy.update(now, rx + tx)
+        deliveries = (self._job_traffic.deliveries
+                      if isinstance(self._job_traffic, JobTrafficReader) else {})
         for st in self._peers.values():
             st.estimator.busy = busy
+            rate = deliveries.get(st.addr[0])
+            if rate is not None:
+                # TCP payload of full frames -> the datagram payload estimates are in
+                used = st.estimator.on_delivery(rate * TCP_TO_DATAGRAM, now)
+                if self.metrics is not None:
+                    self.metrics.delivery_samples.labels(
+                        st.name, "used" if used else "refused").inc()
 
     def link_load(self) -> tuple[float, float] | None:
         """(downlink, uplink) load of this host in wire bit/s, probes and the job's
@@ -540,6 +557,13 @@ class Agent:
             train_id = 0
             while True:
                 train_id = (train_id + 1) & 0xFFFFFFFF
+                while st.estimator.delivering():
+                    # the job's own flow measures the path: no trains meanwhile
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await within(self._stopping.wait(),
+                                     st.estimator.config.delivery_window / 2)
+                    if self._stopping.is_set():
+                        return
                 plan = st.estimator.plan(train_id)
                 fut = asyncio.get_running_loop().create_future()
                 reports[train_id] = fut

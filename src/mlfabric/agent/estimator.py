@@ -423,6 +423,7 @@ class ProbeConfig:
     min_bps: float = 1e6
     stale_after: float = 3.0
     passive_fresh: float = 3.0  # a passive sample counts this long
+    delivery_window: float = 3.0  # delivery-rate samples are max-filtered over this
     min_passive_bytes: int = 256 * 1024
     window: int = 5
     threshold: float = 0.12
@@ -458,6 +459,8 @@ class PathEstimator:
         self.peer_down_load: float | None = None  # wire bit/s at the peer's downlink
         self.passive_bps = math.nan
         self._passive_at: float | None = None
+        self._deliveries: deque[tuple[float, float]] = deque()  # (time, bit/s)
+        self._delivered_at: float | None = None  # the job proved the capacity then
         self._trains = 0
         self._quick = False
         self.lost_streak = 0  # trains in a row that got no (usable) report
@@ -841,6 +844,39 @@ class PathEstimator:
         self.passive_bps = nbytes * 8 / seconds
         self._passive_at = now
         return True
+
+    def on_delivery(self, bps: float, now: float | None = None) -> bool:
+        """A delivery-rate sample of the job's own TCP flow to the peer
+        (payload bit/s; the kernel's, as BBR takes it: bytes delivered per
+        interval, while the flow was not app-limited). The estimate takes the
+        largest of the last `delivery_window` seconds as a passive sample,
+        and while that is the capacity the path needs no trains (see
+        `interval`): the job's transfer measures it (issue 32: "prefer them
+        while the job is sending, and send active trains only when the link
+        is idle"). A sample above this host's link, or no number, is
+        refused (returns False)."""
+        now = self.clock() if now is None else now
+        c = self.config
+        if not (math.isfinite(bps) and 0 < bps <= c.max_bps):
+            return False
+        d = self._deliveries
+        d.append((now, bps))
+        while d and d[0][0] < now - c.delivery_window:
+            d.popleft()
+        self.passive_bps = max(r for _, r in d)
+        self._passive_at = now
+        v = self.capacity.value
+        if v is not None and self.passive_bps >= (1 - c.threshold) * v:
+            self._delivered_at = now
+            self.capacity.touch(now)  # the job's flow shows the capacity holds
+        return True
+
+    def delivering(self, now: float | None = None) -> bool:
+        """The job's own flow showed the path's capacity within the last
+        `delivery_window` seconds: active trains would tell nothing more."""
+        now = self.clock() if now is None else now
+        at = self._delivered_at
+        return at is not None and now - at <= self.config.delivery_window
 
     # -- reading -------------------------------------------------------------
 

@@ -68,6 +68,10 @@ _BYTES_RECEIVED = 128
 _SEGS = 136
 _BYTES_SENT = 200
 _MIN_INFO = _SEGS + 8
+# tcpi_delivery_rate (bytes/s, since 4.9) and the bit saying the sample was
+# app-limited (the first bit of byte 7, tcpi_delivery_rate_app_limited)
+_DELIVERY_RATE = 160
+_APP_LIMITED_BYTE = 7
 
 # Ethernet (14) + IPv4 (20) + TCP with timestamps (32) per segment, so that
 # socket bytes compare with the NIC counters (which count whole frames).
@@ -83,6 +87,11 @@ class TcpSocketBytes:
     remote: tuple[str, int]
     rx_bytes: int
     tx_bytes: int
+    # The kernel's latest delivery-rate sample (TCP payload bit/s; what BBR
+    # measures), and whether the sender was app-limited then (the rate then
+    # says how fast the application sent, not what the path delivers).
+    delivery_bps: float = 0.0
+    app_limited: bool = True
 
 
 def _align(n: int) -> int:
@@ -137,6 +146,17 @@ def _tcp_info_bytes(info: bytes) -> tuple[int, int] | None:
     return received + segs_in * SEGMENT_OVERHEAD, sent + segs_out * SEGMENT_OVERHEAD
 
 
+def _tcp_info_delivery(info: bytes) -> tuple[float, bool]:
+    """(delivery rate in bit/s, app-limited) from a struct tcp_info; (0, True)
+    from a kernel too old to say."""
+    if len(info) < _DELIVERY_RATE + 8:
+        return 0.0, True
+    rate, = struct.unpack_from("=Q", info, _DELIVERY_RATE)
+    if not rate:
+        return 0.0, True  # no sample yet
+    return rate * 8.0, bool(info[_APP_LIMITED_BYTE] & 1)
+
+
 def _messages(data: bytes) -> Iterator[tuple[int, bytes]]:
     """(type, body) of each netlink message in one recv()."""
     off = 0
@@ -162,19 +182,23 @@ def _socket_bytes(body: bytes) -> TcpSocketBytes | None:
     sport, dport, src, dst = _SOCKID.unpack_from(body, _DIAG_MSG_HEAD.size)
     _ifc, c0, c1 = _SOCKID_REST.unpack_from(body, _DIAG_MSG_HEAD.size + _SOCKID.size)
     counts = None
+    delivery = (0.0, True)
     a = _DIAG_MSG_LEN
     while a + _RTATTR.size <= len(body):
         alen, atype = _RTATTR.unpack_from(body, a)
         if alen < _RTATTR.size:
             break
         if atype == INET_DIAG_INFO:
-            counts = _tcp_info_bytes(body[a + _RTATTR.size: a + alen])
+            info = body[a + _RTATTR.size: a + alen]
+            counts = _tcp_info_bytes(info)
+            delivery = _tcp_info_delivery(info)
         a += _align(alen)
     if counts is None:
         return None
     return TcpSocketBytes(cookie=(c1 << 32) | c0, local=(_address(family, src), sport),
                           remote=(_address(family, dst), dport), rx_bytes=counts[0],
-                          tx_bytes=counts[1])
+                          tx_bytes=counts[1], delivery_bps=delivery[0],
+                          app_limited=delivery[1])
 
 
 def parse_dump(data: bytes) -> tuple[list[TcpSocketBytes], bool]:
@@ -234,12 +258,21 @@ class JobTraffic:
     created); a socket missing from a reading has closed and is forgotten.
     Bytes a socket moved between its last reading and its close are missed,
     at most one reading interval of one connection.
+
+    `deliveries` holds, after each reading, the delivery rates of the job's
+    connections that were sending in bulk since the previous one (at least
+    `min_sent` bytes, the sample not app-limited): the largest per remote
+    address, in TCP payload bit/s. They are the passive samples BBR takes,
+    of the path from this host to that address, taken from the job's own
+    transfers.
     """
 
-    def __init__(self, ports: Collection[int]) -> None:
+    def __init__(self, ports: Collection[int], min_sent: int = 64 * 1024) -> None:
         self.ports = frozenset(ports)
+        self.min_sent = min_sent
         self.rx_bytes = 0
         self.tx_bytes = 0
+        self.deliveries: dict[str, float] = {}
         self._last: dict[int, TcpSocketBytes] = {}
 
     def is_job(self, s: TcpSocketBytes) -> bool:
@@ -253,15 +286,22 @@ class JobTraffic:
 
     def update(self, sockets: Iterable[TcpSocketBytes]) -> tuple[int, int]:
         seen: dict[int, TcpSocketBytes] = {}
+        deliveries: dict[str, float] = {}
         for s in sockets:
             if not self.is_job(s):
                 continue
             last = self._last.get(s.cookie)
             rx0, tx0 = (0, 0) if last is None else (last.rx_bytes, last.tx_bytes)
             self.rx_bytes += max(0, s.rx_bytes - rx0)
-            self.tx_bytes += max(0, s.tx_bytes - tx0)
+            sent = max(0, s.tx_bytes - tx0)
+            self.tx_bytes += sent
+            if (last is not None and sent >= self.min_sent and not s.app_limited
+                    and s.delivery_bps > 0):
+                host = s.remote[0]
+                deliveries[host] = max(deliveries.get(host, 0.0), s.delivery_bps)
             seen[s.cookie] = s
         self._last = seen
+        self.deliveries = deliveries
         return self.rx_bytes, self.tx_bytes
 
 
@@ -341,6 +381,11 @@ class JobTrafficReader:
         else:
             sockets = self._diag.lookup(self.traffic.known())
         return self.traffic.update(sockets)
+
+    @property
+    def deliveries(self) -> dict[str, float]:
+        """The job's delivery-rate samples of the last reading (`JobTraffic`)."""
+        return self.traffic.deliveries
 
     def close(self) -> None:
         if self._diag is not None:

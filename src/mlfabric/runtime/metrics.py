@@ -531,6 +531,12 @@ class AgentMetrics:
         )
         for result in ("accepted", "unknown_peer", "refused"):
             self.transfer_reports.labels(result)
+        self.delivery_samples = Counter(
+            "agent_delivery_samples",
+            "Delivery-rate samples of the job's own TCP flows to the peer (as BBR takes "
+            "them; --job-port), by result: used, or refused (above the NIC's speed)",
+            ["peer", "result"], namespace=ns, registry=r,
+        )
         self.job_traffic_bytes = Counter(
             "agent_job_traffic_bytes",
             "Wire bytes of the job's own TCP connections through this host's NICs, by "
