@@ -68,7 +68,8 @@ from mlfabric.tools.workload import scrape_metrics  # noqa: E402
 # issue 32's asymmetric cluster: (uplink, downlink) Mbit/s per host
 ASYMMETRIC = {"h0": (300.0, 300.0), "h1": (80.0, 300.0), "h2": (200.0, 100.0),
               "h3": (120.0, 240.0), "h4": (60.0, 150.0)}
-SHAPERS = ("burst 1ms", "burst 64KB", "burst 10ms", "cross tcp 50% into h0")
+SHAPERS = ("burst 1ms", "burst 64KB", "burst 10ms", "cross tcp 50% into h0",
+           "cross udp 50% into h0")
 PORT = 7400
 METRICS_PORT = 9470
 WINDOW = 4.0  # seconds over which the probe overhead is judged
@@ -298,14 +299,17 @@ def shapers(case: str, seconds: float, settle: float = 10.0) -> dict[str, float]
             # (behind 10 ms buckets a path's trains are 5-11 s apart, so a 4 s
             # window holds one train or none of each path)
             overhead = c.overhead_per_link(rates, seconds=OVERHEAD_WINDOW)
+            proto = case.split()[1]
             if case.startswith("cross"):
-                # another tenant's TCP flow into h0 (from h2, whose uplink has room)
+                # another tenant's flow into h0 (from h2, whose uplink has room)
                 cross_mbit = rates["h0"][1] / 2
-                ct = tb.cross_traffic("h2", "h0", rate_mbit=cross_mbit, proto="tcp")
+                ct = tb.cross_traffic("h2", "h0", rate_mbit=cross_mbit, proto=proto)
+            # its rate on the wire: TCP segments or UDP datagrams of full frames
+            per_wire = TCP_PAYLOAD if proto == "tcp" else PAYLOAD
 
             def truth(a: str, b: str) -> float:
-                down = rates[b][1] - (cross_mbit / TCP_PAYLOAD if b == "h0" else 0.0)
-                up = rates[a][0] - (cross_mbit / TCP_PAYLOAD if a == "h2" else 0.0)
+                down = rates[b][1] - (cross_mbit / per_wire if b == "h0" else 0.0)
+                up = rates[a][0] - (cross_mbit / per_wire if a == "h2" else 0.0)
                 return min(up, down) * 1e6 * PAYLOAD
 
             time.sleep(settle / 2)
