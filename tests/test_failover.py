@@ -60,14 +60,15 @@ def new_replica(store):
 
 def watched_job(model, gamma: float, **watch):
     """A server, its replica and a controller that watches them for failover
-    (heartbeats every 0.05 s, lost after 0.3 s), all started."""
+    (heartbeats every 0.05 s, lost after 1 s: the default; 0.3 s was once
+    too short for a full CI run on 2 cores, see below), all started."""
     server = ServerThread(ParameterStore(model, momentum=gamma)).__enter__()
     replica = new_replica(ParameterStore(model, momentum=gamma))
     controller_ep = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None,
                                gate=DivergenceGate(gamma, 1e9))
     controller = ServerThread(None, endpoint=controller_ep).__enter__()
     controller.call(lambda: controller_ep.watch_server(
-        server.address, replica.address, interval=0.05, timeout=0.3, **watch))
+        server.address, replica.address, interval=0.05, timeout=1.0, **watch))
     return server, replica, controller_ep, controller
 
 
@@ -139,7 +140,7 @@ def test_workers_fail_over_to_the_promoted_replica_and_lose_nothing(kill_after):
     with replica, controller:
         server.__enter__()
         controller.call(lambda: controller_ep.watch_server(
-            server.address, replica.address, interval=0.05, timeout=0.3))
+            server.address, replica.address, interval=0.05, timeout=1.0))
         threads = [threading.Thread(target=worker, args=(w,)) for w in range(3)]
         for t in threads:
             t.start()
@@ -229,7 +230,7 @@ def test_workers_fail_over_with_aggregates_and_lose_nothing():
         with replica, controller:
             server.__enter__()
             controller.call(lambda: controller_ep.watch_server(
-                server.address, replica.address, interval=0.05, timeout=0.3))
+                server.address, replica.address, interval=0.05, timeout=1.0))
             threads = [threading.Thread(target=worker, args=(w,)) for w in range(3)]
             for t in threads:
                 t.start()
@@ -561,7 +562,7 @@ def test_a_lost_replica_does_not_stall_training_and_a_new_one_catches_up():
     controller_ep = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None, gate=gate)
     controller = ServerThread(None, endpoint=controller_ep).__enter__()
     controller.call(lambda: controller_ep.watch_server(
-        server.address, replica.address, interval=0.05, timeout=0.3))
+        server.address, replica.address, interval=0.05, timeout=1.0))
     acked: dict[int, dict[str, np.ndarray]] = {}
     progress = threading.Condition()
     errors: list[BaseException] = []
@@ -881,7 +882,7 @@ def test_a_replica_joining_during_the_promoted_servers_recovery_stalls_nobody(ro
     controller = ServerThread(None, endpoint=controller_ep).__enter__()
     alive = [server, replica, controller]
     controller.call(lambda: controller_ep.watch_server(
-        server.address, replica.address, interval=0.05, timeout=0.5))
+        server.address, replica.address, interval=0.05, timeout=1.0))
     acked: dict[int, dict[str, np.ndarray]] = {}
     waits: list[float] = []
     errors: list[BaseException] = []
