@@ -172,7 +172,7 @@ class AgentConfig:
 # A full frame of 1514 bytes carries 1448 bytes of TCP payload (timestamps on)
 # or 1472 of a probe datagram's: rates of the job's TCP flows are converted
 # to what the estimates count.
-TCP_TO_DATAGRAM = (1514 - 42) / (1514 - SEGMENT_OVERHEAD)
+TCP_TO_DATAGRAM = (1514 - probe.WIRE_OVERHEAD) / (1514 - SEGMENT_OVERHEAD)
 
 
 @dataclass

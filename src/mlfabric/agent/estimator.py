@@ -510,6 +510,10 @@ class PathEstimator:
         count = min(max(count, c.min_packets), c.max_packets)
         return TrainPlan(train_id, count, c.packet_size)
 
+    def _steady_train_bytes(self) -> int:
+        """Wire bytes of the steady state's next train (no held reading)."""
+        return self.plan(0, verify=False).wire_bytes
+
     def budget(self) -> float:
         """The fraction of the path's capacity probes may take now: the
         configured budget, halved while the job itself transfers on this
@@ -534,7 +538,7 @@ class PathEstimator:
         c = self.config
         cap = max(self.capacity.value or 0.0, self.hint_bps)
         rate = self.budget() * c.hard_cap * cap / c.payload_ratio / 8 / c.share
-        depth = max(rate * c.cap_depth, float(self.plan(0, verify=False).wire_bytes))
+        depth = max(rate * c.cap_depth, float(self._steady_train_bytes()))
         if self._tokens_at is None:
             self._tokens = depth
         else:
@@ -553,7 +557,7 @@ class PathEstimator:
             # path for several steady intervals, and its estimate went stale.
             # Such trains are rare (the first reading, a rise).
             self._tokens = max(self._tokens - nbytes,
-                               -float(self.plan(0, verify=False).wire_bytes))
+                               -float(self._steady_train_bytes()))
 
     def interval(self, now: float | None = None) -> float:
         """Delay before the next train: quick while starting up or confirming a change,
