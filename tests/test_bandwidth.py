@@ -684,6 +684,39 @@ def test_a_links_load_comes_off_that_link_only() -> None:
     assert est.snapshot(local_up_load=0.0).bandwidth_bps == pytest.approx(29 * MBIT)
 
 
+def test_a_tenant_arriving_at_the_peer_gets_its_room_proven_at_once() -> None:
+    """Issue 32: a tenant's flow of 150 Mbit/s into a 300 Mbit/s downlink
+    read a path from a 120 Mbit/s uplink at 0 for up to 30 s: the proof of
+    the downlink's room was taken before the tenant came (120 + no load),
+    and five trains at the budget's pace (6 s apart) had to replace it.
+    A clean train the proof cannot account for now sends the next ones at
+    once, which prove the room under the new load."""
+    clock = FakeClock()
+    est = PathEstimator(ProbeConfig(share=4), clock)
+    _settle(est, clock, 116 * MBIT)
+    for _ in range(5):  # the steady state, no other traffic
+        est.on_train(_measure(116 * MBIT), peer_down_load=0.0)
+        clock.advance(6.0)
+    assert est.down_capacity() == pytest.approx(116 * MBIT)
+    steady = est.interval()
+    assert steady > 10 * ProbeConfig().quick_interval
+    down_load = 150 * MBIT / PAYLOAD
+    assert est.on_train(_measure(116 * MBIT), peer_down_load=down_load) == "sample"
+    assert est.snapshot(local_up_load=0.0).bandwidth_bps == 0.0  # not proven yet
+    waits = []
+    for _ in range(4):
+        waits.append(est.interval())
+        clock.advance(waits[-1])
+        est.on_train(_measure(116 * MBIT), peer_down_load=down_load)
+    assert max(waits) <= ProbeConfig().quick_interval
+    assert est.down_capacity() == pytest.approx(266 * MBIT)
+    assert est.snapshot(local_up_load=0.0).bandwidth_bps == pytest.approx(116 * MBIT)
+    assert est.interval() == pytest.approx(steady, rel=0.01)  # back to the budget's pace
+    # A clean train under the load the proof was taken with is no news.
+    est.on_train(_measure(116 * MBIT), peer_down_load=down_load)
+    assert est.interval() == pytest.approx(steady, rel=0.01)
+
+
 def test_a_downlink_without_room_slows_the_trains_and_proves_nothing() -> None:
     """Cross traffic that fills the downlink leaves most trains a share,
     below the threshold: then the downlink's load comes off the path's
