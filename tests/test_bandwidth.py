@@ -10,6 +10,7 @@ import statistics
 import pytest
 
 from mlfabric.agent.estimator import (
+    PROOF_WINDOW,
     CapacityFilter,
     LoadMeter,
     PathEstimator,
@@ -283,6 +284,27 @@ def test_analyze_train_does_not_bridge_cross_traffic() -> None:
     assert m.queued == 16  # the gaps up to packet 25; the 14 after it are the shorter side
 
 
+def test_analyze_train_tail_counts_what_the_train_got_beside_other_traffic() -> None:
+    """A long train behind a 12.5 KB bucket, through a queue that another
+    flow's bursts join: four of theirs after every eight of ours. The clean
+    run reads the capacity, the train after its bucket (`skip`) got two
+    thirds of it."""
+    rate = 100 * MBIT
+    gap = int(1514 * 8 / rate * 1e9)
+    sent, arrivals = _synthetic_train(80, rate, 12_500)
+    skip = 9
+    t_skip = dict(arrivals)[skip]
+    arrivals = [(s, t + ((s - skip) // 8) * 4 * gap if s > skip else t) for s, t in arrivals]
+    m = analyze_train(TrainPlan(1, 80, skip=skip), sent, arrivals)
+    assert m.capacity_bps == pytest.approx(rate * PAYLOAD, rel=1e-3)
+    assert m.tail_bps == pytest.approx(rate * PAYLOAD * 2 / 3, rel=0.05)
+    assert dict(arrivals)[skip] == t_skip
+    # the same train alone: the tail is the capacity
+    sent, arrivals = _synthetic_train(80, rate, 12_500)
+    m = analyze_train(TrainPlan(1, 80, skip=skip), sent, arrivals)
+    assert m.tail_bps == pytest.approx(rate * PAYLOAD, rel=1e-3)
+
+
 def test_analyze_train_whole_train_in_the_burst_is_sender_limited() -> None:
     plan = TrainPlan(1, 10)
     sent, arrivals = _synthetic_train(10, 100 * MBIT, 10**6, send_gap_ns=10_000)
@@ -314,8 +336,12 @@ def _settle(est: PathEstimator, clock: FakeClock, rate_bps: float, n: int = 8) -
     assert est.capacity.value == pytest.approx(rate_bps)
 
 
-def _measure(rate_bps: float, send_bps: float = 2e9, count: int = 20) -> TrainMeasurement:
-    return TrainMeasurement(count, 0, rate_bps, send_bps, 12)
+def _measure(rate_bps: float, send_bps: float = 2e9, count: int = 20,
+             tail_bps: float | None = None) -> TrainMeasurement:
+    """A train that queued at `rate_bps` and arrived at `tail_bps` (default
+    the same) gaps and all."""
+    return TrainMeasurement(count, 0, rate_bps, send_bps, 12,
+                            tail_bps=rate_bps if tail_bps is None else tail_bps)
 
 
 @pytest.mark.parametrize("rate_mbit", [10, 50, 100, 200, 1000, 10000])
@@ -668,14 +694,16 @@ def test_a_links_load_comes_off_that_link_only() -> None:
     est = PathEstimator(ProbeConfig(), clock)
     _settle(est, clock, 80 * MBIT)
     down_load = 150 * MBIT / PAYLOAD  # wire bit/s, as the peer reports it
-    # The trains kept coming through at 80 while the downlink carried 150: it
-    # has room for both, so it is not this path's bottleneck.
-    for _ in range(4):
-        est.on_train(_measure(80 * MBIT), peer_down_load=down_load)
-        clock.advance(0.3)
-        assert est.snapshot(local_up_load=0.0).bandwidth_bps == 0.0  # not proven yet
-    est.on_train(_measure(79 * MBIT), peer_down_load=down_load)
-    # The smallest proof: 79 + 150.
+    # Short trains keep coming through at 80 while the downlink carries 150:
+    # they slip between its bursts, and prove nothing.
+    short = est.plan(1).count
+    est.on_train(_measure(80 * MBIT, count=short), peer_down_load=down_load)
+    assert est.snapshot(local_up_load=0.0).bandwidth_bps == 0.0  # not proven yet
+    # A long train (10 ms at 80) comes through as well: the downlink has room
+    # for both, so it is not this path's bottleneck.
+    proof = est.plan(2).count
+    assert proof * 1514 >= 0.01 * 80 * MBIT / 8 > short * 1514
+    est.on_train(_measure(79 * MBIT, count=proof), peer_down_load=down_load)
     assert est.down_capacity() == pytest.approx(229 * MBIT)
     assert est.snapshot(local_up_load=0.0).bandwidth_bps == pytest.approx(79 * MBIT)
     # More load than the proven room leaves comes off it.
@@ -684,62 +712,167 @@ def test_a_links_load_comes_off_that_link_only() -> None:
     assert est.snapshot(local_up_load=0.0).bandwidth_bps == pytest.approx(29 * MBIT)
 
 
-def test_a_tenant_arriving_at_the_peer_gets_its_room_proven_at_once() -> None:
-    """Issue 32: a tenant's flow of 150 Mbit/s into a 300 Mbit/s downlink
-    read a path from a 120 Mbit/s uplink at 0 for up to 30 s: the proof of
-    the downlink's room was taken before the tenant came (120 + no load),
-    and five trains at the budget's pace (6 s apart) had to replace it.
-    A clean train the proof cannot account for now sends the next ones at
-    once, which prove the room under the new load."""
-    clock = FakeClock()
-    est = PathEstimator(ProbeConfig(share=4), clock)
+def _tenant_arrives(est: PathEstimator, clock: FakeClock, down_load: float) -> float:
+    """The steady state with no other traffic, then one clean train under
+    `down_load`; returns the steady interval."""
     _settle(est, clock, 116 * MBIT)
-    for _ in range(5):  # the steady state, no other traffic
+    for _ in range(5):
         est.on_train(_measure(116 * MBIT), peer_down_load=0.0)
         clock.advance(6.0)
     assert est.down_capacity() == pytest.approx(116 * MBIT)
     steady = est.interval()
     assert steady > 10 * ProbeConfig().quick_interval
-    down_load = 150 * MBIT / PAYLOAD
     assert est.on_train(_measure(116 * MBIT), peer_down_load=down_load) == "sample"
     assert est.snapshot(local_up_load=0.0).bandwidth_bps == 0.0  # not proven yet
-    waits = []
-    for _ in range(4):
-        waits.append(est.interval())
-        clock.advance(waits[-1])
-        est.on_train(_measure(116 * MBIT), peer_down_load=down_load)
-    assert max(waits) <= ProbeConfig().quick_interval
+    return steady
+
+
+def test_a_tenant_arriving_at_the_peer_gets_its_room_proven_at_once() -> None:
+    """Issue 32: a tenant's flow of 150 Mbit/s into a 300 Mbit/s downlink
+    read a path from a 120 Mbit/s uplink at 0 for up to 30 s: the proof of
+    the downlink's room was taken before the tenant came (116 + no load),
+    and five trains at the budget's pace (6 s apart) had to replace it.
+    A clean train the proof cannot account for now sends a long one at
+    once (10 ms at the rate, past a paced flow's bursts); clean, it proves
+    the room under the new load alone."""
+    clock = FakeClock()
+    est = PathEstimator(ProbeConfig(share=4), clock)
+    down_load = 150 * MBIT / PAYLOAD
+    steady = _tenant_arrives(est, clock, down_load)
+    assert est.interval() <= ProbeConfig().quick_interval
+    proof = est.plan(1).count
+    assert proof * 1514 >= 0.01 * 116 * MBIT / 8
+    est.on_train(_measure(116 * MBIT, count=proof), peer_down_load=down_load)
     assert est.down_capacity() == pytest.approx(266 * MBIT)
     assert est.snapshot(local_up_load=0.0).bandwidth_bps == pytest.approx(116 * MBIT)
     assert est.interval() == pytest.approx(steady, rel=0.01)  # back to the budget's pace
-    # A clean train under the load the proof was taken with is no news.
-    est.on_train(_measure(116 * MBIT), peer_down_load=down_load)
-    assert est.interval() == pytest.approx(steady, rel=0.01)
+    assert est.plan(2).count < proof
+    # Short trains under that load keep it proven.
+    for _ in range(5):
+        est.on_train(_measure(116 * MBIT), peer_down_load=down_load)
+    assert est.down_capacity() == pytest.approx(266 * MBIT)
+    # Trains slowed by a downlink without room undo it: most of five.
+    for rate in (60, 116, 55, 58):
+        est.on_train(_measure(rate * MBIT), peer_down_load=down_load)
+    assert est.snapshot(local_up_load=0.0).bandwidth_bps == 0.0
+
+
+def test_a_long_train_slowed_by_the_load_proves_nothing_and_is_not_repeated() -> None:
+    """Short trains slip between a paced tenant's bursts now and then, a
+    long one does not. After a long train slowed by the load the path keeps
+    reading what the load leaves; another long train waits for another
+    load, and there are at most PROOF_BURST in PROOF_WINDOW seconds."""
+    clock = FakeClock()
+    est = PathEstimator(ProbeConfig(share=4), clock)
+    down_load = 150 * MBIT / PAYLOAD
+    steady = _tenant_arrives(est, clock, down_load)
+    proof = est.plan(1).count
+    # its clean run reads the capacity; the whole train, with the flow's
+    # packets between its own, got 60
+    est.on_train(_measure(116 * MBIT, count=proof, tail_bps=60 * MBIT),
+                 peer_down_load=down_load)
+    assert est.snapshot(local_up_load=0.0).bandwidth_bps == 0.0
+    for _ in range(3):
+        clock.advance(steady)
+        est.on_train(_measure(116 * MBIT), peer_down_load=down_load)
+        assert est.plan(1).count < proof
+        assert est.interval() > 10 * ProbeConfig().quick_interval
+    # under other loads (a flow ramping up), two more at once, then no more ...
+    for k, asked in ((1.2, True), (1.5, True), (1.8, False)):
+        est.on_train(_measure(116 * MBIT), peer_down_load=k * down_load)
+        assert (est.plan(1).count >= proof) is asked, k
+        if asked:
+            est.on_train(_measure(116 * MBIT, count=proof, tail_bps=60 * MBIT),
+                         peer_down_load=k * down_load)
+    # ... until the window has passed since the first
+    clock.advance(PROOF_WINDOW)
+    est.on_train(_measure(116 * MBIT), peer_down_load=1.8 * down_load)
+    assert est.plan(1).count >= proof
+
+
+def test_the_jobs_own_flow_into_the_peer_does_not_halve_the_path() -> None:
+    """Issue 32: a bulk flow of the job filled h1's 100 Mbit/s downlink; h2's
+    trains to h1 shared its queue and read about half, and h2 -> h1 read half
+    its capacity, though the job's traffic is the job's to plan. The peer
+    now reports what its downlink carried, the job's traffic included: trains
+    it explains move nothing, and a drop it cannot explain still does."""
+    clock = FakeClock()
+    est = PathEstimator(ProbeConfig(), clock)
+    _settle(est, clock, 97 * MBIT)
+    carried = 95 * MBIT / PAYLOAD  # wire bit/s, as the peer reports it
+    for rate in (48, 51, 45, 50, 47, 52):
+        est.on_train(_measure(rate * MBIT), peer_down_load=0.0, peer_carried=carried)
+        clock.advance(0.5)
+    assert est.capacity.value == pytest.approx(97 * MBIT)
+    assert est.snapshot(local_up_load=0.0).bandwidth_bps == pytest.approx(97 * MBIT)
+    # without the peer's word the same trains are a capacity drop
+    blind = PathEstimator(ProbeConfig(), clock)
+    _settle(blind, clock, 97 * MBIT)
+    for rate in (48, 51, 45):
+        blind.on_train(_measure(rate * MBIT), peer_down_load=0.0)
+    assert blind.capacity.value < 55 * MBIT
+    # a report that is no number, or negative, explains nothing
+    for bad in (math.nan, -1e9, math.inf):
+        est.on_train(_measure(97 * MBIT), peer_down_load=0.0, peer_carried=bad)
+        assert est.peer_carried == 0.0
+    # with a light flow into the peer, a drop to 40 is a drop
+    for _ in range(3):
+        est.on_train(_measure(40 * MBIT), peer_down_load=0.0, peer_carried=10 * MBIT)
+    assert est.capacity.value == pytest.approx(40 * MBIT)
+
+
+def test_a_path_first_measured_beside_the_jobs_flow_has_what_the_links_carry() -> None:
+    """An agent that starts while the job's flow fills the peer's downlink
+    never sees the path alone: its trains read a share (48 of 97). The
+    downlink carries 95, and this host's uplink reaches another peer at 97,
+    so the path has at least 95 (the smaller); the job's traffic is not load."""
+    clock = FakeClock()
+    est = PathEstimator(ProbeConfig(), clock)
+    _settle(est, clock, 48 * MBIT)
+    carried = 95 * MBIT / PAYLOAD
+    for _ in range(6):
+        est.on_train(_measure(48 * MBIT), peer_down_load=0.0, peer_carried=carried)
+        clock.advance(0.5)
+    assert est.capacity.value == pytest.approx(48 * MBIT)
+    snap = est.snapshot(local_up_load=0.0, up_capacity=97 * MBIT)
+    assert snap.capacity_bps == pytest.approx(95 * MBIT)
+    assert snap.bandwidth_bps == pytest.approx(95 * MBIT)
+    # this host's uplink not known to be faster: the trains' reading stands
+    assert est.snapshot(local_up_load=0.0).bandwidth_bps == pytest.approx(48 * MBIT)
+    # the downlink's load (another tenant's) is still load
+    est.on_train(_measure(48 * MBIT), peer_down_load=20 * MBIT / PAYLOAD,
+                 peer_carried=carried)
+    snap = est.snapshot(local_up_load=0.0, up_capacity=97 * MBIT)
+    assert snap.bandwidth_bps == pytest.approx(75 * MBIT)
 
 
 def test_a_downlink_without_room_slows_the_trains_and_proves_nothing() -> None:
-    """Cross traffic that fills the downlink leaves most trains a share,
+    """Cross traffic that fills the downlink slows a long train to a share,
     below the threshold: then the downlink's load comes off the path's
-    capacity as before. Room once proven stays proven while most trains
-    come through clean (paced cross traffic slows one now and then)."""
+    capacity. Room once proven stays proven while most trains come through
+    clean (paced cross traffic slows one now and then)."""
     clock = FakeClock()
     est = PathEstimator(ProbeConfig(), clock)
     _settle(est, clock, 100 * MBIT)
     down_load = 50 * MBIT / PAYLOAD
-    for rate in (100, 67, 70, 67, 100):  # most slowed to a share
-        est.on_train(_measure(rate * MBIT), peer_down_load=down_load)
-        clock.advance(0.3)
+    est.on_train(_measure(100 * MBIT), peer_down_load=down_load)
+    est.on_train(_measure(67 * MBIT, count=est.plan(1).count), peer_down_load=down_load)
     assert est.down_capacity() == pytest.approx(100 * MBIT)
     assert est.snapshot(local_up_load=0.0).bandwidth_bps == pytest.approx(50 * MBIT)
-    # A downlink with room: proven by five clean trains in a row ...
-    est.peer_down_load = 0.0
-    for _ in range(5):
-        est.on_train(_measure(100 * MBIT), peer_down_load=20 * MBIT / PAYLOAD)
+    # A downlink with room: proven by a long train ...
+    est.on_train(_measure(100 * MBIT), peer_down_load=20 * MBIT / PAYLOAD)
+    est.on_train(_measure(100 * MBIT, count=est.plan(1).count),
+                 peer_down_load=20 * MBIT / PAYLOAD)
     assert est.down_capacity() == pytest.approx(120 * MBIT)
-    # ... and one train slowed by a burst of cross traffic does not undo it.
-    est.on_train(_measure(70 * MBIT), peer_down_load=20 * MBIT / PAYLOAD)
+    # ... and one train slowed by a burst of cross traffic does not undo it ...
+    for rate in (100, 80, 100, 100, 80):
+        est.on_train(_measure(rate * MBIT), peer_down_load=20 * MBIT / PAYLOAD)
     assert est.down_capacity() == pytest.approx(120 * MBIT)
     assert est.snapshot(local_up_load=0.0).bandwidth_bps == pytest.approx(100 * MBIT)
+    # ... while most slowed do.
+    est.on_train(_measure(80 * MBIT), peer_down_load=20 * MBIT / PAYLOAD)
+    assert est.capacity.value == pytest.approx(100 * MBIT)
+    assert est.down_capacity() == pytest.approx(100 * MBIT)
 
 
 def test_the_uplinks_load_comes_off_the_fastest_path_seen_from_it() -> None:
@@ -826,6 +959,25 @@ def test_load_meter_rates_exclude_probe_bytes() -> None:
     down, up = m.rates()  # type: ignore[misc]
     assert down == pytest.approx(4_000_000 * 8 / 0.5)
     assert up == pytest.approx(2_875_000 * 8 / 0.5)
+
+
+def test_load_meter_counts_the_jobs_traffic_apart_from_the_load() -> None:
+    m = LoadMeter(window=0.5)
+    assert m.carried(0.0) == 0.0
+    m.update(0.0, 0, 0, 0, 0, 0, 0)
+    m.update(0.5, 5_000_000, 3_000_000, 1_000_000, 125_000, 2_500_000, 400_000)
+    down, up = m.rates()  # type: ignore[misc]
+    assert down == pytest.approx(1_500_000 * 8 / 0.5)
+    assert up == pytest.approx(2_475_000 * 8 / 0.5)
+    # the downlink carried the load and the job's traffic: 4 MB in 0.5 s
+    assert m.carried(0.5) == pytest.approx(4_000_000 * 8 / 0.5)
+    # the most of the last second, not the last window: a flow that lost a
+    # packet to a train sends at half its rate for a while
+    m.update(1.0, 6_000_000, 3_000_000, 1_000_000, 125_000, 3_000_000, 400_000)
+    assert m.rates()[0] == pytest.approx(500_000 * 8 / 0.5)  # type: ignore[index]
+    assert m.carried(1.0) == pytest.approx(4_000_000 * 8 / 0.5)
+    assert m.carried(1.6) == pytest.approx(1_000_000 * 8 / 0.5)
+    assert m.carried(3.0) == 0.0
 
 
 def test_load_meter_slides_its_window_and_survives_counter_reset() -> None:

@@ -19,6 +19,7 @@ EVENTS = [
     probe.HelloAck("h1"),
     probe.TrainReport(7, 1, 3, 1.5e6, False, ((0, 10), (2, 2**63))),
     probe.TrainReport(7, 2**32 - 1, 65535, math.inf, True, (), senders=65535),
+    probe.TrainReport(7, 3, 8, 2e6, False, ((0, 1),), senders=2, rx_carried_bps=95e6),
     probe.Ping(1, 123456789),
     probe.Pong(2**64 - 1, 0),
     probe.TransferReport("h2", 10**12, 0.25),

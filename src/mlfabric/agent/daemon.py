@@ -332,8 +332,8 @@ class Agent:
                 reading = None
             if reading is not None:
                 rx, tx = reading
-                self.load.update(self.clock(), rx, tx, self.probe_rx_bytes + self.job_rx_bytes,
-                                 self.probe_tx_bytes + self.job_tx_bytes)
+                self.load.update(self.clock(), rx, tx, self.probe_rx_bytes,
+                                 self.probe_tx_bytes, self.job_rx_bytes, self.job_tx_bytes)
             with contextlib.suppress(asyncio.TimeoutError):
                 await within(self._stopping.wait(), self.config.load_interval)
 
@@ -577,12 +577,12 @@ class Agent:
                 if reader_task in done:
                     reader_task.result()
                     raise ConnectionLost(f"peer {st.name} closed the connection")
-                peer_load = None
+                peer_load = peer_carried = None
                 overlapped = False
                 if fut in done:
                     report = fut.result()
                     m = analyze_train(plan, sent_ns, report.arrivals)
-                    peer_load = report.rx_load_bps
+                    peer_load, peer_carried = report.rx_load_bps, report.rx_carried_bps
                     overlapped = report.overlapped
                     self._share_budget(st, report.senders)
                 else:
@@ -590,7 +590,7 @@ class Agent:
                     fut.cancel()
                 bucket = st.estimator.burst_bytes
                 outcome = st.estimator.on_train(m, peer_down_load=peer_load,
-                                                overlapped=overlapped)
+                                                overlapped=overlapped, peer_carried=peer_carried)
                 if st.estimator.burst_bytes > bucket:  # a token bucket learnt
                     self._share_bucket(st.estimator.burst_bytes)
                 if len(pings) > 16:
@@ -767,6 +767,7 @@ class Agent:
         arrivals = tuple(sorted(rx.arrivals.items()))
         load = self.link_load()
         down = math.nan if load is None else load[0]
+        carried = self.load.carried(self.clock())
         t0, t1 = min(rx.arrivals.values()), max(rx.arrivals.values())
         overlapped = any(
             s != key[0] and a0 <= t1 and a1 >= t0 for s, a0, a1 in self._spans
@@ -777,7 +778,7 @@ class Agent:
         self._spans.append((key[0], t0, t1))
         senders = min(len({c.peer_name for c in self._sessions.values()}), 0xFFFF)
         ctl.send(probe.TrainReport(key[0], key[1], rx.count, down, overlapped, arrivals,
-                                   senders))
+                                   senders, carried))
 
     # -- control connections ---------------------------------------------------
 

@@ -31,7 +31,9 @@ from typing import Any, Final
 
 from ..errors import FrameTooLarge, ProtocolError
 
-VERSION: Final = 3  # 2: Estimates carry the host's own link loads; 3: TrainReport.senders
+# 2: Estimates carry the host's own link loads; 3: TrainReport.senders;
+# 4: TrainReport.rx_carried_bps
+VERSION: Final = 4
 MAGIC: Final = b"MA"
 HEADER = struct.Struct(">2sBBI")
 MAX_FRAME: Final = 1 << 20  # a report of 64 Ki arrivals fits; anything larger is an error
@@ -90,7 +92,10 @@ class TrainReport:
     on the receiver's clock (only differences are meaningful), the load on the
     receiver's downlink in wire bit/s excluding probes (NaN if unknown),
     whether another agent's train overlapped it (then it shared the downlink),
-    and how many agents probe the receiver (they share its downlink's budget)."""
+    how many agents probe the receiver (they share its downlink's budget), and
+    the most its downlink carried lately in wire bit/s, probes excluded and
+    the job's own traffic included (0 if unknown): the job's traffic is not
+    load (the job plans it) but it slows a train all the same."""
 
     session: int
     train: int
@@ -99,6 +104,7 @@ class TrainReport:
     overlapped: bool  # another train arrived at the receiver at the same time
     arrivals: tuple[tuple[int, int], ...]
     senders: int = 1  # agents with a probe session open to the receiver
+    rx_carried_bps: float = 0.0  # LoadMeter.carried at the receiver
 
 
 @dataclass(frozen=True)
@@ -265,8 +271,8 @@ def _encode_payload(event: Event) -> tuple[MsgType, bytes]:
         w.string(event.name)
         return MsgType.HELLO_ACK, w.bytes()
     if isinstance(event, TrainReport):
-        w.pack("QIHdBHI", event.session, event.train, event.count, event.rx_load_bps,
-               int(event.overlapped), event.senders, len(event.arrivals))
+        w.pack("QIHddBHI", event.session, event.train, event.count, event.rx_load_bps,
+               event.rx_carried_bps, int(event.overlapped), event.senders, len(event.arrivals))
         for seq, t in event.arrivals:
             w.pack("HQ", seq, t)
         return MsgType.TRAIN_REPORT, w.bytes()
@@ -324,11 +330,12 @@ def _decode_payload(msg_type: int, payload: bytes) -> Event:
     elif kind is MsgType.HELLO_ACK:
         event = HelloAck(r.string())
     elif kind is MsgType.TRAIN_REPORT:
-        session, train, count, load, overlapped, senders, n = r.unpack("QIHdBHI")
+        session, train, count, load, job, overlapped, senders, n = r.unpack("QIHddBHI")
         if n > count:
             raise ProtocolError(f"TrainReport lists {n} arrivals for a train of {count}")
         arrivals = tuple(r.unpack("HQ") for _ in range(n))
-        event = TrainReport(session, train, count, load, bool(overlapped), arrivals, senders)
+        event = TrainReport(session, train, count, load, bool(overlapped), arrivals, senders,
+                            job)
     elif kind is MsgType.PING:
         event = Ping(*r.unpack("QQ"))
     elif kind is MsgType.PONG:
