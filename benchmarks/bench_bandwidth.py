@@ -179,10 +179,10 @@ class Cluster:
         return worst
 
     def probes_per_link(self, rates: dict[str, tuple[float, float]],
-                        seconds: float) -> float:
+                        seconds: float) -> dict[tuple[str, str], float]:
         """Like `overhead_per_link`, counting only probe datagrams (the
-        agents' own counters, per peer): for a window with the job's traffic
-        on the links."""
+        agents' own counters, per peer), for a window with the job's traffic
+        on the links: the share of each link ("up" or "down", host)."""
         def sent() -> dict[tuple[str, str], float]:
             out = {}
             for h in self.tb.hosts:
@@ -200,8 +200,8 @@ class Cluster:
             rate = (v - before.get((a, b), 0.0)) * 8 / (t1 - t0)
             up[a] = up.get(a, 0.0) + rate
             down[b] = down.get(b, 0.0) + rate
-        return max([up[h] / (rates[h][0] * 1e6) for h in up]
-                   + [down[h] / (rates[h][1] * 1e6) for h in down])
+        return {**{("up", h): r / (rates[h][0] * 1e6) for h, r in up.items()},
+                **{("down", h): r / (rates[h][1] * 1e6) for h, r in down.items()}}
 
     def reprobes(self) -> float:
         """Trains that found no queue, per 100 trains, over all agents so far."""
@@ -334,10 +334,14 @@ def shapers(case: str, seconds: float, settle: float = 10.0) -> dict[str, float]
             # settled, before any other traffic; over 20 s, several probe intervals
             # (behind 10 ms buckets a path's trains are 5-11 s apart, so a 4 s
             # window holds one train or none of each path)
+            extra: dict[str, float] = {}
             if job is None:
                 overhead = c.overhead_per_link(rates, seconds=OVERHEAD_WINDOW)
-            else:  # the goal while the job transfers: 1%
-                overhead = c.probes_per_link(rates, seconds=OVERHEAD_WINDOW)
+            else:
+                shares = c.probes_per_link(rates, seconds=OVERHEAD_WINDOW)
+                overhead = max(shares.values())
+                # the goal on the links the job transfers on: 1%
+                extra["job_links"] = max(shares[("up", "h1")], shares[("down", "h0")])
             proto = case.split()[1]
             if case.startswith("cross"):
                 # another tenant's flow into h0 (from h2, whose uplink has room)
@@ -369,7 +373,7 @@ def shapers(case: str, seconds: float, settle: float = 10.0) -> dict[str, float]
     errs.sort()
     return {"median": statistics.median(errs), "p90": errs[int(0.9 * (len(errs) - 1))],
             "max": errs[-1], "over_25": sum(e > 0.25 for e in errs) / len(errs),
-            "samples": float(len(errs)), "overhead": overhead}
+            "samples": float(len(errs)), "overhead": overhead, **extra}
 
 
 def main() -> int:
@@ -422,9 +426,11 @@ def main() -> int:
               f"{OVERHEAD_WINDOW:g} s; with the job's flow: probes only) |")
         print("|---|---|---|---|---|---|")
         for name, rows in matrix.items():
+            job = (f" (the job's links: {med(rows, 'job_links'):.2%})"
+                   if "job_links" in rows[0] else "")
             print(f"| {name.removeprefix('shapers ')} | {med(rows, 'median'):.1%} | "
                   f"{med(rows, 'p90'):.1%} | {med(rows, 'max'):.1%} | "
-                  f"{med(rows, 'over_25'):.1%} | {med(rows, 'overhead'):.2%} |")
+                  f"{med(rows, 'over_25'):.1%} | {med(rows, 'overhead'):.2%}{job} |")
         print()
     if results:
         print("| scenario | error | reaction (s) | probe overhead (worst 4 s of "
