@@ -519,6 +519,14 @@ def test_the_norm_window_keeps_the_newest_versions(monkeypatch):
                                                                              np.float32)})
     assert store.version == 31
     assert store.norms_since(0) == (24, [0.0] * 7 + [math.sqrt(3.0)])
+    assert store.spans_between(0, 31) == [(31, 20)]
+    # Spans leave with their version's norm.
+    store.apply_aggregate([("a", 31), ("b", 31)], {"w": np.ones(3, np.float32)})  # 33
+    for _ in range(6):
+        store.apply(store.version, {"w": np.ones(3, np.float32)})
+    assert store.version == 39
+    assert store.spans_between(0, 39) == [(33, 2)]
+    assert store.norms_since(0, limit=1) == (32, [])  # 32 is inside the aggregate at 33
     with pytest.raises(ValueError, match="limit must be >= 0, got -1"):
         store.norms_since(0, limit=-1)
 

@@ -25,6 +25,7 @@ controller's divergence gate (`norms_since`).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -138,7 +139,8 @@ class ParameterStore:
         # version -> k of each aggregate of k > 1 among the kept norms (the
         # norms of the k - 1 versions it skipped are 0.0 and no step), in
         # version order: the divergence gate counts steps, not versions.
-        self._spans: OrderedDict[int, int] = OrderedDict()
+        self._spans: dict[int, int] = {}
+        self._span_versions: list[int] = []  # its keys, ascending (bisected per heartbeat)
         # The norm of the newest applied update (None before the first).
         self.last_norm: float | None = None
         # A sharded server's part of the model (its tensors are the pieces);
@@ -200,13 +202,16 @@ class ParameterStore:
         self.check_base_version(base_version)
         return self._update_norm(update)
 
-    def _update_norm(self, update: Mapping[str, np.ndarray]) -> float:
+    def _update_norm(self, update: Mapping[str, np.ndarray], check: bool = True) -> float:
+        """The update's L2 norm; InvalidUpdate if it is not finite and this
+        store does not allow it (`check`: a replica replaying its server's
+        steps does not check again)."""
         # Summed exactly as workers compute the norm they report
         # (control_book.controlled_update), so the two agree bit for bit.
         squares = 0.0
         for name, u in update.items():
             norm = kernels.l2_norm(c_contiguous(u).reshape(-1))
-            if not self.allow_nonfinite and not math.isfinite(norm):
+            if check and not self.allow_nonfinite and not math.isfinite(norm):
                 raise InvalidUpdate(_nonfinite_message(name), reason="nonfinite")
             squares += norm ** 2
         return math.sqrt(squares)
@@ -336,7 +341,7 @@ class ParameterStore:
             )
         update = {n: np.asarray(u) for n, u in update.items()}
         self.check_layout((n, u.dtype, u.shape) for n, u in update.items())
-        self._step(update, self._update_norm_unchecked(update), check=False)
+        self._step(update, self._update_norm(update, check=False), check=False)
         return PushOutcome(True, self.version, max(0, seq - 1 - base_version), None,
                            base_version)
 
@@ -365,14 +370,9 @@ class ParameterStore:
             kernels.sum_into(out, tuple(c_contiguous(np.asarray(u[name])) for _, u in members))
             total[name] = out
         delays = tuple(max(0, first - 1 - base) for base, _ in members)
-        self._step(total, self._update_norm_unchecked(total), steps=len(members), check=False)
+        self._step(total, self._update_norm(total, check=False), steps=len(members),
+                   check=False)
         return AggregateOutcome(True, self.version, delays)
-
-    def _update_norm_unchecked(self, update: Mapping[str, np.ndarray]) -> float:
-        squares = 0.0
-        for u in update.values():
-            squares += kernels.l2_norm(c_contiguous(u).reshape(-1)) ** 2
-        return math.sqrt(squares)
 
     def _step(self, update: Mapping[str, np.ndarray], norm: float, *, steps: int = 1,
               check: bool = True) -> None:
@@ -426,11 +426,14 @@ class ParameterStore:
         ring[self.version % window] = norm
         self._norms_at = self.version
         self.last_norm = norm
-        spans = self._spans
         if steps > 1:
-            spans[self.version] = steps
-        while spans and next(iter(spans)) <= self.version - window:
-            spans.popitem(last=False)
+            self._spans[self.version] = steps
+            self._span_versions.append(self.version)
+        old = bisect.bisect_right(self._span_versions, self.version - window)
+        if old:
+            for v in self._span_versions[:old]:
+                del self._spans[v]
+            del self._span_versions[:old]
 
     def _norms_sync(self) -> None:
         # The version was set from outside (a replica resynced from its
@@ -439,6 +442,7 @@ class ParameterStore:
             self._norms_from = self.version + 1
             self._norms_at = self.version
             self._spans.clear()
+            self._span_versions.clear()
 
     def norms_since(self, version: int, limit: int = 4096) -> tuple[int, list[float]]:
         """The L2 norms of the updates that produced versions version + 1,
@@ -453,9 +457,11 @@ class ParameterStore:
         first = max(version + 1, self._norms_from, self.version - NORM_WINDOW + 1)
         last = min(self.version, first + limit - 1)
         # End on a step: an aggregate cut short would read as zero steps.
-        end = next((v for v in self._spans if v > last), None)
-        if end is not None and end - self._spans[end] < last:
-            last = end - self._spans[end]
+        after = bisect.bisect_right(self._span_versions, last)
+        if after < len(self._span_versions):
+            end = self._span_versions[after]
+            if end - self._spans[end] < last:
+                last = end - self._spans[end]
         if last < first:
             return first, []
         lo, hi = first % NORM_WINDOW, last % NORM_WINDOW
@@ -467,7 +473,9 @@ class ParameterStore:
         """(version, k) of each aggregate of k > 1 whose step is at a version
         from first to last (see `norms_since`; the other versions there were
         single steps), in version order."""
-        return [(v, k) for v, k in self._spans.items() if first <= v <= last]
+        versions = self._span_versions
+        lo, hi = bisect.bisect_left(versions, first), bisect.bisect_right(versions, last)
+        return [(v, self._spans[v]) for v in versions[lo:hi]]
 
     def _rotate(self) -> None:
         """The spare buffers hold the next weights: w_prev <- w, w <- spare
