@@ -441,15 +441,20 @@ def test_no_queue_twice_doubles_the_train_and_a_faster_path_is_confirmed_as_any_
     _settle(est, clock, 50 * MBIT * PAYLOAD)
     small = est.plan(1).count
     no_queue = TrainMeasurement(small, 0, None, 1e9, 0)
+    quick = ProbeConfig().quick_interval
     assert est.on_train(no_queue) == "unqueued"
+    assert est.interval() == quick
     assert est.on_train(no_queue) == "burst"
+    assert est.interval() == quick
     assert est.burst_bytes == 2 * small * 1514
     doubled = est.plan(2).count
     assert doubled >= 2 * small
     assert est.on_train(_measure(194 * MBIT, count=doubled)) == "rise"
+    assert est.interval() == quick
     assert est.snapshot().capacity_bps == pytest.approx(50 * MBIT * PAYLOAD)  # held back
     # a train of the same length is no confirmation
     assert est.on_train(_measure(195 * MBIT, count=doubled)) == "rise"
+    assert est.interval() == quick
     assert est.snapshot().capacity_bps == pytest.approx(50 * MBIT * PAYLOAD)
     vouching = math.ceil(0.02 * 195 * MBIT / PAYLOAD / 8 / 1514)  # 20 ms at 195 Mbit/s
     count = doubled
@@ -457,6 +462,10 @@ def test_no_queue_twice_doubles_the_train_and_a_faster_path_is_confirmed_as_any_
         assert est.plan(3).count == 2 * count
         count *= 2
         assert est.on_train(_measure(195 * MBIT, count=count)) == "rise"
+        # every train of the rise goes at once, though the old rate's budget
+        # holds far less than the train that vouches for it
+        assert est.interval() == quick
+    assert vouching * 1514 > 4 * est.budget_bytes_per_s()
     assert est.plan(3).count == vouching
     assert est.on_train(_measure(195 * MBIT, count=vouching)) == "sample"
     assert est.snapshot().capacity_bps == pytest.approx(195e6)

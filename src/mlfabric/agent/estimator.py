@@ -639,11 +639,17 @@ class PathEstimator:
         if not self._quick:
             self._free_quick = 0
             interval = max(nxt / self.budget_bytes_per_s(), c.min_interval)
-        elif self._free_quick < 5 and (
-            self._last in ("unqueued", "escalate", "burst", "sample", "rise")
+        elif self._last == "rise" or (self._free_quick < 5 and (
+            self._last in ("unqueued", "escalate", "burst", "sample")
             or (self._free_quick > 0 and self._last in ("sender-slow", "lost", "collision"))
-        ):
-            # following a change: a few trains in a row go at once
+        )):
+            # following a change: a few trains in a row go at once; and so
+            # does every train of a rise, each twice the last up to one that
+            # vouches for it (at most 2 x verify_s of the link in all, once
+            # per rise). Charged, the vouching train waited for the old, slower
+            # rate's tokens: 9 s for 445 KB after a step from 50 to 200 Mbit/s
+            # on a loaded host, where a descheduled sender had left the first
+            # trains of the rise unable to show their bucket run dry.
             self._free_quick += 1
             self._free = True
             return max(c.quick_interval, self._backoff(nxt))
