@@ -238,12 +238,11 @@ def test_rate_change_followed_within_1s_down_and_2s_up() -> None:
 
         wait_for(lambda: within(agents.estimates(), pairs, expect_for(200), 0.10), 3.0)
         # issue 32's goals: within 1 s after a decrease, 2 s after an increase
-        # (the benchmark's `change` scenario measures them: medians 0.53 s and
-        # 0.48 s). An increase is believed from a train that drained the
-        # bucket, and the trains that find it are sized and paced for the old
-        # rate: a fresh-clone CI run once took more than 2 s for two paths, so
-        # this test allows 4 s for the increase (issue 32's note).
-        for new, limit in ((50, 1.0), (200, 4.0)):
+        # (the benchmark's `change` scenario measures them). On a loaded host
+        # (a CI run) an increase once took more than 2 s: the train that
+        # vouched for it waited for the old rate's budget; a rise's trains now
+        # all go at once (0.44-1.19 s with both cores otherwise busy).
+        for new, limit in ((50, 1.0), (200, 2.0)):
             time.sleep(1.0)  # steady state before the change
             tb.set_rate("h0", up=new, down=new)
             elapsed, _ = wait_for(
