@@ -291,7 +291,8 @@ def test_a_wrong_token_or_job_names_both_settings(tmp_path):
         with pytest.raises(ConfigError) as exc:
             config.connect(s)
     message = one_line(exc)
-    assert "the server's token for job 'testjob' differ; check the token file" in message
+    assert "the server did not prove it holds job 'testjob''s token; check the token file" \
+        in message
     assert message.endswith(
         "(setting job from argument job=, setting token_file from argument token_file=)")
 

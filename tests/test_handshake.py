@@ -65,7 +65,8 @@ def test_a_wrong_token_is_refused_by_both_sides():
     server = ServerHandshake(JOB, TOKEN, "server")
     step = converse(client, server)
     assert (step.code, step.why, server.stage) == ("auth", "wrong token", "refused")
-    assert "token is not job 'job'" in step.message
+    assert step.message == ("authentication failed: check the job name, the token file "
+                            "and the address")
     # The client sent its proof all the same (the server counts the failure)
     # and then refuses the server's proof itself.
     assert not client.server_verified
@@ -73,12 +74,23 @@ def test_a_wrong_token_is_refused_by_both_sides():
         client.verify_server()
 
 
-def test_a_wrong_job_is_refused_with_both_names():
-    server = ServerHandshake(JOB, TOKEN, "controller")
-    step = server.on_event(over_the_wire(ClientHandshake("other", TOKEN, "w0").hello()))
-    assert (step.code, step.why) == ("auth", "wrong job 'other'")
-    assert step.message == ("this controller serves job 'job', not 'other': check the job "
-                            "name and the controller address")
+def test_a_wrong_job_is_refused_as_a_wrong_token_and_named_only_in_the_log():
+    """Issue 33: a refusal told a peer that had not authenticated the job's
+    name. Now another job's hello gets a challenge as any, whose proof no
+    token makes, and the same refusal as a wrong token: the peer learns
+    neither the job's name nor whether the job it asked for is served."""
+    wrong_job = ServerHandshake(JOB, TOKEN, "controller")
+    client = ClientHandshake("other", TOKEN, "w0")
+    step = converse(client, wrong_job)
+    wrong_token = ServerHandshake(JOB, TOKEN, "controller")
+    step2 = converse(ClientHandshake(JOB, b"y" * 32, "w0"), wrong_token)
+    assert (step.code, step.message) == (step2.code, step2.message)
+    assert f"'{JOB}'" not in step.message and "other" not in step.message
+    assert (step.why, step2.why) == ("wrong job 'other'", "wrong token")
+    # the challenge it got is as long as any, and its proof is no token's
+    assert not client.server_verified
+    with pytest.raises(AuthenticationError, match="did not prove it holds job 'other'"):
+        client.verify_server()
 
 
 @pytest.mark.parametrize("first", [Auth(proof=b"p" * 32), Pull(req=1)])

@@ -7,7 +7,12 @@
                               <-    WELCOME(...)  or  ERROR(auth | protocol) and close
 
 Each side proves it holds the job's token (`auth`): the token never crosses
-the wire. `ClientHandshake` is the dialling side, one step per event the
+the wire. A peer that has not authenticated learns nothing from a refusal:
+a hello for another job gets a challenge as any (its proof made with a
+random key), and a wrong job and a wrong token are refused with the same
+words, so the refusal neither names the listener's job nor says whether
+the job asked for is served here (issue 33). The listener's own log says
+which it was. `ClientHandshake` is the dialling side, one step per event the
 listener sends; `ServerHandshake` the listening side, one `Step` per event
 the peer sends, saying what to send, whom to refuse and why, or that the
 peer is in. The transports only carry the steps out.
@@ -62,9 +67,9 @@ class ClientHandshake:
     def verify_server(self) -> None:
         if not self.server_verified:
             raise AuthenticationError(
-                f"authentication failed: this client's token and the server's token for job "
-                f"{self.job!r} differ; check the token file (and that the address is the "
-                f"job's server)"
+                f"authentication failed: the server did not prove it holds job {self.job!r}'s "
+                f"token; check the token file, the job name and that the address is the "
+                f"job's server"
             )
 
     def on_welcome(self, event: Any) -> Welcome:
@@ -98,6 +103,7 @@ class ServerHandshake:
         self.role = role
         self.stage = "hello"
         self.client = "?"  # the peer's name, from its hello
+        self._other_job: str | None = None  # the job a hello asked for, if not ours
         self._nonce = b""
         self._client_nonce = b""
 
@@ -106,15 +112,13 @@ class ServerHandshake:
             if not isinstance(event, Hello):
                 return self._refuse("protocol", f"expected a hello, got {type(event).__name__}")
             self.client = event.client
-            if event.job != self.job:
-                return self._refuse(
-                    "auth",
-                    f"this {self.role} serves job {self.job!r}, not {event.job!r}: check the "
-                    f"job name and the {self.role} address",
-                    why=f"wrong job {event.job!r}")
+            # Another job's hello goes on as any, with a proof no token
+            # makes: it is refused at its auth, as a wrong token is.
+            self._other_job = event.job if event.job != self.job else None
             self._client_nonce = event.nonce
             self._nonce = auth.new_nonce()
-            proof = auth.server_proof(self.token, self.job, event.nonce, self._nonce)
+            key = self.token if self._other_job is None else auth.new_nonce()
+            proof = auth.server_proof(key, self.job, event.nonce, self._nonce)
             self.stage = "auth"
             return Step(send=Challenge(nonce=self._nonce, proof=proof))
         if self.stage != "auth":
@@ -123,12 +127,12 @@ class ServerHandshake:
             return self._refuse("protocol",
                                 f"expected an auth message, got {type(event).__name__}")
         expected = auth.client_proof(self.token, self.job, self._client_nonce, self._nonce)
-        if not auth.proofs_match(expected, event.proof):
+        if self._other_job is not None or not auth.proofs_match(expected, event.proof):
             return self._refuse(
                 "auth",
-                f"authentication failed: the client's token is not job {self.job!r}'s token; "
-                f"check the token file",
-                why="wrong token")
+                "authentication failed: check the job name, the token file and the address",
+                why="wrong token" if self._other_job is None else
+                f"wrong job {self._other_job!r}")
         self.stage = "ready"
         return Step(ready=True)
 
