@@ -41,6 +41,7 @@ class Server:
         threading.Thread(target=self._pump, daemon=True).start()
         line = self.lines.get(timeout=30)
         assert line and "serving job" in line, line
+        self.line = line
         self.address = line.split(" on ")[1].split()[0]
 
     def _pump(self) -> None:
@@ -61,6 +62,7 @@ class Server:
 def test_server_serves_and_shuts_down_cleanly_on_signals(tmp_path, sig):
     model = make_model()
     server = Server(tmp_path, "--momentum", "0.5", "--tau-max", "3", model=model)
+    assert server.line.rstrip().endswith("version 0, tau_max 3)"), server.line
     with mlfabric.connect(server.address, job=JOB, token_file=server.token_file) as ps:
         version, params = ps.pull(timeout=10)
         assert version == 0
@@ -100,9 +102,12 @@ def test_server_exports_prometheus_metrics(tmp_path):
         (lambda d: ["--token-file", str(d / "nope")], "does not exist: create it"),
         (lambda d: ["--listen", "nohost"], "address must be HOST:PORT"),
         (lambda d: ["--momentum", "1.5"], "momentum must be in"),
+        # issue 33: -2 and -16 used to start a server with no bound at all
+        (lambda d: ["--tau-max", "-2"],
+         "--tau-max must be a number of versions >= 0, or -1 for no bound; got -2"),
     ],
     ids=["missing-init", "float64-init", "corrupt-init", "missing-token", "bad-listen",
-         "bad-momentum"],
+         "bad-momentum", "bad-tau-max"],
 )
 def test_server_configuration_errors_are_one_line(tmp_path, setup, message):
     token = _write(tmp_path / "job.token", TOKEN)
@@ -244,3 +249,27 @@ def test_client_metrics_count_requests(tmp_path):
         assert metrics.received_bytes._value.get() > sum(a.nbytes for a in params.values())
     finally:
         server.stop()
+
+
+def test_tau_max_is_a_number_of_versions_or_minus_one():
+    from mlfabric.errors import ConfigError
+    from mlfabric.transport.listener import parse_tau_max
+
+    assert parse_tau_max(None) is None and parse_tau_max(-1) is None
+    assert (parse_tau_max(0), parse_tau_max(16)) == (0, 16)
+    for bad in (-2, -5, -16):
+        with pytest.raises(ConfigError, match=f"or -1 for no bound; got {bad}$"):
+            parse_tau_max(bad)
+
+
+def test_the_controller_refuses_a_negative_tau_max_in_one_line(tmp_path):
+    token = _write(tmp_path / "job.token", TOKEN)
+    token.chmod(0o600)
+    proc = subprocess.run(
+        mlfabric_cmd("controller", "--listen", "127.0.0.1:0", "--job", JOB, "--token-file",
+                     str(token), "--tau-max", "-16"),
+        capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "mlfabric controller: error: --tau-max must be a number of versions >= 0, or -1 for "
+        "no bound; got -16"], proc.stderr

@@ -15,7 +15,13 @@ from ..runtime import loop
 from ..runtime.metrics import ControllerMetrics, serve_metrics
 from ..scheduling.aggregation import AggregationConfig
 from ..scheduling.plan import POLICIES, Network, Policy, fifo_policy
-from ..transport.listener import add_listener_arguments, handshake_timeout, listen, stop_on_signals
+from ..transport.listener import (
+    add_listener_arguments,
+    handshake_timeout,
+    listen,
+    parse_tau_max,
+    stop_on_signals,
+)
 from ..wire import auth
 from ..wire.protocol import MAX_FAN_IN
 from .controller import Controller
@@ -156,7 +162,7 @@ def make_policy(name: str, overload: str = "stalest") -> Policy:
 def run(args: argparse.Namespace) -> int:
     host, port = parse_address(args.listen)
     token = auth.load_token(args.token_file)
-    tau_max = None if args.tau_max < 0 else args.tau_max
+    tau_max = parse_tau_max(args.tau_max)
     network = parse_links(args.link, args.default_link_mbit)
     shake = handshake_timeout(args)
     agents = parse_agents(args.agent)

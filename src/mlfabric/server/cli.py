@@ -25,7 +25,13 @@ from ..replication.replica import (
 from ..runtime import loop
 from ..runtime.metrics import ServerMetrics, serve_metrics
 from ..sharding.partition import DEFAULT_CHUNK_BYTES, partition
-from ..transport.listener import add_listener_arguments, handshake_timeout, listen, stop_on_signals
+from ..transport.listener import (
+    add_listener_arguments,
+    handshake_timeout,
+    listen,
+    parse_tau_max,
+    stop_on_signals,
+)
 from ..wire import auth
 from ..wire.protocol import ShardInfo
 from . import checkpoint
@@ -293,7 +299,7 @@ def run_server(args: argparse.Namespace) -> int:
     token = auth.load_token(args.token_file)
     if not auth.token_file_is_private(args.token_file):
         log.warning("token file %s is readable by other users: chmod 600 it", args.token_file)
-    tau_max = None if args.tau_max is not None and args.tau_max < 0 else args.tau_max
+    tau_max = parse_tau_max(args.tau_max)
     if not args.checkpoint_interval > 0:
         raise ConfigError(f"--checkpoint-interval must be positive, got {args.checkpoint_interval}")
     if args.keep_checkpoints < 1:
@@ -373,7 +379,7 @@ def run_server(args: argparse.Namespace) -> int:
         print(
             f"mlfabric {args.role}: serving job {args.job!r} on {bound[0]}:{bound[1]} "
             f"({part}{len(store.specs)} tensors, {store.nbytes} bytes, version "
-            f"{store.version})",
+            f"{store.version}, tau_max {'none' if tau_max is None else tau_max})",
             flush=True,
         )
         if checkpointer is not None:

@@ -64,6 +64,18 @@ def handshake_timeout(args: argparse.Namespace) -> float:
     return value
 
 
+def parse_tau_max(value: int | None) -> int | None:
+    """--tau-max (the server's and the controller's): a number of versions,
+    or -1 (or None) for no bound. Any other negative number is an error: -2
+    and -16 used to start a server with no bound at all (issue 33)."""
+    if value is None or value == -1:
+        return None
+    if value < 0:
+        raise ConfigError(f"--tau-max must be a number of versions >= 0, or -1 for no bound; "
+                          f"got {value}")
+    return value
+
+
 async def listen(endpoint: Endpoint, host: str, port: int, address: str) -> tuple[str, int]:
     """Start `endpoint`; an address that cannot be bound is a ConfigError naming it."""
     try:
