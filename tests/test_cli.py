@@ -105,9 +105,10 @@ def test_server_exports_prometheus_metrics(tmp_path):
         # issue 33: -2 and -16 used to start a server with no bound at all
         (lambda d: ["--tau-max", "-2"],
          "--tau-max must be a number of versions >= 0, or -1 for no bound; got -2"),
+        (lambda d: ["--job", " "], "--job must name the job, got ' '"),
     ],
     ids=["missing-init", "float64-init", "corrupt-init", "missing-token", "bad-listen",
-         "bad-momentum", "bad-tau-max"],
+         "bad-momentum", "bad-tau-max", "empty-job"],
 )
 def test_server_configuration_errors_are_one_line(tmp_path, setup, message):
     token = _write(tmp_path / "job.token", TOKEN)

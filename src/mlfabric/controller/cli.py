@@ -18,6 +18,7 @@ from ..scheduling.plan import POLICIES, Network, Policy, fifo_policy
 from ..transport.listener import (
     add_listener_arguments,
     handshake_timeout,
+    job_name,
     listen,
     parse_tau_max,
     stop_on_signals,
@@ -163,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
     host, port = parse_address(args.listen)
     token = auth.load_token(args.token_file)
     tau_max = parse_tau_max(args.tau_max)
+    job_name(args.job)
     network = parse_links(args.link, args.default_link_mbit)
     shake = handshake_timeout(args)
     agents = parse_agents(args.agent)

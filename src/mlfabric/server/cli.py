@@ -28,6 +28,7 @@ from ..sharding.partition import DEFAULT_CHUNK_BYTES, partition
 from ..transport.listener import (
     add_listener_arguments,
     handshake_timeout,
+    job_name,
     listen,
     parse_tau_max,
     stop_on_signals,
@@ -300,6 +301,7 @@ def run_server(args: argparse.Namespace) -> int:
     if not auth.token_file_is_private(args.token_file):
         log.warning("token file %s is readable by other users: chmod 600 it", args.token_file)
     tau_max = parse_tau_max(args.tau_max)
+    job_name(args.job)
     if not args.checkpoint_interval > 0:
         raise ConfigError(f"--checkpoint-interval must be positive, got {args.checkpoint_interval}")
     if args.keep_checkpoints < 1:

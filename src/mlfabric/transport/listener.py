@@ -64,6 +64,13 @@ def handshake_timeout(args: argparse.Namespace) -> float:
     return value
 
 
+def job_name(value: str) -> str:
+    """--job, checked: a name, not blank (issue 33: `--job ""` was served)."""
+    if not value.strip():
+        raise ConfigError(f"--job must name the job, got {value!r}")
+    return value
+
+
 def parse_tau_max(value: int | None) -> int | None:
     """--tau-max (the server's and the controller's): a number of versions,
     or -1 (or None) for no bound. Any other negative number is an error: -2
