@@ -529,8 +529,8 @@ class PathEstimator:
         # shrink on its own, and a larger train only costs budget.
         self.burst_bytes = 0
         self.busy = False  # the job transfers on this host now (see budget())
-        # (capacity sample, the peer's downlink load then), payload bit/s
-        self._evidence: deque[tuple[float, float]] = deque(maxlen=EVIDENCE)
+        # the last capacity samples (payload bit/s): whether proven room stays
+        self._evidence: deque[float] = deque(maxlen=EVIDENCE)
         self._proven: float | None = None  # the downlink capacity a long train proved
         # The wire bytes the next train needs to prove the downlink's room
         # (0: no proof asked), and when and under which load it was asked for
@@ -768,7 +768,7 @@ class PathEstimator:
             return self._outcome("weak", quick=False)
         # What the peer's downlink carried with this train (down_capacity).
         load = (self.peer_down_load or 0.0) * c.payload_ratio
-        self._evidence.append((m.capacity_bps, load))
+        self._evidence.append(m.capacity_bps)
         if self._prove and (m.received + m.lost) * (c.packet_size + WIRE_OVERHEAD) >= self._prove:
             # what the train got beside the load, not its clean capacity sample
             got = m.tail_bps or 0.0
@@ -986,7 +986,7 @@ class PathEstimator:
         without room slows most of them)."""
         cap = self.capacity.value
         slowed = sum(sample < (1 - self.config.threshold) * cap
-                     for sample, _ in self._evidence) if cap is not None else EVIDENCE
+                     for sample in self._evidence) if cap is not None else EVIDENCE
         if slowed > EVIDENCE // 2:
             self._proven = None
 
