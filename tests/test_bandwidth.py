@@ -987,6 +987,10 @@ def test_load_meter_counts_the_jobs_traffic_apart_from_the_load() -> None:
     assert m.carried(1.0) == pytest.approx(4_000_000 * 8 / 0.5)
     assert m.carried(1.6) == pytest.approx(1_000_000 * 8 / 0.5)
     assert m.carried(3.0) == 0.0
+    # unread, it keeps only the last span's windows
+    for i in range(100):
+        m.update(1.0 + 0.1 * i, 6_000_000 + i, 3_000_000, 1_000_000, 125_000, 3_000_000, 400_000)
+    assert len(m._carried) <= 11
 
 
 def test_load_meter_slides_its_window_and_survives_counter_reset() -> None:

@@ -357,12 +357,13 @@ class LoadMeter:
     Feed cumulative counters with `update(now, rx, tx, probe_rx, probe_tx,
     job_rx, job_tx)` (all in wire bytes); `rates()` gives (downlink, uplink)
     load in bit/s over the last `window` seconds, or None until two readings
-    exist; `carried(span)` the most the downlink carried over a `window` in
-    the last `span` seconds.
+    exist; `carried()` the most the downlink carried over a `window` in the
+    last `span` seconds.
     """
 
-    def __init__(self, window: float = 0.5) -> None:
+    def __init__(self, window: float = 0.5, span: float = 1.0) -> None:
         self.window = window
+        self.span = span
         self._readings: deque[tuple[float, int, int, int, int, int, int]] = deque()
         self._carried: deque[tuple[float, float]] = deque()  # (time, bit/s)
 
@@ -377,7 +378,10 @@ class LoadMeter:
             r.popleft()
         if len(r) >= 2 and now - r[0][0] >= self.window:
             (t0, rx0, _, prx0, *_), (t1, rx1, _, prx1, *_) = r[0], r[-1]
-            self._carried.append((now, max(0, (rx1 - rx0) - (prx1 - prx0)) * 8 / (t1 - t0)))
+            c = self._carried
+            c.append((now, max(0, (rx1 - rx0) - (prx1 - prx0)) * 8 / (t1 - t0)))
+            while c[0][0] < now - self.span:  # (read or not: bounded)
+                c.popleft()
 
     def rates(self) -> tuple[float, float] | None:
         r = self._readings
@@ -392,17 +396,14 @@ class LoadMeter:
         up = max(0, (tx1 - tx0) - (ptx1 - ptx0) - max(0, jtx1 - jtx0)) * 8 / dt
         return down, up
 
-    def carried(self, now: float, span: float = 1.0) -> float:
+    def carried(self, now: float) -> float:
         """The most the downlink carried (bit/s, probes excluded, the job's
         traffic included) over a whole `window` ending in the last `span`
         seconds; 0 until one window has passed. A lower bound of the
         downlink's capacity; over a span rather than now, because a train
         that shares the queue with a TCP flow can cost it a loss, and the
         flow then sends at half its rate for a while."""
-        c = self._carried
-        while c and c[0][0] < now - span:
-            c.popleft()
-        return max((rate for _, rate in c), default=0.0)
+        return max((rate for t, rate in self._carried if t >= now - self.span), default=0.0)
 
 
 class BusyMeter:
