@@ -267,10 +267,23 @@ def test_the_controller_refuses_a_negative_tau_max_in_one_line(tmp_path):
     token = _write(tmp_path / "job.token", TOKEN)
     token.chmod(0o600)
     proc = subprocess.run(
-        mlfabric_cmd("controller", "--listen", "127.0.0.1:0", "--job", JOB, "--token-file",
-                     str(token), "--tau-max", "-16"),
+        mlfabric_cmd("controller", "--log-level", "WARNING", "--listen", "127.0.0.1:0",
+                     "--job", JOB, "--token-file", str(token), "--tau-max", "-16"),
         capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "mlfabric controller: error: --tau-max must be a number of versions >= 0, or -1 for "
         "no bound; got -16"], proc.stderr
+
+
+def test_log_level_is_taken_before_and_after_the_subcommand():
+    """Issue 33: `mlfabric server --log-level DEBUG ...` was an error; only
+    `mlfabric --log-level DEBUG server ...` worked."""
+    from mlfabric.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["demo"]).log_level == "INFO"
+    assert parser.parse_args(["--log-level", "WARNING", "demo"]).log_level == "WARNING"
+    assert parser.parse_args(["demo", "--log-level", "DEBUG"]).log_level == "DEBUG"
+    assert parser.parse_args(["--log-level", "ERROR", "demo", "--log-level",
+                              "DEBUG"]).log_level == "DEBUG"

@@ -39,17 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Network-aware communication for distributed ML training.",
     )
     parser.add_argument("--version", action="version", version=f"mlfabric {__version__}")
-    parser.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="logging verbosity (default: INFO)",
-    )
+    levels = ["DEBUG", "INFO", "WARNING", "ERROR"]
+    parser.add_argument("--log-level", default="INFO", choices=levels,
+                        help="logging verbosity (default: INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=help_text)
+        # after the subcommand too (issue 33: it only worked before it); not
+        # given there, the value before it (or the default) stands
+        p.add_argument("--log-level", default=argparse.SUPPRESS, choices=levels,
+                       help="logging verbosity (default: INFO; also before COMMAND)")
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser
