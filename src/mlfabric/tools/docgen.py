@@ -78,8 +78,8 @@ def _option(action: argparse.Action) -> str:
 def _default(action: argparse.Action) -> str:
     if action.required:
         return "required"
-    if action.nargs == 0 or action.default is None:
-        return ""
+    if action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
+        return ""  # (SUPPRESS: the value given before the subcommand stands)
     if action.default == [] and isinstance(action, argparse._AppendAction):
         return ""
     return f"`{action.default}`"
