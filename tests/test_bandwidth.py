@@ -11,6 +11,7 @@ import pytest
 
 from mlfabric.agent.estimator import (
     PROOF_WINDOW,
+    RISE_RETRIES,
     CapacityFilter,
     LoadMeter,
     PathEstimator,
@@ -652,6 +653,39 @@ def test_trains_that_shared_the_downlink_are_retried_not_taken() -> None:
     assert est.on_train(_measure(96 * MBIT), overlapped=True) == "collision"
     assert est.snapshot().capacity_bps == pytest.approx(194e6)
     assert est.interval() == est.config.quick_interval
+
+
+def test_a_rise_whose_train_met_another_agents_is_retried_at_once() -> None:
+    """Recorded on the emulated cluster (a rate-change test that failed in
+    CI): h0 stepped from 50 back to 200 Mbit/s; h1's and h2's rises into h0
+    doubled their trains together, and their 330-packet trains met at h0's
+    downlink. The retry was charged at the old 50 Mbit/s budget and waited
+    5 s: the paths read 48.5 for that long. A rise's retry now goes after
+    the collision's random backoff only (at most 2 x its length the first
+    time), a few times; past those it waits for the budget again."""
+    clock = FakeClock()
+    est = PathEstimator(ProbeConfig(initial_bps=50 * MBIT), clock)
+    _settle(est, clock, 48.6 * MBIT)
+    quick = ProbeConfig().quick_interval
+    count = est.plan(1).count
+    for _ in range(4):
+        count *= 2
+        assert est.on_train(_measure(194 * MBIT, count=count)) == "rise"
+        clock.advance(est.interval())
+    longest = est.plan(2).count
+    for retry in range(1, RISE_RETRIES + 1):
+        assert est.on_train(_measure(97 * MBIT, count=longest), overlapped=True) == "collision"
+        lasts = est.plan(2).wire_bytes * 8 / (est.hint_bps / PAYLOAD)  # at the held rate
+        wait = est.interval()
+        assert quick <= wait <= max(quick, lasts * 2.0 ** min(retry, 4)), retry
+        clock.advance(wait)
+    assert est.snapshot().capacity_bps == pytest.approx(48.6 * MBIT, rel=0.01)
+    # one more collision in a row: the retries are spent, the budget rules
+    assert est.on_train(_measure(97 * MBIT, count=longest), overlapped=True) == "collision"
+    assert est.interval() > 1.0
+    # the rise itself, retried and come through, is believed at once
+    assert est.on_train(_measure(194 * MBIT, count=longest)) == "sample"
+    assert est.snapshot().capacity_bps == pytest.approx(194e6)
 
 
 def test_lost_trains_are_counted_and_do_not_spin() -> None:

@@ -93,6 +93,10 @@ DEFAULT_PACKET_SIZE = 1472  # UDP payload of a full 1500-byte IP packet
 # The last capacity samples of which most must be clean for room proven on
 # the peer's downlink beyond C to stay proven (PathEstimator.down_capacity).
 EVIDENCE = 5
+# Retries of a rise's train that met another agent's at the peer, free of
+# the budget like the rise's other trains (PathEstimator.interval): each at
+# most 20 ms of the link, after a random backoff of 1-16 times its length.
+RISE_RETRIES = 4
 # Long trains proving a downlink's room under a new load
 # (PathEstimator._room_unproven): at most PROOF_BURST in any PROOF_WINDOW
 # seconds, 10 ms of the link each and free of the budget, so at most 0.1% of
@@ -640,17 +644,24 @@ class PathEstimator:
         if not self._quick:
             self._free_quick = 0
             interval = max(nxt / self.budget_bytes_per_s(), c.min_interval)
-        elif self._last == "rise" or (self._free_quick < 5 and (
+        elif (self._last == "rise"
+              or (self._last == "collision" and self._rise is not None
+                  and self._collided <= RISE_RETRIES)
+              or (self._free_quick < 5 and (
             self._last in ("unqueued", "escalate", "burst", "sample")
             or (self._free_quick > 0 and self._last in ("sender-slow", "lost", "collision"))
-        )):
+        ))):
             # following a change: a few trains in a row go at once; and so
             # does every train of a rise, each twice the last up to one that
             # vouches for it (at most 2 x verify_s of the link in all, once
             # per rise). Charged, the vouching train waited for the old, slower
             # rate's tokens: 9 s for 445 KB after a step from 50 to 200 Mbit/s
             # on a loaded host, where a descheduled sender had left the first
-            # trains of the rise unable to show their bucket run dry.
+            # trains of the rise unable to show their bucket run dry. A train
+            # of a rise that met another agent's at the peer is retried as
+            # freely, after the collision's random backoff (`_backoff`), up
+            # to RISE_RETRIES times: two agents stepping up into the same
+            # downlink collided there, and the retry waited 5 s for tokens.
             self._free_quick += 1
             self._free = True
             return max(c.quick_interval, self._backoff(nxt))
