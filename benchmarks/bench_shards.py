@@ -39,7 +39,7 @@ import numpy as np
 
 JOB = "bench-shards"
 METRICS_PORT = 9461
-TOKEN = b"bench-shards-token-0123456789abcdef"
+TOKEN = b"LZOCIY7dpJlBseQd7WFHxOuZfBP-lw-b1w2dFVvkE7I"  # random
 
 
 def make_model(total_bytes: int, seed: int = 0) -> dict[str, np.ndarray]:

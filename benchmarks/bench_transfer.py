@@ -42,7 +42,7 @@ import numpy as np
 
 MiB = 1 << 20
 JOB = "bench"
-TOKEN = b"benchmark-token-0123456789abcdef"
+TOKEN = b"6NrT18XCOWxQ_54HcsKmwkCRAyAyWghUj1QEo6rop3Q"  # random
 
 
 def free_port() -> int:

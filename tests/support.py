@@ -20,7 +20,8 @@ from mlfabric.server.server import ParameterServer
 from mlfabric.server.store import ParameterStore
 from mlfabric.wire.protocol import NEED_DATA, Auth, Connection, Hello
 
-TOKEN = b"test-token-0123456789abcdef"
+TOKEN = b"qlavJGRJWJ8ZiRgARS66vE3_gJK7uhcf_4UVwO0ihwk"  # random, as `mlfabric token new` makes
+WRONG_TOKEN = b"fc9VdvfKRpn_DlhazmmmGVXCKvw94F1DqIe_6ujLCwQ"  # random too, another job's
 JOB = "testjob"
 # How early an event-loop timer may fire by time.monotonic(): uvloop reads its
 # clock once per loop iteration, in whole milliseconds, so a 0.5 s timer can

@@ -15,7 +15,7 @@ from mlfabric import config
 from mlfabric.errors import ConfigError
 from mlfabric.server.store import ParameterStore
 
-from support import JOB, TOKEN, ServerThread, make_model
+from support import JOB, TOKEN, WRONG_TOKEN, ServerThread, make_model
 
 
 def write(path, text: str):
@@ -284,7 +284,7 @@ def test_a_replica_per_shard_is_probed_one_by_one(token_file, refused_address):
 
 
 def test_a_wrong_token_or_job_names_both_settings(tmp_path):
-    other = write(tmp_path / "other.token", "another-token-0123456789")
+    other = write(tmp_path / "other.token", WRONG_TOKEN.decode())
     with ServerThread(ParameterStore(make_model())) as st:
         s = config.resolve({"server": st.address, "job": JOB, "token_file": str(other)},
                            environ={})

@@ -74,7 +74,7 @@ def test_torchrun_example_with_its_own_server_reaches_the_stated_accuracy(tmp_pa
     line = next(ln for ln in proc.stdout.splitlines() if "started a parameter server" in ln)
     address = line.split(" on ")[1].split()[0]
     token = tmp_path / "any.token"
-    token.write_text("x" * 32)
+    token.write_text("SYrNR50quh4m7kuaQ-f_3C76s_2r4C4r4JLMEv8sJS4")
     with pytest.raises(ConnectError):
         mlfabric.connect(address, job="digits", token_file=token, timeout=5)
 
@@ -184,7 +184,7 @@ def test_torchrun_example_through_two_shards_named_by_the_environment(tmp_path):
 def test_bad_configuration_ends_with_one_line(tmp_path, args, files, message):
     import socket
 
-    (tmp_path / "job.token").write_text("t" * 32)
+    (tmp_path / "job.token").write_text("SYrNR50quh4m7kuaQ-f_3C76s_2r4C4r4JLMEv8sJS4")
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     with socket.socket() as refused:  # bound, not listening: connections are refused

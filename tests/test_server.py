@@ -20,6 +20,7 @@ from mlfabric.wire.protocol import HEADER, MAGIC, Error, MsgType, Pull, Push, Pu
 from support import (
     JOB,
     TOKEN,
+    WRONG_TOKEN,
     RawClient,
     Reference,
     ServerThread,
@@ -223,7 +224,7 @@ def test_nonfinite_updates_can_be_allowed(serve):
 def test_wrong_token_and_wrong_job_are_refused_and_counted(serve):
     st = serve()
     with pytest.raises(AuthenticationError, match="token"):
-        mlfabric.connect(st.address, job=JOB, token=b"another-token-0123456789")
+        mlfabric.connect(st.address, job=JOB, token=WRONG_TOKEN)
     # another job: refused as a wrong token, without naming this server's job
     with pytest.raises(AuthenticationError,
                        match="the server did not prove it holds job 'other'") as exc:
@@ -409,7 +410,7 @@ def test_asyncio_client_refusals(serve, run_async):
 
     async def body():
         with pytest.raises(AuthenticationError, match="token"):
-            await aio.connect(st.address, job=JOB, token=b"wrong-token-0123456789")
+            await aio.connect(st.address, job=JOB, token=WRONG_TOKEN)
         with pytest.raises(AuthenticationError, match="did not prove it holds job 'nope'"):
             await aio.connect(st.address, job="nope", token=TOKEN)
         with pytest.raises(ConnectError, match="cannot reach"):

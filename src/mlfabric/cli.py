@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "controller": ("mlfabric.controller.cli", "order a job's transfers (the controller)"),
     "status": ("mlfabric.controller.status_cli",
                "show a job's workers, servers, agents, versions, delays and bandwidth"),
+    "token": ("mlfabric.tools.token_cli", "make a random job token, or check one"),
     "promote": ("mlfabric.replication.promote_cli",
                 "make a replica the server by hand (checks the old server is gone, or --force)"),
 }
