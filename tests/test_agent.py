@@ -664,7 +664,7 @@ def _args(argv: list[str]):
     return p.parse_args(argv)
 
 
-def test_cli_config_from_flags_and_file(tmp_path: Path) -> None:
+def test_cli_config_from_flags_and_file(tmp_path: Path, monkeypatch) -> None:
     f = tmp_path / "agent.json"
     f.write_text(json.dumps({
         "name": "h0", "listen": "10.0.0.1:7400", "probe_budget": 0.01, "stale_after": 2,
@@ -675,6 +675,8 @@ def test_cli_config_from_flags_and_file(tmp_path: Path) -> None:
     assert cfg.peers == {"h1": ("10.0.0.2", 7400), "h2": ("10.0.0.9", 7401)}
     assert cfg.probe.budget == 0.01 and cfg.probe.stale_after == 2 and mport == 9470
     assert cfg.counters is not None and cfg.counters.keywords == {} and cfg.counters.args == (None,)
+    # --interface must name one of this host's (test_cli_errors: a misspelt one)
+    monkeypatch.setattr(socket, "if_nameindex", lambda: [(1, "lo"), (7, "eth7")])
     cfg, _ = build_config(_args(["--interface", "eth7"]))
     assert cfg.counters.args == ("eth7",)  # type: ignore[union-attr]
     cfg, mport = build_config(_args(["--name", "x", "--probe-budget", "0.02"]))

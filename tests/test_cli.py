@@ -98,7 +98,8 @@ def test_server_exports_prometheus_metrics(tmp_path):
     [
         (lambda d: ["--init", str(d / "missing.npz")], "no such file"),
         (lambda d: ["--init", str(_npz(d, a=np.zeros(3)))], "is float64; mlfabric serves float32"),
-        (lambda d: ["--init", str(_write(d / "bad.npz", b"not a zip"))], "not a readable .npz"),
+        (lambda d: ["--init", str(_write(d / "bad.npz", b"not a zip"))],
+         "is not a valid .npz model (not a zip archive); --init takes a .npz file"),
         (lambda d: ["--token-file", str(d / "nope")], "does not exist: create it"),
         (lambda d: ["--listen", "nohost"], "address must be HOST:PORT"),
         (lambda d: ["--momentum", "1.5"], "momentum must be in"),

@@ -208,8 +208,8 @@ def build_config(args: argparse.Namespace, aggregate: AggregateConfig | None = N
     if metrics_port is not None and not _is_port(metrics_port):
         raise ConfigError(f"metrics port must be in 1..65535, got {metrics_port!r}")
     interface = args.interface or file.get("interface")
-    if interface is not None and not isinstance(interface, str):
-        raise ConfigError(f"interface must be a NIC name, got {interface!r}")
+    if interface is not None:
+        check_interface(interface)
     rediscover = _pick(args.job_rediscover, file, "job_rediscover", 1.0)
     if not _is_number(rediscover) or not 0 <= rediscover <= 3600:
         raise ConfigError(f"job-rediscover must be a number of seconds in [0, 3600], "
@@ -230,6 +230,22 @@ def build_config(args: argparse.Namespace, aggregate: AggregateConfig | None = N
                          job_traffic=JobTrafficReader(ports, rediscover=float(rediscover))
                          if ports else None)
     return config, metrics_port
+
+
+def check_interface(interface: Any) -> None:
+    """--interface names a NIC of this host (in this network namespace) that
+    is not loopback: otherwise its counters are never found and the agent
+    reports no load at all, as if it had measured none (issue 33)."""
+    if not isinstance(interface, str):
+        raise ConfigError(f"interface must be a NIC name, got {interface!r}")
+    # if_nameindex lists this network namespace's, as read_net_dev reads them
+    names = sorted(name for _, name in socket.if_nameindex() if name != "lo")
+    if interface not in names:
+        why = "is loopback, which carries none of the links' traffic" if interface == "lo" \
+            else "does not exist on this host"
+        have = ", ".join(names) if names else "none but loopback"
+        raise ConfigError(f"interface {interface!r} {why}; this host's interfaces: {have} "
+                          f"(or leave --interface out to count them all)")
 
 
 def parse_job_ports(from_file: Any, from_flags: list[int]) -> list[int]:

@@ -6,6 +6,7 @@ import argparse
 import functools
 import logging
 import math
+import os
 
 from ..client.core import parse_address
 from ..errors import ConfigError
@@ -148,6 +149,20 @@ def parse_agents(specs: list[str], flag: str = "--agent") -> dict[str, tuple[str
     return agents
 
 
+def decision_log(path: str) -> logging.FileHandler:
+    """The handler appending to --decision-log, or a one-line error naming
+    the path (issue 33: a folder that did not exist was a traceback)."""
+    try:
+        return logging.FileHandler(path)
+    except OSError as exc:
+        folder = os.path.dirname(path) or "."
+        if not os.path.isdir(folder):
+            raise ConfigError(f"--decision-log {path!r}: the folder {folder!r} does not "
+                              f"exist; create it or give a path in one that does") from None
+        raise ConfigError(f"--decision-log {path!r} cannot be opened for appending: "
+                          f"{exc.strerror}") from None
+
+
 def make_policy(name: str, overload: str = "stalest") -> Policy:
     if name == "fifo":
         return fifo_policy
@@ -218,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
                         "waiting for a lost update is not resynced (it is given up after "
                         "--replica-lag-timeout)")
     if args.decision_log:
-        handler = logging.FileHandler(args.decision_log)
+        handler = decision_log(args.decision_log)
         handler.setFormatter(logging.Formatter("%(message)s"))
         decisions = logging.getLogger("mlfabric.decisions")
         decisions.addHandler(handler)

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -124,18 +125,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port")
 
 
+# What --init takes, said in every error about it.
+INIT_FORMAT = ("--init takes a .npz file of named float32 arrays, as "
+               "np.savez('model.npz', w=w, b=b) writes")
+
+
 def load_model(path: str) -> dict[str, np.ndarray]:
     """The named arrays of an .npz file, with errors that say what to fix."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--init {path!r}: no such file; give a .npz written by np.savez")
     try:
+        with open(p, "rb") as f:
+            head = f.read(6)
+    except OSError as exc:
+        raise ConfigError(f"cannot read --init {path!r}: {exc.strerror}") from None
+    # np.load takes a .npy as one unnamed array, and anything else as a
+    # pickle (whose refusal told users to allow pickles): say what it is.
+    if head == b"\x93NUMPY":
+        raise ConfigError(f"--init {path!r} is a single array (.npy), not a model; "
+                          f"{INIT_FORMAT}")
+    if not zipfile.is_zipfile(p):
+        raise ConfigError(f"--init {path!r} is not a valid .npz model (not a zip archive); "
+                          f"{INIT_FORMAT}")
+    try:
         with np.load(p, allow_pickle=False) as npz:
             tensors = {name: npz[name] for name in npz.files}
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
-        raise ConfigError(f"--init {path!r} is not a readable .npz file: {exc}") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        raise ConfigError(f"--init {path!r} is not a valid .npz model ({exc}); "
+                          f"{INIT_FORMAT}") from None
     if not tensors:
-        raise ConfigError(f"--init {path!r} holds no arrays")
+        raise ConfigError(f"--init {path!r} holds no arrays; {INIT_FORMAT}")
     for name, arr in tensors.items():
         if arr.dtype != np.float32:
             raise ConfigError(
