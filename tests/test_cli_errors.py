@@ -105,3 +105,83 @@ def test_the_agent_refuses_an_interface_it_cannot_measure(files, interface, why)
         files, [*command("agent", files), "--interface", interface],
         f"interface {interface!r} {why}; this host's interfaces: {have} (or leave "
         f"--interface out to count them all)")
+
+
+# -- every numeric flag has its range ---------------------------------------------------
+
+PORT = "must be a port number in 0..65535 (0 picks a free port), got"
+
+
+@pytest.mark.parametrize(("name", "flags", "message"), [
+    ("server", ["--sample-interval", "0"],
+     "--sample-interval must be a positive number of seconds, got 0.0"),
+    ("server", ["--sample-interval", "inf"],
+     "--sample-interval must be a positive number of seconds, got inf"),
+    ("replica", ["--recovery-seconds", "-1"],
+     "--recovery-seconds must be a finite number of seconds >= 0, got -1.0"),
+    ("replica", ["--recovery-seconds", "inf"],
+     "--recovery-seconds must be a finite number of seconds >= 0, got inf"),
+    ("replica", ["--max-pending", "0"], "--max-pending must be at least 1, got 0"),
+    ("server", ["--chunk-bytes", "0"], "--chunk-bytes must be at least 1, got 0"),
+    ("server", ["--momentum", "1"], "--momentum must be in [0, 1), got 1.0"),
+    ("server", ["--momentum", "nan"], "--momentum must be in [0, 1), got nan"),
+    ("server", ["--checkpoint-interval", "inf"],
+     "--checkpoint-interval must be a positive number of seconds, got inf"),
+    ("server", ["--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1, got 0"),
+    ("server", ["--metrics-port", "65536"], f"--metrics-port {PORT} 65536"),
+    ("replica", ["--metrics-port", "-1"], f"--metrics-port {PORT} -1"),
+    ("server", ["--handshake-timeout", "0"],
+     "--handshake-timeout must be a positive number of seconds, got 0.0"),
+    ("server", ["--tau-max", "-2"],
+     "--tau-max must be a number of versions >= 0, or -1 for no bound; got -2"),
+    ("server", ["--shard", "2/2"], "--shard 2/2: the index I must be in 0..S-1 (S = 2), got 2"),
+    ("controller", ["--default-link-mbit", "inf"],
+     "--default-link-mbit must be a positive number of Mbit/s, got inf"),
+    ("controller", ["--link", "h=nan"],
+     "--link 'h=nan': expected HOST=UP or HOST=UP/DOWN in Mbit/s, e.g. 10.0.0.5=1000/400"),
+    ("controller", ["--link", "h=10/inf"],
+     "--link 'h=10/inf': expected HOST=UP or HOST=UP/DOWN in Mbit/s, e.g. 10.0.0.5=1000/400"),
+    ("controller", ["--agent-interval", "0"],
+     "--agent-interval must be a positive number of seconds, got 0.0"),
+    ("controller", ["--max-fan-in", "1"], "--max-fan-in must be in 2..64, got 1"),
+    ("controller", ["--group-wait", "inf"],
+     "--group-wait must be a finite number of seconds >= 0 (0: aggregation never stalls the "
+     "server), got inf"),
+    ("controller", ["--div-max", "inf", "--momentum", "0.5"],
+     "--div-max must be a positive number, got inf"),
+    ("controller", ["--momentum", "1.5"], "--momentum must be in [0, 1), got 1.5"),
+    ("controller", ["--heartbeat-interval", "-1"],
+     "--heartbeat-interval must be a positive number of seconds, got -1.0"),
+    ("controller", ["--heartbeat-timeout", "inf"],
+     "--heartbeat-timeout must be a positive number of seconds, got inf"),
+    ("controller", ["--heartbeat-interval", "2"],
+     "--heartbeat-interval must be below --heartbeat-timeout (1.0), got 2.0"),
+    ("controller", ["--replica-gap-timeout", "0"],
+     "--replica-gap-timeout must be a positive number of seconds, got 0.0"),
+    ("controller", ["--replica-lag-timeout", "nan"],
+     "--replica-lag-timeout must be a positive number of seconds, got nan"),
+    ("controller", ["--metrics-port", "70000"], f"--metrics-port {PORT} 70000"),
+    ("controller", ["--tau-max", "-5"],
+     "--tau-max must be a number of versions >= 0, or -1 for no bound; got -5"),
+    ("controller", ["--handshake-timeout", "inf"],
+     "--handshake-timeout must be a positive number of seconds, got inf"),
+    ("agent", ["--probe-budget", "0.9"], "probe budget must be a fraction in (0, 0.5], got 0.9"),
+    ("agent", ["--stale-after", "inf"],
+     "stale-after must be a positive number of seconds, got inf"),
+    ("agent", ["--nic-mbit", "0"],
+     "nic-mbit must be the link's speed in Mbit/s, above 0, got 0.0"),
+    ("agent", ["--job-port", "0"], "job port must be a port number in 1..65535, got 0"),
+    ("agent", ["--job-rediscover", "3601"],
+     "job-rediscover must be a number of seconds in [0, 3600], got 3601.0"),
+    ("agent", ["--aggregate", "127.0.0.1:0", "--job", JOB, "--token-file", "job.token",
+               "--group-timeout", "inf"],
+     "group timeout must be a positive number of seconds, got inf"),
+    ("agent", ["--aggregate", "127.0.0.1:0", "--job", JOB, "--token-file", "job.token",
+               "--handshake-timeout", "0"],
+     "--handshake-timeout must be a positive number of seconds, got 0.0"),
+    ("promote", ["--timeout", "inf"], "--timeout must be a positive number of seconds, got inf"),
+    ("status", ["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
+])
+def test_every_numeric_flag_has_its_range_checked(files, name, flags, message):
+    assert_one_line_error(files, [*command(name, files), *flags], message)
+

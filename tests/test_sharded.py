@@ -308,7 +308,7 @@ def test_mlfabric_server_shard_serves_its_part(tmp_path):
     (["--shard", "3/3"], "the index I must be in 0..S-1 (S = 3), got 3"),
     (["--shard", "two"], "--shard takes I/S"),
     (["--shard", "0/2", "--replicate-to", "127.0.0.1:1"], "--replicate-to with --shard"),
-    (["--shard", "0/2", "--chunk-bytes", "0"], "chunk size must be a positive number"),
+    (["--shard", "0/2", "--chunk-bytes", "0"], "--chunk-bytes must be at least 1, got 0"),
 ])
 def test_bad_shard_flags_are_one_line_errors(tmp_path, extra, message):
     token = tmp_path / "job.token"

@@ -17,6 +17,7 @@ import asyncio
 import functools
 import json
 import logging
+import math
 import signal
 import socket
 from dataclasses import dataclass, replace
@@ -173,7 +174,7 @@ def build_aggregate(args: argparse.Namespace, file: dict[str, Any]) -> Aggregate
         raise ConfigError(f"--aggregate {address} needs the job's --job NAME and "
                           f"--token-file PATH (the aggregator speaks to workers and the "
                           f"server with the job's token)")
-    if not _is_number(timeout) or not timeout > 0:
+    if not _is_number(timeout) or not 0 < timeout < math.inf:
         raise ConfigError(f"group timeout must be a positive number of seconds, got {timeout!r}")
     return AggregateConfig(host, port, str(job), auth.load_token(token_file), float(timeout),
                            handshake_timeout(args))
@@ -202,7 +203,7 @@ def build_config(args: argparse.Namespace, aggregate: AggregateConfig | None = N
     if not _is_number(budget) or not 0 < budget <= 0.5:
         raise ConfigError(f"probe budget must be a fraction in (0, 0.5], got {budget!r}")
     stale = _pick(args.stale_after, file, "stale_after", 3.0)
-    if not _is_number(stale) or not stale > 0:  # also NaN, which compares false
+    if not _is_number(stale) or not 0 < stale < math.inf:  # also NaN, which compares false
         raise ConfigError(f"stale-after must be a positive number of seconds, got {stale!r}")
     metrics_port = _pick(args.metrics_port, file, "metrics_port")
     if metrics_port is not None and not _is_port(metrics_port):

@@ -18,6 +18,9 @@ from ..scheduling.aggregation import AggregationConfig
 from ..scheduling.plan import POLICIES, Network, Policy, fifo_policy
 from ..transport.listener import (
     add_listener_arguments,
+    check_momentum,
+    check_port,
+    check_positive,
     handshake_timeout,
     job_name,
     listen,
@@ -119,8 +122,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def parse_links(specs: list[str], default_mbit: float) -> Network:
     """--link HOST=UP[/DOWN] (Mbit/s) -> a Network in bytes per second."""
-    if not default_mbit > 0:
-        raise ConfigError(f"--default-link-mbit must be positive, got {default_mbit}")
+    check_positive("--default-link-mbit", default_mbit, "Mbit/s")
     up: dict[str, float] = {}
     down: dict[str, float] = {}
     for spec in specs:
@@ -129,7 +131,8 @@ def parse_links(specs: list[str], default_mbit: float) -> Network:
             parts = [float(x) for x in rates.split("/")] if sep else []
         except ValueError:
             parts = []
-        if not host or len(parts) not in (1, 2) or min(parts) <= 0:
+        # not (0 < x < inf): NaN and inf are no capacity either
+        if not host or len(parts) not in (1, 2) or not all(0 < x < math.inf for x in parts):
             raise ConfigError(
                 f"--link {spec!r}: expected HOST=UP or HOST=UP/DOWN in Mbit/s, e.g. "
                 f"10.0.0.5=1000/400")
@@ -175,27 +178,43 @@ def make_policy(name: str, overload: str = "stalest") -> Policy:
     return functools.partial(mlfabric_policy, overload=overload)
 
 
+def check_numbers(args: argparse.Namespace) -> None:
+    """Every numeric flag within its range, whether or not the feature it
+    tunes is on (issue 33): a wrong value is an error, never silently unused."""
+    check_positive("--agent-interval", args.agent_interval)
+    if not 2 <= args.max_fan_in <= MAX_FAN_IN:
+        raise ConfigError(f"--max-fan-in must be in 2..{MAX_FAN_IN}, got {args.max_fan_in}")
+    if not 0 <= args.group_wait < math.inf:
+        raise ConfigError(f"--group-wait must be a finite number of seconds >= 0 (0: "
+                          f"aggregation never stalls the server), got {args.group_wait}")
+    if args.div_max is not None:
+        check_positive("--div-max", args.div_max, "")
+    check_momentum("--momentum", args.momentum)
+    check_positive("--heartbeat-interval", args.heartbeat_interval)
+    check_positive("--heartbeat-timeout", args.heartbeat_timeout)
+    if not args.heartbeat_interval < args.heartbeat_timeout:
+        raise ConfigError(f"--heartbeat-interval must be below --heartbeat-timeout "
+                          f"({args.heartbeat_timeout}), got {args.heartbeat_interval}")
+    check_positive("--replica-gap-timeout", args.replica_gap_timeout)
+    check_positive("--replica-lag-timeout", args.replica_lag_timeout)
+    check_port("--metrics-port", args.metrics_port)
+
+
 def run(args: argparse.Namespace) -> int:
     host, port = parse_address(args.listen)
+    check_numbers(args)
     token = auth.load_token(args.token_file)
     tau_max = parse_tau_max(args.tau_max)
     job_name(args.job)
     network = parse_links(args.link, args.default_link_mbit)
     shake = handshake_timeout(args)
     agents = parse_agents(args.agent)
-    if not args.agent_interval > 0:
-        raise ConfigError(f"--agent-interval must be positive, got {args.agent_interval}")
     policy = make_policy(args.policy, args.overload)
     aggregators = {h: f"{a}:{p}" for h, (a, p) in
                    parse_agents(args.aggregator, "--aggregator").items()}
     if aggregators and args.policy != "mlfabric":
         raise ConfigError(f"--aggregator needs --policy mlfabric (got {args.policy}): "
                           f"aggregation groups the mlfabric policy's order")
-    if not 2 <= args.max_fan_in <= MAX_FAN_IN:
-        raise ConfigError(f"--max-fan-in must be in 2..{MAX_FAN_IN}, got {args.max_fan_in}")
-    if not 0 <= args.group_wait < math.inf:
-        raise ConfigError(f"--group-wait must be a finite number of seconds >= 0 (0: "
-                          f"aggregation never stalls the server), got {args.group_wait}")
     aggregation = AggregationConfig(max_fan_in=args.max_fan_in, hold=args.hold_groups,
                                     wait=args.group_wait, rescue=args.rescue_drops)
     if (args.server is None) != (args.replica is None):
@@ -211,21 +230,11 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--server names {len(servers)} server(s) and --replica "
                               f"{len(replicas)} replica(s): give one replica per shard's "
                               f"server, in shard order")
-        if not args.replica_gap_timeout > 0:
-            raise ConfigError(f"--replica-gap-timeout must be positive, got "
-                              f"{args.replica_gap_timeout}")
-        if not 0 < args.heartbeat_interval < args.heartbeat_timeout:
-            raise ConfigError(f"--heartbeat-interval must be positive and below "
-                              f"--heartbeat-timeout ({args.heartbeat_timeout}), got "
-                              f"{args.heartbeat_interval}")
     gate = None
     if args.div_max is not None:
         if args.momentum is None:
             raise ConfigError("--div-max needs --momentum G, the server's momentum (the bound "
                               "depends on it)")
-        if not args.replica_lag_timeout > 0:
-            raise ConfigError(f"--replica-lag-timeout must be positive, got "
-                              f"{args.replica_lag_timeout}")
         gate = DivergenceGate(args.momentum, args.div_max, lag_timeout=args.replica_lag_timeout)
         if args.server is None:
             log.warning("--div-max without --server/--replica: the divergence gate learns "

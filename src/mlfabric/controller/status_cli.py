@@ -12,6 +12,7 @@ from ..client.link import open_link
 from ..errors import ConnectError, ConnectionLost, ProtocolError
 from ..runtime import loop as loops
 from ..runtime.loop import within
+from ..transport.listener import check_positive
 from ..wire import auth
 from ..wire.handshake import ClientHandshake
 from ..wire.protocol import Error, Status, StatusRequest
@@ -160,8 +161,9 @@ def format_status(s: dict[str, Any], address: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    timeout = check_positive("--timeout", args.timeout)
     token = auth.load_token(args.token_file)
-    status = fetch_status(args.controller, args.job, token, args.timeout)
+    status = fetch_status(args.controller, args.job, token, timeout)
     if args.json:
         print(json.dumps(status, indent=2))
     else:

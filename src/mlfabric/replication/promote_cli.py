@@ -22,6 +22,7 @@ from ..client.core import default_client_name, parse_address
 from ..errors import ConfigError, ServerError
 from ..runtime import loop
 from ..runtime.loop import within
+from ..transport.listener import check_positive
 from ..wire import auth
 from ..wire.handshake import ClientHandshake
 from ..wire.protocol import Error, Pong, Promote
@@ -76,8 +77,7 @@ def run(args: argparse.Namespace) -> int:
                           "checks is gone) or --force")
     if args.server is not None:
         parse_address(args.server)
-    if not args.timeout > 0:
-        raise ConfigError(f"--timeout must be positive, got {args.timeout}")
+    check_positive("--timeout", args.timeout)
     token = auth.load_token(args.token_file)
     try:
         version = loop.run(promote(args.replica, job=args.job, token=token, server=args.server,

@@ -28,6 +28,11 @@ from ..runtime.metrics import ServerMetrics, serve_metrics
 from ..sharding.partition import DEFAULT_CHUNK_BYTES, partition
 from ..transport.listener import (
     add_listener_arguments,
+    check_at_least,
+    check_momentum,
+    check_not_negative,
+    check_port,
+    check_positive,
     handshake_timeout,
     job_name,
     listen,
@@ -314,18 +319,27 @@ def refuse_rollback(args: argparse.Namespace, path: str, ckpt: checkpoint.Checkp
             f"them, or give another --checkpoint-dir")
 
 
+def check_numbers(args: argparse.Namespace) -> None:
+    """Every numeric flag within its range, whatever the role (issue 33)."""
+    check_positive("--sample-interval", args.sample_interval)
+    check_not_negative("--recovery-seconds", args.recovery_seconds)
+    check_at_least("--max-pending", args.max_pending, 1)
+    check_at_least("--chunk-bytes", args.chunk_bytes, 1)
+    check_momentum("--momentum", args.momentum)
+    check_positive("--checkpoint-interval", args.checkpoint_interval)
+    check_at_least("--keep-checkpoints", args.keep_checkpoints, 1)
+    check_port("--metrics-port", args.metrics_port)
+
+
 def run_server(args: argparse.Namespace) -> int:
     host, port = parse_address(args.listen)
     shake = handshake_timeout(args)  # settings first: before a model is loaded
+    check_numbers(args)
     token = auth.load_token(args.token_file)
     if not auth.token_file_is_private(args.token_file):
         log.warning("token file %s is readable by other users: chmod 600 it", args.token_file)
     tau_max = parse_tau_max(args.tau_max)
     job_name(args.job)
-    if not args.checkpoint_interval > 0:
-        raise ConfigError(f"--checkpoint-interval must be positive, got {args.checkpoint_interval}")
-    if args.keep_checkpoints < 1:
-        raise ConfigError(f"--keep-checkpoints must be at least 1, got {args.keep_checkpoints}")
     if parse_shard(args.shard) is not None:
         # A shard's replica (--role replica --shard I/S) is fed by the
         # shard's workers (mlfabric.connect(..., replica=...)) or joins from
@@ -361,12 +375,6 @@ def run_server(args: argparse.Namespace) -> int:
     if args.replicate_to is not None and args.role != "server":
         raise ConfigError("--replicate-to is for the server (--role server); a replica "
                           "only applies what it is sent")
-    if not args.recovery_seconds >= 0:
-        raise ConfigError(f"--recovery-seconds must be >= 0, got {args.recovery_seconds}")
-    if not args.sample_interval > 0:
-        raise ConfigError(f"--sample-interval must be positive, got {args.sample_interval}")
-    if args.max_pending < 1:
-        raise ConfigError(f"--max-pending must be at least 1, got {args.max_pending}")
 
     async def main() -> int:
         nonlocal store

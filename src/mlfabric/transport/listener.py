@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import signal
 from typing import Any
 
@@ -80,6 +81,51 @@ def parse_tau_max(value: int | None) -> int | None:
     if value < 0:
         raise ConfigError(f"--tau-max must be a number of versions >= 0, or -1 for no bound; "
                           f"got {value}")
+    return value
+
+
+# -- numeric flags: each checked for its range, with a one-line error naming the
+# flag, the value and the range (issue 33). NaN fails every comparison, and an
+# infinite interval or timeout means "never", which no flag here is meant to.
+
+
+def check_port(flag: str, value: int | None) -> int | None:
+    """A port to listen on: 0..65535, 0 picking a free one (None: not given)."""
+    if value is not None and not 0 <= value <= 65535:
+        raise ConfigError(f"{flag} must be a port number in 0..65535 (0 picks a free port), "
+                          f"got {value}")
+    return value
+
+
+def check_positive(flag: str, value: float, unit: str = "seconds") -> float:
+    """A finite number above 0: a timeout, an interval, a rate."""
+    if not 0 < value < math.inf:
+        raise ConfigError(f"{flag} must be a positive number{_of(unit)}, got {value}")
+    return float(value)
+
+
+def check_not_negative(flag: str, value: float, unit: str = "seconds") -> float:
+    """A finite number from 0 up (0: none, as a wait)."""
+    if not 0 <= value < math.inf:
+        raise ConfigError(f"{flag} must be a finite number{_of(unit)} >= 0, got {value}")
+    return float(value)
+
+
+def _of(unit: str) -> str:
+    return f" of {unit}" if unit else ""
+
+
+def check_at_least(flag: str, value: int, low: int) -> int:
+    """A count with a lower bound."""
+    if value < low:
+        raise ConfigError(f"{flag} must be at least {low}, got {value}")
+    return value
+
+
+def check_momentum(flag: str, value: float | None) -> float | None:
+    """A momentum gamma: in [0, 1) (None: not given)."""
+    if value is not None and not 0 <= value < 1:
+        raise ConfigError(f"{flag} must be in [0, 1), got {value}")
     return value
 
 
