@@ -286,13 +286,14 @@ def test_a_replica_per_shard_is_probed_one_by_one(token_file, refused_address):
 def test_a_wrong_token_or_job_names_both_settings(tmp_path):
     other = write(tmp_path / "other.token", WRONG_TOKEN.decode())
     with ServerThread(ParameterStore(make_model())) as st:
-        s = config.resolve({"server": st.address, "job": JOB, "token_file": str(other)},
+        address = st.address
+        s = config.resolve({"server": address, "job": JOB, "token_file": str(other)},
                            environ={})
         with pytest.raises(ConfigError) as exc:
             config.connect(s)
     message = one_line(exc)
-    assert "the server did not prove it holds job 'testjob''s token; check the token file" \
-        in message
+    assert (f"the parameter server at {address} did not prove it holds job 'testjob''s "
+            f"token; check the token file") in message
     assert message.endswith(
         "(setting job from argument job=, setting token_file from argument token_file=)")
 
@@ -316,9 +317,9 @@ def test_an_address_that_is_not_an_mlfabric_server_names_the_setting(token_file)
         with pytest.raises(ConfigError) as exc:
             config.connect(s)
         thread.join(10)
-    message = one_line(exc)
-    assert message.startswith(f"the server at {address} (setting server (from argument "
-                              f"server=)) does not speak mlfabric's protocol (bad frame magic")
+    assert one_line(exc) == (
+        f"{address} is an HTTP server (a metrics port?), not a parameter server: give the "
+        f"address of the job's `mlfabric server` (setting server (from argument server=))")
 
 
 def test_connect_with_good_settings_names_the_rank(token_file):

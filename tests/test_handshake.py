@@ -170,3 +170,105 @@ def test_a_listener_refuses_what_its_role_does_not_take(role, foreign):
         raw.close()
         metrics = st.server.metrics if hasattr(st, "server") else st.endpoint.metrics
         assert sample(metrics.protocol_errors) == 1
+
+
+# --- the wrong kind of listener is named (issue 33) ------------------------------
+
+
+@pytest.mark.parametrize("role", ["server", "replica", "controller", "aggregator"])
+def test_the_challenge_names_the_listeners_role_whatever_the_job(role):
+    """The role is no secret: a hello for another job gets it too, and still
+    learns nothing of the listener's job."""
+    for job in (JOB, "other"):
+        step = ServerHandshake(JOB, TOKEN, role).on_event(
+            over_the_wire(ClientHandshake(job, TOKEN, "w0").hello()))
+        challenge = over_the_wire(step.send)
+        assert isinstance(challenge, Challenge) and challenge.role == role
+
+
+def test_a_hello_ends_with_a_newline_so_that_an_http_server_answers_it():
+    """An HTTP server reads a request line up to its newline: the hello's
+    fields end with one, so a metrics port answers (400) instead of waiting."""
+    from mlfabric.wire.protocol import HEADER
+
+    data = Connection().send_bytes(ClientHandshake(JOB, TOKEN, "w0").hello())
+    assert data.endswith(b"}\n") and b"\n" not in data[HEADER.size:-1]
+    assert isinstance(over_the_wire(ClientHandshake(JOB, TOKEN, "w0").hello()), Hello)
+
+
+@pytest.mark.parametrize("role, what, found", [
+    ("controller", "parameter server", "a controller"),
+    ("aggregator", "parameter server", "an aggregator"),
+    ("server", "controller", "a parameter server"),
+    ("replica", "controller", "a replica server"),
+    ("server", "aggregator", "a parameter server"),
+    ("controller", "replica server", "a controller"),
+])
+def test_a_listener_of_another_role_is_named_with_what_was_wanted(role, what, found):
+    from mlfabric.errors import WrongPeer
+    from mlfabric.wire.roles import command_for, wrong_role
+
+    err = wrong_role(role, what, "10.0.0.5:7071")
+    assert isinstance(err, WrongPeer) and err.address == "10.0.0.5:7071"
+    article = "an" if what[0] in "aeiou" else "a"
+    assert str(err) == (f"10.0.0.5:7071 is {found}, not {article} {what}: give the address "
+                        f"of the job's `{command_for(what)}`")
+
+
+@pytest.mark.parametrize("role, what", [
+    ("server", "parameter server"), ("replica", "parameter server"),
+    ("server", "replica server"), ("replica", "replica server"),
+    ("controller", "controller"), ("aggregator", "aggregator"),
+    ("controller", "something new")])
+def test_the_roles_that_serve_what_was_wanted_pass(role, what):
+    """A replica serves workers that replicate to it, and a promoted replica
+    is a server: both answer for either; a kind the table does not know is
+    not checked."""
+    from mlfabric.wire.roles import wrong_role
+
+    assert wrong_role(role, what, "h:1") is None
+
+
+@pytest.mark.parametrize("head, found", [
+    (b"HTTP/1.1 400 Bad Request\r\n", "an HTTP server (a metrics port?)"),
+    (b"HTTP/1.0 400 Bad request version\r\n", "an HTTP server (a metrics port?)"),
+    # Python's http.server answers a line it cannot read as HTTP/1.x with the
+    # error page alone (as to HTTP/0.9): that is what a metrics port does.
+    (b'<!DOCTYPE HTML>\n<html lang="en">', "an HTTP server (a metrics port?)"),
+    (b"<html><body>400</body></html>", "an HTTP server (a metrics port?)"),
+])
+def test_bytes_of_an_http_server_are_named(head, found):
+    from mlfabric.wire.roles import foreign_peer
+
+    assert str(foreign_peer(head, "parameter server", "h:9471")) == (
+        f"h:9471 is {found}, not a parameter server: give the address of the job's "
+        f"`mlfabric server`")
+
+
+def test_an_agents_error_frame_is_named():
+    from mlfabric.wire import agent_protocol as probe
+    from mlfabric.wire.roles import foreign_peer
+
+    head = probe.Connection().send(probe.Error(0, "bad frame magic b'MLFB'"))
+    assert str(foreign_peer(head, "controller", "h:7400")) == (
+        "h:7400 is an mlfabric agent's port, not a controller: give the address of the "
+        "job's `mlfabric controller`")
+
+
+def test_other_bytes_are_shown_as_they_came():
+    from mlfabric.wire.roles import foreign_peer
+
+    assert str(foreign_peer(b"SSH-2.0-OpenSSH_9.6\r\n", "parameter server", "h:22")) == (
+        "h:22 does not speak mlfabric's protocol (it answered b'SSH-2.0-OpenSSH_9.6\\r\\n'): "
+        "give the address of the job's `mlfabric server`")
+
+
+def test_bad_magic_keeps_the_first_bytes_for_the_diagnosis():
+    from mlfabric.errors import NotMlfabric
+
+    rx = Connection()
+    page = b"<!DOCTYPE HTML>\n<html lang='en'>" + b"x" * 200
+    rx.receive_data(page)
+    with pytest.raises(NotMlfabric, match="bad frame magic") as exc:
+        rx.next_event()
+    assert exc.value.head == page[:64]

@@ -57,7 +57,7 @@ F4, F8 = DTYPES["f4"], DTYPES["f8"]
 CASES = [
     Hello(job="mnist", client="host-1:42", nonce=bytes(range(32))),
     Hello(job="ünïcode-job", client="", nonce=b""),
-    Challenge(nonce=b"\x01" * 32, proof=b"\xff" * 32),
+    Challenge(nonce=b"\x01" * 32, proof=b"\xff" * 32, role="controller"),
     Auth(proof=b"\x00\x01\x02"),
     Welcome(session="abc", version=0, tensors=()),
     Welcome(
@@ -282,7 +282,8 @@ BAD_FRAMES = {
     "other version": (frame(MsgType.PULL, {"req": 1}, version=9), "protocol version 9"),
     "unknown type": (frame(200, {"req": 1}), "unknown message type 200"),
     "flags set": (frame(MsgType.PULL, {"req": 1}, flags=4), "flags"),
-    "meta too long": (HEADER.pack(MAGIC, 1, MsgType.PULL, 0, (1 << 20) + 1, 0), "metadata"),
+    "meta too long": (HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.PULL, 0, (1 << 20) + 1, 0),
+                      "metadata"),
     "not json": (frame(MsgType.PULL, None, raw_meta=b"{req: 1"), "not valid JSON"),
     "not utf8": (frame(MsgType.PULL, None, raw_meta=b"\xff\xfe"), "not valid JSON"),
     "not an object": (frame(MsgType.PULL, [1, 2]), "not a JSON object"),
@@ -476,7 +477,7 @@ def test_malformed_frames_are_protocol_errors(name):
 def test_frame_too_large_is_refused_before_any_allocation():
     allocations = []
     r = Connection(max_frame_size=1000, allocate=lambda t, n: allocations.append(n))
-    r.receive_data(HEADER.pack(MAGIC, 1, MsgType.PUSH, 0, 10, 2000))
+    r.receive_data(HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.PUSH, 0, 10, 2000))
     with pytest.raises(FrameTooLarge, match="exceeds the maximum frame size of 1000"):
         r.next_event()
     assert allocations == []
@@ -484,7 +485,7 @@ def test_frame_too_large_is_refused_before_any_allocation():
 
 def test_huge_declared_length_is_refused_with_default_limit():
     r = Connection()
-    r.receive_data(HEADER.pack(MAGIC, 1, MsgType.PUSH, 0, 2, 2**63))
+    r.receive_data(HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.PUSH, 0, 2, 2**63))
     with pytest.raises(FrameTooLarge):
         r.next_event()
 

@@ -15,7 +15,16 @@ import mlfabric
 from mlfabric.client import aio, link
 from mlfabric.errors import AuthenticationError, ConnectError, ConnectionLost, InvalidUpdate
 from mlfabric.server.store import ParameterStore
-from mlfabric.wire.protocol import HEADER, MAGIC, Error, MsgType, Pull, Push, PushResult
+from mlfabric.wire.protocol import (
+    HEADER,
+    MAGIC,
+    PROTOCOL_VERSION,
+    Error,
+    MsgType,
+    Pull,
+    Push,
+    PushResult,
+)
 
 from support import (
     JOB,
@@ -227,7 +236,8 @@ def test_wrong_token_and_wrong_job_are_refused_and_counted(serve):
         mlfabric.connect(st.address, job=JOB, token=WRONG_TOKEN)
     # another job: refused as a wrong token, without naming this server's job
     with pytest.raises(AuthenticationError,
-                       match="the server did not prove it holds job 'other'") as exc:
+                       match=f"the parameter server at {st.address} did not prove it "
+                             f"holds job 'other'") as exc:
         mlfabric.connect(st.address, job="other", token=TOKEN)
     assert f"'{JOB}'" not in str(exc.value)
     wait_until(lambda: sample(st.metrics.auth_failures) == 2, what="2 auth failures counted")
@@ -254,13 +264,14 @@ def test_oversized_frames_are_refused_before_allocation(serve):
     st = serve()
     model_bytes = st.store.nbytes
     raw = RawClient(st.port)
-    raw.send_raw(HEADER.pack(MAGIC, 1, MsgType.PUSH, 0, 2, model_bytes + (2 << 20)))
+    raw.send_raw(HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.PUSH, 0, 2,
+                             model_bytes + (2 << 20)))
     answer = raw.recv_event()
     assert answer.code == "protocol" and "maximum frame size" in answer.message
     raw.close()
     # Before authentication the limit is 64 KiB whatever the model's size.
     unauth = RawClient(st.port, authenticate=False)
-    unauth.send_raw(HEADER.pack(MAGIC, 1, MsgType.HELLO, 0, 100, 1 << 17))
+    unauth.send_raw(HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.HELLO, 0, 100, 1 << 17))
     assert "maximum frame size of 65536" in unauth.recv_event().message
     unauth.close()
 

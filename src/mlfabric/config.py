@@ -39,6 +39,7 @@ from .errors import (
     ConnectError,
     MlfabricError,
     ProtocolError,
+    WrongPeer,
 )
 
 __all__ = [
@@ -466,6 +467,9 @@ def connect(settings: Settings, *, launch: Launch | None = None, **extra: Any) -
             replica_timeout=settings.replica_timeout, push_timeout=settings.push_timeout,
             agent=settings.agent, **extra,
         )
+    except WrongPeer as exc:
+        # The address answers as another kind of process: name the setting that holds it.
+        raise ConfigError(f"{exc} ({settings.where(_holding(settings, exc.address))})") from None
     except ConnectError as exc:
         which = "controller" if "controller" in str(exc) else "server"
         raise _unreachable(settings, which, exc) from None
@@ -480,6 +484,15 @@ def connect(settings: Settings, *, launch: Launch | None = None, **extra: Any) -
             f"mlfabric's protocol ({exc}); give the address `mlfabric server` printed, "
             f"not e.g. its metrics port"
         ) from None
+
+
+def _holding(settings: Settings, address: str) -> str:
+    """Which address setting holds `address` (the server's, by default)."""
+    for which in ("controller", "replica"):
+        value = getattr(settings, which)
+        if value is not None and address in (a.strip() for a in value.split(",")):
+            return which
+    return "server"
 
 
 def _probe(settings: Settings, which: str) -> None:

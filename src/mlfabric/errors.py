@@ -22,6 +22,26 @@ class FrameTooLarge(ProtocolError):
     """A frame announces more bytes than the receiver's maximum frame size."""
 
 
+class NotMlfabric(ProtocolError):
+    """The peer's bytes are not mlfabric frames (bad magic). `head`: the first
+    of them, which tell what kind of process answered (an HTTP server, an
+    agent)."""
+
+    def __init__(self, message: str, head: bytes = b"") -> None:
+        super().__init__(message)
+        self.head = head
+
+
+class WrongPeer(ConfigError):
+    """The address dialled answers as another kind of process than the one
+    asked for: a controller given as the server, a server as the controller,
+    a metrics (HTTP) port, an agent's port. `address`: the address dialled."""
+
+    def __init__(self, message: str, address: str) -> None:
+        super().__init__(message)
+        self.address = address
+
+
 class AuthenticationError(MlfabricError):
     """The peer did not prove it holds the job's token, or named another job."""
 

@@ -804,6 +804,10 @@ class Agent:
         except ProtocolError as exc:
             log.info("agent %s: dropping a control connection: %s", self.name, exc)
             self._count_bad("frame")
+            # Said before closing, in the agent's own frames: a client that
+            # took this port for a server's or a controller's can tell what
+            # answered it (wire.roles.foreign_peer).
+            ctl.send(probe.Error(0, str(exc)[:200]))
         except (ConnectionError, OSError):
             pass
         except asyncio.CancelledError:

@@ -16,14 +16,16 @@ import socket
 from collections.abc import Callable, Coroutine
 from typing import Any, Generic, Protocol, TypeVar
 
-from ..errors import ConnectError, ConnectionLost, MlfabricError
+from ..errors import ConnectError, ConnectionLost, MlfabricError, NotMlfabric
 from ..runtime.loop import within, write_parts
 from ..runtime.metrics import ClientMetrics
+from ..wire import roles
 from ..wire.handshake import ClientHandshake
 from ..wire.protocol import (
     HEADER,
     MAX_META_LEN,
     NEED_DATA,
+    Challenge,
     Connection,
     ScatteredBlock,
     expand_parts,
@@ -37,18 +39,21 @@ async def open_link(address: str, hs: ClientHandshake, timeout: float, what: str
                     metrics: ClientMetrics | None = None, on_event: Any = None,
                     on_lost: Any = None, command: str | None = None) -> Link:
     """Connect to an mlfabric server or controller and complete the handshake.
-    `command`: what should be running there (default: mlfabric + what's last word)."""
+    `what` says which kind of listener is wanted ("parameter server",
+    "controller", ...: `wire.roles.WANTED`); another kind that answers is a
+    `WrongPeer` error naming both. `command`: what should be running there
+    (default: the command that runs a `what`)."""
     host, port = parse_address(address)
     loop = asyncio.get_running_loop()
+    command = command or roles.command_for(what)
     try:
         _, proto = await within(
             loop.create_connection(
-                lambda: Link(address, hs, metrics, on_event, on_lost), host, port),
+                lambda: Link(address, hs, metrics, on_event, on_lost, what=what), host, port),
             timeout,
         )
     except (TimeoutError, OSError) as exc:
         detail = getattr(exc, "strerror", None) or str(exc) or "timed out"
-        command = command or f"mlfabric {what.split()[-1]}"
         raise ConnectError(
             f"cannot reach the {what} at {address}: {detail}; is `{command}` running there?"
         ) from None
@@ -56,7 +61,9 @@ async def open_link(address: str, hs: ClientHandshake, timeout: float, what: str
         await within(asyncio.shield(proto.welcomed), timeout)
     except TimeoutError:
         proto.close()
-        raise ConnectError(f"the {what} did not complete the handshake in time") from None
+        raise ConnectError(
+            f"the {what} at {address} accepted the connection but did not answer the "
+            f"handshake within {timeout:g} s: it is hung, or not `{command}`") from None
     except BaseException:
         proto.close()
         raise
@@ -121,8 +128,10 @@ class Link(asyncio.BufferedProtocol):
     to a controller (events go to that callback)."""
 
     def __init__(self, address: str, hs: ClientHandshake, metrics: ClientMetrics | None,
-                 on_event: Any = None, on_lost: Any = None) -> None:
+                 on_event: Any = None, on_lost: Any = None, *,
+                 what: str = "parameter server") -> None:
         self.address = address
+        self.what = what  # the kind of listener wanted (wire.roles.WANTED)
         self.on_event = on_event
         self.on_lost = on_lost
         self.hs = hs
@@ -165,6 +174,9 @@ class Link(asyncio.BufferedProtocol):
             while (event := self.conn.next_event()) is not NEED_DATA:
                 self._handle(event)
         except MlfabricError as exc:
+            if isinstance(exc, NotMlfabric) and not self.welcomed.done():
+                # Something else answered the hello: say what, if its bytes tell.
+                exc = roles.foreign_peer(exc.head, self.what, self.address)
             self._fail(exc)
             self.close()
 
@@ -175,8 +187,14 @@ class Link(asyncio.BufferedProtocol):
             else:
                 self.requests.dispatch(event)
         elif self._stage == "challenge":
+            # Another kind of listener than wanted is named before anything
+            # else (no proof is sent to it): its job or token are beside the point.
+            wrong = roles.wrong_role(getattr(event, "role", ""), self.what, self.address) \
+                if isinstance(event, Challenge) else None
+            if wrong is not None:
+                raise wrong
             self.send(self.hs.on_challenge(event))
-            self.hs.verify_server()
+            self.hs.verify_server(self.what, self.address)
             self._stage = "welcome"
         else:
             welcome = self.hs.on_welcome(event)
@@ -202,9 +220,11 @@ class Link(asyncio.BufferedProtocol):
         if not self.welcomed.done():
             # A peer that dies mid-handshake: callers fall back on ConnectionLost
             # (an aggregator's members go straight to the server).
-            why = (f"the connection was lost during the handshake: "
-                   f"{getattr(exc, 'strerror', None) or exc}" if exc is not None
-                   else "the server closed the connection during the handshake")
+            why = (f"the connection to the {self.what} at {self.address} was lost during the "
+                   f"handshake: {getattr(exc, 'strerror', None) or exc}" if exc is not None
+                   else f"{self.address} closed the connection during the handshake: it "
+                        f"is not {roles.a(self.what)} (`{roles.command_for(self.what)}`), or "
+                        f"it is shutting down")
             self._fail(ConnectionLost(why))
         self._fail(connection_lost_error(self.address, exc))
         self.transport = None

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..client.core import default_client_name
 from ..client.link import open_link
-from ..errors import ConnectError, ConnectionLost, ProtocolError
+from ..errors import ConnectError, ConnectionLost, ProtocolError, WrongPeer
 from ..runtime import loop as loops
 from ..runtime.loop import within
 from ..transport.listener import check_positive
@@ -52,6 +52,8 @@ async def _fetch_status(address: str, job: str, token: bytes, timeout: float
             "controller", on_event=on_event, on_lost=on_lost)
     except ConnectError as exc:
         raise ConnectError(f"{exc} (--controller)") from None
+    except WrongPeer as exc:  # e.g. the server's address: its challenge says so
+        raise WrongPeer(f"{exc} (--controller)", exc.address) from None
     try:
         link.send(StatusRequest(req=1))
         try:

@@ -2,7 +2,7 @@
 
     client                          listener (server, replica, controller, aggregator)
     HELLO(job, name, nonce)   ->
-                              <-    CHALLENGE(nonce', server proof)
+                              <-    CHALLENGE(nonce', server proof, role)
     AUTH(client proof)        ->
                               <-    WELCOME(...)  or  ERROR(auth | protocol) and close
 
@@ -12,10 +12,14 @@ a hello for another job gets a challenge as any (its proof made with a
 random key), and a wrong job and a wrong token are refused with the same
 words, so the refusal neither names the listener's job nor says whether
 the job asked for is served here (issue 33). The listener's own log says
-which it was. `ClientHandshake` is the dialling side, one step per event the
-listener sends; `ServerHandshake` the listening side, one `Step` per event
-the peer sends, saying what to send, whom to refuse and why, or that the
-peer is in. The transports only carry the steps out.
+which it was. The challenge names the listener's role (server, replica,
+controller, aggregator): no secret, and it lets a client that dialled the
+wrong kind of process say so (`roles.wrong_role`) instead of failing later
+on a message that listener does not take. `ClientHandshake` is the
+dialling side, one step per event the listener sends; `ServerHandshake`
+the listening side, one `Step` per event the peer sends, saying what to
+send, whom to refuse and why, or that the peer is in. The transports only
+carry the steps out.
 """
 
 from __future__ import annotations
@@ -64,12 +68,14 @@ class ClientHandshake:
         self.server_nonce = event.nonce
         return Auth(proof=auth.client_proof(self.token, self.job, self.nonce, event.nonce))
 
-    def verify_server(self) -> None:
+    def verify_server(self, what: str = "server", address: str | None = None) -> None:
+        """Raise unless the listener (a `what` at `address`) proved it holds the token."""
         if not self.server_verified:
+            at = f" at {address}" if address is not None else ""
             raise AuthenticationError(
-                f"authentication failed: the server did not prove it holds job {self.job!r}'s "
-                f"token; check the token file, the job name and that the address is the "
-                f"job's server"
+                f"authentication failed: the {what}{at} did not prove it holds job "
+                f"{self.job!r}'s token; check the token file, the job name and that the "
+                f"address is the job's {what}"
             )
 
     def on_welcome(self, event: Any) -> Welcome:
@@ -120,7 +126,7 @@ class ServerHandshake:
             key = self.token if self._other_job is None else auth.new_nonce()
             proof = auth.server_proof(key, self.job, event.nonce, self._nonce)
             self.stage = "auth"
-            return Step(send=Challenge(nonce=self._nonce, proof=proof))
+            return Step(send=Challenge(nonce=self._nonce, proof=proof, role=self.role))
         if self.stage != "auth":
             raise RuntimeError(f"the handshake is over ({self.stage}): no more events for it")
         if not isinstance(event, Auth):

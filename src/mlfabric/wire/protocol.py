@@ -40,9 +40,10 @@ from typing import Any, Final
 
 import numpy as np
 
-from ..errors import FrameTooLarge, ProtocolError
+from ..errors import FrameTooLarge, NotMlfabric, ProtocolError
 
-PROTOCOL_VERSION: Final = 1
+# 2: CHALLENGE names the listener's role
+PROTOCOL_VERSION: Final = 2
 MAGIC: Final = b"MLFB"
 HEADER = struct.Struct("<4sBBHIQ")
 ALIGN: Final = 64
@@ -160,10 +161,14 @@ class Hello:
 
 @dataclass(frozen=True)
 class Challenge:
-    """Server -> client: the server's nonce and its proof of the token."""
+    """Server -> client: the server's nonce and its proof of the token, and
+    what the listener is (`role`: "server", "replica", "controller",
+    "aggregator"), so that a client that dialled the wrong kind of process
+    can say so. The role is no secret; the job is not named."""
 
     nonce: bytes
     proof: bytes
+    role: str
 
 
 @dataclass(frozen=True)
@@ -935,7 +940,8 @@ def _decode_hello(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Ev
 
 
 def _decode_challenge(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
-    return Challenge(nonce=_hex(meta, "nonce"), proof=_hex(meta, "proof"))
+    return Challenge(nonce=_hex(meta, "nonce"), proof=_hex(meta, "proof"),
+                     role=_str(meta, "role", 16))
 
 
 def _decode_auth(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
@@ -1176,7 +1182,7 @@ def _encode_hello(event: Hello) -> dict[str, Any]:
 
 
 def _encode_challenge(event: Challenge) -> dict[str, Any]:
-    return {"nonce": event.nonce.hex(), "proof": event.proof.hex()}
+    return {"nonce": event.nonce.hex(), "proof": event.proof.hex(), "role": event.role}
 
 
 def _encode_auth(event: Auth) -> dict[str, Any]:
@@ -1238,6 +1244,14 @@ def _encode_error(event: Error) -> dict[str, Any]:
 # json.dumps costs more than the rest of a small push. None: the general path.
 
 
+def _fast_hello(event: Hello) -> bytes:
+    # The hello's fields end with a newline (JSON allows it), so that an HTTP
+    # server dialled by mistake (a metrics port) takes the frame for a request
+    # line and answers it (400), and the client can say what answered: without
+    # one it waits for the line's end, and the client only times out.
+    return json.dumps(_encode_hello(event), separators=(",", ":")).encode() + b"\n"
+
+
 def _fast_push(event: Push) -> bytes | None:
     if event.uid is not None or event.members is not None or event.group is not None \
             or event.dst is not None or event.fan_in is not None:
@@ -1280,7 +1294,7 @@ class Codec:
 
 
 CODECS: tuple[Codec, ...] = (
-    Codec(MsgType.HELLO, Hello, _decode_hello, _encode_hello),
+    Codec(MsgType.HELLO, Hello, _decode_hello, _encode_hello, _fast_hello),
     Codec(MsgType.CHALLENGE, Challenge, _decode_challenge, _encode_challenge),
     Codec(MsgType.AUTH, Auth, _decode_auth, _encode_auth),
     Codec(MsgType.WELCOME, Welcome, _decode_welcome, _encode_welcome),
@@ -1541,10 +1555,10 @@ class Connection:
             self._scratch, self._start
         )
         if magic != MAGIC:
-            raise ProtocolError(
+            raise NotMlfabric(
                 f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}): the peer is not "
-                f"an mlfabric process, or the stream is out of sync"
-            )
+                f"an mlfabric process, or the stream is out of sync",
+                bytes(self._scratch[self._start:min(self._end, self._start + 64)]))
         if version != PROTOCOL_VERSION:
             raise ProtocolError(
                 f"peer speaks protocol version {version}, this side speaks "
