@@ -726,7 +726,8 @@ def test_cli_job_ports_from_flags_file_and_aggregator(tmp_path: Path) -> None:
          "got nan"),
         ('{"metrics_port": "x"}', [], "metrics port"),
         # JSON true is an int to Python: it must not pass as port 1 or 1 second
-        ('{"metrics_port": true}', [], "metrics port must be in 1..65535, got True"),
+        ('{"metrics_port": true}', [], r"metrics port must be in 0..65535 \(0 picks a free "
+         r"port\), got True"),
         ('{"stale_after": true}', [], "stale-after must be a positive number of seconds, "
          "got True"),
         ('{"probe_budget": false}', [], r"probe budget must be a fraction in \(0, 0.5\], "

@@ -3,8 +3,12 @@ downgrade (issue 33): each case as a new user met it, by running the command."""
 
 from __future__ import annotations
 
+import queue
+import socket
 import subprocess
 import sys
+import threading
+import urllib.request
 
 import numpy as np
 import pytest
@@ -46,6 +50,91 @@ def assert_one_line_error(d, argv: list[str], message: str) -> None:
                           cwd=d)
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert proc.stderr.splitlines() == [f"mlfabric {argv[0]}: error: {message}"], proc.stderr
+
+
+# -- 1. a metrics port in use ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["server", "replica", "controller", "agent"])
+def test_a_metrics_port_in_use_is_a_one_line_error(files, name):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert_one_line_error(
+            files, [*command(name, files), "--metrics-port", str(port)],
+            f"cannot serve metrics on 127.0.0.1:{port}: Address already in use; give another "
+            f"--metrics-port, or 0 to pick a free one")
+
+
+def test_a_metrics_host_that_is_not_this_hosts_is_a_one_line_error(files):
+    # 192.0.2.0/24 is TEST-NET-1: no host has it
+    assert_one_line_error(
+        files, [*command("server", files), "--metrics-port", "0", "--metrics-host",
+                "192.0.2.1"],
+        "cannot serve metrics on 192.0.2.1:0: Cannot assign requested address; give "
+        "--metrics-host an address of this host")
+
+
+# -- 6. metrics on the listen host by default, and the start line says where ------------
+
+
+class Started:
+    """A long-running command, up to its start line (stopped with SIGTERM)."""
+
+    def __init__(self, d, argv: list[str]) -> None:
+        self.proc = subprocess.Popen(mlfabric_cmd(*argv), stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, cwd=d)
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: lines.put(self.proc.stdout.readline()),
+                         daemon=True).start()
+        self.line = lines.get(timeout=60)
+        assert self.line, self.proc.stderr.read() if self.proc.poll() is not None else ""
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        assert self.proc.wait(15) == 0, self.proc.stderr.read()
+
+
+def metrics_url(line: str) -> str:
+    return line.split("metrics ")[1].split(")")[0]
+
+
+@pytest.mark.parametrize("name", ["server", "replica", "controller", "agent"])
+def test_metrics_are_served_on_the_listen_host_by_default(files, name):
+    started = Started(files, [*command(name, files), "--metrics-port", "0"])
+    try:
+        url = metrics_url(started.line)
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics"), started.line
+        port = int(url.split(":")[2].split("/")[0])
+        assert port != 0
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            assert b"mlfabric_" in answer.read()
+        # Bound to 127.0.0.1, not 0.0.0.0: another loopback address is refused.
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.2", port), timeout=10).close()
+    finally:
+        started.stop()
+
+
+def test_an_explicit_metrics_host_is_taken_and_printed(files):
+    started = Started(files, [*command("server", files), "--metrics-port", "0",
+                              "--metrics-host", "127.0.0.2"])
+    try:
+        url = metrics_url(started.line)
+        assert url.startswith("http://127.0.0.2:"), started.line
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            assert b"mlfabric_server_model_version" in answer.read()
+    finally:
+        started.stop()
+
+
+def test_the_start_line_names_no_metrics_when_they_are_off(files):
+    started = Started(files, command("server", files))
+    try:
+        assert started.line.rstrip().endswith("version 0, tau_max 16)"), started.line
+    finally:
+        started.stop()
 
 
 # -- 2. and 5. --init that is not a .npz model ------------------------------------------
@@ -165,6 +254,8 @@ PORT = "must be a port number in 0..65535 (0 picks a free port), got"
      "--tau-max must be a number of versions >= 0, or -1 for no bound; got -5"),
     ("controller", ["--handshake-timeout", "inf"],
      "--handshake-timeout must be a positive number of seconds, got inf"),
+    ("agent", ["--metrics-port", "65536"],
+     "metrics port must be in 0..65535 (0 picks a free port), got 65536"),
     ("agent", ["--probe-budget", "0.9"], "probe budget must be a fraction in (0, 0.5], got 0.9"),
     ("agent", ["--stale-after", "inf"],
      "stale-after must be a positive number of seconds, got inf"),
@@ -185,3 +276,8 @@ PORT = "must be a port number in 0..65535 (0 picks a free port), got"
 def test_every_numeric_flag_has_its_range_checked(files, name, flags, message):
     assert_one_line_error(files, [*command(name, files), *flags], message)
 
+
+def test_the_commands_above_start_without_the_bad_flags(files):
+    """The cases above fail for their flag, not for their command line."""
+    for name in ("server", "replica", "controller"):
+        Started(files, command(name, files)).stop()

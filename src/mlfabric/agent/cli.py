@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..transport.listener import add_handshake_timeout, handshake_timeout
+from ..transport.listener import add_handshake_timeout, add_metrics_arguments, handshake_timeout
 from ..wire import auth
 from .daemon import (
     Agent,
@@ -67,10 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a peer agent to probe (repeatable)")
     p.add_argument("--config", type=Path, metavar="FILE",
                    help="JSON config file (keys as in agents/README.md)")
-    p.add_argument("--metrics-port", type=int, metavar="P",
-                   help="serve Prometheus metrics on this port (default: off)")
-    p.add_argument("--metrics-host", default=None, metavar="ADDR",
-                   help="address for the metrics endpoint (default 0.0.0.0)")
+    add_metrics_arguments(p)
     p.add_argument("--probe-budget", type=float, metavar="FRACTION",
                    help="max fraction of each link spent on probes (default 0.02)")
     p.add_argument("--stale-after", type=float, metavar="SECONDS",
@@ -206,8 +203,9 @@ def build_config(args: argparse.Namespace, aggregate: AggregateConfig | None = N
     if not _is_number(stale) or not 0 < stale < math.inf:  # also NaN, which compares false
         raise ConfigError(f"stale-after must be a positive number of seconds, got {stale!r}")
     metrics_port = _pick(args.metrics_port, file, "metrics_port")
-    if metrics_port is not None and not _is_port(metrics_port):
-        raise ConfigError(f"metrics port must be in 1..65535, got {metrics_port!r}")
+    if metrics_port is not None and not (_is_port(metrics_port) or metrics_port == 0):
+        raise ConfigError(f"metrics port must be in 0..65535 (0 picks a free port), got "
+                          f"{metrics_port!r}")
     interface = args.interface or file.get("interface")
     if interface is not None:
         check_interface(interface)
@@ -278,6 +276,11 @@ async def serve(config: AgentConfig, metrics_port: int | None = None,
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
+        where = ""
+        if metrics_port is not None:  # first: a port in use is refused before anything runs
+            # by default on the --listen address: an agent on 127.0.0.1 keeps them local
+            url = serve_metrics(metrics.registry, metrics_port, metrics_host or config.host)
+            where = f" (metrics {url})"  # after the address, which scripts take as a word
         await agent.start()
         extra = ""
         if aggregator is not None and aggregate is not None:
@@ -287,9 +290,7 @@ async def serve(config: AgentConfig, metrics_port: int | None = None,
                 raise ConfigError(f"cannot listen on --aggregate {aggregate.host}:"
                                   f"{aggregate.port}: {exc.strerror or exc}") from None
             extra = f"; aggregating job {aggregate.job!r} on {host}:{port}"
-        if metrics_port is not None:
-            serve_metrics(metrics.registry, metrics_port, metrics_host or "0.0.0.0")
-        print(f"mlfabric agent {config.name} ready on {config.host}:{agent.port}{extra}",
+        print(f"mlfabric agent {config.name} ready on {config.host}:{agent.port}{where}{extra}",
               flush=True)
         await stop.wait()
         log.info("agent %s: shutting down", config.name)

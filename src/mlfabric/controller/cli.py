@@ -18,6 +18,7 @@ from ..scheduling.aggregation import AggregationConfig
 from ..scheduling.plan import POLICIES, Network, Policy, fifo_policy
 from ..transport.listener import (
     add_listener_arguments,
+    add_metrics_arguments,
     check_momentum,
     check_port,
     check_positive,
@@ -115,9 +116,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"catches up, rather than stall the job (default: {DEFAULT_LAG_TIMEOUT})")
     p.add_argument("--decision-log", metavar="PATH", default=None,
                    help="append one JSON line per decision to this file")
-    p.add_argument("--metrics-port", type=int, default=None, metavar="P",
-                   help="serve Prometheus metrics on this port at /metrics")
-    p.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port")
+    add_metrics_arguments(p)
 
 
 def parse_links(specs: list[str], default_mbit: float) -> Network:
@@ -249,8 +248,11 @@ def run(args: argparse.Namespace) -> int:
         decisions.setLevel(logging.INFO)
         decisions.propagate = False
     metrics = ControllerMetrics()
+    metrics_url = None
     if args.metrics_port is not None:
-        serve_metrics(metrics.registry, args.metrics_port, args.metrics_host)
+        # by default where the workers are served: --listen 127.0.0.1 keeps them local
+        metrics_url = serve_metrics(metrics.registry, args.metrics_port,
+                                    args.metrics_host or host)
 
     async def main() -> None:
         controller = Controller(policy, job=args.job, token=token, tau_max=tau_max,
@@ -270,7 +272,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"mlfabric controller: serving job {args.job!r} on {bound[0]}:{bound[1]} "
               f"(policy {args.policy}, tau_max {tau_max}"
               f"{'' if gate is None else f', div_max {gate.div_max}'}"
-              f"{f', {len(aggregators)} aggregators' if aggregators else ''})", flush=True)
+              f"{f', {len(aggregators)} aggregators' if aggregators else ''}"
+              f"{'' if metrics_url is None else f', metrics {metrics_url}'})", flush=True)
         await stopped.wait()
         await controller.close()
         print("mlfabric controller: stopped", flush=True)

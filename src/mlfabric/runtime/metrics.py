@@ -8,9 +8,12 @@ takes unbounded values: reasons and kinds come from fixed sets, never ids.
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from ..errors import ConfigError
 
 NAMESPACE = "mlfabric"
 
@@ -383,9 +386,24 @@ class ControllerMetrics:
             namespace=ns, registry=r, buckets=(0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0))
 
 
-def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> None:
-    """Serve `registry` at http://addr:port/metrics from a daemon thread."""
-    start_http_server(port, addr=addr, registry=registry)
+def serve_metrics(registry: CollectorRegistry, port: int, addr: str) -> str:
+    """Serve `registry` from a daemon thread; its URL, with the port bound
+    (--metrics-port 0 picks a free one). An address that cannot be served on
+    is a ConfigError naming it (issue 33: a port in use was a traceback)."""
+    try:
+        httpd, _ = start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:  # socket.gaierror too: an unknown host name
+        fix = ("give another --metrics-port, or 0 to pick a free one"
+               if exc.errno == errno.EADDRINUSE else
+               "give --metrics-host an address of this host")
+        raise ConfigError(f"cannot serve metrics on {addr}:{port}: "
+                          f"{exc.strerror or exc}; {fix}") from None
+    host, bound = httpd.server_address[:2]
+    return metrics_url(str(host), int(bound))
+
+
+def metrics_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}/metrics" if ":" in host else f"http://{host}:{port}/metrics"
 
 
 # --- Agent metrics (the per-host bandwidth agent) are declared below this line. ---

@@ -28,6 +28,7 @@ from ..runtime.metrics import ServerMetrics, serve_metrics
 from ..sharding.partition import DEFAULT_CHUNK_BYTES, partition
 from ..transport.listener import (
     add_listener_arguments,
+    add_metrics_arguments,
     check_at_least,
     check_momentum,
     check_not_negative,
@@ -125,9 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start a new run although --checkpoint-dir holds another run's "
                         "checkpoints (they are left alone); without it the server refuses, "
                         "so a crashed run is not silently replaced")
-    p.add_argument("--metrics-port", type=int, default=None, metavar="P",
-                   help="serve Prometheus metrics on this port at /metrics")
-    p.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port")
+    add_metrics_arguments(p)
 
 
 # What --init takes, said in every error about it.
@@ -340,6 +339,9 @@ def run_server(args: argparse.Namespace) -> int:
         log.warning("token file %s is readable by other users: chmod 600 it", args.token_file)
     tau_max = parse_tau_max(args.tau_max)
     job_name(args.job)
+    if args.replicate_to is not None and args.role != "server":
+        raise ConfigError("--replicate-to is for the server (--role server); a replica "
+                          "only applies what it is sent")
     if parse_shard(args.shard) is not None:
         # A shard's replica (--role replica --shard I/S) is fed by the
         # shard's workers (mlfabric.connect(..., replica=...)) or joins from
@@ -351,6 +353,12 @@ def run_server(args: argparse.Namespace) -> int:
                 raise ConfigError(f"{flag} with --shard is not supported yet: a shard's "
                                   f"replica is fed by its workers (start it with --role replica "
                                   f"--shard I/S and give the workers replica=...), drop {flag}")
+    metrics = ServerMetrics()
+    metrics_url = None
+    if args.metrics_port is not None:  # before the model is loaded: a port in use fails fast
+        # by default where the clients are served: --listen 127.0.0.1 keeps them local
+        metrics_url = serve_metrics(metrics.registry, args.metrics_port,
+                                    args.metrics_host or host)
     if args.join_from is not None:
         if args.role != "replica" or args.controller is None:
             raise ConfigError("--join-from is for a replica (--role replica) and needs "
@@ -365,16 +373,9 @@ def run_server(args: argparse.Namespace) -> int:
         run = checkpoint.new_run_id()
     else:
         store, run, resumed = build_store(args, tau_max)
-    metrics = ServerMetrics()
     if store is not None and store.shard is not None:
         sh = store.shard
         metrics.shard.labels(str(sh.index), str(sh.count), sh.digest).set(1)
-    if args.metrics_port is not None:
-        serve_metrics(metrics.registry, args.metrics_port, args.metrics_host)
-
-    if args.replicate_to is not None and args.role != "server":
-        raise ConfigError("--replicate-to is for the server (--role server); a replica "
-                          "only applies what it is sent")
 
     async def main() -> int:
         nonlocal store
@@ -409,7 +410,8 @@ def run_server(args: argparse.Namespace) -> int:
         print(
             f"mlfabric {args.role}: serving job {args.job!r} on {bound[0]}:{bound[1]} "
             f"({part}{len(store.specs)} tensors, {store.nbytes} bytes, version "
-            f"{store.version}, tau_max {'none' if tau_max is None else tau_max})",
+            f"{store.version}, tau_max {'none' if tau_max is None else tau_max}"
+            f"{'' if metrics_url is None else f', metrics {metrics_url}'})",
             flush=True,
         )
         if checkpointer is not None:

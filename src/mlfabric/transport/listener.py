@@ -84,6 +84,17 @@ def parse_tau_max(value: int | None) -> int | None:
     return value
 
 
+def add_metrics_arguments(p: argparse.ArgumentParser) -> None:
+    """--metrics-port and --metrics-host, the same for every long-running command."""
+    p.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                   help="serve Prometheus metrics on this port at /metrics; 0 picks a free "
+                        "port (the start line prints the URL) (default: off)")
+    p.add_argument("--metrics-host", default=None, metavar="ADDR",
+                   help="address to serve the metrics on (default: the --listen host, so "
+                        "a process listening on 127.0.0.1 does not export its metrics to "
+                        "the network)")
+
+
 # -- numeric flags: each checked for its range, with a one-line error naming the
 # flag, the value and the range (issue 33). NaN fails every comparison, and an
 # infinite interval or timeout means "never", which no flag here is meant to.
