@@ -32,6 +32,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from mlfabric.tools.contention import Scenario, cluster_rates  # noqa: E402
 from mlfabric.tools.testbed import Testbed, require_root  # noqa: E402
+from mlfabric.tools.token_cli import agent_secrets  # noqa: E402
 from mlfabric.tools.workload import scrape_metrics, wait_for_line  # noqa: E402
 
 PORT = 7400
@@ -60,8 +62,10 @@ def one_run(tb: Testbed, workers: int, mode: str, flow_mbit: float, settle: floa
     hosts = [tb.host(f"h{i + 1}") for i in range(workers)]
     flows = [tb.cross_traffic(h, h0, rate_mbit=flow_mbit, proto="tcp") for h in hosts]
     ports = [a for f in flows for a in ("--job-port", str(f.port))]
+    secrets = tempfile.TemporaryDirectory(prefix="bench-agent-cpu-")
+    cluster_token, _ = agent_secrets(Path(secrets.name), "bench")
     py = [sys.executable, "-m", "mlfabric", "--log-level", "WARNING", "agent",
-          "--job-rediscover", MODES[mode], *ports]
+          "--job-rediscover", MODES[mode], "--cluster-token-file", str(cluster_token), *ports]
     procs: dict[str, subprocess.Popen[str]] = {}
     try:
         for h in hosts:
@@ -94,6 +98,7 @@ def one_run(tb: Testbed, workers: int, mode: str, flow_mbit: float, settle: floa
             p.wait(10)
         for f in flows:
             f.stop()
+        secrets.cleanup()
     worker_cpu = [100 * (c1[h.name] - c0[h.name]) / dt for h in hosts]
     return {
         "worker agent %": statistics.median(worker_cpu),

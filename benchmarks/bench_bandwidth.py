@@ -53,9 +53,11 @@ import argparse
 import os
 import platform
 import select
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -67,7 +69,10 @@ sys.path.insert(0, str(ROOT))
 from mlfabric.agent.daemon import query_estimates, read_net_dev  # noqa: E402
 from mlfabric.tools import traffic  # noqa: E402
 from mlfabric.tools.testbed import Testbed, require_root  # noqa: E402
+from mlfabric.tools.token_cli import agent_secrets  # noqa: E402
 from mlfabric.tools.workload import scrape_metrics  # noqa: E402
+from mlfabric.wire import auth  # noqa: E402
+from mlfabric.wire.agent_auth import cluster_credential  # noqa: E402
 
 # issue 32's asymmetric cluster: (uplink, downlink) Mbit/s per host
 ASYMMETRIC = {"h0": (300.0, 300.0), "h1": (80.0, 300.0), "h2": (200.0, 100.0),
@@ -87,14 +92,20 @@ class Cluster:
     def __init__(self, tb: Testbed) -> None:
         self.tb = tb
         self.procs: list[subprocess.Popen[str]] = []
+        self.cleanups: list[Callable[[], None]] = []
 
     def start(self, *extra: str) -> float:
         self.launched = time.monotonic()
         env = dict(os.environ, PYTHONPATH=str(ROOT))
+        secrets = Path(tempfile.mkdtemp(prefix="bench-bandwidth-"))
+        self.cleanups.append(lambda: shutil.rmtree(secrets, ignore_errors=True))
+        cluster_token, _ = agent_secrets(secrets, "bench")
+        self.cluster = cluster_credential(auth.load_token(cluster_token))
         for h in self.tb.hosts:
             peers = [f"--peer={p.name}={p.ip}:{PORT}" for p in self.tb.hosts if p is not h]
             argv = [sys.executable, "-m", "mlfabric", "--log-level", "WARNING", "agent",
                     "--name", h.name, "--listen", f"{h.ip}:{PORT}", *peers,
+                    "--cluster-token-file", str(cluster_token),
                     "--metrics-port", str(METRICS_PORT), "--metrics-host", h.ip, *extra]
             self.procs.append(self.tb.popen(h, argv, stdout=subprocess.PIPE, text=True, env=env))
         for p in self.procs:
@@ -107,7 +118,7 @@ class Cluster:
         out = {}
         for h in self.tb.hosts:
             with h.enter():
-                est = query_estimates(h.ip, PORT, timeout=2)
+                est = query_estimates(h.ip, PORT, self.cluster, timeout=2)
             for e in est.estimates:
                 out[(h.name, e.peer)] = float("nan") if e.stale else e.bandwidth_bps
         return out
@@ -219,6 +230,8 @@ class Cluster:
             p.terminate()
         for p in self.procs:
             p.wait(10)
+        for cleanup in self.cleanups:
+            cleanup()
 
 
 @contextmanager

@@ -40,6 +40,8 @@ from bench_shards import (
     stop,
 )
 
+from mlfabric.tools.token_cli import agent_secrets
+
 CONFIGS = ("with", "without")
 AGGREGATE_PORT = 7401
 AGENT_PORT = 7400
@@ -72,7 +74,7 @@ def run_one(tb, config: str, args: argparse.Namespace, tmp: Path, init: Path, to
                 agent = popen(tb, a, [
                     *py, "agent", "--name", a.ip, "--listen", f"{a.ip}:{AGENT_PORT}",
                     "--aggregate", f"{a.ip}:{AGGREGATE_PORT}", "--job", JOB, "--token-file",
-                    str(token)], tmp)
+                    str(token), "--cluster-token-file", str(agent_secrets(tmp, JOB)[0])], tmp)
                 procs.append(agent)
                 wait_for_line(agent, "aggregating", f"aggregator on {a.name}", timeout=120)
         servers = []

@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 from bench_failover import Recorder, collect, pong, replay, steps, wait_for
 
+from mlfabric.tools.token_cli import agent_secrets
 from mlfabric.tools.workload import serving_address, wait_for_line
 
 JOB = "bench-failover"  # bench_failover's helpers speak to this job
@@ -152,7 +153,8 @@ def one_run(tb: Any, tmp: str, args: argparse.Namespace, rng: random.Random,
                 agent = tb.popen(a, [
                     *py, "agent", "--name", a.ip, "--listen", f"{a.ip}:{AGENT_PORT}",
                     "--aggregate", f"{a.ip}:{AGGREGATE_PORT}", "--job", JOB, "--token-file",
-                    token], **kw)
+                    token, "--cluster-token-file", str(agent_secrets(Path(tmp), JOB)[0])],
+                    **kw)
                 procs.append(agent)
                 wait_for_line(agent, "aggregating", f"aggregator on {a.name}", timeout=120)
         ctl = tb.popen(ctl_host, [

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import random
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,11 +22,21 @@ from mlfabric.runtime import loop as loops
 from mlfabric.runtime.metrics import ServerMetrics
 from mlfabric.server.server import ParameterServer
 from mlfabric.server.store import ParameterStore
+from mlfabric.wire.agent_auth import (
+    AgentCredential,
+    cluster_credential,
+    derive_job_key,
+    format_job_key,
+)
 from mlfabric.wire.protocol import NEED_DATA, Auth, Connection, Hello
 
 TOKEN = b"qlavJGRJWJ8ZiRgARS66vE3_gJK7uhcf_4UVwO0ihwk"  # random, as `mlfabric token new` makes
 WRONG_TOKEN = b"fc9VdvfKRpn_DlhazmmmGVXCKvw94F1DqIe_6ujLCwQ"  # random too, another job's
 JOB = "testjob"
+# The agents' cluster token, and what logs in with it (wire.agent_auth).
+CLUSTER_TOKEN = b"SYrNR50quh4m7kuaQ-f_3C76s_2r4C4r4JLMEv8sJS4"
+CLUSTER = cluster_credential(CLUSTER_TOKEN)
+JOB_AGENT_KEY = AgentCredential("job", JOB, derive_job_key(CLUSTER_TOKEN, JOB))
 # How early an event-loop timer may fire by time.monotonic(): uvloop reads its
 # clock once per loop iteration, in whole milliseconds, so a 0.5 s timer can
 # end 0.4998 s after a monotonic start (CI saw 0.2997 s for 0.3 and 0.49985 s
@@ -242,3 +256,29 @@ class RawClient:
 
 
 __all__ = ["JOB", "TOKEN", "Auth", "Hello"]
+
+
+_secrets_dir: Path | None = None
+
+
+def secret_file(name: str, text: str) -> Path:
+    """A file holding `text`, mode 0600, in a folder removed at exit: token
+    and key files for processes a test starts."""
+    global _secrets_dir
+    if _secrets_dir is None:
+        _secrets_dir = Path(tempfile.mkdtemp(prefix="mlfabric-test-secrets-"))
+        atexit.register(shutil.rmtree, _secrets_dir, True)
+    path = _secrets_dir / name
+    path.write_text(text + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def cluster_token_file() -> Path:
+    """The agents' cluster token in a file (`--cluster-token-file`)."""
+    return secret_file("cluster.token", CLUSTER_TOKEN.decode())
+
+
+def agent_key_file(job: str = JOB) -> Path:
+    """Job `job`'s agent key in a file (`--agent-key-file`, `agent_key_file=`)."""
+    return secret_file(f"{job}.agent-key", format_job_key(CLUSTER_TOKEN, job))

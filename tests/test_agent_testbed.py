@@ -28,6 +28,8 @@ from mlfabric.errors import ConfigError
 from mlfabric.tools.workload import scrape_metrics
 from mlfabric.wire import agent_protocol as probe
 
+from support import CLUSTER, cluster_token_file
+
 try:
     from mlfabric.tools import traffic
     from mlfabric.tools.testbed import Host, Testbed, require_root
@@ -67,7 +69,8 @@ class Agents:
         others = [p for p in self.tb.hosts if p is not host] if peers_of is None else peers_of
         peers = [f"--peer={p.name}={p.ip}:{PORT}" for p in others]
         argv = [sys.executable, "-m", "mlfabric", "--log-level", "WARNING", "agent",
-                "--name", host.name, "--listen", f"{host.ip}:{PORT}", *peers,
+                "--cluster-token-file", str(cluster_token_file()), "--name", host.name,
+                "--listen", f"{host.ip}:{PORT}", *peers,
                 "--metrics-port", str(METRICS_PORT), "--metrics-host", host.ip, *self.extra]
         env = dict(os.environ)
         proc = self.tb.popen(host, argv, stdout=subprocess.PIPE, text=True, env=env)
@@ -102,7 +105,7 @@ class Agents:
 
     def query(self, host: Host) -> probe.Estimates:
         with host.enter():
-            return query_estimates(host.ip, PORT, timeout=2.0)
+            return query_estimates(host.ip, PORT, CLUSTER, timeout=2.0)
 
     def estimates(self) -> dict[tuple[str, str], probe.PeerEstimate]:
         out = {}
@@ -451,7 +454,13 @@ def test_survives_bad_input_a_dead_peer_and_its_restart() -> None:
                 with socket.create_connection((h1.ip, PORT), timeout=2) as s:
                     s.sendall(data)
                     s.shutdown(socket.SHUT_WR)
-                    assert s.recv(100) == b""  # dropped without an answer
+                    # dropped, with an error frame saying why and nothing else
+                    conn = probe.Connection()
+                    while chunk := s.recv(4096):
+                        conn.receive_data(chunk)
+                    conn.receive_data(b"")
+                    assert isinstance(conn.next_event(), probe.Error)
+                    assert isinstance(conn.next_event(), probe.ConnectionClosed)
         samples = scrape_metrics(h1, METRICS_PORT)
         bad = {k: samples[f'mlfabric_agent_bad_messages_total{{kind="{k}"}}']
                for k in ("datagram", "frame")}

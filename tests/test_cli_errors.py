@@ -13,7 +13,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from support import JOB, TOKEN
+from support import JOB, TOKEN, cluster_token_file
 
 
 def mlfabric_cmd(*args: str) -> list[str]:
@@ -37,7 +37,8 @@ def command(name: str, d) -> list[str]:
         "server": ["server", *listener, "--init", str(d / "model.npz")],
         "replica": ["server", "--role", "replica", *listener, "--init", str(d / "model.npz")],
         "controller": ["controller", *listener],
-        "agent": ["agent", "--listen", "127.0.0.1:0"],
+        "agent": ["agent", "--listen", "127.0.0.1:0", "--cluster-token-file",
+                  str(cluster_token_file())],
         "promote": ["promote", "--replica", "127.0.0.1:1", "--force", "--job", JOB,
                     "--token-file", str(d / "job.token")],
         "status": ["status", "--controller", "127.0.0.1:1", "--job", JOB, "--token-file",

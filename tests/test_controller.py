@@ -18,7 +18,9 @@ from mlfabric.scheduling.plan import PlanItem, Snapshot, fifo_policy
 from mlfabric.server.store import ParameterStore
 
 from support import (
+    CLUSTER_TOKEN,
     JOB,
+    JOB_AGENT_KEY,
     TOKEN,
     Reference,
     ServerThread,
@@ -315,11 +317,13 @@ def test_status_shows_workers_versions_delays_and_bandwidth(cluster, tmp_path):
 
     server, controller, model = cluster(drop_third)
     # One live agent (no peers yet) and one whose address answers nothing.
-    agent = Agent(AgentConfig("hA", host="127.0.0.1", port=0, counters=None))
+    agent = Agent(AgentConfig("hA", cluster_token=CLUSTER_TOKEN, host="127.0.0.1", port=0,
+                                  counters=None))
     asyncio.run_coroutine_threadsafe(agent.start(), controller._loop).result(10)
     dead = free_port()
     controller.call(lambda: controller.server.watch_agents(
-        {"hA": ("127.0.0.1", agent.port), "hB": ("127.0.0.1", dead)}, interval=0.05))
+        {"hA": ("127.0.0.1", agent.port), "hB": ("127.0.0.1", dead)}, JOB_AGENT_KEY,
+        interval=0.05))
     with mlfabric.connect(server.address, job=JOB, token=TOKEN, name="alice",
                           controller=controller.address, host="hA") as ps:
         for _ in range(4):
@@ -387,14 +391,16 @@ def test_close_ends_agent_polling_whenever_it_lands(run_async):
     import random
 
     async def body():
-        agent = Agent(AgentConfig("hA", host="127.0.0.1", port=0, counters=None))
+        agent = Agent(AgentConfig("hA", cluster_token=CLUSTER_TOKEN, host="127.0.0.1", port=0,
+                                  counters=None))
         await agent.start()
         rng = random.Random(86296)
         try:
             for trial in range(40):
                 controller = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None)
                 await controller.start("127.0.0.1", 0)
-                controller.watch_agents({"hA": ("127.0.0.1", agent.port)}, interval=0.0)
+                controller.watch_agents({"hA": ("127.0.0.1", agent.port)}, JOB_AGENT_KEY,
+                                        interval=0.0)
                 for _ in range(rng.randrange(200)):
                     await asyncio.sleep(0)  # a random number of loop turns into the poll
                 await controller.close()
@@ -438,7 +444,7 @@ def test_a_jump_in_an_agents_estimate_is_held_until_its_next_reports_agree(
         controller = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None)
         await controller.start("127.0.0.1", 0)
         try:
-            controller.watch_agents({"hA": ("127.0.0.1", 9)}, interval=0.01)
+            controller.watch_agents({"hA": ("127.0.0.1", 9)}, JOB_AGENT_KEY, interval=0.01)
             await asyncio.wait_for(answered.wait(), 10)
             assert controller.state.network.pair[("hA", "hB")] == 40e6
             assert controller.metrics.estimates_held.labels("jump")._value.get() == 2

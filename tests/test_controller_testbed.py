@@ -64,7 +64,7 @@ def test_controller_learns_available_bandwidth_from_agents(tmp_path):
     from mlfabric.controller.status_cli import fetch_status
     from mlfabric.errors import MlfabricError
 
-    from support import JOB, TOKEN, wait_until
+    from support import JOB, TOKEN, agent_key_file, cluster_token_file, wait_until
 
     token = tmp_path / "job.token"
     token.write_bytes(TOKEN)
@@ -75,9 +75,11 @@ def test_controller_learns_available_bandwidth_from_agents(tmp_path):
         h0, h1 = tb.hosts
         for me, peer in ((h0, h1), (h1, h0)):
             tb.popen(me, [*py, "agent", "--name", me.ip, "--listen", f"{me.ip}:7400",
+                          "--cluster-token-file", str(cluster_token_file()),
                           "--peer", f"{peer.ip}={peer.ip}:7400"], **kw)
         tb.popen(h0, [*py, "controller", "--listen", f"{h0.ip}:7071", "--job", JOB,
                       "--token-file", str(token), "--agent", f"{h1.ip}={h1.ip}:7400",
+                      "--agent-key-file", str(agent_key_file()),
                       "--agent-interval", "0.2"], **kw)
         path = f"{h1.ip}->{h0.ip}"
 

@@ -44,7 +44,7 @@ from support import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "guide"
-PAGES = ["quickstart.md", "deploying.md", "troubleshooting.md"]
+PAGES = ["quickstart.md", "deploying.md", "troubleshooting.md", "security.md"]
 # Every port number the guide's commands use; each is replaced by a free port.
 GUIDE_PORTS = (7070, 7071, 7080, 7400, 9100, 9101, 9470, 9471, 9472)
 MAX_NORUN = 6
@@ -262,9 +262,14 @@ def test_every_command_in_the_guide_runs(tmp_path):
     ran = 0
     for page in PAGES:
         running: list[Background] = []
-        # Each page makes the job's token afresh; `mlfabric token new` keeps an
-        # existing one (the pages share their other files, e.g. model.npz).
-        (tmp_path / "job.token").unlink(missing_ok=True)
+        # A page that makes a token or key makes it afresh (a reader of that
+        # page alone has none; `mlfabric token` keeps an existing file); the
+        # pages share their other files (model.npz, and job.token for the
+        # troubleshooting page).
+        for block in parse(page):
+            for made in re.findall(r"mlfabric token (?:new|agent-key)\b[^\n#]*?(\S+)\s*(?:#|$)",
+                                   block.text, flags=re.M):
+                (tmp_path / made).unlink(missing_ok=True)
         try:
             for block in parse(page):
                 name = block.attr("file")

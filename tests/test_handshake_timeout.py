@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from support import JOB, TOKEN, free_port
+from support import JOB, TOKEN, cluster_token_file, free_port
 from test_cli import Server, mlfabric_cmd
 
 
@@ -33,6 +33,7 @@ def command(kind: str, tmp_path, *extra: str) -> list[str]:
                             "--token-file", token, *extra)
     assert kind == "aggregator"
     return mlfabric_cmd("agent", "--name", "a1", "--listen", f"127.0.0.1:{free_port()}",
+                        "--cluster-token-file", str(cluster_token_file()),
                         "--aggregate", f"127.0.0.1:{free_port()}", "--job", JOB,
                         "--token-file", token, *extra)
 

@@ -108,7 +108,10 @@ SETTINGS: tuple[Setting, ...] = (
             "sent there (worker-driven replication; default: none)"),
     Setting("agent", "address", None,
             "this host's mlfabric agent, HOST:PORT: pushes are reported to it as bandwidth "
-            "samples (default: none)"),
+            "samples (default: none; needs agent_key_file)"),
+    Setting("agent_key_file", "path", None,
+            "file holding the job's key for the agents (the operator makes it with "
+            "`mlfabric token agent-key`; needed with agent)"),
     Setting("timeout", "float", 10.0, "seconds to wait when connecting (default: 10)",
             positive=True),
     Setting("controller_fallback", "choice", "fifo",
@@ -150,6 +153,7 @@ class Settings:
     controller: str | None = None
     replica: str | None = None
     agent: str | None = None
+    agent_key_file: str | None = None
     timeout: float = 10.0
     controller_fallback: str = "fifo"
     controller_timeout: float = 30.0
@@ -465,7 +469,7 @@ def connect(settings: Settings, *, launch: Launch | None = None, **extra: Any) -
             controller_fallback=settings.controller_fallback,
             controller_timeout=settings.controller_timeout, replica=settings.replica,
             replica_timeout=settings.replica_timeout, push_timeout=settings.push_timeout,
-            agent=settings.agent, **extra,
+            agent=settings.agent, agent_key_file=settings.agent_key_file, **extra,
         )
     except WrongPeer as exc:
         # The address answers as another kind of process: name the setting that holds it.

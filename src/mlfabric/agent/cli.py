@@ -43,6 +43,7 @@ log = logging.getLogger("mlfabric.agent")
 #: Keys of the JSON --config file -> the flag each stands for (flags win).
 CONFIG_KEYS = {
     "name": "--name",
+    "cluster_token_file": "--cluster-token-file",
     "listen": "--listen",
     "peers": "--peer",  # an object {"NAME": "HOST:PORT", ...}
     "metrics_port": "--metrics-port",
@@ -63,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", help="this host's name among its peers (default: hostname)")
     p.add_argument("--listen", metavar="HOST:PORT",
                    help="TCP control + UDP probe address (default 0.0.0.0:7400)")
+    p.add_argument("--cluster-token-file", metavar="PATH",
+                   help="the cluster's token (required): every agent of the cluster holds "
+                        "it; peers and the operator log in with it, and each job's agent key "
+                        "is derived from it (`mlfabric token agent-key`)")
     p.add_argument("--peer", action="append", default=[], metavar="NAME=HOST:PORT",
                    help="a peer agent to probe (repeatable)")
     p.add_argument("--config", type=Path, metavar="FILE",
@@ -224,7 +229,13 @@ def build_config(args: argparse.Namespace, aggregate: AggregateConfig | None = N
     probe_cfg = replace(ProbeConfig(), budget=float(budget), stale_after=float(stale))
     if nic_bps is not None:
         probe_cfg = replace(probe_cfg, max_bps=min(probe_cfg.max_bps, nic_bps))
-    config = AgentConfig(name=name, host=host, port=port, peers=peers, probe=probe_cfg,
+    cluster_token_file = args.cluster_token_file or file.get("cluster_token_file")
+    if not cluster_token_file:
+        raise ConfigError("an agent needs --cluster-token-file PATH: the cluster's secret, "
+                          "which every agent holds (make it once with `mlfabric token new "
+                          "cluster.token` and copy it to every host)")
+    config = AgentConfig(name=name, cluster_token=auth.load_token(cluster_token_file),
+                         host=host, port=port, peers=peers, probe=probe_cfg,
                          counters=functools.partial(read_net_dev, interface),
                          job_traffic=JobTrafficReader(ports, rediscover=float(rediscover))
                          if ports else None)

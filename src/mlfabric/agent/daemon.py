@@ -32,7 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, ConnectionLost, ProtocolError
 from ..runtime.loop import within
+from ..transport.agent_login import blocking_login, login
 from ..wire import agent_protocol as probe
+from ..wire.agent_auth import AgentCredential, AgentGate, cluster_credential
 from .estimator import (
     BusyMeter,
     LoadMeter,
@@ -148,7 +150,11 @@ def parse_peer(text: str) -> tuple[str, tuple[str, int]]:
 
 @dataclass
 class AgentConfig:
+    """`cluster_token`: the operator's secret every agent of the cluster holds
+    (wire.agent_auth): peers log in with it, and it derives each job's key."""
+
     name: str
+    cluster_token: bytes = field(repr=False, kw_only=True)
     host: str = "0.0.0.0"
     port: int = 7400
     peers: dict[str, tuple[str, int]] = field(default_factory=dict)
@@ -167,6 +173,7 @@ class AgentConfig:
     # probes (mlfabric.agent.job_traffic); None: every byte on the NIC is someone else's
     job_traffic: Callable[[], tuple[int, int]] | None = None
     max_lost_trains: int = 5  # then the connection is dropped and re-established
+    login_timeout: float = 5.0  # a control connection not logged in by then is closed
 
 
 # A full frame of 1514 bytes carries 1448 bytes of TCP payload (timestamps on)
@@ -201,6 +208,7 @@ class _Control:
         self.agent = agent
         self.writer = writer
         self.conn = probe.Connection()
+        self.gate = AgentGate(agent.config.cluster_token)
         self.sessions: set[int] = set()
         self.peer_name: str | None = None
 
@@ -242,6 +250,8 @@ class Agent:
         self._load_task: asyncio.Task[None] | None = None
         self._progress = asyncio.Condition()
         self._refused_warned = -math.inf  # when a refused transfer report was last logged
+        self._refusals = 0  # control connections refused (login, permissions)
+        self._refusal_warned = -math.inf
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -510,6 +520,12 @@ class Agent:
             asyncio.open_connection(host, port), c.connect_timeout
         )
         conn = probe.Connection()
+        try:
+            await within(login(reader, writer, conn, cluster_credential(c.cluster_token),
+                               self.name), c.connect_timeout)
+        except BaseException:
+            writer.close()
+            raise
         session = int.from_bytes(os.urandom(8), "big")
         reports: dict[int, asyncio.Future[probe.TrainReport]] = {}
         pings: dict[int, float] = {}
@@ -789,9 +805,15 @@ class Agent:
             self._handlers.add(task)
         ctl = _Control(self, writer)
         self._controls.add(ctl)
+        login_by = self.clock() + self.config.login_timeout
         try:
             while True:
-                data = await reader.read(READ_CHUNK)
+                if ctl.gate.role is None:
+                    # not logged in: bounded, so idle connections do not pile up
+                    data = await within(reader.read(READ_CHUNK),
+                                        max(0.0, login_by - self.clock()))
+                else:
+                    data = await reader.read(READ_CHUNK)
                 ctl.conn.receive_data(data)
                 while True:
                     ev = ctl.conn.next_event()
@@ -799,8 +821,19 @@ class Agent:
                         break
                     if isinstance(ev, probe.ConnectionClosed):
                         return
-                    self._handle(ctl, ev)
+                    step = ctl.gate.on_event(ev)
+                    if step.send is not None:
+                        ctl.send(step.send)
+                    if step.refused is not None:
+                        self._refused(ctl, step.refused, step.why)
+                        await within(writer.drain(), 1.0)
+                        return
+                    if step.serve:
+                        self._handle(ctl, ev)
                 await writer.drain()
+        except TimeoutError:
+            self._refused(ctl, "login-timeout", "no login within "
+                          f"{self.config.login_timeout:g} s")
         except ProtocolError as exc:
             log.info("agent %s: dropping a control connection: %s", self.name, exc)
             self._count_bad("frame")
@@ -819,6 +852,19 @@ class Agent:
             writer.close()
             if task is not None:
                 self._handlers.discard(task)
+
+    def _refused(self, ctl: _Control, reason: str, why: str) -> None:
+        """A control connection refused before or at the login, or a request its
+        credential does not allow: counted, logged at most once a minute."""
+        if self.metrics is not None:
+            self.metrics.refused.labels(reason).inc()
+        self._refusals += 1
+        now = self.clock()
+        if now - self._refusal_warned >= 60.0:
+            self._refusal_warned = now
+            log.warning("agent %s: refused a control connection from %s (%s: %s); %d refused "
+                        "so far (mlfabric_agent_refused_total; warned once a minute)",
+                        self.name, ctl.gate.client, reason, why, self._refusals)
 
     def _handle(self, ctl: _Control, ev: probe.Event) -> None:
         if isinstance(ev, probe.Hello):
@@ -874,7 +920,8 @@ def _mbit(x: float | None) -> str:
 
 
 class AgentClient:
-    """Talk to an agent: read its estimates, report transfers, set its peers."""
+    """Talk to an agent: read its estimates, report transfers, set its peers.
+    What a client may do depends on its credential (wire.agent_auth)."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  timeout: float) -> None:
@@ -885,9 +932,16 @@ class AgentClient:
         self.timeout = timeout
 
     @classmethod
-    async def connect(cls, host: str, port: int, timeout: float = 2.0) -> AgentClient:
+    async def connect(cls, host: str, port: int, credential: AgentCredential,
+                      timeout: float = 2.0, name: str = "client") -> AgentClient:
         reader, writer = await within(asyncio.open_connection(host, port), timeout)
-        return cls(reader, writer, timeout)
+        client = cls(reader, writer, timeout)
+        try:
+            await within(login(reader, writer, client._conn, credential, name), timeout)
+        except BaseException:
+            writer.close()
+            raise
+        return client
 
     async def close(self) -> None:
         self._writer.close()
@@ -938,11 +992,13 @@ class AgentClient:
             raise ProtocolError(f"expected Ack, got {type(ev).__name__}")
 
 
-def query_estimates(host: str, port: int, timeout: float = 2.0) -> probe.Estimates:
-    """Blocking one-shot: connect, read the estimates, close (for tools and tests)."""
+def query_estimates(host: str, port: int, credential: AgentCredential,
+                    timeout: float = 2.0) -> probe.Estimates:
+    """Blocking one-shot: connect, log in, read the estimates, close (for tools and tests)."""
     conn = probe.Connection()
     with socket.create_connection((host, port), timeout=timeout) as s:
         s.settimeout(timeout)
+        blocking_login(s, conn, credential, "query")
         s.sendall(conn.send(probe.GetEstimates(1)))
         while True:
             ev = conn.next_event()
@@ -950,6 +1006,8 @@ def query_estimates(host: str, port: int, timeout: float = 2.0) -> probe.Estimat
                 return ev
             if isinstance(ev, probe.ConnectionClosed):
                 raise ConnectionLost(f"agent at {host}:{port} closed the connection")
+            if isinstance(ev, probe.Error):
+                raise ProtocolError(f"agent at {host}:{port}: {ev.message}")
             if not isinstance(ev, probe.NeedData):
                 raise ProtocolError(f"expected Estimates, got {type(ev).__name__}")
             conn.receive_data(s.recv(READ_CHUNK))

@@ -4,17 +4,23 @@ A finished push is a measurement of the path to the server (bytes over
 seconds: a lower bound of what the path delivers); the agent uses it as a
 passive sample (mlfabric.agent.estimator). Reporting is telemetry: it never delays
 or fails a push. Reports go from a background thread through a bounded
-queue; if the agent is unreachable they are dropped, with one warning.
+queue; if the agent is unreachable they are dropped, with one warning. The
+reporter logs in with the job's agent key (wire.agent_auth); a key the agent
+refuses is a warning too, and the client goes on without reports.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import socket
 import threading
 
+from ..errors import ConfigError, MlfabricError
+from ..transport.agent_login import blocking_login
 from ..wire import agent_protocol as probe
+from ..wire.agent_auth import AgentCredential, load_job_key
 from .core import parse_address
 
 log = logging.getLogger("mlfabric.client")
@@ -24,9 +30,26 @@ MIN_REPORT_BYTES = 1 << 16
 _QUEUE = 1024
 
 
+def job_agent_key(path: str | os.PathLike[str] | None, job: str) -> AgentCredential:
+    """Job `job`'s agent key from `path`, for reporting to an agent."""
+    if path is None:
+        raise ConfigError("agent= needs agent_key_file=: the agent serves only clients that "
+                          "log in; the operator makes the job's key with `mlfabric token "
+                          f"agent-key --cluster-token-file FILE --job {job} KEYFILE`")
+    key = load_job_key(path)
+    if key.job != job:
+        raise ConfigError(f"agent key file {str(path)!r} is job {key.job!r}'s, not job "
+                          f"{job!r}'s: make this job's with `mlfabric token agent-key --job "
+                          f"{job}`")
+    return key
+
+
 class TransferReporter:
-    def __init__(self, address: str, timeout: float = 0.5) -> None:
+    def __init__(self, address: str, credential: AgentCredential, timeout: float = 0.5,
+                 name: str = "client") -> None:
         self.address = address
+        self.credential = credential
+        self.name = name
         self._host, self._port = parse_address(address)
         self._timeout = timeout
         self._queue: queue.Queue[probe.TransferReport | None] = queue.Queue(_QUEUE)
@@ -52,10 +75,12 @@ class TransferReporter:
             try:
                 if sock is None:
                     sock = socket.create_connection((self._host, self._port), self._timeout)
+                    conn = probe.Connection()
+                    blocking_login(sock, conn, self.credential, self.name)
                 sock.sendall(conn.send(event))
                 self.sent += 1
                 self._warned = False
-            except OSError as exc:
+            except (OSError, MlfabricError) as exc:
                 self.dropped += 1
                 if sock is not None:
                     sock.close()

@@ -37,7 +37,7 @@ from ..wire.protocol import (
     spec_of,
 )
 from ..wire.streamed import StreamedBlock
-from .agent_report import TransferReporter
+from .agent_report import TransferReporter, job_agent_key
 from .aio_control import AsyncControlledPushes
 from .control_book import AGGREGATOR_COMMAND, AGGREGATOR_DIAL_TIMEOUT
 from .core import (
@@ -79,6 +79,7 @@ async def connect(
     replica_timeout: float = 10.0,
     push_timeout: float | None = DEFAULT_PUSH_TIMEOUT,
     agent: str | None = None,
+    agent_key_file: str | os.PathLike[str] | None = None,
 ) -> AsyncClient:
     """Connect to the parameter server at `address` ("HOST:PORT") for `job`.
 
@@ -90,9 +91,11 @@ async def connect(
     the controller promotes, re-sends what the lost server never answered,
     and feeds a replica that joins later. Every push resolves within
     `push_timeout` seconds, and with `agent` ("HOST:PORT" of this host's
-    `mlfabric agent`) pushes of 64 KiB or more are reported to it, as with
-    mlfabric.connect() (which runs this client on a thread of its own)."""
+    `mlfabric agent`) pushes of 64 KiB or more are reported to it, logged in
+    with the job's agent key from `agent_key_file`, as with mlfabric.connect()
+    (which runs this client on a thread of its own)."""
     check_push_timeout(push_timeout)
+    agent_key = None if agent is None else job_agent_key(agent_key_file, job)
     secret = resolve_token(token, token_file)
     hs = ClientHandshake(job, secret, name or default_client_name())
     proto = await open_link(address, hs, timeout, "parameter server", metrics=metrics)
@@ -101,8 +104,9 @@ async def connect(
     if push_timeout is not None:
         client._watch_pushes(push_timeout)
     if agent is not None:
+        assert agent_key is not None
         try:
-            client._reporter = TransferReporter(agent)
+            client._reporter = TransferReporter(agent, agent_key, name=hs.name)
         except BaseException:
             await client.close()
             raise

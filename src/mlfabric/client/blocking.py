@@ -48,6 +48,7 @@ def connect(
     controller_fallback: str = "fifo",
     controller_timeout: float = 30.0,
     agent: str | None = None,
+    agent_key_file: str | os.PathLike[str] | None = None,
     replica: str | None = None,
     failover_timeout: float = 30.0,
     replica_backlog: int = 64,
@@ -69,7 +70,8 @@ def connect(
 
     With `agent` ("HOST:PORT" of this host's `mlfabric agent`), every push of
     64 KiB or more is reported to the agent as a measurement of the path to
-    the server (never delaying the push).
+    the server (never delaying the push), logged in with the job's agent key
+    from `agent_key_file` (the operator makes it: `mlfabric token agent-key`).
 
     With `replica` ("HOST:PORT" of `mlfabric server --role replica`), every
     update the server applied is also sent from here straight to the replica
@@ -100,7 +102,8 @@ def connect(
             address, job=job, token=token, token_file=token_file, timeout=timeout, name=name,
             metrics=metrics, controller=controller, host=host,
             controller_fallback=controller_fallback, controller_timeout=controller_timeout,
-            agent=agent, replica=replica, failover_timeout=failover_timeout,
+            agent=agent, agent_key_file=agent_key_file, replica=replica,
+            failover_timeout=failover_timeout,
             replica_backlog=replica_backlog, replica_timeout=replica_timeout,
             push_timeout=push_timeout))
     except BaseException:

@@ -29,6 +29,7 @@ from ..transport.listener import (
     stop_on_signals,
 )
 from ..wire import auth
+from ..wire.agent_auth import load_job_key
 from ..wire.protocol import MAX_FAN_IN
 from .controller import Controller
 
@@ -54,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agent", action="append", default=[], metavar="HOST=ADDR:PORT",
                    help="poll the agent on HOST (a name used in --link and by workers) at "
                         "ADDR:PORT for measured bandwidth (repeat per host)")
+    p.add_argument("--agent-key-file", metavar="PATH",
+                   help="the job's key for the agents' API (needed with --agent; the "
+                        "operator makes it: `mlfabric token agent-key`)")
     p.add_argument("--agent-interval", type=float, default=0.5, metavar="SECONDS",
                    help="seconds between polls of each agent (default: 0.5)")
     p.add_argument("--aggregator", action="append", default=[], metavar="HOST=ADDR:PORT",
@@ -208,6 +212,18 @@ def run(args: argparse.Namespace) -> int:
     network = parse_links(args.link, args.default_link_mbit)
     shake = handshake_timeout(args)
     agents = parse_agents(args.agent)
+    agent_key = None
+    if agents:
+        if not args.agent_key_file:
+            raise ConfigError("--agent needs --agent-key-file PATH: the agents serve only "
+                              "clients that log in; the operator makes the job's key with "
+                              "`mlfabric token agent-key --cluster-token-file FILE --job "
+                              f"{args.job} KEYFILE`")
+        agent_key = load_job_key(args.agent_key_file)
+        if agent_key.job != args.job:
+            raise ConfigError(f"--agent-key-file {args.agent_key_file!r} is job "
+                              f"{agent_key.job!r}'s key, not job {args.job!r}'s: make this "
+                              f"job's with `mlfabric token agent-key --job {args.job}`")
     policy = make_policy(args.policy, args.overload)
     aggregators = {h: f"{a}:{p}" for h, (a, p) in
                    parse_agents(args.aggregator, "--aggregator").items()}
@@ -264,7 +280,8 @@ def run(args: argparse.Namespace) -> int:
         stopped = stop_on_signals()  # before the "serving" line: see stop_on_signals
         bound = await listen(controller, host, port, args.listen)
         if agents:
-            controller.watch_agents(agents, args.agent_interval)
+            assert agent_key is not None
+            controller.watch_agents(agents, agent_key, args.agent_interval)
         if servers:
             controller.watch_servers(servers, replicas, interval=args.heartbeat_interval,
                                      timeout=args.heartbeat_timeout,

@@ -30,6 +30,7 @@ from ..scheduling.estimates import EstimateGuard, Held
 from ..scheduling.plan import Network, Policy, with_estimates, with_host_load
 from ..transport.listener import Endpoint, EndpointProtocol
 from ..wire import roles
+from ..wire.agent_auth import AgentCredential
 from ..wire.protocol import (
     Directive,
     Failover,
@@ -106,22 +107,27 @@ class Controller(Endpoint):
 
     # -- agents -------------------------------------------------------------------
 
-    def watch_agents(self, agents: dict[str, tuple[str, int]], interval: float = 0.5) -> None:
-        """Poll each agent (host name -> agent address) for its estimates and
-        re-plan when the bandwidth picture changes."""
+    def watch_agents(self, agents: dict[str, tuple[str, int]], credential: AgentCredential,
+                     interval: float = 0.5) -> None:
+        """Poll each agent (host name -> agent address) for its estimates, logged
+        in with the job's agent key (`credential`), and re-plan when the
+        bandwidth picture changes."""
         for host, (ip, port) in agents.items():
             self.state.add_agent(host, f"{ip}:{port}")
         self._agent_tasks = [asyncio.get_running_loop().create_task(
-            self._poll_agent(host, addr, interval)) for host, addr in agents.items()]
+            self._poll_agent(host, addr, credential, interval))
+            for host, addr in agents.items()]
 
-    async def _poll_agent(self, host: str, addr: tuple[str, int], interval: float) -> None:
+    async def _poll_agent(self, host: str, addr: tuple[str, int], credential: AgentCredential,
+                          interval: float) -> None:
         from ..agent.daemon import AgentClient
 
         client = None
         while True:
             try:
                 if client is None:
-                    client = await AgentClient.connect(*addr, timeout=2.0)
+                    client = await AgentClient.connect(*addr, credential, timeout=2.0,
+                                                       name="controller")
                 est = await client.estimates()
             except (OSError, TimeoutError, MlfabricError) as exc:
                 log.debug("agent %s at %s:%d: %s", host, *addr, exc)

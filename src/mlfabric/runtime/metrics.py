@@ -547,6 +547,13 @@ class AgentMetrics:
             "refused: a rate above the NIC's speed or a duration that is no number)",
             ["result"], namespace=ns, registry=r,
         )
+        self.refused = Counter(
+            "agent_refused",
+            "Control connections refused, by reason (unauthenticated: a request before "
+            "a login; auth: a wrong key; login-timeout: no login in time; forbidden: a "
+            "request the credential does not allow, such as SetPeers with a job's key)",
+            ["reason"], namespace=ns, registry=r,
+        )
         for result in ("accepted", "unknown_peer", "refused"):
             self.transfer_reports.labels(result)
         self.delivery_samples = Counter(

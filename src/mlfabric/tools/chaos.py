@@ -61,8 +61,10 @@ from typing import Any
 
 import numpy as np
 
+from .token_cli import agent_secrets
+
 JOB = "chaos"
-TOKEN = b"chaos-test-token-0123456789abcdef"
+TOKEN = b"LZOCIY7dpJlBseQd7WFHxOuZfBP-lw-b1w2dFVvkE7I"  # random (`mlfabric token new`)
 SCALE = 0.01  # of the seeded updates
 SERVING = ("serving job", "ready on")  # what each listening command prints when ready
 
@@ -243,6 +245,7 @@ class Job:
         self.model = model_of(settings.tensors, settings.size)
         self.token = workdir / "job.token"
         self.token.write_bytes(TOKEN)
+        self.cluster_token, _ = agent_secrets(workdir, JOB)
         self.token.chmod(0o600)
         np.savez(workdir / "init.npz", **self.model)  # type: ignore[arg-type]
         self.stop_file = workdir / "stop"
@@ -270,7 +273,8 @@ class Job:
             for i in range(2):
                 port = free_port()
                 agg = self._listener(f"aggregator-{i}", "aggregator",
-                                     ["agent", "--name", f"a{i}", "--aggregate",
+                                     ["agent", "--name", f"a{i}", "--cluster-token-file",
+                                      str(self.cluster_token), "--aggregate",
                                       f"127.0.0.1:{port}"], port=0)
                 agg.address = f"127.0.0.1:{port}"
                 agg.name = f"aggregator-{i}"
@@ -411,7 +415,8 @@ class Job:
         self.kill(agg)
         port = agg.address.rsplit(":", 1)[1] if agg.address else "0"
         new = self._listener(f"{agg.name}-r{self.kills['aggregator']}", "aggregator",
-                             ["agent", "--name", f"a{i}", "--aggregate", f"127.0.0.1:{port}"])
+                             ["agent", "--name", f"a{i}", "--cluster-token-file",
+                              str(self.cluster_token), "--aggregate", f"127.0.0.1:{port}"])
         new.address = agg.address
         self.aggregators[i] = new
 

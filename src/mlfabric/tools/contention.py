@@ -454,10 +454,12 @@ def run_system(tb: Any, sc: Scenario, system: str, *, progress: Callable[[str], 
 
 def _write_common(tmp: Path, sc: Scenario) -> tuple[Path, Path]:
     from ..wire import auth
+    from .token_cli import agent_secrets
 
     token = tmp / "job.token"
     token.write_text(auth.generate_token())
     token.chmod(0o600)
+    agent_secrets(tmp, JOB)  # cluster.token, JOB.agent-key (_agent_flags)
     init = tmp / "init.npz"
     np.savez(init, **init_params(sc.hidden, seed=sc.seed))  # type: ignore[arg-type]
     return token, init
@@ -516,9 +518,12 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
                     agents += ["--aggregator", f"{host.ip}={host.ip}:{AGGREGATE_PORT}"]
                 helpers.append(_popen(tb, host, [*py, "agent", "--name", host.ip, "--listen",
                                                  f"{host.ip}:{AGENT_PORT}", *job_port, *peers,
-                                                 *aggregate], tmp))
+                                                 "--cluster-token-file",
+                                                 str(tmp / "cluster.token"), *aggregate], tmp))
                 if measured:
                     agents += ["--agent", f"{host.ip}={host.ip}:{AGENT_PORT}"]
+            if measured:
+                agents += ["--agent-key-file", str(tmp / f"{JOB}.agent-key")]
         # A group of every worker is full: it goes without waiting out the rest.
         wait = (["--group-wait", str(sc.group_wait), "--max-fan-in", str(sc.workers)]
                 if base.endswith("-agg-wait") else [])
@@ -531,7 +536,8 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
         for i, w in enumerate(workers):
             # With agents, each client reports its finished transfers to its host's
             # agent (passive samples of what the path delivers to the job).
-            report = ["--agent", f"{w.ip}:{AGENT_PORT}"] if agents else []
+            report = (["--agent", f"{w.ip}:{AGENT_PORT}", "--agent-key-file",
+                       str(tmp / f"{JOB}.agent-key")] if agents else [])
             procs.append(_popen(tb, w, [
                 sys.executable, "-m", "mlfabric.tools.contention", "ps-worker", *report,
                 "--server", srv_addr,
@@ -758,7 +764,8 @@ def ps_worker(args: argparse.Namespace) -> int:
                          "reason": o.reason})
 
     with mlfabric.connect(args.server, job=JOB, token_file=args.token_file,
-                          controller=args.controller, host=args.host, agent=args.agent) as ps:
+                          controller=args.controller, host=args.host, agent=args.agent,
+                          agent_key_file=args.agent_key_file) as ps:
         _, params = ps.pull()
         idx = np.arange(min(args.batch, len(x)))
         extra = (args.slowdown - 1) * _compute_seconds(
@@ -849,6 +856,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     w.add_argument("--token-file", required=True)
     w.add_argument("--host", default=None)
     w.add_argument("--agent", default=None, help="this host's agent, for transfer reports")
+    w.add_argument("--agent-key-file", default=None, help="the job's agent key (with --agent)")
     w.add_argument("--index", type=int, required=True)
     w.add_argument("--in-flight", type=int, default=2)
     w.add_argument("--pull", choices=["with-push", "after-outcome"], default="with-push",

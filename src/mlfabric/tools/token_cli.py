@@ -6,6 +6,10 @@
   members out.
 * ``check FILE`` says whether FILE holds a token mlfabric accepts, and if
   not, why (see `mlfabric.wire.auth.token_weakness`).
+* ``agent-key --cluster-token-file F --job JOB [FILE]`` writes job JOB's key
+  for the agents' control API (`mlfabric.wire.agent_auth`): the job's
+  controller reads estimates with it and its workers report transfers. The
+  operator runs it; the job never sees the cluster token.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..wire import auth
+from ..wire import agent_auth, auth
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,11 +32,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     new.add_argument("--force", action="store_true", help="replace FILE if it exists")
     check = sub.add_parser("check", help="say whether FILE holds a token mlfabric accepts")
     check.add_argument("file", metavar="FILE")
+    key = sub.add_parser("agent-key", help="make a job's key for the agents (to FILE, or "
+                                           "print it)")
+    key.add_argument("file", nargs="?", metavar="FILE",
+                     help="where to write it, mode 0600 (default: print it)")
+    key.add_argument("--cluster-token-file", required=True, metavar="PATH",
+                     help="the cluster's token, as the agents hold it")
+    key.add_argument("--job", required=True, help="the job the key is for")
+    key.add_argument("--force", action="store_true", help="replace FILE if it exists")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "new":
-        return _new(args.file, args.force)
+        return _write(auth.generate_token(), args.file, args.force, "a new job token")
+    if args.action == "agent-key":
+        text = agent_auth.format_job_key(auth.load_token(args.cluster_token_file), args.job)
+        return _write(text, args.file, args.force, f"job {args.job!r}'s agent key")
     token = auth.load_token(args.file)  # a ConfigError says what is wrong
     print(f"{args.file}: a random token of {len(token)} characters: accepted")
     if not auth.token_file_is_private(args.file):
@@ -41,8 +56,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _new(file: str | None, force: bool) -> int:
-    token = auth.generate_token()
+def _write(token: str, file: str | None, force: bool, what: str) -> int:
     if file is None:
         print(token)
         return 0
@@ -60,5 +74,20 @@ def _new(file: str | None, force: bool) -> int:
     with os.fdopen(fd, "w") as f:
         os.fchmod(f.fileno(), 0o600)  # also when --force replaced a wider file
         f.write(token + "\n")
-    print(f"wrote a new job token to {file} (mode 0600)")
+    print(f"wrote {what} to {file} (mode 0600)")
     return 0
+
+
+def agent_secrets(folder: Path, job: str) -> tuple[Path, Path]:
+    """A fresh cluster token and job `job`'s agent key, in files of mode 0600
+    in `folder` (cluster.token, JOB.agent-key): what the tools' emulated
+    clusters give their agents, controllers and workers."""
+    cluster = folder / "cluster.token"
+    token = auth.generate_token()
+    key = folder / f"{job}.agent-key"
+    for path, text in ((cluster, token),
+                       (key, agent_auth.format_job_key(token.encode(), job))):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text + "\n")
+    return cluster, key

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from .token_cli import agent_secrets
+
 JOB = "workload"
 CONTROLLER_PORT = 7071  # inside the server host's own namespace
 AGENT_PORT = 7400  # the aggregator's agent (its own host)
@@ -306,7 +308,9 @@ def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: i
             if max_fan_in is not None:
                 ctl_argv += ["--max-fan-in", str(max_fan_in)]
             ctl_argv += list(controller_args)
+            cluster_token, _ = agent_secrets(Path(tmp), JOB)
             agent_argv = [*py, "agent", "--name", agg.ip, "--listen", f"{agg.ip}:{AGENT_PORT}",
+                          "--cluster-token-file", str(cluster_token),
                           "--aggregate", f"{agg.ip}:{AGGREGATE_PORT}", "--job", JOB,
                           "--token-file", str(token), *metrics_argv("agent")]
             if group_timeout is not None:

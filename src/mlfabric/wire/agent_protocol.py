@@ -3,8 +3,10 @@
 Two channels share one port number:
 
 * **TCP control channel** (`Connection`): length-prefixed frames carrying the
-  events below. Agents use it to introduce themselves (`Hello`), to return the
-  arrival times of a probe train (`TrainReport`), to measure RTT
+  events below, after a login (`Login` -> `Challenge` -> `Prove` -> `Ack`,
+  see `wire.agent_auth`: who may send what). Agents use it to introduce
+  themselves (`Hello`), to return the arrival times of a probe train
+  (`TrainReport`), to measure RTT
   (`Ping`/`Pong`); local clients and the controller use it to report finished
   transfers (`TransferReport`), read the estimates (`GetEstimates` ->
   `Estimates`) and set the peer list (`SetPeers` -> `Ack`).
@@ -32,13 +34,15 @@ from typing import Any, Final
 from ..errors import FrameTooLarge, ProtocolError
 
 # 2: Estimates carry the host's own link loads; 3: TrainReport.senders;
-# 4: TrainReport.rx_carried_bps
-VERSION: Final = 4
+# 4: TrainReport.rx_carried_bps; 5: every connection opens with a login
+# (wire.agent_auth)
+VERSION: Final = 5
 MAGIC: Final = b"MA"
 HEADER = struct.Struct(">2sBBI")
 MAX_FRAME: Final = 1 << 20  # a report of 64 Ki arrivals fits; anything larger is an error
 MAX_STRING: Final = 1024
 MAX_TRAIN_PACKETS: Final = 65535
+MAX_BLOB: Final = 64  # nonces and proofs
 
 DATAGRAM_MAGIC: Final = b"MFPB"
 DATAGRAM_HEADER = struct.Struct(">4sBQIHHQ")  # magic, version, session, train, seq, count, sent_ns
@@ -68,6 +72,9 @@ class MsgType(enum.IntEnum):
     SET_PEERS = 9
     ACK = 10
     ERROR = 11
+    LOGIN = 12
+    CHALLENGE = 13
+    PROVE = 14
 
 
 # --- events -----------------------------------------------------------------
@@ -184,13 +191,39 @@ class Error:
 
 
 @dataclass(frozen=True)
+class Login:
+    """A client opens its connection: it holds the cluster token (`role`
+    "cluster") or job `job`'s agent key (`role` "job"); see wire.agent_auth."""
+
+    role: str
+    job: str
+    name: str
+    nonce: bytes
+
+
+@dataclass(frozen=True)
+class Challenge:
+    """The agent's nonce, and its proof that it holds the same key."""
+
+    nonce: bytes
+    proof: bytes
+
+
+@dataclass(frozen=True)
+class Prove:
+    """The client's proof that it holds the key; ACK(0) or ERROR(0) follows."""
+
+    proof: bytes
+
+
+@dataclass(frozen=True)
 class ConnectionClosed:
     """The peer closed the connection cleanly, at a frame boundary."""
 
 
 Event = (
     Hello | HelloAck | TrainReport | Ping | Pong | TransferReport | GetEstimates
-    | Estimates | SetPeers | Ack | Error
+    | Estimates | SetPeers | Ack | Error | Login | Challenge | Prove
 )
 
 
@@ -215,6 +248,12 @@ class _Writer:
             )
         self.pack("H", len(raw))
         self.parts.append(raw)
+
+    def blob(self, b: bytes) -> None:
+        if len(b) > MAX_BLOB:
+            raise ProtocolError(f"blob of {len(b)} bytes is longer than {MAX_BLOB}")
+        self.pack("B", len(b))
+        self.parts.append(bytes(b))
 
     def bytes(self) -> bytes:
         return b"".join(self.parts)
@@ -247,6 +286,14 @@ class _Reader:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
             raise ProtocolError(f"{self.what} frame has a string that is not UTF-8") from None
+
+    def blob(self) -> bytes:
+        (n,) = self.unpack("B")
+        if n > MAX_BLOB or self.pos + n > len(self.data):
+            raise ProtocolError(f"{self.what} frame has a bad blob length {n}")
+        raw = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return raw
 
     def end(self) -> None:
         if self.pos != len(self.data):
@@ -313,6 +360,19 @@ def _encode_payload(event: Event) -> tuple[MsgType, bytes]:
         w.pack("I", event.request_id)
         w.string(event.message)
         return MsgType.ERROR, w.bytes()
+    if isinstance(event, Login):
+        w.string(event.role)
+        w.string(event.job)
+        w.string(event.name)
+        w.blob(event.nonce)
+        return MsgType.LOGIN, w.bytes()
+    if isinstance(event, Challenge):
+        w.blob(event.nonce)
+        w.blob(event.proof)
+        return MsgType.CHALLENGE, w.bytes()
+    if isinstance(event, Prove):
+        w.blob(event.proof)
+        return MsgType.PROVE, w.bytes()
     raise TypeError(f"not an agent protocol event: {event!r}")
 
 
@@ -372,6 +432,12 @@ def _decode_payload(msg_type: int, payload: bytes) -> Event:
         event = SetPeers(request_id, tuple(peers))
     elif kind is MsgType.ACK:
         event = Ack(*r.unpack("I"))
+    elif kind is MsgType.LOGIN:
+        event = Login(r.string(), r.string(), r.string(), r.blob())
+    elif kind is MsgType.CHALLENGE:
+        event = Challenge(r.blob(), r.blob())
+    elif kind is MsgType.PROVE:
+        event = Prove(r.blob())
     else:  # MsgType.ERROR
         (request_id,) = r.unpack("I")
         event = Error(request_id, r.string())
