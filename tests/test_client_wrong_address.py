@@ -1,12 +1,14 @@
 """A client given the wrong address says what answered and what it wanted
 (issue 33), live: a controller's, an aggregator's, an agent's or a metrics
-port given as the server, the server's given as the controller."""
+port given as the server; the server's, a metrics port or an agent's given
+as the controller, or a controller that refuses the worker (another job's,
+another token), which used to leave the worker training unscheduled with
+one log line ("unreachable")."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 
 import pytest
 from prometheus_client import CollectorRegistry, start_http_server
@@ -18,12 +20,21 @@ from mlfabric.agent.daemon import Agent, AgentConfig
 from mlfabric.client import aio
 from mlfabric.controller.controller import Controller
 from mlfabric.controller.status_cli import fetch_status
-from mlfabric.errors import ConfigError, WrongPeer
+from mlfabric.errors import AuthenticationError, ConfigError, WrongPeer
 from mlfabric.runtime.loop_thread import LoopThread
 from mlfabric.scheduling.plan import fifo_policy
 from mlfabric.server.store import ParameterStore
 
-from support import JOB, TOKEN, ServerThread, free_port, make_model, sample
+from support import (
+    CLUSTER_TOKEN,
+    JOB,
+    TOKEN,
+    WRONG_TOKEN,
+    ServerThread,
+    free_port,
+    make_model,
+    sample,
+)
 
 
 @contextlib.contextmanager
@@ -43,11 +54,8 @@ def metrics_port():
 def agent_port():
     """An agent's control port (the agent on a loop of its own)."""
     runner = LoopThread(name="test-agent")
-    # Only the port matters here; the agent's control API takes a cluster
-    # token once its login (a change under way beside this one) is in.
-    login = ({"cluster_token": TOKEN} if "cluster_token" in
-             {f.name for f in dataclasses.fields(AgentConfig)} else {})
-    agent = Agent(AgentConfig("hA", host="127.0.0.1", port=0, counters=None, **login))
+    agent = Agent(AgentConfig("hA", cluster_token=CLUSTER_TOKEN, host="127.0.0.1", port=0,
+                              counters=None))
     try:
         runner.run(agent.start(), 10)
         yield f"127.0.0.1:{agent.port}"
@@ -142,3 +150,72 @@ def test_a_replica_still_serves_as_a_parameter_server():
     with ServerThread(None, endpoint=replica) as st, \
             mlfabric.connect(st.address, job=JOB, token=TOKEN, timeout=5) as ps:
         assert ps.pull(timeout=10)[0] == 0
+
+
+# --- the wrong controller: an error at connect, never a silent fallback -----------
+
+
+@contextlib.contextmanager
+def not_a_controller(kind: str, server: ServerThread):
+    """The address of something that is no controller of the job."""
+    if kind == "server":
+        yield server.address
+    else:
+        with listener(kind) as (address, _):
+            yield address
+
+
+NOT_A_CONTROLLER = {"server": "a parameter server", "aggregator": "an aggregator",
+                    "metrics": "an HTTP server (a metrics port?)",
+                    "agent": "an mlfabric agent's port"}
+
+
+@pytest.mark.parametrize("fallback", ["fifo", "wait"])
+@pytest.mark.parametrize("kind", list(NOT_A_CONTROLLER))
+def test_a_worker_given_another_process_as_its_controller_fails_at_connect(kind, fallback):
+    """Whatever the fallback: 'fifo' is for a controller that does not
+    answer, and these answer."""
+    with ServerThread(ParameterStore(make_model())) as server, \
+            not_a_controller(kind, server) as address:
+        with pytest.raises(WrongPeer) as exc:
+            mlfabric.connect(server.address, job=JOB, token=TOKEN, controller=address,
+                             controller_fallback=fallback, timeout=5)
+        assert str(exc.value) == (f"{address} is {NOT_A_CONTROLLER[kind]}, not a controller: "
+                                  f"give the address of the job's `mlfabric controller`")
+
+
+@pytest.mark.parametrize("fallback", ["fifo", "wait"])
+@pytest.mark.parametrize("other", ["job", "token"])
+def test_a_controller_that_refuses_the_worker_is_an_error_at_connect(other, fallback):
+    """Another job's controller, or the job's with another token: both look
+    the same to the worker (the controller names neither its job nor why),
+    and neither lets the worker in."""
+    ctl = Controller(fifo_policy, job="other" if other == "job" else JOB,
+                     token=TOKEN if other == "job" else WRONG_TOKEN, tau_max=None)
+    with ServerThread(ParameterStore(make_model())) as server, \
+            ServerThread(None, endpoint=ctl) as controller:
+        with pytest.raises(AuthenticationError) as exc:
+            mlfabric.connect(server.address, job=JOB, token=TOKEN,
+                             controller=controller.address, controller_fallback=fallback,
+                             timeout=5)
+        assert str(exc.value) == (
+            f"authentication failed: the controller at {controller.address} did not prove it "
+            f"holds job '{JOB}''s token; check the token file, the job name and that the "
+            f"address is the job's controller")
+        assert controller.call(lambda: len(ctl.state.workers)) == 0  # it never let it in
+
+
+def test_config_connect_names_the_controller_setting(tmp_path):
+    token_file = tmp_path / "job.token"
+    token_file.write_bytes(TOKEN)
+    token_file.chmod(0o600)
+    with ServerThread(ParameterStore(make_model())) as server:
+        address = server.address
+        s = config.resolve({"token_file": str(token_file)},
+                           environ={"MLFABRIC_SERVER": address, "MLFABRIC_JOB": JOB,
+                                    "MLFABRIC_CONTROLLER": address})
+        with pytest.raises(ConfigError) as exc:
+            config.connect(s)
+    assert str(exc.value) == (
+        f"{address} is a parameter server, not a controller: give the address of the job's "
+        f"`mlfabric controller` (setting controller (from MLFABRIC_CONTROLLER))")

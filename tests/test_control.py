@@ -440,3 +440,108 @@ def test_without_chunks_a_chunked_request_goes_whole():
                       now=0.0, chunk=MiB)
     (go,) = state.decide(now=0.0).actions
     assert t.chunk == 0 and go.upto is None
+
+
+def _update():
+    from types import SimpleNamespace
+
+    from mlfabric.client.control_book import ControlledUpdate
+
+    return ControlledUpdate({}, 0, 10, 1.0, SimpleNamespace(), requested=0.0)
+
+
+def test_the_clients_book_counts_the_time_and_updates_without_the_controller():
+    """Issue 33: training without the controller is never silent. The
+    client's metrics say while it is without it and count what went
+    unscheduled; when it answers, the book's first word to it is the report
+    of both since connect (FellBack), which `mlfabric status` shows."""
+    from mlfabric.client.control_book import ControlBook
+    from mlfabric.errors import ConnectError
+    from mlfabric.runtime.metrics import ClientMetrics
+    from mlfabric.wire.protocol import FellBack, TransferRequest
+
+    m = ClientMetrics()
+    book = ControlBook("ctl:1", host="h", dst="s", fallback="fifo", timeout=30.0, metrics=m)
+
+    def down() -> float:
+        return m.controller_unreachable._value.get()
+
+    def unscheduled() -> float:
+        return m.controller_fallback_updates._value.get()
+
+    # Unreachable at connect: an update goes at once, counted.
+    assert book.lost(ConnectError("refused"), now=10.0) == [] and down() == 1
+    u = _update()
+    assert book.place(u) == (None, [u]) and unscheduled() == 1
+    book.lost(ConnectError("refused"), now=11.0)  # a failed dial again: the same outage
+    assert down() == 1
+    assert book.reconnected(now=12.5) == [FellBack(updates=1, seconds=2.5)] and down() == 0
+    # Connected: updates are asked for, not counted.
+    request, now = book.place(_update())
+    assert isinstance(request, TransferRequest) and now == [] and unscheduled() == 1
+    # Lost later: the one waiting goes at once; the report sums since connect.
+    assert len(book.lost(None, now=20.0)) == 1 and (down(), unscheduled()) == (1, 2)
+    assert book.reconnected(now=21.0) == [FellBack(updates=2, seconds=3.5)] and down() == 0
+    assert book.reconnected(now=22.0) == []  # nothing new to report
+    # A client closed while without it no longer counts as one.
+    book.lost(None, now=30.0)
+    book.close()
+    assert down() == 0
+
+
+def test_with_fallback_wait_the_report_says_nothing_went_unscheduled():
+    from mlfabric.client.control_book import ControlBook
+    from mlfabric.wire.protocol import FellBack
+
+    book = ControlBook("ctl:1", host="h", dst="s", fallback="wait", timeout=30.0)
+    book.reconnected(now=0.0)
+    u = _update()
+    book.place(u)
+    assert book.lost(None, now=5.0) == []  # waits for the controller
+    report, request = book.reconnected(now=6.0)
+    assert report == FellBack(updates=0, seconds=1.0) and request.req == u.creq
+
+
+def test_a_controller_that_refuses_the_worker_fails_its_pushes_for_good():
+    """A refusal (a setting is wrong) is no outage: no fallback, the updates
+    waiting fail with its reason, and so does every later push."""
+    from mlfabric.client.control_book import ControlBook
+    from mlfabric.errors import ConfigError
+
+    book = ControlBook("ctl:1", host="h", dst="s", fallback="fifo", timeout=30.0)
+    book.reconnected(now=0.0)
+    asked = _update()
+    book.place(asked)
+    refusal = ConfigError("the controller at ctl:1 refused this worker: no")
+    assert book.refuse(refusal) == [asked]
+    with pytest.raises(ConfigError, match="refused this worker: no"):
+        book.place(_update())
+
+
+def test_status_lists_the_workers_back_from_a_fallback_and_those_gone():
+    """What `mlfabric status` can know of workers without this controller:
+    what those that came back reported, and when the others disconnected."""
+    from mlfabric.controller.state import GONE_KEPT
+
+    state = ControlState(fifo_policy, tau_max=4)
+    state.join("a", "w1 (10.0.0.1:5000)", client="w1")
+    state.join("b", "w2 (10.0.0.2:5000)", client="w2")
+    state.join("s", "status@x (10.0.0.3:1)", client="status@x")
+    state.request("b", 1, host="h2", dst="s", nbytes=5, base_version=0, norm=0.0, now=0.0)
+    state.fell_back("a", 7, 2.5)
+    state.forget("b", now=10.0)
+    state.forget("s", now=10.0)  # asked for nothing (a status request): not a worker
+    status = state.status(now=12.0)
+    (w1,) = status["workers"]
+    assert (w1["name"], w1["fell_back_updates"], w1["fell_back_seconds"]) == (
+        "w1 (10.0.0.1:5000)", 7, 2.5)
+    assert status["gone_workers"] == [{"name": "w2 (10.0.0.2:5000)", "host": "h2",
+                                       "requests": 1, "gone_age_s": 2.0}]
+    state.join("b2", "w2 (10.0.0.2:5001)", client="w2")  # back, by its hello's name
+    assert state.status()["gone_workers"] == []
+    for i in range(GONE_KEPT + 5):  # the newest are kept, newest first
+        state.join(i, f"x{i}", client=f"x{i}")
+        state.request(i, 1, host="h", dst="s", nbytes=5, base_version=0, norm=0.0, now=0.0)
+        state.forget(i, now=float(i))
+    gone = state.status()["gone_workers"]
+    assert len(gone) == GONE_KEPT and gone[0]["name"] == f"x{GONE_KEPT + 4}"

@@ -488,28 +488,34 @@ def test_frames_sent_while_one_goes_in_parts_wait_for_it():
     assert asyncio.run(run()) == expected
 
 
-def test_a_controller_bounding_one_server_refuses_the_other_shards(caplog):
-    import logging
+def assert_refused_for_good(ps, servers, message: str) -> None:
+    """The controller refused shard 1's link: the push fails with its reason,
+    and so does every later push, at once (issue 33: it used to go on without
+    the controller, unscheduled, with a warning). Shard 1 applied nothing."""
+    version, params = ps.pull(timeout=10)
+    with pytest.raises(ConfigError, match=message):
+        ps.push(params, base_version=version).result(10)
+    with pytest.raises(ConfigError, match=message):
+        ps.push(params, base_version=version)
+    assert servers[1].metrics.updates_applied._value.get() == 0
 
+
+def test_a_controller_bounding_one_server_refuses_the_other_shards():
     from mlfabric.controller.controller import Controller
     from mlfabric.replication.divergence import DivergenceGate
     from mlfabric.scheduling.plan import fifo_policy
 
     model = make_model(sizes=SIZES)
-    caplog.set_level(logging.WARNING, logger="mlfabric.client")
     with shard_servers(model, 2) as servers, \
             ServerThread(None, endpoint=Controller(fifo_policy, job=JOB, token=TOKEN,
                                                    tau_max=None,
                                                    gate=DivergenceGate(0.5, 1.0))) as ctl, \
             mlfabric.connect(addresses(servers), job=JOB, token=TOKEN,
                              controller=ctl.address) as ps:
-        version, params = ps.pull(timeout=10)
-        # Refused by the controller: the client goes on without it (fallback
-        # "fifo") and says why.
-        assert ps.push(params, base_version=version).result(10).applied
-    assert any("this controller bounds the divergence (--div-max) of 1 server(s), not of "
-               "shard 1: give --server and --replica one address per shard" in r.getMessage()
-               for r in caplog.records)
+        assert_refused_for_good(
+            ps, servers, rf"^the controller at {ctl.address} refused this worker: this "
+            r"controller bounds the divergence \(--div-max\) of 1 server\(s\), not of shard 1: "
+            r"give --server and --replica one address per shard, in shard order$")
 
 
 def test_with_aggregators_each_shards_parts_are_summed_into_one_aggregate_per_shard(loop_kind):
@@ -618,24 +624,20 @@ def _root(a: np.ndarray) -> object:
 # -- failover per shard -----------------------------------------------------------------
 
 
-def test_a_controller_watching_fewer_servers_than_shards_refuses_the_others(caplog):
-    import logging
-
+def test_a_controller_watching_fewer_servers_than_shards_refuses_the_others():
     from mlfabric.controller.controller import Controller
     from mlfabric.scheduling.plan import fifo_policy
 
     model = make_model(sizes=SIZES)
-    caplog.set_level(logging.WARNING, logger="mlfabric.client")
     ctl = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None)
     with shard_servers(model, 2) as servers, shard_servers(model, 2) as spare, \
             ServerThread(None, endpoint=ctl) as controller:
         controller.call(lambda: ctl.watch_server(servers[0].address, spare[0].address))
         with mlfabric.connect(addresses(servers), job=JOB, token=TOKEN,
                               controller=controller.address) as ps:
-            version, params = ps.pull(timeout=10)
-            assert ps.push(params, base_version=version).result(10).applied
-    assert any("this controller watches 1 server(s) for failover, not shard 1: give --server "
-               "and --replica one address per shard" in r.getMessage() for r in caplog.records)
+            assert_refused_for_good(
+                ps, servers, r"this controller watches 1 server\(s\) for failover, not shard 1: "
+                r"give --server and --replica one address per shard")
 
 
 @pytest.mark.parametrize("lost", [0, 1])

@@ -76,3 +76,30 @@ def test_status_text_lists_the_shards_of_a_sharded_job():
     assert lines[i + 1:i + 4] == ["  shard  host      version", "  0      10.0.0.1  42",
                                   "  1      10.0.0.2  41"]
     assert not any(line.startswith("shards") for line in format_status(STATUS, "c").splitlines())
+
+
+def test_status_text_shows_workers_without_this_controller_as_far_as_it_knows():
+    """Issue 33: a worker the controller did not answer trains unscheduled.
+    Those that came back reported what went without it; of those that
+    disconnected, the controller knows only when (finished, died or lost)."""
+    s = {**STATUS,
+         "workers": [{**STATUS["workers"][0], "fell_back_updates": 17,
+                      "fell_back_seconds": 3.25},
+                     {"name": "w3", "host": "h3", "requests": 1, "sent": 1, "dropped": 0,
+                      "applied": 1, "refused": 0, "last_delay": 0,
+                      "fell_back_updates": 0, "fell_back_seconds": 0.0}],
+         "gone_workers": [{"name": "w2", "host": "h2", "requests": 40,
+                           "gone_age_s": 12.5}]}
+    lines = format_status(s, "ctl:7071").splitlines()
+    i = lines.index("workers that went on without this controller (it did not answer them) "
+                    "and came back:")
+    assert lines[i + 1:i + 6] == [
+        "  name  host  updates sent straight to the server  time without it",
+        "  w1    h1    17                                   3.2 s",
+        "disconnected workers (finished, died, or lost this controller: with "
+        "controller_fallback 'fifo' those send straight to the server until they "
+        "reconnect):",
+        "  name  host  requests  disconnected",
+        "  w2    h2    40        12.5 s ago",
+    ]
+    assert lines[i + 6].startswith("bandwidth picture")

@@ -154,7 +154,8 @@ async def connect(
             host=host or sock.getsockname()[0], dst=sock.getpeername()[0],
             fallback=controller_fallback, timeout=controller_timeout,
             shard=client.welcome_shard.index if client.welcome_shard is not None else None,
-            chunk=client.welcome_shard.chunk if client.welcome_shard is not None else 0)
+            chunk=client.welcome_shard.chunk if client.welcome_shard is not None else 0,
+            metrics=metrics)
         try:
             await controlled.start()
         except BaseException:
@@ -330,7 +331,10 @@ class AsyncClient:
 
     def refusal(self) -> BaseException | None:
         """The error push() would raise now (a lost link with nothing to fail
-        over to), or None. Safe to call from another thread: it only reads."""
+        over to, or the controller's refusal of this worker), or None. Safe to
+        call from another thread: it only reads."""
+        if self._controlled is not None and self._controlled.book.refusal is not None:
+            return self._controlled.book.refusal  # the controller refused this worker
         if self._feeds is not None or self._controlled is not None:
             return None  # parked for a failover, or the controller link reports it
         return self._link_error()

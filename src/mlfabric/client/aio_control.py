@@ -7,6 +7,12 @@ a warning (fallback "fifo") or wait for it up to `timeout` seconds (fallback
 "wait"), and the link is dialled again every few seconds. `ControlBook`
 decides; this class does the I/O on the client's event loop (the blocking
 client runs the same client on a thread).
+
+Only a controller that does not answer is an outage. One that refuses the
+worker (another job's, a wrong token, or a refusal after the handshake), or
+an address that is no controller (a server's, an agent's, a metrics port),
+is a misconfiguration: an error at connect, or every push's error later,
+never a silent switch to unscheduled training (issue 33).
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConnectError, MlfabricError
+from ..errors import ConfigError, ConnectError, MlfabricError
+from ..runtime.metrics import ClientMetrics
 from ..wire.handshake import ClientHandshake
 from ..wire.protocol import Directive, Error, Failover, ReplicaAt, ReplicaDone, ShardAt
 from .control_book import (
@@ -42,16 +49,18 @@ class AsyncControlledPushes:
     def __init__(self, client: ControlledClient, address: str, hs: ClientHandshake, *,
                  aggregators: LinkPool[PushLink], host: str, dst: str,
                  fallback: str = "fifo", timeout: float = 30.0,
-                 shard: int | None = None, chunk: int = 0) -> None:
+                 shard: int | None = None, chunk: int = 0,
+                 metrics: ClientMetrics | None = None) -> None:
         """`aggregators`: the links to the aggregators the controller may route
         pushes through, dialled by the client. `shard`: this client's shard
         of a sharded job (announced on every link to the controller), else
         None. `chunk` > 0: the controller may let an update go that many
         bytes at a time (a sharded job's chunk), so that a shorter transfer
-        can pass it."""
+        can pass it. `metrics`: the client's (time and updates without the
+        controller)."""
         self.book = ControlBook(address, host=host, dst=dst, fallback=fallback,
                                 timeout=timeout, shard=shard or 0,
-                                chunk=chunk)
+                                chunk=chunk, metrics=metrics)
         self.sharded = shard is not None
         self._aggregators = aggregators
         self.client = client
@@ -59,15 +68,19 @@ class AsyncControlledPushes:
         self.hs = hs
         self._link: Link | None = None
         self._reconnect_task: asyncio.Task[None] | None = None
+        self._redial_error = ""  # the last refusal met dialling again, warned once
 
     async def start(self) -> None:
+        """Dial the controller. Any answer but a welcome raises (a refusal,
+        another kind of process, a protocol error): those are settings to
+        fix, not an outage. Where nothing answers (refused, unreachable, or
+        no handshake in time: the controller is down, or not started yet),
+        fallback "fifo" goes on without it, loudly, and "wait" raises."""
         try:
             self._link = await self._connect()
-        except (OSError, MlfabricError) as exc:
+        except ConnectError as exc:
             if self.book.fallback == "wait":
-                raise ConnectError(
-                    f"cannot reach the controller at {self.address}: {exc}; is `mlfabric "
-                    f"controller` running there?") from None
+                raise
             self._lost(None, exc)
         else:
             self.book.reconnected()
@@ -116,7 +129,14 @@ class AsyncControlledPushes:
             self.client.replica_change(d)
             return
         if isinstance(d, Error):
-            raise MlfabricError(f"the controller refused this client: {d.message}")
+            exc = ConfigError(f"the controller at {self.address} refused this worker: "
+                              f"{d.message}")
+            if d.code == "internal":  # its own bug, not a setting: an outage
+                raise MlfabricError(str(exc))
+            for waiting in self.book.refuse(exc):
+                if not waiting.future.done():
+                    waiting.future.set_exception(exc)
+            raise exc  # the link closes: no fallback, no dialling again (see _lost)
         if not isinstance(d, Directive):
             raise MlfabricError(f"controller sent {type(d).__name__}")
         u, outcome = self.book.directive(d, self.client.last_version)
@@ -131,6 +151,8 @@ class AsyncControlledPushes:
         if link is not None and link is not self._link:
             return
         self._link = None
+        if self.book.refusal is not None:
+            return
         for u in self.book.lost(exc):
             self._send(u)
         if self._reconnect_task is None and not self.book.closed:
@@ -144,11 +166,18 @@ class AsyncControlledPushes:
                     u.future.set_exception(exc)
             try:
                 link = await self._connect()
-            except (OSError, MlfabricError):
+            except (OSError, MlfabricError) as exc:
+                # Not answering is the outage itself; an answer that is not a
+                # welcome (the controller restarted with another token or
+                # job, another process took its port) is said, once each.
+                if not isinstance(exc, ConnectError) and str(exc) != self._redial_error:
+                    self._redial_error = str(exc)
+                    log.warning("cannot rejoin the controller: %s (pushes go on as "
+                                "controller_fallback %r says)", exc, self.book.fallback)
                 continue
             self._link, self._reconnect_task = link, None
-            for request in self.book.reconnected():
-                link.send(request)
+            for event in self.book.reconnected():
+                link.send(event)
             return
 
     # -- sending ------------------------------------------------------------------------

@@ -64,9 +64,16 @@ def connect(
     With `controller` ("HOST:PORT" of `mlfabric controller`), every push asks
     the controller when to go. `host` names this worker's host in the
     controller's network picture (default: the local address of the
-    connection to the server). If the controller is unreachable,
-    `controller_fallback="fifo"` sends updates at once with a warning,
-    `"wait"` waits up to `controller_timeout` seconds for it.
+    connection to the server). A controller that refuses this worker
+    (another job's, another token) or an address that is no controller (the
+    server's, a metrics port) raises at connect: AuthenticationError,
+    WrongPeer. Only where nothing answers (the controller is down, at
+    connect or later), `controller_fallback="fifo"` sends updates straight to
+    the server, unscheduled, with a warning, counting them in `metrics`
+    (controller_unreachable, controller_fallback_updates) and reporting them
+    to the controller once it answers (`mlfabric status` lists them);
+    `"wait"` raises ConnectError at connect, and later waits up to
+    `controller_timeout` seconds for it.
 
     With `agent` ("HOST:PORT" of this host's `mlfabric agent`), every push of
     64 KiB or more is reported to the agent as a measurement of the path to

@@ -5,6 +5,14 @@ were asked for and await a directive, which wait for the controller to come
 back, and what each controller event means for them. The clients only carry
 the answers out: send a request, send an update to the server, resolve a
 future. Callers serialise access (the client's event loop does).
+
+Without its controller a worker trains unscheduled, so that is never silent
+(issue 33): a warning when the controller is lost (or unreachable at
+connect) and when the first update goes without it, the client's metrics
+(`controller_unreachable`, `controller_fallback_updates`), and, once the
+controller is back, a `FellBack` report of what went without it, which
+`mlfabric status` shows. A controller that refuses the worker is no outage:
+`refuse` fails the worker's pushes with its reason instead.
 """
 
 from __future__ import annotations
@@ -20,8 +28,15 @@ from typing import Any
 import numpy as np
 
 from .. import kernels
-from ..errors import ConfigError, ConnectionLost, PushTimeout, ServerError
-from ..wire.protocol import Directive, TransferDone, TransferProgress, TransferRequest
+from ..errors import ConfigError, ConnectionLost, MlfabricError, PushTimeout, ServerError
+from ..runtime.metrics import ClientMetrics
+from ..wire.protocol import (
+    Directive,
+    FellBack,
+    TransferDone,
+    TransferProgress,
+    TransferRequest,
+)
 from .outcome import PushOutcome
 
 log = logging.getLogger("mlfabric.client")
@@ -71,10 +86,12 @@ def controlled_update(arrays: dict[str, np.ndarray], base_version: int, nbytes: 
 
 class ControlBook:
     def __init__(self, address: str, *, host: str, dst: str, fallback: str,
-                 timeout: float, shard: int = 0, chunk: int = 0) -> None:
+                 timeout: float, shard: int = 0, chunk: int = 0,
+                 metrics: ClientMetrics | None = None) -> None:
         """`shard`: the index of the server shard this client's transfers go
         to. `chunk` > 0: the controller may let them go that many bytes at a
-        time."""
+        time. `metrics`: the client's, which count the time and the updates
+        without the controller."""
         if fallback not in FALLBACKS:
             raise ConfigError(f"controller fallback must be one of {FALLBACKS}, got {fallback!r}")
         self.address = address
@@ -93,6 +110,15 @@ class ControlBook:
         self._uid_prefix = secrets.token_hex(8)
         self._uids = itertools.count(1)
         self._failed_aggregators: set[str] = set()  # warned about once each
+        self.metrics = metrics
+        self.ever_connected = False
+        self.down_since: float | None = None  # when the controller was lost, while it is
+        # Since connect: updates sent straight to the server without the
+        # controller, and the time without it up to its last return.
+        self.fell_back_updates = 0
+        self.fell_back_seconds = 0.0
+        # Set when the controller refused this worker: every push fails with it.
+        self.refusal: MlfabricError | None = None
 
     def ask(self, u: ControlledUpdate) -> TransferRequest:
         u.creq = next(self._ids)
@@ -104,6 +130,8 @@ class ControlBook:
     def place(self, u: ControlledUpdate) -> tuple[TransferRequest | None, list[ControlledUpdate]]:
         """A new update: the request to send the controller, or (without one)
         the updates to send to the server now."""
+        if self.refusal is not None:
+            raise self.refusal
         if self.closed:
             raise ConnectionLost("the client is closed")
         u.uid = f"{self._uid_prefix}-{next(self._uids)}"
@@ -120,10 +148,14 @@ class ControlBook:
             return []
         if not self._warned:
             log.warning("controller %s unreachable: sending updates at once (fifo) until it "
-                        "is back", self.address)
+                        "is back, unscheduled (counted in "
+                        "mlfabric_client_controller_fallback_updates_total)", self.address)
             self._warned = True
         for u in updates:
             u.creq = None
+        self.fell_back_updates += len(updates)
+        if self.metrics is not None:
+            self.metrics.controller_fallback_updates.inc(len(updates))
         return updates
 
     def directive(self, d: Directive, last_version: int
@@ -163,30 +195,67 @@ class ControlBook:
         self._asked.pop(u.creq, None)
         return TransferProgress(req=u.creq, sent=u.nbytes)
 
-    def lost(self, exc: BaseException | None) -> list[ControlledUpdate]:
-        """The controller went away: the updates to send to the server now
-        (those sent in part among them, whatever the fallback: the rest of
-        their frame holds up the server's link)."""
+    def lost(self, exc: BaseException | None, now: float | None = None
+             ) -> list[ControlledUpdate]:
+        """The controller went away, or could not be reached at connect: the
+        updates to send to the server now (those sent in part among them,
+        whatever the fallback: the rest of their frame holds up the server's
+        link)."""
         self.connected = False
         stranded = list(self._asked.values())
         self._asked.clear()
         if self.closed:
             return [u for u in stranded if u.in_parts]
-        log.warning("lost the controller %s (%s); %d updates waiting", self.address, exc,
-                    len(stranded))
+        if self.down_since is None:
+            self.down_since = time.monotonic() if now is None else now
+            if self.metrics is not None:
+                self.metrics.controller_unreachable.inc()
+        if self.ever_connected:
+            log.warning("lost the controller %s (%s); %d updates waiting", self.address, exc,
+                        len(stranded))
+        else:  # (with fallback "wait", connect() raises instead)
+            log.warning("controller %s unreachable at connect (%s): pushes go straight to the "
+                        "server, unscheduled (controller_fallback 'fifo'), until it answers "
+                        "(dialled every %g s)", self.address, exc, RECONNECT_EVERY)
         for u in stranded:
             u.upto = None
         return ([u for u in stranded if u.in_parts]
                 + self._without_controller([u for u in stranded if not u.in_parts]))
 
-    def reconnected(self) -> list[TransferRequest]:
-        """The controller is back: requests for the updates that waited for it."""
-        self.connected, self._warned = True, False
+    def reconnected(self, now: float | None = None) -> list[FellBack | TransferRequest]:
+        """The controller answers (again): what to send it, first a report
+        of the time and updates without it if there was any, then requests
+        for the updates that waited for it."""
+        self.connected, self._warned, self.ever_connected = True, False, True
+        report: list[FellBack | TransferRequest] = []
+        if self.down_since is not None:
+            down = max(0.0, (time.monotonic() if now is None else now) - self.down_since)
+            self.down_since = None
+            self.fell_back_seconds += down
+            if self.metrics is not None:
+                self.metrics.controller_unreachable.dec()
+            log.warning("controller %s answers after %.1f s without it; %d updates went "
+                        "straight to the server since connect", self.address, down,
+                        self.fell_back_updates)
+            report.append(FellBack(updates=self.fell_back_updates,
+                                   seconds=self.fell_back_seconds))
         orphans, self._orphans = self._orphans, []
         if orphans:
             log.info("controller %s is back; %d waiting updates re-requested", self.address,
                      len(orphans))
-        return [self.ask(u) for u in orphans]
+        return report + [self.ask(u) for u in orphans]
+
+    def refuse(self, exc: MlfabricError) -> list[ControlledUpdate]:
+        """The controller refused this worker (a setting of one of them is
+        wrong): no fallback, every push fails with `exc` from now on. The
+        updates that waited for it, to fail with `exc` (those sent in part
+        are finished by the server's answer)."""
+        self.refusal = exc
+        self.connected = False
+        waiting = [*(u for u in self._asked.values() if not u.in_parts), *self._orphans]
+        self._asked.clear()
+        self._orphans = []
+        return waiting
 
     def expired(self, now: float) -> list[tuple[ControlledUpdate, ConnectionLost]]:
         """Updates that waited for the controller longer than the timeout."""
@@ -227,6 +296,9 @@ class ControlBook:
     def close(self) -> list[tuple[ControlledUpdate, ConnectionLost]]:
         """Updates that will never be sent, with the error to fail them with."""
         self.closed, self.connected = True, False
+        if self.down_since is not None and self.metrics is not None:
+            self.metrics.controller_unreachable.dec()  # this client no longer counts
+        self.down_since = None
         waiting = [*(u for u in self._asked.values() if not u.in_parts), *self._orphans]
         self._asked.clear()
         self._orphans = []

@@ -34,6 +34,7 @@ from ..wire.agent_auth import AgentCredential
 from ..wire.protocol import (
     Directive,
     Failover,
+    FellBack,
     Pong,
     ReplicaAt,
     ReplicaDone,
@@ -480,8 +481,16 @@ class Controller(Endpoint):
         self._replica_row(shard, ev.dst, gate.replica_reported, div_max=gate.div_max)
         self.replan()
 
+    def on_fell_back(self, conn: _ControllerProtocol, ev: FellBack) -> None:
+        """A worker this controller did not answer (at its connect, or
+        later) is back: what it sent without it goes into the status."""
+        self.state.fell_back(conn, ev.updates, ev.seconds)
+        log.warning("worker %s (%s) went on without this controller for %.1f s since it "
+                    "connected: %d updates straight to the server, unscheduled", conn.client,
+                    conn.peer, ev.seconds, ev.updates)
+
     def on_lost(self, conn: _ControllerProtocol) -> None:
-        gone = self.state.forget(conn)
+        gone = self.state.forget(conn, now=self.clock())
         if gone:
             log.info("worker %s gone with %d transfers", conn.client, len(gone))
             self.replan()
@@ -636,7 +645,7 @@ class _ControllerProtocol(EndpointProtocol):
     shard: int | None = None  # the shard a sharded client's link talks to (SHARD_AT)
 
     def on_ready(self) -> None:
-        self.endpoint.state.join(self, f"{self.client} ({self.peer})")
+        self.endpoint.state.join(self, f"{self.client} ({self.peer})", client=self.client)
 
     def handle(self, event: Any) -> None:
         if isinstance(event, TransferRequest):
@@ -654,6 +663,8 @@ class _ControllerProtocol(EndpointProtocol):
             self.endpoint.state.shard_at(event.shard, event.dst, event.version)
         elif isinstance(event, StatusRequest):
             self.send(Status(req=event.req, status=self.endpoint.status(asker=self)))
+        elif isinstance(event, FellBack):
+            self.endpoint.on_fell_back(self, event)
 
     def on_lost(self) -> None:
         self.endpoint.on_lost(self)

@@ -12,6 +12,7 @@ clock (the `now` arguments).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
@@ -29,6 +30,8 @@ from ..scheduling.plan import (
 # round trip to the controller and a re-plan, so a peer's smaller chunk is
 # planned as this one.
 MIN_CHUNK = 256 * 1024
+# Workers that disconnected, kept for `mlfabric status` (the newest).
+GONE_KEPT = 32
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,25 @@ class WorkerStats:
     applied: int = 0
     refused: int = 0  # sent, but not applied by the server (stale)
     last_delay: int | None = None
+    # What the worker reported when it came back after this controller did
+    # not answer it (FellBack), since it connected: updates it sent straight
+    # to the server, unscheduled, and the time without the controller.
+    fell_back_updates: int = 0
+    fell_back_seconds: float = 0.0
+    client: str = ""  # the name in its hello (`name` adds its address)
+
+
+@dataclass(frozen=True)
+class GoneWorker:
+    """A worker that disconnected after asking for transfers. It finished,
+    died, or lost this controller; in the last case, with fallback "fifo", it
+    sends straight to the server until it reconnects. The controller cannot
+    tell which: `mlfabric status` says so."""
+
+    name: str
+    host: str | None
+    requests: int
+    gone_at: float | None  # clock time it disconnected
 
 
 @dataclass
@@ -153,6 +175,7 @@ class ControlState:
         self.pending: dict[int, Transfer] = {}
         self.active: dict[int, Transfer] = {}
         self.workers: dict[Hashable, WorkerStats] = {}
+        self.gone: OrderedDict[str, GoneWorker] = OrderedDict()  # by hello name, oldest first
         self.delays = DelayStats()
         self.servers: dict[str, ServerStats] = {}
         self.agents: dict[str, AgentStats] = {}
@@ -167,9 +190,18 @@ class ControlState:
         self.bench_seconds = 10.0
         self._next_id = 1
 
-    def join(self, owner: Hashable, name: str) -> None:
-        """A worker (or any peer) connected under `name`."""
-        self.workers[owner] = WorkerStats(name)
+    def join(self, owner: Hashable, name: str, client: str = "") -> None:
+        """A worker (or any peer) connected under `name` (`client`: the name
+        in its hello; a worker that comes back is no longer gone)."""
+        self.workers[owner] = WorkerStats(name, client=client)
+        self.gone.pop(client or name, None)
+
+    def fell_back(self, owner: Hashable, updates: int, seconds: float) -> None:
+        """The worker came back after `seconds` without this controller in
+        all since it connected, having sent `updates` straight to the server."""
+        stats = self.workers.get(owner)
+        if stats is not None:
+            stats.fell_back_updates, stats.fell_back_seconds = updates, seconds
 
     # -- events ---------------------------------------------------------------
 
@@ -264,13 +296,20 @@ class ControlState:
         self.pending[t.id] = t
         return t
 
-    def forget(self, owner: Hashable) -> list[Transfer]:
-        """The owner is gone: its transfers, pending or active, are forgotten."""
+    def forget(self, owner: Hashable, now: float | None = None) -> list[Transfer]:
+        """The owner is gone: its transfers, pending or active, are forgotten.
+        A worker that asked for any is listed as gone (at `now`)."""
         gone = [t for t in (*self.pending.values(), *self.active.values()) if t.owner == owner]
         for t in gone:
             self.pending.pop(t.id, None)
             self.active.pop(t.id, None)
-        self.workers.pop(owner, None)
+        stats = self.workers.pop(owner, None)
+        if stats is not None and stats.requests:  # not a status request, nor a replica
+            key = stats.client or stats.name
+            self.gone.pop(key, None)
+            self.gone[key] = GoneWorker(stats.name, stats.host, stats.requests, now)
+            while len(self.gone) > GONE_KEPT:
+                self.gone.popitem(last=False)
         return gone
 
     def aggregator_failed(self, host: str, now: float) -> None:
@@ -426,6 +465,9 @@ class ControlState:
                 for a in sorted(self.agents.values(), key=lambda a: a.host)],
             "workers": [vars(w).copy() for w in sorted(self.workers.values(),
                                                         key=lambda w: w.name)],
+            "gone_workers": [
+                {"name": g.name, "host": g.host, "requests": g.requests,
+                 "gone_age_s": _age(g.gone_at, now)} for g in reversed(self.gone.values())],
             "delay": self.delays.summary(),
             "bandwidth": {h: {"up_bytes_per_s": net.up.get(h, net.default),
                               "down_bytes_per_s": net.down.get(h, net.default),

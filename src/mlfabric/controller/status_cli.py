@@ -97,6 +97,31 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
             for r in rows]
 
 
+def _without_controller(s: dict[str, Any]) -> list[str]:
+    """The workers that trained (or may train) without this controller, as
+    far as it can know (issue 33): those that came back say what they sent
+    straight to the server; of those that disconnected it knows only when.
+    Nothing when there are none."""
+    lines = []
+    back = [w for w in s["workers"] if w.get("fell_back_seconds")]
+    if back:
+        lines.append("workers that went on without this controller (it did not answer "
+                     "them) and came back:")
+        lines += _table(
+            ("name", "host", "updates sent straight to the server", "time without it"),
+            [(w["name"], w["host"] or "-", str(w["fell_back_updates"]),
+              f"{w['fell_back_seconds']:.1f} s") for w in back])
+    gone = s.get("gone_workers") or []
+    if gone:
+        lines.append("disconnected workers (finished, died, or lost this controller: with "
+                     "controller_fallback 'fifo' those send straight to the server until "
+                     "they reconnect):")
+        lines += _table(("name", "host", "requests", "disconnected"),
+                        [(g["name"], g["host"] or "-", str(g["requests"]),
+                          _ago(g["gone_age_s"])) for g in gone])
+    return lines
+
+
 def format_status(s: dict[str, Any], address: str) -> str:
     lines = [
         f"job {s.get('job')!r} on controller {address}   policy {s.get('policy')}   "
@@ -149,6 +174,7 @@ def format_status(s: dict[str, Any], address: str) -> str:
         [(w["name"], w["host"] or "-", str(w["requests"]), str(w["sent"]), str(w["dropped"]),
           str(w["applied"]), str(w["refused"]), _cell(w["last_delay"]))
          for w in s["workers"]])
+    lines += _without_controller(s)
     lines.append("bandwidth picture (Mbit/s, up / down):")
     for host, bw in sorted(s["bandwidth"].items()):
         lines.append(f"  {host}  {_mbit(bw['up_bytes_per_s'])} / {_mbit(bw['down_bytes_per_s'])}")

@@ -250,6 +250,16 @@ class ClientMetrics:
         self.shard_delay = Histogram(
             "client_shard_delay_versions", "Delay of the parts each server shard applied",
             ["shard"], namespace=ns, registry=r, buckets=DELAY_BUCKETS)
+        # With a controller: training without it is never silent (issue 33).
+        self.controller_unreachable = Gauge(
+            "client_controller_unreachable", "1 while the controller given to connect() does "
+            "not answer (a sharded job: its shards' links to it that are down): pushes then "
+            "go straight to the server, unscheduled, or wait for it (controller_fallback)",
+            namespace=ns, registry=r)
+        self.controller_fallback_updates = Counter(
+            "client_controller_fallback_updates", "Updates sent straight to the server, "
+            "unscheduled, because the controller did not answer (controller_fallback 'fifo')",
+            namespace=ns, registry=r)
 
 
 class ControllerMetrics:

@@ -42,8 +42,8 @@ import numpy as np
 
 from ..errors import FrameTooLarge, NotMlfabric, ProtocolError
 
-# 2: CHALLENGE names the listener's role
-PROTOCOL_VERSION: Final = 2
+# 2: CHALLENGE names the listener's role; 3: FELL_BACK
+PROTOCOL_VERSION: Final = 3
 MAGIC: Final = b"MLFB"
 HEADER = struct.Struct("<4sBBHIQ")
 ALIGN: Final = 64
@@ -94,6 +94,7 @@ class MsgType(enum.IntEnum):
     RESYNC = 25
     TRANSFER_PROGRESS = 26
     SHARD_AT = 27
+    FELL_BACK = 28
 
 
 class _NeedData:
@@ -392,6 +393,18 @@ class ShardAt:
 
 
 @dataclass(frozen=True)
+class FellBack:
+    """Client -> controller, first on a link dialled after the client had no
+    controller (unreachable at connect, or lost later): since it connected,
+    it sent `updates` straight to the server, unscheduled (fallback "fifo";
+    none with "wait"), over `seconds` without the controller. So that
+    `mlfabric status` shows the workers that trained without it."""
+
+    updates: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class ReplicaDone:
     """Client -> controller: the replica at `dst` has applied the update the
     server applied as `version` (worker-driven replication)."""
@@ -526,8 +539,8 @@ class Status:
 Event = (Hello | Challenge | Auth | Welcome | Pull | PullCancel | Model | ModelEnd | Push
          | PushResult | Error | TransferRequest | Directive | TransferDone | TransferProgress
          | StatusRequest
-         | Status | ShardAt | ReplicaDone | Ping | Pong | Promote | Resync | Failover | StateRequest
-         | ReplicaJoin | ReplicaAt)
+         | Status | ShardAt | FellBack | ReplicaDone | Ping | Pong | Promote | Resync | Failover
+         | StateRequest | ReplicaJoin | ReplicaAt)
 
 DIRECTIVE_ACTIONS = ("go", "drop")
 
@@ -1090,6 +1103,13 @@ def _decode_status_request(meta: Mapping[str, Any], tensors: dict[str, np.ndarra
     return StatusRequest(req=_int(meta, "req"))
 
 
+def _decode_fell_back(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    seconds = _float(meta, "seconds")
+    if seconds < 0:
+        raise ProtocolError(f"field 'seconds' must be >= 0, got {seconds!r}")
+    return FellBack(updates=_int(meta, "updates"), seconds=seconds)
+
+
 def _decode_ping(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
     return Ping(req=_int(meta, "req"), since=_opt_int(meta, "since"),
                 velocity=_opt_bool(meta, "velocity"))
@@ -1313,6 +1333,7 @@ CODECS: tuple[Codec, ...] = (
     Codec(MsgType.STATUS_REQUEST, StatusRequest, _decode_status_request),
     Codec(MsgType.STATUS, Status, _decode_status),
     Codec(MsgType.SHARD_AT, ShardAt, _decode_shard_at),
+    Codec(MsgType.FELL_BACK, FellBack, _decode_fell_back),
     Codec(MsgType.REPLICA_DONE, ReplicaDone, _decode_replica_done),
     Codec(MsgType.PING, Ping, _decode_ping),
     Codec(MsgType.PONG, Pong, _decode_pong),

@@ -17,6 +17,7 @@ from __future__ import annotations
 from ..errors import WrongPeer
 from . import agent_protocol
 from .protocol import (
+    FellBack,
     Ping,
     Promote,
     Pull,
@@ -36,7 +37,7 @@ from .protocol import (
 SERVER: tuple[type, ...] = (Push, Pull, PullCancel, StateRequest, Ping)
 REPLICA: tuple[type, ...] = (*SERVER, Promote, Resync)
 CONTROLLER: tuple[type, ...] = (TransferRequest, TransferDone, TransferProgress, ReplicaJoin,
-                                ReplicaDone, StatusRequest, ShardAt)
+                                ReplicaDone, StatusRequest, ShardAt, FellBack)
 AGGREGATOR: tuple[type, ...] = (Push,)
 
 
