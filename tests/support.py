@@ -229,15 +229,18 @@ class RawClient:
             hs = ClientHandshake(job, token, "raw")
             self.send(hs.hello())
             self.send(hs.on_challenge(self.recv_event()))
+            if hs.server_verified:  # frames from here on carry their MACs
+                self.conn.protect(*hs.frame_keys(), plain_error=True)
             self.welcome = hs.on_welcome(self.recv_event())
 
     def send(self, event: object) -> None:
         self.sock.sendall(self.conn.send_bytes(event))
 
-    @staticmethod
-    def frame(event: object) -> bytes:
-        """An event's frame, to send in pieces with send_raw."""
-        return Connection().send_bytes(event)
+    def frame(self, event: object) -> bytes:
+        """An event's frame on this connection (its MAC included, once
+        authenticated), to send with send_raw, in pieces if need be: once,
+        and in the order made (frames are numbered)."""
+        return self.conn.send_bytes(event)
 
     def send_raw(self, data: bytes) -> None:
         self.sock.sendall(data)

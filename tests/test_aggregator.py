@@ -421,18 +421,21 @@ def test_with_a_group_wait_the_free_server_waits_for_one_aggregate_of_all(loop_k
 BIG = {"w": (600_000,), "b": (10,)}
 
 
-def _member_frames(model, group: int, dst: str, fan_in: int = 2, seed: int = 0):
+def _member_frames(model, group: int, dst: str, members, seed: int = 0):
+    """Each member's push of `group`, as a frame on its connection."""
+    fan_in = len(members)
     updates = [random_update(model, seed=seed + i) for i in range(fan_in)]
-    frames = [RawClient.frame(Push(1, 0, u, uid=f"u{group}-{i}", group=group, fan_in=fan_in,
-                                   index=i, dst=dst)) for i, u in enumerate(updates)]
+    frames = [m.frame(Push(1, 0, u, uid=f"u{group}-{i}", group=group, fan_in=fan_in,
+                           index=i, dst=dst))
+              for i, (m, u) in enumerate(zip(members, updates, strict=True))]
     return updates, frames
 
 
 def _member_1_partly_in(server, agg, model):
     """Group 7 of two members: member 0 whole, member 1 70% sent, and the
     first MiB of their aggregate at the server already."""
-    updates, frames = _member_frames(model, 7, server.address)
-    members = [RawClient(agg.port) for _ in frames]
+    members = [RawClient(agg.port) for _ in range(2)]
+    updates, frames = _member_frames(model, 7, server.address, members)
     members[0].send_raw(frames[0])
     rest = frames[1][len(frames[1]) * 7 // 10:]
     members[1].send_raw(frames[1][:-len(rest)])
@@ -504,7 +507,7 @@ def test_a_member_lost_mid_update_abandons_the_streamed_aggregate(streaming, how
     assert agg.metrics.aggregates.labels("failed")._value.get() == 1
     # The next group goes out on a new link, whole.
     members[1] = RawClient(agg.port)
-    updates, frames = _member_frames(model, 8, server.address, seed=10)
+    updates, frames = _member_frames(model, 8, server.address, members, seed=10)
     for m, f in zip(members, frames, strict=True):
         m.send_raw(f)
     assert [m.recv_event() for m in members] == [

@@ -363,7 +363,7 @@ def test_a_missing_update_still_arriving_is_no_gap(replica):
     slow, fast, probe = RawClient(st.port), RawClient(st.port), RawClient(st.port)
     try:
         fast.send(Push(req=1, base_version=0, tensors=u[2], seq=2))  # held: 1 is missing
-        frame = RawClient.frame(Push(req=1, base_version=0, tensors=u[1], seq=1))
+        frame = slow.frame(Push(req=1, base_version=0, tensors=u[1], seq=1))
         slow.send_raw(frame[: len(frame) // 2])  # 1 is on its way
 
         def gap():

@@ -16,6 +16,7 @@ from mlfabric.client import aio, link
 from mlfabric.errors import AuthenticationError, ConnectError, ConnectionLost, InvalidUpdate
 from mlfabric.server.store import ParameterStore
 from mlfabric.wire.protocol import (
+    FLAG_MAC,
     HEADER,
     MAGIC,
     PROTOCOL_VERSION,
@@ -264,7 +265,7 @@ def test_oversized_frames_are_refused_before_allocation(serve):
     st = serve()
     model_bytes = st.store.nbytes
     raw = RawClient(st.port)
-    raw.send_raw(HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.PUSH, 0, 2,
+    raw.send_raw(HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.PUSH, FLAG_MAC, 2,
                              model_bytes + (2 << 20)))
     answer = raw.recv_event()
     assert answer.code == "protocol" and "maximum frame size" in answer.message
@@ -954,15 +955,15 @@ def test_scalar_and_empty_tensors_round_trip(serve):
 def test_nothing_after_a_refused_frame_is_acted_on(serve):
     """A push sent in the same packet behind a frame the server refuses must
     not be applied: the connection is being closed (found by the fuzz test)."""
-    from mlfabric.wire.protocol import Connection, Hello
+    from mlfabric.wire.protocol import Hello
 
     model = make_model()
     st = serve(model)
     raw = RawClient(st.port)
     zeros_but_one = {n: np.zeros_like(a) for n, a in model.items()}
     zeros_but_one["b"][0] = 1.0
-    raw.send_raw(Connection().send_bytes(Hello(job=JOB, client="again", nonce=b"n" * 32))
-                 + Connection().send_bytes(Push(req=1, base_version=0, tensors=zeros_but_one)))
+    raw.send_raw(raw.frame(Hello(job=JOB, client="again", nonce=b"n" * 32))
+                 + raw.frame(Push(req=1, base_version=0, tensors=zeros_but_one)))
     answer = raw.recv_event()
     assert answer.code == "protocol" and "unexpected Hello" in answer.message
     assert raw.recv_event() is None

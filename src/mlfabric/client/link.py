@@ -195,6 +195,9 @@ class Link(asyncio.BufferedProtocol):
                 raise wrong
             self.send(self.hs.on_challenge(event))
             self.hs.verify_server(self.what, self.address)
+            # Every frame from here on carries its MAC (the listener's refusal
+            # of the proof just sent, a plain ERROR, excepted).
+            self.conn.protect(*self.hs.frame_keys(), plain_error=True)
             self._stage = "welcome"
         else:
             welcome = self.hs.on_welcome(event)
@@ -268,7 +271,7 @@ class Link(asyncio.BufferedProtocol):
             return None
         parts = expand_parts(self.conn.send(event))
         self.write(parts[0])
-        self._part = PartFrame(self, parts[1:])
+        self._part = PartFrame(self, parts[1:], trailer=self.conn.trailer_size)
         self._part.advance(upto)
         return self._part
 
@@ -298,13 +301,15 @@ class PartFrame:
     """The data block of a frame whose head is sent, sent on its link in
     chunks as the controller lets them go (`Link.send_part`)."""
 
-    def __init__(self, link: Link, parts: list[Any]) -> None:
+    def __init__(self, link: Link, parts: list[Any], trailer: int = 0) -> None:
         self._link = link
         self._parts = parts
         self._next = 0  # index of the next part to write
         self._offset = 0  # bytes of that part already written
         self.sent = 0
         self.total = sum(len(p) for p in parts)
+        # The frame's MAC, after the block, goes with the block's last byte.
+        self._block = self.total - trailer
 
     @property
     def whole(self) -> bool:
@@ -312,7 +317,7 @@ class PartFrame:
 
     def advance(self, upto: int) -> None:
         """Write the data block up to byte `upto` (at most all of it)."""
-        upto = min(upto, self.total)
+        upto = self.total if upto >= self._block else upto
         link = self._link
         while self.sent < upto and link.transport is not None:
             part = memoryview(self._parts[self._next]).cast("B")
@@ -334,6 +339,10 @@ class FrameWriter:
     def __init__(self, proto: Link, block: StreamedBlock) -> None:
         self._proto = proto
         self.block = block
+        if block.done:  # no data block: the frame's MAC follows its head at once
+            trailer = proto.conn.stream_trailer()
+            if trailer:
+                proto.write(trailer)
 
     @property
     def nbytes(self) -> int:
@@ -350,7 +359,13 @@ class FrameWriter:
         proto = self._proto
         if proto.error is not None or proto.transport is None:
             raise proto.error or ConnectionLost(f"the link to {proto.address} is closed")
-        proto.write(self.block.from_block(data, upto))
+        chunk = self.block.from_block(data, upto)
+        proto.conn.stream_data(chunk)
+        proto.write(chunk)
+        if self.block.done:
+            trailer = proto.conn.stream_trailer()  # the frame's MAC
+            if trailer:
+                proto.write(trailer)
 
     def abort(self) -> None:
         """Give up on the frame: the link is dropped at once, so the far end

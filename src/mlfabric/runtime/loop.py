@@ -107,7 +107,9 @@ def _write_scattered(transport: asyncio.WriteTransport, parts: list[Any]) -> int
         return write_parts(transport, expand_parts([head, block]))
     if sent < len(head):
         transport.write(head[sent:])
-    if sent < size:
+    if sent < len(head) + plan.total:
         transport.write(rest(block.arrays, plan.index, plan.starts, plan.lengths,
                              plan.offsets, plan.total, max(0, sent - len(head))))
+    if block.trailer:  # the frame's MAC (wire.protocol: protected connections)
+        transport.write(block.trailer)
     return size

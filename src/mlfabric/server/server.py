@@ -317,16 +317,24 @@ class ServerProtocol(EndpointProtocol):
     def stream_begin(self, model: Model) -> None:
         """Write the head of `model`'s frame; its data block follows through
         write_raw(), then stream_end()."""
-        self.write_raw(self.conn.send_head(model))
+        self._write(self.conn.send_head(model))
         self.streaming = True
 
     def write_raw(self, data: Any) -> None:
+        """Bytes of the streamed frame's data block."""
+        self.conn.stream_data(data)
+        self._write(data)
+
+    def _write(self, data: Any) -> None:
         if self.transport is not None:
             self.transport.write(data)
             self.endpoint.metrics.sent_bytes.inc(len(data))
 
     def stream_end(self, end: Any) -> None:
         self.streaming = False
+        trailer = self.conn.stream_trailer()  # the streamed frame's MAC
+        if trailer:
+            self._write(trailer)
         self.send(end)
         queued, self._queued = self._queued, []
         for event in queued:

@@ -372,6 +372,8 @@ class EndpointProtocol(asyncio.BufferedProtocol):
         if self._timer is not None:
             self._timer.cancel()
         self.conn.max_frame_size = ep.max_frame_size
+        # Every frame from here on, the welcome first, carries its MAC.
+        self.conn.protect(*self.handshake.frame_keys())
         ep.metrics.connected_clients.inc()
         self.log.info("client %s (%s) connected", self.client, self.peer)
         self.send(ep.welcome(self))

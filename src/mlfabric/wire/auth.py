@@ -41,6 +41,15 @@ def client_proof(token: bytes, job: str, client_nonce: bytes, server_nonce: byte
     return _proof(b"client", token, job, client_nonce, server_nonce)
 
 
+def frame_keys(token: bytes, job: str, client_nonce: bytes,
+               server_nonce: bytes) -> tuple[bytes, bytes]:
+    """The keys of a session's frame MACs (wire.protocol), (client -> server,
+    server -> client): fresh per session (both nonces), one per direction so
+    that a frame cannot be reflected back to its sender."""
+    return (_proof(b"frames client->server", token, job, client_nonce, server_nonce),
+            _proof(b"frames server->client", token, job, client_nonce, server_nonce))
+
+
 def proofs_match(expected: bytes, received: bytes) -> bool:
     return hmac.compare_digest(expected, received)
 

@@ -68,6 +68,13 @@ class ClientHandshake:
         self.server_nonce = event.nonce
         return Auth(proof=auth.client_proof(self.token, self.job, self.nonce, event.nonce))
 
+    def frame_keys(self) -> tuple[bytes, bytes]:
+        """(send, receive) keys of this session's frame MACs, once the
+        challenge is answered (`Connection.protect`)."""
+        assert self.server_nonce is not None, "no challenge answered yet"
+        c2s, s2c = auth.frame_keys(self.token, self.job, self.nonce, self.server_nonce)
+        return c2s, s2c
+
     def verify_server(self, what: str = "server", address: str | None = None) -> None:
         """Raise unless the listener (a `what` at `address`) proved it holds the token."""
         if not self.server_verified:
@@ -141,6 +148,13 @@ class ServerHandshake:
                 f"wrong job {self._other_job!r}")
         self.stage = "ready"
         return Step(ready=True)
+
+    def frame_keys(self) -> tuple[bytes, bytes]:
+        """(send, receive) keys of this session's frame MACs, once the peer
+        is in (`Connection.protect`)."""
+        assert self.stage == "ready", "the peer is not in"
+        c2s, s2c = auth.frame_keys(self.token, self.job, self._client_nonce, self._nonce)
+        return s2c, c2s
 
     def _refuse(self, code: str, message: str, why: str = "") -> Step:
         self.stage = "refused"

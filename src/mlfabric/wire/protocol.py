@@ -9,7 +9,7 @@ Frame layout (all integers little-endian)::
     magic     4 bytes   b"MLFB"
     version   u8        PROTOCOL_VERSION
     type      u8        MsgType
-    flags     u16       0 (reserved)
+    flags     u16       FLAG_MAC once the connection is protected, else 0
     meta_len  u32       length of the metadata block
     data_len  u64       length of the tensor data block
     meta      meta_len bytes: the message fields as a UTF-8 JSON object; for
@@ -19,6 +19,15 @@ Frame layout (all integers little-endian)::
               push: both sides cache its encoding and parsing.
     data      the tensors' bytes in the order listed, each starting at a
               multiple of ALIGN bytes from the start of the block (zero padding)
+
+Integrity (issue 33): once both sides have authenticated, every frame
+carries FLAG_MAC and is followed by a 16-byte trailer, the Poly1305 tag of
+its header, metadata and data block under a one-time key, HMAC-SHA256 of its
+sequence number on the connection under the direction's key (from the
+handshake, `auth.frame_keys`). A frame that
+was altered, injected, replayed, dropped or reordered fails its check: the
+receiver raises ProtocolError before it returns the event, and the
+connection is closed. `Connection.protect` turns it on.
 
 Large data blocks are received straight into a buffer the receiver chooses
 (`allocate`), so a 64 MiB push is written by the kernel into its final place:
@@ -31,6 +40,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
+import hmac
 import json
 import struct
 import sys
@@ -39,11 +50,13 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from ..errors import FrameTooLarge, NotMlfabric, ProtocolError
 
-# 2: CHALLENGE names the listener's role; 3: FELL_BACK
-PROTOCOL_VERSION: Final = 3
+# 2: CHALLENGE names the listener's role; 3: FELL_BACK; 4: frames after the
+# handshake carry MACs
+PROTOCOL_VERSION: Final = 4
 MAGIC: Final = b"MLFB"
 HEADER = struct.Struct("<4sBBHIQ")
 ALIGN: Final = 64
@@ -56,6 +69,8 @@ MAX_UID_LEN: Final = 128
 MAX_PULL_WAIT: Final = 600.0  # seconds a pull for an update may be held
 MAX_ADDRESSES: Final = 4096  # aggregators a controller's welcome may list
 _SCRATCH_SIZE = 1 << 16
+FLAG_MAC: Final = 0x1  # the frame is followed by MAC_SIZE bytes of its MAC
+MAC_SIZE: Final = 16  # a Poly1305 tag
 _MAX_U64 = (1 << 64) - 1
 
 # Wire dtype codes: only the float types the kernels implement.
@@ -643,14 +658,15 @@ class ScatteredBlock:
     scatter-gather system call (runtime.loop.write_parts); `len()` is its
     size in bytes."""
 
-    __slots__ = ("arrays", "plan")
+    __slots__ = ("arrays", "plan", "trailer")
 
     def __init__(self, arrays: list[np.ndarray], plan: BlockPlan) -> None:
         self.arrays = arrays
         self.plan = plan
+        self.trailer = b""  # the frame's MAC, written after the block (protected links)
 
     def __len__(self) -> int:
-        return self.plan.total
+        return self.plan.total + len(self.trailer)
 
     def pieces(self) -> list[bytes | memoryview]:
         """The block as buffers in order, zero padding included (for a
@@ -666,6 +682,8 @@ class ScatteredBlock:
             pos = off + n
         if plan.total > pos:
             out.append(bytes(plan.total - pos))
+        if self.trailer:
+            out.append(self.trailer)
         return out
 
 
@@ -1370,6 +1388,7 @@ class _State(enum.Enum):
     META = 2
     DATA = 3
     BROKEN = 4
+    TRAILER = 5
 
 
 @dataclass
@@ -1389,6 +1408,14 @@ class _Frame:
     sink: memoryview | None = None
     sink_start: int = 0
     sink_end: int = 0
+    mac: Any = None  # the frame's running Poly1305, on a protected connection
+
+    def hash_received(self, start: int, n: int) -> None:
+        """Block bytes [start, start + n) arrived in the sink: into the MAC."""
+        if self.mac is not None and n:
+            assert self.sink is not None
+            at = start - self.sink_start
+            self.mac.update(self.sink[at:at + n])
 
     def next_run(self) -> None:
         """The sink is full: on to the scatter's next run, if any."""
@@ -1430,6 +1457,39 @@ class Connection:
         self._frame: _Frame | None = None
         self.bytes_received = 0
         self.bytes_sent = 0
+        # Integrity (`protect`): per-direction keys and frame sequence numbers.
+        self._send_key: bytes | None = None
+        self._recv_key: bytes | None = None
+        self._send_seq = 0
+        self._recv_seq = 0
+        self._plain_error_ok = False
+        self._stream_mac: Any = None  # a streamed frame's MAC, while its block is sent
+
+    def protect(self, send_key: bytes, recv_key: bytes, *, plain_error: bool = False) -> None:
+        """From now on every frame sent carries a MAC under `send_key` and
+        every frame received must carry one under `recv_key`, each numbered
+        from 0. `plain_error`: the first frame received may still be a plain
+        ERROR (a listener refusing the proof that was just sent, before it
+        could turn protection on)."""
+        self._send_key, self._recv_key = send_key, recv_key
+        self._send_seq = self._recv_seq = 0
+        self._plain_error_ok = plain_error
+
+    @property
+    def protected(self) -> bool:
+        return self._send_key is not None
+
+    @property
+    def trailer_size(self) -> int:
+        """Bytes each frame sent carries after its data block."""
+        return MAC_SIZE if self._send_key is not None else 0
+
+    def _mac(self, key: bytes, seq: int) -> Poly1305:
+        """Frame `seq`'s authenticator: Poly1305 (9.7 GB/s here, against 1.7
+        for HMAC-SHA256), under a key used for this frame only, as Poly1305
+        requires: a PRF of the direction's key and the frame's number."""
+        one_time = hmac.new(key, b"frame" + seq.to_bytes(8, "little"), hashlib.sha256).digest()
+        return Poly1305(one_time)
 
     # -- receiving ----------------------------------------------------------
 
@@ -1450,6 +1510,7 @@ class Connection:
         frame = self._frame
         if self._into_frame():
             assert frame is not None
+            frame.hash_received(frame.received, nbytes)
             frame.received += nbytes
             if frame.received == frame.sink_end:
                 frame.next_run()
@@ -1526,6 +1587,7 @@ class Connection:
                     assert frame.sink is not None
                     at = frame.received - frame.sink_start
                     frame.sink[at:at + n] = self._scratch[self._start:self._start + n]
+                    frame.hash_received(frame.received, n)
                     frame.received += n
                     self._start += n
                     if frame.received == frame.sink_end:
@@ -1534,6 +1596,12 @@ class Connection:
                     self._start = self._end = 0
                 if frame.received < frame.data_len:
                     return NEED_DATA
+                self._state = _State.TRAILER
+            if self._state is _State.TRAILER:
+                if frame.mac is not None:
+                    if self._end - self._start < MAC_SIZE:
+                        return NEED_DATA
+                    self._check_mac(frame)
                 self._state = _State.HEADER
                 self._frame = None
                 return self._finish(frame)
@@ -1589,7 +1657,20 @@ class Connection:
             msg_type = MsgType(type_code)
         except ValueError:
             raise ProtocolError(f"unknown message type {type_code}") from None
-        if flags != 0:
+        mac = None
+        if self._recv_key is not None:
+            if flags == FLAG_MAC:
+                mac = self._mac(self._recv_key, self._recv_seq)
+                mac.update(memoryview(self._scratch)[self._start:self._start + HEADER.size])
+                self._recv_seq += 1
+            elif not (flags == 0 and msg_type is MsgType.ERROR and self._plain_error_ok
+                      and self._recv_seq == 0):
+                raise ProtocolError(
+                    f"a {msg_type.name} frame without its integrity check on a protected "
+                    f"connection (flags {flags:#x}): altered in transit or injected; the "
+                    f"connection is closed")
+            self._plain_error_ok = False
+        elif flags != 0:
             raise ProtocolError(f"reserved header flags are set: {flags:#x}")
         if meta_len > MAX_META_LEN:
             raise ProtocolError(f"metadata block of {meta_len} bytes exceeds {MAX_META_LEN}")
@@ -1602,10 +1683,23 @@ class Connection:
         if msg_type not in (MsgType.MODEL, MsgType.PUSH) and data_len:
             raise ProtocolError(f"{msg_type.name} frame carries {data_len} data bytes")
         self._start += HEADER.size
-        return _Frame(msg_type, meta_len, data_len)
+        return _Frame(msg_type, meta_len, data_len, mac=mac)
+
+    def _check_mac(self, frame: _Frame) -> None:
+        got = bytes(self._scratch[self._start:self._start + MAC_SIZE])
+        self._start += MAC_SIZE
+        if self._start == self._end:
+            self._start = self._end = 0
+        if not hmac.compare_digest(frame.mac.finalize(), got):
+            raise ProtocolError(
+                f"a {frame.msg_type.name} frame failed its integrity check (frame "
+                f"{self._recv_seq - 1} of the connection): altered, injected, replayed or "
+                f"reordered in transit; the connection is closed")
 
     def _parse_meta(self, frame: _Frame) -> None:
         raw = bytes(self._scratch[self._start:self._start + frame.meta_len])
+        if frame.mac is not None:
+            frame.mac.update(raw)
         self._start += frame.meta_len
         if self._start == self._end:
             self._start = self._end = 0
@@ -1671,10 +1765,7 @@ class Connection:
             meta_bytes += b"\n" + specs_bytes
         else:
             offsets, data_len = [], 0
-        parts: list[bytes | memoryview] = [
-            HEADER.pack(MAGIC, PROTOCOL_VERSION, msg_type, 0, len(meta_bytes), data_len)
-            + meta_bytes
-        ]
+        parts: list[bytes | memoryview] = [self._head(msg_type, meta_bytes, data_len)]
         pos = 0
         for off, spec, arr in zip(offsets, specs, arrays, strict=True):
             if off > pos:
@@ -1682,8 +1773,30 @@ class Connection:
             if spec.nbytes:
                 parts.append(np.ascontiguousarray(arr).data.cast("B"))
             pos = off + spec.nbytes
-        self.bytes_sent += len(parts[0]) + data_len
-        return parts
+        if pos < data_len:  # (the last tensor is aligned too: zero padding)
+            parts.append(bytes(data_len - pos))
+        self.bytes_sent += len(parts[0]) + data_len + self.trailer_size
+        return self._sealed(parts)
+
+    def _head(self, msg_type: MsgType, meta_bytes: bytes, data_len: int) -> bytes:
+        flags = FLAG_MAC if self._send_key is not None else 0
+        return (HEADER.pack(MAGIC, PROTOCOL_VERSION, msg_type, flags, len(meta_bytes), data_len)
+                + meta_bytes)
+
+    def _sealed(self, parts: list[Any]) -> list[Any]:
+        """`parts` with the frame's MAC after them, on a protected connection."""
+        if self._send_key is None:
+            return parts
+        mac = self._mac(self._send_key, self._send_seq)
+        self._send_seq += 1
+        for part in parts:
+            if isinstance(part, ScatteredBlock):
+                for piece in part.pieces():
+                    mac.update(piece)
+                part.trailer = mac.finalize()
+                return parts
+            mac.update(part)
+        return [*parts, mac.finalize()]
 
     def _send_block(self, msg_type: MsgType, meta_bytes: bytes, tensors: FrameTensors
                     ) -> list[bytes | memoryview]:
@@ -1695,9 +1808,9 @@ class Connection:
         if len(block) != data_len:
             raise ValueError(f"a laid-out data block of {len(block)} bytes for tensors of "
                              f"{data_len}")
-        self.bytes_sent += HEADER.size + len(meta_bytes) + data_len
-        head = HEADER.pack(MAGIC, PROTOCOL_VERSION, msg_type, 0, len(meta_bytes), data_len)
-        return [head + meta_bytes, block] if data_len else [head + meta_bytes]
+        self.bytes_sent += HEADER.size + len(meta_bytes) + data_len + self.trailer_size
+        head = self._head(msg_type, meta_bytes, data_len)
+        return self._sealed([head, block] if data_len else [head])
 
     def _send_scattered(self, msg_type: MsgType, meta_bytes: bytes, tensors: LaidOutTensors
                         ) -> list[Any]:
@@ -1708,16 +1821,39 @@ class Connection:
         if tensors.plan.total != data_len:
             raise ValueError(f"a block plan of {tensors.plan.total} bytes for tensors of "
                              f"{data_len}")
-        self.bytes_sent += HEADER.size + len(meta_bytes) + data_len
-        head = HEADER.pack(MAGIC, PROTOCOL_VERSION, msg_type, 0, len(meta_bytes), data_len)
-        return [head + meta_bytes, tensors.block()] if data_len else [head + meta_bytes]
+        self.bytes_sent += HEADER.size + len(meta_bytes) + data_len + self.trailer_size
+        head = self._head(msg_type, meta_bytes, data_len)
+        return self._sealed([head, tensors.block()] if data_len else [head])
 
     def send_head(self, event: Model | Push) -> bytes:
         """The head of `event`'s frame (header and fields) alone: its data
-        block follows as a `streamed.StreamedBlock` over the same tensors."""
-        head = self.send(event)[0]
+        block follows as a `streamed.StreamedBlock` over the same tensors,
+        each piece passed through `stream_data` as it is written, then
+        `stream_trailer()`."""
+        key, self._send_key = self._send_key, None
+        try:
+            head = self.send(event)[0]  # plain: its MAC runs on over the block
+        finally:
+            self._send_key = key
         assert isinstance(head, bytes)
+        if key is not None:
+            self.bytes_sent += MAC_SIZE
+            head = head[:6] + FLAG_MAC.to_bytes(2, "little") + head[8:]
+            self._stream_mac = self._mac(key, self._send_seq)
+            self._send_seq += 1
+            self._stream_mac.update(head)
         return head
+
+    def stream_data(self, data: Any) -> None:
+        """Bytes of the streamed frame's data block, as they are written."""
+        if self._stream_mac is not None:
+            self._stream_mac.update(data)
+
+    def stream_trailer(self) -> bytes:
+        """What follows the streamed frame's data block: its MAC on a
+        protected connection, else nothing."""
+        mac, self._stream_mac = self._stream_mac, None
+        return b"" if mac is None else mac.finalize()
 
     def send_bytes(self, event: Event) -> bytes:
         """The frame for `event` as one bytes object (copies tensors)."""
