@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("mlfabric.agent")
 FIRST = asyncio.FIRST_COMPLETED
 
+LOGIN_MAX_FRAME = 4096  # the largest frame before a login (agent_protocol.Login fits)
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux; SCM_TIMESTAMPNS == SO_TIMESTAMPNS
 SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
@@ -174,6 +175,10 @@ class AgentConfig:
     job_traffic: Callable[[], tuple[int, int]] | None = None
     max_lost_trains: int = 5  # then the connection is dropped and re-established
     login_timeout: float = 5.0  # a control connection not logged in by then is closed
+    # Control connections not logged in yet: past this, the oldest of them is
+    # closed to make room (issue 33: 500 unauthenticated connections held 534
+    # MiB; the oldest, so that a flood cannot keep a peer's login out).
+    max_unauthenticated: int = 128
 
 
 # A full frame of 1514 bytes carries 1448 bytes of TCP payload (timestamps on)
@@ -207,7 +212,9 @@ class _Control:
     def __init__(self, agent: Agent, writer: asyncio.StreamWriter) -> None:
         self.agent = agent
         self.writer = writer
-        self.conn = probe.Connection()
+        # Before the login, frames are small (a login is at most 3.1 KB): a
+        # peer that is not in holds a few KiB of this agent, not MAX_FRAME.
+        self.conn = probe.Connection(max_frame=LOGIN_MAX_FRAME)
         self.gate = AgentGate(agent.config.cluster_token)
         self.sessions: set[int] = set()
         self.peer_name: str | None = None
@@ -251,7 +258,15 @@ class Agent:
         self._progress = asyncio.Condition()
         self._refused_warned = -math.inf  # when a refused transfer report was last logged
         self._refusals = 0  # control connections refused (login, permissions)
+        # control connections open and not logged in, oldest first
+        self._unauthenticated: dict[_Control, None] = {}
         self._refusal_warned = -math.inf
+
+    @property
+    def pending_logins(self) -> int:
+        """Control connections open that have not logged in (at most
+        `AgentConfig.max_unauthenticated`)."""
+        return len(self._unauthenticated)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -803,8 +818,15 @@ class Agent:
         task = asyncio.current_task()
         if task is not None:
             self._handlers.add(task)
+        if len(self._unauthenticated) >= self.config.max_unauthenticated:
+            oldest = next(iter(self._unauthenticated))
+            del self._unauthenticated[oldest]
+            self._refused(oldest, "evicted", f"{self.config.max_unauthenticated} control "
+                          "connections were not logged in (the cap)")
+            oldest.writer.transport.abort()
         ctl = _Control(self, writer)
         self._controls.add(ctl)
+        self._unauthenticated[ctl] = None
         login_by = self.clock() + self.config.login_timeout
         try:
             while True:
@@ -828,6 +850,9 @@ class Agent:
                         self._refused(ctl, step.refused, step.why)
                         await within(writer.drain(), 1.0)
                         return
+                    if ctl.gate.role is not None and ctl in self._unauthenticated:
+                        del self._unauthenticated[ctl]  # logged in
+                        ctl.conn.max_frame = probe.MAX_FRAME
                     if step.serve:
                         self._handle(ctl, ev)
                 await writer.drain()
@@ -846,6 +871,7 @@ class Agent:
         except asyncio.CancelledError:
             pass
         finally:
+            self._unauthenticated.pop(ctl, None)
             for s in ctl.sessions:
                 self._sessions.pop(s, None)
             self._controls.discard(ctl)

@@ -60,6 +60,15 @@ def _listener_metrics(m: Any, prefix: str, peers: str, r: CollectorRegistry) -> 
     m.protocol_errors = Counter(f"{prefix}_protocol_errors",
                                 "Connections closed for a malformed or oversized frame",
                                 namespace=ns, registry=r)
+    m.unauthenticated_evicted = Counter(
+        f"{prefix}_unauthenticated_evicted",
+        "Connections that had not finished the handshake, closed to make room for a new "
+        "one (the per-listener cap on them)", namespace=ns, registry=r)
+    m.backpressure = Counter(
+        f"{prefix}_backpressure",
+        f"Times a connection's requests were held because the answers queued for a "
+        f"{peers} that does not read them reached the per-connection bound",
+        namespace=ns, registry=r)
 
 
 class ServerMetrics:
@@ -561,7 +570,8 @@ class AgentMetrics:
             "agent_refused",
             "Control connections refused, by reason (unauthenticated: a request before "
             "a login; auth: a wrong key; login-timeout: no login in time; forbidden: a "
-            "request the credential does not allow, such as SetPeers with a job's key)",
+            "request the credential does not allow, such as SetPeers with a job's key; "
+            "evicted: not logged in, closed to make room for a new connection)",
             ["reason"], namespace=ns, registry=r,
         )
         for result in ("accepted", "unknown_peer", "refused"):

@@ -27,9 +27,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..wire.protocol import Model, ModelEnd, Pull
+from ..wire.protocol import Error, Model, ModelEnd, Pull
 from ..wire.streamed import StreamedBlock
 from .store import StagedApply
+
+# Pulls one connection may have held at once: each is answered with a whole
+# model when its update lands, whether or not the peer reads (issue 33: one
+# client's 256 pipelined pulls held 4.2 GB). A worker holds one per push in
+# flight.
+MAX_HELD_PER_CONNECTION = 8
 
 
 @dataclass(eq=False)
@@ -65,6 +71,11 @@ class PullWaits:
         assert event.uid is not None and event.wait is not None
         if self.store.applied_before(event.uid) is not None:
             self._answer(proto, event.req)
+            return
+        if len(proto.waits) >= MAX_HELD_PER_CONNECTION:
+            proto.send(Error(code="too_many_pulls", req=event.req, message=(
+                f"{len(proto.waits)} pulls for updates are held on this connection already "
+                f"(at most {MAX_HELD_PER_CONNECTION}): wait for their answers")))
             return
         w = _Waiter(proto, event.req, event.uid)
         w.timer = asyncio.get_running_loop().call_later(event.wait, self._expire, w)

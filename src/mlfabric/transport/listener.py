@@ -14,6 +14,7 @@ import asyncio
 import logging
 import math
 import signal
+import time
 from typing import Any
 
 from ..errors import ConfigError, ProtocolError
@@ -158,24 +159,79 @@ def stop_on_signals() -> asyncio.Event:
     return stop
 
 
+# Connections that have not finished the handshake, per listener: past this,
+# the oldest of them is closed to make room (issue 33: 3,000 idle ones were
+# only closed by the handshake timeout, each holding a file descriptor). The
+# oldest rather than the newest: a flood then cannot keep a good client out,
+# whose handshake takes milliseconds, unless it opens this many in that time.
+MAX_UNAUTHENTICATED = 256
+
+
+class LogLimiter:
+    """At most `burst` lines per `interval` seconds of one kind of warning;
+    the next line after a quiet spell says how many were not logged (failed
+    handshakes must not flood the log: one line per many, with a count)."""
+
+    def __init__(self, log: logging.Logger, burst: int = 5, interval: float = 10.0,
+                 clock: Any = None) -> None:
+        self.log, self.burst, self.interval = log, burst, interval
+        self.clock = clock or time.monotonic
+        self._window = -math.inf
+        self._lines = 0
+        self.suppressed = 0
+
+    def warning(self, msg: str, *args: Any) -> None:
+        now = self.clock()
+        if now - self._window >= self.interval:
+            self._window, self._lines = now, 0
+        if self._lines >= self.burst:
+            self.suppressed += 1
+            return
+        self._lines += 1
+        if self.suppressed:
+            msg += " (and %d more like these in the last %.0f s, not logged)"
+            args = (*args, self.suppressed, self.interval)
+            self.suppressed = 0
+        self.log.warning(msg, *args)
+
+
 class Endpoint:
     """A TCP listener whose peers must prove they hold the job's token.
 
     `metrics` needs: received_bytes, sent_bytes, connected_clients,
-    auth_failures, protocol_errors."""
+    auth_failures, protocol_errors, unauthenticated_refused, backpressure.
+
+    Limits (issue 33): at most `max_unauthenticated` connections that have
+    not finished the handshake (a new one closes the oldest); and per
+    connection, once the answers queued
+    for a peer that does not read them pass `queue_limit` bytes, its further
+    requests wait (they stay unparsed, in its receive buffer) until those
+    are sent: 256 pipelined pulls once held 4.2 GB."""
 
     role = "server"
     log = logging.getLogger("mlfabric.endpoint")
 
     def __init__(self, *, job: str, token: bytes, metrics: Any,
-                 handshake_timeout: float = 10.0, max_frame_size: int = 1 << 20) -> None:
+                 handshake_timeout: float = 10.0, max_frame_size: int = 1 << 20,
+                 max_unauthenticated: int = MAX_UNAUTHENTICATED) -> None:
         self.job = job
         self.token = auth.as_token(token)
         self.metrics = metrics
         self.handshake_timeout = handshake_timeout
         self.max_frame_size = max_frame_size
+        self.max_unauthenticated = max_unauthenticated
+        # connections open that have not finished the handshake, oldest first
+        self.unauthenticated: dict[EndpointProtocol, None] = {}
+        self.refusals = LogLimiter(self.log)
         self._server: asyncio.base_events.Server | None = None
         self.connections: set[EndpointProtocol] = set()
+
+    @property
+    def queue_limit(self) -> int:
+        """Bytes of answers queued for one connection past which its requests
+        wait: two of the largest frames (a pull answered while another is in
+        the socket), and at least 4 MiB."""
+        return max(4 << 20, 2 * self.max_frame_size)
 
     def make_protocol(self) -> EndpointProtocol:
         raise NotImplementedError
@@ -225,6 +281,7 @@ class EndpointProtocol(asyncio.BufferedProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self.last_read = 0  # bytes of the latest read: large means data is backed up
         self.closing = False
+        self._held = False  # requests wait for the answers queued to drain
 
     # The events this listener's role takes once the peer is in (wire.roles).
     accepts: tuple[type, ...] = ()
@@ -264,6 +321,15 @@ class EndpointProtocol(asyncio.BufferedProtocol):
         peer = transport.get_extra_info("peername")
         if peer:
             self.peer, self.peer_host = f"{peer[0]}:{peer[1]}", str(peer[0])
+        ep = self.endpoint
+        if len(ep.unauthenticated) >= ep.max_unauthenticated:
+            oldest = next(iter(ep.unauthenticated))
+            ep.metrics.unauthenticated_evicted.inc()
+            ep.refusals.warning("closing connection from %s to make room: %d connections "
+                                "had not finished the handshake (the cap)", oldest.peer,
+                                len(ep.unauthenticated))
+            oldest.evict()
+        ep.unauthenticated[self] = None
         self.endpoint.connections.add(self)
         loop = asyncio.get_running_loop()
         self._timer = loop.call_later(self.endpoint.handshake_timeout, self._handshake_timeout)
@@ -275,7 +341,20 @@ class EndpointProtocol(asyncio.BufferedProtocol):
         self.last_read = nbytes
         self.conn.buffer_updated(nbytes)
         self.endpoint.metrics.received_bytes.inc(nbytes)
+        self._process()
+
+    def _process(self) -> None:
+        """Handle the events received, unless the answers queued for this
+        peer are past the bound: then they wait for `resume_writing`."""
         while self.transport is not None and not self.closing:
+            if (self.stage == "ready" and not self._held
+                    and self.transport.get_write_buffer_size() > self.endpoint.queue_limit):
+                self._held = True
+                self.endpoint.metrics.backpressure.inc()
+                self.transport.pause_reading()
+                return
+            if self._held:
+                return
             try:
                 event = self.conn.next_event()
             except ProtocolError as exc:
@@ -304,6 +383,7 @@ class EndpointProtocol(asyncio.BufferedProtocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._uncount()
         if self.stage == "ready":
             self.endpoint.metrics.connected_clients.dec()
             self.log.info("client %s (%s) disconnected", self.client, self.peer)
@@ -322,6 +402,20 @@ class EndpointProtocol(asyncio.BufferedProtocol):
     def resume_writing(self) -> None:
         if self.transport is not None:
             self.transport.resume_reading()
+        if self._held:  # the answers drained: on with the requests that waited
+            self._held = False
+            self._process()
+
+    def _uncount(self) -> None:
+        self.endpoint.unauthenticated.pop(self, None)
+
+    def evict(self) -> None:
+        """Close at once, unanswered: a connection that had not finished the
+        handshake, to make room for a new one."""
+        self._uncount()
+        self.closing = True
+        if self.transport is not None:
+            self.transport.abort()
 
     # -- helpers ----------------------------------------------------------------
 
@@ -345,13 +439,14 @@ class EndpointProtocol(asyncio.BufferedProtocol):
 
     def protocol_error(self, message: str) -> None:
         self.endpoint.metrics.protocol_errors.inc()
-        self.log.warning("closing connection from %s: protocol error: %s", self.peer, message)
+        self.endpoint.refusals.warning("closing connection from %s: protocol error: %s",
+                                       self.peer, message)
         self.refuse("protocol", message)
 
     def _handshake_timeout(self) -> None:
         if self.stage != "ready" and self.transport is not None:
-            self.log.warning("closing connection from %s: no handshake within %.1f s",
-                             self.peer, self.endpoint.handshake_timeout)
+            self.endpoint.refusals.warning("closing connection from %s: no handshake within "
+                                           "%.1f s", self.peer, self.endpoint.handshake_timeout)
             self.refuse("protocol", "handshake not completed in time")
 
     def _handshake(self, event: Any) -> None:
@@ -363,7 +458,7 @@ class EndpointProtocol(asyncio.BufferedProtocol):
             return
         if step.code is not None:
             ep.metrics.auth_failures.inc()
-            self.log.warning("refused %s (%s): %s", self.client, self.peer, step.why)
+            ep.refusals.warning("refused %s (%s): %s", self.client, self.peer, step.why)
             self.refuse(step.code, step.message)
             return
         if step.send is not None:
@@ -371,6 +466,7 @@ class EndpointProtocol(asyncio.BufferedProtocol):
             return
         if self._timer is not None:
             self._timer.cancel()
+        self._uncount()
         self.conn.max_frame_size = ep.max_frame_size
         # Every frame from here on, the welcome first, carries its MAC.
         self.conn.protect(*self.handshake.frame_keys())
