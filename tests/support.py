@@ -225,12 +225,16 @@ class RawClient:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
         self.conn = Connection()
         self.welcome = None
+        # (send, receive) keys of the frames' MACs once authenticated: a
+        # Connection protected with them reversed reads what this one sends.
+        self.keys: tuple[bytes, bytes] | None = None
         if authenticate:
             hs = ClientHandshake(job, token, "raw")
             self.send(hs.hello())
             self.send(hs.on_challenge(self.recv_event()))
             if hs.server_verified:  # frames from here on carry their MACs
-                self.conn.protect(*hs.frame_keys(), plain_error=True)
+                self.keys = hs.frame_keys()
+                self.conn.protect(*self.keys, plain_error=True)
             self.welcome = hs.on_welcome(self.recv_event())
 
     def send(self, event: object) -> None:
