@@ -183,6 +183,11 @@ class ServerThread:
         fut = asyncio.run_coroutine_threadsafe(_call(fn), self._loop)
         return fut.result(10)
 
+    def run(self, coro: Any, timeout: float = 10.0) -> Any:
+        """Run a coroutine in the server's loop and wait for its result."""
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
     def __enter__(self) -> ServerThread:
         self._thread.start()
         assert self._ready.wait(10), "server did not start within 10 s"
