@@ -416,8 +416,13 @@ class _AggregatorProtocol(EndpointProtocol):
         if any(sp.dtype != np.dtype("<f4") for sp in specs):
             self._refuse(event, "bad_dtype", "aggregates hold float32 tensors only")
             return
-        block = self._block
-        assert block is not None
+        # This frame's own data block: a push without one allocates none, and
+        # the last push's must not stand in for it (found by the fuzz test).
+        block, self._block = self._block, None
+        if not specs or block is None:
+            self._refuse(event, "empty", "an aggregation member carries its update's tensors; "
+                                         "this one has none")
+            return
         group = agg.group_for(key, event.fan_in, len(block), specs)
         if group is None:
             agg.metrics.late_members.inc()

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import math
 import os
 import random
+import re
 import socket
 import struct
 import time
@@ -128,6 +130,23 @@ def read_nic_speed(interface: str | None = None, sysfs: str = "/sys/class/net",
     return best
 
 
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def valid_host(host: str) -> bool:
+    """An IP address, or a host name as DNS takes it (labels of 1-63 letters,
+    digits and inner hyphens, 253 characters at most): what a peer's address
+    may be. Anything else cannot be resolved (the resolver raises, not the
+    network: an empty label, a NUL), and is refused where it is given."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    name = host[:-1] if host.endswith(".") else host
+    return 0 < len(name) <= 253 and all(_LABEL.fullmatch(x) for x in name.split("."))
+
+
 def parse_hostport(text: str, what: str = "address") -> tuple[str, int]:
     """'HOST:PORT' or '[V6]:PORT' -> (host, port); ConfigError on bad input."""
     host, sep, port_s = text.rpartition(":")
@@ -138,6 +157,8 @@ def parse_hostport(text: str, what: str = "address") -> tuple[str, int]:
         port = -1
     if not sep or not host or not 0 <= port <= 65535:
         raise ConfigError(f"{what} {text!r} is not HOST:PORT (for example 10.0.0.2:7400)")
+    if not valid_host(host):
+        raise ConfigError(f"{what} {text!r}: {host!r} is no IP address or host name")
     return host, port
 
 
@@ -513,7 +534,10 @@ class Agent:
                 attempt = 0
             except asyncio.CancelledError:
                 raise
-            except (TimeoutError, OSError, ProtocolError, ConnectionLost) as exc:
+            except (TimeoutError, OSError, ProtocolError, ConnectionLost, UnicodeError,
+                    ValueError) as exc:
+                # (UnicodeError, ValueError: a host the resolver refuses; checked
+                # where peers are given, so only as a last line here)
                 log.debug("peer %s: %s", st.name, exc)
                 if isinstance(exc, ProtocolError):
                     self._count_bad("frame")
@@ -928,6 +952,9 @@ class Agent:
                 for p in ev.peers:
                     if not p.name or not 0 < p.port <= 65535:
                         raise ConfigError(f"peer {p!r} needs a name and a port in 1..65535")
+                    if not valid_host(p.host):
+                        raise ConfigError(f"peer {p.name!r}: {p.host!r} is no IP address or "
+                                          f"host name")
                     peers[p.name] = (p.host, p.port)
                 self.set_peers(peers)
             except ConfigError as exc:
