@@ -50,6 +50,11 @@ class ConnectError(MlfabricError):
     """The server could not be reached (refused, unreachable, or timed out)."""
 
 
+class TLSError(ConnectError):
+    """The TLS handshake failed: a certificate missing or not accepted (by
+    either side), or one side does not use TLS."""
+
+
 class ConnectionLost(MlfabricError):
     """The connection closed before the answer to a request arrived."""
 

@@ -14,6 +14,7 @@ import collections
 import functools
 import logging
 import os
+import ssl
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +23,7 @@ import numpy as np
 
 from ..errors import ConfigError, ConnectionLost, MlfabricError
 from ..runtime.metrics import ClientMetrics
+from ..transport import tls
 from ..wire.handshake import ClientHandshake
 from ..wire.protocol import (
     BlockPlan,
@@ -80,6 +82,9 @@ async def connect(
     push_timeout: float | None = DEFAULT_PUSH_TIMEOUT,
     agent: str | None = None,
     agent_key_file: str | os.PathLike[str] | None = None,
+    tls_cert: str | os.PathLike[str] | None = None,
+    tls_key: str | os.PathLike[str] | None = None,
+    tls_ca: str | os.PathLike[str] | None = None,
 ) -> AsyncClient:
     """Connect to the parameter server at `address` ("HOST:PORT") for `job`.
 
@@ -93,14 +98,20 @@ async def connect(
     `push_timeout` seconds, and with `agent` ("HOST:PORT" of this host's
     `mlfabric agent`) pushes of 64 KiB or more are reported to it, logged in
     with the job's agent key from `agent_key_file`, as with mlfabric.connect()
-    (which runs this client on a thread of its own)."""
+    (which runs this client on a thread of its own). With `tls_cert`,
+    `tls_key` and `tls_ca` (all three), every link this client opens (to the
+    server, the controller, a replica, an aggregator) is mutual TLS, as with
+    mlfabric.connect()."""
     check_push_timeout(push_timeout)
+    tls_files = tls.files(tls_cert, tls_key, tls_ca, tls.SETTINGS)
+    ctx = None if tls_files is None else tls.client_context(tls_files, tls.SETTINGS)
     agent_key = None if agent is None else job_agent_key(agent_key_file, job)
     secret = resolve_token(token, token_file)
     hs = ClientHandshake(job, secret, name or default_client_name())
-    proto = await open_link(address, hs, timeout, "parameter server", metrics=metrics)
+    proto = await open_link(address, hs, timeout, "parameter server", metrics=metrics, tls=ctx)
     client = AsyncClient(proto)
     client._dial = (job, secret, hs.name, timeout, metrics)
+    client._tls, client._tls_ctx = tls_files, ctx
     if push_timeout is not None:
         client._watch_pushes(push_timeout)
     if agent is not None:
@@ -116,7 +127,8 @@ async def connect(
 
         try:
             replica_client = await connect(replica, job=job, token=secret, timeout=timeout,
-                                           name=name)
+                                           name=name, tls_cert=tls_cert, tls_key=tls_key,
+                                           tls_ca=tls_ca)
         except BaseException:
             await client.close()
             raise
@@ -150,12 +162,13 @@ async def connect(
         controlled = AsyncControlledPushes(
             client, controller, ClientHandshake(job, secret, name or default_client_name()),
             aggregators=LinkPool(lambda address: dial(
-                address, hs, AGGREGATOR_DIAL_TIMEOUT, "aggregator", command=AGGREGATOR_COMMAND)),
+                address, hs, AGGREGATOR_DIAL_TIMEOUT, "aggregator", command=AGGREGATOR_COMMAND,
+                tls=ctx)),
             host=host or sock.getsockname()[0], dst=sock.getpeername()[0],
             fallback=controller_fallback, timeout=controller_timeout,
             shard=client.welcome_shard.index if client.welcome_shard is not None else None,
             chunk=client.welcome_shard.chunk if client.welcome_shard is not None else 0,
-            metrics=metrics)
+            metrics=metrics, tls=ctx)
         try:
             await controlled.start()
         except BaseException:
@@ -168,9 +181,9 @@ async def connect(
 
 
 async def dial(address: str, hs: ClientHandshake, timeout: float, what: str,
-               command: str | None = None) -> AsyncClient:
+               command: str | None = None, tls: ssl.SSLContext | None = None) -> AsyncClient:
     """An `AsyncClient` on a new link to `address` (a server or an aggregator)."""
-    return AsyncClient(await open_link(address, hs, timeout, what, command=command))
+    return AsyncClient(await open_link(address, hs, timeout, what, command=command, tls=tls))
 
 
 def _replica_mismatch(server: AsyncClient, replica: AsyncClient) -> str | None:
@@ -218,6 +231,9 @@ class AsyncClient:
         # (job, token, name, timeout, metrics), to connect to servers and
         # replicas the controller names later.
         self._dial: tuple[str, bytes, str, float, ClientMetrics | None] | None = None
+        # What connect() was given, for the links the client opens later.
+        self._tls: tls.TLSFiles | None = None
+        self._tls_ctx: ssl.SSLContext | None = None
         # Replica changes the controller announced, acted on one at a time:
         # a join announced right after a failover must find the new server.
         self._changes: collections.deque[Failover | ReplicaAt] = collections.deque()
@@ -442,7 +458,7 @@ class AsyncClient:
         assert self._dial is not None and self._failover is not None
         job, secret, name, timeout, metrics = self._dial
         proto = await open_link(address, ClientHandshake(job, secret, name), timeout,
-                                "parameter server", metrics=metrics)
+                                "parameter server", metrics=metrics, tls=self._tls_ctx)
         self._feeds.retire()  # before the first answer from the new server
         old, self._proto = self._proto, proto
         welcome = proto.welcomed.result()
@@ -464,7 +480,10 @@ class AsyncClient:
             log.info("replica at %s serves from version %d; still feeding it", address, version)
             return
         job, secret, name, timeout, _ = self._dial
-        replica = await connect(address, job=job, token=secret, name=name, timeout=timeout)
+        t = self._tls
+        replica = await connect(address, job=job, token=secret, name=name, timeout=timeout,
+                                tls_cert=t.cert if t else None, tls_key=t.key if t else None,
+                                tls_ca=t.ca if t else None)
         feed = ReplicaFeed(replica, parse_address(address)[0],
                            report=self._controlled.report_replicated
                            if self._controlled is not None else None,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from typing import Any
 
@@ -50,14 +51,15 @@ class AsyncControlledPushes:
                  aggregators: LinkPool[PushLink], host: str, dst: str,
                  fallback: str = "fifo", timeout: float = 30.0,
                  shard: int | None = None, chunk: int = 0,
-                 metrics: ClientMetrics | None = None) -> None:
+                 metrics: ClientMetrics | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         """`aggregators`: the links to the aggregators the controller may route
         pushes through, dialled by the client. `shard`: this client's shard
         of a sharded job (announced on every link to the controller), else
         None. `chunk` > 0: the controller may let an update go that many
         bytes at a time (a sharded job's chunk), so that a shorter transfer
         can pass it. `metrics`: the client's (time and updates without the
-        controller)."""
+        controller). `tls`: the client's TLS context, for the controller link."""
         self.book = ControlBook(address, host=host, dst=dst, fallback=fallback,
                                 timeout=timeout, shard=shard or 0,
                                 chunk=chunk, metrics=metrics)
@@ -66,6 +68,7 @@ class AsyncControlledPushes:
         self.client = client
         self.address = address
         self.hs = hs
+        self.tls = tls
         self._link: Link | None = None
         self._reconnect_task: asyncio.Task[None] | None = None
         self._redial_error = ""  # the last refusal met dialling again, warned once
@@ -87,7 +90,8 @@ class AsyncControlledPushes:
 
     async def _connect(self) -> Link:
         link = await open_link(self.address, self.hs, min(self.book.timeout, 10.0),
-                               "controller", on_event=self._directive, on_lost=self._lost)
+                               "controller", on_event=self._directive, on_lost=self._lost,
+                               tls=self.tls)
         if self.sharded:  # so that `mlfabric status` lists every shard from the start
             link.send(ShardAt(shard=self.book.shard, dst=self.book.dst,
                               version=self.client.last_version))

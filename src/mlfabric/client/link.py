@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from collections.abc import Callable, Coroutine
 from typing import Any, Generic, Protocol, TypeVar
 
-from ..errors import ConnectError, ConnectionLost, MlfabricError, NotMlfabric
+from ..errors import ConnectError, ConnectionLost, MlfabricError, NotMlfabric, TLSError
 from ..runtime.loop import within, write_parts
 from ..runtime.metrics import ClientMetrics
+from ..transport.tls import process_client_context
 from ..wire import roles
 from ..wire.handshake import ClientHandshake
 from ..wire.protocol import (
@@ -37,21 +39,33 @@ from .core import RequestTable, connection_lost_error, parse_address
 
 async def open_link(address: str, hs: ClientHandshake, timeout: float, what: str, *,
                     metrics: ClientMetrics | None = None, on_event: Any = None,
-                    on_lost: Any = None, command: str | None = None) -> Link:
+                    on_lost: Any = None, command: str | None = None,
+                    tls: ssl.SSLContext | None = None) -> Link:
     """Connect to an mlfabric server or controller and complete the handshake.
     `what` says which kind of listener is wanted ("parameter server",
     "controller", ...: `wire.roles.WANTED`); another kind that answers is a
     `WrongPeer` error naming both. `command`: what should be running there
-    (default: the command that runs a `what`)."""
+    (default: the command that runs a `what`).
+
+    `tls`: a client context (`transport.tls.client_context`) for mutual TLS,
+    the listener's certificate checked against the host of `address`; None:
+    the process's own (`transport.tls.use_for_process`: a process started
+    with --tls-* dials its peers over TLS too), else plain TCP. A failed TLS
+    handshake is a `TLSError` saying which side refused what."""
     host, port = parse_address(address)
     loop = asyncio.get_running_loop()
     command = command or roles.command_for(what)
+    ctx = tls if tls is not None else process_client_context()
+    secured: dict[str, Any] = {} if ctx is None else {"ssl": ctx, "server_hostname": host}
     try:
         _, proto = await within(
             loop.create_connection(
-                lambda: Link(address, hs, metrics, on_event, on_lost, what=what), host, port),
+                lambda: Link(address, hs, metrics, on_event, on_lost, what=what), host, port,
+                **secured),
             timeout,
         )
+    except ssl.SSLError as exc:
+        raise tls_refused(exc, what, address, command, by_us=True) from None
     except (TimeoutError, OSError) as exc:
         detail = getattr(exc, "strerror", None) or str(exc) or "timed out"
         raise ConnectError(
@@ -68,6 +82,28 @@ async def open_link(address: str, hs: ClientHandshake, timeout: float, what: str
         proto.close()
         raise
     return proto
+
+
+def tls_refused(exc: ssl.SSLError, what: str, address: str, command: str, *,
+                by_us: bool) -> TLSError:
+    """The error for a TLS handshake with the `what` at `address` that
+    failed: `by_us`, this side did not accept the listener; else the
+    listener refused this side (TLS 1.3 says so after the client's part of
+    the handshake is done, on the first read)."""
+    from ..transport.listener import tls_failure
+
+    reason = getattr(exc, "reason", None)
+    if reason == "WRONG_VERSION_NUMBER" or reason == "RECORD_LAYER_FAILURE":
+        return TLSError(f"the {what} at {address} does not use TLS ({reason}): start "
+                        f"`{command}` with --tls-cert, --tls-key and --tls-ca, or connect "
+                        f"without TLS settings")
+    if by_us and isinstance(exc, ssl.SSLCertVerificationError):
+        return TLSError(f"the {what} at {address} presented a certificate this client does "
+                        f"not accept: {exc.verify_message}; it must be signed by the CA in "
+                        f"tls_ca and name the host dialled (`mlfabric tls init --host`)")
+    return TLSError(f"the {what} at {address} refused this client's TLS certificate: "
+                    f"{tls_failure(exc)}; give tls_cert and tls_key signed by the cluster's "
+                    f"CA (the one `{command}` was given as --tls-ca)")
 
 
 class Closable(Protocol):
@@ -220,14 +256,30 @@ class Link(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.can_write.set()  # wake drain(); it then raises the connection's error
         self._part, self._held = None, []
-        if not self.welcomed.done():
+        if not self.welcomed.done() and isinstance(exc, ssl.SSLError):
+            # The listener refused our certificate (TLS 1.3 tells after the
+            # client's side of the handshake is done, on the first read).
+            self._fail(tls_refused(exc, self.what, self.address,
+                                   roles.command_for(self.what), by_us=False))
+        elif not self.welcomed.done() and self.transport is not None \
+                and self.transport.get_extra_info("sslcontext") is not None:
+            # TLS was up, and the listener closed before the mlfabric
+            # handshake: what a listener does to a certificate it does not
+            # accept (asyncio's TLS layer closes without sending its alert).
+            self._fail(ConnectionLost(
+                f"the {self.what} at {self.address} closed the connection right after the "
+                f"TLS handshake: it did not accept this client's certificate (not signed by "
+                f"its --tls-ca; its log says why), or it is shutting down; give tls_cert and "
+                f"tls_key signed by the cluster's CA"))
+        elif not self.welcomed.done():
             # A peer that dies mid-handshake: callers fall back on ConnectionLost
             # (an aggregator's members go straight to the server).
             why = (f"the connection to the {self.what} at {self.address} was lost during the "
                    f"handshake: {getattr(exc, 'strerror', None) or exc}" if exc is not None
                    else f"{self.address} closed the connection during the handshake: it "
-                        f"is not {roles.a(self.what)} (`{roles.command_for(self.what)}`), or "
-                        f"it is shutting down")
+                        f"is not {roles.a(self.what)} (`{roles.command_for(self.what)}`), "
+                        f"it requires TLS (give tls_cert, tls_key and tls_ca), or it is "
+                        f"shutting down")
             self._fail(ConnectionLost(why))
         self._fail(connection_lost_error(self.address, exc))
         self.transport = None

@@ -64,6 +64,10 @@ def _listener_metrics(m: Any, prefix: str, peers: str, r: CollectorRegistry) -> 
         f"{prefix}_unauthenticated_evicted",
         "Connections that had not finished the handshake, closed to make room for a new "
         "one (the per-listener cap on them)", namespace=ns, registry=r)
+    m.tls_refused = Counter(
+        f"{prefix}_tls_refused",
+        "Connections refused at the TLS handshake (no certificate, one the cluster's CA did "
+        "not sign, or no TLS at all)", namespace=ns, registry=r)
     m.backpressure = Counter(
         f"{prefix}_backpressure",
         f"Times a connection's requests were held because the answers queued for a "

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import math
 import signal
+import ssl
 import time
 from typing import Any
 
@@ -30,6 +31,7 @@ from ..wire.protocol import (
     default_allocate,
 )
 from ..wire.roles import unexpected
+from .tls import add_tls_arguments
 
 # Before a peer has authenticated, it may not make us allocate more than this.
 UNAUTHENTICATED_MAX_FRAME = 1 << 16
@@ -43,6 +45,7 @@ def add_listener_arguments(p: argparse.ArgumentParser, peers: str) -> None:
     p.add_argument("--token-file", required=True, metavar="PATH",
                    help="file holding the job's secret token")
     add_handshake_timeout(p, peers)
+    add_tls_arguments(p, peers)
 
 
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
@@ -199,7 +202,12 @@ class Endpoint:
     """A TCP listener whose peers must prove they hold the job's token.
 
     `metrics` needs: received_bytes, sent_bytes, connected_clients,
-    auth_failures, protocol_errors, unauthenticated_refused, backpressure.
+    auth_failures, protocol_errors, unauthenticated_refused, backpressure,
+    tls_refused.
+
+    With `tls` (a server context, `transport.tls.server_context`), every
+    connection does a mutual TLS handshake before the job-token one, within
+    the same handshake timeout and counted among the unauthenticated ones.
 
     Limits (issue 33): at most `max_unauthenticated` connections that have
     not finished the handshake (a new one closes the oldest); and per
@@ -213,8 +221,10 @@ class Endpoint:
 
     def __init__(self, *, job: str, token: bytes, metrics: Any,
                  handshake_timeout: float = 10.0, max_frame_size: int = 1 << 20,
-                 max_unauthenticated: int = MAX_UNAUTHENTICATED) -> None:
+                 max_unauthenticated: int = MAX_UNAUTHENTICATED,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.job = job
+        self.tls = tls
         self.token = auth.as_token(token)
         self.metrics = metrics
         self.handshake_timeout = handshake_timeout
@@ -267,6 +277,40 @@ class Endpoint:
             await self._server.wait_closed()
 
 
+def _feed(raw: Any, data: bytes) -> None:
+    """Give `data`, read from `raw` before start_tls took it over, to the TLS
+    layer now reading it (a BufferedProtocol, in asyncio and uvloop alike)."""
+    proto = raw.get_protocol()
+    view = memoryview(data)
+    while view and not raw.is_closing():
+        buf = proto.get_buffer(len(view))
+        n = min(len(buf), len(view))
+        buf[:n] = view[:n]
+        proto.buffer_updated(n)
+        view = view[n:]
+
+
+def tls_failure(exc: BaseException) -> str:
+    """Why a TLS handshake failed, in a few words (the OpenSSL reason, e.g.
+    "PEER_DID_NOT_RETURN_A_CERTIFICATE", "CERTIFICATE_VERIFY_FAILED",
+    "WRONG_VERSION_NUMBER" for a peer not speaking TLS)."""
+    reason = getattr(exc, "reason", None)
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"certificate not accepted: {exc.verify_message}"
+    if reason:
+        hint = {"PEER_DID_NOT_RETURN_A_CERTIFICATE": "the peer presented no certificate",
+                "WRONG_VERSION_NUMBER": "the peer does not speak TLS",
+                "HTTP_REQUEST": "the peer does not speak TLS (HTTP)",
+                "TLSV1_ALERT_UNKNOWN_CA": "the peer does not accept our CA",
+                "SSLV3_ALERT_BAD_CERTIFICATE": "the peer rejected our certificate",
+                "TLSV13_ALERT_CERTIFICATE_REQUIRED": "the peer wants a certificate"}.get(reason)
+        return f"{hint} ({reason})" if hint else str(reason)
+    if isinstance(exc, ConnectionError):
+        return ("the peer closed the connection during it (it did not accept this side's "
+                "certificate, or gave up)")
+    return str(exc) or type(exc).__name__
+
+
 class EndpointProtocol(asyncio.BufferedProtocol):
     """One accepted connection: handshake, then `handle(event)` per event."""
 
@@ -282,6 +326,14 @@ class EndpointProtocol(asyncio.BufferedProtocol):
         self.last_read = 0  # bytes of the latest read: large means data is backed up
         self.closing = False
         self._held = False  # requests wait for the answers queued to drain
+        self._tls_pending: asyncio.Task[None] | None = None  # the TLS handshake, under way
+        # Bytes read before start_tls took the socket over (uvloop undoes a
+        # pause_reading made in connection_made and may read the start of
+        # the peer's ClientHello): given to the TLS layer once it is in place.
+        # None once it is.
+        self._early: bytearray | None = None
+        self._scratch = bytearray()
+        self._lost = False
 
     # The events this listener's role takes once the peer is in (wire.roles).
     accepts: tuple[type, ...] = ()
@@ -333,14 +385,72 @@ class EndpointProtocol(asyncio.BufferedProtocol):
         self.endpoint.connections.add(self)
         loop = asyncio.get_running_loop()
         self._timer = loop.call_later(self.endpoint.handshake_timeout, self._handshake_timeout)
+        if ep.tls is not None:
+            # TLS is started here rather than by create_server(ssl=...): a
+            # failed TLS handshake then reaches us (asyncio drops it silently
+            # before the protocol sees the connection) to be counted and
+            # logged, and a connection in its TLS handshake is held to the
+            # handshake timeout and the cap on unauthenticated ones like any.
+            transport.pause_reading()  # until start_tls takes over the socket
+            self._early = bytearray()
+            self._tls_pending = loop.create_task(self._start_tls(transport, ep.tls))
+
+    async def _start_tls(self, raw: Any, ctx: ssl.SSLContext) -> None:
+        """The TLS handshake on `raw`; this protocol then reads and writes
+        through the secured transport. A failure is a refusal."""
+        ep = self.endpoint
+        loop = asyncio.get_running_loop()
+        raw.pause_reading()  # sticks now (past connection_made): `_early` is complete
+        handshake = loop.create_task(loop.start_tls(raw, self, ctx, server_side=True))
+        try:
+            # One turn: start_tls has swapped its protocol in and scheduled its
+            # connection_made and resume_reading; the early bytes go right
+            # after those, in the same turn, before any read can come.
+            await asyncio.sleep(0)
+            early, self._early = bytes(self._early or b""), None
+            if early:
+                loop.call_soon(_feed, raw, early)
+            secured = await handshake
+        except Exception as exc:  # SSLError, ConnectionError, the transport closed by us
+            if not self.closing:  # else evicted or timed out: said so already
+                ep.metrics.tls_refused.inc()
+                ep.refusals.warning("refused %s: TLS handshake failed: %s", self.peer,
+                                    tls_failure(exc))
+            raw.abort()
+            self._tls_pending = None
+            # The TLS layer does not tell a protocol of a connection lost
+            # before its handshake: the bookkeeping is done here.
+            self.connection_lost(None)
+            return
+        self._tls_pending = None
+        if secured is None or self.closing or self._lost:
+            (secured or raw).abort()
+            return
+        self.transport = secured
+        self._process()  # what the peer sent with the end of the TLS handshake
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self._early is not None:  # raw bytes, before TLS: not for the frame parser
+            if len(self._scratch) < max(sizehint, 1 << 12):
+                self._scratch = bytearray(max(sizehint, 1 << 12))
+            return memoryview(self._scratch)
         return self.conn.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._early is not None:
+            self._early += self._scratch[:nbytes]
+            if self.transport is not None:
+                self.transport.pause_reading()
+                if len(self._early) > UNAUTHENTICATED_MAX_FRAME:  # a ClientHello is small
+                    self.evict()
+            return
         self.last_read = nbytes
         self.conn.buffer_updated(nbytes)
         self.endpoint.metrics.received_bytes.inc(nbytes)
+        if self._tls_pending is not None:
+            # Sent with the end of the TLS handshake, before start_tls has
+            # returned the transport to answer on: handled once it has.
+            return
         self._process()
 
     def _process(self) -> None:
@@ -383,6 +493,9 @@ class EndpointProtocol(asyncio.BufferedProtocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._lost:
+            return
+        self._lost = True
         self._uncount()
         if self.stage == "ready":
             self.endpoint.metrics.connected_clients.dec()
@@ -444,6 +557,14 @@ class EndpointProtocol(asyncio.BufferedProtocol):
         self.refuse("protocol", message)
 
     def _handshake_timeout(self) -> None:
+        if self._tls_pending is not None and self.transport is not None:
+            # No frame can be sent before TLS is up: the connection is just closed.
+            self.endpoint.refusals.warning("closing connection from %s: no TLS handshake "
+                                           "within %.1f s", self.peer,
+                                           self.endpoint.handshake_timeout)
+            self.closing = True
+            self.transport.abort()
+            return
         if self.stage != "ready" and self.transport is not None:
             self.endpoint.refusals.warning("closing connection from %s: no handshake within "
                                            "%.1f s", self.peer, self.endpoint.handshake_timeout)
