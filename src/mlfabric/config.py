@@ -39,6 +39,7 @@ from .errors import (
     ConnectError,
     MlfabricError,
     ProtocolError,
+    TLSError,
     WrongPeer,
 )
 
@@ -135,6 +136,13 @@ SETTINGS: tuple[Setting, ...] = (
             "pull the newest model every N steps; 0: only when asked (default: 1)", minimum=0),
     Setting("max_in_flight", "int", 1,
             "pushes whose outcome a worker may await at once (default: 1)", minimum=1),
+    Setting("tls_cert", "path", None,
+            "this worker's TLS certificate (PEM); with tls_key and tls_ca, every link is "
+            "mutual TLS (default: none, plain TCP)"),
+    Setting("tls_key", "path", None, "the private key of tls_cert (PEM)"),
+    Setting("tls_ca", "path", None,
+            "the cluster CA's certificate (PEM): listeners must present a certificate it "
+            "signed, naming the host dialled"),
 )
 
 _BY_NAME = {s.name: s for s in SETTINGS}
@@ -163,6 +171,9 @@ class Settings:
     host: str | None = None
     pull_every: int = 1
     max_in_flight: int = 1
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def source(self, name: str) -> str:
@@ -469,11 +480,19 @@ def connect(settings: Settings, *, launch: Launch | None = None, **extra: Any) -
             controller_fallback=settings.controller_fallback,
             controller_timeout=settings.controller_timeout, replica=settings.replica,
             replica_timeout=settings.replica_timeout, push_timeout=settings.push_timeout,
-            agent=settings.agent, agent_key_file=settings.agent_key_file, **extra,
+            agent=settings.agent, agent_key_file=settings.agent_key_file,
+            tls_cert=settings.tls_cert, tls_key=settings.tls_key, tls_ca=settings.tls_ca,
+            **extra,
         )
+    except TLSError as exc:
+        raise ConfigError(f"{exc} ({_tls_sources(settings)})") from None
     except WrongPeer as exc:
         # The address answers as another kind of process: name the setting that holds it.
         raise ConfigError(f"{exc} ({settings.where(_holding(settings, exc.address))})") from None
+    except ConfigError as exc:
+        if "tls_" in str(exc):  # a TLS file missing, unreadable, or not matching
+            raise ConfigError(f"{exc} ({_tls_sources(settings)})") from None
+        raise
     except ConnectError as exc:
         which = "controller" if "controller" in str(exc) else "server"
         raise _unreachable(settings, which, exc) from None
@@ -488,6 +507,11 @@ def connect(settings: Settings, *, launch: Launch | None = None, **extra: Any) -
             f"mlfabric's protocol ({exc}); give the address `mlfabric server` printed, "
             f"not e.g. its metrics port"
         ) from None
+
+
+def _tls_sources(settings: Settings) -> str:
+    return ", ".join(f"setting {n} from {settings.source(n)}"
+                     for n in ("tls_cert", "tls_key", "tls_ca"))
 
 
 def _holding(settings: Settings, address: str) -> str:

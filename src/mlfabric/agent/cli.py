@@ -20,12 +20,15 @@ import logging
 import math
 import signal
 import socket
+import ssl
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..transport import tls
 from ..transport.listener import add_handshake_timeout, add_metrics_arguments, handshake_timeout
+from ..transport.tls import add_tls_arguments
 from ..wire import auth
 from .daemon import (
     Agent,
@@ -101,6 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", metavar="PATH",
                    help="the job's token file (with --aggregate)")
     add_handshake_timeout(p, "the aggregator's peers (with --aggregate)")
+    add_tls_arguments(p, "with --aggregate, the aggregator's peers")
     # None: not given (the agent's own port has no handshake; the flag needs --aggregate)
     p.set_defaults(handshake_timeout=None)
     p.add_argument("--group-timeout", type=float, metavar="SECONDS",
@@ -155,6 +159,7 @@ class AggregateConfig:
     token: bytes
     group_timeout: float
     handshake_timeout: float = 10.0
+    tls: ssl.SSLContext | None = None  # the aggregator listener's (--tls-*)
 
 
 def build_aggregate(args: argparse.Namespace, file: dict[str, Any]) -> AggregateConfig | None:
@@ -163,6 +168,10 @@ def build_aggregate(args: argparse.Namespace, file: dict[str, Any]) -> Aggregate
     token_file = args.token_file or file.get("token_file")
     timeout = _pick(args.group_timeout, file, "group_timeout", 2.0)
     if address is None:
+        if args.tls_cert or args.tls_key or args.tls_ca:
+            raise ConfigError("--tls-cert, --tls-key and --tls-ca are for the aggregator's "
+                              "listener (the agent's own port is not TLS): give "
+                              "--aggregate HOST:PORT too, or drop them")
         if (job is not None or token_file is not None or args.group_timeout is not None
                 or args.handshake_timeout is not None):
             raise ConfigError("--job, --token-file, --group-timeout and --handshake-timeout "
@@ -178,8 +187,11 @@ def build_aggregate(args: argparse.Namespace, file: dict[str, Any]) -> Aggregate
                           f"server with the job's token)")
     if not _is_number(timeout) or not 0 < timeout < math.inf:
         raise ConfigError(f"group timeout must be a positive number of seconds, got {timeout!r}")
+    # The client context is also this process's: the aggregates go to the
+    # server over TLS too.
+    secured = tls.from_args(args)
     return AggregateConfig(host, port, str(job), auth.load_token(token_file), float(timeout),
-                           handshake_timeout(args))
+                           handshake_timeout(args), None if secured is None else secured[0])
 
 
 def build_config(args: argparse.Namespace, aggregate: AggregateConfig | None = None
@@ -282,6 +294,8 @@ async def serve(config: AgentConfig, metrics_port: int | None = None,
         job=aggregate.job, token=aggregate.token, group_timeout=aggregate.group_timeout,
         metrics=AggregatorMetrics(metrics.registry), name=config.name,
         handshake_timeout=aggregate.handshake_timeout)
+    if aggregator is not None and aggregate is not None:
+        aggregator.tls = aggregate.tls
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -300,7 +314,8 @@ async def serve(config: AgentConfig, metrics_port: int | None = None,
             except OSError as exc:
                 raise ConfigError(f"cannot listen on --aggregate {aggregate.host}:"
                                   f"{aggregate.port}: {exc.strerror or exc}") from None
-            extra = f"; aggregating job {aggregate.job!r} on {host}:{port}"
+            extra = (f"; aggregating job {aggregate.job!r} on {host}:{port}"
+                     f"{tls.describe(aggregate.tls)}")
         print(f"mlfabric agent {config.name} ready on {config.host}:{agent.port}{where}{extra}",
               flush=True)
         await stop.wait()

@@ -54,6 +54,9 @@ def connect(
     replica_backlog: int = 64,
     replica_timeout: float = 10.0,
     push_timeout: float | None = DEFAULT_PUSH_TIMEOUT,
+    tls_cert: str | os.PathLike[str] | None = None,
+    tls_key: str | os.PathLike[str] | None = None,
+    tls_ca: str | os.PathLike[str] | None = None,
 ) -> Client:
     """Connect to the parameter server at `address` ("HOST:PORT") for `job`.
 
@@ -100,6 +103,14 @@ def connect(
     with PushTimeout (not sent); one the server has not answered fails with
     PushTimeout too (applied or not, unknown: pull() to see).
 
+    With `tls_cert`, `tls_key` and `tls_ca` (PEM files: this worker's
+    certificate, its key, and the cluster's CA; all three or none), every
+    link the client opens is mutual TLS: the listener must present a
+    certificate the CA signed that names the host dialled, and is shown
+    `tls_cert` in turn (`mlfabric tls init` makes them). The job's token is
+    still checked inside it. A refusal on either side raises TLSError or
+    ConnectionLost saying which side did not accept what.
+
     The asyncio client, `await mlfabric.aio.connect(...)`, takes the same
     arguments and behaves the same: this client runs it on a thread.
     """
@@ -112,7 +123,7 @@ def connect(
             agent=agent, agent_key_file=agent_key_file, replica=replica,
             failover_timeout=failover_timeout,
             replica_backlog=replica_backlog, replica_timeout=replica_timeout,
-            push_timeout=push_timeout))
+            push_timeout=push_timeout, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca))
     except BaseException:
         runner.stop()
         raise

@@ -16,6 +16,7 @@ from ..runtime import loop
 from ..runtime.metrics import ControllerMetrics, serve_metrics
 from ..scheduling.aggregation import AggregationConfig
 from ..scheduling.plan import POLICIES, Network, Policy, fifo_policy
+from ..transport import tls
 from ..transport.listener import (
     add_listener_arguments,
     add_metrics_arguments,
@@ -211,6 +212,9 @@ def run(args: argparse.Namespace) -> int:
     job_name(args.job)
     network = parse_links(args.link, args.default_link_mbit)
     shake = handshake_timeout(args)
+    # The client context is also this process's: the failover monitor's
+    # heartbeats to the servers and replicas go over TLS too.
+    secured = tls.from_args(args)
     agents = parse_agents(args.agent)
     agent_key = None
     if agents:
@@ -277,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
                                 gate=gate, aggregators=aggregators,
                                 aggregation=aggregation)
         controller.state.chunks = args.chunks
+        controller.tls = None if secured is None else secured[0]
         stopped = stop_on_signals()  # before the "serving" line: see stop_on_signals
         bound = await listen(controller, host, port, args.listen)
         if agents:
@@ -290,6 +295,7 @@ def run(args: argparse.Namespace) -> int:
               f"(policy {args.policy}, tau_max {tau_max}"
               f"{'' if gate is None else f', div_max {gate.div_max}'}"
               f"{f', {len(aggregators)} aggregators' if aggregators else ''}"
+              f"{tls.describe(controller.tls)}"
               f"{'' if metrics_url is None else f', metrics {metrics_url}'})", flush=True)
         await stopped.wait()
         await controller.close()

@@ -13,6 +13,7 @@ from ..errors import ConnectError, ConnectionLost, ProtocolError, WrongPeer
 from ..runtime import loop as loops
 from ..runtime.loop import within
 from ..transport.listener import check_positive
+from ..transport.tls import add_tls_arguments, from_args
 from ..wire import auth
 from ..wire.handshake import ClientHandshake
 from ..wire.protocol import Error, Status, StatusRequest
@@ -26,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="file holding the job's secret token")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait (default: 10)")
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    add_tls_arguments(p, "the controller (started with --tls-*)", listens=False)
 
 
 def fetch_status(address: str, job: str, token: bytes, timeout: float = 10.0) -> dict[str, Any]:
@@ -191,6 +193,7 @@ def format_status(s: dict[str, Any], address: str) -> str:
 def run(args: argparse.Namespace) -> int:
     timeout = check_positive("--timeout", args.timeout)
     token = auth.load_token(args.token_file)
+    from_args(args)  # the link to the controller is TLS with --tls-*
     status = fetch_status(args.controller, args.job, token, timeout)
     if args.json:
         print(json.dumps(status, indent=2))

@@ -23,6 +23,7 @@ from ..errors import ConfigError, ServerError
 from ..runtime import loop
 from ..runtime.loop import within
 from ..transport.listener import check_positive
+from ..transport.tls import add_tls_arguments, from_args
 from ..wire import auth
 from ..wire.handshake import ClientHandshake
 from ..wire.protocol import Error, Pong, Promote
@@ -43,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="file holding the job's secret token")
     p.add_argument("--timeout", type=float, default=10.0,
                    help="seconds to wait for the replica's answer (default: 10)")
+    add_tls_arguments(p, "the replica (started with --tls-*)", listens=False)
 
 
 async def promote(replica: str, *, job: str, token: bytes, server: str | None, force: bool,
@@ -79,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         parse_address(args.server)
     check_positive("--timeout", args.timeout)
     token = auth.load_token(args.token_file)
+    from_args(args)  # the link to the replica is TLS with --tls-*
     try:
         version = loop.run(promote(args.replica, job=args.job, token=token, server=args.server,
                                    force=args.force, timeout=args.timeout))

@@ -26,6 +26,7 @@ from ..replication.replica import (
 from ..runtime import loop
 from ..runtime.metrics import ServerMetrics, serve_metrics
 from ..sharding.partition import DEFAULT_CHUNK_BYTES, partition
+from ..transport import tls
 from ..transport.listener import (
     add_listener_arguments,
     add_metrics_arguments,
@@ -333,6 +334,9 @@ def check_numbers(args: argparse.Namespace) -> None:
 def run_server(args: argparse.Namespace) -> int:
     host, port = parse_address(args.listen)
     shake = handshake_timeout(args)  # settings first: before a model is loaded
+    # TLS files checked before the model is loaded; the client context is
+    # also this process's, for the links it opens (replica, chain, sampler).
+    secured = tls.from_args(args)
     check_numbers(args)
     token = auth.load_token(args.token_file)
     if not auth.token_file_is_private(args.token_file):
@@ -391,6 +395,7 @@ def run_server(args: argparse.Namespace) -> int:
         else:
             server = ParameterServer(store, job=args.job, token=token, metrics=metrics,
                                      handshake_timeout=shake)
+        server.tls = None if secured is None else secured[0]
         if args.replicate_to is not None:
             server.chain = await ChainLink.connect(args.replicate_to, job=args.job, token=token,
                                                    store=store, metrics=metrics)
@@ -411,6 +416,7 @@ def run_server(args: argparse.Namespace) -> int:
             f"mlfabric {args.role}: serving job {args.job!r} on {bound[0]}:{bound[1]} "
             f"({part}{len(store.specs)} tensors, {store.nbytes} bytes, version "
             f"{store.version}, tau_max {'none' if tau_max is None else tau_max}"
+            f"{tls.describe(server.tls)}"
             f"{'' if metrics_url is None else f', metrics {metrics_url}'})",
             flush=True,
         )

@@ -135,11 +135,15 @@ def process_client_context() -> ssl.SSLContext | None:
 # -- command-line flags -------------------------------------------------------------
 
 
-def add_tls_arguments(p: argparse.ArgumentParser, peers: str) -> None:
-    """--tls-cert, --tls-key, --tls-ca: all three turn on mutual TLS."""
+def add_tls_arguments(p: argparse.ArgumentParser, peers: str, *, listens: bool = True
+                      ) -> None:
+    """--tls-cert, --tls-key, --tls-ca: all three turn on mutual TLS (on a
+    listener, `peers` are who connects; else, who is dialled)."""
+    what = (f"{peers} must connect over mutual TLS" if listens
+            else f"the link to {peers} is mutual TLS")
     p.add_argument("--tls-cert", default=None, metavar="FILE",
                    help=f"this process's TLS certificate (PEM); with --tls-key and --tls-ca, "
-                        f"{peers} must connect over mutual TLS (default: plain TCP)")
+                        f"{what} (default: plain TCP)")
     p.add_argument("--tls-key", default=None, metavar="FILE",
                    help="the private key of --tls-cert (PEM)")
     p.add_argument("--tls-ca", default=None, metavar="FILE",
