@@ -1,0 +1,398 @@
+"""Mutual TLS (issue 33): certificates from `mlfabric tls init`, a TLS server
+and client that push and pull exactly, and every peer that must be refused
+at the TLS handshake (no certificate, another CA's, none at all, a server
+certificate that does not name the host) refused with a clear error on the
+client's side and counted and logged on the listener's. The job token is
+still checked inside TLS. On asyncio's loop and on uvloop."""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import stat
+import subprocess
+
+import numpy as np
+import pytest
+
+import mlfabric
+from mlfabric import config
+from mlfabric.client import aio
+from mlfabric.errors import AuthenticationError, ConfigError, ConnectionLost, TLSError
+from mlfabric.server.store import ParameterStore
+from mlfabric.tools import tls_cli
+from mlfabric.transport import tls
+
+from support import (
+    JOB,
+    TOKEN,
+    WRONG_TOKEN,
+    Reference,
+    ServerThread,
+    assert_model_equal,
+    make_model,
+    random_update,
+    wait_until,
+)
+from test_cli import Server, mlfabric_cmd
+
+
+def tls_init(directory, *hosts: str, force: bool = False) -> subprocess.CompletedProcess:
+    argv = ["tls", "init", str(directory)]
+    for h in hosts:
+        argv += ["--host", h]
+    return subprocess.run(mlfabric_cmd(*argv, *(["--force"] if force else [])),
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    """The cluster's CA and certificates, made by the command itself; and
+    another cluster's, whose CA ours does not trust."""
+    ours = tmp_path_factory.mktemp("certs")
+    done = tls_init(ours, "server,127.0.0.1,localhost", "worker", "elsewhere")
+    assert done.returncode == 0, done.stderr
+    theirs = tmp_path_factory.mktemp("other-certs")
+    done = tls_init(theirs, "server,127.0.0.1", "worker")
+    assert done.returncode == 0, done.stderr
+    return ours, theirs
+
+
+def files(directory, name: str, ca_dir=None) -> tls.TLSFiles:
+    found = tls.files(directory / f"{name}.pem", directory / f"{name}.key",
+                      (ca_dir or directory) / "ca.pem")
+    assert found is not None
+    return found
+
+
+def client_args(directory, name: str = "worker", ca_dir=None) -> dict[str, str]:
+    f = files(directory, name, ca_dir)
+    return {"tls_cert": f.cert, "tls_key": f.key, "tls_ca": f.ca}
+
+
+@pytest.fixture
+def tls_server(certs, loop_kind):
+    """A ParameterServer over TLS (certificate `server`, naming 127.0.0.1)."""
+    ours, _ = certs
+    st = ServerThread(ParameterStore(make_model()), loop_kind=loop_kind)
+    st.server.tls = tls.server_context(files(ours, "server"))
+    with st:
+        yield st
+
+
+# -- mlfabric tls init ------------------------------------------------------------------
+
+
+def test_init_writes_a_ca_and_certificates_for_both_ends(certs) -> None:
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    ours, _ = certs
+    for name in ("ca", "server", "worker", "elsewhere"):
+        assert stat.S_IMODE((ours / f"{name}.key").stat().st_mode) == 0o600, name
+    cert = x509.load_pem_x509_certificate((ours / "server.pem").read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["server", "localhost"]
+    assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert set(eku) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
+    ca = x509.load_pem_x509_certificate((ours / "ca.pem").read_bytes())
+    cert.verify_directly_issued_by(ca)
+
+
+def test_init_keeps_existing_files_unless_forced(tmp_path) -> None:
+    assert tls_init(tmp_path, "a").returncode == 0
+    before = (tmp_path / "ca.pem").read_bytes()
+    kept = tls_init(tmp_path, "a")
+    assert kept.returncode == 2
+    assert kept.stderr.strip() == (
+        f"mlfabric tls: error: {tmp_path}/ca.pem, {tmp_path}/ca.key, {tmp_path}/a.pem, "
+        f"{tmp_path}/a.key already exist: give --force to replace them (certificates made "
+        f"with the old CA then stop working)")
+    assert (tmp_path / "ca.pem").read_bytes() == before
+    assert tls_init(tmp_path, "a", force=True).returncode == 0
+    assert (tmp_path / "ca.pem").read_bytes() != before
+
+
+@pytest.mark.parametrize("host, message", [
+    ("a,,b", "--host 'a,,b' has an empty name: give NAME or NAME,ALT,... (host names or IP "
+             "addresses)"),
+    ("../x", "--host '../x': '../x' cannot name a file; start with a name of letters, digits, "
+             "'.', '-' or '_'"),
+    ("ca", "--host 'ca': 'ca' is the CA's file name; name the host otherwise"),
+])
+def test_init_refuses_bad_host_names(tmp_path, host: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        tls_cli.init(tmp_path, [host])
+    assert str(info.value) == message
+
+
+# -- the contexts: all three files or none, each checked -------------------------------
+
+
+def test_some_but_not_all_files_is_an_error(certs) -> None:
+    ours, _ = certs
+    with pytest.raises(ConfigError) as info:
+        tls.files(ours / "server.pem", None, ours / "ca.pem")
+    assert str(info.value) == ("TLS needs all three of --tls-cert, --tls-key, --tls-ca: "
+                               "--tls-cert, --tls-ca given without --tls-key; give all three, "
+                               "or none for plain TCP")
+    assert tls.files(None, None, None) is None
+
+
+def test_missing_and_non_pem_files_are_named(certs, tmp_path) -> None:
+    ours, _ = certs
+    with pytest.raises(ConfigError) as info:
+        tls.files(tmp_path / "nope.pem", ours / "server.key", ours / "ca.pem", tls.SETTINGS)
+    assert str(info.value) == (f"tls_cert file '{tmp_path}/nope.pem' does not exist: give the "
+                               f"path of a PEM file (`mlfabric tls init DIR` makes them)")
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    with pytest.raises(ConfigError) as info:
+        tls.files(ours / "server.pem", ours / "server.key", junk)
+    assert str(info.value) == (f"--tls-ca file '{junk}' is not a PEM file (no '-----BEGIN' "
+                               f"line): give the PEM certificate or key")
+
+
+def test_a_key_of_another_certificate_is_refused(certs) -> None:
+    ours, _ = certs
+    mixed = tls.files(ours / "server.pem", ours / "worker.key", ours / "ca.pem")
+    assert mixed is not None
+    with pytest.raises(ConfigError) as info:
+        tls.server_context(mixed)
+    assert str(info.value) == (f"cannot use --tls-cert '{ours}/server.pem' with --tls-key "
+                               f"'{ours}/worker.key': the key does not belong to the "
+                               f"certificate; give the certificate and the key made with it")
+
+
+def test_contexts_are_mutual_and_tls12_or_later(certs) -> None:
+    ours, _ = certs
+    for ctx in (tls.server_context(files(ours, "server")),
+                tls.client_context(files(ours, "worker"))):
+        assert ctx.verify_mode == ssl.CERT_REQUIRED
+        assert ctx.minimum_version == ssl.TLSVersion.TLSv1_2
+    assert tls.client_context(files(ours, "worker")).check_hostname
+
+
+# -- a TLS server and its clients --------------------------------------------------------
+
+
+def test_push_and_pull_exactly_over_tls(certs, tls_server, run_async) -> None:
+    ours, _ = certs
+    model = make_model()
+    ref = Reference(model, gamma=0.0)
+
+    async def main():
+        async with await aio.connect(tls_server.address, job=JOB, token=TOKEN, timeout=5,
+                                     **client_args(ours)) as c:
+            assert c._proto.transport.get_extra_info("ssl_object").version() == "TLSv1.3"
+            version, got = await c.pull()
+            assert_model_equal(got, model)
+            for step in range(3):
+                u = random_update(model, seed=step)
+                ref.apply(u)
+                outcome = await c.push(u, base_version=version + step)
+                assert outcome.applied
+            _, got = await c.pull()
+            assert_model_equal(got, ref.w)
+
+    run_async(main())
+    assert tls_server.metrics.tls_refused._value.get() == 0
+
+
+def test_large_model_over_tls(certs, loop_kind, run_async) -> None:
+    """16 MiB each way: many TLS records per frame, on both loops."""
+    ours, _ = certs
+    model = make_model(2, {"w": (4096, 1024)})
+    st = ServerThread(ParameterStore(model), loop_kind=loop_kind)
+    st.server.tls = tls.server_context(files(ours, "server"))
+    u = {"w": np.full((4096, 1024), 0.5, dtype=np.float32)}
+
+    async def main():
+        async with await aio.connect(st.address, job=JOB, token=TOKEN, timeout=10,
+                                     **client_args(ours)) as c:
+            version, _ = await c.pull()
+            assert (await c.push(u, base_version=version)).applied
+            _, got = await c.pull()
+            assert np.array_equal(got["w"], model["w"] + u["w"])
+
+    with st:
+        run_async(main(), timeout=60)
+
+
+def refused_on_server(st, caplog, reason: str) -> None:
+    wait_until(lambda: st.metrics.tls_refused._value.get() == 1, 5,
+               "the refusal counted by the server")
+    assert reason in caplog.text, caplog.text
+
+
+def test_a_client_without_a_certificate_is_refused(certs, tls_server, run_async,
+                                                   caplog) -> None:
+    from mlfabric.client.link import open_link
+    from mlfabric.wire.handshake import ClientHandshake
+
+    ours, _ = certs
+    # It trusts the server's CA, but has no certificate of its own to show.
+    bare = ssl.create_default_context(cafile=str(ours / "ca.pem"))
+
+    async def main():
+        with pytest.raises(ConnectionLost) as info:
+            await open_link(tls_server.address, ClientHandshake(JOB, TOKEN, "bare"), 5,
+                            "parameter server", tls=bare)
+        assert str(info.value) == (
+            f"the parameter server at {tls_server.address} closed the connection right after "
+            f"the TLS handshake: it did not accept this client's certificate (not signed by "
+            f"its --tls-ca; its log says why), or it is shutting down; give tls_cert and "
+            f"tls_key signed by the cluster's CA")
+
+    with caplog.at_level(logging.WARNING, logger="mlfabric.server"):
+        run_async(main())
+        refused_on_server(tls_server, caplog, "TLS handshake failed: the peer presented no "
+                                              "certificate (PEER_DID_NOT_RETURN_A_CERTIFICATE)")
+
+
+def test_a_certificate_of_another_ca_is_refused(certs, tls_server, run_async,
+                                                caplog) -> None:
+    ours, theirs = certs
+
+    async def main():
+        # Their worker's certificate, though it trusts our CA.
+        with pytest.raises(ConnectionLost, match="did not accept this client's certificate"):
+            await aio.connect(tls_server.address, job=JOB, token=TOKEN, timeout=5,
+                              **client_args(theirs, ca_dir=ours))
+
+    with caplog.at_level(logging.WARNING, logger="mlfabric.server"):
+        run_async(main())
+        refused_on_server(tls_server, caplog, "TLS handshake failed: certificate not accepted: "
+                                              "unable to get local issuer certificate")
+
+
+def test_a_plain_client_is_refused(tls_server, run_async, caplog) -> None:
+    async def main():
+        with pytest.raises(ConnectionLost) as info:
+            await aio.connect(tls_server.address, job=JOB, token=TOKEN, timeout=5)
+        assert "it requires TLS (give tls_cert, tls_key and tls_ca)" in str(info.value)
+
+    with caplog.at_level(logging.WARNING, logger="mlfabric.server"):
+        run_async(main())
+        refused_on_server(tls_server, caplog, "TLS handshake failed: the peer does not speak "
+                                              "TLS (WRONG_VERSION_NUMBER)")
+
+
+def test_the_client_refuses_a_server_of_another_ca(certs, tls_server, run_async) -> None:
+    ours, theirs = certs
+
+    async def main():
+        with pytest.raises(TLSError) as info:
+            await aio.connect(tls_server.address, job=JOB, token=TOKEN, timeout=5,
+                              **client_args(ours, ca_dir=theirs))
+        assert str(info.value) == (
+            f"the parameter server at {tls_server.address} presented a certificate this "
+            f"client does not accept: self-signed certificate in certificate chain; it must be "
+            f"signed by the CA in tls_ca and name the host dialled (`mlfabric tls init --host`)")
+
+    run_async(main())
+
+
+def test_the_client_checks_the_server_certificate_names_the_host(certs, loop_kind,
+                                                                 run_async) -> None:
+    ours, _ = certs
+    st = ServerThread(ParameterStore(make_model()), loop_kind=loop_kind)
+    # Signed by our CA, but names only "elsewhere": not 127.0.0.1, the host dialled.
+    st.server.tls = tls.server_context(files(ours, "elsewhere"))
+
+    async def main():
+        with pytest.raises(TLSError, match="presented a certificate this client does not "
+                                           "accept: IP address mismatch"):
+            await aio.connect(st.address, job=JOB, token=TOKEN, timeout=5,
+                              **client_args(ours))
+
+    with st:
+        run_async(main())
+
+
+def test_a_tls_client_of_a_plain_server_is_told(certs, loop_kind, run_async) -> None:
+    ours, _ = certs
+
+    async def main():
+        with pytest.raises(TLSError) as info:
+            await aio.connect(st.address, job=JOB, token=TOKEN, timeout=5, **client_args(ours))
+        assert str(info.value) == (
+            f"the parameter server at {st.address} does not use TLS (WRONG_VERSION_NUMBER): "
+            f"start `mlfabric server` with --tls-cert, --tls-key and --tls-ca, or connect "
+            f"without TLS settings")
+
+    with ServerThread(ParameterStore(make_model()), loop_kind=loop_kind) as st:
+        run_async(main())
+
+
+def test_the_job_token_is_still_checked_inside_tls(certs, tls_server, run_async) -> None:
+    ours, _ = certs
+
+    async def main():
+        with pytest.raises(AuthenticationError):
+            await aio.connect(tls_server.address, job=JOB, token=WRONG_TOKEN, timeout=5,
+                              **client_args(ours))
+
+    run_async(main())
+    assert tls_server.metrics.auth_failures._value.get() == 1
+    assert tls_server.metrics.tls_refused._value.get() == 0
+
+
+# -- settings and commands -----------------------------------------------------------------
+
+
+def test_tls_settings_come_from_the_environment(certs, tmp_path) -> None:
+    ours, _ = certs
+    env = {"MLFABRIC_TLS_CERT": str(ours / "worker.pem"),
+           "MLFABRIC_TLS_KEY": str(ours / "worker.key"),
+           "MLFABRIC_TLS_CA": str(ours / "ca.pem")}
+    s = config.resolve(environ=env)
+    assert (s.tls_cert, s.tls_key, s.tls_ca) == tuple(env.values())
+    assert s.source("tls_ca") == "MLFABRIC_TLS_CA"
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'tls_cert = "{ours}/worker.pem"\n')
+    token = tmp_path / "t"
+    token.write_bytes(TOKEN)
+    token.chmod(0o600)
+    half = config.resolve({"server": "127.0.0.1:1", "job": JOB, "token_file": str(token)},
+                          config_file=cfg, environ={})
+    with pytest.raises(ConfigError) as info:
+        config.connect(half)
+    assert str(info.value) == (
+        f"TLS needs all three of tls_cert, tls_key, tls_ca: tls_cert given without tls_key, "
+        f"tls_ca; give all three, or none for plain TCP (setting tls_cert from config file "
+        f"'{cfg}', setting tls_key from default, setting tls_ca from default)")
+
+
+def test_server_command_over_tls(certs, tmp_path) -> None:
+    """`mlfabric server --tls-*` says TLS is on, and mlfabric.connect with the
+    same settings from the environment's config pushes to it."""
+    ours, _ = certs
+    server = Server(tmp_path, "--tls-cert", str(ours / "server.pem"), "--tls-key",
+                    str(ours / "server.key"), "--tls-ca", str(ours / "ca.pem"))
+    try:
+        assert ", mutual TLS" in server.line
+        with mlfabric.connect(server.address, job=JOB, token=TOKEN, timeout=5,
+                              **client_args(ours)) as c:
+            version, model = c.pull()
+            assert c.push({n: np.ones_like(a) for n, a in model.items()},
+                          base_version=version).result(10).applied
+    finally:
+        code, _, err = server.stop()
+    assert code == 0, err
+
+
+def test_server_command_refuses_half_the_tls_flags(certs, tmp_path) -> None:
+    ours, _ = certs
+    token = tmp_path / "t"
+    token.write_bytes(TOKEN)
+    token.chmod(0o600)
+    done = subprocess.run(mlfabric_cmd("server", "--listen", "127.0.0.1:0", "--job", JOB,
+                                       "--token-file", str(token), "--tls-cert",
+                                       str(ours / "server.pem")),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "mlfabric server: error: TLS needs all three of --tls-cert, --tls-key, --tls-ca: "
+        "--tls-cert given without --tls-key, --tls-ca; give all three, or none for plain TCP")
