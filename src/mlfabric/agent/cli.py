@@ -104,7 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", metavar="PATH",
                    help="the job's token file (with --aggregate)")
     add_handshake_timeout(p, "the aggregator's peers (with --aggregate)")
-    add_tls_arguments(p, "with --aggregate, the aggregator's peers")
+    add_tls_arguments(p, "the aggregator's peers (with --aggregate)")
     # None: not given (the agent's own port has no handshake; the flag needs --aggregate)
     p.set_defaults(handshake_timeout=None)
     p.add_argument("--group-timeout", type=float, metavar="SECONDS",
