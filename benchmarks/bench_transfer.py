@@ -17,6 +17,12 @@ every repeat, and medians are compared as ratios:
     python benchmarks/bench_transfer.py [--mib 64] [--repeats 9] [--no-gloo]
         [--testbed MBIT]   # across two emulated hosts (root) instead of loopback
         [--before PATH]    # also the blocking client of another checkout, alternated
+        [--tls]            # instead: the large push without and with mutual TLS
+
+`--tls` measures what TLS costs: the large push, plain and over mutual TLS
+(certificates from `mlfabric tls init`), alternated round by round, with
+the throughput ratio TLS / plain and the CPU seconds per GB pushed of the
+server and of the worker process (`time.process_time`, all threads).
 
 `--before PATH` puts PATH first on the import path of extra client processes
 (the large pusher on both servers and the small blocking client), so a
@@ -128,8 +134,13 @@ def raw_pingpong_client(port: int, size: int, iters: int, ctl: Any, host: str = 
 # --- mlfabric --------------------------------------------------------------------
 
 
+def tls_files(tls_dir: str, name: str) -> dict[str, str]:
+    return {"tls_cert": f"{tls_dir}/{name}.pem", "tls_key": f"{tls_dir}/{name}.key",
+            "tls_ca": f"{tls_dir}/ca.pem"}
+
+
 def mlfabric_server(port: int, nbytes: int, momentum: float, overlap: bool, ctl: Any,
-                    host: str = HOST) -> None:
+                    host: str = HOST, tls_dir: str | None = None) -> None:
     import asyncio
 
     from mlfabric.runtime import loop as loops
@@ -142,7 +153,9 @@ def mlfabric_server(port: int, nbytes: int, momentum: float, overlap: bool, ctl:
         def handle_push(self, event, *rest):  # type: ignore[no-untyped-def]
             t_received = time.perf_counter()
             result = super().handle_push(event, *rest)
-            ctl.send((t_received, time.perf_counter()))
+            # CPU so far (all threads): the difference between two pushes is
+            # what receiving and applying one cost.
+            ctl.send((t_received, time.perf_counter(), time.process_time()))
             return result
 
     model = {"w": np.zeros(nbytes // 4, np.float32)}
@@ -151,6 +164,13 @@ def mlfabric_server(port: int, nbytes: int, momentum: float, overlap: bool, ctl:
     async def main() -> None:
         server = TimedServer(store, job=JOB, token=TOKEN,
                              stage_min_bytes=STAGE_MIN_BYTES if overlap else None)
+        if tls_dir is not None:
+            from mlfabric.transport import tls
+
+            f = tls_files(tls_dir, "server")
+            found = tls.files(f["tls_cert"], f["tls_key"], f["tls_ca"])
+            assert found is not None
+            server.tls = tls.server_context(found)
         await server.start(host, port)
         ctl.send("ready")
         await asyncio.get_running_loop().run_in_executor(None, ctl.recv)  # "stop"
@@ -168,21 +188,25 @@ def use_before(before: str | None) -> None:
         assert mlfabric.__file__.startswith(before), mlfabric.__file__
 
 
-def mlfabric_pusher(port: int, ctl: Any, host: str = HOST, before: str | None = None) -> None:
+def mlfabric_pusher(port: int, ctl: Any, host: str = HOST, before: str | None = None,
+                    tls_dir: str | None = None) -> None:
     use_before(before)
     import mlfabric
 
-    with mlfabric.connect(f"{host}:{port}", job=JOB, token=TOKEN) as ps:
+    secured = {} if tls_dir is None else tls_files(tls_dir, "worker")
+    with mlfabric.connect(f"{host}:{port}", job=JOB, token=TOKEN, **secured) as ps:
         version, params = ps.pull()
         update = {n: np.full_like(a, 1e-3) for n, a in params.items()}
         ctl.send("ready")
         while ctl.recv() == "go":
             t0 = time.perf_counter()
+            cpu0 = time.process_time()
             outcome = ps.push(update, base_version=version).result(60)
             t2 = time.perf_counter()
+            cpu = time.process_time() - cpu0
             assert outcome.applied, outcome
             version = outcome.version
-            ctl.send((t0, t2))
+            ctl.send((t0, t2, cpu))
 
 
 def mlfabric_small_client(port: int, iters: int, use_aio: bool, ctl: Any,
@@ -399,9 +423,11 @@ def main() -> int:
     ap.add_argument("--testbed", type=float, default=None, metavar="MBIT",
                     help="run across two emulated hosts joined by links shaped to MBIT "
                          "(needs root) instead of loopback")
+    ap.add_argument("--tls", action="store_true",
+                    help="only the large push, without and with mutual TLS (see above)")
     args = ap.parse_args()
 
-    gloo = not args.no_gloo
+    gloo = not args.no_gloo and not args.tls
     if gloo:
         try:
             import torch  # noqa: F401
@@ -427,6 +453,13 @@ def main() -> int:
         procs = Procs(ctx)
         gloo_if = {0: "lo", 1: "lo"}
         gloo_store = None
+    if args.tls:
+        try:
+            return tls_comparison(args, procs, where)
+        finally:
+            procs.stop()
+            if testbed is not None:
+                testbed.close()
     try:
         raw_port, gloo_port = free_port(), free_port()
         raw_rx = procs.start(raw_receiver, raw_port, nbytes, **where)
@@ -467,8 +500,8 @@ def main() -> int:
                 else:
                     srv, cli = mlf[system]
                     cli.send("go")
-                    t0, t2 = cli.recv()
-                    t_recv, t_applied = srv.recv()
+                    t0, t2, _ = cli.recv()
+                    t_recv, t_applied, _ = srv.recv()
                     sample = {f"{system}_received": t_recv - t0,
                               f"{system}_applied": t2 - t0,
                               f"{system}_after": t_applied - t_recv}
@@ -577,6 +610,68 @@ def main() -> int:
               f"{med(small['sync_before']) / med(small['sync']):5.2f}x   ({rt:.2f}x)   "
               f"{med(small['sync_before']) * 1e6:.1f} -> {med(small['sync']) * 1e6:.1f} us   "
               f">= 1.0 (no worse)")
+    return 0
+
+
+def tls_comparison(args: Any, procs: Procs, where: dict[str, Any]) -> int:
+    """The large push without and with mutual TLS, alternated round by round."""
+    import tempfile
+
+    from mlfabric.tools import tls_cli
+
+    nbytes = args.mib * MiB
+    tls_dir = tempfile.mkdtemp(prefix="mlfabric-bench-tls-")
+    server_names = ",".join(["server", "127.0.0.1", *([where["host"]] if where else [])])
+    tls_cli.init(tls_dir, [server_names, "worker"])
+    pairs: dict[str, tuple[Any, Any]] = {}
+    for name, secured in (("plain", None), ("tls", tls_dir)):
+        port = free_port()
+        srv = procs.start(mlfabric_server, port, nbytes, args.momentum, True, tls_dir=secured,
+                          **where)
+        pairs[name] = (srv, procs.start(mlfabric_pusher, port, side="client", tls_dir=secured,
+                                        **where))
+    t: dict[str, list[float]] = {f"{n}_{k}": [] for n in pairs
+                                 for k in ("received", "applied", "server_cpu", "client_cpu")}
+    last_cpu: dict[str, float] = {}
+    for r in range(args.warmup + args.repeats):
+        keep = r >= args.warmup
+        order = list(pairs) if r % 2 == 0 else list(pairs)[::-1]
+        for name in order:
+            srv, cli = pairs[name]
+            cli.send("go")
+            t0, t2, client_cpu = cli.recv()
+            t_recv, _, server_cpu = srv.recv()
+            if keep:
+                t[f"{name}_received"].append(t_recv - t0)
+                t[f"{name}_applied"].append(t2 - t0)
+                t[f"{name}_server_cpu"].append(server_cpu - last_cpu[name])
+                t[f"{name}_client_cpu"].append(client_cpu)
+            last_cpu[name] = server_cpu
+        print(f"  round {r + 1}/{args.warmup + args.repeats}"
+              f"{'' if keep else ' (warm-up)'} done", file=sys.stderr, flush=True)
+
+    gb = nbytes / 1e9
+    path = f"emulated {args.testbed:g} Mbit/s link" if args.testbed else "loopback"
+    print()
+    print(f"Large push without and with mutual TLS: {args.mib} MiB float32, {path}, median of "
+          f"{args.repeats} rounds (min..max), alternated; server momentum {args.momentum}, "
+          f"overlapped apply")
+    for name, label in (("plain", "plain TCP"), ("tls", "mutual TLS")):
+        for what, key in (("last byte in", "received"), ("outcome back", "applied")):
+            xs = t[f"{name}_{key}"]
+            print(f"  {label:11s} {what:13s} {med(xs) * 1e3:8.2f} ms  {fmt_rate(nbytes, med(xs))}"
+                  f"  ({min(xs) * 1e3:.1f}..{max(xs) * 1e3:.1f} ms)")
+        print(f"  {label:11s} CPU s per GB: server {med(t[f'{name}_server_cpu']) / gb:.3f}, "
+              f"worker {med(t[f'{name}_client_cpu']) / gb:.3f}")
+
+    def paired(a: str, b: str) -> float:
+        return med([x / y for x, y in zip(t[a], t[b], strict=True)])
+
+    print("Throughput TLS / plain: of the medians, and (paired) the median of per-round ratios")
+    for what, key in (("last byte in", "received"), ("outcome back", "applied")):
+        print(f"  {what:13s} {med(t[f'plain_{key}']) / med(t[f'tls_{key}']):5.2f}x   "
+              f"({paired(f'plain_{key}', f'tls_{key}'):.2f}x)"
+              f"{'   target >= 0.95 across a 1 Gbit/s link' if key == 'received' else ''}")
     return 0
 
 
