@@ -396,3 +396,65 @@ def test_server_command_refuses_half_the_tls_flags(certs, tmp_path) -> None:
     assert done.stderr.strip() == (
         "mlfabric server: error: TLS needs all three of --tls-cert, --tls-key, --tls-ca: "
         "--tls-cert given without --tls-key, --tls-ca; give all three, or none for plain TCP")
+
+
+# -- a whole job over TLS --------------------------------------------------------------------
+
+
+def test_a_job_over_tls_fails_over_to_its_replica(certs, tmp_path) -> None:
+    """Server, replica and controller as deployed, all with --tls-*; a worker
+    through the controller, feeding the replica. The controller's heartbeats,
+    the worker's links and its failover all go over TLS: the server is
+    SIGKILLed mid-run, the replica promoted, and every acknowledged update
+    is in the replica's model. `mlfabric status` reaches the controller
+    with the same flags."""
+    import signal
+
+    from test_failover import step
+    from test_replication import Serving, write_inputs
+
+    ours, _ = certs
+    flags = ["--tls-cert", str(ours / "server.pem"), "--tls-key", str(ours / "server.key"),
+             "--tls-ca", str(ours / "ca.pem")]
+    model = make_model()
+    gamma = 0.5
+    init = write_inputs(tmp_path, model)
+    replica = Serving(tmp_path, "--role", "replica", "--init", init, "--momentum", str(gamma),
+                      *flags)
+    server = Serving(tmp_path, "--init", init, "--momentum", str(gamma), "--tau-max", "-1",
+                     *flags)
+    controller = Serving(tmp_path, "--server", server.address, "--replica", replica.address,
+                         "--heartbeat-interval", "0.1", "--heartbeat-timeout", "0.5",
+                         "--policy", "fifo", "--tau-max", "-1", *flags, command="controller")
+    acked: dict[int, dict[str, np.ndarray]] = {}
+    try:
+        status = subprocess.run(mlfabric_cmd("status", "--controller", controller.address,
+                                             "--job", JOB, "--token-file",
+                                             str(tmp_path / "job.token"), "--json", *flags),
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        with mlfabric.connect(server.address, job=JOB, token=TOKEN,
+                              controller=controller.address, controller_fallback="wait",
+                              replica=replica.address, failover_timeout=10,
+                              **client_args(ours)) as ps:
+            for i in range(12):
+                if i == 6:
+                    server.proc.send_signal(signal.SIGKILL)
+                u, outcome = step(ps, model, i)
+                acked[outcome.version] = u
+        with mlfabric.connect(replica.address, job=JOB, token=TOKEN, timeout=5,
+                              **client_args(ours)) as rs:
+            final_version, final = rs.pull(timeout=10)
+    finally:
+        codes = [controller.stop(), replica.stop(), server.stop()]
+    assert sorted(acked) == list(range(1, 13))
+    assert final_version == 12
+    ref = Reference(model, gamma)
+    for v in sorted(acked):
+        ref.apply(acked[v])
+    assert_model_equal(final, ref.w)
+    for code, err in codes[:2]:
+        assert code == 0 and "Traceback" not in err, err
+    for _, err in codes:  # every link any of them opened was TLS, and accepted
+        assert "TLS handshake failed" not in err, err
+    assert "promoting the replica" in codes[0][1]
