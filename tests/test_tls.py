@@ -8,12 +8,14 @@ still checked inside TLS. On asyncio's loop and on uvloop."""
 from __future__ import annotations
 
 import logging
+import socket
 import ssl
 import stat
 import subprocess
 
 import numpy as np
 import pytest
+from test_handshake_timeout import Process, command
 
 import mlfabric
 from mlfabric import config
@@ -30,6 +32,8 @@ from support import (
     Reference,
     ServerThread,
     assert_model_equal,
+    cluster_token_file,
+    free_port,
     make_model,
     random_update,
     wait_until,
@@ -460,3 +464,99 @@ def test_a_job_over_tls_fails_over_to_its_replica(certs, tmp_path) -> None:
     for _, err in codes:  # every link any of them opened was TLS, and accepted
         assert "TLS handshake failed" not in err, err
     assert "promoting the replica" in codes[0][1]
+
+
+# -- the TLS handshake is held to the listener's limits ----------------------------------
+
+
+def tls_handshake(sock, ctx: ssl.SSLContext, hostname: str) -> ssl.SSLObject:
+    """A client's TLS handshake on a blocking socket, its ClientHello sent at
+    once after connecting (so it is in the listener's socket when the
+    connection is accepted: uvloop reads it before start_tls takes over)."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = ctx.wrap_bio(incoming, outgoing, server_hostname=hostname)
+    while True:
+        try:
+            obj.do_handshake()
+            break
+        except ssl.SSLWantReadError:
+            sock.sendall(outgoing.read())
+            data = sock.recv(1 << 16)
+            if not data:
+                raise ConnectionError("closed during the TLS handshake") from None
+            incoming.write(data)
+    sock.sendall(outgoing.read())
+    return obj
+
+
+def test_a_clienthello_read_before_start_tls_is_not_lost(certs, tls_server) -> None:
+    ours, _ = certs
+    ctx = tls.client_context(files(ours, "worker"))
+    for _ in range(20):
+        with socket.create_connection(("127.0.0.1", tls_server.port), timeout=5) as sock:
+            # The server's Finished came: it had the whole ClientHello.
+            assert tls_handshake(sock, ctx, "127.0.0.1").version() == "TLSv1.3"
+
+
+def test_a_silent_peer_is_dropped_within_the_handshake_timeout(certs, loop_kind,
+                                                               caplog) -> None:
+    ours, _ = certs
+    st = ServerThread(ParameterStore(make_model()), loop_kind=loop_kind, handshake_timeout=0.3)
+    st.server.tls = tls.server_context(files(ours, "server"))
+    with caplog.at_level(logging.WARNING, logger="mlfabric.server"), st, \
+            socket.create_connection(("127.0.0.1", st.port), timeout=5) as silent:
+        silent.settimeout(5.0)  # bounded: the listener closes it long before
+        try:
+            assert silent.recv(1 << 16) == b""  # nothing sent before TLS: just closed
+        except ConnectionResetError:
+            pass
+        wait_until(lambda: "no TLS handshake within 0.3 s" in caplog.text, 5, "the log line")
+        wait_until(lambda: not st.server.unauthenticated, 5, "the connection forgotten")
+
+
+def test_tls_handshakes_count_among_unauthenticated_connections(certs, loop_kind) -> None:
+    ours, _ = certs
+    st = ServerThread(ParameterStore(make_model()), loop_kind=loop_kind)
+    st.server.tls = tls.server_context(files(ours, "server"))
+    st.server.max_unauthenticated = 2
+    with st:
+        socks = [socket.create_connection(("127.0.0.1", st.port), timeout=5) for _ in range(2)]
+        try:
+            wait_until(lambda: len(st.server.unauthenticated) == 2, 5, "two held")
+            socks.append(socket.create_connection(("127.0.0.1", st.port), timeout=5))
+            socks[0].settimeout(5.0)
+            try:
+                assert socks[0].recv(1) == b""  # the oldest, closed to make room
+            except ConnectionResetError:
+                pass
+            wait_until(lambda: st.metrics.unauthenticated_evicted._value.get() == 1, 5)
+            # A good client still gets in (evicting the oldest of those left).
+            ctx = tls.client_context(files(ours, "worker"))
+            with socket.create_connection(("127.0.0.1", st.port), timeout=5) as good:
+                assert tls_handshake(good, ctx, "127.0.0.1").version() == "TLSv1.3"
+                # The evicted ones are not TLS refusals: the listener closed
+                # them. (Closing the others from here would be: peers gone
+                # mid-handshake.)
+                assert st.metrics.unauthenticated_evicted._value.get() == 2
+                assert st.metrics.tls_refused._value.get() == 0
+        finally:
+            for s in socks:
+                s.close()
+
+
+def test_the_aggregator_listens_over_tls_and_the_agent_port_does_not(certs, tmp_path) -> None:
+    ours, _ = certs
+    flags = ["--tls-cert", str(ours / "server.pem"), "--tls-key", str(ours / "server.key"),
+             "--tls-ca", str(ours / "ca.pem")]
+    proc = Process(command("aggregator", tmp_path, *flags), tmp_path,
+                   r"aggregating job '[^']+' on (\S+), mutual TLS$")
+    assert proc.stop() == 0
+    alone = subprocess.run(mlfabric_cmd("agent", "--listen", f"127.0.0.1:{free_port()}",
+                                        "--cluster-token-file", str(cluster_token_file()),
+                                        *flags),
+                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert alone.returncode == 2
+    assert alone.stderr.strip() == (
+        "mlfabric agent: error: --tls-cert, --tls-key and --tls-ca are for the aggregator's "
+        "listener (the agent's own port is not TLS): give --aggregate HOST:PORT too, or drop "
+        "them")

@@ -424,7 +424,10 @@ class EndpointProtocol(asyncio.BufferedProtocol):
             return
         self._tls_pending = None
         if secured is None or self.closing or self._lost:
+            # Closed during the handshake (by us: evicted, timed out, the
+            # listener closing): start_tls then returns None, not an error.
             (secured or raw).abort()
+            self.connection_lost(None)
             return
         self.transport = secured
         self._process()  # what the peer sent with the end of the TLS handshake
