@@ -560,3 +560,26 @@ def test_the_aggregator_listens_over_tls_and_the_agent_port_does_not(certs, tmp_
         "mlfabric agent: error: --tls-cert, --tls-key and --tls-ca are for the aggregator's "
         "listener (the agent's own port is not TLS): give --aggregate HOST:PORT too, or drop "
         "them")
+
+
+def test_push_returns_only_once_the_arrays_are_no_longer_read(certs, loop_kind,
+                                                              monkeypatch) -> None:
+    """The blocking client's push() of a large update returns once its bytes
+    have left the caller's arrays (`Link.flushed`). Over TLS the transport
+    keeps a reference to them until they are encrypted: flushed() must still
+    mean that, or overwriting an array right after push() corrupts the update."""
+    ours, _ = certs
+    monkeypatch.setenv("MLFABRIC_LOOP", loop_kind)
+    shape = (2048, 2048)  # 16 MiB: many TLS records, buffered in the transport
+    model = {"w": np.zeros(shape, np.float32)}
+    st = ServerThread(ParameterStore(model), loop_kind=loop_kind)
+    st.server.tls = tls.server_context(files(ours, "server"))
+    with st, mlfabric.connect(st.address, job=JOB, token=TOKEN, timeout=5,
+                              **client_args(ours)) as c:
+        version, _ = c.pull()
+        u = {"w": np.full(shape, 0.25, np.float32)}
+        pushed = c.push(u, base_version=version)
+        u["w"][:] = 999.0  # the caller's array is the caller's again
+        assert pushed.result(30).applied
+        _, got = c.pull()
+    assert np.array_equal(got["w"], np.full(shape, 0.25, np.float32))
