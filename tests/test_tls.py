@@ -275,7 +275,10 @@ def test_a_plain_client_is_refused(tls_server, run_async, caplog) -> None:
     async def main():
         with pytest.raises(ConnectionLost) as info:
             await aio.connect(tls_server.address, job=JOB, token=TOKEN, timeout=5)
-        assert "it requires TLS (give tls_cert, tls_key and tls_ca)" in str(info.value)
+        assert str(info.value) == (
+            f"{tls_server.address} closed the connection during the handshake: it is not a "
+            f"parameter server (`mlfabric server`), it requires TLS (give tls_cert, tls_key "
+            f"and tls_ca, or --tls-cert, --tls-key and --tls-ca), or it is shutting down")
 
     with caplog.at_level(logging.WARNING, logger="mlfabric.server"):
         run_async(main())

@@ -274,12 +274,14 @@ class Link(asyncio.BufferedProtocol):
         elif not self.welcomed.done():
             # A peer that dies mid-handshake: callers fall back on ConnectionLost
             # (an aggregator's members go straight to the server).
+            tls = ("it requires TLS (give tls_cert, tls_key and tls_ca, or --tls-cert, "
+                   "--tls-key and --tls-ca)")
             why = (f"the connection to the {self.what} at {self.address} was lost during the "
-                   f"handshake: {getattr(exc, 'strerror', None) or exc}" if exc is not None
+                   f"handshake: {getattr(exc, 'strerror', None) or exc}; perhaps {tls}"
+                   if exc is not None
                    else f"{self.address} closed the connection during the handshake: it "
                         f"is not {roles.a(self.what)} (`{roles.command_for(self.what)}`), "
-                        f"it requires TLS (give tls_cert, tls_key and tls_ca), or it is "
-                        f"shutting down")
+                        f"{tls}, or it is shutting down")
             self._fail(ConnectionLost(why))
         self._fail(connection_lost_error(self.address, exc))
         self.transport = None
