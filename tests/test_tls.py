@@ -586,3 +586,33 @@ def test_push_returns_only_once_the_arrays_are_no_longer_read(certs, loop_kind,
         assert pushed.result(30).applied
         _, got = c.pull()
     assert np.array_equal(got["w"], np.full(shape, 0.25, np.float32))
+
+
+def test_a_sharded_job_over_tls(certs) -> None:
+    """mlfabric.connect to every shard: each link is TLS, and pushes apply
+    bit for bit on every shard."""
+    import contextlib
+
+    from test_sharded import SIZES, addresses, sharded_store
+
+    ours, _ = certs
+    model = make_model(sizes=SIZES)
+    ref = Reference(model, 0.5)
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for i in range(2):
+            st = ServerThread(sharded_store(model, i, 2))
+            st.server.tls = tls.server_context(files(ours, "server"))
+            servers.append(stack.enter_context(st))
+        ps = stack.enter_context(mlfabric.connect(addresses(servers), job=JOB, token=TOKEN,
+                                                  timeout=5, **client_args(ours)))
+        assert all(c._proto.transport.get_extra_info("ssl_object") is not None
+                   for c in ps._engine.shards)
+        version, _ = ps.pull(timeout=10)
+        for k in range(3):
+            u = random_update(model, seed=k)
+            ref.apply(u)
+            outcome = ps.push(u, base_version=version).result(10)
+            assert outcome.applied and outcome.version == (k + 1, k + 1)
+            version, params = ps.pull(timeout=10)
+        assert_model_equal(params, ref.w)
