@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import os
-import secrets
+import random
 import string
 
 import pytest
@@ -99,20 +99,26 @@ def test_human_chosen_tokens_are_refused_with_why_and_what_to_do(token, tmp_path
         auth.as_token(token)
 
 
+# What common generators write, from a seeded source of the same distribution
+# (secrets' own would make the count below random: a flaky test).
+_RNG = random.Random(20261127)
+_b64 = base64.urlsafe_b64encode
+
+
 @pytest.mark.parametrize("make", [
-    lambda: secrets.token_urlsafe(32),  # the guide's recipe until issue 33
-    lambda: secrets.token_urlsafe(16),  # 128 bits
-    lambda: secrets.token_hex(16),  # openssl rand -hex 16
-    lambda: secrets.token_hex(32),
-    lambda: base64.b64encode(secrets.token_bytes(32)).decode(),  # openssl rand -base64 32
-    lambda: "".join(secrets.choice(string.printable[:94]) for _ in range(24)),  # a password manager
+    lambda: _b64(_RNG.randbytes(32)).rstrip(b"=").decode(),  # secrets.token_urlsafe(32)
+    lambda: _b64(_RNG.randbytes(16)).rstrip(b"=").decode(),  # 128 bits
+    lambda: _RNG.randbytes(16).hex(),  # openssl rand -hex 16
+    lambda: _RNG.randbytes(32).hex(),
+    lambda: base64.b64encode(_RNG.randbytes(32)).decode(),  # openssl rand -base64 32
+    lambda: "".join(_RNG.choice(string.printable[:94]) for _ in range(24)),  # a password manager
 ], ids=["urlsafe32", "urlsafe16", "hex16", "hex32", "base64-32", "printable24"])
 def test_random_tokens_from_common_generators_pass(make):
-    """Each generator's text, 2,000 times: the rules refuse random text
-    rarely (measured over 200,000 of each: at most 6 in 100,000, hex with a
-    run like '456789'); here at most one refusal in 2,000."""
-    refused = [t for t in (make() for _ in range(2000)) if auth.token_weakness(t.encode())]
-    assert len(refused) <= 1, refused[:3]
+    """Each generator's text, 5,000 times: the rules refuse random text
+    rarely (measured over 200,000 of each: at most 6 in 100,000, e.g. hex
+    with a run like '456789' or only 12 of its 16 digits); here at most 2."""
+    refused = [t for t in (make() for _ in range(5000)) if auth.token_weakness(t.encode())]
+    assert len(refused) <= 2, refused[:3]
 
 
 def test_generated_tokens_are_always_accepted_and_hold_256_bits():
