@@ -36,6 +36,12 @@ from test_cli import Server, mlfabric_cmd
 
 # Big enough to be cut (64 KiB pieces at least): 3 tensors, 8 pieces or more.
 SIZES = {"w": (300, 1000), "b": (10,), "e": (50000,)}
+# The controller's heartbeat timeout in the failover tests: a server (or
+# replica) silent this long is lost. 0.3 s once lost both replicas and both
+# servers at once in a fresh-clone CI run (the test process, all of whose
+# listeners are threads of one interpreter, stalled); still well inside the
+# 2 s the failover must take.
+HEARTBEAT_TIMEOUT = 0.8
 
 
 def sharded_store(model, index, count, *, momentum=0.5, tau_max=None, chunk=1 << 16):
@@ -688,7 +694,7 @@ def test_losing_one_shard_moves_only_that_shard_to_its_replica_and_loses_nothing
             s.__enter__()
         controller.call(lambda: ctl.watch_servers([s.address for s in servers],
                                                   [r.address for r in replicas],
-                                                  interval=0.05, timeout=0.3))
+                                                  interval=0.05, timeout=HEARTBEAT_TIMEOUT))
         threads = [threading.Thread(target=worker, args=(w,)) for w in range(workers)]
         for t in threads:
             t.start()
@@ -859,7 +865,7 @@ def test_a_replica_joins_a_shard_after_its_failover_and_takes_over_at_the_next_l
     controller = ServerThread(None, endpoint=ctl).__enter__()
     controller.call(lambda: ctl.watch_servers([s.address for s in servers],
                                               [r.address for r in replicas],
-                                              interval=0.05, timeout=0.3))
+                                              interval=0.05, timeout=HEARTBEAT_TIMEOUT))
     acked: list[dict[int, dict[str, np.ndarray]]] = [{}, {}]
     lock = threading.Lock()
     progress = threading.Condition(lock)
@@ -962,7 +968,7 @@ def test_the_asyncio_client_fails_a_shard_over_too(run_async):
             s.__enter__()
         controller.call(lambda: ctl.watch_servers([s.address for s in servers],
                                                   [r.address for r in replicas],
-                                                  interval=0.05, timeout=0.3))
+                                                  interval=0.05, timeout=HEARTBEAT_TIMEOUT))
         run_async(train(), timeout=60)
         assert halfway.is_set()
         finals = [store_state(st) for st in (replicas[0], servers[1])]
