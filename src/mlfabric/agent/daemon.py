@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ConfigError, ConnectionLost, ProtocolError
 from ..runtime.loop import within
 from ..transport.agent_login import blocking_login, login
+from ..transport.listener import LogLimiter
 from ..wire import agent_protocol as probe
 from ..wire.agent_auth import AgentCredential, AgentGate, cluster_credential
 from .estimator import (
@@ -277,11 +278,11 @@ class Agent:
         self._job_busy = BusyMeter()  # the job's own transfers: probes take half
         self._load_task: asyncio.Task[None] | None = None
         self._progress = asyncio.Condition()
-        self._refused_warned = -math.inf  # when a refused transfer report was last logged
-        self._refusals = 0  # control connections refused (login, permissions)
+        # a line a minute at most of each (the rest counted in the next line)
+        self._report_log = LogLimiter(log, burst=1, interval=60.0, clock=clock)
+        self._refusal_log = LogLimiter(log, burst=1, interval=60.0, clock=clock)
         # control connections open and not logged in, oldest first
         self._unauthenticated: dict[_Control, None] = {}
-        self._refusal_warned = -math.inf
 
     @property
     def pending_logins(self) -> int:
@@ -908,13 +909,9 @@ class Agent:
         credential does not allow: counted, logged at most once a minute."""
         if self.metrics is not None:
             self.metrics.refused.labels(reason).inc()
-        self._refusals += 1
-        now = self.clock()
-        if now - self._refusal_warned >= 60.0:
-            self._refusal_warned = now
-            log.warning("agent %s: refused a control connection from %s (%s: %s); %d refused "
-                        "so far (mlfabric_agent_refused_total; warned once a minute)",
-                        self.name, ctl.gate.client, reason, why, self._refusals)
+        self._refusal_log.warning("agent %s: refused a control connection from %s (%s: %s; "
+                                  "mlfabric_agent_refused_total; warned once a minute)",
+                                  self.name, ctl.gate.client, reason, why)
 
     def _handle(self, ctl: _Control, ev: probe.Event) -> None:
         if isinstance(ev, probe.Hello):
@@ -937,13 +934,10 @@ class Agent:
             if problem is not None:
                 # Never averaged in: one made-up report would otherwise set the
                 # path's estimate for as long as passive samples count.
-                now = self.clock()
-                if now - self._refused_warned >= 60.0:
-                    self._refused_warned = now
-                    log.warning("refused a transfer report for %s from %s: %s (counted in "
-                                "mlfabric_agent_transfer_reports_total{result=\"refused\"}; "
-                                "warned once a minute)", ev.peer, ctl.peer_name or "a client",
-                                problem)
+                self._report_log.warning(
+                    "refused a transfer report for %s from %s: %s (counted in "
+                    "mlfabric_agent_transfer_reports_total{result=\"refused\"}; warned once a "
+                    "minute)", ev.peer, ctl.peer_name or "a client", problem)
             elif st is not None:
                 st.estimator.on_passive(ev.nbytes, ev.seconds)
         elif isinstance(ev, probe.SetPeers):

@@ -1520,10 +1520,6 @@ class Connection:
         self._plain_error_ok = plain_error
 
     @property
-    def protected(self) -> bool:
-        return self._send_key is not None
-
-    @property
     def trailer_size(self) -> int:
         """Bytes each frame sent carries after its data block."""
         return MAC_SIZE if self._send_key is not None else 0
