@@ -65,17 +65,22 @@ def _write(token: str, file: str | None, force: bool, what: str) -> int:
         raise ConfigError(f"{file!r} is a folder: name the token file, e.g. {path / 'job.token'}")
     if not path.parent.is_dir():
         raise ConfigError(f"the folder of {file!r} does not exist: create it first")
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if force else os.O_EXCL)
     try:
-        fd = os.open(path, flags, 0o600)
+        write_private(path, token, replace=force)
     except FileExistsError:
         raise ConfigError(f"{file!r} exists: keep it, or replace it with --force (members "
                           f"of a job running with the old token are then refused)") from None
-    with os.fdopen(fd, "w") as f:
-        os.fchmod(f.fileno(), 0o600)  # also when --force replaced a wider file
-        f.write(token + "\n")
     print(f"wrote {what} to {file} (mode 0600)")
     return 0
+
+
+def write_private(path: Path, text: str, replace: bool) -> None:
+    """`text` and a newline into `path`, readable by its owner only;
+    FileExistsError if it exists and not `replace`."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if replace else os.O_EXCL)
+    with os.fdopen(os.open(path, flags, 0o600), "w") as f:
+        os.fchmod(f.fileno(), 0o600)  # also when it replaced a wider file
+        f.write(text + "\n")
 
 
 def agent_secrets(folder: Path, job: str) -> tuple[Path, Path]:
@@ -85,9 +90,6 @@ def agent_secrets(folder: Path, job: str) -> tuple[Path, Path]:
     cluster = folder / "cluster.token"
     token = auth.generate_token()
     key = folder / f"{job}.agent-key"
-    for path, text in ((cluster, token),
-                       (key, agent_auth.format_job_key(token.encode(), job))):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text + "\n")
+    write_private(cluster, token, replace=True)
+    write_private(key, agent_auth.format_job_key(token.encode(), job), replace=True)
     return cluster, key
