@@ -688,6 +688,33 @@ def test_a_rise_whose_train_met_another_agents_is_retried_at_once() -> None:
     assert est.snapshot().capacity_bps == pytest.approx(194e6)
 
 
+def test_a_vouching_train_slowed_by_the_jobs_flow_vouches_beside_it() -> None:
+    """Recorded in a fresh-clone CI run: short trains from h2 read h1's
+    downlink at 97 Mbit/s, between the bursts of the job's own 50 Mbit/s
+    flow into h1; the long train that was to vouch for it shared the queue
+    with the flow and read 48.6, and was taken as a token bucket's true
+    rate: the path read 48 until the next train, 7.5 s later. h1 reports
+    its downlink carried the flow (50 Mbit/s, probes excluded): the train
+    read what the flow left, and vouches for the held 93.6 (at most the
+    reading it was to vouch for). Without that report the
+    same train still reads as a bucket's rate."""
+    for carried, want in ((50.4 * MBIT / PAYLOAD, 93.6e6), (0.0, 48.6e6)):
+        clock = FakeClock()
+        est = PathEstimator(ProbeConfig(initial_bps=100 * MBIT), clock)
+        count = est.plan(1).count
+        readings = iter([97.0, 97.3, 93.6])
+        while True:  # the rise, each train twice the last
+            outcome = est.on_train(_measure(next(readings) * MBIT, count=count),
+                                   peer_down_load=0.0, peer_carried=carried)
+            assert outcome == "rise"
+            count = est.plan(2).count
+            if count >= est.verify_bytes(93.6 * MBIT / 1.1) / 1514:
+                break
+        assert est.on_train(_measure(48.6 * MBIT, count=count), peer_down_load=0.0,
+                            peer_carried=carried) == "sample"
+        assert est.snapshot().capacity_bps == pytest.approx(want, rel=0.01), carried
+
+
 def test_lost_trains_are_counted_and_do_not_spin() -> None:
     clock = FakeClock()
     cfg = ProbeConfig()
