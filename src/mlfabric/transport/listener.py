@@ -62,11 +62,7 @@ def handshake_timeout(args: argparse.Namespace) -> float:
     """--handshake-timeout, checked (None: the default)."""
     if args.handshake_timeout is None:
         return DEFAULT_HANDSHAKE_TIMEOUT
-    value = float(args.handshake_timeout)
-    if not 0 < value < float("inf"):
-        raise ConfigError(f"--handshake-timeout must be a positive number of seconds, got "
-                          f"{args.handshake_timeout}")
-    return value
+    return check_positive("--handshake-timeout", float(args.handshake_timeout))
 
 
 def job_name(value: str) -> str:
