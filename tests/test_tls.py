@@ -7,6 +7,7 @@ still checked inside TLS. On asyncio's loop and on uvloop."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import ssl
@@ -202,6 +203,38 @@ def test_push_and_pull_exactly_over_tls(certs, tls_server, run_async) -> None:
 
     run_async(main())
     assert tls_server.metrics.tls_refused._value.get() == 0
+
+
+def test_pushes_over_tls_are_flushed_while_the_server_says_nothing(certs, tls_server,
+                                                                     run_async) -> None:
+    """flushed() returns once a push's bytes have left, with no answer from
+    the server to wake the link. With a write-buffer high mark of 0, the TLS
+    layer paused the link on every other write with nothing buffered (it
+    pauses at size >= high) and a blocking push over TLS waited forever: a
+    fresh-clone CI run hung 85 minutes in test_a_sharded_job_over_tls."""
+    import threading
+
+    ours, _ = certs
+    model = make_model()
+    gate = threading.Event()
+
+    async def main():
+        async with await aio.connect(tls_server.address, job=JOB, token=TOKEN, timeout=5,
+                                     **client_args(ours)) as c:
+            version, _ = await c.pull()
+            # The server's loop waits on the gate: it reads nothing, answers nothing.
+            tls_server._loop.call_soon_threadsafe(gate.wait, 20)
+            try:
+                pushed = []
+                for step in range(4):
+                    pushed.append(c.push(random_update(model, seed=step), base_version=version))
+                    await asyncio.wait_for(c.flushed(), 5)
+            finally:
+                gate.set()
+            outcomes = [await asyncio.wait_for(p, 10) for p in pushed]
+            assert [o.applied for o in outcomes] == [True] * 4
+
+    run_async(main())
 
 
 def test_large_model_over_tls(certs, loop_kind, run_async) -> None:

@@ -193,7 +193,14 @@ class Link(asyncio.BufferedProtocol):
         # all of it is sent: `can_write` then means "nothing buffered", so
         # `flushed()` can tell when a frame's bytes no longer point into the
         # caller's arrays (uvloop buffers what it cannot send without a copy).
-        transport.set_write_buffer_limits(high=0)
+        # Not over TLS: its layer encrypts each write into a buffer of its
+        # own at once (nothing then points into the arrays), and with a high
+        # mark of 0 it pauses on every other write even when all is sent
+        # (it pauses at size >= high), never to resume if nothing more comes:
+        # a push over TLS then waited forever in flushed(). Its default
+        # marks bound what is buffered.
+        if transport.get_extra_info("sslcontext") is None:
+            transport.set_write_buffer_limits(high=0)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
