@@ -416,8 +416,8 @@ class Agent:
 
     def link_load(self) -> tuple[float, float] | None:
         """(downlink, uplink) load of this host in wire bit/s, probes and the job's
-        own traffic excluded."""
-        return self.load.rates()
+        own traffic excluded: the most of the last second (`LoadMeter.peak`)."""
+        return self.load.peak(self.clock())
 
     # -- peers -----------------------------------------------------------------
 
