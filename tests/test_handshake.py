@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from mlfabric.errors import AuthenticationError, ProtocolError, ServerError
+from mlfabric.wire import auth
 from mlfabric.wire.handshake import ClientHandshake, ServerHandshake, handshake_error
 from mlfabric.wire.protocol import (
     NEED_DATA,
@@ -67,11 +68,31 @@ def test_a_wrong_token_is_refused_by_both_sides():
     assert (step.code, step.why, server.stage) == ("auth", "wrong token", "refused")
     assert step.message == ("authentication failed: check the job name, the token file "
                             "and the address")
-    # The client sent its proof all the same (the server counts the failure)
-    # and then refuses the server's proof itself.
+    # The client checked the server's proof first and sent none of its own,
+    # only a refusal the server counts (issue 33).
     assert not client.server_verified
     with pytest.raises(AuthenticationError, match="token"):
         client.verify_server()
+
+
+def test_a_listener_that_has_not_proven_itself_gets_no_proof():
+    """Issue 33: the client proved itself first, so any listener it was
+    steered to got an HMAC of the token over nonces it chose, to test token
+    guesses against offline. Now a challenge with a wrong proof is answered
+    with a refusal that carries nothing made with the token."""
+    client = ClientHandshake(JOB, TOKEN, "w0")
+    client.hello()
+    forged = Challenge(nonce=b"n" * auth.NONCE_BYTES, proof=b"\0" * 32, role="server")
+    answer = over_the_wire(client.on_challenge(over_the_wire(forged)))
+    assert answer == Error(code="auth", message="authentication failed: this listener did "
+                                                "not prove it holds the job's token")
+    with pytest.raises(AuthenticationError, match="did not prove it holds job 'job'"):
+        client.verify_server()
+    # the same challenge with the right proof is answered with the client's
+    right = Challenge(nonce=b"n" * auth.NONCE_BYTES, role="server", proof=auth.server_proof(
+        TOKEN, JOB, client.nonce, b"n" * auth.NONCE_BYTES))
+    answer = client.on_challenge(over_the_wire(right))
+    assert answer == Auth(proof=auth.client_proof(TOKEN, JOB, client.nonce, b"n" * auth.NONCE_BYTES))
 
 
 def test_a_wrong_job_is_refused_as_a_wrong_token_and_named_only_in_the_log():
@@ -103,7 +124,7 @@ def test_anything_before_a_hello_is_a_protocol_error(first):
 def test_anything_but_an_auth_after_the_challenge_is_a_protocol_error():
     server = ServerHandshake(JOB, TOKEN, "server")
     server.on_event(ClientHandshake(JOB, TOKEN, "w0").hello())
-    step = server.on_event(Hello(job=JOB, client="w0", nonce=b"n" * 16))
+    step = server.on_event(Hello(job=JOB, client="w0", nonce=b"n" * auth.NONCE_BYTES))
     assert (step.code, step.message) == ("protocol", "expected an auth message, got Hello")
 
 

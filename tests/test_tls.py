@@ -375,7 +375,8 @@ def test_the_job_token_is_still_checked_inside_tls(certs, tls_server, run_async)
                               **client_args(ours))
 
     run_async(main())
-    # The client raises on the server's proof; the server counts on the client's.
+    # The client refuses the server's proof (sending none of its own); the
+    # server counts that refusal.
     wait_until(lambda: tls_server.metrics.auth_failures._value.get() == 1, 5,
                "the wrong token counted by the server")
     assert tls_server.metrics.tls_refused._value.get() == 0

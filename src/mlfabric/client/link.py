@@ -236,6 +236,8 @@ class Link(asyncio.BufferedProtocol):
                 if isinstance(event, Challenge) else None
             if wrong is not None:
                 raise wrong
+            # Our proof goes only to a listener whose proof checked out; any
+            # other gets a refusal without one (and we give up on it).
             self.send(self.hs.on_challenge(event))
             self.hs.verify_server(self.what, self.address)
             # Every frame from here on carries its MAC (the listener's refusal

@@ -3,11 +3,16 @@
     client                          listener (server, replica, controller, aggregator)
     HELLO(job, name, nonce)   ->
                               <-    CHALLENGE(nonce', server proof, role)
-    AUTH(client proof)        ->
+    AUTH(client proof)        ->    (only once the server proof is checked; else
+                                     ERROR(auth), which carries no proof, and close)
                               <-    WELCOME(...)  or  ERROR(auth | protocol) and close
 
 Each side proves it holds the job's token (`auth`): the token never crosses
-the wire. A peer that has not authenticated learns nothing from a refusal:
+the wire. The listener proves itself first, and a client sends its own
+proof only to a listener whose proof it checked (issue 33): an impostor a
+client was steered to (an aggregator dialling the server a member names)
+gets no proof made with the token, so nothing to test token guesses
+against offline. A peer that has not authenticated learns nothing from a refusal:
 a hello for another job gets a challenge as any (its proof made with a
 random key), and a wrong job and a wrong token are refused with the same
 words, so the refusal neither names the listener's job nor says whether
@@ -41,6 +46,11 @@ def handshake_error(event: Error) -> MlfabricError:
     return ServerError(f"{event.message} (server error code {event.code!r})", code=event.code)
 
 
+#: What a client tells a listener whose proof it did not accept (no more than
+#: that: the listener's own log says a wrong token or job).
+REFUSED_LISTENER = "authentication failed: this listener did not prove it holds the job's token"
+
+
 class ClientHandshake:
     """The dialling side: `hello()`, then `on_challenge(event)` (the AUTH to
     send), `verify_server()`, then `on_welcome(event)`."""
@@ -56,9 +66,11 @@ class ClientHandshake:
     def hello(self) -> Hello:
         return Hello(job=self.job, client=self.name, nonce=self.nonce)
 
-    def on_challenge(self, event: Any) -> Auth:
-        """The Auth event to send. Send it even when `verify_server()` will
-        fail: the server then logs and counts the mismatch too."""
+    def on_challenge(self, event: Any) -> Auth | Error:
+        """The event to send: the Auth with this client's proof if the
+        listener's proof is right; otherwise an ERROR(auth) that carries no
+        proof (then `verify_server()` raises). The ERROR lets the listener
+        log and count the mismatch, as it does a wrong proof."""
         if isinstance(event, Error):
             raise handshake_error(event)
         if not isinstance(event, Challenge):
@@ -66,6 +78,8 @@ class ClientHandshake:
         expected = auth.server_proof(self.token, self.job, self.nonce, event.nonce)
         self.server_verified = auth.proofs_match(expected, event.proof)
         self.server_nonce = event.nonce
+        if not self.server_verified:
+            return Error(code="auth", message=REFUSED_LISTENER)
         return Auth(proof=auth.client_proof(self.token, self.job, self.nonce, event.nonce))
 
     def frame_keys(self) -> tuple[bytes, bytes]:
@@ -136,11 +150,16 @@ class ServerHandshake:
             return Step(send=Challenge(nonce=self._nonce, proof=proof, role=self.role))
         if self.stage != "auth":
             raise RuntimeError(f"the handshake is over ({self.stage}): no more events for it")
-        if not isinstance(event, Auth):
+        # A client that did not accept this listener's proof says so
+        # (ClientHandshake.on_challenge) instead of sending its own: a token
+        # or job mismatch, refused and counted as a wrong proof is.
+        refused_us = isinstance(event, Error) and event.code == "auth"
+        if not isinstance(event, Auth) and not refused_us:
             return self._refuse("protocol",
                                 f"expected an auth message, got {type(event).__name__}")
-        expected = auth.client_proof(self.token, self.job, self._client_nonce, self._nonce)
-        if self._other_job is not None or not auth.proofs_match(expected, event.proof):
+        if refused_us or self._other_job is not None or not auth.proofs_match(
+                auth.client_proof(self.token, self.job, self._client_nonce, self._nonce),
+                event.proof):
             return self._refuse(
                 "auth",
                 "authentication failed: check the job name, the token file and the address",
