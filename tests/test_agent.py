@@ -43,9 +43,11 @@ from support import (
     CLUSTER,
     CLUSTER_TOKEN,
     JOB_AGENT_KEY,
+    TOKEN,
     agent_key_file,
     cluster_token_file,
     free_port,
+    secret_file,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -713,7 +715,7 @@ def test_cli_job_ports_from_flags_file_and_aggregator(tmp_path: Path) -> None:
     args = _args(["--config", str(f), "--job-port", "7200", "--job-port", "7100"])
     cfg, _ = build_config(args)
     assert cfg.job_traffic.traffic.ports == {7100, 7200}  # type: ignore[union-attr]
-    agg = AggregateConfig("10.0.0.2", 7401, "job", b"t" * 32, 2.0)
+    agg = AggregateConfig("10.0.0.2", 7401, "job", b"t" * 32, 2.0, ("10.0.0.1:7070",))
     cfg, _ = build_config(args, agg)
     assert cfg.job_traffic.traffic.ports == {7100, 7200, 7401}  # type: ignore[union-attr]
     cfg, _ = build_config(_args([]), agg)
@@ -727,6 +729,63 @@ def test_cli_job_ports_from_flags_file_and_aggregator(tmp_path: Path) -> None:
     assert cfg.job_traffic.rediscover == 0.0  # type: ignore[union-attr]
     cfg, _ = build_config(_args(["--config", str(f), "--job-rediscover", "2.5"]))
     assert cfg.job_traffic.rediscover == 2.5  # type: ignore[union-attr]
+
+
+def _aggregate(tmp_path: Path, argv: list[str], file: dict | None = None):
+    """build_aggregate for an aggregator of job "j" with `argv` (and the
+    config file's keys `file`)."""
+    from mlfabric.agent.cli import build_aggregate
+
+    token = secret_file("agg-job.token", TOKEN.decode())
+    args = _args(["--aggregate", "127.0.0.1:7401", "--job", "j", "--token-file", str(token),
+                  *argv])
+    return build_aggregate(args, file or {})
+
+
+def test_cli_aggregator_servers_from_flags_and_file(tmp_path: Path) -> None:
+    """Issue 33: where the aggregator may forward comes from --servers
+    (repeatable, comma-separated) or the config file's "servers" (a string
+    or a list), flags winning; each entry is checked at start."""
+    agg = _aggregate(tmp_path, ["--servers", "10.0.0.1:7070,10.0.0.2:7070",
+                                "--servers", " 10.0.0.3:7071"])
+    assert agg.servers == ("10.0.0.1:7070", "10.0.0.2:7070", "10.0.0.3:7071")
+    agg = _aggregate(tmp_path, [], {"servers": ["10.0.0.1:7070", "[::1]:7070"]})
+    assert agg.servers == ("10.0.0.1:7070", "[::1]:7070")
+    agg = _aggregate(tmp_path, [], {"servers": "10.0.0.1:7070, 10.0.0.1:7070"})
+    assert agg.servers == ("10.0.0.1:7070",)  # one address named twice: once
+    agg = _aggregate(tmp_path, ["--servers", "10.0.0.9:7070"], {"servers": "10.0.0.1:7070"})
+    assert agg.servers == ("10.0.0.9:7070",)
+
+
+@pytest.mark.parametrize(("argv", "file", "message"), [
+    ([], None, "--aggregate 127.0.0.1:7401 needs --servers HOST:PORT[,HOST:PORT...]: the "
+               "job's servers (shards and replicas too) as the workers name them; the "
+               "aggregator forwards to no other address"),
+    (["--servers", "10.0.0.1:7070,,10.0.0.2:7070"], None,
+     "--servers: '' is not HOST:PORT (for example 10.0.0.1:7070)"),
+    (["--servers", "10.0.0.1"], None,
+     "--servers: '10.0.0.1' is not HOST:PORT (for example 10.0.0.1:7070)"),
+    (["--servers", "10.0.0.1:0"], None,
+     "--servers: '10.0.0.1:0' is not HOST:PORT (for example 10.0.0.1:7070)"),
+    ([], {"servers": 7070},
+     'servers must be "HOST:PORT,HOST:PORT,..." or a list of "HOST:PORT" strings, got 7070'),
+    ([], {"servers": []}, "--servers is empty: give the address of every server (and "
+                          "replica) of the job, as its workers name them"),
+])
+def test_cli_aggregator_servers_errors(tmp_path: Path, argv, file, message) -> None:
+    with pytest.raises(ConfigError) as info:
+        _aggregate(tmp_path, argv, file)
+    assert str(info.value) == message
+
+
+def test_cli_servers_belong_to_the_aggregator(tmp_path: Path) -> None:
+    from mlfabric.agent.cli import build_aggregate
+
+    with pytest.raises(ConfigError, match="--servers, --group-timeout and --handshake-timeout "
+                                          "belong to --aggregate HOST:PORT"):
+        build_aggregate(_args(["--servers", "10.0.0.1:7070"]), {})
+    with pytest.raises(ConfigError, match="belong to --aggregate"):
+        build_aggregate(_args([]), {"servers": "10.0.0.1:7070"})
 
 
 @pytest.mark.parametrize(

@@ -8,19 +8,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import threading
 
 import numpy as np
 import pytest
 
 import mlfabric
 from mlfabric.agent.aggregator import Aggregator
+from mlfabric.agent.destinations import Destinations
 from mlfabric.controller.controller import Controller
 from mlfabric.runtime.metrics import AggregatorMetrics
 from mlfabric.scheduling.aggregation import AggregationConfig, apply_aggregate
 from mlfabric.scheduling.plan import Network, PlanItem, Route, Snapshot
 from mlfabric.scheduling.policies import mlfabric_policy
 from mlfabric.server.store import ParameterStore
-from mlfabric.wire.protocol import Push, PushResult
+from mlfabric.wire.protocol import (
+    NEED_DATA,
+    Challenge,
+    Connection,
+    Error,
+    Hello,
+    Push,
+    PushResult,
+)
 
 from support import (
     JOB,
@@ -54,13 +65,14 @@ def grouping_policy(k: int, address: str, fan_in: int | None = None):
 
 
 def _server_and_aggregator(threads: list, loop_kind: str, model, group_timeout: float,
-                           tau_max: int | None = None):
+                           tau_max: int | None = None, servers: list[str] | None = None):
+    """A server and an aggregator that forwards to it (or to `servers` only)."""
     server = ServerThread(ParameterStore(model, momentum=GAMMA, tau_max=tau_max),
                           loop_kind=loop_kind).__enter__()
     threads.append(server)
     agg = ServerThread(None, loop_kind=loop_kind, endpoint=Aggregator(
-        job=JOB, token=TOKEN, group_timeout=group_timeout,
-        metrics=AggregatorMetrics())).__enter__()
+        job=JOB, token=TOKEN, servers=servers or [server.address],
+        group_timeout=group_timeout, metrics=AggregatorMetrics())).__enter__()
     threads.append(agg)
     return server, agg
 
@@ -70,9 +82,10 @@ def live(loop_kind):
     threads: list = []
 
     def start(k: int, *, fan_in: int | None = None, group_timeout: float = 5.0,
-              tau_max: int | None = None):
+              tau_max: int | None = None, servers: list[str] | None = None):
         model = make_model()
-        server, agg = _server_and_aggregator(threads, loop_kind, model, group_timeout, tau_max)
+        server, agg = _server_and_aggregator(threads, loop_kind, model, group_timeout, tau_max,
+                                             servers)
         controller = ServerThread(None, loop_kind=loop_kind, endpoint=Controller(
             grouping_policy(k, agg.address, fan_in), job=JOB, token=TOKEN,
             tau_max=tau_max)).__enter__()
@@ -259,7 +272,8 @@ def test_workers_dial_the_controllers_aggregators_before_any_push(loop_kind, api
     model = make_model()
     with ServerThread(ParameterStore(model), loop_kind=loop_kind) as server, \
             ServerThread(None, loop_kind=loop_kind, endpoint=Aggregator(
-                job=JOB, token=TOKEN, metrics=AggregatorMetrics())) as agg, \
+                job=JOB, token=TOKEN, servers=[server.address],
+                metrics=AggregatorMetrics())) as agg, \
             ServerThread(None, loop_kind=loop_kind, endpoint=Controller(
                 lambda snap: [], job=JOB, token=TOKEN, tau_max=None,
                 aggregators={"h1": agg.address})) as controller:
@@ -312,7 +326,8 @@ def test_a_member_resent_after_its_aggregate_was_applied_is_not_applied_again(lo
 def test_the_aggregator_refuses_pushes_without_a_group(loop_kind):
     model = make_model()
     with ServerThread(None, loop_kind=loop_kind,
-                      endpoint=Aggregator(job=JOB, token=TOKEN)) as agg:
+                      endpoint=Aggregator(job=JOB, token=TOKEN,
+                                          servers=["127.0.0.1:1"])) as agg:
         raw = RawClient(agg.port)
         raw.send(Push(1, 0, model))
         err = raw.recv_event()
@@ -393,7 +408,8 @@ def test_with_a_group_wait_the_free_server_waits_for_one_aggregate_of_all(loop_k
     network = Network(default=1e9, down={"127.0.0.1": 5e3})
     with ServerThread(ParameterStore(model, momentum=GAMMA), loop_kind=loop_kind) as server, \
             ServerThread(None, loop_kind=loop_kind, endpoint=Aggregator(
-                job=JOB, token=TOKEN, metrics=AggregatorMetrics())) as agg, \
+                job=JOB, token=TOKEN, servers=[server.address],
+                metrics=AggregatorMetrics())) as agg, \
             ServerThread(None, loop_kind=loop_kind, endpoint=Controller(
                 mlfabric_policy, job=JOB, token=TOKEN, tau_max=None, network=network,
                 aggregators={"h1": agg.address},
@@ -516,3 +532,183 @@ def test_a_member_lost_mid_update_abandons_the_streamed_aggregate(streaming, how
     assert_model_equal(server.call(lambda: server.store.snapshot()[1]), w)
     for m in members:
         m.close()
+
+
+# --- where aggregates may go (issue 33) ----------------------------------------------
+
+
+def test_destinations_match_an_address_in_any_spelling_and_nothing_else():
+    listed = Destinations(["10.0.0.1:7070", " [::1]:7071", "Server-A.example:7072"])
+    assert listed.addresses == ("10.0.0.1:7070", "[::1]:7071", "Server-A.example:7072")
+    for dst, match in [("10.0.0.1:7070", "10.0.0.1:7070"), ("[10.0.0.1]:7070", "10.0.0.1:7070"),
+                       ("::1:7071", "[::1]:7071"), ("[0:0::0001]:7071", "[::1]:7071"),
+                       ("server-a.EXAMPLE:7072", "Server-A.example:7072")]:
+        assert listed.match(dst) == match, dst
+    # another port or host, a name for a listed address (names are not
+    # resolved), and what is no address at all
+    for dst in ("10.0.0.1:7071", "10.0.0.2:7070", "localhost:7071", "server-a:7072",
+                "10.0.0.1", "10.0.0.1:0", "10.0.0.1:65536", ":7070", "", "\0"):
+        assert listed.match(dst) is None, dst
+
+
+def _trap():
+    """A listening socket on a free loopback port that no one may dial."""
+    trap = socket.socket()
+    trap.bind(("127.0.0.1", 0))
+    trap.listen()
+    return trap, f"127.0.0.1:{trap.getsockname()[1]}"
+
+
+def assert_never_dialled(trap: socket.socket, within: float = 1.0) -> None:
+    """No connection reaches `trap` within `within` seconds. The aggregator
+    dials when a group's first bytes arrive, long before its answer, and
+    the kernel completes a connection into the backlog without accept()."""
+    trap.settimeout(within)
+    with pytest.raises(TimeoutError):
+        conn, peer = trap.accept()
+        conn.close()
+        pytest.fail(f"the aggregator connected from {peer}")
+
+
+def _member(req: int, uid: str, dst: str, group: int, update, fan_in: int = 1,
+            index: int = 0) -> Push:
+    return Push(req, 0, update, uid=uid, group=group, fan_in=fan_in, index=index, dst=dst)
+
+
+def refusal(req: int, uid: str, dst: str) -> Error:
+    return Error(code="dst_not_allowed", req=req,
+                 message=f"this aggregator does not forward to {dst!r}: it is not one of its "
+                         f"servers (mlfabric agent --servers); send update {uid} straight to "
+                         f"the server")
+
+
+def test_a_member_bound_off_the_list_is_refused_and_nothing_is_dialled(loop_kind, caplog):
+    """Issue 33: a member's dst made the aggregator dial any address. Now
+    one not on its servers is refused with the reason, counted and logged
+    (at most 5 lines per 10 s), and no connection reaches it; the same
+    group id bound for the listed server aggregates exactly, members naming
+    it in two spellings of one address joining one group."""
+    caplog.set_level(logging.WARNING, logger="mlfabric.aggregator")
+    model = make_model()
+    u1, u2 = random_update(model, 1), random_update(model, 2)
+    trap, off = _trap()
+    with trap, ServerThread(ParameterStore(model, momentum=GAMMA), loop_kind=loop_kind) as server, \
+            ServerThread(None, loop_kind=loop_kind, endpoint=Aggregator(
+                job=JOB, token=TOKEN, servers=[server.address],
+                metrics=AggregatorMetrics())) as agg:
+        raw, other = RawClient(agg.port), RawClient(agg.port)
+        peer, listed = f"127.0.0.1:{raw.sock.getsockname()[1]}", server.address
+        for i in range(7):
+            raw.send(_member(i + 1, f"w-{i}", off, 7, u1))
+            assert raw.recv_event() == refusal(i + 1, f"w-{i}", off)
+        assert_never_dialled(trap)
+        assert agg.metrics.dst_refused._value.get() == 7
+        assert agg.call(lambda: agg.server.groups) == {}
+        # the listed server, named as "HOST:PORT" and "[HOST]:PORT": one group
+        raw.send(_member(8, "a-1", server.address, 7, u1, fan_in=2, index=0))
+        other.send(_member(1, "b-1", f"[127.0.0.1]:{server.port}", 7, u2, fan_in=2, index=1))
+        assert raw.recv_event() == PushResult(8, True, 2, 0, fan_in=2, index=0)
+        assert other.recv_event() == PushResult(1, True, 2, 0, fan_in=2, index=1)
+        w, _, _, _ = apply_aggregate(model, model, 0, [(u1, 0), (u2, 0)], GAMMA)
+        assert_model_equal(server.call(lambda: server.store.snapshot()[1]), w)
+        raw.close()
+        other.close()
+    assert agg.metrics.aggregates.labels("applied")._value.get() == 1
+    lines = [r.getMessage() for r in caplog.records if "not one of this aggregator's servers"
+             in r.getMessage()]
+    assert len(lines) == 5, lines  # rate-limited: 7 refusals, 5 lines
+    assert lines[0] == (f"refused push 1 from raw ({peer}): its "
+                        f"destination '{off}' is not one of this aggregator's servers "
+                        f"({listed}); nothing was dialled. If it is a server of the "
+                        f"job, add it to --servers as the workers name it")
+
+
+def test_a_streaming_member_bound_off_the_list_opens_no_group_and_dials_nothing(streaming):
+    """A large member is summed as it arrives, and a group's first bytes
+    dial the server: a dst off the list must stop that before its end."""
+    server, agg, model = streaming()
+    trap, off = _trap()
+    with trap:
+        raw = RawClient(agg.port)
+        frame = raw.frame(_member(1, "w-1", off, 9, random_update(model, 1)))
+        rest = frame[len(frame) * 7 // 10:]
+        raw.send_raw(frame[:-len(rest)])
+        assert_never_dialled(trap)
+        assert agg.call(lambda: agg.server.groups) == {}
+        raw.send_raw(rest)
+        assert raw.recv_event() == refusal(1, "w-1", off)
+        raw.close()
+    assert server.metrics.connected_clients._value.get() == 0
+
+
+def test_workers_whose_server_is_off_the_list_lose_nothing(live):
+    """Members refused for their dst go straight to their own server (the
+    address they are connected to), each applied once; the controller hears
+    of the aggregator's failure."""
+    trap, off = _trap()
+    with trap:
+        server, agg, controller, model = live(4, servers=[off])
+        updates = [random_update(model, seed=i) for i in range(4)]
+        with mlfabric.connect(server.address, job=JOB, token=TOKEN,
+                              controller=controller.address) as ps:
+            outcomes = [f.result(10) for f in [ps.push(u, base_version=0) for u in updates]]
+            assert sorted(o.version for o in outcomes) == [1, 2, 3, 4]
+            assert all(o.applied for o in outcomes)
+            ref = Reference(model, GAMMA)
+            for _, u in sorted(zip(outcomes, updates, strict=True), key=lambda x: x[0].version):
+                ref.apply(u)
+            assert_model_equal(ps.pull(timeout=10)[1], ref.w)
+        assert_never_dialled(trap, within=0.2)  # (the members were answered long before)
+    assert agg.metrics.dst_refused._value.get() == 4
+    assert server.metrics.aggregates_applied._value.get() == 0
+    wait_until(lambda: controller.metrics.aggregator_failures._value.get() == 4,
+               what="the failures reported")
+
+
+def test_a_listed_address_that_does_not_prove_itself_gets_no_proof(loop_kind):
+    """No proof to a listener that has not proven itself (issue 33): a
+    listener on the list that answers the aggregator's hello with a wrong
+    server proof gets an ERROR(auth) and nothing made with the token; the
+    member is told to go straight to the server."""
+    model = make_model()
+    trap, fake = _trap()
+    heard: list[object] = []
+
+    def impostor() -> None:
+        trap.settimeout(10)
+        conn, _ = trap.accept()
+        with conn:
+            conn.settimeout(10)
+            wire = Connection()
+
+            def event():
+                while (ev := wire.next_event()) is NEED_DATA:
+                    data = conn.recv(1 << 16)
+                    if not data:
+                        return None
+                    wire.receive_data(data)
+                return ev
+
+            heard.append(event())  # the hello
+            conn.sendall(wire.send_bytes(Challenge(nonce=b"n" * 32, proof=b"\0" * 32,
+                                                   role="server")))
+            heard.append(event())  # what it answers to a wrong proof
+            heard.append(event())  # then nothing: the connection closes
+
+    thread = threading.Thread(target=impostor, daemon=True)
+    with trap, ServerThread(None, loop_kind=loop_kind, endpoint=Aggregator(
+            job=JOB, token=TOKEN, servers=[fake], metrics=AggregatorMetrics())) as agg:
+        thread.start()
+        raw = RawClient(agg.port)
+        raw.send(_member(1, "w-1", fake, 3, random_update(model, 1)))
+        answer = raw.recv_event()
+        thread.join(10)
+        raw.close()
+    assert not thread.is_alive()
+    assert isinstance(heard[0], Hello) and heard[0].job == JOB
+    assert heard[1:] == [Error(code="auth", message="authentication failed: this listener did "
+                                                    "not prove it holds the job's token"), None]
+    assert answer.code == "aggregate_failed" and answer.req == 1
+    assert (f"the aggregate could not be delivered to {fake}: authentication failed: the "
+            f"parameter server at {fake} did not prove it holds job {JOB!r}'s token") \
+        in answer.message

@@ -3,7 +3,9 @@ downgrade (issue 33): each case as a new user met it, by running the command."""
 
 from __future__ import annotations
 
+import json
 import queue
+import re
 import socket
 import subprocess
 import sys
@@ -95,6 +97,28 @@ class Started:
     def stop(self) -> None:
         self.proc.terminate()
         assert self.proc.wait(15) == 0, self.proc.stderr.read()
+
+
+def test_an_aggregator_needs_the_servers_it_may_forward_to(files):
+    """Issue 33: an aggregator dialled whatever server a member named; it
+    now starts only with the list of the job's servers, and says so."""
+    aggregate = ["--aggregate", "127.0.0.1:0", "--job", JOB, "--token-file",
+                 str(files / "job.token")]
+    assert_one_line_error(files, [*command("agent", files), *aggregate],
+                          "--aggregate 127.0.0.1:0 needs --servers HOST:PORT[,HOST:PORT...]: "
+                          "the job's servers (shards and replicas too) as the workers name "
+                          "them; the aggregator forwards to no other address")
+    # from the config file, as every agent setting
+    (files / "agent.json").write_text(json.dumps({
+        "aggregate": "127.0.0.1:0", "job": JOB, "token_file": str(files / "job.token"),
+        "servers": ["127.0.0.1:7070", "127.0.0.1:7071"]}))
+    started = Started(files, [*command("agent", files), "--config", str(files / "agent.json")])
+    try:
+        assert re.search(r"; aggregating job '[^']+' on 127\.0\.0\.1:\d+ \(forwards to "
+                         r"127\.0\.0\.1:7070,127\.0\.0\.1:7071 only\)$", started.line.strip()), \
+            started.line
+    finally:
+        started.stop()
 
 
 def metrics_url(line: str) -> str:
@@ -266,10 +290,10 @@ PORT = "must be a port number in 0..65535 (0 picks a free port), got"
     ("agent", ["--job-rediscover", "3601"],
      "job-rediscover must be a number of seconds in [0, 3600], got 3601.0"),
     ("agent", ["--aggregate", "127.0.0.1:0", "--job", JOB, "--token-file", "job.token",
-               "--group-timeout", "inf"],
+               "--servers", "127.0.0.1:7070", "--group-timeout", "inf"],
      "group timeout must be a positive number of seconds, got inf"),
     ("agent", ["--aggregate", "127.0.0.1:0", "--job", JOB, "--token-file", "job.token",
-               "--handshake-timeout", "0"],
+               "--servers", "127.0.0.1:7070", "--handshake-timeout", "0"],
      "--handshake-timeout must be a positive number of seconds, got 0.0"),
     ("promote", ["--timeout", "inf"], "--timeout must be a positive number of seconds, got inf"),
     ("status", ["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),

@@ -72,7 +72,8 @@ def listener(kind: str):
                                                     tau_max=None)) as st:
             yield st.address, st.server
     elif kind == "aggregator":
-        with ServerThread(None, endpoint=Aggregator(job=JOB, token=TOKEN)) as st:
+        with ServerThread(None, endpoint=Aggregator(job=JOB, token=TOKEN,
+                                                    servers=["127.0.0.1:1"])) as st:
             yield st.address, st.server
     elif kind == "metrics":
         with metrics_port() as address:

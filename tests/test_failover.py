@@ -28,6 +28,7 @@ from support import (
     Reference,
     ServerThread,
     assert_model_equal,
+    free_port,
     make_model,
     random_update,
     wait_until,
@@ -195,12 +196,14 @@ def test_workers_fail_over_with_aggregates_and_lose_nothing():
 
     model = make_model()
     gamma = 0.9
-    server = ServerThread(ParameterStore(model, momentum=gamma))
+    # Ports known before they listen: the aggregator forwards to these two only.
+    server = ServerThread(ParameterStore(model, momentum=gamma), port=free_port())
     replica_server = ReplicaServer(ParameterStore(model, momentum=gamma), job=JOB, token=TOKEN,
                                    metrics=ServerMetrics(), recovery=0.2)
-    replica = ServerThread(None, endpoint=replica_server)
-    agg = ServerThread(None, endpoint=Aggregator(job=JOB, token=TOKEN,
-                                                 metrics=AggregatorMetrics())).__enter__()
+    replica = ServerThread(None, endpoint=replica_server, port=free_port())
+    agg = ServerThread(None, endpoint=Aggregator(
+        job=JOB, token=TOKEN, metrics=AggregatorMetrics(),
+        servers=[f"127.0.0.1:{t.port_wanted}" for t in (server, replica)])).__enter__()
     # Everything is on one host here, where a group never pays in the
     # planner's model: a policy that groups whatever waits (up to 3, held
     # 0.05 s for company), wrapped by the divergence gate as any policy is.

@@ -457,10 +457,12 @@ def aggregator(loop_kind):
     never forwards that one alone at a time no replay can tell)."""
     server = ServerThread(ParameterStore(MODEL, momentum=GAMMA, tau_max=None),
                           loop_kind=loop_kind)
-    agg = ServerThread(None, loop_kind=loop_kind, endpoint=Aggregator(
-        job=JOB, token=TOKEN, group_timeout=120.0, metrics=AggregatorMetrics()))
-    with server, agg:
-        yield server, agg
+    with server:
+        agg = ServerThread(None, loop_kind=loop_kind, endpoint=Aggregator(
+            job=JOB, token=TOKEN, servers=[server.address], group_timeout=120.0,
+            metrics=AggregatorMetrics()))
+        with agg:
+            yield server, agg
 
 
 def test_fuzzed_frames_at_an_aggregator_change_nothing_but_intact_members(aggregator, caplog):

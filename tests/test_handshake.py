@@ -82,17 +82,18 @@ def test_a_listener_that_has_not_proven_itself_gets_no_proof():
     with a refusal that carries nothing made with the token."""
     client = ClientHandshake(JOB, TOKEN, "w0")
     client.hello()
-    forged = Challenge(nonce=b"n" * auth.NONCE_BYTES, proof=b"\0" * 32, role="server")
+    nonce = b"n" * auth.NONCE_BYTES
+    forged = Challenge(nonce=nonce, proof=b"\0" * 32, role="server")
     answer = over_the_wire(client.on_challenge(over_the_wire(forged)))
     assert answer == Error(code="auth", message="authentication failed: this listener did "
                                                 "not prove it holds the job's token")
     with pytest.raises(AuthenticationError, match="did not prove it holds job 'job'"):
         client.verify_server()
     # the same challenge with the right proof is answered with the client's
-    right = Challenge(nonce=b"n" * auth.NONCE_BYTES, role="server", proof=auth.server_proof(
-        TOKEN, JOB, client.nonce, b"n" * auth.NONCE_BYTES))
+    right = Challenge(nonce=nonce, role="server",
+                      proof=auth.server_proof(TOKEN, JOB, client.nonce, nonce))
     answer = client.on_challenge(over_the_wire(right))
-    assert answer == Auth(proof=auth.client_proof(TOKEN, JOB, client.nonce, b"n" * auth.NONCE_BYTES))
+    assert answer == Auth(proof=auth.client_proof(TOKEN, JOB, client.nonce, nonce))
 
 
 def test_a_wrong_job_is_refused_as_a_wrong_token_and_named_only_in_the_log():
@@ -162,7 +163,8 @@ def _listener(role: str):
     if role == "controller":
         return ServerThread(None, endpoint=Controller(fifo_policy, job=JOB_LIVE,
                                                       token=TOKEN_LIVE, tau_max=None))
-    return ServerThread(None, endpoint=Aggregator(job=JOB_LIVE, token=TOKEN_LIVE))
+    return ServerThread(None, endpoint=Aggregator(job=JOB_LIVE, token=TOKEN_LIVE,
+                                                  servers=["127.0.0.1:1"]))
 
 
 @pytest.mark.parametrize("role, foreign", [

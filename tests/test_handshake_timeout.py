@@ -35,7 +35,7 @@ def command(kind: str, tmp_path, *extra: str) -> list[str]:
     return mlfabric_cmd("agent", "--name", "a1", "--listen", f"127.0.0.1:{free_port()}",
                         "--cluster-token-file", str(cluster_token_file()),
                         "--aggregate", f"127.0.0.1:{free_port()}", "--job", JOB,
-                        "--token-file", token, *extra)
+                        "--token-file", token, "--servers", "127.0.0.1:7070", *extra)
 
 
 class Process:
@@ -126,6 +126,6 @@ def test_the_agent_refuses_a_handshake_timeout_without_its_aggregator(tmp_path):
                      "--handshake-timeout", "5"),
         capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
-    assert ("mlfabric agent: error: --job, --token-file, --group-timeout and "
+    assert ("mlfabric agent: error: --job, --token-file, --servers, --group-timeout and "
             "--handshake-timeout belong to --aggregate HOST:PORT (the agent's aggregator); "
             "give it too") in proc.stderr

@@ -540,7 +540,8 @@ def test_with_aggregators_each_shards_parts_are_summed_into_one_aggregate_per_sh
     k, gamma = 3, 0.5
     with shard_servers(model, 2, momentum=gamma) as servers, \
             ServerThread(None, loop_kind=loop_kind, endpoint=Aggregator(
-                job=JOB, token=TOKEN, group_timeout=5.0, metrics=AggregatorMetrics())) as agg, \
+                job=JOB, token=TOKEN, servers=addresses(servers).split(","), group_timeout=5.0,
+                metrics=AggregatorMetrics())) as agg, \
             ServerThread(None, loop_kind=loop_kind, endpoint=Controller(
                 grouping_policy(k, agg.address), job=JOB, token=TOKEN, tau_max=None)) as ctl, \
             mlfabric.connect(addresses(servers), job=JOB, token=TOKEN,

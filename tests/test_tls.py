@@ -586,7 +586,7 @@ def test_the_aggregator_listens_over_tls_and_the_agent_port_does_not(certs, tmp_
     flags = ["--tls-cert", str(ours / "server.pem"), "--tls-key", str(ours / "server.key"),
              "--tls-ca", str(ours / "ca.pem")]
     proc = Process(command("aggregator", tmp_path, *flags), tmp_path,
-                   r"aggregating job '[^']+' on (\S+), mutual TLS$")
+                   r"aggregating job '[^']+' on (\S+), mutual TLS \(forwards to ")
     assert proc.stop() == 0
     alone = subprocess.run(mlfabric_cmd("agent", "--listen", f"127.0.0.1:{free_port()}",
                                         "--cluster-token-file", str(cluster_token_file()),

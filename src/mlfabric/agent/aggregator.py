@@ -23,6 +23,13 @@ out waiting for a member), every member still waiting is answered with
 with the same uid (a server applies a uid at most once). A member that
 arrives after its group closed gets the same answer. If the aggregator dies,
 its workers see the connection drop and do the same.
+
+It forwards only to the servers it was configured with (`servers`, the
+operator's `--servers`; issue 33): a member whose `dst` is not one of them
+is answered `dst_not_allowed` and nothing is dialled, so an authenticated
+worker cannot make the aggregator connect anywhere else. Its worker then
+sends the update straight to the server it is connected to, as after any
+other failure of the aggregator.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +50,7 @@ from ..client.link import LinkPool
 from ..client.seams import ServerConnection
 from ..errors import ConfigError, ConnectionLost, MlfabricError
 from ..runtime.metrics import AggregatorMetrics
-from ..transport.listener import Endpoint, EndpointProtocol
+from ..transport.listener import Endpoint, EndpointProtocol, LogLimiter
 from ..wire import roles
 from ..wire.handshake import ClientHandshake
 from ..wire.protocol import (
@@ -58,6 +66,7 @@ from ..wire.protocol import (
     layout,
     spec_of,
 )
+from .destinations import Destinations
 from .group_sum import GroupSum
 
 log = logging.getLogger("mlfabric.aggregator")
@@ -68,6 +77,7 @@ MAX_UPDATE_BYTES = 1 << 32
 _CLOSED_MEMORY = 4096  # closed groups remembered, so a late member is told at once
 FAILED = "aggregate_failed"  # the aggregator could not deliver: re-send, and say so
 REFUSED = "aggregate_refused"  # the server refused the aggregate: re-send, no one's fault
+DST_REFUSED = "dst_not_allowed"  # the member named a server not on the list: nothing dialled
 
 
 @dataclass
@@ -81,7 +91,7 @@ class _Member:
 
 @dataclass
 class _Group:
-    key: tuple[str, int]  # (server address, group id)
+    key: tuple[str, int]  # (server address as configured, group id)
     specs: tuple[TensorSpec, ...]
     sum: GroupSum
     started: float
@@ -100,7 +110,11 @@ class _Group:
 class Aggregator(Endpoint):
     """Sums groups of one job's updates and forwards each as one aggregate.
 
-    >>> agg = Aggregator(job="mnist", token=b"...")
+    `servers`: every address it may forward to (the job's servers, shards
+    and replicas, as their workers name them); a member bound anywhere else
+    is refused and nothing is dialled.
+
+    >>> agg = Aggregator(job="mnist", token=b"...", servers=["10.0.0.1:7070"])
     >>> host, port = await agg.start("0.0.0.0", 7401)
     >>> await agg.close()
     """
@@ -108,9 +122,11 @@ class Aggregator(Endpoint):
     role = "aggregator"
     log = log
 
-    def __init__(self, *, job: str, token: bytes, metrics: AggregatorMetrics | None = None,
+    def __init__(self, *, job: str, token: bytes, servers: Iterable[str],
+                 metrics: AggregatorMetrics | None = None,
                  group_timeout: float = GROUP_TIMEOUT, max_update_bytes: int = MAX_UPDATE_BYTES,
                  handshake_timeout: float = 10.0, name: str = "aggregator") -> None:
+        self.destinations = Destinations(servers)
         if not group_timeout > 0:
             raise ConfigError(f"group timeout must be positive seconds, got {group_timeout}")
         super().__init__(job=job, token=token,
@@ -126,6 +142,9 @@ class Aggregator(Endpoint):
             address, self._handshake(), SERVER_DIAL_TIMEOUT, "parameter server"))
         self._writing: dict[str, asyncio.Lock] = {}  # one frame at a time on a server link
         self._forwards: set[asyncio.Task[None]] = set()
+        # Off-list destinations are logged apart from the listener's
+        # refusals: a flood of one must not hide the other.
+        self.dst_refusals = LogLimiter(log)
 
     def make_protocol(self) -> _AggregatorProtocol:
         return _AggregatorProtocol(self)
@@ -148,6 +167,20 @@ class Aggregator(Endpoint):
                 self.group_timeout, self._expire, key)
             self.groups[key] = group
         return group
+
+    def refuse_dst(self, conn: _AggregatorProtocol, event: Push) -> None:
+        """A member bound for a server not on the list: refused, counted,
+        logged (rate-limited); no group is opened and nothing is dialled."""
+        self.metrics.dst_refused.inc()
+        self.dst_refusals.warning(
+            "refused push %d from %s (%s): its destination %r is not one of this "
+            "aggregator's servers (%s); nothing was dialled. If it is a server of the job, "
+            "add it to --servers as the workers name it", event.req, conn.client, conn.peer,
+            event.dst, self.destinations)
+        conn.send(Error(code=DST_REFUSED, req=event.req,
+                        message=f"this aggregator does not forward to {event.dst!r}: it is "
+                                f"not one of its servers (mlfabric agent --servers); send "
+                                f"update {event.uid} straight to the server"))
 
     def closed_reason(self, key: tuple[str, int]) -> str | None:
         return self._closed.get(key)
@@ -377,13 +410,17 @@ class _AggregatorProtocol(EndpointProtocol):
         if partial is None or partial.msg_type is not MsgType.PUSH:
             return
         push = partial.head
-        key, fan_in, index = (push.dst, push.group), push.fan_in, push.index
+        fan_in, index = push.fan_in, push.index
         req, uid, base = push.req, push.uid, push.base_version
         if (push.dst is None or push.group is None or fan_in is None or index is None
                 or uid is None
                 or not all(sp.dtype == np.dtype("<f4") for sp in partial.specs)):
             return  # not an aggregation member: refused when the frame is complete
         agg = self.aggregator
+        dst = agg.destinations.match(push.dst)
+        if dst is None:
+            return  # no group, no dial: refused when the frame is complete
+        key = (dst, push.group)
         group = agg.group_for(key, fan_in, len(partial.data),
                               partial.specs)
         if group is None or group.specs != partial.specs or group.sum.fan_in != fan_in:
@@ -406,19 +443,23 @@ class _AggregatorProtocol(EndpointProtocol):
 
     def handle(self, event: Any) -> None:
         agg = self.aggregator
+        # This frame's own data block: a push without one allocates none, and
+        # the last push's must not stand in for it (found by the fuzz test).
+        block, self._block = self._block, None
         if event.group is None or event.uid is None or event.dst is None:
             self._refuse(event, "misrouted", "this is an aggregator: push here only what the "
                                              "controller routed through it (with its group)")
             return
         assert event.fan_in is not None and event.index is not None
-        key = (event.dst, event.group)
+        dst = agg.destinations.match(event.dst)
+        if dst is None:
+            agg.refuse_dst(self, event)
+            return
+        key = (dst, event.group)
         specs = tuple(spec_of(n, a) for n, a in event.tensors.items())
         if any(sp.dtype != np.dtype("<f4") for sp in specs):
             self._refuse(event, "bad_dtype", "aggregates hold float32 tensors only")
             return
-        # This frame's own data block: a push without one allocates none, and
-        # the last push's must not stand in for it (found by the fuzz test).
-        block, self._block = self._block, None
         if not specs or block is None:
             self._refuse(event, "empty", "an aggregation member carries its update's tensors; "
                                          "this one has none")

@@ -38,6 +38,7 @@ from .daemon import (
     read_net_dev,
     read_nic_speed,
 )
+from .destinations import Destinations, split_servers
 from .estimator import ProbeConfig
 from .job_traffic import JobTrafficReader
 
@@ -57,6 +58,7 @@ CONFIG_KEYS = {
     "job_ports": "--job-port",  # a list of port numbers
     "job_rediscover": "--job-rediscover",
     "aggregate": "--aggregate",
+    "servers": "--servers",  # "HOST:PORT,HOST:PORT" or a list of "HOST:PORT"
     "job": "--job",
     "token_file": "--token-file",
     "group_timeout": "--group-timeout",
@@ -99,7 +101,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--aggregate", metavar="HOST:PORT",
                    help="also act as the job's aggregator on this address: sum the updates "
                         "the controller routes here and forward one aggregate to the server "
-                        "(needs --job and --token-file)")
+                        "(needs --job, --token-file and --servers)")
+    p.add_argument("--servers", action="append", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="with --aggregate (required): every server the aggregator may "
+                        "forward to: the job's parameter server or shards, and their "
+                        "replicas, as the workers and the controller name them; a member "
+                        "bound for any other address is refused and nothing is dialled "
+                        "(repeatable)")
     p.add_argument("--job", help="the job whose updates are aggregated (with --aggregate)")
     p.add_argument("--token-file", metavar="PATH",
                    help="the job's token file (with --aggregate)")
@@ -158,6 +166,7 @@ class AggregateConfig:
     job: str
     token: bytes
     group_timeout: float
+    servers: tuple[str, ...]  # where aggregates may go (--servers)
     handshake_timeout: float = 10.0
     tls: ssl.SSLContext | None = None  # the aggregator listener's (--tls-*)
 
@@ -167,16 +176,17 @@ def build_aggregate(args: argparse.Namespace, file: dict[str, Any]) -> Aggregate
     job = args.job or file.get("job")
     token_file = args.token_file or file.get("token_file")
     timeout = _pick(args.group_timeout, file, "group_timeout", 2.0)
+    servers = _pick(args.servers, file, "servers")
     if address is None:
         if args.tls_cert or args.tls_key or args.tls_ca:
             raise ConfigError("--tls-cert, --tls-key and --tls-ca are for the aggregator's "
                               "listener (the agent's own port is not TLS): give "
                               "--aggregate HOST:PORT too, or drop them")
         if (job is not None or token_file is not None or args.group_timeout is not None
-                or args.handshake_timeout is not None):
-            raise ConfigError("--job, --token-file, --group-timeout and --handshake-timeout "
-                              "belong to --aggregate HOST:PORT (the agent's aggregator); give "
-                              "it too")
+                or args.handshake_timeout is not None or servers is not None):
+            raise ConfigError("--job, --token-file, --servers, --group-timeout and "
+                              "--handshake-timeout belong to --aggregate HOST:PORT (the "
+                              "agent's aggregator); give it too")
         return None
     if not isinstance(address, str):
         raise ConfigError(f"aggregate must be a \"HOST:PORT\" string, got {address!r}")
@@ -187,11 +197,19 @@ def build_aggregate(args: argparse.Namespace, file: dict[str, Any]) -> Aggregate
                           f"server with the job's token)")
     if not _is_number(timeout) or not 0 < timeout < math.inf:
         raise ConfigError(f"group timeout must be a positive number of seconds, got {timeout!r}")
+    if servers is None:
+        # Secure by default (issue 33): without a list, any member could
+        # make the aggregator dial any address with the job's token.
+        raise ConfigError(f"--aggregate {address} needs --servers HOST:PORT[,HOST:PORT...]: "
+                          f"the job's servers (shards and replicas too) as the workers name "
+                          f"them; the aggregator forwards to no other address")
+    allowed = Destinations(split_servers(servers, "servers"), "--servers")
     # The client context is also this process's: the aggregates go to the
     # server over TLS too.
     secured = tls.from_args(args)
     return AggregateConfig(host, port, str(job), auth.load_token(token_file), float(timeout),
-                           handshake_timeout(args), None if secured is None else secured[0])
+                           allowed.addresses, handshake_timeout(args),
+                           None if secured is None else secured[0])
 
 
 def build_config(args: argparse.Namespace, aggregate: AggregateConfig | None = None
@@ -291,7 +309,8 @@ async def serve(config: AgentConfig, metrics_port: int | None = None,
     metrics = AgentMetrics()
     agent = Agent(config, metrics=metrics)
     aggregator = None if aggregate is None else Aggregator(
-        job=aggregate.job, token=aggregate.token, group_timeout=aggregate.group_timeout,
+        job=aggregate.job, token=aggregate.token, servers=aggregate.servers,
+        group_timeout=aggregate.group_timeout,
         metrics=AggregatorMetrics(metrics.registry), name=config.name,
         handshake_timeout=aggregate.handshake_timeout)
     if aggregator is not None and aggregate is not None:
@@ -315,7 +334,8 @@ async def serve(config: AgentConfig, metrics_port: int | None = None,
                 raise ConfigError(f"cannot listen on --aggregate {aggregate.host}:"
                                   f"{aggregate.port}: {exc.strerror or exc}") from None
             extra = (f"; aggregating job {aggregate.job!r} on {host}:{port}"
-                     f"{tls.describe(aggregate.tls)}")
+                     f"{tls.describe(aggregate.tls)} (forwards to "
+                     f"{','.join(aggregate.servers)} only)")
         print(f"mlfabric agent {config.name} ready on {config.host}:{agent.port}{where}{extra}",
               flush=True)
         await stop.wait()

@@ -480,6 +480,10 @@ class AggregatorMetrics:
         self.late_members = Counter(
             "aggregator_late_members", "Members that arrived after their group closed (sent "
             "back to go straight to the server)", namespace=ns, registry=r)
+        self.dst_refused = Counter(
+            "aggregator_dst_refused", "Member pushes refused because the server they name is "
+            "not one of the aggregator's --servers (nothing dialled; the worker sends the "
+            "update straight to its server)", namespace=ns, registry=r)
         _listener_metrics(self, "aggregator", "worker", r)
 
 

@@ -197,6 +197,8 @@ def _agent_file(parser: argparse.ArgumentParser) -> Iterator[str]:
         action = flags[flag]
         if key == "peers":
             kind = 'object `{"NAME": "HOST:PORT"}`'
+        elif key == "servers":
+            kind = 'string `"HOST:PORT,..."` or list of strings'
         elif action.type in (int, float):
             kind = "number"
         else:
