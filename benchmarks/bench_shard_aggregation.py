@@ -69,14 +69,6 @@ def run_one(tb, config: str, args: argparse.Namespace, tmp: Path, init: Path, to
             str(token), "--tau-max", "-1", "--policy", "mlfabric",
             "--default-link-mbit", str(args.worker_mbit), *links, *routes], tmp))
         controller = serving_address(procs[0], "controller", timeout=120)
-        if config == "with":
-            for a in aggs:
-                agent = popen(tb, a, [
-                    *py, "agent", "--name", a.ip, "--listen", f"{a.ip}:{AGENT_PORT}",
-                    "--aggregate", f"{a.ip}:{AGGREGATE_PORT}", "--job", JOB, "--token-file",
-                    str(token), "--cluster-token-file", str(agent_secrets(tmp, JOB)[0])], tmp)
-                procs.append(agent)
-                wait_for_line(agent, "aggregating", f"aggregator on {a.name}", timeout=120)
         servers = []
         for i in range(args.shards):
             host = tb.host(f"h{i}")
@@ -88,6 +80,15 @@ def run_one(tb, config: str, args: argparse.Namespace, tmp: Path, init: Path, to
         procs += servers
         addresses = ",".join(serving_address(p, f"shard {i}", timeout=120)
                              for i, p in enumerate(servers))
+        if config == "with":
+            for a in aggs:  # forwarding to the shards only
+                agent = popen(tb, a, [
+                    *py, "agent", "--name", a.ip, "--listen", f"{a.ip}:{AGENT_PORT}",
+                    "--aggregate", f"{a.ip}:{AGGREGATE_PORT}", "--job", JOB, "--token-file",
+                    str(token), "--servers", addresses,
+                    "--cluster-token-file", str(agent_secrets(tmp, JOB)[0])], tmp)
+                procs.append(agent)
+                wait_for_line(agent, "aggregating", f"aggregator on {a.name}", timeout=120)
         start_workers(tb, [tb.host(f"h{args.shards + w}") for w in range(args.workers)],
                       addresses, token, tmp, args.rounds, workers, controller)
 

@@ -105,7 +105,9 @@ def one_run(tb: Any, tmp: str, args: argparse.Namespace, div_max: float) -> dict
     replicas = [LoopThread(ReplicaServer(store(i), job=JOB, token=token,
                                          metrics=ServerMetrics()), hosts[S + i])
                 for i in range(S)]
-    aggs = [LoopThread(Aggregator(job=JOB, token=token, metrics=AggregatorMetrics()), h)
+    listed = [t.address for t in (*servers, *replicas)]  # where aggregates may go
+    aggs = [LoopThread(Aggregator(job=JOB, token=token, servers=listed,
+                                  metrics=AggregatorMetrics()), h)
             for h in (hosts[2 * S + 1:2 * S + 1 + AGGREGATORS] if args.aggregate else ())]
     ctl = Controller(fifo_policy, job=JOB, token=token, tau_max=None,
                      gate=DivergenceGate(GAMMA, div_max if math.isfinite(div_max) else 1e300),

@@ -153,7 +153,9 @@ def one_run(tb: Any, tmp: str, args: argparse.Namespace, rng: random.Random,
                 agent = tb.popen(a, [
                     *py, "agent", "--name", a.ip, "--listen", f"{a.ip}:{AGENT_PORT}",
                     "--aggregate", f"{a.ip}:{AGGREGATE_PORT}", "--job", JOB, "--token-file",
-                    token, "--cluster-token-file", str(agent_secrets(Path(tmp), JOB)[0])],
+                    token, "--cluster-token-file", str(agent_secrets(Path(tmp), JOB)[0]),
+                    # the shards and, after a failover, their replicas
+                    "--servers", ",".join(x for sh in shards for x in (sh.addr, sh.rep_addr))],
                     **kw)
                 procs.append(agent)
                 wait_for_line(agent, "aggregating", f"aggregator on {a.name}", timeout=120)

@@ -273,15 +273,19 @@ class Job:
             for i in range(2):
                 port = free_port()
                 agg = self._listener(f"aggregator-{i}", "aggregator",
-                                     ["agent", "--name", f"a{i}", "--cluster-token-file",
-                                      str(self.cluster_token), "--aggregate",
-                                      f"127.0.0.1:{port}"], port=0)
+                                     self.aggregator_args(i, port), port=0)
                 agg.address = f"127.0.0.1:{port}"
                 agg.name = f"aggregator-{i}"
                 self.aggregators.append(agg)
         self.start_controller()
         for _ in range(s.workers):
             self.start_worker()
+
+    def aggregator_args(self, i: int, port: int | str) -> list[str]:
+        """Aggregator i's command, on `port`: it forwards to the job's server only."""
+        assert self.server is not None
+        return ["agent", "--name", f"a{i}", "--cluster-token-file", str(self.cluster_token),
+                "--aggregate", f"127.0.0.1:{port}", "--servers", str(self.server.address)]
 
     def controller_args(self) -> list[str]:
         s = self.s
@@ -415,8 +419,7 @@ class Job:
         self.kill(agg)
         port = agg.address.rsplit(":", 1)[1] if agg.address else "0"
         new = self._listener(f"{agg.name}-r{self.kills['aggregator']}", "aggregator",
-                             ["agent", "--name", f"a{i}", "--cluster-token-file",
-                              str(self.cluster_token), "--aggregate", f"127.0.0.1:{port}"])
+                             self.aggregator_args(i, port))
         new.address = agg.address
         self.aggregators[i] = new
 

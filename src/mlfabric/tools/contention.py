@@ -513,7 +513,8 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
                 aggregate = []
                 if aggregates(base) and host in workers:
                     aggregate = ["--aggregate", f"{host.ip}:{AGGREGATE_PORT}", "--job", JOB,
-                                 "--token-file", str(token), "--metrics-port",
+                                 "--token-file", str(token), "--servers", srv_addr,
+                                 "--metrics-port",
                                  str(AGENT_METRICS_PORT), "--metrics-host", host.ip]
                     agents += ["--aggregator", f"{host.ip}={host.ip}:{AGGREGATE_PORT}"]
                 helpers.append(_popen(tb, host, [*py, "agent", "--name", host.ip, "--listen",

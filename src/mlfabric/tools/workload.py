@@ -296,6 +296,7 @@ def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: i
             srv_argv += ["--momentum", str(momentum)]
         srv = tb.popen(server, srv_argv, **kw)
         procs = {"server": srv}
+        srv_addr = ""  # from its start line, once it is up
         links = []
         for name, (up, down) in (link_mbit or {}).items():
             links += ["--link", f"{tb.host(name).ip}={up}/{down}"]
@@ -309,10 +310,17 @@ def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: i
                 ctl_argv += ["--max-fan-in", str(max_fan_in)]
             ctl_argv += list(controller_args)
             cluster_token, _ = agent_secrets(Path(tmp), JOB)
+            try:  # the aggregator forwards to the server only, named as the workers do
+                srv_addr = serving_address(srv, "server")
+            except BaseException:
+                srv.kill()
+                srv.wait(10)
+                raise
             agent_argv = [*py, "agent", "--name", agg.ip, "--listen", f"{agg.ip}:{AGENT_PORT}",
                           "--cluster-token-file", str(cluster_token),
                           "--aggregate", f"{agg.ip}:{AGGREGATE_PORT}", "--job", JOB,
-                          "--token-file", str(token), *metrics_argv("agent")]
+                          "--token-file", str(token), "--servers", srv_addr,
+                          *metrics_argv("agent")]
             if group_timeout is not None:
                 agent_argv += ["--group-timeout", str(group_timeout)]
             if agent_log is not None:
@@ -325,7 +333,8 @@ def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: i
         ctl = tb.popen(server, ctl_argv, **kw)
         procs["controller"] = ctl
         try:
-            srv_addr = serving_address(srv, "server")
+            if not aggregator:
+                srv_addr = serving_address(srv, "server")
             ctl_addr = serving_address(ctl, "controller")
             if "agent" in procs:
                 wait_for_line(procs["agent"], "aggregating", "aggregator agent")
