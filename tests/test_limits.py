@@ -4,7 +4,8 @@ Measured before: 3,000 idle connections that never finished the handshake
 each held a file descriptor until the handshake timeout; 500 unauthenticated
 connections raised an agent's memory from 47 to 581 MiB; one authenticated
 client's 256 pipelined pulls (7.8 KB of requests) left 4.2 GB held in the
-server; failed handshakes logged one line each.
+server; failed handshakes logged one line each. The memory of real processes
+under these abuses, and after, is test_memory's.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import time
 
 import pytest
 
@@ -190,45 +190,3 @@ def test_an_agent_keeps_few_connections_that_have_not_logged_in_and_small(run_as
             await asyncio.wait_for(agent.stop(), 10)
 
     run_async(main())
-
-
-def test_memory_of_many_unauthenticated_connections_stays_bounded() -> None:
-    """500 connections that never log in, each sending a 1 MiB frame header
-    and 256 KiB of it, against a real agent process: its resident memory
-    stays within 40 MiB of what it was (it grew by 534 MiB before)."""
-    import subprocess
-    import sys
-
-    from support import cluster_token_file, free_port
-
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlfabric", "--log-level", "ERROR", "agent", "--name", "a",
-         "--listen", f"127.0.0.1:{port}", "--cluster-token-file", str(cluster_token_file())],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None and "ready" in proc.stdout.readline()
-
-        def rss() -> int:
-            with open(f"/proc/{proc.pid}/status") as f:
-                return next(int(x.split()[1]) for x in f if x.startswith("VmRSS")) * 1024
-
-        before = rss()
-        head = probe.HEADER.pack(probe.MAGIC, probe.VERSION, probe.MsgType.SET_PEERS, 1 << 20)
-        socks = []
-        for _ in range(500):
-            s = socket.create_connection(("127.0.0.1", port))
-            s.setblocking(False)
-            try:
-                s.send(head + bytes(1 << 18))
-            except BlockingIOError:
-                pass
-            socks.append(s)
-        time.sleep(0.5)  # a measurement over time, not a synchronisation: RSS settles
-        during = rss()
-        for s in socks:
-            s.close()
-        assert during - before < 40 << 20, (before, during)
-    finally:
-        proc.terminate()
-        proc.wait(10)

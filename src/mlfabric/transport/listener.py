@@ -504,6 +504,10 @@ class EndpointProtocol(asyncio.BufferedProtocol):
         self.endpoint.connections.discard(self)
         self.transport = None
         self.on_lost()
+        # Free what this connection received now, not when the cyclic GC
+        # finds it: the Connection refers back to this protocol (`allocate`).
+        self.conn.release()
+        self._scratch = bytearray()
 
     def pause_writing(self) -> None:
         # The peer is not reading its answers: stop reading its requests
