@@ -105,7 +105,7 @@ def test_server_exports_prometheus_metrics(tmp_path):
         (lambda d: ["--momentum", "1.5"], "momentum must be in"),
         # issue 33: -2 and -16 used to start a server with no bound at all
         (lambda d: ["--tau-max", "-2"],
-         "--tau-max must be a number of versions >= 0, or -1 for no bound; got -2"),
+         "--tau-max must be a number of versions in 0..1000000, or -1 for no bound; got -2"),
         (lambda d: ["--job", " "], "--job must name the job, got ' '"),
     ],
     ids=["missing-init", "float64-init", "corrupt-init", "missing-token", "bad-listen",
@@ -273,8 +273,8 @@ def test_the_controller_refuses_a_negative_tau_max_in_one_line(tmp_path):
         capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "mlfabric controller: error: --tau-max must be a number of versions >= 0, or -1 for "
-        "no bound; got -16"], proc.stderr
+        "mlfabric controller: error: --tau-max must be a number of versions in 0..1000000, or "
+        "-1 for no bound; got -16"], proc.stderr
 
 
 def test_log_level_is_taken_before_and_after_the_subcommand():

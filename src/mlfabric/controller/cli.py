@@ -18,8 +18,11 @@ from ..scheduling.aggregation import AggregationConfig
 from ..scheduling.plan import POLICIES, Network, Policy, fifo_policy
 from ..transport import tls
 from ..transport.listener import (
+    MAX_TAU_MAX,
     add_listener_arguments,
     add_metrics_arguments,
+    check_count,
+    check_metrics_host,
     check_momentum,
     check_port,
     check_positive,
@@ -40,8 +43,8 @@ log = logging.getLogger("mlfabric.controller")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_listener_arguments(p, "workers")
     p.add_argument("--tau-max", type=int, default=16, metavar="N",
-                   help="staleness bound in versions for deadlines; -1 for none (default: 16; "
-                        "use the server's value)")
+                   help=f"staleness bound in versions for deadlines, 0..{MAX_TAU_MAX}; -1 "
+                        f"for none (default: 16; use the server's value)")
     p.add_argument("--policy", choices=POLICIES, default="mlfabric",
                    help="mlfabric: shortest-transfer-first with deadlines and drops; fifo: "
                         "every update goes at once (the plain asynchronous PS baseline)")
@@ -186,8 +189,7 @@ def check_numbers(args: argparse.Namespace) -> None:
     """Every numeric flag within its range, whether or not the feature it
     tunes is on (issue 33): a wrong value is an error, never silently unused."""
     check_positive("--agent-interval", args.agent_interval)
-    if not 2 <= args.max_fan_in <= MAX_FAN_IN:
-        raise ConfigError(f"--max-fan-in must be in 2..{MAX_FAN_IN}, got {args.max_fan_in}")
+    check_count("--max-fan-in", args.max_fan_in, 2, MAX_FAN_IN)
     if not 0 <= args.group_wait < math.inf:
         raise ConfigError(f"--group-wait must be a finite number of seconds >= 0 (0: "
                           f"aggregation never stalls the server), got {args.group_wait}")
@@ -202,6 +204,7 @@ def check_numbers(args: argparse.Namespace) -> None:
     check_positive("--replica-gap-timeout", args.replica_gap_timeout)
     check_positive("--replica-lag-timeout", args.replica_lag_timeout)
     check_port("--metrics-port", args.metrics_port)
+    check_metrics_host(args.metrics_port, args.metrics_host)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -72,6 +72,10 @@ from .sequencer import Sequencer
 log = logging.getLogger("mlfabric.replica")
 
 DEFAULT_MAX_PENDING = 64
+# The most --max-pending takes: each update waiting is held whole (1024 of a
+# 100 MB model are 100 GB), and a replica that many updates behind is lost
+# rather than reordering (issue 33: the flag had no upper bound).
+MAX_PENDING_LIMIT = 1024
 DEFAULT_RECOVERY = 0.3  # seconds a promoted replica waits for numbered pushes
 
 

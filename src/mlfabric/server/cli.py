@@ -19,6 +19,7 @@ from ..replication.divergence_sampling import ReplicaSampler
 from ..replication.replica import (
     DEFAULT_MAX_PENDING,
     DEFAULT_RECOVERY,
+    MAX_PENDING_LIMIT,
     ReplicaServer,
     announce,
     fetch_state,
@@ -28,9 +29,12 @@ from ..runtime.metrics import ServerMetrics, serve_metrics
 from ..sharding.partition import DEFAULT_CHUNK_BYTES, partition
 from ..transport import tls
 from ..transport.listener import (
+    MAX_TAU_MAX,
     add_listener_arguments,
     add_metrics_arguments,
     check_at_least,
+    check_count,
+    check_metrics_host,
     check_momentum,
     check_not_negative,
     check_port,
@@ -49,6 +53,11 @@ from .server import ParameterServer
 from .store import ParameterStore
 
 log = logging.getLogger("mlfabric.server")
+
+# The most --keep-checkpoints takes: each is the whole model on disk, and
+# more than this is an archive, which is the operator's to keep (issue 33:
+# the flag had no upper bound).
+MAX_KEEP_CHECKPOINTS = 1000
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -92,8 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"lost server still on their way before serving (default: "
                         f"{DEFAULT_RECOVERY})")
     p.add_argument("--max-pending", type=int, default=DEFAULT_MAX_PENDING, metavar="N",
-                   help="replica: updates that may wait for an earlier one; a push further "
-                        f"ahead is refused (default: {DEFAULT_MAX_PENDING})")
+                   help=f"replica: updates that may wait for an earlier one, 1.."
+                        f"{MAX_PENDING_LIMIT} (each is held whole); a push further ahead is "
+                        f"refused (default: {DEFAULT_MAX_PENDING})")
     p.add_argument("--shard", metavar="I/S", default=None,
                    help="serve shard I of S (0 <= I < S): the model is partitioned over S "
                         "servers, each started with the same --init and --chunk-bytes; "
@@ -109,8 +119,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--momentum", type=float, default=None, metavar="G",
                    help="server momentum gamma in [0, 1) (default: 0, or the checkpoint's)")
     p.add_argument("--tau-max", type=int, default=16, metavar="N",
-                   help="refuse updates older than N versions at apply; -1 for no bound "
-                        "(default: 16)")
+                   help=f"refuse updates older than N versions at apply, 0..{MAX_TAU_MAX}; "
+                        f"-1 for no bound (default: 16)")
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="apply updates holding NaN/Inf instead of refusing them")
     p.add_argument("--checkpoint-dir", metavar="DIR", default=None,
@@ -118,8 +128,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-interval", type=float, default=60.0, metavar="SECONDS",
                    help="seconds between checkpoints when the model changed (default: 60)")
     p.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
-                   help="keep this run's N newest checkpoints (default: 3); other runs' "
-                        "files in --checkpoint-dir are left alone")
+                   help=f"keep this run's N newest checkpoints, 1..{MAX_KEEP_CHECKPOINTS} "
+                        f"(default: 3); other runs' files in --checkpoint-dir are left alone")
     p.add_argument("--resume", metavar="PATH", default=None,
                    help="start from a checkpoint file, or 'latest': the newest valid one in "
                         "--checkpoint-dir (the run goes on: same run id)")
@@ -323,12 +333,13 @@ def check_numbers(args: argparse.Namespace) -> None:
     """Every numeric flag within its range, whatever the role (issue 33)."""
     check_positive("--sample-interval", args.sample_interval)
     check_not_negative("--recovery-seconds", args.recovery_seconds)
-    check_at_least("--max-pending", args.max_pending, 1)
+    check_count("--max-pending", args.max_pending, 1, MAX_PENDING_LIMIT)
     check_at_least("--chunk-bytes", args.chunk_bytes, 1)
     check_momentum("--momentum", args.momentum)
     check_positive("--checkpoint-interval", args.checkpoint_interval)
-    check_at_least("--keep-checkpoints", args.keep_checkpoints, 1)
+    check_count("--keep-checkpoints", args.keep_checkpoints, 1, MAX_KEEP_CHECKPOINTS)
     check_port("--metrics-port", args.metrics_port)
+    check_metrics_host(args.metrics_port, args.metrics_host)
 
 
 def run_server(args: argparse.Namespace) -> int:

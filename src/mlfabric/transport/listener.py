@@ -72,15 +72,22 @@ def job_name(value: str) -> str:
     return value
 
 
+# The largest --tau-max: a bound past a million versions bounds nothing a job
+# would notice (say -1), and a value past 2**64 started a server whose
+# welcome no client could read (issue 33).
+MAX_TAU_MAX = 1_000_000
+
+
 def parse_tau_max(value: int | None) -> int | None:
-    """--tau-max (the server's and the controller's): a number of versions,
-    or -1 (or None) for no bound. Any other negative number is an error: -2
-    and -16 used to start a server with no bound at all (issue 33)."""
+    """--tau-max (the server's and the controller's): a number of versions
+    up to MAX_TAU_MAX, or -1 (or None) for no bound. Any other negative
+    number is an error: -2 and -16 used to start a server with no bound at
+    all (issue 33)."""
     if value is None or value == -1:
         return None
-    if value < 0:
-        raise ConfigError(f"--tau-max must be a number of versions >= 0, or -1 for no bound; "
-                          f"got {value}")
+    if not 0 <= value <= MAX_TAU_MAX:
+        raise ConfigError(f"--tau-max must be a number of versions in 0..{MAX_TAU_MAX}, or -1 "
+                          f"for no bound; got {value}")
     return value
 
 
@@ -90,9 +97,9 @@ def add_metrics_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve Prometheus metrics on this port at /metrics; 0 picks a free "
                         "port (the start line prints the URL) (default: off)")
     p.add_argument("--metrics-host", default=None, metavar="ADDR",
-                   help="address to serve the metrics on (default: the --listen host, so "
-                        "a process listening on 127.0.0.1 does not export its metrics to "
-                        "the network)")
+                   help="address to serve the metrics on, with --metrics-port (default: the "
+                        "--listen host, so a process listening on 127.0.0.1 does not export "
+                        "its metrics to the network)")
 
 
 # -- numeric flags: each checked for its range, with a one-line error naming the
@@ -131,6 +138,27 @@ def check_at_least(flag: str, value: int, low: int) -> int:
     if value < low:
         raise ConfigError(f"{flag} must be at least {low}, got {value}")
     return value
+
+
+def check_count(flag: str, value: int, low: int, high: int) -> int:
+    """A count in low..high."""
+    if not low <= value <= high:
+        raise ConfigError(f"{flag} must be in {low}..{high}, got {value}")
+    return value
+
+
+def check_metrics_host(port: int | None, host: str | None) -> None:
+    """--metrics-host is where the metrics are served: without a metrics
+    port there are none, and it used to be ignored silently (issue 33).
+    `port`: the metrics port from wherever the command takes it."""
+    if host is None:
+        return
+    if not host.strip():
+        raise ConfigError(f"--metrics-host must name an address of this host, got {host!r}")
+    if port is None:
+        raise ConfigError("--metrics-host without --metrics-port: metrics are off without a "
+                          "port; give --metrics-port P (0 picks a free one), or drop "
+                          "--metrics-host")
 
 
 def check_momentum(flag: str, value: float | None) -> float | None:
