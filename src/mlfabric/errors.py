@@ -22,6 +22,11 @@ class FrameTooLarge(ProtocolError):
     """A frame announces more bytes than the receiver's maximum frame size."""
 
 
+class IntegrityError(ProtocolError):
+    """A frame of an authenticated connection failed its MAC check (or came
+    without one): altered, injected, replayed or reordered in transit."""
+
+
 class NotMlfabric(ProtocolError):
     """The peer's bytes are not mlfabric frames (bad magic). `head`: the first
     of them, which tell what kind of process answered (an HTTP server, an
