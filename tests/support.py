@@ -219,6 +219,79 @@ async def _call(fn: Callable[[], object]) -> object:
     return fn()
 
 
+class Relay:
+    """A TCP relay on loopback between one client and `upstream`, that can
+    flip a bit at a given offset of the client's stream (`flip_at`), or put
+    bytes of its own into it (`inject`); it records what the client sent."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.c2s = bytearray()  # every byte the client sent
+        self.flip_at: int | None = None  # offset in the client's stream
+        self.flip_s2c_at: int | None = None  # offset in the server's stream
+        self.s2c_count = 0
+        self._lock = threading.Lock()
+        self._server: socket.socket | None = None
+        self._threads: list[threading.Thread] = []
+        self.accepted = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        client, _ = self.listener.accept()
+        server = socket.create_connection(self.upstream, timeout=10)
+        self._server, self._client = server, client
+        self.accepted.set()
+        for src, dst, up in ((client, server, True), (server, client, False)):
+            t = threading.Thread(target=self._pump, args=(src, dst, up), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                buf = bytearray(data)
+                with self._lock:
+                    if up:
+                        at, self_off = self.flip_at, len(self.c2s)
+                        if at is not None and self_off <= at < self_off + len(buf):
+                            buf[at - self_off] ^= 0x01
+                            self.flip_at = None
+                        self.c2s += data
+                    else:
+                        at, off = self.flip_s2c_at, self.s2c_count
+                        if at is not None and off <= at < off + len(buf):
+                            buf[at - off] ^= 0x01
+                            self.flip_s2c_at = None
+                        self.s2c_count += len(buf)
+                    dst.sendall(buf)
+        except OSError:
+            pass
+        finally:
+            # the end of this direction only: what the other still carries
+            # (the server's reason for closing) goes through
+            try:
+                dst.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    def inject(self, data: bytes) -> None:
+        """Bytes of the relay's own, into the client's stream to the server."""
+        assert self.accepted.wait(10)
+        with self._lock:
+            assert self._server is not None
+            self._server.sendall(data)
+
+    def close(self) -> None:
+        self.listener.close()
+        for s in (self._server, getattr(self, "_client", None)):
+            if s is not None:
+                s.close()
+        for t in self._threads:
+            t.join(5)
+
+
 class RawClient:
     """A blocking socket speaking the protocol by hand, to send what the real
     clients refuse to: malformed frames, wrong updates, garbage."""

@@ -508,8 +508,8 @@ def _answers(data: bytes) -> list[probe.Event]:
 BAD_STREAMS = {
     "garbage": b"GET / HTTP/1.1\r\n\r\n",
     "truncated frame": probe.Connection().send(probe.Hello("x", 1))[:-3],
-    "bad type": probe.HEADER.pack(b"MA", probe.VERSION, 99, 0),
-    "oversized": probe.HEADER.pack(b"MA", probe.VERSION, probe.MsgType.PING, 2**31),
+    "bad type": probe.HEADER.pack(b"MA", probe.VERSION, 99, 0, 0),
+    "oversized": probe.HEADER.pack(b"MA", probe.VERSION, probe.MsgType.PING, 0, 2**31),
 }
 
 

@@ -19,7 +19,7 @@ import pytest
 from mlfabric.agent.daemon import Agent, AgentClient, AgentConfig
 from mlfabric.agent.estimator import ProbeConfig
 from mlfabric.cli import main as cli_main
-from mlfabric.errors import AuthenticationError, ConfigError
+from mlfabric.errors import AuthenticationError, ConfigError, IntegrityError
 from mlfabric.runtime.metrics import AgentMetrics
 from mlfabric.wire import agent_auth
 from mlfabric.wire import agent_protocol as probe
@@ -99,6 +99,38 @@ def test_each_role_may_send_what_it_needs_and_nothing_more() -> None:
         assert gate.on_event(ev).serve, ev
     # what only an agent sends to the one that opened the connection
     assert gate.on_event(probe.TrainReport(1, 1, 1, 0.0, False, ())).refused == "forbidden"
+
+
+def test_a_login_keys_the_frame_macs_per_connection_and_direction() -> None:
+    """The agent's (send, receive) keys are the client's (receive, send):
+    each reads what the other sends; a frame sent back to its sender, or one
+    from another connection of the same credential, fails its check."""
+    keys = []
+    for _ in range(2):
+        gate, flow = AgentGate(CLUSTER_TOKEN), AgentLogin(JOB_AGENT_KEY, "w0")
+        with pytest.raises(RuntimeError, match="no frame keys before"):
+            flow.frame_keys()
+        challenge = gate.on_event(flow.login()).send
+        step = gate.on_event(flow.on_challenge(challenge))
+        assert step.send == probe.Ack(0) and step.keys is not None
+        assert step.keys == tuple(reversed(flow.frame_keys()))
+        assert step.keys[0] != step.keys[1]
+        keys.append(flow.frame_keys())
+    assert not set(keys[0]) & set(keys[1])  # fresh per connection
+    client, agent = probe.Connection(), probe.Connection()
+    client.protect(*keys[0])
+    agent.protect(keys[0][1], keys[0][0])
+    agent.receive_data(client.send(probe.GetEstimates(3)))
+    assert agent.next_event() == probe.GetEstimates(3)
+    other = probe.Connection()
+    other.protect(*keys[1])
+    agent.receive_data(other.send(probe.GetEstimates(4)))
+    with pytest.raises(IntegrityError):
+        agent.next_event()
+    # a wrong proof is refused before any keys
+    gate = AgentGate(CLUSTER_TOKEN)
+    gate.on_event(AgentLogin(CLUSTER, "x").login())
+    assert gate.on_event(probe.Prove(bytes(32))).keys is None
 
 
 def test_a_request_before_the_login_is_refused_and_says_how_to_log_in() -> None:

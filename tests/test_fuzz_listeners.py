@@ -3,14 +3,13 @@ aggregator and a controller get random bytes and mutated frames, before and
 after a real login; then a good client gets its exact answer, no exception
 reached the listener's loop and nothing was logged as an internal error.
 
-Streams are recipes (tests/fuzz_recipes.py), made at exchange time. A job
-connection's frames carry MACs once authenticated, so what a listener takes
-from a stream is the frames sent intact and in order up to the first flaw:
-each test replays the exact bytes sent with the listener's parser (protected
-with its receive key) and, independently, the recipe, and the two must agree
-with each other and with the listener. The agents' control protocol has no
-MACs: after a login, what its parser reads from the bytes is what the login
-allows, altered frames included; that replay is the reference there.
+Streams are recipes (tests/fuzz_recipes.py), made at exchange time. A
+connection's frames carry MACs once authenticated (a job's handshake, an
+agent's login), so what a listener takes from a stream is the frames sent
+intact and in order up to the first flaw: each test replays the exact bytes
+sent with the listener's parser (protected with its receive key) and,
+independently, the recipe, and the two must agree with each other and with
+the listener.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from mlfabric.scheduling.plan import fifo_policy
 from mlfabric.server.store import ParameterStore
 from mlfabric.transport.agent_login import blocking_login
 from mlfabric.wire import agent_protocol as probe
-from mlfabric.wire.agent_auth import cluster_credential
+from mlfabric.wire.agent_auth import AgentLogin, cluster_credential
 from mlfabric.wire.protocol import (
     HEADER,
     MAC_SIZE,
@@ -185,7 +184,7 @@ def _agent_events(b_port: int) -> list[probe.Event]:
     ]
 
 
-AGENT_SIZES = [(len(f), len(f)) for f in
+AGENT_SIZES = [(len(f), len(f) + MAC_SIZE) for f in
                (probe.Connection().send(ev) for ev in _agent_events(65535))]
 # What each login may have served (wire.agent_auth); without one, nothing.
 SERVED: dict[str, tuple[type, ...]] = {
@@ -196,51 +195,90 @@ SERVED: dict[str, tuple[type, ...]] = {
 LOGINS = ("none", "cluster", "cluster", "job", "wrong")  # (the cluster's twice as often)
 
 
-def _agent_exchange(port: int, parts, events: Sequence[probe.Event], login: str) -> bytes:
+def _agent_exchange(port: int, parts, events: Sequence[probe.Event], login: str
+                    ) -> tuple[bytes, list[int], tuple[bytes, bytes] | None]:
     """Log in (`login`: "none", with the cluster token, with the job's agent
     key, or with a wrong token, which the client gives up at the agent's
-    challenge), then send the stream `parts` makes of `events`."""
+    challenge), then send the stream `parts` makes of `events`: its bytes,
+    the events it carries intact and in order up to its first flaw, and the
+    client's frame keys (None without a login)."""
     sock = socket.create_connection((LOCAL, port), timeout=5)
+    keys = None
     try:
         conn = probe.Connection()
-        if login == "cluster":
-            blocking_login(sock, conn, CLUSTER, "fuzz")
-        elif login == "job":
-            blocking_login(sock, conn, JOB_AGENT_KEY, "fuzz")
-        elif login == "wrong":
-            with pytest.raises(AuthenticationError, match="did not prove"):
-                blocking_login(sock, conn, cluster_credential(WRONG_TOKEN), "fuzz")
-        data, _ = render(parts, lambda i: probe.Connection().send(events[i]), len)
+        if login in ("cluster", "job"):
+            credential = CLUSTER if login == "cluster" else JOB_AGENT_KEY
+            flow = AgentLogin(credential, "fuzz")
+            sock.sendall(conn.send(flow.login()))
+            sock.sendall(conn.send(flow.on_challenge(_next(sock, conn))))
+            keys = flow.frame_keys()
+            conn.protect(*keys, plain_error=True)
+            flow.on_welcome(_next(sock, conn))
+            make = conn.send  # each frame numbered, with its MAC
+        else:
+            if login == "wrong":
+                with pytest.raises(AuthenticationError, match="did not prove"):
+                    blocking_login(sock, conn, cluster_credential(WRONG_TOKEN), "fuzz")
+            make = probe.Connection().send
+        data, intact = render(parts, lambda i: make(events[i]), _agent_prefix)
         _send(sock, data)
     finally:
         _drain(sock)
-    return data
+    return data, intact, keys
 
 
-def _peers_after(login: str, data: bytes, peers: dict[str, tuple[str, int]]
-                 ) -> dict[str, tuple[str, int]]:
-    """Agent "a"'s peers after a client logged in so sent `data`.
+def _next(sock: socket.socket, conn: probe.Connection) -> probe.Event:
+    while isinstance(ev := conn.next_event(), probe.NeedData):
+        conn.receive_data(sock.recv(1 << 16))
+    assert not isinstance(ev, probe.ConnectionClosed)
+    return ev
 
-    Decided: the control protocol carries no MACs, so after a cluster login
-    a SetPeers the agent's parser reads from the bytes takes effect, an
-    altered one too; without a login, with a wrong key or a job's key, none
-    does. The connection ends at the first frame the agent refuses (or
-    cannot parse), and nothing after it is served."""
-    served = SERVED.get(login)
-    if served is None:
-        return peers  # not logged in: its proof is no one's, nothing is served
-    conn = probe.Connection()
-    conn.receive_data(data)
-    conn.receive_data(b"")  # the client's half-close
-    while True:
-        try:
-            ev = conn.next_event()
-        except ProtocolError:
-            return peers
+
+def _agent_prefix(frame: bytes) -> int:
+    """A control frame's header and payload (its MAC follows)."""
+    return probe.HEADER.size + int.from_bytes(frame[5:9], "big")
+
+
+def _apply_peers(login: str, events: Iterable[probe.Event],
+                 peers: dict[str, tuple[str, int]]) -> dict[str, tuple[str, int]]:
+    """Agent "a"'s peers after a client logged in so had `events` served in
+    order: the connection ends at the first one the login does not allow."""
+    served = SERVED[login]
+    for ev in events:
         if not isinstance(ev, served):
-            return peers  # ConnectionClosed, or refused
+            break
         if isinstance(ev, probe.SetPeers) and all(p.name and p.port for p in ev.peers):
             peers = {p.name: (p.host, p.port) for p in ev.peers if p.name != "a"}
+    return peers
+
+
+def _peers_after(login: str, data: bytes, keys: tuple[bytes, bytes] | None,
+                 peers: dict[str, tuple[str, int]]) -> dict[str, tuple[str, int]]:
+    """Agent "a"'s peers after a client logged in so sent `data`, by the
+    agent's parser: after a cluster login a SetPeers sent intact takes
+    effect; an altered, injected, replayed or reordered one fails its MAC
+    and ends the connection. Without a login, with a wrong key or a job's
+    key, none does."""
+    if login not in SERVED:
+        return peers  # not logged in: its proof is no one's, nothing is served
+    assert keys is not None
+    conn = probe.Connection()
+    conn.protect(keys[1], keys[0])  # the agent receives under the client's send key
+    conn.receive_data(data)
+    conn.receive_data(b"")  # the client's half-close
+
+    def parsed() -> Iterable[probe.Event]:
+        while True:
+            try:
+                ev = conn.next_event()
+            except ProtocolError:
+                return
+            if isinstance(ev, probe.ConnectionClosed):
+                return
+            assert not isinstance(ev, probe.NeedData)
+            yield ev
+
+    return _apply_peers(login, parsed(), peers)
 
 
 # The agents' threads draw probing jitter and backoff from `random` while
@@ -272,11 +310,15 @@ def test_fuzzed_frames_at_an_agent_change_its_peers_only_after_a_cluster_login(
         @example(parts=[Frame(12), Frame(4)], login="wrong")  # a proof no one made
         @example(parts=[Frame(9), Frame(12), Frame(4)], login="none")
         @example(parts=[Frame(0), Frame(5), Frame(7), Frame(4)], login="cluster")
-        @example(parts=[Frame(4, (("set", 28, 0x21),))], login="cluster")  # port 9 -> 8457
+        @example(parts=[Frame(4, (("set", 29, 0x21),))], login="cluster")  # port 9 -> 8457
+        @example(parts=[Frame(0), Twice(4)], login="cluster")  # the replay is refused
+        @example(parts=[Swapped(4, 5)], login="cluster")
         def check(parts, login: str) -> None:
-            data = _agent_exchange(pair.a.port, parts, events, login)
-            expected = _peers_after(login, data, baseline)
+            data, intact, keys = _agent_exchange(pair.a.port, parts, events, login)
+            expected = _peers_after(login, data, keys, baseline)
             assert login == "cluster" or expected == baseline  # (the decision, spelt out)
+            if login in SERVED:  # the recipe says the same as the parser
+                assert expected == _apply_peers(login, (events[i] for i in intact), baseline)
             estimates = thread.run(good())
             assert estimates.agent == "a"
             assert [e.peer for e in estimates.estimates] == sorted(expected)
@@ -291,7 +333,7 @@ def test_fuzzed_frames_at_an_agent_change_its_peers_only_after_a_cluster_login(
         check()
         assert changes[0] > 0  # (the examples above change them)
         assert all(sample(pair.metrics.refused, reason=r) > 0
-                   for r in ("unauthenticated", "auth", "forbidden"))
+                   for r in ("unauthenticated", "auth", "forbidden", "integrity"))
         # Still probing: a measures b again.
         thread.run(pair.a.wait_trains("b", 2, timeout=10), timeout=15)
     _no_internal_errors(caplog)

@@ -7,97 +7,39 @@ Now every frame after the handshake carries a MAC keyed per session and
 direction, over its sequence number: a relay that flips one bit of a push,
 injects a forged or a replayed push, or alters the server's answer is
 detected, the session closes, and the model is untouched. A real server and
-a real client, through a real relay on loopback.
+a real client, through a real relay on loopback. The same for an agent's
+control connections after their login: a SetPeers or a transfer report
+altered, injected or replayed on the way changes no peer and no estimate.
 """
 
 from __future__ import annotations
 
-import socket
-import threading
+import asyncio
 
 import numpy as np
 import pytest
 
 import mlfabric
-from mlfabric.errors import MlfabricError, ProtocolError
+from mlfabric.agent.daemon import AgentClient
+from mlfabric.errors import ConnectionLost, MlfabricError, ProtocolError
 from mlfabric.server.store import ParameterStore
+from mlfabric.wire import agent_protocol as probe
 from mlfabric.wire import auth
 from mlfabric.wire.protocol import FLAG_MAC, HEADER, MAC_SIZE, Connection, Ping, Pong, Push
 
-from support import JOB, TOKEN, ServerThread, assert_model_equal, make_model, random_update
-
-
-class Relay:
-    """A TCP relay on loopback between one client and `upstream`, that can
-    flip a bit at a given offset of the client's stream (`flip_at`), or put
-    bytes of its own into it (`inject`); it records what the client sent."""
-
-    def __init__(self, upstream: tuple[str, int]) -> None:
-        self.upstream = upstream
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self.c2s = bytearray()  # every byte the client sent
-        self.flip_at: int | None = None  # offset in the client's stream
-        self.flip_s2c_at: int | None = None  # offset in the server's stream
-        self.s2c_count = 0
-        self._lock = threading.Lock()
-        self._server: socket.socket | None = None
-        self._threads: list[threading.Thread] = []
-        self.accepted = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        client, _ = self.listener.accept()
-        server = socket.create_connection(self.upstream, timeout=10)
-        self._server, self._client = server, client
-        self.accepted.set()
-        for src, dst, up in ((client, server, True), (server, client, False)):
-            t = threading.Thread(target=self._pump, args=(src, dst, up), daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def _pump(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                buf = bytearray(data)
-                with self._lock:
-                    if up:
-                        at, self_off = self.flip_at, len(self.c2s)
-                        if at is not None and self_off <= at < self_off + len(buf):
-                            buf[at - self_off] ^= 0x01
-                            self.flip_at = None
-                        self.c2s += data
-                    else:
-                        at, off = self.flip_s2c_at, self.s2c_count
-                        if at is not None and off <= at < off + len(buf):
-                            buf[at - off] ^= 0x01
-                            self.flip_s2c_at = None
-                        self.s2c_count += len(buf)
-                    dst.sendall(buf)
-        except OSError:
-            pass
-        finally:
-            # the end of this direction only: what the other still carries
-            # (the server's reason for closing) goes through
-            try:
-                dst.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-
-    def inject(self, data: bytes) -> None:
-        """Bytes of the relay's own, into the client's stream to the server."""
-        assert self.accepted.wait(10)
-        with self._lock:
-            assert self._server is not None
-            self._server.sendall(data)
-
-    def close(self) -> None:
-        self.listener.close()
-        for s in (self._server, getattr(self, "_client", None)):
-            if s is not None:
-                s.close()
-        for t in self._threads:
-            t.join(5)
+from support import (
+    CLUSTER,
+    CLUSTER_TOKEN,
+    JOB,
+    JOB_AGENT_KEY,
+    TOKEN,
+    Relay,
+    ServerThread,
+    assert_model_equal,
+    make_model,
+    random_update,
+    sample,
+)
 
 
 @pytest.fixture
@@ -234,3 +176,147 @@ def test_a_streamed_frame_carries_one_mac_over_its_pieces() -> None:
     b.receive_data(bytes(data))
     got = b.next_event()
     assert np.array_equal(got.tensors["w"], tensors["w"])
+
+
+# --- the agents' control connections -------------------------------------------------
+#
+# The same man in the middle between a real client and a real agent: the
+# operator's tool setting peers with the cluster token (AgentClient), and a
+# worker's transfer reports with its job's agent key (TransferReporter, a
+# blocking socket). Before, the frames after the login carried no MAC: a
+# flipped bit in a SetPeers sent the agent's probe trains elsewhere.
+
+PEERS = {"b": ("127.0.0.1", 9)}  # (nothing listens on port 9: b's probe session retries)
+
+
+def _agent():
+    from mlfabric.agent.daemon import Agent, AgentConfig
+    from mlfabric.agent.estimator import ProbeConfig
+    from mlfabric.runtime.metrics import AgentMetrics
+
+    config = AgentConfig(name="a", cluster_token=CLUSTER_TOKEN, host="127.0.0.1", port=0,
+                         counters=None, probe=ProbeConfig(max_packets=64))
+    return Agent(config, metrics=AgentMetrics())
+
+
+def _at(relay: Relay) -> tuple[str, int]:
+    host, port = relay.address.rsplit(":", 1)
+    return host, int(port)
+
+
+def _reports(agent) -> dict[str, float]:
+    return {r: sample(agent.metrics.transfer_reports, result=r)
+            for r in ("accepted", "unknown_peer", "refused")}
+
+
+def _integrity_refusals(agent) -> float:
+    return sample(agent.metrics.refused, reason="integrity")
+
+
+async def _until(predicate, what: str, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"not within {timeout} s: {what}"
+        await asyncio.sleep(0.01)
+
+
+def test_a_bit_flipped_in_a_set_peers_is_detected_and_the_peers_untouched(run_async) -> None:
+    async def main() -> None:
+        agent = _agent()
+        await agent.start()
+        agent.set_peers(PEERS)
+        relay = Relay(("127.0.0.1", agent.port))
+        try:
+            async with await AgentClient.connect(*_at(relay), CLUSTER, timeout=5) as client:
+                # the logged-in client's first frame: inside its first peer's host
+                relay.flip_at = len(relay.c2s) + probe.HEADER.size + 4 + 2 + 2 + 4 + 2 + 3
+                with pytest.raises(ProtocolError) as err:
+                    await client.set_peers({"evil": ("192.0.2.1", 9)})
+            assert str(err.value) == (
+                "the agent closed the connection: a SET_PEERS frame failed its integrity "
+                "check (frame 0 of the connection): altered, injected, replayed or "
+                "reordered in transit; the connection is closed")
+            assert relay.flip_at is None  # (the relay did flip it)
+            assert {n: st.addr for n, st in agent._peers.items()} == PEERS
+            assert _integrity_refusals(agent) == 1
+        finally:
+            relay.close()
+            await agent.stop()
+
+    run_async(main())
+
+
+def test_a_bit_flipped_in_a_transfer_report_is_detected_and_no_estimate_moves(
+        run_async) -> None:
+    """A worker's reporter (blocking socket, the job's agent key): its report
+    of 1 MiB in 0.1 s altered on the way is not taken, nor counted as a
+    report; the same report sent intact is."""
+    from mlfabric.client.agent_report import TransferReporter
+
+    login = (len(probe.Connection().send(probe.Login("job", JOB, "client", bytes(32))))
+             + len(probe.Connection().send(probe.Prove(bytes(32)))))
+
+    async def main() -> None:
+        agent = _agent()
+        await agent.start()
+        agent.set_peers(PEERS)
+        relay = Relay(("127.0.0.1", agent.port))
+        # in the report's byte count (after the peer's name, u16 + "b")
+        relay.flip_at = login + probe.HEADER.size + 3 + 5
+        reporter = TransferReporter(relay.address, JOB_AGENT_KEY, timeout=5)
+        try:
+            reporter.report("b", 1 << 20, 0.1)
+            await _until(lambda: _integrity_refusals(agent) == 1, "the report refused")
+            assert relay.flip_at is None
+            assert _reports(agent) == {"accepted": 0, "unknown_peer": 0, "refused": 0}
+            assert agent.path("b").snapshot().samples == 0
+            direct = TransferReporter(f"127.0.0.1:{agent.port}", JOB_AGENT_KEY, timeout=5)
+            direct.report("b", 1 << 20, 0.1)
+            await _until(lambda: _reports(agent)["accepted"] == 1, "the intact report")
+            await asyncio.get_running_loop().run_in_executor(None, direct.close)
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, reporter.close)
+            relay.close()
+            await agent.stop()
+
+    run_async(main())
+
+
+@pytest.mark.parametrize("forgery", ["no MAC", "forged MAC", "replayed"])
+def test_a_frame_injected_into_an_agents_session_is_detected(run_async, forgery) -> None:
+    """The relay puts a SetPeers of its own into the operator's session:
+    without a MAC, with one under a key of its own, or a copy of the
+    operator's own earlier SetPeers (a replay, which would undo the later
+    one). None takes effect; the session closes."""
+    evil = probe.SetPeers(99, (probe.PeerAddress("evil", "192.0.2.1", 9),))
+
+    async def main() -> None:
+        agent = _agent()
+        await agent.start()
+        relay = Relay(("127.0.0.1", agent.port))
+        first = {"b": ("127.0.0.1", 9)}
+        later = {"c": ("127.0.0.1", 10)}
+        try:
+            async with await AgentClient.connect(*_at(relay), CLUSTER, timeout=5) as client:
+                start = len(relay.c2s)
+                await client.set_peers(first)
+                recorded = bytes(relay.c2s[start:])
+                await client.set_peers(later)
+                if forgery == "replayed":
+                    frame = recorded
+                else:
+                    conn = probe.Connection()
+                    if forgery == "forged MAC":
+                        guess = auth.new_nonce()
+                        conn.protect(guess, guess)
+                    frame = conn.send(evil)
+                relay.inject(frame)
+                await _until(lambda: _integrity_refusals(agent) == 1, "the injection refused")
+                with pytest.raises((ProtocolError, ConnectionLost)):
+                    await client.estimates()  # the session is closed under the operator
+            assert {n: st.addr for n, st in agent._peers.items()} == later
+        finally:
+            relay.close()
+            await agent.stop()
+
+    run_async(main())

@@ -1,5 +1,6 @@
 """The agent wire protocol (mlfabric.wire.agent_protocol): one table of round trips, fed whole,
-byte by byte and with trailing data; malformed and truncated input; datagrams."""
+byte by byte and with trailing data, plain and protected (MACs); malformed, truncated,
+altered, reordered and replayed input; datagrams."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlfabric.errors import FrameTooLarge, ProtocolError
+from mlfabric.errors import FrameTooLarge, IntegrityError, ProtocolError
 from mlfabric.wire import agent_protocol as probe
+from mlfabric.wire import auth
+from mlfabric.wire.frame_mac import MAC_SIZE
 
 EVENTS = [
     probe.Hello("h0", 2**64 - 1),
@@ -104,14 +107,16 @@ def test_nan_survives_round_trip() -> None:
 
 
 def _frame(msg_type: int, payload: bytes, magic: bytes = b"MA",
-           version: int = probe.VERSION) -> bytes:
-    return probe.HEADER.pack(magic, version, msg_type, len(payload)) + payload
+           version: int = probe.VERSION, flags: int = 0) -> bytes:
+    return probe.HEADER.pack(magic, version, msg_type, flags, len(payload)) + payload
 
 
 BAD_FRAMES = {
     "bad magic": _frame(probe.MsgType.PING, b"\0" * 16, magic=b"XX"),
     "bad version": _frame(probe.MsgType.PING, b"\0" * 16, version=99),
     "unknown type": _frame(200, b""),
+    "flags on a plain connection": _frame(probe.MsgType.PING, b"\0" * 16,
+                                          flags=probe.FLAG_MAC),
     "short payload": _frame(probe.MsgType.PING, b"\0" * 15),
     "long payload": _frame(probe.MsgType.PING, b"\0" * 17),
     "string past end": _frame(probe.MsgType.HELLO_ACK, struct.pack(">H", 50) + b"ab"),
@@ -141,7 +146,7 @@ def test_malformed_frame_raises_and_stays_broken(data: bytes) -> None:
 
 def test_oversized_frame_is_refused_from_its_header() -> None:
     rx = probe.Connection(max_frame=100)
-    rx.receive_data(probe.HEADER.pack(b"MA", probe.VERSION, probe.MsgType.PING, 101))
+    rx.receive_data(probe.HEADER.pack(b"MA", probe.VERSION, probe.MsgType.PING, 0, 101))
     with pytest.raises(FrameTooLarge, match="101 bytes exceeds the maximum 100"):
         rx.next_event()
 
@@ -204,6 +209,98 @@ def test_corrupted_frames_raise_only_protocol_errors(event, pos: int, junk: byte
         _drain(rx)
     except ProtocolError:
         pass
+
+
+# --- protected connections (frames carry MACs after the login) -------------------
+
+
+def _pair() -> tuple[probe.Connection, probe.Connection]:
+    a, b = probe.Connection(), probe.Connection()
+    k1, k2 = auth.new_nonce(), auth.new_nonce()
+    a.protect(k1, k2)
+    b.protect(k2, k1)
+    return a, b
+
+
+@pytest.mark.parametrize("event", EVENTS, ids=lambda e: type(e).__name__)
+def test_protected_round_trip_byte_by_byte(event) -> None:
+    a, b = _pair()
+    plain = probe.Connection().send(event)
+    data = a.send(event) + a.send(probe.Ping(9, 9))
+    assert probe.HEADER.unpack_from(data)[3] == probe.FLAG_MAC
+    assert data[len(plain) + MAC_SIZE:][:2] == probe.MAGIC  # the MAC, then the next frame
+    got = []
+    for i in range(len(data)):
+        b.receive_data(data[i : i + 1])
+        got += _drain(b)
+    assert got == [event, probe.Ping(9, 9)]
+
+
+SET_PEERS = probe.SetPeers(1, (probe.PeerAddress("h1", "10.0.0.2", 7400),))
+
+
+def _tampered(what: str) -> tuple[bytes, probe.Connection, list]:
+    """A stream from a to b spoiled by a man in the middle; b; and the
+    events b must take from it before it fails (none of the spoiled one)."""
+    a, b = _pair()
+    first, second = a.send(SET_PEERS), a.send(probe.Ping(2, 2))
+    if what == "bit flipped":
+        spoiled = bytearray(first)
+        spoiled[probe.HEADER.size + 8] ^= 1  # in the peer's name
+        return bytes(spoiled), b, []
+    if what == "MAC flipped":
+        return first[:-1] + bytes([first[-1] ^ 0x80]), b, []
+    if what == "reordered":
+        return second + first, b, []
+    if what == "dropped":
+        return second, b, []
+    if what == "replayed":
+        return first + first, b, [SET_PEERS]
+    if what == "reflected":  # b's own frame sent back to it
+        return b.send(probe.Ping(1, 1)), b, []
+    if what == "forged MAC":  # under a key of the forger's
+        return _pair()[0].send(probe.Ping(1, 1)), b, []
+    if what == "injected plain":  # no MAC at all
+        return first + probe.Connection().send(SET_PEERS), b, [SET_PEERS]
+    raise AssertionError(what)
+
+
+@pytest.mark.parametrize("what", ["bit flipped", "MAC flipped", "reordered", "dropped",
+                                  "replayed", "reflected", "forged MAC", "injected plain"])
+def test_altered_reordered_or_replayed_frames_fail_their_check(what: str) -> None:
+    stream, rx, before = _tampered(what)
+    rx.receive_data(stream)
+    got = []
+    with pytest.raises(IntegrityError) as err:
+        while (ev := rx.next_event()) is not probe.NEED_DATA:
+            got.append(ev)
+    assert got == before
+    if what == "injected plain":
+        assert str(err.value) == ("a SET_PEERS frame without its integrity check on a protected "
+                                  "connection (flags 0x0): altered in transit or injected; the "
+                                  "connection is closed")
+    else:
+        assert "frame failed its integrity check (frame " in str(err.value)
+        assert str(err.value).endswith("altered, injected, replayed or reordered in transit; "
+                                       "the connection is closed")
+    with pytest.raises(ProtocolError):  # and the connection stays broken
+        rx.next_event()
+
+
+def test_a_plain_error_may_come_first_where_the_login_allows_it() -> None:
+    """The agent refuses a wrong proof before it could protect the
+    connection: the client takes that one plain ERROR, and no other."""
+    refusal = probe.Connection().send(probe.Error(0, "authentication failed"))
+    rx = probe.Connection()
+    rx.protect(auth.new_nonce(), auth.new_nonce(), plain_error=True)
+    rx.receive_data(refusal)
+    assert rx.next_event() == probe.Error(0, "authentication failed")
+    for frame, allowed in ((refusal, False), (probe.Connection().send(probe.Ack(0)), True)):
+        rx = probe.Connection()
+        rx.protect(auth.new_nonce(), auth.new_nonce(), plain_error=allowed)
+        rx.receive_data(frame + refusal if allowed else frame)
+        with pytest.raises(IntegrityError, match="without its integrity check"):
+            _drain(rx)
 
 
 # --- datagrams -----------------------------------------------------------------

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError, ConnectionLost, ProtocolError
+from ..errors import ConfigError, ConnectionLost, IntegrityError, ProtocolError
 from ..runtime.loop import within
 from ..transport.agent_login import blocking_login, login
 from ..transport.listener import LogLimiter
@@ -281,6 +281,7 @@ class Agent:
         # a line a minute at most of each (the rest counted in the next line)
         self._report_log = LogLimiter(log, burst=1, interval=60.0, clock=clock)
         self._refusal_log = LogLimiter(log, burst=1, interval=60.0, clock=clock)
+        self._integrity_log = LogLimiter(log, burst=1, interval=60.0, clock=clock)
         # control connections open and not logged in, oldest first
         self._unauthenticated: dict[_Control, None] = {}
 
@@ -542,6 +543,11 @@ class Agent:
                 log.debug("peer %s: %s", st.name, exc)
                 if isinstance(exc, ProtocolError):
                     self._count_bad("frame")
+                if isinstance(exc, IntegrityError):  # someone on the path: worth a warning
+                    self._integrity_log.warning(
+                        "agent %s: closed the probe session to peer %s: %s (counted in "
+                        "mlfabric_agent_bad_messages_total{kind=\"frame\"}; warned once a "
+                        "minute)", self.name, st.name, exc)
             except Exception:  # a bug must not end probing of this peer for good
                 log.exception("agent %s: probing peer %s failed", self.name, st.name)
             finally:
@@ -869,6 +875,8 @@ class Agent:
                     if isinstance(ev, probe.ConnectionClosed):
                         return
                     step = ctl.gate.on_event(ev)
+                    if step.keys is not None:  # logged in: every frame on carries its MAC
+                        ctl.conn.protect(*step.keys)
                     if step.send is not None:
                         ctl.send(step.send)
                     if step.refused is not None:
@@ -884,6 +892,11 @@ class Agent:
         except TimeoutError:
             self._refused(ctl, "login-timeout", "no login within "
                           f"{self.config.login_timeout:g} s")
+        except IntegrityError as exc:
+            # Altered, injected or replayed by someone on the path: nothing it
+            # carried was served; the client is told why, under its MAC.
+            self._refused(ctl, "integrity", str(exc))
+            ctl.send(probe.Error(0, str(exc)[:200]))
         except ProtocolError as exc:
             log.info("agent %s: dropping a control connection: %s", self.name, exc)
             self._count_bad("frame")
@@ -1003,7 +1016,11 @@ class AgentClient:
 
     async def _request(self, event: probe.Event) -> probe.Event:
         self._writer.write(self._conn.send(event))
-        return await within(self._read_event(), self.timeout)
+        answer = await within(self._read_event(), self.timeout)
+        if isinstance(answer, probe.Error) and answer.request_id == 0:
+            # about the connection, not the request: the agent closes it
+            raise ProtocolError(f"the agent closed the connection: {answer.message}")
+        return answer
 
     async def _read_event(self) -> probe.Event:
         while True:
@@ -1015,7 +1032,7 @@ class AgentClient:
             self._conn.receive_data(await self._reader.read(READ_CHUNK))
 
     def _rid(self) -> int:
-        self._next_id = (self._next_id + 1) & 0xFFFFFFFF
+        self._next_id = self._next_id % 0xFFFFFFFF + 1  # 1..2^32-1: 0 is the connection's
         return self._next_id
 
     async def estimates(self) -> probe.Estimates:

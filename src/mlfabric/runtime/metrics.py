@@ -579,7 +579,9 @@ class AgentMetrics:
             "Control connections refused, by reason (unauthenticated: a request before "
             "a login; auth: a wrong key; login-timeout: no login in time; forbidden: a "
             "request the credential does not allow, such as SetPeers with a job's key; "
-            "evicted: not logged in, closed to make room for a new connection)",
+            "evicted: not logged in, closed to make room for a new connection; integrity: "
+            "a frame after the login altered, injected or replayed on the way, its MAC "
+            "wrong or missing)",
             ["reason"], namespace=ns, registry=r,
         )
         for result in ("accepted", "unknown_peer", "refused"):

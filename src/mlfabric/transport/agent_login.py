@@ -16,7 +16,8 @@ READ_CHUNK = 1 << 16
 
 async def login(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                 conn: probe.Connection, credential: AgentCredential, name: str) -> None:
-    """Open a control connection: log in with `credential` (wire.agent_auth)."""
+    """Open a control connection: log in with `credential` (wire.agent_auth).
+    `conn` is then protected: every frame either way carries its MAC."""
     flow = AgentLogin(credential, name)
 
     async def next_event() -> probe.Event:
@@ -30,6 +31,9 @@ async def login(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
 
     writer.write(conn.send(flow.login()))
     writer.write(conn.send(flow.on_challenge(await next_event())))
+    # Every frame from here on carries its MAC (the agent's refusal of the
+    # proof just sent, a plain ERROR, excepted).
+    conn.protect(*flow.frame_keys(), plain_error=True)
     flow.on_welcome(await next_event())
 
 
@@ -49,4 +53,5 @@ def blocking_login(sock: socket.socket, conn: probe.Connection, credential: Agen
 
     sock.sendall(conn.send(flow.login()))
     sock.sendall(conn.send(flow.on_challenge(next_event())))
+    conn.protect(*flow.frame_keys(), plain_error=True)
     flow.on_welcome(next_event())

@@ -20,6 +20,13 @@ crosses the wire. Keys are random (the cluster token is checked as a job
 token is, `auth.load_token`; a job key is an HMAC output), so a recorded
 login is no oracle for them.
 
+From the proof on, every frame carries a MAC (`agent_protocol.Connection.
+protect`), under keys derived as a job session's are (`auth.frame_keys`)
+from the credential's key, the role and job, and both nonces: one key per
+direction, fresh per connection. The agent protects the connection before
+its ACK(0); the client right after sending its proof (an ERROR refusing
+that proof still comes plain).
+
 `AgentGate` is the agent's side: one `GateStep` per event a client sends,
 saying what to answer, and whether the event may be served or the
 connection must close (counted, and nothing changed).
@@ -32,7 +39,7 @@ import binascii
 import hashlib
 import hmac
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
@@ -141,6 +148,7 @@ class AgentLogin:
         self.credential = credential
         self.name = name
         self.nonce = auth.new_nonce()
+        self._server_nonce: bytes | None = None
 
     def login(self) -> probe.Login:
         c = self.credential
@@ -162,7 +170,18 @@ class AgentLogin:
                 "the agent did not prove it holds the cluster token: check the "
                 + ("cluster token file" if c.role == CLUSTER else "job's agent key file")
                 + " and the agent's address")
+        self._server_nonce = event.nonce
         return probe.Prove(auth.client_proof(c.key, ctx, self.nonce, event.nonce))
+
+    def frame_keys(self) -> tuple[bytes, bytes]:
+        """(send, receive) keys of this connection's frame MACs, once the
+        agent's challenge has checked out (`on_challenge`)."""
+        if self._server_nonce is None:
+            raise RuntimeError("no frame keys before the agent's challenge checked out")
+        c = self.credential
+        to_agent, from_agent = auth.frame_keys(c.key, _context(c.role, c.job), self.nonce,
+                                               self._server_nonce)
+        return to_agent, from_agent
 
     @staticmethod
     def on_welcome(event: probe.Event) -> None:
@@ -179,12 +198,14 @@ class AgentLogin:
 class GateStep:
     """What the agent does with one event: answer `send` (if any); `serve`
     the event; or refuse it (`refused`: the reason counted, e.g. "auth") and
-    close the connection after `send`."""
+    close the connection after `send`. `keys`: at the login's success, the
+    (send, receive) keys to protect the connection with before `send`."""
 
     send: probe.Event | None = None
     serve: bool = False
     refused: str | None = None
     why: str = ""  # for the agent's log
+    keys: tuple[bytes, bytes] | None = field(default=None, repr=False)
 
 
 class AgentGate:
@@ -221,7 +242,9 @@ class AgentGate:
                     0, "authentication failed: check the cluster token or the job's agent key, "
                        "and the address"), why="wrong key")
             self.stage = "ready"
-            return GateStep(send=probe.Ack(0))
+            to_agent, from_agent = auth.frame_keys(
+                self._key, _context(self.role or "", self.job), self._client_nonce, self._nonce)
+            return GateStep(send=probe.Ack(0), keys=(from_agent, to_agent))
         if self.stage != "ready":
             raise RuntimeError(f"the connection was refused ({self.stage}): no more events")
         assert self.role is not None

@@ -14,9 +14,21 @@ Two channels share one port number:
   one datagram per packet of a probe train, tagged with the session the
   sender opened with `Hello`, the train id and the sequence number.
 
-Frame layout: ``b"MA" | version u8 | type u8 | payload length u32 | payload``,
-big-endian. Strings are u16-length-prefixed UTF-8. A malformed, truncated or
-oversized frame raises `ProtocolError` and the connection is unusable after.
+Frame layout: ``b"MA" | version u8 | type u8 | flags u8 | payload length u32 |
+payload``, big-endian, then on a protected connection a 16-byte MAC. Strings
+are u16-length-prefixed UTF-8. A malformed, truncated or oversized frame
+raises `ProtocolError` and the connection is unusable after.
+
+Integrity (issue 33): once the login has succeeded, every frame either side
+sends carries FLAG_MAC and is followed by its AES-GMAC tag (`wire.frame_mac`,
+as job connections' frames are) over its header and payload, under the
+direction's key (from the login's nonces and the credential's key,
+`wire.agent_auth`), with the frame's number on the connection as the nonce.
+A frame altered, injected, replayed, dropped or reordered in transit fails
+its check: `IntegrityError` before its event is returned, and the
+connection is closed. `Connection.protect` turns it on. Probe datagrams are
+not protected: a forged one can only spoil one train's measurement, which
+the estimator's checks bound.
 
 This module does no I/O: feed bytes to `Connection.receive_data`, pull events
 with `next_event()` until it returns `NEED_DATA`, and turn events into bytes
@@ -31,14 +43,16 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Final
 
-from ..errors import FrameTooLarge, ProtocolError
+from ..errors import FrameTooLarge, IntegrityError, ProtocolError
+from .frame_mac import MAC_SIZE, FrameKey, matches
 
 # 2: Estimates carry the host's own link loads; 3: TrainReport.senders;
 # 4: TrainReport.rx_carried_bps; 5: every connection opens with a login
-# (wire.agent_auth)
-VERSION: Final = 5
+# (wire.agent_auth); 6: frames after the login carry MACs (a flags byte)
+VERSION: Final = 6
 MAGIC: Final = b"MA"
-HEADER = struct.Struct(">2sBBI")
+HEADER = struct.Struct(">2sBBBI")
+FLAG_MAC: Final = 0x1  # the payload is followed by MAC_SIZE bytes of the frame's MAC
 MAX_FRAME: Final = 1 << 20  # a report of 64 Ki arrivals fits; anything larger is an error
 MAX_STRING: Final = 1024
 MAX_TRAIN_PACKETS: Final = 65535
@@ -461,6 +475,26 @@ class Connection:
         self._buf = bytearray()
         self._eof = False
         self._error: ProtocolError | None = None
+        # Integrity (`protect`): per-direction keys and frame numbers.
+        self._send_key: FrameKey | None = None
+        self._recv_key: FrameKey | None = None
+        self._send_seq = 0
+        self._recv_seq = 0
+        self._plain_error_ok = False
+
+    def protect(self, send_key: bytes, recv_key: bytes, *, plain_error: bool = False) -> None:
+        """From now on every frame sent carries a MAC under `send_key` and
+        every frame received must carry one under `recv_key`, each numbered
+        from 0 (frames already buffered included). `plain_error`: the first
+        frame received may still be a plain ERROR (the agent refusing the
+        proof just sent, before it could turn protection on)."""
+        self._send_key, self._recv_key = FrameKey(send_key), FrameKey(recv_key)
+        self._send_seq = self._recv_seq = 0
+        self._plain_error_ok = plain_error
+
+    @property
+    def protected(self) -> bool:
+        return self._recv_key is not None
 
     def receive_data(self, data: bytes) -> None:
         """Feed received bytes; `b""` means the peer closed its side."""
@@ -490,7 +524,7 @@ class Connection:
                     )
                 return ConnectionClosed()
             return NEED_DATA
-        magic, version, msg_type, length = HEADER.unpack_from(buf)
+        magic, version, msg_type, flags, length = HEADER.unpack_from(buf)
         if magic != MAGIC:
             raise ProtocolError(f"bad frame magic {bytes(magic)!r}: not an mlfabric agent peer")
         if version != VERSION:
@@ -498,16 +532,40 @@ class Connection:
                 f"protocol version {version} is not supported (this agent speaks {VERSION}); "
                 "run the same mlfabric version on every host"
             )
+        mac = False
+        if self._recv_key is not None:
+            if flags == FLAG_MAC:
+                mac = True
+            elif not (flags == 0 and msg_type == MsgType.ERROR and self._plain_error_ok
+                      and self._recv_seq == 0):
+                raise IntegrityError(
+                    f"a {_type_name(msg_type)} frame without its integrity check on a "
+                    f"protected connection (flags {flags:#x}): altered in transit or "
+                    f"injected; the connection is closed")
+            self._plain_error_ok = False
+        elif flags != 0:
+            raise ProtocolError(f"reserved header flags are set: {flags:#x}")
         if length > self.max_frame:
             raise FrameTooLarge(f"frame of {length} bytes exceeds the maximum {self.max_frame}")
-        end = HEADER.size + length
+        end = HEADER.size + length + (MAC_SIZE if mac else 0)
         if len(buf) < end:
             if self._eof:
                 raise ProtocolError(
                     f"connection closed inside a frame ({len(buf)} of {end} bytes)"
                 )
             return NEED_DATA
-        payload = bytes(buf[HEADER.size : end])
+        payload = bytes(buf[HEADER.size : HEADER.size + length])
+        if mac:
+            assert self._recv_key is not None
+            seq = self._recv_seq
+            self._recv_seq += 1
+            tag = self._recv_key.tag(seq)
+            tag.update(memoryview(buf)[: HEADER.size + length])
+            if not matches(tag.finalize(), bytes(buf[HEADER.size + length : end])):
+                raise IntegrityError(
+                    f"a {_type_name(msg_type)} frame failed its integrity check (frame {seq} "
+                    f"of the connection): altered, injected, replayed or reordered in "
+                    f"transit; the connection is closed")
         del buf[:end]
         return _decode_payload(msg_type, payload)
 
@@ -518,7 +576,21 @@ class Connection:
                 f"{type(event).__name__} of {len(payload)} bytes exceeds the maximum "
                 f"{self.max_frame}"
             )
-        return HEADER.pack(MAGIC, VERSION, msg_type, len(payload)) + payload
+        if self._send_key is None:
+            return HEADER.pack(MAGIC, VERSION, msg_type, 0, len(payload)) + payload
+        frame = HEADER.pack(MAGIC, VERSION, msg_type, FLAG_MAC, len(payload)) + payload
+        tag = self._send_key.tag(self._send_seq)
+        self._send_seq += 1
+        tag.update(frame)
+        return frame + tag.finalize()
+
+
+def _type_name(msg_type: int) -> str:
+    """A message type's name for errors (its number if unknown)."""
+    try:
+        return MsgType(msg_type).name
+    except ValueError:
+        return f"type-{msg_type}"
 
 
 # --- probe datagrams ----------------------------------------------------------
