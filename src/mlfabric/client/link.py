@@ -17,10 +17,10 @@ import ssl
 from collections.abc import Callable, Coroutine
 from typing import Any, Generic, Protocol, TypeVar
 
-from ..errors import ConnectError, ConnectionLost, MlfabricError, NotMlfabric, TLSError
+from ..errors import ConnectError, ConnectionLost, MlfabricError, NotMlfabric
 from ..runtime.loop import within, write_parts
 from ..runtime.metrics import ClientMetrics
-from ..transport.tls import process_client_context
+from ..transport.tls import process_client_context, tls_refused
 from ..wire import roles
 from ..wire.handshake import ClientHandshake
 from ..wire.protocol import (
@@ -82,28 +82,6 @@ async def open_link(address: str, hs: ClientHandshake, timeout: float, what: str
         proto.close()
         raise
     return proto
-
-
-def tls_refused(exc: ssl.SSLError, what: str, address: str, command: str, *,
-                by_us: bool) -> TLSError:
-    """The error for a TLS handshake with the `what` at `address` that
-    failed: `by_us`, this side did not accept the listener; else the
-    listener refused this side (TLS 1.3 says so after the client's part of
-    the handshake is done, on the first read)."""
-    from ..transport.listener import tls_failure
-
-    reason = getattr(exc, "reason", None)
-    if reason == "WRONG_VERSION_NUMBER" or reason == "RECORD_LAYER_FAILURE":
-        return TLSError(f"the {what} at {address} does not use TLS ({reason}): start "
-                        f"`{command}` with --tls-cert, --tls-key and --tls-ca, or connect "
-                        f"without TLS settings")
-    if by_us and isinstance(exc, ssl.SSLCertVerificationError):
-        return TLSError(f"the {what} at {address} presented a certificate this client does "
-                        f"not accept: {exc.verify_message}; it must be signed by the CA in "
-                        f"tls_ca and name the host dialled (`mlfabric tls init --host`)")
-    return TLSError(f"the {what} at {address} refused this client's TLS certificate: "
-                    f"{tls_failure(exc)}; give tls_cert and tls_key signed by the cluster's "
-                    f"CA (the one `{command}` was given as --tls-ca)")
 
 
 class Closable(Protocol):

@@ -16,6 +16,7 @@ import math
 import signal
 import ssl
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import ConfigError, ProtocolError
@@ -31,7 +32,7 @@ from ..wire.protocol import (
     default_allocate,
 )
 from ..wire.roles import unexpected
-from .tls import add_tls_arguments
+from .tls import add_tls_arguments, tls_failure
 
 # Before a peer has authenticated, it may not make us allocate more than this.
 UNAUTHENTICATED_MAX_FRAME = 1 << 16
@@ -301,6 +302,32 @@ class Endpoint:
             await self._server.wait_closed()
 
 
+async def accept_tls(raw: Any, protocol: Any, ctx: ssl.SSLContext,
+                     take_early: Callable[[], bytes]) -> Any:
+    """The server side of a TLS handshake on the accepted connection `raw`
+    (a listener starts TLS itself, per connection, so that a failed
+    handshake reaches it to be counted and logged, and is held to its
+    limits); `protocol` then reads and writes through the secured transport
+    this returns (None if the connection was closed meanwhile). Raises what
+    the handshake raised (ssl.SSLError, ConnectionError).
+
+    `take_early()`: the bytes read from `raw` before start_tls took it over
+    (uvloop undoes a pause_reading made in connection_made, and may have
+    read the start of the ClientHello); called once, when the TLS protocol
+    is in place, and those bytes are handed to it before anything newer."""
+    loop = asyncio.get_running_loop()
+    raw.pause_reading()  # sticks now (past connection_made): take_early() is complete
+    handshake = loop.create_task(loop.start_tls(raw, protocol, ctx, server_side=True))
+    # One turn: start_tls has swapped its protocol in and scheduled its
+    # connection_made and resume_reading; the early bytes go right after
+    # those, in the same turn, before any read can come.
+    await asyncio.sleep(0)
+    early = take_early()
+    if early:
+        loop.call_soon(_feed, raw, early)
+    return await handshake
+
+
 def _feed(raw: Any, data: bytes) -> None:
     """Give `data`, read from `raw` before start_tls took it over, to the TLS
     layer now reading it (a BufferedProtocol, in asyncio and uvloop alike)."""
@@ -312,27 +339,6 @@ def _feed(raw: Any, data: bytes) -> None:
         buf[:n] = view[:n]
         proto.buffer_updated(n)
         view = view[n:]
-
-
-def tls_failure(exc: BaseException) -> str:
-    """Why a TLS handshake failed, in a few words (the OpenSSL reason, e.g.
-    "PEER_DID_NOT_RETURN_A_CERTIFICATE", "CERTIFICATE_VERIFY_FAILED",
-    "WRONG_VERSION_NUMBER" for a peer not speaking TLS)."""
-    reason = getattr(exc, "reason", None)
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return f"certificate not accepted: {exc.verify_message}"
-    if reason:
-        hint = {"PEER_DID_NOT_RETURN_A_CERTIFICATE": "the peer presented no certificate",
-                "WRONG_VERSION_NUMBER": "the peer does not speak TLS",
-                "HTTP_REQUEST": "the peer does not speak TLS (HTTP)",
-                "TLSV1_ALERT_UNKNOWN_CA": "the peer does not accept our CA",
-                "SSLV3_ALERT_BAD_CERTIFICATE": "the peer rejected our certificate",
-                "TLSV13_ALERT_CERTIFICATE_REQUIRED": "the peer wants a certificate"}.get(reason)
-        return f"{hint} ({reason})" if hint else str(reason)
-    if isinstance(exc, ConnectionError):
-        return ("the peer closed the connection during it (it did not accept this side's "
-                "certificate, or gave up)")
-    return str(exc) or type(exc).__name__
 
 
 class EndpointProtocol(asyncio.BufferedProtocol):
@@ -423,18 +429,13 @@ class EndpointProtocol(asyncio.BufferedProtocol):
         """The TLS handshake on `raw`; this protocol then reads and writes
         through the secured transport. A failure is a refusal."""
         ep = self.endpoint
-        loop = asyncio.get_running_loop()
-        raw.pause_reading()  # sticks now (past connection_made): `_early` is complete
-        handshake = loop.create_task(loop.start_tls(raw, self, ctx, server_side=True))
-        try:
-            # One turn: start_tls has swapped its protocol in and scheduled its
-            # connection_made and resume_reading; the early bytes go right
-            # after those, in the same turn, before any read can come.
-            await asyncio.sleep(0)
+
+        def take_early() -> bytes:
             early, self._early = bytes(self._early or b""), None
-            if early:
-                loop.call_soon(_feed, raw, early)
-            secured = await handshake
+            return early
+
+        try:
+            secured = await accept_tls(raw, self, ctx, take_early)
         except Exception as exc:  # SSLError, ConnectionError, the transport closed by us
             if not self.closing:  # else evicted or timed out: said so already
                 ep.metrics.tls_refused.inc()

@@ -14,7 +14,8 @@ A process started with --tls-* (a server, replica, controller or agent)
 uses the same certificate for the links it opens itself (a replica to its
 server, the controller's heartbeats, an aggregator's pushes...):
 `use_for_process` keeps the client context that `client.link.open_link`
-falls back on.
+falls back on. `tls_refused` and `tls_failure` word a failed handshake
+(for the listener's log and the client's error).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import os
 import ssl
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..errors import ConfigError, TLSError
 
 # What each of the three files is called where it was given: on the command
 # line (--tls-cert) or as a client setting (tls_cert).
@@ -114,6 +115,50 @@ def client_context(tls: TLSFiles, names: tuple[str, str, str] = FLAGS) -> ssl.SS
     ctx = _context(ssl.PROTOCOL_TLS_CLIENT, tls, names)
     ctx.check_hostname = True
     return ctx
+
+
+# -- why a TLS handshake failed, for both sides' messages -------------------------------
+
+
+def tls_failure(exc: BaseException) -> str:
+    """Why a TLS handshake failed, in a few words (the OpenSSL reason, e.g.
+    "PEER_DID_NOT_RETURN_A_CERTIFICATE", "CERTIFICATE_VERIFY_FAILED",
+    "WRONG_VERSION_NUMBER" for a peer not speaking TLS)."""
+    reason = getattr(exc, "reason", None)
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"certificate not accepted: {exc.verify_message}"
+    if reason:
+        hint = {"PEER_DID_NOT_RETURN_A_CERTIFICATE": "the peer presented no certificate",
+                "WRONG_VERSION_NUMBER": "the peer does not speak TLS",
+                "HTTP_REQUEST": "the peer does not speak TLS (HTTP)",
+                "TLSV1_ALERT_UNKNOWN_CA": "the peer does not accept our CA",
+                "SSLV3_ALERT_BAD_CERTIFICATE": "the peer rejected our certificate",
+                "TLSV13_ALERT_CERTIFICATE_REQUIRED": "the peer wants a certificate"}.get(reason)
+        return f"{hint} ({reason})" if hint else str(reason)
+    if isinstance(exc, ConnectionError):
+        return ("the peer closed the connection during it (it did not accept this side's "
+                "certificate, or gave up)")
+    return str(exc) or type(exc).__name__
+
+
+def tls_refused(exc: ssl.SSLError, what: str, address: str, command: str, *,
+                by_us: bool) -> TLSError:
+    """The error for a TLS handshake with the `what` at `address` that
+    failed: `by_us`, this side did not accept the listener; else the
+    listener refused this side (TLS 1.3 says so after the client's part of
+    the handshake is done, on the first read)."""
+    reason = getattr(exc, "reason", None)
+    if reason == "WRONG_VERSION_NUMBER" or reason == "RECORD_LAYER_FAILURE":
+        return TLSError(f"the {what} at {address} does not use TLS ({reason}): start "
+                        f"`{command}` with --tls-cert, --tls-key and --tls-ca, or connect "
+                        f"without TLS settings")
+    if by_us and isinstance(exc, ssl.SSLCertVerificationError):
+        return TLSError(f"the {what} at {address} presented a certificate this client does "
+                        f"not accept: {exc.verify_message}; it must be signed by the CA in "
+                        f"tls_ca and name the host dialled (`mlfabric tls init --host`)")
+    return TLSError(f"the {what} at {address} refused this client's TLS certificate: "
+                    f"{tls_failure(exc)}; give tls_cert and tls_key signed by the cluster's "
+                    f"CA (the one `{command}` was given as --tls-ca)")
 
 
 # -- the process's own links ------------------------------------------------------
