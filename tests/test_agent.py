@@ -816,6 +816,11 @@ def test_cli_servers_belong_to_the_aggregator(tmp_path: Path) -> None:
         ("{}", ["--job-rediscover", "-1"],
          r"job-rediscover must be a number of seconds in \[0, 3600\], got -1.0"),
         ('{"job_rediscover": "1"}', [], "job-rediscover must be .* got '1'"),
+        ('{"tls_cert": 5}', [], r"tls_cert in the agent config must be a file path \(a "
+         r"string\), got 5"),
+        ('{"tls_ca": "/nonexistent/ca.pem"}', [], "TLS needs all three of --tls-cert, "
+         "--tls-key, --tls-ca: --tls-ca given without --tls-cert, --tls-key"),
+        ("{}", ["--tls-cert", "/nonexistent/a.pem"], "TLS needs all three"),
     ],
 )
 def test_cli_config_errors(tmp_path: Path, content: str, argv: list[str], match: str) -> None:

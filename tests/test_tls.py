@@ -25,9 +25,13 @@ from mlfabric.errors import AuthenticationError, ConfigError, ConnectionLost, TL
 from mlfabric.server.store import ParameterStore
 from mlfabric.tools import tls_cli
 from mlfabric.transport import tls
+from mlfabric.wire.agent_auth import AgentCredential, derive_job_key
 
 from support import (
+    CLUSTER,
+    CLUSTER_TOKEN,
     JOB,
+    JOB_AGENT_KEY,
     TOKEN,
     WRONG_TOKEN,
     Reference,
@@ -37,6 +41,7 @@ from support import (
     free_port,
     make_model,
     random_update,
+    sample,
     wait_until,
 )
 from test_cli import Server, mlfabric_cmd
@@ -581,24 +586,6 @@ def test_tls_handshakes_count_among_unauthenticated_connections(certs, loop_kind
                 s.close()
 
 
-def test_the_aggregator_listens_over_tls_and_the_agent_port_does_not(certs, tmp_path) -> None:
-    ours, _ = certs
-    flags = ["--tls-cert", str(ours / "server.pem"), "--tls-key", str(ours / "server.key"),
-             "--tls-ca", str(ours / "ca.pem")]
-    proc = Process(command("aggregator", tmp_path, *flags), tmp_path,
-                   r"aggregating job '[^']+' on (\S+), mutual TLS \(forwards to ")
-    assert proc.stop() == 0
-    alone = subprocess.run(mlfabric_cmd("agent", "--listen", f"127.0.0.1:{free_port()}",
-                                        "--cluster-token-file", str(cluster_token_file()),
-                                        *flags),
-                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert alone.returncode == 2
-    assert alone.stderr.strip() == (
-        "mlfabric agent: error: --tls-cert, --tls-key and --tls-ca are for the aggregator's "
-        "listener (the agent's own port is not TLS): give --aggregate HOST:PORT too, or drop "
-        "them")
-
-
 def test_push_returns_only_once_the_arrays_are_no_longer_read(certs, loop_kind,
                                                               monkeypatch) -> None:
     """The blocking client's push() of a large update returns once its bytes
@@ -650,3 +637,310 @@ def test_a_sharded_job_over_tls(certs) -> None:
             assert outcome.applied and outcome.version == (k + 1, k + 1)
             version, params = ps.pull(timeout=10)
         assert_model_equal(params, ref.w)
+
+
+# -- the agent's control port ----------------------------------------------------------------
+#
+# With --tls-* (AgentConfig.tls) the agent's control port takes mutual TLS
+# only, started per connection as a job listener does: a failed TLS
+# handshake is counted (agent_tls_refused_total) and logged, and held to the
+# login timeout and the cap on connections not logged in. Its clients dial
+# it over TLS: peer agents' probe sessions, the controller, workers' transfer
+# reports, query_estimates. The login and the frame MACs run inside TLS.
+
+
+def tls_agent(certs, name: str = "a", cert: str = "server", **kw):
+    from mlfabric.agent.daemon import Agent, AgentConfig
+    from mlfabric.agent.estimator import ProbeConfig
+    from mlfabric.runtime.metrics import AgentMetrics
+
+    ours, _ = certs
+    config = AgentConfig(name=name, cluster_token=CLUSTER_TOKEN, host="127.0.0.1", port=0,
+                         counters=None, backoff_max=0.2,
+                         probe=ProbeConfig(max_packets=64, initial_bps=50e6, stale_after=0.5),
+                         tls=tls.server_context(files(ours, cert)),
+                         tls_client=tls.client_context(files(ours, cert)), **kw)
+    return Agent(config, metrics=AgentMetrics())
+
+
+def worker_context(certs) -> ssl.SSLContext:
+    ours, _ = certs
+    return tls.client_context(files(ours, "worker"))
+
+
+class AgentEndpoint:
+    """An agent, as an endpoint to run in a ServerThread."""
+
+    role = "agent"
+
+    def __init__(self, agent) -> None:
+        self.agent, self.metrics = agent, agent.metrics
+
+    async def start(self, host, port):
+        await self.agent.start()
+        return "127.0.0.1", self.agent.port
+
+    async def close(self):
+        await self.agent.stop()
+
+
+def test_tls_agents_probe_each_other_and_serve_estimates_and_reports(certs, run_async) -> None:
+    from mlfabric.agent.daemon import AgentClient, query_estimates
+    from mlfabric.client.agent_report import TransferReporter
+
+    ctx = worker_context(certs)
+
+    async def main():
+        a, b = tls_agent(certs, "a"), tls_agent(certs, "b")
+        await a.start()
+        await b.start()
+        try:
+            a.set_peers({"b": ("127.0.0.1", b.port)})
+            b.set_peers({"a": ("127.0.0.1", a.port)})
+            await a.wait_trains("b", 2, timeout=10)  # probe sessions, over TLS
+            # the controller's reader: the job's key, over TLS
+            async with await AgentClient.connect("127.0.0.1", a.port, JOB_AGENT_KEY,
+                                                 tls=ctx) as client:
+                assert client._writer.get_extra_info("ssl_object").version() == "TLSv1.3"
+                assert client._conn.protected  # the login's MACs inside TLS
+                est = await client.estimates()
+            assert est.agent == "a" and [e.peer for e in est.estimates] == ["b"]
+            # b answered a's trains and pings on the probe session
+            assert est.estimates[0].connected and est.estimates[0].rtt_s > 0
+            # a worker's transfer reports, and a tool's one-shot read
+            reporter = TransferReporter(f"127.0.0.1:{a.port}", JOB_AGENT_KEY, timeout=5,
+                                        tls=ctx)
+            reporter.report("b", 1 << 20, 0.1)
+            wait = asyncio.get_running_loop().run_in_executor
+            await wait(None, reporter.close)
+            assert reporter.sent == 1 and reporter.dropped == 0
+            deadline = asyncio.get_running_loop().time() + 5
+            while sample(a.metrics.transfer_reports, result="accepted") < 1:
+                assert asyncio.get_running_loop().time() < deadline, "no report accepted"
+                await asyncio.sleep(0.01)
+            got = await wait(None, lambda: query_estimates("127.0.0.1", a.port, CLUSTER, 5,
+                                                           tls=ctx))
+            assert [e.peer for e in got.estimates] == ["b"]
+            # the login still decides inside TLS: a wrong key is refused
+            with pytest.raises(AuthenticationError, match="did not prove it holds"):
+                await AgentClient.connect("127.0.0.1", a.port, AgentCredential(
+                    "job", JOB, derive_job_key(WRONG_TOKEN, JOB)), tls=ctx)
+            for agent in (a, b):
+                assert sample(agent.metrics.tls_refused) == 0
+                assert sample(agent.metrics.bad_messages, kind="frame") == 0
+        finally:
+            await b.stop()
+            await a.stop()
+
+    run_async(main())
+
+
+@pytest.fixture
+def agent_thread(certs, loop_kind):
+    """A TLS agent (certificate `server`, naming 127.0.0.1) in a thread."""
+    agent = tls_agent(certs)
+    with ServerThread(None, loop_kind=loop_kind, endpoint=AgentEndpoint(agent)) as thread:
+        thread.agent = agent
+        yield thread
+
+
+def refused_by_agent(thread, caplog, reason: str) -> None:
+    wait_until(lambda: sample(thread.agent.metrics.tls_refused) == 1, 5,
+               "the refusal counted by the agent")
+    assert f"TLS handshake failed: {reason}" in caplog.text, caplog.text
+
+
+def _connect(port: int, **kw):
+    from mlfabric.agent.daemon import AgentClient
+
+    async def main():
+        client = await AgentClient.connect("127.0.0.1", port, JOB_AGENT_KEY, timeout=5, **kw)
+        await client.close()
+
+    return main()
+
+
+def test_a_plain_client_of_a_tls_agent_is_refused_and_told(agent_thread, run_async,
+                                                           caplog) -> None:
+    port = agent_thread.agent.port
+    with caplog.at_level(logging.WARNING, logger="mlfabric.agent"):
+        with pytest.raises(ConnectionLost) as info:
+            run_async(_connect(port))
+        assert str(info.value) == (
+            f"the agent at 127.0.0.1:{port} closed the connection during the login: perhaps "
+            f"it requires TLS (give --tls-cert, --tls-key and --tls-ca, or tls_cert, tls_key "
+            f"and tls_ca), or it is shutting down")
+        refused_by_agent(agent_thread, caplog, "the peer does not speak TLS "
+                                               "(WRONG_VERSION_NUMBER)")
+
+
+def test_a_client_certificate_of_another_ca_is_refused_by_the_agent(certs, agent_thread,
+                                                                    run_async,
+                                                                    caplog) -> None:
+    ours, theirs = certs
+    # Their worker's certificate, though it trusts our CA.
+    ctx = tls.client_context(files(theirs, "worker", ca_dir=ours))
+    port = agent_thread.agent.port
+    with caplog.at_level(logging.WARNING, logger="mlfabric.agent"):
+        with pytest.raises(ConnectionLost) as info:
+            run_async(_connect(port, tls=ctx))
+        assert str(info.value) == (
+            f"the agent at 127.0.0.1:{port} closed the connection right after the TLS "
+            f"handshake: it did not accept this client's certificate (not signed by its "
+            f"--tls-ca; its log says why), or it is shutting down; give tls_cert and tls_key "
+            f"(or --tls-cert and --tls-key) signed by the cluster's CA")
+        refused_by_agent(agent_thread, caplog, "certificate not accepted: unable to get local "
+                                               "issuer certificate")
+    assert agent_thread.call(lambda: agent_thread.agent.pending_logins) == 0
+
+
+def test_the_client_refuses_an_agent_of_another_ca(certs, agent_thread, run_async) -> None:
+    ours, theirs = certs
+    port = agent_thread.agent.port
+    with pytest.raises(TLSError) as info:
+        run_async(_connect(port, tls=tls.client_context(files(ours, "worker", ca_dir=theirs))))
+    assert str(info.value) == (
+        f"the agent at 127.0.0.1:{port} presented a certificate this client does not accept: "
+        f"self-signed certificate in certificate chain; it must be signed by the CA in tls_ca "
+        f"and name the host dialled (`mlfabric tls init --host`)")
+
+
+def test_a_tls_client_of_a_plain_agent_is_told_on_both_sides(certs, loop_kind, run_async,
+                                                             caplog) -> None:
+    from mlfabric.agent.daemon import Agent, AgentConfig, query_estimates
+    from mlfabric.runtime.metrics import AgentMetrics
+
+    plain = Agent(AgentConfig(name="p", cluster_token=CLUSTER_TOKEN, host="127.0.0.1", port=0,
+                              counters=None), metrics=AgentMetrics())
+    ctx = worker_context(certs)
+    with caplog.at_level(logging.WARNING, logger="mlfabric.agent"), \
+            ServerThread(None, loop_kind=loop_kind, endpoint=AgentEndpoint(plain)):
+        for attempt in (lambda: run_async(_connect(plain.port, tls=ctx)),
+                        lambda: query_estimates("127.0.0.1", plain.port, JOB_AGENT_KEY, 5,
+                                                tls=ctx)):
+            with pytest.raises(TLSError) as info:
+                attempt()
+            assert str(info.value) == (
+                f"the agent at 127.0.0.1:{plain.port} does not use TLS (WRONG_VERSION_NUMBER): "
+                f"start `mlfabric agent` with --tls-cert, --tls-key and --tls-ca, or connect "
+                f"without TLS settings")
+        wait_until(lambda: "this agent's control port is plain TCP" in caplog.text, 5,
+                   "the agent's log line")
+    assert "refused a TLS client at 127.0.0.1:" in caplog.text
+
+
+def test_a_clienthello_read_before_start_tls_reaches_the_agent(certs, agent_thread) -> None:
+    """uvloop reads the ClientHello that came with the connection before the
+    agent hands the socket to its TLS layer: those bytes must not be lost."""
+    ctx = worker_context(certs)
+    for _ in range(20):
+        with socket.create_connection(("127.0.0.1", agent_thread.agent.port),
+                                      timeout=5) as sock:
+            assert tls_handshake(sock, ctx, "127.0.0.1").version() == "TLSv1.3"
+
+
+def test_tls_handshakes_at_the_agent_are_held_to_its_login_limits(certs, loop_kind) -> None:
+    """A peer silent in its TLS handshake is closed at the login timeout;
+    such connections count among those not logged in (the cap), and a good
+    client still gets in."""
+    agent = tls_agent(certs, login_timeout=0.5, max_unauthenticated=2)
+    ctx = worker_context(certs)
+    with ServerThread(None, loop_kind=loop_kind, endpoint=AgentEndpoint(agent)) as thread:
+        socks = [socket.create_connection(("127.0.0.1", agent.port), timeout=5)
+                 for _ in range(3)]
+        try:
+            socks[0].settimeout(5.0)
+            try:
+                assert socks[0].recv(1) == b""  # the oldest, closed to make room
+            except ConnectionResetError:
+                pass
+            wait_until(lambda: sample(agent.metrics.refused, reason="evicted") == 1, 5)
+            assert thread.call(lambda: agent.pending_logins) == 2
+            for s in socks[1:]:  # closed at the login timeout, no TLS handshake done
+                s.settimeout(5.0)
+                try:
+                    assert s.recv(1) == b""
+                except ConnectionResetError:
+                    pass
+            wait_until(lambda: sample(agent.metrics.refused, reason="login-timeout") == 2, 5)
+            assert thread.call(lambda: agent.pending_logins) == 0
+            assert sample(agent.metrics.tls_refused) == 0  # (closed by the agent: no refusal)
+            with socket.create_connection(("127.0.0.1", agent.port), timeout=5) as good:
+                assert tls_handshake(good, ctx, "127.0.0.1").version() == "TLSv1.3"
+            # the evicted one is not counted again at its login timeout
+            assert sample(agent.metrics.refused, reason="login-timeout") == 2
+        finally:
+            for s in socks:
+                s.close()
+
+
+def test_the_agent_port_and_its_aggregator_listen_over_tls(certs, tmp_path) -> None:
+    """`mlfabric agent --tls-*` secures its control port (before, the flags
+    were refused without --aggregate) and its aggregator's listener alike."""
+    from mlfabric.agent.daemon import query_estimates
+
+    ours, _ = certs
+    flags = ["--tls-cert", str(ours / "server.pem"), "--tls-key", str(ours / "server.key"),
+             "--tls-ca", str(ours / "ca.pem")]
+    proc = Process(command("aggregator", tmp_path, *flags), tmp_path,
+                   r"ready on (\S+), mutual TLS; aggregating job '[^']+' on \S+, mutual TLS "
+                   r"\(forwards to \S+ only\)$")
+    try:
+        host, port = proc.address.rsplit(":", 1)
+        got = query_estimates(host, int(port), CLUSTER, 5, tls=worker_context(certs))
+        assert got.agent == "a1" and got.estimates == ()
+        with pytest.raises(ConnectionLost, match="perhaps it requires TLS"):
+            query_estimates(host, int(port), CLUSTER, 5)
+    finally:
+        assert proc.stop() == 0
+
+
+def test_a_tls_controller_reads_a_tls_agent_set_from_its_config_file(certs,
+                                                                     tmp_path) -> None:
+    """The agent's TLS settings from its --config file; the controller, with
+    --tls-*, dials its --agent over TLS (`mlfabric status` says reachable);
+    a controller without TLS cannot, and its status says why."""
+    import json
+
+    from support import agent_key_file
+
+    ours, _ = certs
+    conf = tmp_path / "agent.json"
+    conf.write_text(json.dumps({"tls_cert": str(ours / "server.pem"),
+                                "tls_key": str(ours / "server.key"),
+                                "tls_ca": str(ours / "ca.pem")}))
+    flags = ["--tls-cert", str(ours / "server.pem"), "--tls-key", str(ours / "server.key"),
+             "--tls-ca", str(ours / "ca.pem")]
+    agent = Process(mlfabric_cmd("agent", "--name", "h1", "--listen",
+                                 f"127.0.0.1:{free_port()}", "--cluster-token-file",
+                                 str(cluster_token_file()), "--config", str(conf)),
+                    tmp_path, r"ready on (\S+), mutual TLS$")
+    procs = [agent]
+    try:
+        for tls_flags in (flags, []):
+            ctl = Process(command("controller", tmp_path, "--agent", f"h1={agent.address}",
+                                  "--agent-key-file", str(agent_key_file()),
+                                  "--agent-interval", "0.1", *tls_flags), tmp_path,
+                          r"serving job '[^']+' on (\S+)")
+            procs.append(ctl)
+
+            def agents(ctl=ctl, tls_flags=tls_flags) -> dict:
+                done = subprocess.run(mlfabric_cmd("status", "--controller", ctl.address,
+                                                   "--job", JOB, "--token-file",
+                                                   str(tmp_path / "job.token"), "--json",
+                                                   *tls_flags),
+                                      capture_output=True, text=True, timeout=60)
+                assert done.returncode == 0, done.stderr
+                (found,) = json.loads(done.stdout)["agents"]
+                return found
+
+            if tls_flags:
+                wait_until(lambda: agents()["reachable"], 10, "the agent read over TLS")
+            else:
+                wait_until(lambda: "requires TLS" in agents()["error"], 10, "the reason")
+                assert agents()["error"] == (
+                    f"the agent at {agent.address} closed the connection during the login: "
+                    f"perhaps it requires TLS (give --tls-cert, --tls-key and --tls-ca, or "
+                    f"tls_cert, tls_key and tls_ca), or it is shutting down")
+    finally:
+        assert [p.stop() for p in reversed(procs)] == [0] * len(procs)

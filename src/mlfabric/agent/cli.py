@@ -7,7 +7,9 @@ Peers come from `--peer NAME=HOST:PORT` flags and/or a JSON `--config` file::
      "peers": {"h1": "10.0.0.2:7400", "h2": "10.0.0.3:7400"}}
 
 Flags override the file. The controller can replace the peer list later
-(`SetPeers` on the agent's port).
+(`SetPeers` on the agent's port). With `--tls-cert/--tls-key/--tls-ca` (or
+the keys `tls_cert`, `tls_key`, `tls_ca`) the agent's port, and its
+aggregator's, take mutual TLS only, and its probe sessions to peers are TLS.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ CONFIG_KEYS = {
     "job": "--job",
     "token_file": "--token-file",
     "group_timeout": "--group-timeout",
+    "tls_cert": "--tls-cert",
+    "tls_key": "--tls-key",
+    "tls_ca": "--tls-ca",
 }
 
 
@@ -112,7 +117,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", metavar="PATH",
                    help="the job's token file (with --aggregate)")
     add_handshake_timeout(p, "the aggregator's peers (with --aggregate)")
-    add_tls_arguments(p, "the aggregator's peers (with --aggregate)")
+    add_tls_arguments(p, "the agent's peers and clients (and the aggregator's, with "
+                         "--aggregate)")
     # None: not given (the agent's own port has no handshake; the flag needs --aggregate)
     p.set_defaults(handshake_timeout=None)
     p.add_argument("--group-timeout", type=float, metavar="SECONDS",
@@ -178,10 +184,6 @@ def build_aggregate(args: argparse.Namespace, file: dict[str, Any]) -> Aggregate
     timeout = _pick(args.group_timeout, file, "group_timeout", 2.0)
     servers = _pick(args.servers, file, "servers")
     if address is None:
-        if args.tls_cert or args.tls_key or args.tls_ca:
-            raise ConfigError("--tls-cert, --tls-key and --tls-ca are for the aggregator's "
-                              "listener (the agent's own port is not TLS): give "
-                              "--aggregate HOST:PORT too, or drop them")
         if (job is not None or token_file is not None or args.group_timeout is not None
                 or args.handshake_timeout is not None or servers is not None):
             raise ConfigError("--job, --token-file, --servers, --group-timeout and "
@@ -204,12 +206,31 @@ def build_aggregate(args: argparse.Namespace, file: dict[str, Any]) -> Aggregate
                           f"the job's servers (shards and replicas too) as the workers name "
                           f"them; the aggregator forwards to no other address")
     allowed = Destinations(split_servers(servers, "servers"), "--servers")
-    # The client context is also this process's: the aggregates go to the
-    # server over TLS too.
-    secured = tls.from_args(args)
+    # (its TLS context is the agent's: `run` sets it from build_config's)
     return AggregateConfig(host, port, str(job), auth.load_token(token_file), float(timeout),
-                           allowed.addresses, handshake_timeout(args),
-                           None if secured is None else secured[0])
+                           allowed.addresses, handshake_timeout(args))
+
+
+def build_tls(args: argparse.Namespace, file: dict[str, Any]
+              ) -> tuple[ssl.SSLContext, ssl.SSLContext] | None:
+    """(server context, client context) from --tls-* or the config file's
+    tls_* keys (flags win), or None for plain TCP. The client context is
+    also made the process's (`tls.use_for_process`): the probe sessions to
+    peers and the aggregator's pushes to the server go over TLS too."""
+    given = []
+    for key in ("tls_cert", "tls_key", "tls_ca"):
+        value = _pick(getattr(args, key, None), file, key)
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{key} in the agent config must be a file path (a string), got "
+                              f"{value!r}")
+        given.append(value)
+    files = tls.files(given[0], given[1], given[2])
+    if files is None:
+        tls.use_for_process(None)
+        return None
+    contexts = tls.server_context(files), tls.client_context(files)
+    tls.use_for_process(contexts[1])
+    return contexts
 
 
 def build_config(args: argparse.Namespace, aggregate: AggregateConfig | None = None
@@ -264,11 +285,14 @@ def build_config(args: argparse.Namespace, aggregate: AggregateConfig | None = N
         raise ConfigError("an agent needs --cluster-token-file PATH: the cluster's secret, "
                           "which every agent holds (make it once with `mlfabric token new "
                           "cluster.token` and copy it to every host)")
+    secured = build_tls(args, file)
     config = AgentConfig(name=name, cluster_token=auth.load_token(cluster_token_file),
                          host=host, port=port, peers=peers, probe=probe_cfg,
                          counters=functools.partial(read_net_dev, interface),
                          job_traffic=JobTrafficReader(ports, rediscover=float(rediscover))
-                         if ports else None)
+                         if ports else None,
+                         tls=None if secured is None else secured[0],
+                         tls_client=None if secured is None else secured[1])
     return config, metrics_port
 
 
@@ -336,8 +360,8 @@ async def serve(config: AgentConfig, metrics_port: int | None = None,
             extra = (f"; aggregating job {aggregate.job!r} on {host}:{port}"
                      f"{tls.describe(aggregate.tls)} (forwards to "
                      f"{','.join(aggregate.servers)} only)")
-        print(f"mlfabric agent {config.name} ready on {config.host}:{agent.port}{where}{extra}",
-              flush=True)
+        print(f"mlfabric agent {config.name} ready on {config.host}:{agent.port}{where}"
+              f"{tls.describe(config.tls)}{extra}", flush=True)
         await stop.wait()
         log.info("agent %s: shutting down", config.name)
     finally:
@@ -355,5 +379,7 @@ def run(args: argparse.Namespace) -> int:
 
     aggregate = build_aggregate(args, _load_file(args.config) if args.config else {})
     config, metrics_port = build_config(args, aggregate)
+    if aggregate is not None:  # the aggregator's listener is as the agent's port
+        aggregate = replace(aggregate, tls=config.tls)
     loop_run(serve(config, metrics_port, args.metrics_host, aggregate), kind=args.loop)
     return 0

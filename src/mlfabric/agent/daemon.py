@@ -1,7 +1,8 @@
 """The per-host agent daemon: moves probe bytes and carries out the estimator's plans.
 
 One port number serves both channels (see `mlfabric.wire.agent_protocol`): a TCP listener
-for control connections (peer agents, local clients, the controller) and a
+for control connections (peer agents, local clients, the controller; each
+logs in, and with `AgentConfig.tls` speaks mutual TLS first) and a
 UDP socket receiving probe trains, timestamped by the kernel
 (SO_TIMESTAMPNS) so that a busy event loop does not distort the dispersion.
 
@@ -25,6 +26,7 @@ import os
 import random
 import re
 import socket
+import ssl
 import struct
 import time
 from collections import deque
@@ -32,10 +34,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError, ConnectionLost, IntegrityError, ProtocolError
+from ..errors import (
+    AuthenticationError,
+    ConfigError,
+    ConnectionLost,
+    IntegrityError,
+    NotMlfabric,
+    ProtocolError,
+    TLSError,
+)
 from ..runtime.loop import within
-from ..transport.agent_login import blocking_login, login
-from ..transport.listener import LogLimiter
+from ..transport.agent_login import open_agent, open_agent_blocking
+from ..transport.listener import LogLimiter, accept_tls
+from ..transport.tls import tls_failure
 from ..wire import agent_protocol as probe
 from ..wire.agent_auth import AgentCredential, AgentGate, cluster_credential
 from .estimator import (
@@ -201,6 +212,11 @@ class AgentConfig:
     # closed to make room (issue 33: 500 unauthenticated connections held 534
     # MiB; the oldest, so that a flood cannot keep a peer's login out).
     max_unauthenticated: int = 128
+    # Mutual TLS (transport.tls): the control port's server context (None:
+    # plain TCP), and the client context the probe sessions dial peers with
+    # (None: the process's own, `tls.use_for_process`, else plain TCP).
+    tls: ssl.SSLContext | None = field(default=None, repr=False)
+    tls_client: ssl.SSLContext | None = field(default=None, repr=False)
 
 
 # A full frame of 1514 bytes carries 1448 bytes of TCP payload (timestamps on)
@@ -229,11 +245,20 @@ class _RxTrain:
 
 
 class _Control:
-    """One accepted control connection (peer agent or local client)."""
+    """One accepted control connection (peer agent or local client). Its
+    `writer` is None while its TLS handshake is under way."""
 
-    def __init__(self, agent: Agent, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, agent: Agent, transport: Any) -> None:
         self.agent = agent
-        self.writer = writer
+        # The raw transport, then the secured one: aborted to evict. (Any:
+        # uvloop's transports are no asyncio.Transport instances.)
+        self.transport = transport
+        self.writer: asyncio.StreamWriter | None = None
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self.login_by = agent.clock() + agent.config.login_timeout
+        self.evicted = False
+        self.tls_task: asyncio.Task[None] | None = None  # its TLS handshake, under way
         # Before the login, frames are small (a login is at most 3.1 KB): a
         # peer that is not in holds a few KiB of this agent, not MAX_FRAME.
         self.conn = probe.Connection(max_frame=LOGIN_MAX_FRAME)
@@ -242,8 +267,57 @@ class _Control:
         self.peer_name: str | None = None
 
     def send(self, event: probe.Event) -> None:
-        if not self.writer.is_closing():
+        if self.writer is not None and not self.writer.is_closing():
             self.writer.write(self.conn.send(event))
+
+    def evict(self) -> None:
+        self.evicted = True
+        self.transport.abort()
+        if self.tls_task is not None:  # (start_tls may not notice the abort at once)
+            self.tls_task.cancel()
+
+
+class _TLSAccept(asyncio.BufferedProtocol):
+    """An accepted control connection before its TLS handshake: holds what
+    it reads (the start of the ClientHello, which uvloop may read before
+    start_tls takes the socket over) for the TLS layer, and starts the
+    agent's handling of it (`Agent._serve_tls`). start_tls then gives the
+    socket to the TLS layer: nothing more comes here."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.early: bytearray | None = bytearray()
+        self._scratch = bytearray(1 << 12)
+        self.raw: Any = None  # the accepted transport
+        self.lost = False
+
+    def connection_made(self, transport: Any) -> None:
+        self.raw = transport
+        transport.pause_reading()  # until start_tls takes over the socket
+        self.agent._accept_tls(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if len(self._scratch) < sizehint:
+            self._scratch = bytearray(sizehint)
+        return memoryview(self._scratch)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.early is None or self.raw is None:
+            return
+        self.early += self._scratch[:nbytes]
+        self.raw.pause_reading()
+        if len(self.early) > LOGIN_MAX_FRAME * 16:  # a ClientHello is a few hundred bytes
+            self.raw.abort()
+
+    def take_early(self) -> bytes:
+        early, self.early = bytes(self.early or b""), None
+        return early
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True  # (before start_tls took over: the handshake sees it too)
 
 
 class Agent:
@@ -281,7 +355,7 @@ class Agent:
         # a line a minute at most of each (the rest counted in the next line)
         self._report_log = LogLimiter(log, burst=1, interval=60.0, clock=clock)
         self._refusal_log = LogLimiter(log, burst=1, interval=60.0, clock=clock)
-        self._integrity_log = LogLimiter(log, burst=1, interval=60.0, clock=clock)
+        self._peer_log = LogLimiter(log, burst=1, interval=60.0, clock=clock)
         # control connections open and not logged in, oldest first
         self._unauthenticated: dict[_Control, None] = {}
 
@@ -304,7 +378,16 @@ class Agent:
         self._loop = loop = asyncio.get_running_loop()
         c = self.config
         try:
-            self._server = await asyncio.start_server(self._on_control, c.host, c.port)
+            if c.tls is None:
+                self._server = await asyncio.start_server(self._on_control, c.host, c.port)
+            else:
+                # TLS is started per connection rather than by start_server(ssl=):
+                # a failed handshake then reaches the agent to be counted and
+                # logged (asyncio drops it silently), and a connection in its
+                # handshake is held to the login timeout and the cap on
+                # connections not logged in, like any.
+                self._server = await loop.create_server(lambda: _TLSAccept(self), c.host,
+                                                        c.port)
         except OSError as exc:
             raise ConfigError(
                 f"cannot listen for the agent's TCP connections on {c.host}:{c.port}: {exc}; "
@@ -536,6 +619,11 @@ class Agent:
                 attempt = 0
             except asyncio.CancelledError:
                 raise
+            except (TLSError, AuthenticationError) as exc:
+                # A peer whose TLS or cluster token does not match this agent's:
+                # no retry fixes that, but the operator can (a line a minute).
+                self._peer_log.warning("agent %s: cannot open a probe session to peer %s: %s "
+                                       "(warned once a minute)", self.name, st.name, exc)
             except (TimeoutError, OSError, ProtocolError, ConnectionLost, UnicodeError,
                     ValueError) as exc:
                 # (UnicodeError, ValueError: a host the resolver refuses; checked
@@ -544,7 +632,7 @@ class Agent:
                 if isinstance(exc, ProtocolError):
                     self._count_bad("frame")
                 if isinstance(exc, IntegrityError):  # someone on the path: worth a warning
-                    self._integrity_log.warning(
+                    self._peer_log.warning(
                         "agent %s: closed the probe session to peer %s: %s (counted in "
                         "mlfabric_agent_bad_messages_total{kind=\"frame\"}; warned once a "
                         "minute)", self.name, st.name, exc)
@@ -562,16 +650,8 @@ class Agent:
     async def _probe_session(self, st: _PeerState) -> None:
         c = self.config
         host, port = st.addr
-        reader, writer = await within(
-            asyncio.open_connection(host, port), c.connect_timeout
-        )
-        conn = probe.Connection()
-        try:
-            await within(login(reader, writer, conn, cluster_credential(c.cluster_token),
-                               self.name), c.connect_timeout)
-        except BaseException:
-            writer.close()
-            raise
+        reader, writer, conn = await open_agent(host, port, cluster_credential(c.cluster_token),
+                                                self.name, c.connect_timeout, c.tls_client)
         session = int.from_bytes(os.urandom(8), "big")
         reports: dict[int, asyncio.Future[probe.TrainReport]] = {}
         pings: dict[int, float] = {}
@@ -844,27 +924,102 @@ class Agent:
 
     # -- control connections ---------------------------------------------------
 
-    async def _on_control(self, reader: asyncio.StreamReader,
-                          writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._handlers.add(task)
+    def _admit(self, transport: Any) -> _Control:
+        """A new control connection, counted among those not logged in (past
+        the cap, the oldest of them is closed to make room)."""
         if len(self._unauthenticated) >= self.config.max_unauthenticated:
             oldest = next(iter(self._unauthenticated))
             del self._unauthenticated[oldest]
             self._refused(oldest, "evicted", f"{self.config.max_unauthenticated} control "
                           "connections were not logged in (the cap)")
-            oldest.writer.transport.abort()
-        ctl = _Control(self, writer)
+            oldest.evict()
+        ctl = _Control(self, transport)
         self._controls.add(ctl)
         self._unauthenticated[ctl] = None
-        login_by = self.clock() + self.config.login_timeout
+        return ctl
+
+    def _forget(self, ctl: _Control) -> None:
+        self._unauthenticated.pop(ctl, None)
+        for s in ctl.sessions:
+            self._sessions.pop(s, None)
+        self._controls.discard(ctl)
+
+    async def _on_control(self, reader: asyncio.StreamReader,
+                          writer: asyncio.StreamWriter) -> None:
+        """A plain TCP control connection."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
+        ctl = self._admit(writer.transport)
+        ctl.writer = writer
+        try:
+            await self._serve_control(ctl, reader, writer)
+        finally:
+            if task is not None:
+                self._handlers.discard(task)
+
+    def _accept_tls(self, accept: _TLSAccept) -> None:
+        """A control connection to secure first (`_TLSAccept.connection_made`)."""
+        assert accept.raw is not None
+        ctl = self._admit(accept.raw)
+        assert self._loop is not None
+        ctl.tls_task = task = self._loop.create_task(self._serve_tls(ctl, accept))
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
+
+    async def _serve_tls(self, ctl: _Control, accept: _TLSAccept) -> None:
+        """The TLS handshake, within the login timeout; then the connection is
+        served as a plain one is. A failed handshake is refused: counted in
+        agent_tls_refused_total and logged once a minute."""
+        c = self.config
+        assert c.tls is not None and accept.raw is not None
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(loop=loop)
+        protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+        try:
+            secured = await within(accept_tls(accept.raw, protocol, c.tls, accept.take_early),
+                                   max(0.0, ctl.login_by - self.clock()))
+        except TimeoutError:
+            accept.raw.abort()
+            if not ctl.evicted:
+                self._refused(ctl, "login-timeout", f"no TLS handshake within "
+                              f"{c.login_timeout:g} s")
+            self._forget(ctl)
+            return
+        except asyncio.CancelledError:  # evicted, or the agent stopping
+            accept.raw.abort()
+            self._forget(ctl)
+            return
+        except Exception as exc:  # SSLError, ConnectionError, the transport closed by us
+            accept.raw.abort()
+            if not ctl.evicted:  # else counted and logged already
+                if self.metrics is not None:
+                    self.metrics.tls_refused.inc()
+                self._refusal_log.warning(
+                    "agent %s: refused a control connection from %s: TLS handshake failed: "
+                    "%s (mlfabric_agent_tls_refused_total; warned once a minute)", self.name,
+                    ctl.peer, tls_failure(exc))
+            self._forget(ctl)
+            return
+        if secured is None or ctl.evicted or accept.lost:
+            # closed during the handshake (by us: evicted, the agent stopping)
+            (secured or accept.raw).abort()
+            self._forget(ctl)
+            return
+        protocol.connection_made(secured)  # (start_tls does not call it)
+        ctl.transport, ctl.tls_task = secured, None
+        ctl.writer = writer = asyncio.StreamWriter(secured, protocol, reader, loop)
+        await self._serve_control(ctl, reader, writer)
+
+    async def _serve_control(self, ctl: _Control, reader: asyncio.StreamReader,
+                             writer: asyncio.StreamWriter) -> None:
+        """The login, then the client's requests, until either side closes."""
         try:
             while True:
                 if ctl.gate.role is None:
                     # not logged in: bounded, so idle connections do not pile up
                     data = await within(reader.read(READ_CHUNK),
-                                        max(0.0, login_by - self.clock()))
+                                        max(0.0, ctl.login_by - self.clock()))
                 else:
                     data = await reader.read(READ_CHUNK)
                 ctl.conn.receive_data(data)
@@ -898,8 +1053,16 @@ class Agent:
             self._refused(ctl, "integrity", str(exc))
             ctl.send(probe.Error(0, str(exc)[:200]))
         except ProtocolError as exc:
-            log.info("agent %s: dropping a control connection: %s", self.name, exc)
             self._count_bad("frame")
+            if isinstance(exc, NotMlfabric) and exc.head.startswith(b"\x16\x03"):
+                # a TLS ClientHello: the client has TLS settings, this port has none
+                self._refusal_log.warning(
+                    "agent %s: refused a TLS client at %s: this agent's control port is "
+                    "plain TCP (start it with --tls-cert, --tls-key and --tls-ca to serve "
+                    "TLS; mlfabric_agent_bad_messages_total{kind=\"frame\"}; warned once a "
+                    "minute)", self.name, ctl.peer)
+            else:
+                log.info("agent %s: dropping a control connection: %s", self.name, exc)
             # Said before closing, in the agent's own frames: a client that
             # took this port for a server's or a controller's can tell what
             # answered it (wire.roles.foreign_peer).
@@ -909,22 +1072,17 @@ class Agent:
         except asyncio.CancelledError:
             pass
         finally:
-            self._unauthenticated.pop(ctl, None)
-            for s in ctl.sessions:
-                self._sessions.pop(s, None)
-            self._controls.discard(ctl)
+            self._forget(ctl)
             writer.close()
-            if task is not None:
-                self._handlers.discard(task)
 
     def _refused(self, ctl: _Control, reason: str, why: str) -> None:
         """A control connection refused before or at the login, or a request its
         credential does not allow: counted, logged at most once a minute."""
         if self.metrics is not None:
             self.metrics.refused.labels(reason).inc()
-        self._refusal_log.warning("agent %s: refused a control connection from %s (%s: %s; "
-                                  "mlfabric_agent_refused_total; warned once a minute)",
-                                  self.name, ctl.gate.client, reason, why)
+        self._refusal_log.warning("agent %s: refused a control connection from %s (%s) (%s: "
+                                  "%s; mlfabric_agent_refused_total; warned once a minute)",
+                                  self.name, ctl.gate.client, ctl.peer, reason, why)
 
     def _handle(self, ctl: _Control, ev: probe.Event) -> None:
         if isinstance(ev, probe.Hello):
@@ -984,24 +1142,22 @@ class AgentClient:
     What a client may do depends on its credential (wire.agent_auth)."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 timeout: float) -> None:
+                 timeout: float, conn: probe.Connection) -> None:
         self._reader = reader
         self._writer = writer
-        self._conn = probe.Connection()
+        self._conn = conn
         self._next_id = 0
         self.timeout = timeout
 
     @classmethod
     async def connect(cls, host: str, port: int, credential: AgentCredential,
-                      timeout: float = 2.0, name: str = "client") -> AgentClient:
-        reader, writer = await within(asyncio.open_connection(host, port), timeout)
-        client = cls(reader, writer, timeout)
-        try:
-            await within(login(reader, writer, client._conn, credential, name), timeout)
-        except BaseException:
-            writer.close()
-            raise
-        return client
+                      timeout: float = 2.0, name: str = "client",
+                      tls: ssl.SSLContext | None = None) -> AgentClient:
+        """Dial and log in. `tls`: a client context for an agent started with
+        --tls-* (None: the process's own, `transport.tls.use_for_process`,
+        else plain TCP)."""
+        reader, writer, conn = await open_agent(host, port, credential, name, timeout, tls)
+        return cls(reader, writer, timeout, conn)
 
     async def close(self) -> None:
         self._writer.close()
@@ -1057,12 +1213,12 @@ class AgentClient:
 
 
 def query_estimates(host: str, port: int, credential: AgentCredential,
-                    timeout: float = 2.0) -> probe.Estimates:
-    """Blocking one-shot: connect, log in, read the estimates, close (for tools and tests)."""
-    conn = probe.Connection()
-    with socket.create_connection((host, port), timeout=timeout) as s:
-        s.settimeout(timeout)
-        blocking_login(s, conn, credential, "query")
+                    timeout: float = 2.0, tls: ssl.SSLContext | None = None
+                    ) -> probe.Estimates:
+    """Blocking one-shot: connect, log in, read the estimates, close (for tools
+    and tests). `tls` as with `AgentClient.connect`."""
+    s, conn = open_agent_blocking(host, port, credential, "query", timeout, tls)
+    with s:
         s.sendall(conn.send(probe.GetEstimates(1)))
         while True:
             ev = conn.next_event()

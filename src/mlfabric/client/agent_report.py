@@ -6,7 +6,9 @@ passive sample (mlfabric.agent.estimator). Reporting is telemetry: it never dela
 or fails a push. Reports go from a background thread through a bounded
 queue; if the agent is unreachable they are dropped, with one warning. The
 reporter logs in with the job's agent key (wire.agent_auth); a key the agent
-refuses is a warning too, and the client goes on without reports.
+refuses is a warning too, and the client goes on without reports. With the
+client's TLS settings it dials the agent over mutual TLS (an agent started
+with --tls-*).
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import logging
 import os
 import queue
 import socket
+import ssl
 import threading
 
 from ..errors import ConfigError, MlfabricError
-from ..transport.agent_login import blocking_login
+from ..transport.agent_login import open_agent_blocking
 from ..wire import agent_protocol as probe
 from ..wire.agent_auth import AgentCredential, load_job_key
 from .core import parse_address
@@ -46,10 +49,13 @@ def job_agent_key(path: str | os.PathLike[str] | None, job: str) -> AgentCredent
 
 class TransferReporter:
     def __init__(self, address: str, credential: AgentCredential, timeout: float = 0.5,
-                 name: str = "client") -> None:
+                 name: str = "client", tls: ssl.SSLContext | None = None) -> None:
+        """`tls`: the client context to dial the agent with (None: the
+        process's own, `transport.tls.use_for_process`, else plain TCP)."""
         self.address = address
         self.credential = credential
         self.name = name
+        self.tls = tls
         self._host, self._port = parse_address(address)
         self._timeout = timeout
         self._queue: queue.Queue[probe.TransferReport | None] = queue.Queue(_QUEUE)
@@ -74,9 +80,8 @@ class TransferReporter:
         while (event := self._queue.get()) is not None:
             try:
                 if sock is None:
-                    sock = socket.create_connection((self._host, self._port), self._timeout)
-                    conn = probe.Connection()
-                    blocking_login(sock, conn, self.credential, self.name)
+                    sock, conn = open_agent_blocking(self._host, self._port, self.credential,
+                                                     self.name, self._timeout, self.tls)
                 sock.sendall(conn.send(event))
                 self.sent += 1
                 self._warned = False

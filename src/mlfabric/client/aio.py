@@ -100,8 +100,8 @@ async def connect(
     with the job's agent key from `agent_key_file`, as with mlfabric.connect()
     (which runs this client on a thread of its own). With `tls_cert`,
     `tls_key` and `tls_ca` (all three), every link this client opens (to the
-    server, the controller, a replica, an aggregator) is mutual TLS, as with
-    mlfabric.connect()."""
+    server, the controller, a replica, an aggregator, the agent) is mutual
+    TLS, as with mlfabric.connect()."""
     check_push_timeout(push_timeout)
     tls_files = tls.files(tls_cert, tls_key, tls_ca, tls.SETTINGS)
     ctx = None if tls_files is None else tls.client_context(tls_files, tls.SETTINGS)
@@ -117,7 +117,7 @@ async def connect(
     if agent is not None:
         assert agent_key is not None
         try:
-            client._reporter = TransferReporter(agent, agent_key, name=hs.name)
+            client._reporter = TransferReporter(agent, agent_key, name=hs.name, tls=ctx)
         except BaseException:
             await client.close()
             raise

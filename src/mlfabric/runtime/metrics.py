@@ -586,6 +586,10 @@ class AgentMetrics:
         )
         for result in ("accepted", "unknown_peer", "refused"):
             self.transfer_reports.labels(result)
+        self.tls_refused = Counter(
+            "agent_tls_refused",
+            "Control connections refused at the TLS handshake (--tls-*: no certificate, one "
+            "the cluster's CA did not sign, or no TLS at all)", namespace=ns, registry=r)
         self.delivery_samples = Counter(
             "agent_delivery_samples",
             "Delivery-rate samples of the job's own TCP flows to the peer (as BBR takes "

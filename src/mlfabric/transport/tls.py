@@ -12,10 +12,11 @@ inside it, so a certificate alone does not let a peer into a job.
 
 A process started with --tls-* (a server, replica, controller or agent)
 uses the same certificate for the links it opens itself (a replica to its
-server, the controller's heartbeats, an aggregator's pushes...):
-`use_for_process` keeps the client context that `client.link.open_link`
-falls back on. `tls_refused` and `tls_failure` word a failed handshake
-(for the listener's log and the client's error).
+server, the controller's heartbeats and its reads of the agents, an
+aggregator's pushes, an agent's probe sessions...): `use_for_process`
+keeps the client context that `client.link.open_link` and
+`agent_login.open_agent` fall back on. `tls_refused` and `tls_failure` word
+a failed handshake for both kinds of links.
 """
 
 from __future__ import annotations

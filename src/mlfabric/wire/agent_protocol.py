@@ -43,7 +43,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Final
 
-from ..errors import FrameTooLarge, IntegrityError, ProtocolError
+from ..errors import FrameTooLarge, IntegrityError, NotMlfabric, ProtocolError
 from .frame_mac import MAC_SIZE, FrameKey, matches
 
 # 2: Estimates carry the host's own link loads; 3: TrainReport.senders;
@@ -526,7 +526,10 @@ class Connection:
             return NEED_DATA
         magic, version, msg_type, flags, length = HEADER.unpack_from(buf)
         if magic != MAGIC:
-            raise ProtocolError(f"bad frame magic {bytes(magic)!r}: not an mlfabric agent peer")
+            # (its first bytes kept: a TLS record there means the other side
+            # speaks TLS and this one does not, which both can then say)
+            raise NotMlfabric(f"bad frame magic {bytes(magic)!r}: not an mlfabric agent peer",
+                              bytes(buf[:64]))
         if version != VERSION:
             raise ProtocolError(
                 f"protocol version {version} is not supported (this agent speaks {VERSION}); "
