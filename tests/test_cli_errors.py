@@ -84,11 +84,7 @@ METRICS_HOST_ALONE = ("--metrics-host without --metrics-port: metrics are off wi
 
 
 @pytest.mark.parametrize("name", [
-    "server", "replica", "controller",
-    # agent/cli.py is another change's file: it needs one line, after
-    # build_config, `check_metrics_host(metrics_port, args.metrics_host)`
-    pytest.param("agent", marks=pytest.mark.xfail(
-        strict=True, reason="needs agent/cli.py to call check_metrics_host")),
+    "server", "replica", "controller", "agent",
 ])
 def test_a_metrics_host_without_a_metrics_port_is_a_one_line_error(files, name):
     # it was ignored: the process ran without metrics, as if it had none to serve

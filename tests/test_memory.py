@@ -52,10 +52,7 @@ def bench(scenario: str, loop: str) -> dict[str, float]:
 
 @pytest.mark.parametrize("scenario,loop", [
     pytest.param("agent", "uvloop"),
-    # 20-36 MiB held without the agent_protocol change below (1-4 with it)
-    pytest.param("agent", "asyncio", marks=pytest.mark.xfail(
-        strict=False, reason="needs agent_protocol.Connection to keep its error without "
-                             "the traceback (test below)")),
+    pytest.param("agent", "asyncio"),
     *[pytest.param(s, loop) for s in ("pulls", "state", "pushes")
       for loop in ("uvloop", "asyncio")],
 ])
@@ -107,22 +104,13 @@ def test_a_released_connection_receives_nothing_more():
         conn.next_event()
 
 
-# The agent side needs a change to src/mlfabric/wire/agent_protocol.py (that
-# Connection kept the exception that broke it), which is another change's
-# file: marked until that change is in.
-AGENT_PROTOCOL_FIX = pytest.mark.xfail(
-    strict=True, reason="needs agent_protocol.Connection to keep its error without the "
-                        "traceback")
-
-
-@AGENT_PROTOCOL_FIX
 def test_an_agent_connection_broken_by_a_bad_frame_is_freed_without_the_cyclic_gc():
     """As the agent serves a control connection: its handler's frame holds
     the Connection, which kept the exception, whose traceback held that
     frame (in an agent, with the connection's streams and buffers)."""
     def serve(conn: probe.Connection) -> str:
         conn.receive_data(probe.HEADER.pack(probe.MAGIC, probe.VERSION,
-                                            probe.MsgType.SET_PEERS, 1 << 20))
+                                            probe.MsgType.SET_PEERS, 0, 1 << 20))
         try:
             conn.next_event()
         except ProtocolError as exc:

@@ -29,7 +29,12 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..transport import tls
-from ..transport.listener import add_handshake_timeout, add_metrics_arguments, handshake_timeout
+from ..transport.listener import (
+    add_handshake_timeout,
+    add_metrics_arguments,
+    check_metrics_host,
+    handshake_timeout,
+)
 from ..transport.tls import add_tls_arguments
 from ..wire import auth
 from .daemon import (
@@ -379,6 +384,7 @@ def run(args: argparse.Namespace) -> int:
 
     aggregate = build_aggregate(args, _load_file(args.config) if args.config else {})
     config, metrics_port = build_config(args, aggregate)
+    check_metrics_host(metrics_port, args.metrics_host)
     if aggregate is not None:  # the aggregator's listener is as the agent's port
         aggregate = replace(aggregate, tls=config.tls)
     loop_run(serve(config, metrics_port, args.metrics_host, aggregate), kind=args.loop)
