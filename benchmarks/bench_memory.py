@@ -169,8 +169,8 @@ def abuse_agent(d: Path, env: dict[str, str], connections: int) -> dict[str, flo
 
         served()
         m = Measured(pid, served)
-        large = probe.HEADER.pack(probe.MAGIC, probe.VERSION, probe.MsgType.SET_PEERS, MIB)
-        login = probe.HEADER.pack(probe.MAGIC, probe.VERSION, probe.MsgType.LOGIN, 4000)
+        large = probe.HEADER.pack(probe.MAGIC, probe.VERSION, probe.MsgType.SET_PEERS, 0, MIB)
+        login = probe.HEADER.pack(probe.MAGIC, probe.VERSION, probe.MsgType.LOGIN, 0, 4000)
         socks = []
         try:
             for i in range(connections):

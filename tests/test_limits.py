@@ -178,7 +178,7 @@ def test_an_agent_keeps_few_connections_that_have_not_logged_in_and_small(run_as
             assert agent.pending_logins <= 8
             # before a login, a frame may not be large: 1 MiB announced is refused
             r, w = await asyncio.open_connection("127.0.0.1", agent.port)
-            w.write(probe.HEADER.pack(probe.MAGIC, probe.VERSION, probe.MsgType.LOGIN, 1 << 20))
+            w.write(probe.HEADER.pack(probe.MAGIC, probe.VERSION, probe.MsgType.LOGIN, 0, 1 << 20))
             conn = probe.Connection()
             conn.receive_data(await asyncio.wait_for(r.read(), 5))
             conn.receive_data(b"")
