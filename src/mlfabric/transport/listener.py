@@ -21,6 +21,7 @@ from typing import Any
 
 from ..errors import ConfigError, ProtocolError
 from ..runtime.loop import write_parts
+from ..runtime.memory import give_back_soon
 from ..wire import auth
 from ..wire.handshake import ServerHandshake
 from ..wire.protocol import (
@@ -537,6 +538,9 @@ class EndpointProtocol(asyncio.BufferedProtocol):
         # finds it: the Connection refers back to this protocol (`allocate`).
         self.conn.release()
         self._scratch = bytearray()
+        # ... and give the pages back: freed, a large frame's buffer can stay
+        # in the process's heap for good (runtime.memory says why).
+        give_back_soon()
 
     def pause_writing(self) -> None:
         # The peer is not reading its answers: stop reading its requests
