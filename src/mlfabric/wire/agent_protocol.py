@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ..errors import FrameTooLarge, IntegrityError, NotMlfabric, ProtocolError
-from .frame_mac import MAC_SIZE, FrameKey, matches
+from .frame_mac import FLAG_MAC, MAC_SIZE, FrameKey, carries_mac, matches
 
 # 2: Estimates carry the host's own link loads; 3: TrainReport.senders;
 # 4: TrainReport.rx_carried_bps; 5: every connection opens with a login
@@ -52,7 +52,6 @@ from .frame_mac import MAC_SIZE, FrameKey, matches
 VERSION: Final = 6
 MAGIC: Final = b"MA"
 HEADER = struct.Struct(">2sBBBI")
-FLAG_MAC: Final = 0x1  # the payload is followed by MAC_SIZE bytes of the frame's MAC
 MAX_FRAME: Final = 1 << 20  # a report of 64 Ki arrivals fits; anything larger is an error
 MAX_STRING: Final = 1024
 MAX_TRAIN_PACKETS: Final = 65535
@@ -541,19 +540,12 @@ class Connection:
                 f"protocol version {version} is not supported (this agent speaks {VERSION}); "
                 "run the same mlfabric version on every host"
             )
-        mac = False
-        if self._recv_key is not None:
-            if flags == FLAG_MAC:
-                mac = True
-            elif not (flags == 0 and msg_type == MsgType.ERROR and self._plain_error_ok
-                      and self._recv_seq == 0):
-                raise IntegrityError(
-                    f"a {_type_name(msg_type)} frame without its integrity check on a "
-                    f"protected connection (flags {flags:#x}): altered in transit or "
-                    f"injected; the connection is closed")
+        protected = self._recv_key is not None
+        mac = carries_mac(flags, protected=protected, what=_type_name(msg_type),
+                          plain_error=(msg_type == MsgType.ERROR and self._plain_error_ok
+                                       and self._recv_seq == 0))
+        if protected:
             self._plain_error_ok = False
-        elif flags != 0:
-            raise ProtocolError(f"reserved header flags are set: {flags:#x}")
         if length > self.max_frame:
             raise FrameTooLarge(f"frame of {length} bytes exceeds the maximum {self.max_frame}")
         end = HEADER.size + length + (MAC_SIZE if mac else 0)

@@ -17,6 +17,8 @@ from typing import Any, Final
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from ..errors import IntegrityError, ProtocolError
+
 MAC_SIZE: Final = 16  # a GMAC tag
 
 
@@ -83,3 +85,25 @@ class FrameKey:
 def matches(expected: bytes, received: bytes) -> bool:
     """A received tag checks out (compared in constant time)."""
     return hmac.compare_digest(expected, received)
+
+
+FLAG_MAC: Final = 0x1  # in a frame's header: the frame is followed by its MAC
+
+
+def carries_mac(flags: int, *, protected: bool, plain_error: bool, what: str) -> bool:
+    """Whether a received frame is followed by its MAC, from its header's
+    `flags`: on a `protected` connection every frame must be, except an
+    ERROR that may come plain (`plain_error`: the peer refused the proof
+    just sent, before it could protect its side); on another, no flag may
+    be set. `what`: the frame's type, for the error."""
+    if not protected:
+        if flags != 0:
+            raise ProtocolError(f"reserved header flags are set: {flags:#x}")
+        return False
+    if flags == FLAG_MAC:
+        return True
+    if flags == 0 and plain_error:
+        return False
+    raise IntegrityError(f"a {what} frame without its integrity check on a protected "
+                         f"connection (flags {flags:#x}): altered in transit or injected; "
+                         f"the connection is closed")

@@ -51,7 +51,7 @@ from typing import Any, Final
 import numpy as np
 
 from ..errors import FrameTooLarge, IntegrityError, NotMlfabric, ProtocolError
-from .frame_mac import MAC_SIZE, FrameKey, FrameTag, matches
+from .frame_mac import FLAG_MAC, MAC_SIZE, FrameKey, FrameTag, carries_mac, matches
 
 # 2: CHALLENGE names the listener's role; 3: FELL_BACK; 4: frames after the
 # handshake carry MACs
@@ -68,7 +68,6 @@ MAX_UID_LEN: Final = 128
 MAX_PULL_WAIT: Final = 600.0  # seconds a pull for an update may be held
 MAX_ADDRESSES: Final = 4096  # aggregators a controller's welcome may list
 _SCRATCH_SIZE = 1 << 16
-FLAG_MAC: Final = 0x1  # the frame is followed by MAC_SIZE bytes of its MAC (frame_mac)
 _MAX_U64 = (1 << 64) - 1
 
 # Wire dtype codes: only the float types the kernels implement.
@@ -1672,20 +1671,15 @@ class Connection:
         except ValueError:
             raise ProtocolError(f"unknown message type {type_code}") from None
         mac = None
-        if self._recv_key is not None:
-            if flags == FLAG_MAC:
-                mac = self._mac(False, self._recv_seq)
-                mac.update(memoryview(self._scratch)[self._start:self._start + HEADER.size])
-                self._recv_seq += 1
-            elif not (flags == 0 and msg_type is MsgType.ERROR and self._plain_error_ok
-                      and self._recv_seq == 0):
-                raise IntegrityError(
-                    f"a {msg_type.name} frame without its integrity check on a protected "
-                    f"connection (flags {flags:#x}): altered in transit or injected; the "
-                    f"connection is closed")
+        protected = self._recv_key is not None
+        if carries_mac(flags, protected=protected, what=msg_type.name,
+                       plain_error=(msg_type is MsgType.ERROR and self._plain_error_ok
+                                    and self._recv_seq == 0)):
+            mac = self._mac(False, self._recv_seq)
+            mac.update(memoryview(self._scratch)[self._start:self._start + HEADER.size])
+            self._recv_seq += 1
+        if protected:
             self._plain_error_ok = False
-        elif flags != 0:
-            raise ProtocolError(f"reserved header flags are set: {flags:#x}")
         if meta_len > MAX_META_LEN:
             raise ProtocolError(f"metadata block of {meta_len} bytes exceeds {MAX_META_LEN}")
         size = HEADER.size + meta_len + data_len
