@@ -1076,7 +1076,7 @@ def test_load_meter_counts_the_jobs_traffic_apart_from_the_load() -> None:
     # unread, it keeps only the last span's windows
     for i in range(100):
         m.update(1.0 + 0.1 * i, 6_000_000 + i, 3_000_000, 1_000_000, 125_000, 3_000_000, 400_000)
-    assert len(m._carried) <= 11
+    assert len(m._windows) <= 11
 
 
 def test_load_meter_peak_holds_a_flow_through_its_dip_and_lets_it_go_once_ended() -> None:

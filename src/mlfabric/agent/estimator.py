@@ -370,31 +370,25 @@ class LoadMeter:
         self.window = window
         self.span = span
         self._readings: deque[tuple[float, int, int, int, int, int, int]] = deque()
-        self._carried: deque[tuple[float, float]] = deque()  # (time, bit/s)
-        self._loads: deque[tuple[float, float, float]] = deque()  # (time, down, up) bit/s
+        # each whole window of the last span: (end, carried, down load, up load) bit/s
+        self._windows: deque[tuple[float, float, float, float]] = deque()
 
     def update(self, now: float, rx: int, tx: int, probe_rx: int, probe_tx: int,
                job_rx: int = 0, job_tx: int = 0) -> None:
         r = self._readings
         if r and (rx < r[-1][1] or tx < r[-1][2]):
             r.clear()  # counters reset (interface re-created)
-            self._carried.clear()
-            self._loads.clear()
+            self._windows.clear()
         r.append((now, rx, tx, probe_rx, probe_tx, job_rx, job_tx))
         while len(r) > 2 and now - r[1][0] >= self.window:
             r.popleft()
         if len(r) >= 2 and now - r[0][0] >= self.window:
             (t0, rx0, _, prx0, *_), (t1, rx1, _, prx1, *_) = r[0], r[-1]
-            c = self._carried
-            c.append((now, max(0, (rx1 - rx0) - (prx1 - prx0)) * 8 / (t1 - t0)))
-            while c[0][0] < now - self.span:  # (read or not: bounded)
-                c.popleft()
-            rates = self.rates()
-            if rates is not None:
-                loads = self._loads
-                loads.append((now, *rates))
-                while loads[0][0] < now - self.span:
-                    loads.popleft()
+            down, up = self.rates() or (0.0, 0.0)  # (never None here: two readings)
+            w = self._windows
+            w.append((now, max(0, (rx1 - rx0) - (prx1 - prx0)) * 8 / (t1 - t0), down, up))
+            while w[0][0] < now - self.span:  # (read or not: bounded)
+                w.popleft()
 
     def rates(self) -> tuple[float, float] | None:
         r = self._readings
@@ -419,7 +413,7 @@ class LoadMeter:
         room, and a downlink's room proved at a dip stayed 16% short (a
         fresh-clone CI failure, issue 32's cross-traffic test). A load that
         ends is let go `span` seconds later."""
-        held = [(d, u) for t, d, u in self._loads if t >= now - self.span]
+        held = [(d, u) for t, _, d, u in self._windows if t >= now - self.span]
         if not held:
             return self.rates()
         return max(d for d, _ in held), max(u for _, u in held)
@@ -431,7 +425,8 @@ class LoadMeter:
         downlink's capacity; over a span rather than now, because a train
         that shares the queue with a TCP flow can cost it a loss, and the
         flow then sends at half its rate for a while."""
-        return max((rate for t, rate in self._carried if t >= now - self.span), default=0.0)
+        return max((rate for t, rate, _, _ in self._windows if t >= now - self.span),
+                   default=0.0)
 
 
 class BusyMeter:
