@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import os
 import socket
@@ -50,12 +51,22 @@ class Transfer:
 
     marks: list[tuple[float, int]]
 
+    def received(self, at: float) -> int:
+        """Bytes received by time `at` (the last recv at or before it)."""
+        k = bisect.bisect_right(self.marks, at, key=lambda m: m[0])
+        return self.marks[k - 1][1] if k else 0
+
     def mbit(self, start: float, end: float) -> float:
-        inside = [m for m in self.marks if start <= m[0] <= end]
-        if len(inside) < 2:
-            raise AssertionError(f"no data between {start:.3f} and {end:.3f}")
-        (t0, b0), (t1, b1) = inside[0], inside[-1]
-        return (b1 - b0) * 8 / (t1 - t0) / 1e6
+        """Bytes received in [start, end] over its length: a window in which
+        the flow stalled (a TCP retransmission timeout) reads 0, as it was.
+        The window is cut to the recorded transfer, of which it must keep
+        at least half."""
+        lo = max(start, self.marks[0][0]) if self.marks else start
+        hi = min(end, self.marks[-1][0]) if self.marks else start
+        if hi - lo < (end - start) / 2 or end <= start:
+            span = f"{self.marks[0][0]:.3f}..{self.marks[-1][0]:.3f}" if self.marks else "none"
+            raise AssertionError(f"window {start:.3f}..{end:.3f} is outside the transfer ({span})")
+        return (self.received(hi) - self.received(lo)) * 8 / (hi - lo) / 1e6
 
     def median_mbit(self, start: float, end: float, width: float = 0.1) -> float:
         """Median rate of ``width``-second windows: robust to a stalled receiver thread.
