@@ -421,12 +421,21 @@ class LoadMeter:
     def carried(self, now: float) -> float:
         """The most the downlink carried (bit/s, probes excluded, the job's
         traffic included) over a whole `window` ending in the last `span`
-        seconds; 0 until one window has passed. A lower bound of the
-        downlink's capacity; over a span rather than now, because a train
-        that shares the queue with a TCP flow can cost it a loss, and the
-        flow then sends at half its rate for a while."""
-        return max((rate for t, rate, _, _ in self._windows if t >= now - self.span),
-                   default=0.0)
+        seconds; until one window has passed, over the readings so far, and
+        NaN (unknown) before two. A lower bound of the downlink's capacity;
+        over a span rather than now, because a train that shares the queue
+        with a TCP flow can cost it a loss, and the flow then sends at half
+        its rate for a while."""
+        held = [rate for t, rate, _, _ in self._windows if t >= now - self.span]
+        if held:
+            return max(held)
+        if self._windows:
+            return 0.0  # windows there were, and none lately: nothing carried
+        r = self._readings
+        if len(r) < 2 or r[-1][0] <= r[0][0]:
+            return math.nan
+        (t0, rx0, _, prx0, *_), (t1, rx1, _, prx1, *_) = r[0], r[-1]
+        return max(0, (rx1 - rx0) - (prx1 - prx0)) * 8 / (t1 - t0)
 
 
 class BusyMeter:
@@ -531,6 +540,7 @@ class PathEstimator:
         self.peer_down_load: float | None = None  # wire bit/s at the peer's downlink
         # wire bit/s the peer's downlink carried lately, the job's traffic included
         self.peer_carried = 0.0
+        self._carried_known = True  # (False: the peer's meter had no reading yet)
         self.passive_bps = math.nan
         self._passive_at: float | None = None
         self._deliveries: deque[tuple[float, float]] = deque()  # (time, bit/s)
@@ -544,6 +554,7 @@ class PathEstimator:
         self._free_quick = 0  # quick trains in a row that did not wait for the bucket
         self._free = True  # the next train is not charged to the token bucket
         self._collided = 0  # trains in a row that met another agent's at the peer
+        self._unexplained = 0  # vouching trains in a row the peer could not explain
         self._sends: deque[float] = deque(maxlen=8)  # recent send rates of this host
         self._last = ""  # the last train's outcome
         self.outcomes: dict[str, int] = {}
@@ -667,6 +678,7 @@ class PathEstimator:
         elif (self._last == "rise"
               or (self._last == "collision" and self._rise is not None
                   and self._collided <= RISE_RETRIES)
+              or self._last == "unexplained"
               or (self._free_quick < 5 and (
             self._last in ("unqueued", "escalate", "burst", "sample")
             or (self._free_quick > 0 and self._last in ("sender-slow", "lost", "collision"))
@@ -692,17 +704,19 @@ class PathEstimator:
         return interval
 
     def _backoff(self, nbytes: int) -> float:
-        """After trains in a row that met another agent's at the peer: wait
+        """After trains in a row that met another agent's at the peer (or
+        that the peer could not yet explain, `_slowed_unexplained`): wait
         between 1 and 2, 4, .. 16 times as long as the next train lasts, at
         random, before retrying, as Ethernet does. Agents starting
         together each send quick trains; once a train lasts as long as the
         quick interval (20 ms, as a train vouching for a new reading does,
         see `_rise_check`), retrying at that interval met the other
         agent's retries every time."""
-        if not self._collided:
+        tries = max(self._collided, self._unexplained)
+        if not tries:
             return 0.0
         lasts = nbytes * 8 / (self.hint_bps / self.config.payload_ratio)
-        return lasts * self.rng.uniform(1.0, 2.0 ** min(self._collided, 4))
+        return lasts * self.rng.uniform(1.0, 2.0 ** min(tries, 4))
 
     # -- samples -------------------------------------------------------------
 
@@ -723,6 +737,8 @@ class PathEstimator:
         * "short": no measurable queue, but the few queued packets were spaced at
           the current estimate: the path is no faster (nothing learnt, no re-probe);
         * "sender-slow": the sender could not send fast enough (descheduled);
+        * "unexplained": a train vouching for a held reading read less, and
+          the peer's meter had no reading yet to explain it: retried;
         * "collision": another agent's train reached the peer at the same time
           (they shared its downlink): retried, unless it still read the
           estimate (then a sample);
@@ -735,9 +751,11 @@ class PathEstimator:
         if peer_down_load is not None and math.isfinite(peer_down_load):
             self.peer_down_load = peer_down_load
         if peer_carried is not None:
-            # (the peer's word, bounded by the physical limit)
+            # (the peer's word, bounded by the physical limit; NaN: its meter
+            # has no reading yet)
+            self._carried_known = math.isfinite(peer_carried) and peer_carried >= 0
             self.peer_carried = (min(peer_carried, self.config.max_bps)
-                                 if math.isfinite(peer_carried) and peer_carried > 0 else 0.0)
+                                 if self._carried_known else 0.0)
         if m.send_bps is not None:
             self._sends.append(m.send_bps)
         if m.received < 3:
@@ -787,6 +805,10 @@ class PathEstimator:
             self.hint_bps = max(self.capacity.value or send, c.min_bps)
             return self._outcome("sender-limited")
         self._unqueued = 0
+        if self._slowed_unexplained(m):
+            self._unexplained += 1
+            return self._outcome("unexplained", quick=True)
+        self._unexplained = 0
         m = self._beside_the_job(m)
         assert m.capacity_bps is not None
         rise = self._rise_check(m, now)
@@ -834,6 +856,23 @@ class PathEstimator:
         long at the path's true rate runs dry within it (see `_rise_check`)."""
         c = self.config
         return math.ceil(c.verify_s * rate_bps / c.payload_ratio / 8)
+
+    def _slowed_unexplained(self, m: TrainMeasurement) -> bool:
+        """A train vouching for a held reading read less, and the peer could
+        not yet say what its downlink carried (its meter had no two
+        readings): the job's flow into the peer may have slowed it, which
+        `_beside_the_job` would explain a moment later. Retried, at most
+        RISE_RETRIES times, rather than taken.
+
+        Recorded in a fresh-clone CI run: h2's vouching train to h1 ran
+        0.11 s after h1's agent started, beside a 50 Mbit/s job flow into
+        h1; it read 48.6 of 97, h1 reported carried 0 (no reading yet), and
+        h2 -> h1 stayed at 48 past the test's 5 s."""
+        c = self.config
+        held, x = self._rise, m.capacity_bps
+        return (not self._carried_known and held is not None and x is not None
+                and (m.received + m.lost) * (c.packet_size + WIRE_OVERHEAD) > held[0]
+                and x < held[1] * (1 - c.threshold) and self._unexplained < RISE_RETRIES)
 
     def _beside_the_job(self, m: TrainMeasurement) -> TrainMeasurement:
         """A longer train of a held reading that read less, while the peer's

@@ -515,8 +515,8 @@ class AgentMetrics:
         )
         self.trains = Counter(
             "agent_probe_trains",
-            "Probe trains by outcome (sample, weak, short, unqueued, escalate, "
-            "sender-limited, sender-slow, collision, lost)",
+            "Probe trains by outcome (sample, rise, burst, weak, short, unqueued, "
+            "escalate, sender-limited, sender-slow, unexplained, collision, lost)",
             ["peer", "outcome"], namespace=ns, registry=r,
         )
         self.available_bandwidth = Gauge(

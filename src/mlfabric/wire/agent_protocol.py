@@ -114,7 +114,7 @@ class TrainReport:
     whether another agent's train overlapped it (then it shared the downlink),
     how many agents probe the receiver (they share its downlink's budget), and
     the most its downlink carried lately in wire bit/s, probes excluded and
-    the job's own traffic included (0 if unknown): the job's traffic is not
+    the job's own traffic included (NaN if unknown): the job's traffic is not
     load (the job plans it) but it slows a train all the same."""
 
     session: int
