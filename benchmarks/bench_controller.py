@@ -7,15 +7,21 @@ server's downlink changes rate during each run. Needs root.
 
     sudo python benchmarks/bench_controller.py [--rounds 3] [--steps 8]
         [--compute-ms 1200] [--in-flight 1] [--model-mib 2] [--down-mbit 100]
-        [--change-to 50] [--tau-max 8]
+        [--change-to 50] [--tau-max 8] [--uplinks 20,30,50,1000]
 
-Prints per run and the medians per policy: applied and dropped updates,
-delay mean/std/max, push-to-applied mean/std, and the ratios mlfabric/fifo.
+`--uplinks` gives the workers mixed uplink rates (Mbit/s, cycled over the
+workers; the controller is configured with them, as it is with the
+server's downlink). Prints per run and the medians per policy: applied and
+dropped updates, delay mean/std/max, push-to-applied mean/std, and the
+ratios mlfabric/fifo; then every update not applied, by reason, summed
+over the runs ("stale" is the server refusing an update the controller
+let go: issue 34's goal is none).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import sys
 
@@ -35,29 +41,44 @@ def main() -> int:
     ap.add_argument("--change-to", type=float, default=None,
                     help="server downlink rate for the middle third of each run")
     ap.add_argument("--tau-max", type=int, default=8)
+    ap.add_argument("--uplinks", default="",
+                    help="workers' uplink rates in Mbit/s, comma-separated, cycled "
+                         "(default: 1000 each)")
     args = ap.parse_args()
+    try:
+        uplinks = [float(x) for x in args.uplinks.split(",")] if args.uplinks else [1000.0]
+    except ValueError:
+        ap.error(f"--uplinks {args.uplinks!r}: give Mbit/s numbers separated by commas")
+    if any(not 0 < u <= 100_000 for u in uplinks):
+        ap.error(f"--uplinks {args.uplinks!r}: each rate must be in (0, 100000] Mbit/s")
     require_root()
 
     runs: dict[str, list[Summary]] = {"mlfabric": [], "fifo": []}
+    not_applied: dict[str, collections.Counter[str]] = {
+        "mlfabric": collections.Counter(), "fifo": collections.Counter()}
+    rates = {"h0": (1000.0, args.down_mbit)}
+    rates.update({f"h{i}": (uplinks[(i - 1) % len(uplinks)], 1000.0)
+                  for i in range(1, args.workers + 1)})
     expected = args.steps * (args.compute_ms / 1e3 + 0.3)
 
-    def change_rate(tb):  # type: ignore[no-untyped-def]
+    def change_rate(tb: Testbed) -> None:
         if args.change_to is not None:
             tb.schedule([(expected / 3, SetRate("h0", down=args.change_to)),
                          (2 * expected / 3, SetRate("h0", down=args.down_mbit))])
 
-    with Testbed(hosts=args.workers + 1, rate_mbit=1000.0,
-                 rates={"h0": (1000.0, args.down_mbit)}) as tb:
+    with Testbed(hosts=args.workers + 1, rate_mbit=1000.0, rates=rates) as tb:
         for r in range(args.rounds):
             order = ["mlfabric", "fifo"] if r % 2 == 0 else ["fifo", "mlfabric"]
             for policy in order:
-                summary, _ = run_policy(
+                summary, records = run_policy(
                     tb, policy, model_bytes=int(args.model_mib * (1 << 20)), steps=args.steps,
                     tau_max=args.tau_max, compute_ms=args.compute_ms, seed=r,
-                    max_in_flight=args.in_flight, link_mbit={"h0": (1000, args.down_mbit)},
-                    during=change_rate)
+                    max_in_flight=args.in_flight, link_mbit=rates, during=change_rate)
                 runs[policy].append(summary)
-                print(f"round {r + 1}  {summary.row()}", flush=True)
+                why = collections.Counter(_reason(rec["reason"]) for rec in records
+                                          if not rec["applied"])
+                not_applied[policy].update(why)
+                print(f"round {r + 1}  {summary.row()}  {dict(why) or ''}", flush=True)
 
     def med(policy: str, field: str) -> float:
         return statistics.median(getattr(s, field) for s in runs[policy])
@@ -73,7 +94,15 @@ def main() -> int:
         a, b = med("mlfabric", f), med("fifo", f)
         ratio = f"{a / b:12.2f}" if b else f"{'-':>12s}"
         print(f"  {f:22s}{a:12.3f}{b:12.3f}{ratio}")
+    for policy, why in not_applied.items():
+        print(f"  not applied over {args.rounds} runs, {policy}: "
+              + (", ".join(f"{k} {v}" for k, v in why.most_common()) or "none"))
     return 0
+
+
+def _reason(reason: str | None) -> str:
+    """The kind of an outcome's reason: "stale: delay 9 exceeds ..." -> "stale"."""
+    return (reason or "unknown").split(":")[0].split()[0]
 
 
 if __name__ == "__main__":

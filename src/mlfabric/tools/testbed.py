@@ -59,7 +59,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -532,7 +532,7 @@ class Testbed:
         delay_ms: float = 0.0,
         up_mbit: float | None = None,
         down_mbit: float | None = None,
-        rates: dict[str, tuple[float | None, float | None]] | None = None,
+        rates: Mapping[str, tuple[float | None, float | None]] | None = None,
         *,
         queue_ms: float = 50.0,
         burst: str | Burst = "1ms",
