@@ -27,7 +27,7 @@ from ..replication.gate import gated, in_flight_norms
 from ..runtime.metrics import ControllerMetrics
 from ..scheduling.aggregation import AggregationConfig, Group, aggregating
 from ..scheduling.estimates import EstimateGuard, Held
-from ..scheduling.plan import Network, Policy, with_estimates, with_host_load
+from ..scheduling.plan import Network, Policy, fifo_policy, with_estimates, with_host_load
 from ..transport.listener import Endpoint, EndpointProtocol
 from ..wire import roles
 from ..wire.agent_auth import AgentCredential
@@ -81,13 +81,17 @@ class Controller(Endpoint):
         # Groups formed by the plan being decided; counted once they go (the
         # gate may hold a group, and the next plan forms it afresh).
         self._formed: list[Group] = []
+        # The closed loop (issue 34: order guard, rates learnt from the job's
+        # own transfers) serves a plan; FIFO lets everything go at once.
+        closed = policy is not fifo_policy and policy_name != "fifo"
         if aggregators:
             # A new epoch per controller: group ids stay unique across restarts.
             policy = aggregating(policy, aggregation, on_groups=self._formed.extend,
                                  epoch=secrets.randbits(24))
         if gate is not None:
             policy = gated(policy, self.gates)
-        self.state = ControlState(policy, tau_max=tau_max, network=network)
+        self.state = ControlState(policy, tau_max=tau_max, network=network,
+                                  guard_order=closed, learn_rates=closed)
         self.state.aggregators = dict(aggregators or {})
         self.clock = clock
         self.policy_name = policy_name or getattr(policy, "__name__", "custom")
@@ -446,7 +450,8 @@ class Controller(Endpoint):
 
     def on_done(self, conn: _ControllerProtocol, ev: TransferDone) -> None:
         t = self.state.done(conn, ev.req, version=ev.version, applied=ev.applied,
-                            delay=ev.delay, now=self.clock(), via_failed=ev.via_failed)
+                            delay=ev.delay, now=self.clock(), via_failed=ev.via_failed,
+                            seconds=ev.seconds)
         if t is not None and ev.via_failed is not None and t.route is not None:
             self.metrics.aggregator_failures.inc()
             log.warning("aggregator on %s failed update %d (%s); routing nothing through it "

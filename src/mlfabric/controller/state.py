@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from ..scheduling import observed
 from ..scheduling.plan import (
     ColumnPlan,
     Network,
@@ -161,8 +162,16 @@ def _planned(transfers: Iterable[Transfer], *, active: bool = False) -> tuple[Tr
 
 class ControlState:
     def __init__(self, policy: Policy, *, tau_max: int | None,
-                 network: Network | None = None) -> None:
+                 network: Network | None = None, guard_order: bool = False,
+                 learn_rates: bool = False) -> None:
+        """`guard_order`: let nothing go that may land before a running
+        transfer that must land next (`observed.release_at`). `learn_rates`:
+        the job's own transfers correct the network picture (`observed`).
+        The mlfabric policy plans with both; FIFO lets everything go at once
+        by definition, so it runs without them."""
         self.policy = policy
+        self.guard_order = guard_order
+        self.learn_rates = learn_rates
         self.tau_max = tau_max
         self.network = network or Network()
         self.version = 0
@@ -233,9 +242,12 @@ class ControlState:
 
     def done(self, owner: Hashable, req: int, *, version: int, applied: bool = True,
              delay: int | None = None, now: float | None = None,
-             via_failed: str | None = None) -> Transfer | None:
+             via_failed: str | None = None, seconds: float | None = None
+             ) -> Transfer | None:
         """An active transfer ended at the server (applied or not).
         `via_failed`: its aggregator failed it (it was then sent directly).
+        `seconds`: from its go to the server's answer, as its worker timed it;
+        with `learn_rates` it corrects the picture of its path at once.
         A pending one reported done was withdrawn by its worker (it waited
         past its push_timeout): forgotten, never let go. A chunked transfer
         waiting for its next grant has ended all the same (its link failed)."""
@@ -249,6 +261,8 @@ class ControlState:
         for t in self.active.values():
             if t.owner == owner and t.req == req:
                 del self.active[t.id]
+                if seconds is not None and self.learn_rates:
+                    self._observed(t, seconds)
                 if via_failed is not None and t.route is not None and now is not None:
                     self.aggregator_failed(t.route.host, now)
                 self.version = max(self.version, version)
@@ -267,6 +281,51 @@ class ControlState:
                     stats.last_delay = delay if applied else stats.last_delay
                 return t
         return None
+
+    def _observed(self, t: Transfer, seconds: float) -> None:
+        """Correct the network picture by what `t` took. Only a transfer
+        sent whole and direct measures its path: a chunk's report times the
+        whole update, and an aggregated one times the aggregate's forward."""
+        if t.chunk or t.route is not None or t.path_rate is None or not t.planned_seconds:
+            return
+        self.network = observed.completed(self.network, t.host, t.dst, believed=t.path_rate,
+                                          planned_seconds=t.planned_seconds, seconds=seconds)
+
+    def _overdue(self, now: float) -> float | None:
+        """Cap the links of transfers running past their planned time (see
+        `observed.overdue`); returns the next planned end (plus its guard) of
+        one not yet overdue, when a re-plan should look again."""
+        later = math.inf
+        for t in self.active.values():
+            if t.chunk or t.route is not None or t.path_rate is None or not t.planned_seconds \
+                    or t.started is None:
+                continue
+            # (One expression for the test and the wake time: a wake-up at
+            # exactly `due` must find the transfer overdue, not wake again.)
+            due = t.started + t.planned_seconds + observed.order_guard(t.planned_seconds)
+            if now >= due:
+                self.network = observed.overdue(self.network, t.host, t.dst,
+                                                believed=t.path_rate,
+                                                planned_seconds=t.planned_seconds,
+                                                elapsed=now - t.started)
+            else:
+                later = min(later, due)
+        return None if later == math.inf else later
+
+    def critical(self, shard: int) -> list[tuple[float, float]]:
+        """(planned end, planned seconds) of the running transfers to `shard`
+        that must land next or be refused as stale: their staleness when
+        they land in planned order (the version now, plus the ones planned to
+        land before them) is tau_max already."""
+        if self.tau_max is None:
+            return []
+        # A chunked transfer between its chunks lands only after its last one.
+        running = sorted((t.started + t.planned_seconds, t.id, t) for t in self.active.values()
+                         if t.shard == shard and t.started is not None and t.planned_seconds
+                         and (not t.chunk or t.granted >= t.nbytes))
+        version = self.shard_versions.get(shard, self.version)
+        return [(end, t.planned_seconds or 0.0) for ahead, (end, _, t) in enumerate(running)
+                if t.route is None and version + ahead - t.base_version >= self.tau_max]
 
     def progress(self, owner: Hashable, req: int, *, sent: int, now: float
                  ) -> Transfer | None:
@@ -361,6 +420,16 @@ class ControlState:
         no shard's transfers always have the links first."""
         if not self.pending:
             return Decisions((), None)
+        # A transfer past its planned time: plan what follows it at the rate
+        # it shows so far, and look again when the next one is due to end.
+        look_again = self._overdue(now) if self.learn_rates else None
+        decided = self._decide(now)
+        if look_again is not None and self.pending:
+            wake = look_again if decided.wake_at is None else min(decided.wake_at, look_again)
+            return Decisions(decided.actions, wake)
+        return decided
+
+    def _decide(self, now: float) -> Decisions:
         shards = sorted({t.shard for t in self.pending.values()})
         if shards == [0] and len(self.shard_versions) <= 1:
             return self._commit(self.policy(self.snapshot(now)), now)
@@ -390,6 +459,7 @@ class ControlState:
             plan, later = plan.due(now)
             wake_at = later if later is not None else math.inf
         actions: list[Go | Drop] = []
+        critical: dict[int, list[tuple[float, float]]] = {}  # by shard, while nothing goes
         for item in plan:
             t = self.pending.get(item.id)
             if t is None:
@@ -409,9 +479,25 @@ class ControlState:
                 if stats is not None:
                     stats.dropped += 1
             elif item.start is not None and item.start <= now:
+                if self.guard_order and t.shard not in critical:
+                    critical[t.shard] = self.critical(t.shard)
+                if critical.get(t.shard):
+                    # It must not land before a transfer that has to land
+                    # next: it goes when it would end a guard after it, or
+                    # (None) once that one is reported done. Its end is the
+                    # earliest the path allows, not the plan's: a worker sends
+                    # as fast as TCP lets it, not at its reserved rate.
+                    fastest = t.rest / self.network.rate(t.host, t.dst)
+                    at = observed.release_at(critical[t.shard], now=now,
+                                             planned_seconds=fastest)
+                    if at is None or at > now:
+                        if at is not None:
+                            wake_at = min(wake_at, at)
+                        continue
                 if stats is not None and not t.granted:
                     stats.sent += 1
                 actions.append(self._let_go(t, item, now))
+                critical.pop(t.shard, None)  # it may be critical itself
             elif item.start is not None:
                 wake_at = min(wake_at, item.start)
         return Decisions(tuple(actions), None if wake_at == math.inf else wake_at)
@@ -434,6 +520,7 @@ class ControlState:
             t.piece, t.granted = upto - t.granted, upto
         t.started, t.position = now, item.position
         t.planned_seconds = planned
+        t.path_rate = self.network.rate(t.host, t.dst)
         t.route = item.route
         self.active[t.id] = t
         return Go(t, item.position or 0, planned, item.route, upto=upto, first=first)

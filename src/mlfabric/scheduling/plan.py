@@ -33,7 +33,9 @@ class Network:
     measured end-to-end rate from a to b when an agent reported one.
     `load_up`/`load_down` are other tenants' traffic on a host's edge links,
     measured by the agent on that host: the job gets what is left of the
-    capacity (at least `MIN_LEFT` of it)."""
+    capacity (at least `MIN_LEFT` of it). `observed_up`/`observed_down` cap
+    a host's link at what the job's own transfers were last delivered
+    (`observed`: the controller's closed loop)."""
 
     default: float = 125e6  # 1 Gbit/s
     up: Mapping[str, float] = field(default_factory=dict)
@@ -41,6 +43,8 @@ class Network:
     pair: Mapping[tuple[str, str], float] = field(default_factory=dict)
     load_up: Mapping[str, float] = field(default_factory=dict)
     load_down: Mapping[str, float] = field(default_factory=dict)
+    observed_up: Mapping[str, float] = field(default_factory=dict)
+    observed_down: Mapping[str, float] = field(default_factory=dict)
 
     @functools.cached_property
     def up_rates(self) -> Mapping[str, float]:
@@ -53,10 +57,12 @@ class Network:
 
     def up_rate(self, host: str) -> float:
         """What the job can send from `host`: its uplink less others' load."""
-        return _left(self.up.get(host, self.default), self.load_up.get(host, 0.0))
+        left = _left(self.up.get(host, self.default), self.load_up.get(host, 0.0))
+        return min(left, self.observed_up.get(host, left))
 
     def down_rate(self, host: str) -> float:
-        return _left(self.down.get(host, self.default), self.load_down.get(host, 0.0))
+        left = _left(self.down.get(host, self.default), self.load_down.get(host, 0.0))
+        return min(left, self.observed_down.get(host, left))
 
     def rate(self, src: str, dst: str) -> float:
         r = min(self.up_rate(src), self.down_rate(dst))
@@ -144,6 +150,9 @@ class Transfer:
     chunk: int = 0
     granted: int = 0
     piece: int = 0
+    # The path's rate the controller believed when it let this go (the rate
+    # its planned_seconds assumed the path to have: `observed`).
+    path_rate: float | None = None
 
     @property
     def rest(self) -> int:

@@ -314,8 +314,12 @@ class _Sim:
             else None
         self.net = FlowNet(caps, audit=audit, slow_start=ramp, hops=2)
         self.on_flow_end: dict[int, Callable[[], None]] = {}
+        # The closed loop (order guard, rates learnt from the job's transfers)
+        # as `mlfabric controller` runs it: for the mlfabric policy.
+        closed = policy == "mlfabric"
         self.state = ControlState(make_policy(policy, sc.idle_factor), tau_max=sc.tau_max,
-                                  network=self._controller_network(up, down))
+                                  network=self._controller_network(up, down),
+                                  guard_order=closed, learn_rates=closed)
         self.version = 0  # the server's
         self.bytes_in = 0.0
         self.records: list[PushRecord] = []
@@ -454,7 +458,9 @@ class _Sim:
         rec.done, rec.applied, rec.delay, rec.reason = self.now, applied, delay, reason
         if report is not None:
             version, ok, d = report
-            self.after(self.sc.message_latency, self._ctl_done, w, req, version, ok, d)
+            # The worker reports the time from its go to the server's answer.
+            seconds = self.now - rec.sent if rec.sent is not None else None
+            self.after(self.sc.message_latency, self._ctl_done, w, req, version, ok, d, seconds)
         self._settle(w)
 
     def _settle(self, w: _Worker) -> None:
@@ -497,8 +503,9 @@ class _Sim:
         self._replan()
 
     def _ctl_done(self, w: _Worker, req: int, version: int, applied: bool,
-                  delay: int | None) -> None:
-        self.state.done(w.index, req, version=version, applied=applied, delay=delay)
+                  delay: int | None, seconds: float | None = None) -> None:
+        self.state.done(w.index, req, version=version, applied=applied, delay=delay,
+                        now=self.now, seconds=seconds)
         self._replan()
 
     def _wake(self, gen: int) -> None:

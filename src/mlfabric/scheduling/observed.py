@@ -1,0 +1,123 @@
+"""The controller's closed loop, without I/O: what the job's own transfers
+say about the links, and the release order the real link can honour.
+
+Rates (issue 34, "closed loop"). A transfer let go at a time when the
+controller believed its path carried `believed` bytes/s was planned to take
+`planned_seconds`: the plan gave it the share planned_rate / believed of the
+path (all of it when alone, less when sharing with transfers planned beside
+it). If it took `seconds`, the path delivered believed * planned_seconds /
+seconds to the job: the same share of a link that far faster or slower. That
+estimate is the link's rate for the next plan at once, up or down:
+
+* down, as a cap on the link (`Network.observed_up` / `observed_down`) taken
+  with the minimum of what the configuration and the agents say: the job's
+  own bytes are what it gets, whatever a probe reports;
+* up by the same rule: a transfer planned at the capped rate that runs
+  faster measures the faster link, and once an estimate reaches the rate the
+  configuration and agents give, the cap goes and they govern again.
+
+Which link: the path's bottleneck as believed (a worker's uplink, or the
+server's downlink, which a tie gives, since all the job's transfers share
+it). The downlink's correction then holds for every worker's next transfer,
+not only this one's. A transfer still running past its planned end bounds
+the rate from above (it is slower than planned by at least elapsed /
+planned): `overdue` caps the link with that bound, only downward.
+
+Order (issue 34, "what the controller releases together, it planned
+together"). The server applies updates in the order their last bytes land,
+and refuses one staler than tau_max. A running transfer with no slack (it
+must be the next to land, or it is refused) must not be overtaken: another
+transfer to its server goes only if it cannot end sooner than
+`ORDER_GUARD` of the critical one's planned time after it, even at its
+path's full rate (rates are never
+known better than that: TCP's header overhead alone is 4.4%, its ramp
+more), and while the critical one is past its planned end, not at all until
+it is reported done.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from .plan import Network
+
+# A critical transfer's planned time is trusted to within this fraction (see
+# the module's docstring) ...
+ORDER_GUARD = 0.1
+# ... and its end to within this many seconds whatever its length (the
+# directives and reports between controller and workers each take a message).
+ORDER_GUARD_MIN = 0.005
+
+
+def bottleneck(net: Network, src: str, dst: str) -> tuple[str, str]:
+    """The link of src -> dst the plan's rate was limited by: ("up", src) or
+    ("down", dst) (a tie: the downlink, which every transfer to dst shares)."""
+    return ("up", src) if net.up_rate(src) < net.down_rate(dst) else ("down", dst)
+
+
+def estimate(believed: float, planned_seconds: float, seconds: float) -> float:
+    """The rate (bytes/s) the path delivered: `believed` scaled by how much
+    faster or slower than planned the transfer ran."""
+    return believed * planned_seconds / seconds
+
+
+def _capped(net: Network, link: tuple[str, str], rate: float | None) -> Network:
+    kind, host = link
+    table = dict(net.observed_up if kind == "up" else net.observed_down)
+    if rate is None:
+        table.pop(host, None)
+    else:
+        table[host] = rate
+    return replace(net, observed_up=table) if kind == "up" else replace(net, observed_down=table)
+
+
+def completed(net: Network, src: str, dst: str, *, believed: float, planned_seconds: float,
+              seconds: float) -> Network:
+    """`net` corrected by a transfer src -> dst planned at path rate
+    `believed` to take `planned_seconds` that took `seconds`: its bottleneck
+    link's rate is the estimate, up or down; an estimate at or above what the
+    configuration and agents give removes the correction."""
+    if not (seconds > 0 and planned_seconds > 0 and believed > 0
+            and math.isfinite(seconds) and math.isfinite(believed)):
+        return net
+    link = bottleneck(net, src, dst)
+    rate = estimate(believed, planned_seconds, seconds)
+    uncorrected = _capped(net, link, None)
+    given = uncorrected.up_rate(src) if link[0] == "up" else uncorrected.down_rate(dst)
+    return _capped(net, link, None if rate >= given else rate)
+
+
+def overdue(net: Network, src: str, dst: str, *, believed: float, planned_seconds: float,
+            elapsed: float) -> Network:
+    """`net` after a transfer src -> dst planned as in `completed` has run
+    `elapsed` seconds, past its planned time: its bottleneck link delivers at
+    most the estimate so far; a correction only ever goes down here."""
+    if not (elapsed > planned_seconds > 0 and believed > 0):
+        return net
+    link = bottleneck(net, src, dst)
+    rate = estimate(believed, planned_seconds, elapsed)
+    current = net.up_rate(src) if link[0] == "up" else net.down_rate(dst)
+    return net if rate >= current else _capped(net, link, rate)
+
+
+def order_guard(planned_seconds: float) -> float:
+    """How much later than a critical transfer's planned end another may end."""
+    return max(ORDER_GUARD * planned_seconds, ORDER_GUARD_MIN)
+
+
+def release_at(critical: list[tuple[float, float]], *, now: float,
+               planned_seconds: float) -> float | None:
+    """When a transfer that takes at least `planned_seconds` (its size at
+    the path's full rate: the real link does not hold it to the plan's
+    reserved rate) may be let go to a server where `critical` transfers run
+    ((planned end, planned seconds) each; each must land before any other):
+    `now`, a later time (its end then falls a guard after every critical
+    end), or None (a critical one is past its planned end: wait for its
+    report)."""
+    at = now
+    for end, seconds in critical:
+        if end <= now:
+            return None
+        at = max(at, end + order_guard(seconds) - planned_seconds)
+    return at

@@ -1,0 +1,130 @@
+"""The controller's closed loop (issue 34): rates learnt from the job's own
+transfers, and a release order the real link honours. Pure: a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlfabric.controller.state import ControlState, Go
+from mlfabric.scheduling import observed
+from mlfabric.scheduling.plan import Network, PlanItem, Snapshot
+from mlfabric.scheduling.policies import mlfabric_policy
+
+MB = 1e6
+
+
+def test_a_completion_sets_its_bottleneck_links_rate_up_or_down():
+    net = Network(default=100 * MB, down={"s": 10 * MB})
+    assert observed.bottleneck(net, "a", "s") == ("down", "s")
+    assert observed.bottleneck(Network(default=10 * MB), "a", "s") == ("down", "s")  # a tie
+    assert observed.bottleneck(Network(default=10 * MB, up={"a": 2 * MB}), "a", "s") == ("up", "a")
+    # Planned at 10 MB/s for 1 s, took 2 s: the downlink delivers 5 MB/s.
+    slow = observed.completed(net, "a", "s", believed=10 * MB, planned_seconds=1.0, seconds=2.0)
+    assert slow.observed_down == {"s": 5 * MB} and slow.rate("b", "s") == 5 * MB
+    # Planned at 5 MB/s, took half the time: back to the configured rate, no cap.
+    back = observed.completed(slow, "b", "s", believed=5 * MB, planned_seconds=2.0, seconds=1.0)
+    assert back.observed_down == {} and back.rate("b", "s") == 10 * MB
+    # Half the link planned beside another transfer, and it got half: no change.
+    same = observed.completed(net, "a", "s", believed=10 * MB, planned_seconds=2.0, seconds=2.0)
+    assert same.observed_down == {}
+
+
+def test_an_overdue_transfer_only_lowers_the_rate():
+    net = Network(default=100 * MB, down={"s": 10 * MB})
+    late = observed.overdue(net, "a", "s", believed=10 * MB, planned_seconds=1.0, elapsed=4.0)
+    assert late.down_rate("s") == 2.5 * MB
+    assert observed.overdue(late, "a", "s", believed=10 * MB, planned_seconds=1.0,
+                            elapsed=2.0) is late  # 5 MB/s is no news below 2.5
+    assert observed.overdue(net, "a", "s", believed=10 * MB, planned_seconds=1.0,
+                            elapsed=0.5) is net
+
+
+def test_release_at_puts_an_end_a_guard_after_every_critical_end():
+    assert observed.order_guard(1.0) == pytest.approx(0.1)
+    assert observed.order_guard(0.01) == observed.ORDER_GUARD_MIN
+    assert observed.release_at([], now=0.0, planned_seconds=0.2) == 0.0
+    assert observed.release_at([(1.0, 1.0)], now=0.0, planned_seconds=0.2) == pytest.approx(0.9)
+    assert observed.release_at([(1.0, 1.0)], now=0.0, planned_seconds=5.0) == 0.0
+    assert observed.release_at([(1.0, 1.0)], now=1.0, planned_seconds=5.0) is None
+
+
+def _two(guard: bool) -> tuple[ControlState, list]:
+    """A must land next (base 0, the server at 2, tau_max 2); the plan starts
+    B beside it and has it end after A, but B's path could carry it in 0.2 s."""
+    def policy(snap: Snapshot) -> list[PlanItem]:
+        return [PlanItem(t.id, start=snap.now, position=k,
+                         planned_seconds=(1.0, 1.2)[k] - snap.now)
+                for k, t in enumerate(snap.pending)]
+
+    state = ControlState(policy, tau_max=2, network=Network(default=10 * MB),
+                         guard_order=guard)
+    state.shard_at(0, "s", 2)
+    ts = [state.request("w1", 1, host="a", dst="s", nbytes=10 * MB, base_version=0,
+                        norm=1.0, now=0.0),
+          state.request("w2", 1, host="b", dst="s", nbytes=2 * MB, base_version=2,
+                        norm=1.0, now=0.0)]
+    return state, ts
+
+
+def test_a_transfer_that_could_overtake_a_critical_one_waits_until_it_cannot():
+    state, (a, b) = _two(guard=False)
+    assert [x.transfer.id for x in state.decide(0.0).actions] == [a.id, b.id]  # before
+    state, (a, b) = _two(guard=True)
+    assert state.critical(0) == []
+    d = state.decide(0.0)
+    assert [(type(x), x.transfer.id) for x in d.actions] == [(Go, a.id)]
+    assert state.critical(0) == [(1.0, 1.0)]
+    # B at its path's full rate takes 0.2 s: it may end no sooner than 1.1.
+    assert d.wake_at == pytest.approx(0.9)
+    assert [x.transfer.id for x in state.decide(d.wake_at).actions] == [b.id]
+
+
+def test_nothing_goes_beside_a_critical_transfer_past_its_planned_end():
+    state, (_, b) = _two(guard=True)
+    state.decide(0.0)
+    d = state.decide(1.05)  # A planned to end at 1.0, not reported done
+    assert d.actions == () and d.wake_at is None
+    state.done("w1", 1, version=3)
+    assert [x.transfer.id for x in state.decide(1.1).actions] == [b.id]
+
+
+def _one(state: ControlState, req: int, now: float) -> Go:
+    state.request("w", req, host="a", dst="s", nbytes=10 * MB, base_version=0, norm=1.0,
+                  now=now)
+    (go,) = state.decide(now).actions
+    assert isinstance(go, Go)
+    return go
+
+
+def test_the_next_plan_uses_the_rate_the_last_transfer_showed_and_recovers():
+    state = ControlState(mlfabric_policy, tau_max=None, learn_rates=True,
+                         network=Network(default=125 * MB, down={"s": 10 * MB}))  # 80 Mbit/s
+    assert _one(state, 1, 0.0).planned_seconds == pytest.approx(1.0)
+    state.done("w", 1, version=1, seconds=2.0)  # the downlink dropped to 40 Mbit/s
+    assert state.network.down_rate("s") == pytest.approx(5 * MB)
+    assert _one(state, 2, 2.0).planned_seconds == pytest.approx(2.0)
+    state.done("w", 2, version=2, seconds=1.0)  # and came back
+    assert state.network.observed_down == {}
+    assert _one(state, 3, 3.0).planned_seconds == pytest.approx(1.0)
+
+
+def test_a_transfer_past_its_planned_end_replans_what_follows_at_its_rate_so_far():
+    state = ControlState(mlfabric_policy, tau_max=None, learn_rates=True,
+                         network=Network(default=125 * MB, down={"s": 10 * MB}))
+    _one(state, 1, 0.0)  # planned 1 s
+    state.request("w2", 1, host="b", dst="s", nbytes=10 * MB, base_version=0, norm=1.0,
+                  now=0.5)
+    d = state.decide(0.5)
+    assert d.actions == () and d.wake_at == pytest.approx(1.0)  # it starts after the first
+    assert state.decide(1.0).wake_at == pytest.approx(1.1)  # its guard: look again then
+    d = state.decide(2.0)  # 2 s in, not done: the link gives at most 5 MB/s
+    assert state.network.down_rate("s") == pytest.approx(5 * MB)
+    assert d.actions == ()
+
+
+def test_fifo_runs_without_the_closed_loop():
+    from mlfabric.scheduling.plan import fifo_policy
+    state = ControlState(fifo_policy, tau_max=None, network=Network(default=10 * MB))
+    _one(state, 1, 0.0)
+    state.done("w", 1, version=1, seconds=5.0)
+    assert state.network.observed_down == {}
