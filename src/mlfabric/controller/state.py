@@ -183,6 +183,13 @@ class ControlState:
         self.shard_hosts: dict[int, str] = {}  # shard -> its server's host, from the requests
         self.pending: dict[int, Transfer] = {}
         self.active: dict[int, Transfer] = {}
+        # Which links the active transfers hold, for the closed loop: only a
+        # transfer that had its uplink and downlink to itself from its go to
+        # its report measures them (`_hold`, `_release`).
+        self._holders: dict[tuple[str, str], int] = {}  # link -> active transfers on it
+        self._starts: dict[tuple[str, str], int] = {}  # link -> transfers ever started on it
+        self._held: set[int] = set()  # active transfers counted in _holders
+        self._solo: dict[int, tuple[int, int]] = {}  # those alone when they went: their marks
         self.workers: dict[Hashable, WorkerStats] = {}
         self.gone: OrderedDict[str, GoneWorker] = OrderedDict()  # by hello name, oldest first
         self.delays = DelayStats()
@@ -261,7 +268,8 @@ class ControlState:
         for t in self.active.values():
             if t.owner == owner and t.req == req:
                 del self.active[t.id]
-                if seconds is not None and self.learn_rates:
+                alone = self._release(t)
+                if seconds is not None and self.learn_rates and alone:
                     self._observed(t, seconds)
                 if via_failed is not None and t.route is not None and now is not None:
                     self.aggregator_failed(t.route.host, now)
@@ -282,6 +290,46 @@ class ControlState:
                 return t
         return None
 
+    def _hold(self, t: Transfer) -> None:
+        """`t` goes: it holds its uplink and downlink until `_release`."""
+        if t.id in self._held:
+            return
+        self._held.add(t.id)
+        up, down = ("up", t.host), ("down", t.dst)
+        alone = not self._holders.get(up) and not self._holders.get(down)
+        for link in (up, down):
+            self._holders[link] = self._holders.get(link, 0) + 1
+            self._starts[link] = self._starts.get(link, 0) + 1
+        if alone:
+            self._solo[t.id] = (self._starts[up], self._starts[down])
+
+    def _release(self, t: Transfer) -> bool:
+        """`t` no longer holds its links; returns whether it had them to
+        itself from its go until now (nothing else on them when it went,
+        nothing started on them since). Only then does its time measure
+        them: a transfer sharing a link gets what TCP gives it beside the
+        others, not the plan's share. Learnt from shared transfers, the
+        controller capped workers' uplinks for the server downlink's share:
+        at 1,000 simulated workers it dropped 18% of the pushes (16 before)."""
+        if t.id not in self._held:
+            return False
+        self._held.discard(t.id)
+        alone = self._alone(t)
+        self._solo.pop(t.id, None)
+        up, down = ("up", t.host), ("down", t.dst)
+        for link in (up, down):
+            left = self._holders[link] - 1
+            if left:
+                self._holders[link] = left
+            else:
+                del self._holders[link]
+        return alone
+
+    def _alone(self, t: Transfer) -> bool:
+        mark = self._solo.get(t.id)
+        return mark is not None and mark == (self._starts[("up", t.host)],
+                                             self._starts[("down", t.dst)])
+
     def _observed(self, t: Transfer, seconds: float) -> None:
         """Correct the network picture by what `t` took. Only a transfer
         sent whole and direct measures its path: a chunk's report times the
@@ -292,11 +340,17 @@ class ControlState:
                                           planned_seconds=t.planned_seconds, seconds=seconds)
 
     def _overdue(self, now: float) -> float | None:
-        """Cap the links of transfers running past their planned time (see
-        `observed.overdue`); returns the next planned end (plus its guard) of
-        one not yet overdue, when a re-plan should look again."""
+        """Cap the links of transfers running alone on them past their
+        planned time (see `observed.overdue`, `_release`); returns the next
+        planned end (plus its guard) of one not yet overdue, when a re-plan
+        should look again."""
         later = math.inf
-        for t in self.active.values():
+        shared = [tid for tid in self._solo
+                  if tid not in self.active or not self._alone(self.active[tid])]
+        for tid in shared:  # (shared now, for good: what TCP gives it beside the others)
+            del self._solo[tid]
+        for tid in self._solo:
+            t = self.active[tid]
             if t.chunk or t.route is not None or t.path_rate is None or not t.planned_seconds \
                     or t.started is None:
                 continue
@@ -344,6 +398,7 @@ class ControlState:
                 t.started, t.piece = now, t.rest
                 t.planned_seconds = t.rest / rate
                 self.active[t.id] = t
+                self._hold(t)
             else:  # during one: the rest follows the chunk under way
                 t.piece += t.rest
                 t.planned_seconds = (t.planned_seconds or 0.0) + t.rest / rate
@@ -352,6 +407,7 @@ class ControlState:
         if t.id not in self.active or sent < t.granted:
             return None  # a report of a chunk already planned again
         del self.active[t.id]
+        self._release(t)
         self.pending[t.id] = t
         return t
 
@@ -361,7 +417,8 @@ class ControlState:
         gone = [t for t in (*self.pending.values(), *self.active.values()) if t.owner == owner]
         for t in gone:
             self.pending.pop(t.id, None)
-            self.active.pop(t.id, None)
+            if self.active.pop(t.id, None) is not None:
+                self._release(t)
         stats = self.workers.pop(owner, None)
         if stats is not None and stats.requests:  # not a status request, nor a replica
             key = stats.client or stats.name
@@ -523,6 +580,7 @@ class ControlState:
         t.path_rate = self.network.rate(t.host, t.dst)
         t.route = item.route
         self.active[t.id] = t
+        self._hold(t)
         return Go(t, item.position or 0, planned, item.route, upto=upto, first=first)
 
     def status(self, now: float | None = None) -> dict[str, object]:
