@@ -14,7 +14,12 @@ that arrive meanwhile are answered together by the next one, as
 mlfabric.controller.controller answers the events of one turn of its loop.
 
     .venv/bin/python benchmarks/bench_sim.py [--scales 100,1000,10000] [--steps 8,4,2]
-        [--replan-every-ms 0,0,0] [--decision-latency none|measured]
+        [--replan-every-ms 0,0,0] [--decision-latency none|measured] [--shards 1]
+
+With --shards S the server is S shards (hosts s0..s{S-1}), each with 1/S of
+the downlink (so each worker's share stays the same) and a part of every
+update; the change in the middle third is then s0's downlink alone (one
+shard's host loses half its link to another tenant).
 
 Prints per scale and policy: pushes, applied, dropped (by reason), delay
 and push-to-applied distributions, bytes into the server, and the
@@ -36,13 +41,15 @@ from mlfabric.sim.engine import DECISION_LATENCIES, MIB, RateChange, Scenario, s
 
 
 def scenario(n: int, steps: int, replan_ms: float, args: argparse.Namespace) -> Scenario:
-    down = n * args.share_mbit
+    down = n * args.share_mbit / args.shards  # each shard's
     expected = steps * (args.compute_ms / 1e3 + 0.3)  # as bench_controller.py
     changes = ()
+    first = "h0" if args.shards == 1 else "s0"
     if args.change_factor != 1.0:
-        changes = (RateChange(expected / 3, "h0", down_mbit=down * args.change_factor),
-                   RateChange(2 * expected / 3, "h0", down_mbit=down))
-    return Scenario(workers=n, update_bytes=int(args.update_mib * MIB), steps=steps,
+        changes = (RateChange(expected / 3, first, down_mbit=down * args.change_factor),
+                   RateChange(2 * expected / 3, first, down_mbit=down))
+    return Scenario(workers=n, shards=args.shards, update_bytes=int(args.update_mib * MIB),
+                    steps=steps,
                     compute=args.compute_ms / 1e3, jitter=0.2, max_in_flight=1, tau_max=n,
                     server_down_mbit=down, server_up_mbit=10 * down, worker_up_mbit=1000.0,
                     worker_down_mbit=1000.0, changes=changes,
@@ -85,6 +92,7 @@ def main() -> int:
     ap.add_argument("--update-mib", type=float, default=2.0)
     ap.add_argument("--compute-ms", type=float, default=1200.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shards", type=int, default=1, help="server shards (see above)")
     ap.add_argument("--policies", default="fifo,mlfabric")
     ap.add_argument("--replan-every-ms", default="0,0,0",
                     help="per scale: the controller re-plans at most this often (0: on "
@@ -112,9 +120,11 @@ def main() -> int:
             how = f"at most every {every:g} ms" if every else "on every event"
             if args.decision_latency == "measured":
                 how += ", each taking the time it took here"
-            print(f"{n} workers, {k} steps: server downlink {sc.server_down_mbit:g} Mbit/s "
-                  f"({args.change_factor:g}x in the middle third), tau_max {sc.tau_max}, "
-                  f"re-plans {how}", flush=True)
+            servers = "server downlink" if sc.shards == 1 else f"{sc.shards} shards, downlink"
+            changed = "" if sc.shards == 1 else " on s0"
+            print(f"{n} workers, {k} steps: {servers} {sc.server_down_mbit:g} Mbit/s "
+                  f"({args.change_factor:g}x in the middle third{changed}), tau_max "
+                  f"{sc.tau_max}, re-plans {how}", flush=True)
             for policy in args.policies.split(","):
                 t0 = time.perf_counter()
                 result = simulate(sc, policy, timer=time.perf_counter, progress=progress,

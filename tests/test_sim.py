@@ -227,6 +227,50 @@ def test_a_rate_change_the_controller_does_not_see():
     assert w1.landed == pytest.approx(4.508, abs=EXACT)
 
 
+def test_sharded_by_hand_each_shard_takes_its_part_and_its_own_versions():
+    """TINY over two shards (servers s0, s1, each with TINY's server links):
+    each update is two parts of 5e5 B, one per shard. Pulls: the two parts
+    come concurrently at 5e8 B/s each, 1 ms per pull, so the pushes go at
+    1.002. fifo: on each shard both parts share the 1e6 B/s downlink and
+    land at 2.002 (half TINY's time). mlfabric: per shard one part after
+    the other, 0.5 s each. Each shard counts its own versions: worker 1's
+    parts are each shard's second update (delay 1)."""
+    sc = dataclasses.replace(TINY, shards=2)
+    assert sc.servers() == ["s0", "s1"] and sc.parts() == [500_000, 500_000]
+    r = simulate(sc, "fifo", audit=True)
+    w0, w1 = by_worker(r)
+    assert w0.pushed == w1.pushed == pytest.approx(1.002, abs=EXACT)
+    assert w0.landed == w1.landed == pytest.approx(2.002, abs=EXACT)
+    assert [(x.applied, x.delay, x.base_versions) for x in (w0, w1)] == [
+        (True, 0, (0, 0)), (True, 1, (0, 0))]
+    assert r.bytes_into_server == 2e6
+    w0, w1 = by_worker(simulate(sc, "mlfabric", audit=True))
+    assert w0.landed == pytest.approx(1.502, abs=EXACT)
+    assert w1.sent == pytest.approx(1.502, abs=EXACT)
+    assert w1.landed == pytest.approx(2.002, abs=EXACT)
+    assert [x.seconds for x in (w0, w1)] == [pytest.approx(0.5, abs=EXACT),
+                                              pytest.approx(1.0, abs=EXACT)]
+    # parts differ by at most one byte
+    assert dataclasses.replace(TINY, update_bytes=7, shards=3).parts() == [3, 2, 2]
+
+
+def test_a_sharded_push_is_applied_only_if_every_shard_applies_its_part():
+    """tau_max 0 over two shards whose downlinks differ: under fifo worker 1's
+    part is refused as stale on each shard (it lands second on both), and the
+    push records the refusal; the push is applied only where both parts are."""
+    sc = dataclasses.replace(TINY, shards=2, tau_max=0,
+                             changes=(RateChange(0.0, "s1", down_mbit=4.0),))
+    w0, w1 = by_worker(simulate(sc, "fifo"))
+    assert (w0.applied, w0.delay) == (True, 0)
+    assert (w1.applied, w1.reason, w1.delay) == (False, "stale", 1)
+    with pytest.raises(ConfigError, match=r"s0 to s1 \(servers\)"):
+        dataclasses.replace(sc, changes=(RateChange(0.0, "h0", down_mbit=1.0),))
+    with pytest.raises(ConfigError, match=r"shards must be in 1\.\.1024, got 0"):
+        dataclasses.replace(TINY, shards=0)
+    with pytest.raises(ConfigError, match="update_bytes must be >= 1 per shard"):
+        dataclasses.replace(TINY, shards=4, update_bytes=3)
+
+
 # --- invariants over a busy scenario -------------------------------------------------------
 
 BUSY = Scenario(workers=12, update_bytes=1 << 20, steps=5, compute=0.3, jitter=0.3,
@@ -237,28 +281,41 @@ BUSY = Scenario(workers=12, update_bytes=1 << 20, steps=5, compute=0.3, jitter=0
                 stragglers=0.25, straggler_factor=3.0, start_spread=0.2, seed=7)
 
 
+BUSY_SHARDED = dataclasses.replace(
+    BUSY, shards=3, changes=(RateChange(0.8, "s1", down_mbit=20.0),
+                             RateChange(1.2, "h3", up_mbit=0.0),
+                             RateChange(1.6, "h3", up_mbit=200.0),
+                             RateChange(2.0, "s1", down_mbit=60.0)))
+
+
 @pytest.mark.parametrize("policy", ["fifo", "mlfabric"])
-def test_invariants(policy):
-    r = simulate(BUSY, policy, audit=True)
+@pytest.mark.parametrize("sc", [BUSY, BUSY_SHARDED], ids=["one server", "3 shards"])
+def test_invariants(policy, sc):
+    r = simulate(sc, policy, audit=True)
     # No link ever carried more than its capacity.
     assert 0.99 < r.max_utilization <= 1 + 1e-9
     # Every push ended, applied or not applied with a reason.
-    assert len(r.records) == BUSY.workers * BUSY.steps
+    assert len(r.records) == sc.workers * sc.steps
     for rec in r.records:
         assert rec.done is not None and rec.done >= rec.pushed
         assert rec.applied == (rec.reason is None)
         if rec.applied:
-            assert 0 <= rec.delay <= BUSY.tau_max
-    # Bytes into the server: one update per push that was sent.
+            assert 0 <= rec.delay <= sc.tau_max
+    # Bytes into the servers: one update per push that was sent (a sharded
+    # push's parts each go or are dropped on their own: at most that).
     sent = sum(rec.landed is not None for rec in r.records)
-    assert r.bytes_into_server == sent * BUSY.update_bytes
+    if sc.shards == 1:
+        assert r.bytes_into_server == sent * sc.update_bytes
+    else:
+        assert 0 < r.bytes_into_server <= sent * sc.update_bytes
+        assert all(len(rec.base_versions) == sc.shards for rec in r.records)
     # Versions: one per applied update; each applied update's delay matches.
     assert sum(rec.applied for rec in r.records) == r.summary()["applied"]
     # Determinism: the same scenario gives the same run, push for push.
-    again = simulate(BUSY, policy)
+    again = simulate(sc, policy)
     assert [dataclasses.astuple(x) for x in again.records] == \
         [dataclasses.astuple(x) for x in r.records]
-    other = simulate(dataclasses.replace(BUSY, seed=8), policy)
+    other = simulate(dataclasses.replace(sc, seed=8), policy)
     assert [x.pushed for x in other.records] != [x.pushed for x in r.records]
 
 

@@ -51,6 +51,7 @@ POLICIES = ("fifo", "mlfabric")
 # headers) in a 1514 B Ethernet frame, which is what the testbed's tbf meters.
 TCP_GOODPUT = 1448 / 1514
 STALE = "stale"  # the server's reason for refusing an update (delay > tau_max)
+MAX_SHARDS = 1024  # as many as one job's model is split over (client.shards)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,10 @@ DECISION_LATENCIES = ("none", "measured")
 
 @dataclass(frozen=True)
 class Scenario:
-    """One job: a server on host h0 and `workers` workers on h1..hN.
+    """One job: a server on host h0 and `workers` workers on h1..hN; with
+    `shards` > 1, shard k's server on host s{k} (k = 0..shards-1), each
+    update split into one part per shard as `mlfabric.sharding` splits one
+    tensor (sizes differ by at most one byte).
 
     Rates are what the links are shaped to (Mbit/s on the wire); flows get
     `goodput` of them as payload. `message_latency` is the one-way time of
@@ -78,6 +82,7 @@ class Scenario:
     1)) from random.Random(seed * 100 + i), i = 0..N-1."""
 
     workers: int = 8
+    shards: int = 1
     update_bytes: int = 2 * MIB
     steps: int = 8
     compute: float = 1.2  # seconds per step, before jitter
@@ -125,8 +130,11 @@ class Scenario:
 
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
-        if self.update_bytes < 1:
-            raise ConfigError(f"update_bytes must be >= 1, got {self.update_bytes}")
+        if not 1 <= self.shards <= MAX_SHARDS:
+            raise ConfigError(f"shards must be in 1..{MAX_SHARDS}, got {self.shards}")
+        if self.update_bytes < self.shards:
+            raise ConfigError(f"update_bytes must be >= 1 per shard, got {self.update_bytes} "
+                              f"for {self.shards} shard(s)")
         if self.steps < 0:
             raise ConfigError(f"steps must be >= 0, got {self.steps}")
         if self.max_in_flight < 1:
@@ -159,21 +167,33 @@ class Scenario:
             at_least_zero("a worker's start time", t)
         for c in self.changes:
             if c.host not in self.hosts():
+                servers = "h0 (server)" if self.shards == 1 else \
+                    f"s0 to s{self.shards - 1} (servers)"
                 raise ConfigError(f"rate change for unknown host {c.host!r}; hosts are "
-                                  f"h0 (server) to h{self.workers}")
+                                  f"{servers} and h1 to h{self.workers} (workers)")
             for v in (c.up_mbit, c.down_mbit):
                 if v is not None and not (v >= 0 and math.isfinite(v)):
                     raise ConfigError(f"rate change at {c.at} s: rate {v} Mbit/s must be >= 0")
             at_least_zero("rate change time", c.at)
 
+    def servers(self) -> list[str]:
+        """Shard k's server host, by k."""
+        return [SERVER] if self.shards == 1 else [f"s{k}" for k in range(self.shards)]
+
     def hosts(self) -> list[str]:
-        return [SERVER, *(f"h{i}" for i in range(1, self.workers + 1))]
+        return [*self.servers(), *(f"h{i}" for i in range(1, self.workers + 1))]
+
+    def parts(self) -> list[int]:
+        """Bytes of an update's part per shard."""
+        base, extra = divmod(self.update_bytes, self.shards)
+        return [base + (k < extra) for k in range(self.shards)]
 
     def nominal(self) -> tuple[dict[str, float], dict[str, float]]:
         """Configured (up, down) Mbit/s per host at t = 0."""
         up = {h: self.worker_up_mbit for h in self.hosts()}
         down = {h: self.worker_down_mbit for h in self.hosts()}
-        up[SERVER], down[SERVER] = self.server_up_mbit, self.server_down_mbit
+        for server in self.servers():
+            up[server], down[server] = self.server_up_mbit, self.server_down_mbit
         return up, down
 
 
@@ -183,14 +203,16 @@ class PushRecord:
 
     worker: int
     step: int
-    base_version: int
+    base_version: int  # shard 0's
     pushed: float  # push() called
-    sent: float | None = None  # the directive to send arrived (None: never sent)
-    landed: float | None = None  # its last byte reached the server
-    done: float | None = None  # the outcome reached the worker
-    applied: bool = False
-    delay: int | None = None  # staleness at the server (None if not sent)
-    reason: str | None = None  # why not applied: a drop reason or "stale"
+    sent: float | None = None  # the first directive to send arrived (None: never sent)
+    landed: float | None = None  # its last byte reached the server (the last shard's)
+    done: float | None = None  # the outcome reached the worker (the last shard's)
+    applied: bool = False  # by every shard
+    delay: int | None = None  # staleness at the server (None if not sent; shards: the most)
+    reason: str | None = None  # why not applied: a drop reason or "stale" (the first)
+    base_versions: tuple[int, ...] = ()  # per shard
+    parts_left: int = 1  # parts whose outcome has not come
 
     @property
     def seconds(self) -> float | None:
@@ -320,10 +342,15 @@ class _Sim:
         self.state = ControlState(make_policy(policy, sc.idle_factor), tau_max=sc.tau_max,
                                   network=self._controller_network(up, down),
                                   guard_order=closed, learn_rates=closed)
-        self.version = 0  # the server's
+        self.servers = sc.servers()
+        self.parts = sc.parts()
+        self.versions = [0] * sc.shards  # each shard server's
         self.bytes_in = 0.0
         self.records: list[PushRecord] = []
-        self.by_request: dict[tuple[int, int], PushRecord] = {}
+        # (worker, request) -> the push, the shard of this part, when it was let go
+        self.by_request: dict[tuple[int, int], tuple[PushRecord, int]] = {}
+        self._sent: dict[tuple[int, int], float] = {}
+        self._requests = 0
         self._wake_gen = 0
         self._replan_ok = 0.0  # the earliest next re-plan (replan_every, decision_latency)
         self._events_waiting = 0  # events since the last re-plan
@@ -409,14 +436,24 @@ class _Sim:
     # -- workers (workload.py's loop) --------------------------------------------------
 
     def _worker_start(self, w: _Worker) -> None:
-        self._pull(w, lambda version: self._next_step(w))  # the initial pull
+        self._pull(w, lambda versions: self._next_step(w))  # the initial pull
 
-    def _pull(self, w: _Worker, then: Callable[[int], None]) -> None:
-        def serve() -> None:
-            version = self.version  # the server's snapshot when the request lands
-            self.flow(SERVER, w.host, self.sc.update_bytes, lambda: then(version))
+    def _pull(self, w: _Worker, then: Callable[[tuple[int, ...]], None]) -> None:
+        """Every shard's part, concurrently; `then(versions)` once all are in."""
+        versions = list(self.versions)
+        left = [len(self.servers)]
 
-        self.after(self.sc.message_latency, serve)
+        def serve(k: int) -> None:
+            versions[k] = self.versions[k]  # the shard's snapshot when the request lands
+            self.flow(self.servers[k], w.host, self.parts[k], arrived)
+
+        def arrived() -> None:
+            left[0] -= 1
+            if not left[0]:
+                then(tuple(versions))
+
+        for k in range(len(self.servers)):
+            self.after(self.sc.message_latency, serve, k)
 
     def _next_step(self, w: _Worker) -> None:
         if w.steps_started == self.sc.steps:
@@ -429,18 +466,20 @@ class _Sim:
         w.steps_started += 1
         self._pull(w, lambda version: self._compute(w, version))
 
-    def _compute(self, w: _Worker, version: int) -> None:
+    def _compute(self, w: _Worker, versions: tuple[int, ...]) -> None:
         sc = self.sc
         seconds = sc.compute * (1 + sc.jitter * (2 * w.rng.random() - 1)) * w.slow
-        self.after(seconds, self._push, w, version)
+        self.after(seconds, self._push, w, versions)
 
-    def _push(self, w: _Worker, base_version: int) -> None:
-        rec = PushRecord(w.index, w.steps_started, base_version, pushed=self.now)
+    def _push(self, w: _Worker, base_versions: tuple[int, ...]) -> None:
+        rec = PushRecord(w.index, w.steps_started, base_versions[0], pushed=self.now,
+                         base_versions=base_versions, parts_left=len(base_versions))
         self.records.append(rec)
         w.in_flight.append(rec)
-        req = len(self.records)
-        self.by_request[(w.index, req)] = rec
-        self.after(self.sc.message_latency, self._ctl_request, w, req, base_version)
+        for k, base in enumerate(base_versions):  # a request per part, as ShardedClient's
+            self._requests += 1
+            self.by_request[(w.index, self._requests)] = (rec, k)
+            self.after(self.sc.message_latency, self._ctl_request, w, self._requests, k, base)
         if len(w.in_flight) >= self.sc.max_in_flight:
             w.blocked = True
             self._settle(w)
@@ -448,20 +487,34 @@ class _Sim:
             self._next_step(w)
 
     def _go(self, w: _Worker, req: int) -> None:
-        rec = self.by_request[(w.index, req)]
-        rec.sent = self.now
-        self.flow(w.host, SERVER, self.sc.update_bytes, lambda: self._land(w, req))
+        rec, k = self.by_request[(w.index, req)]
+        if rec.sent is None:
+            rec.sent = self.now
+        self._sent[(w.index, req)] = self.now
+        self.flow(w.host, self.servers[k], self.parts[k], lambda: self._land(w, req))
 
     def _outcome(self, w: _Worker, req: int, applied: bool, delay: int | None,
                  reason: str | None, report: tuple[int, bool, int | None] | None) -> None:
-        rec = self.by_request.pop((w.index, req))
-        rec.done, rec.applied, rec.delay, rec.reason = self.now, applied, delay, reason
+        """One part's outcome; the push's once every part has one (as
+        ShardedOutcome: applied by every shard, the first refusal's reason;
+        the delay, the most any shard measured, applying it or not)."""
+        rec, _ = self.by_request.pop((w.index, req))
+        sent = self._sent.pop((w.index, req), None)
+        first = rec.parts_left == len(self.servers)
+        rec.parts_left -= 1
+        rec.applied = applied and (first or rec.applied)
+        if delay is not None:
+            rec.delay = delay if rec.delay is None else max(rec.delay, delay)
+        if not applied and rec.reason is None:
+            rec.reason = reason
         if report is not None:
             version, ok, d = report
             # The worker reports the time from its go to the server's answer.
-            seconds = self.now - rec.sent if rec.sent is not None else None
+            seconds = self.now - sent if sent is not None else None
             self.after(self.sc.message_latency, self._ctl_done, w, req, version, ok, d, seconds)
-        self._settle(w)
+        if rec.parts_left == 0:
+            rec.done = self.now
+            self._settle(w)
 
     def _settle(self, w: _Worker) -> None:
         """workload.py settles its oldest push first, while too many are in flight
@@ -482,24 +535,25 @@ class _Sim:
     # -- the server (store.py's rule) ------------------------------------------------------
 
     def _land(self, w: _Worker, req: int) -> None:
-        rec = self.by_request[(w.index, req)]
+        rec, k = self.by_request[(w.index, req)]
         rec.landed = self.now
-        self.bytes_in += self.sc.update_bytes
-        delay = self.version - rec.base_version
+        self.bytes_in += self.parts[k]
+        delay = self.versions[k] - rec.base_versions[k]
         tau = self.sc.tau_max
         if tau is not None and delay > tau:
             applied, reason = False, STALE
         else:
-            self.version += 1
+            self.versions[k] += 1
             applied, reason = True, None
         self.after(self.sc.apply_seconds + self.sc.message_latency, self._outcome, w, req,
-                   applied, delay, reason, (self.version, applied, delay))
+                   applied, delay, reason, (self.versions[k], applied, delay))
 
     # -- the controller (controller.py's event handling) ------------------------------------
 
-    def _ctl_request(self, w: _Worker, req: int, base_version: int) -> None:
-        self.state.request(w.index, req, host=w.host, dst=SERVER, nbytes=self.sc.update_bytes,
-                           base_version=base_version, norm=1.0, now=self.now)
+    def _ctl_request(self, w: _Worker, req: int, shard: int, base_version: int) -> None:
+        self.state.request(w.index, req, host=w.host, dst=self.servers[shard],
+                           nbytes=self.parts[shard], base_version=base_version, norm=1.0,
+                           now=self.now, shard=shard)
         self._replan()
 
     def _ctl_done(self, w: _Worker, req: int, version: int, applied: bool,
@@ -547,7 +601,7 @@ class _Sim:
         lat = busy + self.sc.message_latency
         for action in decisions.actions:
             t = action.transfer
-            w = self.workers[cast(int, t.owner)]
+            w = self.workers[cast(int, t.owner)]  # (t.req names the part)
             if isinstance(action, Go):
                 self.after(lat, self._go, w, t.req)
             else:
@@ -599,7 +653,8 @@ def parse_change(spec: str) -> RateChange:
 
 def scenario_from_args(args: argparse.Namespace, seed: int) -> Scenario:
     return Scenario(
-        workers=args.workers, update_bytes=round(args.update_mib * MIB), steps=args.steps,
+        workers=args.workers, shards=args.shards, update_bytes=round(args.update_mib * MIB),
+        steps=args.steps,
         compute=args.compute_ms / 1e3, jitter=args.jitter, max_in_flight=args.in_flight,
         tau_max=None if args.tau_max < 0 else args.tau_max,
         server_up_mbit=args.server_up_mbit, server_down_mbit=args.server_down_mbit,
@@ -615,10 +670,14 @@ def scenario_from_args(args: argparse.Namespace, seed: int) -> Scenario:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--shards", type=int, default=1,
+                   help="server shards, on hosts s0..s{N-1} (1: one server, on h0); each "
+                        "has the --server-*-mbit links and gets one part of every update")
     p.add_argument("--policy", choices=[*POLICIES, "both"], default="both")
-    p.add_argument("--update-mib", type=float, default=2.0, help="update (and model) size")
-    p.add_argument("--server-down-mbit", type=float, default=100.0)
-    p.add_argument("--server-up-mbit", type=float, default=1000.0)
+    p.add_argument("--update-mib", type=float, default=2.0,
+                   help="update (and model) size, over all shards")
+    p.add_argument("--server-down-mbit", type=float, default=100.0, help="each server's")
+    p.add_argument("--server-up-mbit", type=float, default=1000.0, help="each server's")
     p.add_argument("--worker-mbit", type=float, default=1000.0, help="workers' up and down")
     p.add_argument("--change", action="append", default=[], metavar="SECONDS:HOST=UP/DOWN",
                    help="a rate change, e.g. 4:h0=-/50 (repeat; '-' keeps a direction)")
