@@ -494,17 +494,26 @@ class ControlState:
         self._first_shard += 1
         actions: list[Go | Drop] = []
         wake_at = math.inf
+        # Each shard's pending transfers, by id, in one pass (not one pass
+        # over every pending transfer per shard: at 16 shards and 16,000
+        # pending that filter alone was an eighth of the simulator's time).
+        by_shard: dict[int, list[Transfer]] = {}
+        for t in sorted(self.pending.values(), key=lambda t: t.id):
+            by_shard.setdefault(t.shard, []).append(t)
+        active: tuple[Transfer, ...] | None = None
         for shard in shards[first:] + shards[:first]:
-            active = _planned(sorted(self.active.values(), key=lambda t: t.id), active=True)
+            if active is None:  # (again only once a shard's plan let something go)
+                active = _planned(sorted(self.active.values(), key=lambda t: t.id),
+                                  active=True)
             snap = Snapshot(
                 now=now, version=self.shard_versions.get(shard, 0), tau_max=self.tau_max,
-                pending=_planned(sorted((t for t in self.pending.values() if t.shard == shard),
-                                        key=lambda t: t.id)),
-                active=active, network=self.network,
+                pending=_planned(by_shard[shard]), active=active, network=self.network,
                 aggregators=self.usable_aggregators(now),
                 in_flight=sum(t.shard == shard for t in active))
             decided = self._commit(self.policy(snap), now)
             actions.extend(decided.actions)
+            if any(isinstance(a, Go) for a in decided.actions):
+                active = None
             if decided.wake_at is not None:
                 wake_at = min(wake_at, decided.wake_at)
         return Decisions(tuple(actions), None if wake_at == math.inf else wake_at)
