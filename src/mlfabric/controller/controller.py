@@ -166,6 +166,7 @@ class Controller(Endpoint):
                     "held": [{"peer": h.peer, "reason": h.reason,
                               "reported": None if math.isnan(h.reported) else round(h.reported)}
                              for h in held]}))
+                self.state.touch(None)
                 self.replan()
             await asyncio.sleep(interval)
 
@@ -286,6 +287,7 @@ class Controller(Endpoint):
                 gate.server_applied(version, norm, spans.get(version, 1))
         self._norms_known[shard] = max(self._norms_known.get(shard, 0),
                                        pong.norms_from + len(pong.norms) - 1)
+        self.state.touch(shard)
         self.replan()
 
     def on_replica_pong(self, address: str, pong: Pong, shard: int = 0) -> None:
@@ -301,6 +303,7 @@ class Controller(Endpoint):
             gate.replica_applied(pong.version)
         if (gate.replica, gate.replica_reported) != before:
             self._replica_row(shard, address, gate.replica_reported, div_max=gate.div_max)
+            self.state.touch(shard)
             self.replan()
 
     def _replica_row(self, shard: int, address: str, version: int, **more: Any) -> None:
@@ -359,6 +362,7 @@ class Controller(Endpoint):
         decision_log.info(json.dumps({"event": "failover", "server": address,
                                       "version": version, "seconds": round(seconds, 6),
                                       **({"shard": shard} if sharded else {})}))
+        self.state.touch(None if not sharded else shard)
         self.replan()
 
     def on_replica_lost(self, address: str, shard: int = 0) -> None:
@@ -373,6 +377,7 @@ class Controller(Endpoint):
         else:
             self.state.replicas.clear()
         decision_log.info(json.dumps({"event": "replica_lost", "replica": address}))
+        self.state.touch(shard)
         self.replan()
 
     def on_replica_join(self, ev: ReplicaJoin, shard: int = 0) -> None:
@@ -397,6 +402,7 @@ class Controller(Endpoint):
                     ev.version, told)
         decision_log.info(json.dumps({"event": "replica_join", "replica": ev.address,
                                       "version": ev.version}))
+        self.state.touch(shard)
         self.replan()
 
     def _groups_formed(self, groups: list[Group]) -> None:
@@ -484,6 +490,7 @@ class Controller(Endpoint):
             return  # replication without a bound: nothing to decide
         gate.replica_applied(ev.version)
         self._replica_row(shard, ev.dst, gate.replica_reported, div_max=gate.div_max)
+        self.state.touch(shard)
         self.replan()
 
     def on_fell_back(self, conn: _ControllerProtocol, ev: FellBack) -> None:
