@@ -13,19 +13,25 @@ from mlfabric.scheduling.policies import mlfabric_policy
 MB = 1e6
 
 
-def test_a_completion_sets_its_bottleneck_links_rate_up_or_down():
+def test_a_completion_sets_the_downlinks_rate_up_or_down():
     net = Network(default=100 * MB, down={"s": 10 * MB})
     assert observed.bottleneck(net, "a", "s") == ("down", "s")
     assert observed.bottleneck(Network(default=10 * MB), "a", "s") == ("down", "s")  # a tie
     assert observed.bottleneck(Network(default=10 * MB, up={"a": 2 * MB}), "a", "s") == ("up", "a")
-    # Planned at 10 MB/s for 1 s, took 2 s: the downlink delivers 5 MB/s.
-    slow = observed.completed(net, "a", "s", believed=10 * MB, planned_seconds=1.0, seconds=2.0)
-    assert slow.observed_down == {"s": 5 * MB} and slow.rate("b", "s") == 5 * MB
+    delivered = observed.Delivered()
+    # Planned at 10 MB/s for 1 s, took 2 s: the downlink delivers 5 MB/s (no
+    # faster transfer into it to blame a's uplink instead).
+    slow = delivered.completed(net, "a", "s", believed=10 * MB, planned_seconds=1.0,
+                               seconds=2.0)
+    assert slow.observed_down == {"s": 5 * MB} and slow.observed_up == {}
+    assert slow.rate("b", "s") == 5 * MB
     # Planned at 5 MB/s, took half the time: back to the configured rate, no cap.
-    back = observed.completed(slow, "b", "s", believed=5 * MB, planned_seconds=2.0, seconds=1.0)
+    back = delivered.completed(slow, "b", "s", believed=5 * MB, planned_seconds=2.0,
+                               seconds=1.0)
     assert back.observed_down == {} and back.rate("b", "s") == 10 * MB
     # Half the link planned beside another transfer, and it got half: no change.
-    same = observed.completed(net, "a", "s", believed=10 * MB, planned_seconds=2.0, seconds=2.0)
+    same = observed.Delivered().completed(net, "a", "s", believed=10 * MB,
+                                          planned_seconds=2.0, seconds=2.0)
     assert same.observed_down == {}
 
 
@@ -151,4 +157,43 @@ def test_only_a_transfer_alone_on_its_links_teaches_the_loop():
     assert state.network.observed_down == {} and state.network.observed_up == {}
     go = _one(state, 3, 6.0)  # host a, alone now: its time says what a's path gives
     state.done("w", 3, version=3, seconds=go.planned_seconds * 4)
-    assert state.network.up_rate("a") == pytest.approx(125 * MB / 4)
+    assert state.network.rate("a", "s") == pytest.approx(125 * MB / 4)
+
+
+def test_a_slow_uplink_is_told_from_a_slow_downlink_by_the_other_workers_transfers():
+    """Alone on its links, a transfer runs at the slower of its uplink and
+    the server's downlink, and its own time cannot say which. Recorded in
+    the simulator: workers with 20-50 Mbit/s uplinks the configuration did
+    not know had the downlink taken for 20 Mbit/s, the next fast worker was
+    planned at that, and transfers went one at a time (mlfabric applied
+    0.79x FIFO's updates per second). The downlink gives at least the
+    fastest of the last transfers into it; one well below that was held
+    back by its uplink."""
+    state = ControlState(mlfabric_policy, tau_max=None, learn_rates=True,
+                         network=Network(default=125 * MB, down={"s": 10 * MB}))
+    fast = _one(state, 1, 0.0)  # from host a, at the configured 10 MB/s
+    state.done("w", 1, version=1, seconds=fast.planned_seconds)
+    state.request("v", 1, host="b", dst="s", nbytes=10 * MB, base_version=0, norm=1.0,
+                  now=1.0)
+    (slow,) = state.decide(1.0).actions
+    state.done("v", 1, version=2, seconds=4 * slow.planned_seconds)  # b's uplink: 2.5 MB/s
+    assert state.network.down_rate("s") == pytest.approx(10 * MB)  # a showed it gives 10
+    assert state.network.up_rate("b") == pytest.approx(2.5 * MB)
+    assert state.network.up_rate("a") == pytest.approx(125 * MB)
+    # b's next transfer is planned at its uplink's rate; it ran at it: nothing moves
+    state.request("v", 2, host="b", dst="s", nbytes=10 * MB, base_version=0, norm=1.0,
+                  now=6.0)
+    (again,) = state.decide(6.0).actions
+    assert again.planned_seconds == pytest.approx(4.0)
+    state.done("v", 2, version=3, seconds=4.0)
+    assert state.network.up_rate("b") == pytest.approx(2.5 * MB)
+    # the downlink halves: a's transfers run at 5 MB/s. The last 3 into the
+    # downlink (b's two at 2.5, a's at 5) showed at most 5: it gives 5, and
+    # a's uplink is not blamed; so it stays while a's transfers show 5
+    rates = []
+    for req in (2, 3, 4):
+        _one(state, req, 10.0 + 3 * req)
+        state.done("w", req, version=3 + req, seconds=2.0)  # 10 MB at 5 MB/s
+        rates.append((state.network.down_rate("s"), state.network.up_rate("a")))
+    assert rates[0] == (pytest.approx(5 * MB), pytest.approx(125 * MB))
+    assert rates[-1] == (pytest.approx(5 * MB), pytest.approx(125 * MB))

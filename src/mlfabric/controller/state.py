@@ -195,6 +195,7 @@ class ControlState:
         self._holders: dict[tuple[str, str], int] = {}  # link -> active transfers on it
         self._starts: dict[tuple[str, str], int] = {}  # link -> transfers ever started on it
         self._held: set[int] = set()  # active transfers counted in _holders
+        self._delivered = observed.Delivered()  # which link held an alone transfer back
         self._solo: dict[int, tuple[int, int]] = {}  # those alone when they went: their marks
         self.workers: dict[Hashable, WorkerStats] = {}
         self.gone: OrderedDict[str, GoneWorker] = OrderedDict()  # by hello name, oldest first
@@ -346,8 +347,9 @@ class ControlState:
         whole update, and an aggregated one times the aggregate's forward."""
         if t.chunk or t.route is not None or t.path_rate is None or not t.planned_seconds:
             return
-        self.network = observed.completed(self.network, t.host, t.dst, believed=t.path_rate,
-                                          planned_seconds=t.planned_seconds, seconds=seconds)
+        self.network = self._delivered.completed(
+            self.network, t.host, t.dst, believed=t.path_rate,
+            planned_seconds=t.planned_seconds, seconds=seconds)
 
     def _overdue(self, now: float) -> float | None:
         """Cap the links of transfers running alone on them past their

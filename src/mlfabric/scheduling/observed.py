@@ -16,12 +16,16 @@ estimate is the link's rate for the next plan at once, up or down:
   faster measures the faster link, and once an estimate reaches the rate the
   configuration and agents give, the cap goes and they govern again.
 
-Which link: the path's bottleneck as believed (a worker's uplink, or the
-server's downlink, which a tie gives, since all the job's transfers share
-it). The downlink's correction then holds for every worker's next transfer,
-not only this one's. A transfer still running past its planned end bounds
-the rate from above (it is slower than planned by at least elapsed /
-planned): `overdue` caps the link with that bound, only downward.
+Only a transfer that had its uplink and the server's downlink to itself
+measures them (the controller's `_release`); which of the two held it back,
+the other workers' transfers into the same server tell (`Delivered`): the
+downlink gives the most of its last few, a transfer well below that was
+held back by its uplink. The downlink's correction holds for every worker's
+next transfer, not only this one's. A transfer still running past its
+planned end bounds the rate from above (it is slower than planned by at
+least elapsed / planned): `overdue` caps its believed bottleneck (a
+worker's uplink, or the server's downlink, which a tie gives) with that
+bound, only downward, until its report says which.
 
 Order (issue 34, "what the controller releases together, it planned
 together"). The server applies updates in the order their last bytes land,
@@ -38,6 +42,7 @@ it is reported done.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import replace
 
 from .plan import Network
@@ -70,22 +75,6 @@ def _capped(net: Network, link: tuple[str, str], rate: float | None) -> Network:
     else:
         table[host] = rate
     return replace(net, observed_up=table) if kind == "up" else replace(net, observed_down=table)
-
-
-def completed(net: Network, src: str, dst: str, *, believed: float, planned_seconds: float,
-              seconds: float) -> Network:
-    """`net` corrected by a transfer src -> dst planned at path rate
-    `believed` to take `planned_seconds` that took `seconds`: its bottleneck
-    link's rate is the estimate, up or down; an estimate at or above what the
-    configuration and agents give removes the correction."""
-    if not (seconds > 0 and planned_seconds > 0 and believed > 0
-            and math.isfinite(seconds) and math.isfinite(believed)):
-        return net
-    link = bottleneck(net, src, dst)
-    rate = estimate(believed, planned_seconds, seconds)
-    uncorrected = _capped(net, link, None)
-    given = uncorrected.up_rate(src) if link[0] == "up" else uncorrected.down_rate(dst)
-    return _capped(net, link, None if rate >= given else rate)
 
 
 def overdue(net: Network, src: str, dst: str, *, believed: float, planned_seconds: float,
@@ -121,3 +110,51 @@ def release_at(critical: list[tuple[float, float]], *, now: float,
             return None
         at = max(at, end + order_guard(seconds) - planned_seconds)
     return at
+
+
+def _corrected(net: Network, link: tuple[str, str], rate: float) -> Network:
+    """`net` with `link` at `rate`, or at what the configuration and agents
+    give once `rate` reaches it."""
+    kind, host = link
+    uncorrected = _capped(net, link, None)
+    given = uncorrected.up_rate(host) if kind == "up" else uncorrected.down_rate(host)
+    return _capped(net, link, None if rate >= given else rate)
+
+
+# A downlink gave at least the fastest of the last this many transfers into
+# it that had it to themselves (a max filter, as BBR keeps its bottleneck
+# bandwidth): a slow transfer among them was held back elsewhere.
+DOWNLINK_WINDOW = 3
+
+
+class Delivered:
+    """Which link a transfer alone on its links was held back by.
+
+    A transfer alone on its uplink and its server's downlink ran at the
+    slower of the two. Which one, its own time cannot say: a worker's slow
+    uplink the configuration does not know looked like a drop of the
+    server's downlink, and the next worker's transfer, fast, was planned
+    at the slow one's rate. The other workers' transfers into the same
+    server tell: the downlink gave at least the fastest of the last
+    DOWNLINK_WINDOW of them, so that is its rate; a transfer well below it
+    (by more than ORDER_GUARD) was held back by its uplink, which gets its
+    rate; one at it shows its uplink gives at least that."""
+
+    def __init__(self) -> None:
+        self._into: dict[str, deque[float]] = {}
+
+    def completed(self, net: Network, src: str, dst: str, *, believed: float,
+                  planned_seconds: float, seconds: float) -> Network:
+        if not (seconds > 0 and planned_seconds > 0 and believed > 0
+                and math.isfinite(seconds) and math.isfinite(believed)):
+            return net
+        rate = estimate(believed, planned_seconds, seconds)
+        seen = self._into.setdefault(dst, deque(maxlen=DOWNLINK_WINDOW))
+        seen.append(rate)
+        down = max(seen)
+        net = _corrected(net, ("down", dst), down)
+        if rate < (1 - ORDER_GUARD) * down:
+            return _corrected(net, ("up", src), rate)
+        if src in net.observed_up and net.observed_up[src] < rate:
+            return _corrected(net, ("up", src), rate)  # it gives at least this now
+        return net
