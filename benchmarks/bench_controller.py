@@ -11,11 +11,13 @@ server's downlink changes rate during each run. Needs root.
 
 `--uplinks` gives the workers mixed uplink rates (Mbit/s, cycled over the
 workers; the controller is configured with them, as it is with the
-server's downlink). Prints per run and the medians per policy: applied and
-dropped updates, delay mean/std/max, push-to-applied mean/std, and the
-ratios mlfabric/fifo; then every update not applied, by reason, summed
-over the runs ("stale" is the server refusing an update the controller
-let go: issue 34's goal is none).
+server's downlink, unless `--unannounced-uplinks`: then it is told only the
+server's downlink, and the workers' uplinks are what it must learn).
+Prints per run and the medians per policy: applied and dropped updates,
+delay mean/std/max, push-to-applied mean/std, and the ratios mlfabric/fifo;
+then every update not applied, by reason, summed over the runs ("stale" is
+the server refusing an update the controller let go: issue 34's goal is
+none).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ def main() -> int:
     ap.add_argument("--uplinks", default="",
                     help="workers' uplink rates in Mbit/s, comma-separated, cycled "
                          "(default: 1000 each)")
+    ap.add_argument("--unannounced-uplinks", action="store_true",
+                    help="configure the controller with the server's downlink only")
     args = ap.parse_args()
     try:
         uplinks = [float(x) for x in args.uplinks.split(",")] if args.uplinks else [1000.0]
@@ -73,7 +77,8 @@ def main() -> int:
                 summary, records = run_policy(
                     tb, policy, model_bytes=int(args.model_mib * (1 << 20)), steps=args.steps,
                     tau_max=args.tau_max, compute_ms=args.compute_ms, seed=r,
-                    max_in_flight=args.in_flight, link_mbit=rates, during=change_rate)
+                    max_in_flight=args.in_flight, during=change_rate,
+                    link_mbit={"h0": rates["h0"]} if args.unannounced_uplinks else rates)
                 runs[policy].append(summary)
                 why = collections.Counter(_reason(rec["reason"]) for rec in records
                                           if not rec["applied"])
