@@ -341,12 +341,19 @@ class ControlState:
         return mark is not None and mark == (self._starts[("up", t.host)],
                                              self._starts[("down", t.dst)])
 
+    @staticmethod
+    def _measures(t: Transfer) -> bool:
+        """Whether `t`'s time can measure its path: only a transfer sent
+        whole and direct (a chunk's report times the whole update, and an
+        aggregated one times the aggregate's forward), with a planned time."""
+        return (not t.chunk and t.route is None and t.path_rate is not None
+                and bool(t.planned_seconds) and t.started is not None)
+
     def _observed(self, t: Transfer, seconds: float) -> None:
-        """Correct the network picture by what `t` took. Only a transfer
-        sent whole and direct measures its path: a chunk's report times the
-        whole update, and an aggregated one times the aggregate's forward."""
-        if t.chunk or t.route is not None or t.path_rate is None or not t.planned_seconds:
+        """Correct the network picture by what `t` took (if it `_measures`)."""
+        if not self._measures(t):
             return
+        assert t.path_rate is not None and t.planned_seconds
         self.network = self._delivered.completed(
             self.network, t.host, t.dst, believed=t.path_rate,
             planned_seconds=t.planned_seconds, seconds=seconds)
@@ -363,9 +370,9 @@ class ControlState:
             del self._solo[tid]
         for tid in self._solo:
             t = self.active[tid]
-            if t.chunk or t.route is not None or t.path_rate is None or not t.planned_seconds \
-                    or t.started is None:
+            if not self._measures(t):
                 continue
+            assert t.started is not None and t.path_rate is not None and t.planned_seconds
             # (One expression for the test and the wake time: a wake-up at
             # exactly `due` must find the transfer overdue, not wake again.)
             due = t.started + t.planned_seconds + observed.order_guard(t.planned_seconds)

@@ -67,6 +67,11 @@ def estimate(believed: float, planned_seconds: float, seconds: float) -> float:
     return believed * planned_seconds / seconds
 
 
+def _rate(net: Network, link: tuple[str, str]) -> float:
+    kind, host = link
+    return net.up_rate(host) if kind == "up" else net.down_rate(host)
+
+
 def _capped(net: Network, link: tuple[str, str], rate: float | None) -> Network:
     kind, host = link
     table = dict(net.observed_up if kind == "up" else net.observed_down)
@@ -79,15 +84,14 @@ def _capped(net: Network, link: tuple[str, str], rate: float | None) -> Network:
 
 def overdue(net: Network, src: str, dst: str, *, believed: float, planned_seconds: float,
             elapsed: float) -> Network:
-    """`net` after a transfer src -> dst planned as in `completed` has run
+    """`net` after a transfer src -> dst planned as in `Delivered.completed` has run
     `elapsed` seconds, past its planned time: its bottleneck link delivers at
     most the estimate so far; a correction only ever goes down here."""
     if not (elapsed > planned_seconds > 0 and believed > 0):
         return net
     link = bottleneck(net, src, dst)
     rate = estimate(believed, planned_seconds, elapsed)
-    current = net.up_rate(src) if link[0] == "up" else net.down_rate(dst)
-    return net if rate >= current else _capped(net, link, rate)
+    return net if rate >= _rate(net, link) else _capped(net, link, rate)
 
 
 def order_guard(planned_seconds: float) -> float:
@@ -115,9 +119,7 @@ def release_at(critical: list[tuple[float, float]], *, now: float,
 def _corrected(net: Network, link: tuple[str, str], rate: float) -> Network:
     """`net` with `link` at `rate`, or at what the configuration and agents
     give once `rate` reaches it."""
-    kind, host = link
-    uncorrected = _capped(net, link, None)
-    given = uncorrected.up_rate(host) if kind == "up" else uncorrected.down_rate(host)
+    given = _rate(_capped(net, link, None), link)
     return _capped(net, link, None if rate >= given else rate)
 
 
