@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import math
 import os
@@ -177,12 +176,10 @@ def make_policy(name: str, overload: str = "stalest") -> Policy:
     if name == "fifo":
         return fifo_policy
     try:
-        from ..scheduling.policies import mlfabric_policy
+        from ..scheduling.policies import Mlfabric
     except ImportError as exc:  # pragma: no cover - the module ships with the package
         raise ConfigError(f"policy 'mlfabric' is unavailable: {exc}") from None
-    if overload == "stalest":
-        return mlfabric_policy
-    return functools.partial(mlfabric_policy, overload=overload)
+    return Mlfabric(overload=overload)
 
 
 def check_numbers(args: argparse.Namespace) -> None:

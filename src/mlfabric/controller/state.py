@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from ..scheduling import observed
+from ..scheduling.columns import PendingColumns
 from ..scheduling.plan import (
     ColumnPlan,
     Network,
@@ -26,6 +29,7 @@ from ..scheduling.plan import (
     Snapshot,
     Transfer,
 )
+from ..scheduling.policies import Mlfabric
 
 # The smallest chunk a chunked transfer is let go in: each grant costs a
 # round trip to the controller and a re-plan, so a peer's smaller chunk is
@@ -188,6 +192,13 @@ class ControlState:
         self.chunks = True  # let chunked requests go a chunk at a time (else whole)
         self.shard_hosts: dict[int, str] = {}  # shard -> its server's host, from the requests
         self.pending: dict[int, Transfer] = {}
+        # (owner, request id) -> the transfers asked for under it, pending or
+        # active: a report finds its transfer without a pass over thousands.
+        self._requests: dict[tuple[Hashable, int], list[int]] = {}
+        # The same pending transfers as columns, kept between events for the
+        # mlfabric policy (`Mlfabric.plan_columns`): changed only by `_pend`
+        # and `_unpend`, as `pending` is.
+        self._columns = PendingColumns() if isinstance(policy, Mlfabric) else None
         self.active: dict[int, Transfer] = {}
         # Which links the active transfers hold, for the closed loop: only a
         # transfer that had its uplink and downlink to itself from its go to
@@ -242,7 +253,8 @@ class ControlState:
         stats.requests += 1
         stats.host = host
         self.servers.setdefault(dst, ServerStats(dst)).transfers += 1
-        self.pending[t.id] = t
+        self._pend(t)
+        self._requests.setdefault((owner, req), []).append(t.id)
         # A worker computed on base_version, so the server has reached it.
         self.version = max(self.version, base_version)
         self.shard_versions[shard] = max(self.shard_versions.get(shard, 0), base_version)
@@ -267,39 +279,69 @@ class ControlState:
         A pending one reported done was withdrawn by its worker (it waited
         past its push_timeout): forgotten, never let go. A chunked transfer
         waiting for its next grant has ended all the same (its link failed)."""
-        for t in list(self.pending.values()):
-            if t.owner == owner and t.req == req:
-                del self.pending[t.id]
-                self._dirty.add(t.shard)
-                if not t.granted:
-                    return None
-                self.active[t.id] = t
-                break
-        for t in self.active.values():
-            if t.owner == owner and t.req == req:
-                del self.active[t.id]
-                self._dirty.add(t.shard)
-                alone = self._release(t)
-                if seconds is not None and self.learn_rates and alone:
-                    self._observed(t, seconds)
-                if via_failed is not None and t.route is not None and now is not None:
-                    self.aggregator_failed(t.route.host, now)
-                self.version = max(self.version, version)
-                self.shard_versions[t.shard] = max(self.shard_versions.get(t.shard, 0), version)
-                server = self.servers.setdefault(t.dst, ServerStats(t.dst))
-                server.version = max(server.version or 0, version)
-                server.applied += applied
-                server.refused += not applied
-                server.last_heard = now if now is not None else server.last_heard
-                stats = self.workers.get(owner)
-                if applied and delay is not None:
-                    self.delays.add(delay)
-                if stats is not None:
-                    stats.applied += applied
-                    stats.refused += not applied
-                    stats.last_delay = delay if applied else stats.last_delay
+        t = self._asked(owner, req, self.pending)
+        if t is not None:
+            self._unpend(t)
+            self._dirty.add(t.shard)
+            if not t.granted:
+                self._ended(t)
+                return None
+            self.active[t.id] = t
+        t = self._asked(owner, req, self.active)
+        if t is not None:
+            del self.active[t.id]
+            self._ended(t)
+            self._dirty.add(t.shard)
+            alone = self._release(t)
+            if seconds is not None and self.learn_rates and alone:
+                self._observed(t, seconds)
+            if via_failed is not None and t.route is not None and now is not None:
+                self.aggregator_failed(t.route.host, now)
+            self.version = max(self.version, version)
+            self.shard_versions[t.shard] = max(self.shard_versions.get(t.shard, 0), version)
+            server = self.servers.setdefault(t.dst, ServerStats(t.dst))
+            server.version = max(server.version or 0, version)
+            server.applied += applied
+            server.refused += not applied
+            server.last_heard = now if now is not None else server.last_heard
+            stats = self.workers.get(owner)
+            if applied and delay is not None:
+                self.delays.add(delay)
+            if stats is not None:
+                stats.applied += applied
+                stats.refused += not applied
+                stats.last_delay = delay if applied else stats.last_delay
+            return t
+        return None
+
+    def _asked(self, owner: Hashable, req: int, where: dict[int, Transfer]
+               ) -> Transfer | None:
+        """The transfer `owner` asked for as `req`, if it is in `where`
+        (of two under the same request id, the first asked)."""
+        for tid in self._requests.get((owner, req), ()):
+            t = where.get(tid)
+            if t is not None:
                 return t
         return None
+
+    def _ended(self, t: Transfer) -> None:
+        """`t` is neither pending nor active any more, for good."""
+        ids = self._requests.get((t.owner, t.req))
+        if ids is not None and t.id in ids:
+            ids.remove(t.id)
+            if not ids:
+                del self._requests[(t.owner, t.req)]
+
+    def _pend(self, t: Transfer) -> None:
+        """`t` waits for a decision (again, for a chunked one between grants)."""
+        self.pending[t.id] = t
+        if self._columns is not None:
+            self._columns.add(t)
+
+    def _unpend(self, t: Transfer) -> None:
+        del self.pending[t.id]
+        if self._columns is not None:
+            self._columns.remove(t.id)
 
     def _hold(self, t: Transfer) -> None:
         """`t` goes: it holds its uplink and downlink until `_release`."""
@@ -407,14 +449,14 @@ class ControlState:
         planned again with the pending transfers (a shorter one may pass it
         now). All of it (the worker could not wait for the grants): it is
         active until done. Returns the transfer if the plan changes."""
-        t = next((t for t in (*self.active.values(), *self.pending.values())
-                  if t.owner == owner and t.req == req), None)
+        t = self._asked(owner, req, self.active) or self._asked(owner, req, self.pending)
         if t is None or not t.chunk or t.granted >= t.nbytes:
             return None
         self._dirty.add(t.shard)
         if sent >= t.nbytes:
             rate = self.network.rate(t.host, t.dst)
-            if self.pending.pop(t.id, None) is not None:  # between two grants
+            if t.id in self.pending:  # between two grants
+                self._unpend(t)
                 t.started, t.piece = now, t.rest
                 t.planned_seconds = t.rest / rate
                 self.active[t.id] = t
@@ -428,7 +470,7 @@ class ControlState:
             return None  # a report of a chunk already planned again
         del self.active[t.id]
         self._release(t)
-        self.pending[t.id] = t
+        self._pend(t)
         return t
 
     def forget(self, owner: Hashable, now: float | None = None) -> list[Transfer]:
@@ -437,7 +479,9 @@ class ControlState:
         gone = [t for t in (*self.pending.values(), *self.active.values()) if t.owner == owner]
         for t in gone:
             self._dirty.add(t.shard)
-            self.pending.pop(t.id, None)
+            self._ended(t)
+            if t.id in self.pending:
+                self._unpend(t)
             if self.active.pop(t.id, None) is not None:
                 self._release(t)
         stats = self.workers.pop(owner, None)
@@ -525,9 +569,12 @@ class ControlState:
         return decided
 
     def _decide(self, now: float) -> Decisions:
-        shards = sorted({t.shard for t in self.pending.values()})
+        if self._columns is not None:
+            shards = np.unique(self._columns.shard[:len(self._columns)]).tolist()
+        else:
+            shards = sorted({t.shard for t in self.pending.values()})
         if shards == [0] and len(self.shard_versions) <= 1:
-            return self._commit(self.policy(self.snapshot(now)), now)
+            return self._commit(self._plan(now, None, lambda: self.snapshot(now)), now)
         first = self._first_shard % len(shards)
         self._first_shard += 1
         actions: list[Go | Drop] = []
@@ -540,15 +587,7 @@ class ControlState:
             due = {k for k in shards
                    if k in self._dirty or self._shard_wake.get(k, -math.inf) <= now}
         self._planned_with = (self.network, aggregators)
-        # The due shards' pending transfers, by id, in one pass (not one pass
-        # over every pending transfer per shard: at 16 shards and 16,000
-        # pending that filter alone was an eighth of the simulator's time).
-        by_shard: dict[int, list[Transfer]] = {k: [] for k in due}
-        for t in self.pending.values():
-            if t.shard in by_shard:
-                by_shard[t.shard].append(t)
-        for waiting in by_shard.values():
-            waiting.sort(key=lambda t: t.id)
+        by_shard: dict[int, list[Transfer]] | None = None
         active: tuple[Transfer, ...] | None = None
         for shard in shards[first:] + shards[:first]:
             if shard not in due:
@@ -556,11 +595,18 @@ class ControlState:
             if active is None:  # (again only once a shard's plan let something go)
                 active = _planned(sorted(self.active.values(), key=lambda t: t.id),
                                   active=True)
-            snap = Snapshot(
-                now=now, version=self.shard_versions.get(shard, 0), tau_max=self.tau_max,
-                pending=_planned(by_shard[shard]), active=active, network=self.network,
-                aggregators=aggregators, in_flight=sum(t.shard == shard for t in active))
-            decided = self._commit(self.policy(snap), now)
+
+            def snapshot(shard: int = shard, active: tuple[Transfer, ...] = active
+                         ) -> Snapshot:
+                nonlocal by_shard
+                if by_shard is None:
+                    by_shard = self._pending_by_shard(due)
+                return Snapshot(
+                    now=now, version=self.shard_versions.get(shard, 0), tau_max=self.tau_max,
+                    pending=_planned(by_shard[shard]), active=active, network=self.network,
+                    aggregators=aggregators, in_flight=sum(t.shard == shard for t in active))
+
+            decided = self._commit(self._plan(now, shard, snapshot), now)
             actions.extend(decided.actions)
             if any(isinstance(a, Go) for a in decided.actions):
                 active = None
@@ -569,6 +615,38 @@ class ControlState:
         for shard in shards:
             wake_at = min(wake_at, self._shard_wake.get(shard, math.inf))
         return Decisions(tuple(actions), None if wake_at == math.inf else wake_at)
+
+    def _pending_by_shard(self, shards: Iterable[int]) -> dict[int, list[Transfer]]:
+        """`shards`' pending transfers, by id, in one pass (not one pass over
+        every pending transfer per shard: at 16 shards and 16,000 pending
+        that filter alone was an eighth of the simulator's time)."""
+        by_shard: dict[int, list[Transfer]] = {k: [] for k in shards}
+        for t in self.pending.values():
+            if t.shard in by_shard:
+                by_shard[t.shard].append(t)
+        for waiting in by_shard.values():
+            waiting.sort(key=lambda t: t.id)
+        return by_shard
+
+    def _plan(self, now: float, shard: int | None, snapshot: Callable[[], Snapshot]
+              ) -> Sequence[PlanItem]:
+        """The policy's plan of `shard`'s pending transfers (None: a job of
+        one server, all of them): from the columns when the policy plans
+        from them (`Mlfabric.plan_columns`), else from the `snapshot()`."""
+        if self._columns is not None:
+            assert isinstance(self.policy, Mlfabric)
+            active = _planned(sorted(self.active.values(), key=lambda t: t.id), active=True)
+            if shard is None:
+                version, in_flight = self.version, len(active)
+            else:
+                version = self.shard_versions.get(shard, 0)
+                in_flight = sum(t.shard == shard for t in active)
+            plan = self.policy.plan_columns(
+                self._columns, self._columns.rows(shard), now=now, version=version,
+                in_flight=in_flight, tau_max=self.tau_max, active=active, network=self.network)
+            if plan is not None:
+                return plan
+        return self.policy(snapshot())
 
     def _commit(self, plan: Sequence[PlanItem], now: float) -> Decisions:
         """Carry out the part of `plan` due at `now` (see decide)."""
@@ -592,7 +670,8 @@ class ControlState:
                     planned_seconds=t.rest / self.network.rate(t.host, t.dst))
                 actions.append(self._let_go(t, forced, now, whole=True))
             elif item.drop is not None:
-                del self.pending[t.id]
+                self._unpend(t)
+                self._ended(t)
                 actions.append(Drop(t, item.drop, item.detail))
                 if stats is not None:
                     stats.dropped += 1
@@ -623,7 +702,7 @@ class ControlState:
     def _let_go(self, t: Transfer, item: PlanItem, now: float, whole: bool = False) -> Go:
         """Move pending `t` to active as planned by `item`: all of it, or for
         a chunked transfer its next chunk (the rest of it if `whole`)."""
-        del self.pending[t.id]
+        self._unpend(t)
         first = not t.granted
         planned = item.planned_seconds or 0.0
         upto = None

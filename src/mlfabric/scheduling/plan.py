@@ -14,6 +14,8 @@ from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, overload
 
+import numpy as np
+
 POLICIES = ("mlfabric", "fifo")
 
 # Why a transfer was dropped: the fixed set of reasons (metrics label values).
@@ -210,17 +212,20 @@ class ColumnPlan(Sequence[PlanItem]):
     Read as a sequence (aggregation, the replication gate), it holds the
     sends in position order, then the drops, as a list would."""
 
-    def __init__(self, ids: Sequence[int], start: Sequence[float], end: Sequence[float],
-                 position: Sequence[int], drops: Sequence[PlanItem]) -> None:
+    def __init__(self, ids: Sequence[int] | np.ndarray, start: Sequence[float] | np.ndarray,
+                 end: Sequence[float] | np.ndarray, position: Sequence[int] | np.ndarray,
+                 drops: Sequence[PlanItem]) -> None:
         """Send k: transfer ids[k] from start[k] to end[k] at `position[k]`."""
-        self._ids, self._start, self._end = ids, start, end
-        self._position = position
+        self._ids = np.asarray(ids, np.int64)
+        self._start = np.asarray(start, np.float64)
+        self._end = np.asarray(end, np.float64)
+        self._position = np.asarray(position, np.int64)
         self._drops = drops
 
     def _send(self, k: int) -> PlanItem:
-        start = self._start[k]
-        return PlanItem(self._ids[k], start=start, position=self._position[k],
-                        planned_seconds=self._end[k] - start)
+        start = float(self._start[k])
+        return PlanItem(int(self._ids[k]), start=start, position=int(self._position[k]),
+                        planned_seconds=float(self._end[k]) - start)
 
     def __len__(self) -> int:
         return len(self._ids) + len(self._drops)
@@ -250,10 +255,10 @@ class ColumnPlan(Sequence[PlanItem]):
         """The items that take effect at `now` (the sends starting by then, in
         position order, then the drops) and the earliest later start."""
         start = self._start
-        items = [self._send(k) for k in range(len(start)) if start[k] <= now]
-        later = min((s for s in start if s > now), default=None)
+        items = [self._send(k) for k in np.flatnonzero(start <= now).tolist()]
+        waiting = start[start > now]
         items.extend(self._drops)
-        return items, later
+        return items, float(waiting.min()) if len(waiting) else None
 
 
 Policy = Callable[[Snapshot], Sequence[PlanItem]]

@@ -11,13 +11,15 @@ its completion report (which triggers a re-plan) instead of overlapping it.
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
 
 from . import schedule
-from .plan import ColumnPlan, PlanItem, Snapshot
+from .columns import PendingColumns
+from .plan import ColumnPlan, Network, PlanItem, Snapshot, Transfer
 
 # An overdue transfer is assumed to need this fraction of its planned time more.
 _OVERDUE_EXTENSION = 0.25
@@ -25,7 +27,10 @@ _MIN_SECONDS = 1e-6
 
 
 def _network(snap: Snapshot) -> schedule.Capacities:
-    net = snap.network
+    return _capacities(snap.network)
+
+
+def _capacities(net: Network) -> schedule.Capacities:
     # The controller's hosts are strings; the core takes any hashable
     # (Mapping is invariant in its key type, hence the casts).
     return schedule.Capacities(up=cast(Mapping[schedule.Host, float], net.up_rates),
@@ -40,29 +45,9 @@ _EARLIEST_DEADLINE_FIRST = operator.attrgetter("base_version", "arrival", "id")
 
 def mlfabric_policy(snap: Snapshot, *, idle_factor: float | None = 1.0,
                     overload: str = "stalest") -> ColumnPlan:
-    """Shortest-transfer-first with deadlines and drops (docs/scheduling.md)."""
-    running = []
-    forwards: dict[int, schedule.RunningTransfer] = {}
-    for t in snap.active:
-        planned = max(t.planned_seconds or _MIN_SECONDS, _MIN_SECONDS)
-        started = t.started if t.started is not None else snap.now
-        end = max(started + planned, snap.now + _OVERDUE_EXTENSION * planned)
-        # Running ids only need to differ from each other (pending ids are rows).
-        if t.route is None:
-            running.append(schedule.RunningTransfer(-t.id, t.host, t.dst,
-                                                    rate=t.nbytes / planned, end=end))
-            continue
-        # Through an aggregator: the member's leg to it, and once per group
-        # the aggregate's forward into the server (its downlink is what the
-        # group's plan reserved).
-        running.append(schedule.RunningTransfer(-t.id, t.host, t.route.host,
-                                                rate=t.nbytes / planned, end=end))
-        fwd_id = -(1 << 40) - t.route.group
-        if fwd_id not in forwards:
-            forwards[fwd_id] = schedule.RunningTransfer(
-                fwd_id, t.route.host, t.dst, rate=snap.network.rate(t.route.host, t.dst),
-                end=end)
-    running.extend(forwards.values())
+    """Shortest-transfer-first with deadlines and drops (docs/scheduling.md),
+    planned from the snapshot alone."""
+    running = _running(snap.active, snap.now, snap.network)
     # The core breaks ties between equal transfers by row. Hand it rows ranked
     # earliest deadline first (oldest base version, then earliest arrival):
     # among equal transfers the stalest goes first, which spreads delays
@@ -76,21 +61,134 @@ def mlfabric_policy(snap: Snapshot, *, idle_factor: float | None = 1.0,
     result = schedule.plan_rows(
         snap.now, rows, running, _network(snap),
         schedule.ServerState(snap.version, in_flight=snap.server_in_flight),
-        schedule.PlanConfig(policy="mlfabric", tau_max=snap.tau_max, idle_factor=idle_factor,
-                            overload=overload),
+        _config(snap.tau_max, idle_factor, overload),
     )
+    ids = np.fromiter((t.id for t in ranked), np.int64, n)
+    base_version = rows.base_version
+    return _column_plan(result, ids, base_version)
+
+
+def _config(tau_max: int | None, idle_factor: float | None, overload: str) -> schedule.PlanConfig:
+    return schedule.PlanConfig(policy="mlfabric", tau_max=tau_max, idle_factor=idle_factor,
+                               overload=overload)
+
+
+def _running(active: Sequence[Transfer], now: float, network: Network
+             ) -> list[schedule.RunningTransfer]:
+    """What the transfers let go hold: each its path until its planned end
+    (or, past it, a little longer), and through an aggregator the
+    aggregate's forward into the server."""
+    running = []
+    forwards: dict[int, schedule.RunningTransfer] = {}
+    for t in active:
+        planned = max(t.planned_seconds or _MIN_SECONDS, _MIN_SECONDS)
+        started = t.started if t.started is not None else now
+        end = max(started + planned, now + _OVERDUE_EXTENSION * planned)
+        # Running ids only need to differ from each other (pending ids are rows).
+        if t.route is None:
+            running.append(schedule.RunningTransfer(-t.id, t.host, t.dst,
+                                                    rate=t.nbytes / planned, end=end))
+            continue
+        # Through an aggregator: the member's leg to it, and once per group
+        # the aggregate's forward into the server (its downlink is what the
+        # group's plan reserved).
+        running.append(schedule.RunningTransfer(-t.id, t.host, t.route.host,
+                                                rate=t.nbytes / planned, end=end))
+        fwd_id = -(1 << 40) - t.route.group
+        if fwd_id not in forwards:
+            forwards[fwd_id] = schedule.RunningTransfer(
+                fwd_id, t.route.host, t.dst, rate=network.rate(t.route.host, t.dst),
+                end=end)
+    running.extend(forwards.values())
+    return running
+
+
+def _column_plan(result: schedule.RowPlan, ids: np.ndarray, base_version: np.ndarray
+                 ) -> ColumnPlan:
+    """The policy's plan from the core's: row k is transfer ids[k]."""
     drops = []
     for k, reason, position, idle, displaced in zip(result.drop_row, result.reason,
                                                      result.drop_position, result.idle,
                                                      result.displaced, strict=True):
         detail = f"at position {position}"
         if reason == schedule.STALEST_IN_OVERLOAD:
-            detail = (f"base version {ranked[k].base_version}: the queue cannot meet "
+            detail = (f"base version {int(base_version[k])}: the queue cannot meet "
                       f"every deadline, so its stalest updates go")
         elif reason == schedule.WOULD_IDLE_SERVER:
             detail += (f": would idle the server {idle:.3f} s to place transfers of "
                        f"{displaced:.3f} s")
-        drops.append(PlanItem(ranked[k].id, drop=reason, detail=detail))
+        drops.append(PlanItem(int(ids[k]), drop=reason, detail=detail))
     # Most sends start later: their items are built only if someone reads them.
-    return ColumnPlan([ranked[k].id for k in result.send_row], result.start, result.end,
+    return ColumnPlan(ids[np.asarray(result.send_row, np.intp)], result.start, result.end,
                       result.position, drops)
+
+
+@dataclass(frozen=True)
+class Mlfabric:
+    """The mlfabric policy with its settings, as the controller runs it.
+
+    Called on a snapshot it plans from scratch (`mlfabric_policy`).
+    `plan_columns` gives the same plan from the pending transfers kept as
+    columns between events (`columns.PendingColumns`), which the
+    controller's state uses: at 10,000 pending, building the columns from
+    scratch was most of a re-plan."""
+
+    idle_factor: float | None = 1.0
+    overload: str = "stalest"
+
+    def __call__(self, snap: Snapshot) -> ColumnPlan:
+        return mlfabric_policy(snap, idle_factor=self.idle_factor, overload=self.overload)
+
+    def plan_columns(self, pending: PendingColumns, rows: np.ndarray, *, now: float,
+                     version: int, in_flight: int, tau_max: int | None,
+                     active: Sequence[Transfer], network: Network) -> ColumnPlan | None:
+        """The plan of `pending`'s `rows` (one shard's) as `mlfabric_policy`
+        makes it from a snapshot of the same transfers; None if the network
+        has a rate the core refuses (planning from a snapshot raises the
+        error that says which) or the core is not built."""
+        if not schedule.has_kernel():
+            return None
+        running = _running(active, now, network)
+        hosts = pending.hosts
+        for r in running:  # every link that carries something gets a number
+            hosts.index(str(r.source))
+            hosts.index(str(r.destination))
+        up_rate, down_rate = hosts.rates(network)
+        n_hosts = len(hosts)
+        # Ranked earliest deadline first, as mlfabric_policy ranks them.
+        ranked = rows[np.lexsort((pending.ids[rows], pending.arrival[rows],
+                                  pending.base_version[rows]))]
+        src, dst = pending.src[ranked], pending.dst[ranked]
+        capacity = [up_rate, down_rate]
+        pair = np.full(len(ranked), -1, np.intp)
+        cap = np.minimum(up_rate[src], down_rate[dst])
+        if network.pair:
+            codes, rates = hosts.pairs(network.pair)
+            wanted = hosts.pair_code(src, dst)
+            at = np.minimum(np.searchsorted(codes, wanted), max(len(codes) - 1, 0))
+            measured = codes[at] == wanted if len(codes) else np.zeros(len(wanted), bool)
+            pair[measured] = 2 * n_hosts + at[measured]
+            cap[measured] = np.minimum(cap[measured], rates[at[measured]])
+            capacity.append(rates)
+        link_capacity = np.concatenate(capacity)
+        used = np.concatenate([src, n_hosts + dst, pair[pair >= 0]])
+        if not bool(np.all(np.isfinite(link_capacity[used]) & (link_capacity[used] > 0))):
+            return None
+        reserved = {}
+        for (kind, key), segments in schedule.reserved_links(now, running,
+                                                            _capacities(network)).items():
+            if kind == "up":
+                reserved[hosts.index(str(key))] = segments
+            elif kind == "down":
+                reserved[n_hosts + hosts.index(str(key))] = segments
+            else:
+                a, b = cast(tuple[str, str], key)
+                code = hosts.index(a) * n_hosts + hosts.index(b)
+                reserved[2 * n_hosts + int(np.searchsorted(codes, code))] = segments
+        indexed = schedule.IndexedRows(pending.size[ranked], pending.base_version[ranked],
+                                       src, n_hosts + dst, pair, cap)
+        result = schedule.plan_indexed(
+            indexed, schedule.LinkSegments.of(now, link_capacity, reserved),
+            ready=schedule.ready_at(now, running), v_init=version + in_flight,
+            config=_config(tau_max, self.idle_factor, self.overload))
+        return _column_plan(result, pending.ids[ranked], indexed.base_version)

@@ -827,11 +827,12 @@ class RowPlan:
     position) and the drops in the order they were decided (row, reason,
     position, idle, displaced), as in `SendAt` and `DropAt`."""
 
-    send_row: list[int]
-    start: list[float]
-    rate: list[float]
-    end: list[float]
-    position: list[int]
+    # The sends are lists, or arrays from the compiled core.
+    send_row: Sequence[int] | np.ndarray
+    start: Sequence[float] | np.ndarray
+    rate: Sequence[float] | np.ndarray
+    end: Sequence[float] | np.ndarray
+    position: Sequence[int] | np.ndarray
     drop_row: list[int]
     reason: list[str]
     drop_position: list[int]
@@ -850,7 +851,8 @@ class RowPlan:
     def directives(self, ids: Sequence[int]) -> tuple[list[SendAt], list[DropAt]]:
         """`SendAt`s and `DropAt`s, row k standing for update ids[k]."""
         sends = [SendAt(ids[k], s, r, p, e) for k, s, r, e, p in
-                 zip(self.send_row, self.start, self.rate, self.end, self.position, strict=True)]
+                 zip(*(np.asarray(c).tolist() for c in (self.send_row, self.start, self.rate,
+                                                         self.end, self.position)), strict=True)]
         drops = [DropAt(ids[k], why, p, i, d) for k, why, p, i, d in
                  zip(self.drop_row, self.reason, self.drop_position, self.idle, self.displaced,
                      strict=True)]
@@ -961,11 +963,16 @@ def _plan_rows(
     pure-Python reference (`kernel` None), then the overload rule."""
     make_pass = _reference_pass if kernel is None else functools.partial(_kernel_pass, kernel)
     one_pass = make_pass(now, rows, running, network, v_init, config)
-    everything = np.arange(len(rows))
+    return _with_overload_rule(one_pass, np.asarray(rows.base_version), len(rows), config)
+
+
+def _with_overload_rule(one_pass: _Pass, base_version: np.ndarray, n: int,
+                        config: PlanConfig) -> RowPlan:
+    everything = np.arange(n)
     first = one_pass(everything)
     if config.overload != "stalest":
         return first
-    return _stalest_rows(first, np.asarray(rows.base_version), everything, one_pass)
+    return _stalest_rows(first, base_version, everything, one_pass)
 
 
 def _reference_pass(now: float, rows: Rows, running: Sequence[RunningTransfer],
@@ -991,35 +998,141 @@ def _kernel_pass(kernel: Callable[..., tuple[int, int]], now: float, rows: Rows,
                  config: PlanConfig) -> _Pass:
     """`_plan_stf` in mlfabric.scheduling._stf.schedule_stf: the same decisions."""
     links = _KernelLinks(network, now, running, rows)
-    segments = links.segments()
     link_capacity = np.array(links.capacity, np.float64)
     cap = np.minimum(link_capacity[links.up], link_capacity[links.down])
     has_pair = links.pair >= 0
     cap[has_pair] = np.minimum(cap[has_pair], link_capacity[links.pair[has_pair]])
+    indexed = IndexedRows(np.asarray(rows.size, np.float64), np.asarray(rows.base_version),
+                          links.up, links.down, links.pair, cap)
+    return _indexed_pass(kernel, indexed, LinkSegments(*links.segments()),
+                         _ready(now, running), v_init, config)
+
+
+# --- the same plan on rows whose links are numbered already ----------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class IndexedRows:
+    """Rows whose links are numbered already (`plan_indexed`): row k sends
+    size[k] bytes over links up[k] and down[k], and pair[k] (-1: none), the
+    least of their capacities being cap[k]. A caller that keeps its rows and
+    its numbering of the links between plans (the controller's
+    `policies.ColumnPlanner`) hands them over as they are."""
+
+    size: np.ndarray  # float64
+    base_version: np.ndarray  # int64
+    up: np.ndarray  # intp
+    down: np.ndarray  # intp
+    pair: np.ndarray  # intp
+    cap: np.ndarray  # float64
+
+    def __len__(self) -> int:
+        return len(self.size)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkSegments:
+    """Every link's step function at the start of a plan: link L has
+    segments seg_lo[L]:seg_lo[L+1] of (seg_t, seg_r, seg_f), the times, the
+    residual capacity and the free-from capacity (see `_Link`)."""
+
+    seg_lo: np.ndarray
+    seg_t: np.ndarray
+    seg_r: np.ndarray
+    seg_f: np.ndarray
+
+    @classmethod
+    def of(cls, now: float, capacity: np.ndarray,
+           reserved: Mapping[int, tuple[Sequence[float], Sequence[float], Sequence[float]]]
+           ) -> LinkSegments:
+        """Links 0..len(capacity)-1, flat at their capacity from `now` on,
+        but for those in `reserved`: link index -> (times, residual, free)."""
+        counts = np.ones(len(capacity), np.intp)
+        for index, (times, _, _) in reserved.items():
+            counts[index] = len(times)
+        seg_lo = np.zeros(len(capacity) + 1, np.intp)
+        np.cumsum(counts, out=seg_lo[1:])
+        capacity = np.asarray(capacity, np.float64)
+        if not reserved:
+            return cls(seg_lo, np.full(len(capacity), now), capacity.copy(), capacity.copy())
+        seg_t = np.repeat(np.full(len(capacity), now), counts)
+        seg_r, seg_f = np.repeat(capacity, counts), np.repeat(capacity, counts)
+        for index, (times, residual, free) in reserved.items():
+            lo, hi = seg_lo[index], seg_lo[index + 1]
+            seg_t[lo:hi], seg_r[lo:hi], seg_f[lo:hi] = times, residual, free
+        return cls(seg_lo, seg_t, seg_r, seg_f)
+
+
+def reserved_links(now: float, running: Sequence[RunningTransfer], network: Capacities
+                   ) -> dict[tuple[str, Hashable], tuple[list[float], list[float], list[float]]]:
+    """The links the running transfers hold, as the plans start from them:
+    ("up", host), ("down", host) or ("pair", (source, destination)) ->
+    (times, residual, free). Every other link is flat at its capacity."""
+    table = _LinkTable(network, now)
+    table.load_running(running)
+    out: dict[tuple[str, Hashable], tuple[list[float], list[float], list[float]]] = {}
+    for kind, links in (("up", table.up), ("down", table.down), ("pair", table.pair)):
+        for key, link in links.items():
+            if len(link.times) > 1:
+                out[(kind, key)] = (link.times, link.residual, link.free)
+    return out
+
+
+def has_kernel() -> bool:
+    """True when the compiled core is built (`plan_indexed` needs it)."""
+    return _stf_kernel is not None
+
+
+def ready_at(now: float, running: Sequence[RunningTransfer]) -> float:
+    """When the server has applied what is running: before any pending update."""
+    return _ready(now, running)
+
+
+def plan_indexed(rows: IndexedRows, links: LinkSegments, *, ready: float, v_init: int,
+                 config: PlanConfig) -> RowPlan:
+    """`plan_rows` on rows and links numbered by the caller: the same
+    kernel and overload rule, without building link tables per plan.
+    `ready` is `ready_at(now, running)`, `v_init` the server's version plus
+    the updates in flight to it. Needs the compiled core."""
+    if config.policy != "mlfabric":
+        raise ConfigError(f"plan_indexed plans the mlfabric policy, got policy {config.policy!r}")
+    if _stf_kernel is None:  # pragma: no cover - an installed package always has it
+        raise ConfigError("plan_indexed needs the compiled scheduling core "
+                          "(mlfabric.scheduling._stf); reinstall mlfabric to build it")
+    if not len(rows):
+        return RowPlan([], [], [], [], [], [], [], [], [], [])
+    one_pass = _indexed_pass(_stf_kernel, rows, links, ready, v_init, config)
+    return _with_overload_rule(one_pass, np.asarray(rows.base_version), len(rows), config)
+
+
+def _indexed_pass(kernel: Callable[..., tuple[int, int]], rows: IndexedRows,
+                  links: LinkSegments, ready: float, v_init: int, config: PlanConfig) -> _Pass:
+    segments = (links.seg_lo, links.seg_t, links.seg_r, links.seg_f)
     tau = config.tau_max
     dl = np.asarray(rows.base_version, np.intp) + ((tau if tau is not None else 0) - v_init)
-    size = np.asarray(rows.size, np.float64)
-    ready = _ready(now, running)
+    size = rows.size
     idle_factor = -1.0 if config.idle_factor is None else float(config.idle_factor)
+    whole = len(size)
 
     def one_pass(sub: np.ndarray) -> RowPlan:
         n = len(sub)
         start, rate, end, idle, displaced = (np.empty(n, np.float64) for _ in range(5))
         position, send_order, drop_order = (np.empty(n, np.intp) for _ in range(3))
         reason = np.empty(n, np.int8)
+        every = n == whole  # every row, in order: no copies
+        columns = tuple(np.ascontiguousarray(c if every else c[sub]) for c in
+                        (size, rows.up, rows.down, rows.pair, rows.cap, dl))
         n_sends, n_drops = kernel(
-            ready, np.ascontiguousarray(size[sub]), np.ascontiguousarray(links.up[sub]),
-            np.ascontiguousarray(links.down[sub]), np.ascontiguousarray(links.pair[sub]),
-            np.ascontiguousarray(cap[sub]), np.ascontiguousarray(dl[sub]), tau is not None,
-            idle_factor, *segments,
+            ready, *columns, tau is not None, idle_factor, *segments,
             start, rate, end, position, send_order, drop_order, reason, idle, displaced,
         )
         sent, dropped = send_order[:n_sends], drop_order[:n_drops]
+        # The sends stay arrays (thousands of them, and a plan reads only
+        # those due now); the drops are few.
         return RowPlan(
-            sub[sent].tolist(), start[sent].tolist(), rate[sent].tolist(), end[sent].tolist(),
-            position[sent].tolist(), sub[dropped].tolist(),
-            [_KERNEL_REASONS[r] for r in reason[dropped].tolist()], position[dropped].tolist(),
-            idle[dropped].tolist(), displaced[dropped].tolist())
+            sub[sent], start[sent], rate[sent], end[sent], position[sent],
+            sub[dropped].tolist(), [_KERNEL_REASONS[r] for r in reason[dropped].tolist()],
+            position[dropped].tolist(), idle[dropped].tolist(), displaced[dropped].tolist())
 
     return one_pass
 

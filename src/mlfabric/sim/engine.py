@@ -34,7 +34,7 @@ import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
@@ -280,15 +280,9 @@ def make_policy(name: str, idle_factor: float | None = 1.0) -> control.Policy:
     if name == "fifo":
         return control.fifo_policy
     if name == "mlfabric":
-        from ..scheduling.policies import mlfabric_policy
+        from ..scheduling.policies import Mlfabric
 
-        if idle_factor == 1.0:
-            return mlfabric_policy  # the real controller's default, the same object
-
-        def policy(snap: control.Snapshot) -> Sequence[control.PlanItem]:
-            return mlfabric_policy(snap, idle_factor=idle_factor)
-
-        return policy
+        return Mlfabric(idle_factor=idle_factor)  # as the real controller builds it
     raise ConfigError(f"policy must be one of {POLICIES}, got {name!r}")
 
 

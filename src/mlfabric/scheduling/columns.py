@@ -1,0 +1,166 @@
+"""The controller's pending transfers as columns kept between events, and
+the links they cross numbered once.
+
+A re-plan from scratch turned thousands of pending transfers into columns
+on every event: a sort of the records, a pass per column, and a dictionary
+lookup per host for its link and its rate. At 10,000 pending that was
+three quarters of a re-plan (11 of 15 ms, benchmarks/RESULTS.md). Here an
+arrival adds one row and a transfer let go or dropped removes one, so a
+re-plan starts from arrays it does not build. Link rates are kept per host
+and rebuilt only for the part of the network picture that changed (each
+of `Network`'s tables is replaced, never edited, when a measurement
+changes it). No I/O: `policies.ColumnPlanner` plans from these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from .plan import MIN_LEFT, Network, Transfer
+
+_FIRST_ROOM = 64
+
+
+class PendingColumns:
+    """One row per pending transfer: id, bytes to send, base version,
+    arrival, shard and the indices of its source and destination hosts.
+    Rows are unordered (a removal moves the last row into the hole); a plan
+    ranks them itself."""
+
+    def __init__(self) -> None:
+        self._row: dict[int, int] = {}  # transfer id -> row
+        self.n = 0
+        self.ids = np.empty(_FIRST_ROOM, np.int64)
+        self.size = np.empty(_FIRST_ROOM, np.float64)
+        self.base_version = np.empty(_FIRST_ROOM, np.int64)
+        self.arrival = np.empty(_FIRST_ROOM, np.float64)
+        self.shard = np.empty(_FIRST_ROOM, np.int64)
+        self.src = np.empty(_FIRST_ROOM, np.intp)
+        self.dst = np.empty(_FIRST_ROOM, np.intp)
+        self.hosts = HostTable()
+
+    _COLUMNS = ("ids", "size", "base_version", "arrival", "shard", "src", "dst")
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __contains__(self, transfer_id: object) -> bool:
+        return transfer_id in self._row
+
+    def add(self, t: Transfer) -> None:
+        """`t` waits for a decision, with `t.rest` bytes still to send."""
+        if t.id in self._row:
+            raise ValueError(f"transfer {t.id} is pending already")
+        if self.n == len(self.ids):
+            for name in self._COLUMNS:
+                column = getattr(self, name)
+                grown = np.empty(2 * len(column), column.dtype)
+                grown[:self.n] = column[:self.n]
+                setattr(self, name, grown)
+        k = self.n
+        self.ids[k], self.size[k], self.base_version[k] = t.id, t.rest, t.base_version
+        self.arrival[k], self.shard[k] = t.arrival, t.shard
+        self.src[k], self.dst[k] = self.hosts.index(t.host), self.hosts.index(t.dst)
+        self._row[t.id] = k
+        self.n += 1
+
+    def remove(self, transfer_id: int) -> None:
+        """The transfer is no longer pending (let go, dropped or withdrawn)."""
+        k = self._row.pop(transfer_id)
+        last = self.n - 1
+        if k != last:
+            for name in self._COLUMNS:
+                column = getattr(self, name)
+                column[k] = column[last]
+            self._row[int(self.ids[k])] = k
+        self.n = last
+
+    def rows(self, shard: int | None = None) -> np.ndarray:
+        """The rows of `shard` (None: all), in row order."""
+        if shard is None:
+            return np.arange(self.n)
+        return np.flatnonzero(self.shard[:self.n] == shard)
+
+
+class HostTable:
+    """Hosts numbered in the order first seen, and each host's uplink and
+    downlink rate under a `Network` (as `Network.up_rate` and `down_rate`
+    compute them, for every host at once)."""
+
+    def __init__(self) -> None:
+        self._index: dict[str, int] = {}
+        self.names: list[str] = []
+        # Network table name -> (the table, hosts covered, values per host).
+        self._tables: dict[str, tuple[Mapping[str, float], int, np.ndarray]] = {}
+        self._pairs: tuple[Mapping[tuple[str, str], float], int,
+                           np.ndarray, np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def index(self, host: str) -> int:
+        k = self._index.get(host)
+        if k is None:
+            k = self._index[host] = len(self.names)
+            self.names.append(host)
+        return k
+
+    def lookup(self, host: str) -> int | None:
+        return self._index.get(host)
+
+    def _table(self, name: str, table: Mapping[str, float], fill: float) -> np.ndarray:
+        """`table`'s value for every host (`fill` where it has none). Built
+        again only when the table is another object; new hosts are looked up
+        alone."""
+        hosts = len(self.names)
+        cached = self._tables.get(name)
+        if cached is not None and cached[0] is table and cached[1] == hosts:
+            return cached[2]
+        if cached is not None and cached[0] is table:
+            values = np.empty(hosts, np.float64)
+            values[:cached[1]] = cached[2]
+            values[cached[1]:] = [table.get(h, fill) for h in self.names[cached[1]:]]
+        else:
+            values = np.full(hosts, fill, np.float64)
+            for host, value in table.items():
+                k = self._index.get(host)
+                if k is not None:
+                    values[k] = value
+        self._tables[name] = (table, hosts, values)
+        return values
+
+    def rates(self, net: Network) -> tuple[np.ndarray, np.ndarray]:
+        """(uplink rates, downlink rates) per host index, bytes/s."""
+        out = []
+        for side in ("up", "down"):
+            capacity = self._table(side, getattr(net, side), net.default)
+            load = self._table(f"load_{side}", getattr(net, f"load_{side}"), 0.0)
+            observed = self._table(f"observed_{side}", getattr(net, f"observed_{side}"),
+                                   np.inf)
+            left = np.maximum(capacity - load, MIN_LEFT * capacity)
+            out.append(np.minimum(left, observed))
+        return out[0], out[1]
+
+    def pairs(self, pair: Mapping[tuple[str, str], float]) -> tuple[np.ndarray, np.ndarray]:
+        """The measured pairs between known hosts: (codes, rates), sorted by
+        code, a pair's code being source index * hosts + destination index
+        (`pair_code`)."""
+        hosts = len(self.names)
+        if self._pairs is not None and self._pairs[0] is pair and self._pairs[1] == hosts:
+            return self._pairs[2], self._pairs[3]
+        codes, rates = [], []
+        for (a, b), rate in pair.items():
+            ka, kb = self._index.get(a), self._index.get(b)
+            if ka is not None and kb is not None:
+                codes.append(ka * hosts + kb)
+                rates.append(rate)
+        code = np.array(codes, np.int64)
+        order = np.argsort(code, kind="stable")
+        out = code[order], np.array(rates, np.float64)[order]
+        self._pairs = (pair, hosts, *out)
+        return out
+
+    def pair_code(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        return src.astype(np.int64) * len(self.names) + dst

@@ -1,0 +1,189 @@
+"""The controller's plan from columns kept between events equals the plan
+built from scratch, event after event (issue 34's incremental planning)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from mlfabric.controller.state import ControlState, Drop, Go
+from mlfabric.scheduling import schedule
+from mlfabric.scheduling.columns import PendingColumns
+from mlfabric.scheduling.plan import Network, Transfer, with_estimates, with_host_load
+from mlfabric.scheduling.policies import Mlfabric, mlfabric_policy
+
+MB = 1e6
+
+pytestmark = pytest.mark.skipif(not schedule.has_kernel(),
+                                reason="the column planner needs the compiled core")
+
+
+def _action(a: Go | Drop) -> tuple:
+    if isinstance(a, Go):
+        return ("go", a.transfer.id, a.position, a.planned_seconds, a.upto, a.first)
+    return ("drop", a.transfer.id, a.reason, a.detail)
+
+
+def _full_plan(state: ControlState, now: float) -> list:
+    """Every item of the plan (not only those due now) of a one-server job."""
+    return list(state.policy(state.snapshot(now)))
+
+
+class _Twins:
+    """Two controllers fed the same events: one plans from scratch
+    (`mlfabric_policy`), one from its columns (`Mlfabric`)."""
+
+    def __init__(self, rng: random.Random, *, shards: int, guard: bool, learn: bool,
+                 tau_max: int | None, idle_factor: float | None, overload: str) -> None:
+        def scratch(snap):
+            return mlfabric_policy(snap, idle_factor=idle_factor, overload=overload)
+
+        net = Network(default=100 * MB, up={"h3": 20 * MB},
+                      down={f"s{k}": (40 + 20 * k) * MB for k in range(shards)})
+        self.both = [ControlState(policy, tau_max=tau_max, network=net, guard_order=guard,
+                                  learn_rates=learn)
+                     for policy in (scratch, Mlfabric(idle_factor=idle_factor,
+                                                      overload=overload))]
+        self.rng, self.shards, self.now, self.req = rng, shards, 0.0, 0
+        self.decisions = 0
+
+    def _each(self, name: str, *args, **kwargs) -> list:
+        return [getattr(s, name)(*args, **kwargs) for s in self.both]
+
+    def step(self) -> None:
+        rng, a = self.rng, self.both[0]
+        self.now += rng.choice([0.0, 0.001, 0.01, 0.05, 0.2])
+        kind = rng.random()
+        if kind < 0.45:
+            self.req += 1
+            shard = rng.randrange(self.shards)
+            owner = f"w{rng.randrange(10)}"
+            version = a.shard_versions.get(shard, 0)
+            self._each("request", owner, self.req, host=f"h{rng.randrange(6)}",
+                       dst=f"s{shard}", nbytes=rng.choice([1, 2, 3, 8]) * 1_000_000,
+                       base_version=max(0, version - rng.randrange(8)), norm=1.0, now=self.now,
+                       shard=shard, chunk=rng.choice([0, 0, 0, 1 << 20]))
+        elif kind < 0.70 and a.active:
+            t = rng.choice(sorted(a.active.values(), key=lambda t: t.id))
+            version = a.shard_versions.get(t.shard, 0) + 1
+            seconds = rng.choice([None, 0.05, 0.2, 1.0])
+            done = self._each("done", t.owner, t.req, version=version,
+                              applied=rng.random() < 0.9, delay=1, now=self.now,
+                              seconds=seconds)
+            assert (done[0] is None) == (done[1] is None)
+        elif kind < 0.78 and a.active:
+            t = rng.choice(sorted(a.active.values(), key=lambda t: t.id))
+            if t.chunk:
+                sent = rng.choice([t.granted, t.nbytes])
+                self._each("progress", t.owner, t.req, sent=sent, now=self.now)
+        elif kind < 0.84:
+            host = f"h{rng.randrange(6)}"
+            net = a.network
+            if rng.random() < 0.5:
+                net = with_host_load(net, host, down=rng.choice([-1.0, 30 * MB]),
+                                     up=rng.choice([-1.0, 10 * MB, 95 * MB]))
+            else:
+                dst = f"s{rng.randrange(self.shards)}"
+                net = with_estimates(net, host, {dst: (rng.choice([15, 60]) * MB,
+                                                       rng.random() < 0.3)})
+            self._each("set_network", net)
+        elif kind < 0.87:
+            self._each("forget", f"w{rng.randrange(10)}", self.now)
+        self.decide()
+
+    def decide(self) -> None:
+        a, b = self.both
+        if self.shards == 1 and a.pending:
+            assert _full_plan(b, self.now) == _full_plan(a, self.now)
+        da, db = self._each("decide", self.now)
+        assert [_action(x) for x in db.actions] == [_action(x) for x in da.actions]
+        assert db.wake_at == da.wake_at
+        assert sorted(b.pending) == sorted(a.pending)
+        self.decisions += bool(da.actions)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_the_plan_from_columns_equals_the_plan_from_scratch(seed):
+    rng = random.Random(seed)
+    twins = _Twins(rng, shards=1 if seed % 3 else 3, guard=seed % 2 == 0, learn=seed % 4 < 2,
+                   tau_max=rng.choice([None, 3, 6, 20]),
+                   idle_factor=rng.choice([None, 1.0, 0.5]),
+                   overload=rng.choice(["stalest", "deadline"]))
+    for _ in range(150):
+        twins.step()
+    assert twins.decisions > 10  # the runs decide things, not only wait
+
+
+def test_a_full_plan_from_columns_equals_the_policy_on_its_snapshot():
+    """Every item, not only those due: 300 pending over 40 hosts, three of
+    them sending, measured pair rates and other tenants' load."""
+    rng = random.Random(7)
+    net = Network(default=100 * MB, up={f"h{k}": (10 + k) * MB for k in range(40)},
+                  down={"s": 300 * MB}, pair={("h1", "s"): 5 * MB, ("h2", "s"): 50 * MB},
+                  load_down={"s": 100 * MB}, observed_up={"h5": 3 * MB})
+    state = ControlState(Mlfabric(), tau_max=120, network=net)
+    for i in range(300):
+        state.request(f"w{i}", i, host=f"h{rng.randrange(40)}", dst="s",
+                      nbytes=rng.randrange(1, 30) * 1_000_000,
+                      base_version=rng.randrange(100), norm=1.0, now=i * 1e-3)
+    def both(now: float) -> list:
+        snap = state.snapshot(now)
+        columns = PendingColumns()
+        for t in reversed(snap.pending):  # any row order: the plan ranks them
+            columns.add(t)
+        scratch = list(mlfabric_policy(snap))
+        plan = Mlfabric().plan_columns(columns, columns.rows(None), now=now,
+                                       version=snap.version, in_flight=snap.server_in_flight,
+                                       tau_max=120, active=snap.active, network=net)
+        assert plan is not None and list(plan) == scratch
+        return scratch
+
+    first = both(0.3)  # nothing sent yet: drops and later starts
+    assert any(item.drop for item in first)
+    state.decide(0.3)
+    assert state.active and len(state.pending) > 100
+    then = both(0.31)  # planned around the transfers under way
+    assert any(item.start > 0.31 for item in then if item.drop is None)
+
+
+def test_columns_follow_adds_and_removes():
+    cols = PendingColumns()
+    ts = [Transfer(i, "o", i, f"h{i % 3}", "s", 100 + i, i, 1.0, float(i), shard=i % 2)
+          for i in range(1, 8)]
+    for t in ts:
+        cols.add(t)
+    for tid in (3, 7, 1):
+        cols.remove(tid)
+    left = {int(i): k for k, i in enumerate(cols.ids[:len(cols)])}
+    assert sorted(left) == [2, 4, 5, 6]
+    for t in ts:
+        if t.id in left:
+            k = left[t.id]
+            assert (cols.size[k], cols.base_version[k], cols.arrival[k], cols.shard[k]) == (
+                t.nbytes, t.base_version, t.arrival, t.shard)
+            assert cols.hosts.names[cols.src[k]] == t.host
+    assert sorted(cols.ids[cols.rows(0)].tolist()) == [2, 4, 6]
+    with pytest.raises(ValueError, match="transfer 2 is pending already"):
+        cols.add(ts[1])
+    many = [Transfer(100 + i, "o", i, "h", "s", 1, 0, 1.0, 0.0) for i in range(200)]
+    for t in many:  # grows past its first room
+        cols.add(t)
+    assert len(cols) == 204 and 150 in cols
+
+
+def test_host_rates_equal_the_networks_own():
+    cols = PendingColumns()
+    for h in ("a", "b", "c", "s"):
+        cols.hosts.index(h)
+    net = Network(default=100 * MB, up={"a": 10 * MB}, down={"s": 50 * MB},
+                  load_up={"b": 99 * MB}, load_down={"s": 20 * MB},
+                  observed_up={"c": 7 * MB}, observed_down={"s": 40 * MB})
+    up, down = cols.hosts.rates(net)
+    assert up.tolist() == [net.up_rate(h) for h in ("a", "b", "c", "s")]
+    assert down.tolist() == [net.down_rate(h) for h in ("a", "b", "c", "s")]
+    cols.hosts.index("d")  # a new host under the same tables
+    up, _ = cols.hosts.rates(net)
+    assert up.tolist() == [net.up_rate(h) for h in ("a", "b", "c", "s", "d")]
+    assert np.isfinite(up).all()
