@@ -197,3 +197,27 @@ def test_a_slow_uplink_is_told_from_a_slow_downlink_by_the_other_workers_transfe
         rates.append((state.network.down_rate("s"), state.network.up_rate("a")))
     assert rates[0] == (pytest.approx(5 * MB), pytest.approx(125 * MB))
     assert rates[-1] == (pytest.approx(5 * MB), pytest.approx(125 * MB))
+
+
+def test_a_transfer_held_to_its_uplink_does_not_set_a_wider_downlinks_rate():
+    """A downlink several uplinks wide: a transfer alone runs at its uplink's
+    rate, which says nothing of the downlink but that it gives at least that.
+    Taken for the downlink's rate, it capped the downlink at one uplink's
+    rate, and at 1,000 simulated workers over 4 shards the transfers went one
+    at a time into each shard (a push took 11 s against FIFO's 0.6)."""
+    state = ControlState(mlfabric_policy, tau_max=None, learn_rates=True,
+                         network=Network(default=10 * MB, down={"s": 40 * MB}))
+    go = _one(state, 1, 0.0)
+    assert go.planned_seconds == pytest.approx(1.0)  # at a's uplink, 10 MB/s
+    state.done("w", 1, version=1, seconds=1.25)  # a's uplink gives 8
+    assert state.network.down_rate("s") == pytest.approx(40 * MB)
+    assert state.network.up_rate("a") == pytest.approx(8 * MB)
+    # and once it shows 10 again, the cap goes
+    _one(state, 2, 2.0)
+    state.done("w", 2, version=2, seconds=1.0)
+    assert state.network.observed_up == {} and state.network.observed_down == {}
+    # A downlink capped below what a transfer showed is lifted to it.
+    capped = observed.Delivered().completed(
+        Network(default=10 * MB, down={"s": 40 * MB}, observed_down={"s": 5 * MB}),
+        "a", "s", believed=5 * MB, planned_seconds=2.0, seconds=1.0)
+    assert capped.down_rate("s") == pytest.approx(10 * MB)
