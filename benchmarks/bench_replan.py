@@ -1,0 +1,122 @@
+"""The controller's re-plan time at 1,000 and 10,000 pending transfers
+(issue 34: p99 <= 1 ms at 1,000, <= 5 ms at 10,000).
+
+Times `ControlState.decide` itself, the whole of a re-plan as the
+controller makes it (the plan, then letting go what is due), on the event
+stream of a job whose server link is the bottleneck: each step one
+transfer ends, its worker pushes its next update, and the controller
+re-plans. Two planners side by side, alternated round by round:
+
+- `scratch`: the mlfabric policy on a snapshot, built from the pending
+  transfers on every event (`policies.mlfabric_policy`, the controller
+  before issue 34's columns);
+- `columns`: the same policy on columns kept between events
+  (`policies.Mlfabric`, what the controller runs now). Their plans are
+  equal (tests/test_columns.py); only the time differs.
+
+Two loads: `fresh`, where every update can still meet its deadline, and
+`overloaded`, where base versions lag by up to half the queue, so that
+deadlines pass in the plan and the overload rule plans a second time.
+
+    python benchmarks/bench_replan.py                        # 1,000 and 10,000, 5 rounds
+    python benchmarks/bench_replan.py --pending 10000 --rounds 3 --steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+
+from mlfabric.controller.state import ControlState
+from mlfabric.scheduling.plan import Network, Policy
+from mlfabric.scheduling.policies import mlfabric_policy
+
+GBIT = 1e9 / 8
+MiB = 1 << 20
+TARGET_MS = {1000: 1.0, 10000: 5.0}  # p99, issue 34
+
+
+def one_round(policy: Policy, pending: int, load: str, steps: int, seed: int
+              ) -> list[float]:
+    """Decision times (seconds) of `steps` re-plans at about `pending` pending."""
+    rng = random.Random(seed)
+    # Workers at 1 Gbit/s into a server that takes 4 at once: a queue.
+    state = ControlState(policy, tau_max=pending, guard_order=True, learn_rates=True,
+                         network=Network(default=GBIT, down={"server": 4 * GBIT}))
+    lag = pending // 2 if load == "overloaded" else 0
+    for i in range(pending):
+        state.request(i, 0, host=f"w{i}", dst="server", nbytes=2 * MiB,
+                      base_version=rng.randrange(0, lag + 1), norm=1.0, now=0.0)
+    now, version = 0.0, lag
+    state.decide(now)
+    times = []
+    gc.collect()
+    for step in range(1, steps + 1):
+        now += 0.004
+        if state.active:
+            t = min(state.active.values(), key=lambda t: t.id)
+            version += 1
+            state.done(t.owner, t.req, version=version, applied=True, delay=1, now=now,
+                       seconds=now - (t.started or 0.0))
+            owner = t.owner
+        else:
+            owner = pending + step
+        state.request(owner, step, host=f"w{owner}", dst="server", nbytes=2 * MiB,
+                      base_version=version, norm=1.0, now=now)
+        t0 = time.perf_counter()
+        state.decide(now)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pending", default="1000,10000",
+                    help="pending transfers, comma-separated (default 1000,10000)")
+    ap.add_argument("--loads", default="fresh,overloaded")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=200, help="re-plans timed per round")
+    ap.add_argument("--planners", default="scratch,columns",
+                    help="scratch: only the from-scratch planner (runs on a tree before "
+                         "the columns, to compare)")
+    args = ap.parse_args()
+    planners: dict[str, Policy] = {"scratch": mlfabric_policy}
+    if "columns" in args.planners.split(","):
+        from mlfabric.scheduling.policies import Mlfabric
+
+        planners["columns"] = Mlfabric()
+    for n in (int(x) for x in args.pending.split(",")):
+        for load in args.loads.split(","):
+            p50: dict[str, list[float]] = {k: [] for k in planners}
+            p99: dict[str, list[float]] = {k: [] for k in planners}
+            for r in range(args.rounds):
+                names = list(planners) if r % 2 == 0 else list(reversed(planners))
+                for name in names:
+                    times = one_round(planners[name], n, load, args.steps, seed=r)
+                    p50[name].append(percentile(times, 0.50) * 1e3)
+                    p99[name].append(percentile(times, 0.99) * 1e3)
+                print(f"  ... {n} pending, {load}: round {r + 1}/{args.rounds}", flush=True)
+            target = TARGET_MS.get(n)
+            print(f"{n} pending, {load}: median of {args.rounds} rounds, "
+                  f"{args.steps} re-plans each")
+            for name in planners:
+                m50, m99 = statistics.median(p50[name]), statistics.median(p99[name])
+                goal = f"  p99 / {target:g} ms goal {m99 / target:.2f}" if target else ""
+                print(f"  {name:8s} p50 {m50:7.3f} ms  p99 {m99:7.3f} ms{goal}")
+            if "columns" in planners:
+                ratio50 = statistics.median(p50["columns"]) / statistics.median(p50["scratch"])
+                ratio99 = statistics.median(p99["columns"]) / statistics.median(p99["scratch"])
+                print(f"  columns / scratch: p50 {ratio50:.2f}  p99 {ratio99:.2f}")
+
+
+if __name__ == "__main__":
+    main()
