@@ -11,6 +11,9 @@ in flight, 8 steps; both policies.
         also run the emulated cluster (as bench_controller.py does, policies
         alternated), save every push, and simulate each measured run with the
         same seed and the workers' start times taken from that run
+    sudo .venv/bin/python benchmarks/sim_validate.py --measure --shards 4
+        the same with the model over 4 server shards, each on its own host
+        with 1/4 of the downlink (the middle third's change on shard 0's)
 
 Prints, per policy, the push-to-applied mean (and delay, drops) of the
 measured runs and of the simulated ones, their medians and the ratio sim /
@@ -42,13 +45,15 @@ def scenario(args: argparse.Namespace, seed: int, starts: tuple[float, ...] = ()
              **kw: Any) -> Scenario:
     expected = args.steps * (args.compute_ms / 1e3 + 0.3)  # as bench_controller.py
     changes = ()
+    first = "h0" if args.shards == 1 else "s0"  # (the simulator's name of shard 0's host)
     if args.change_to is not None:
-        changes = (RateChange(expected / 3, "h0", down_mbit=args.change_to),
-                   RateChange(2 * expected / 3, "h0", down_mbit=args.down_mbit))
-    return Scenario(workers=args.workers, update_bytes=int(args.model_mib * MIB),
+        changes = (RateChange(expected / 3, first, down_mbit=args.change_to / args.shards),
+                   RateChange(2 * expected / 3, first, down_mbit=args.down_mbit / args.shards))
+    return Scenario(workers=args.workers, shards=args.shards,
+                    update_bytes=int(args.model_mib * MIB),
                     steps=args.steps, compute=args.compute_ms / 1e3, jitter=0.2,
                     max_in_flight=args.in_flight, tau_max=args.tau_max,
-                    server_up_mbit=1000.0, server_down_mbit=args.down_mbit,
+                    server_up_mbit=1000.0, server_down_mbit=args.down_mbit / args.shards,
                     worker_up_mbit=1000.0, worker_down_mbit=1000.0, changes=changes,
                     seed=seed, starts=starts, **kw)
 
@@ -90,8 +95,11 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     require_root()
     runs = []
     expected = args.steps * (args.compute_ms / 1e3 + 0.3)
-    with Testbed(hosts=args.workers + 1, rate_mbit=1000.0,
-                 rates={"h0": (1000.0, args.down_mbit)}) as tb:
+    # Shard i's server on host h{i} (the controller beside shard 0), each
+    # with 1/S of the downlink; the workers on the hosts after them.
+    down = args.down_mbit / args.shards
+    servers = {f"h{i}": (1000.0, down) for i in range(args.shards)}
+    with Testbed(hosts=args.workers + args.shards, rate_mbit=1000.0, rates=servers) as tb:
         for r in range(args.rounds):
             order = POLICIES if r % 2 == 0 else POLICIES[::-1]
             for policy in order:
@@ -100,14 +108,15 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 def during(tb: Any, t0: list[float] = t0) -> None:
                     t0.append(time.monotonic())
                     if args.change_to is not None:
-                        tb.schedule([(expected / 3, SetRate("h0", down=args.change_to)),
-                                     (2 * expected / 3, SetRate("h0", down=args.down_mbit))])
+                        tb.schedule([(expected / 3, SetRate("h0", down=args.change_to
+                                                            / args.shards)),
+                                     (2 * expected / 3, SetRate("h0", down=down))])
 
                 summary, records = run_policy(
                     tb, policy, model_bytes=int(args.model_mib * MIB), steps=args.steps,
                     tau_max=args.tau_max, compute_ms=args.compute_ms, seed=r,
-                    max_in_flight=args.in_flight, link_mbit={"h0": (1000, args.down_mbit)},
-                    during=during)
+                    max_in_flight=args.in_flight, link_mbit=servers, during=during,
+                    shard_hosts=[f"h{i}" for i in range(1, args.shards)])
                 runs.append({"policy": policy, "seed": r, "t0": t0[0], "records": records})
                 print(f"measured round {r + 1}  {summary.row()}", file=sys.stderr, flush=True)
     return runs
@@ -134,7 +143,15 @@ def main() -> int:
     ap.add_argument("--change-to", type=float, default=50.0)
     ap.add_argument("--tau-max", type=int, default=8)
     ap.add_argument("--no-slow-start", action="store_true")
+    ap.add_argument("--shards", type=int, default=1,
+                    help="server shards, each on its own host with 1/S of --down-mbit "
+                         "(needs --measure or --records: RESULTS.md has no sharded figures)")
     args = ap.parse_args()
+    if args.shards < 1:
+        ap.error(f"--shards must be >= 1, got {args.shards}")
+    if args.shards > 1 and not (args.measure or args.records):
+        ap.error("--shards > 1 compares with measured runs: give --measure (root) or "
+                 "--records FILE")
     kw = {"slow_start": not args.no_slow_start}
 
     runs: list[dict[str, Any]] = []

@@ -38,6 +38,30 @@ def test_every_push_ends_with_an_outcome_within_the_staleness_bound(policy):
 
 @pytest.mark.root
 @needs_root
+def test_a_run_over_sharded_servers_applies_every_push_on_every_shard():
+    """run_policy's shards (the simulator's validation at 8 workers and 4
+    shards uses them): shard 0 beside the controller, shard 1 on its own
+    host, the workers on the others, each push one transfer per shard."""
+    with Testbed(hosts=5, rate_mbit=1000.0,
+                 rates={"h0": (1000.0, 50.0), "h1": (1000.0, 50.0)}) as tb:
+        summary, records = run_policy(
+            tb, "mlfabric", model_bytes=1 << 20, steps=4, tau_max=TAU_MAX, compute_ms=50,
+            max_in_flight=1, link_mbit={"h0": (1000, 50), "h1": (1000, 50)},
+            shard_hosts=["h1"])
+        servers = {tb.host("h0").ip, tb.host("h1").ip}
+    assert summary.pushes == len(records) == 3 * 4
+    assert not {r["host"] for r in records} & servers
+    versions = sorted(tuple(r["version"]) for r in records if r["applied"])
+    assert all(len(v) == 2 for v in versions), versions  # one version per shard
+    # Every applied push is applied on both shards: each shard's version
+    # counts every applied push once.
+    assert versions[-1] == (summary.applied, summary.applied), versions
+    for r in records:
+        assert r["applied"] or "dropped by the controller" in (r["reason"] or ""), r
+
+
+@pytest.mark.root
+@needs_root
 @pytest.mark.parametrize("fallback", ["fifo", "wait"])
 def test_killing_the_controller_mid_run_loses_no_update_silently(fallback):
     with Testbed(hosts=4, rate_mbit=1000.0, rates={"h0": (1000.0, 100.0)}) as tb:

@@ -246,7 +246,8 @@ def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: i
                decision_log: Path | None = None, controller_args: Sequence[str] = (),
                agent_log: Path | None = None,
                during_run: Callable[[RunInfo], None] | None = None,
-               at_end: Callable[[RunInfo], None] | None = None
+               at_end: Callable[[RunInfo], None] | None = None,
+               shard_hosts: Sequence[str] = ()
                ) -> tuple[Summary, list[dict[str, Any]]]:
     """Run one policy: server and controller on `server_host`, a worker on
     every other host of testbed `tb`. `during(tb)` runs once the workers are
@@ -265,11 +266,18 @@ def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: i
     `controller_args` more of its flags (with an aggregator only, e.g.
     --hold-groups); `agent_log` gets the aggregator agent's stderr.
     `during_run(info)` runs once the workers are started (after `during`),
-    `at_end(info)` once they are all done, before anything is stopped."""
+    `at_end(info)` once they are all done, before anything is stopped.
+
+    `shard_hosts`: the model is served by len(shard_hosts) + 1 shards, shard
+    0 on `server_host` (with the controller) and shard i on shard_hosts[i-1];
+    no worker runs there. RunInfo.server_addr then lists them all."""
     from ..wire import auth
 
     server = tb.host(server_host)
-    skip = {server_host, *idle_hosts, *([aggregator] if aggregator else [])}
+    if shard_hosts and aggregator:
+        raise ValueError("run_policy: sharded servers with an aggregator are not supported "
+                         "(an aggregator forwards to one server)")
+    skip = {server_host, *shard_hosts, *idle_hosts, *([aggregator] if aggregator else [])}
     workers = [h for h in tb.hosts if h.name not in skip]
     with tempfile.TemporaryDirectory(prefix="mlfabric-workload-") as tmp:
         token = Path(tmp) / "job.token"
@@ -294,8 +302,15 @@ def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: i
                     *metrics_argv("server")]
         if momentum is not None:
             srv_argv += ["--momentum", str(momentum)]
+        shards = 1 + len(shard_hosts)
+        if shards > 1:
+            srv_argv += ["--shard", f"0/{shards}"]
         srv = tb.popen(server, srv_argv, **kw)
         procs = {"server": srv}
+        for i, name in enumerate(shard_hosts, start=1):
+            argv = [a.replace(f"{server.ip}:0", f"{tb.host(name).ip}:0") for a in srv_argv]
+            procs[f"server{i}"] = tb.popen(tb.host(name), [*argv[:-2], "--shard",
+                                                           f"{i}/{shards}"], **kw)
         srv_addr = ""  # from its start line, once it is up
         links = []
         for name, (up, down) in (link_mbit or {}).items():
@@ -334,7 +349,8 @@ def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: i
         procs["controller"] = ctl
         try:
             if not aggregator:
-                srv_addr = serving_address(srv, "server")
+                srv_addr = ",".join(serving_address(procs[role], role) for role in
+                                    ["server", *(f"server{i}" for i in range(1, shards))])
             ctl_addr = serving_address(ctl, "controller")
             if "agent" in procs:
                 wait_for_line(procs["agent"], "aggregating", "aggregator agent")
