@@ -3,6 +3,7 @@ built from scratch, event after event (issue 34's incremental planning)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -187,3 +188,7 @@ def test_host_rates_equal_the_networks_own():
     up, _ = cols.hosts.rates(net)
     assert up.tolist() == [net.up_rate(h) for h in ("a", "b", "c", "s", "d")]
     assert np.isfinite(up).all()
+    other = dataclasses.replace(net, default=30 * MB)  # the same tables, another default
+    up, down = cols.hosts.rates(other)
+    assert up.tolist() == [other.up_rate(h) for h in ("a", "b", "c", "s", "d")]
+    assert down.tolist() == [other.down_rate(h) for h in ("a", "b", "c", "s", "d")]

@@ -92,8 +92,8 @@ class HostTable:
     def __init__(self) -> None:
         self._index: dict[str, int] = {}
         self.names: list[str] = []
-        # Network table name -> (the table, hosts covered, values per host).
-        self._tables: dict[str, tuple[Mapping[str, float], int, np.ndarray]] = {}
+        # Network table name -> (the table, its fill, hosts covered, values per host).
+        self._tables: dict[str, tuple[Mapping[str, float], float, int, np.ndarray]] = {}
         self._pairs: tuple[Mapping[tuple[str, str], float], int,
                            np.ndarray, np.ndarray] | None = None
 
@@ -116,19 +116,20 @@ class HostTable:
         alone."""
         hosts = len(self.names)
         cached = self._tables.get(name)
-        if cached is not None and cached[0] is table and cached[1] == hosts:
-            return cached[2]
-        if cached is not None and cached[0] is table:
+        same = cached is not None and cached[0] is table and cached[1] == fill
+        if same and cached is not None and cached[2] == hosts:
+            return cached[3]
+        if same and cached is not None:
             values = np.empty(hosts, np.float64)
-            values[:cached[1]] = cached[2]
-            values[cached[1]:] = [table.get(h, fill) for h in self.names[cached[1]:]]
+            values[:cached[2]] = cached[3]
+            values[cached[2]:] = [table.get(h, fill) for h in self.names[cached[2]:]]
         else:
             values = np.full(hosts, fill, np.float64)
             for host, value in table.items():
                 k = self._index.get(host)
                 if k is not None:
                     values[k] = value
-        self._tables[name] = (table, hosts, values)
+        self._tables[name] = (table, fill, hosts, values)
         return values
 
     def rates(self, net: Network) -> tuple[np.ndarray, np.ndarray]:
