@@ -534,7 +534,7 @@ class ControlState:
             version=self.version,
             tau_max=self.tau_max,
             pending=_planned(sorted(self.pending.values(), key=lambda t: t.id)),
-            active=_planned(sorted(self.active.values(), key=lambda t: t.id), active=True),
+            active=self._active(),
             network=self.network,
             aggregators=self.usable_aggregators(now),
         )
@@ -574,7 +574,8 @@ class ControlState:
         else:
             shards = sorted({t.shard for t in self.pending.values()})
         if shards == [0] and len(self.shard_versions) <= 1:
-            return self._commit(self._plan(now, None, lambda: self.snapshot(now)), now)
+            return self._commit(self._plan(now, None, self._active(),
+                                           lambda: self.snapshot(now)), now)
         first = self._first_shard % len(shards)
         self._first_shard += 1
         actions: list[Go | Drop] = []
@@ -593,8 +594,7 @@ class ControlState:
             if shard not in due:
                 continue
             if active is None:  # (again only once a shard's plan let something go)
-                active = _planned(sorted(self.active.values(), key=lambda t: t.id),
-                                  active=True)
+                active = self._active()
 
             def snapshot(shard: int = shard, active: tuple[Transfer, ...] = active
                          ) -> Snapshot:
@@ -606,7 +606,7 @@ class ControlState:
                     pending=_planned(by_shard[shard]), active=active, network=self.network,
                     aggregators=aggregators, in_flight=sum(t.shard == shard for t in active))
 
-            decided = self._commit(self._plan(now, shard, snapshot), now)
+            decided = self._commit(self._plan(now, shard, active, snapshot), now)
             actions.extend(decided.actions)
             if any(isinstance(a, Go) for a in decided.actions):
                 active = None
@@ -628,14 +628,18 @@ class ControlState:
             waiting.sort(key=lambda t: t.id)
         return by_shard
 
-    def _plan(self, now: float, shard: int | None, snapshot: Callable[[], Snapshot]
-              ) -> Sequence[PlanItem]:
+    def _active(self) -> tuple[Transfer, ...]:
+        """The active transfers as a policy plans them, by id."""
+        return _planned(sorted(self.active.values(), key=lambda t: t.id), active=True)
+
+    def _plan(self, now: float, shard: int | None, active: tuple[Transfer, ...],
+              snapshot: Callable[[], Snapshot]) -> Sequence[PlanItem]:
         """The policy's plan of `shard`'s pending transfers (None: a job of
-        one server, all of them): from the columns when the policy plans
-        from them (`Mlfabric.plan_columns`), else from the `snapshot()`."""
+        one server, all of them) with `active` under way (`_active`): from
+        the columns when the policy plans from them (`Mlfabric.plan_columns`),
+        else from the `snapshot()`."""
         if self._columns is not None:
             assert isinstance(self.policy, Mlfabric)
-            active = _planned(sorted(self.active.values(), key=lambda t: t.id), active=True)
             if shard is None:
                 version, in_flight = self.version, len(active)
             else:
