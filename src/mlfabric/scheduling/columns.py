@@ -9,7 +9,7 @@ arrival adds one row and a transfer let go or dropped removes one, so a
 re-plan starts from arrays it does not build. Link rates are kept per host
 and rebuilt only for the part of the network picture that changed (each
 of `Network`'s tables is replaced, never edited, when a measurement
-changes it). No I/O: `policies.ColumnPlanner` plans from these.
+changes it). No I/O: `policies.Mlfabric.plan_columns` plans from these.
 """
 
 from __future__ import annotations

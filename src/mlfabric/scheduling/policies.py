@@ -63,9 +63,8 @@ def mlfabric_policy(snap: Snapshot, *, idle_factor: float | None = 1.0,
         schedule.ServerState(snap.version, in_flight=snap.server_in_flight),
         _config(snap.tau_max, idle_factor, overload),
     )
-    ids = np.fromiter((t.id for t in ranked), np.int64, n)
-    base_version = rows.base_version
-    return _column_plan(result, ids, base_version)
+    return _column_plan(result, np.fromiter((t.id for t in ranked), np.int64, n),
+                        rows.base_version)
 
 
 def _config(tau_max: int | None, idle_factor: float | None, overload: str) -> schedule.PlanConfig:

@@ -968,6 +968,7 @@ def _plan_rows(
 
 def _with_overload_rule(one_pass: _Pass, base_version: np.ndarray, n: int,
                         config: PlanConfig) -> RowPlan:
+    """A pass over all `n` rows, then the overload rule of `config`."""
     everything = np.arange(n)
     first = one_pass(everything)
     if config.overload != "stalest":
@@ -1017,7 +1018,7 @@ class IndexedRows:
     size[k] bytes over links up[k] and down[k], and pair[k] (-1: none), the
     least of their capacities being cap[k]. A caller that keeps its rows and
     its numbering of the links between plans (the controller's
-    `policies.ColumnPlanner`) hands them over as they are."""
+    `policies.Mlfabric.plan_columns`) hands them over as they are."""
 
     size: np.ndarray  # float64
     base_version: np.ndarray  # int64
