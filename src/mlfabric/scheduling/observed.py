@@ -18,9 +18,11 @@ estimate is the link's rate for the next plan at once, up or down:
 
 Only a transfer that had its uplink and the server's downlink to itself
 measures them (the controller's `_release`); which of the two held it back,
-the other workers' transfers into the same server tell (`Delivered`): the
-downlink gives the most of its last few, a transfer well below that was
-held back by its uplink. The downlink's correction holds for every worker's
+the other workers' transfers into the same server tell (`Delivered`): when
+the plan had the downlink for the bottleneck, the downlink gives the most of
+its last few, and a transfer well below that was held back by its uplink;
+when it had the worker's uplink, the transfer measures that uplink and
+lifts a capped downlink at most. The downlink's correction holds for every worker's
 next transfer, not only this one's. A transfer still running past its
 planned end bounds the rate from above (it is slower than planned by at
 least elapsed / planned): `overdue` caps its believed bottleneck (a
@@ -138,9 +140,13 @@ class Delivered:
     server's downlink, and the next worker's transfer, fast, was planned
     at the slow one's rate. The other workers' transfers into the same
     server tell: the downlink gave at least the fastest of the last
-    DOWNLINK_WINDOW of them, so that is its rate; a transfer well below it
-    (by more than ORDER_GUARD) was held back by its uplink, which gets its
-    rate; one at it shows its uplink gives at least that."""
+    DOWNLINK_WINDOW of them. When the plan's bottleneck is the downlink,
+    that is its rate, and a transfer well below it (by more than
+    ORDER_GUARD) was held back by its uplink, which gets its rate. When the
+    plan's bottleneck is the worker's uplink, the transfer's rate is its
+    uplink's when slower than planned, and the window only lifts a
+    downlink capped below it. A transfer faster than its uplink's cap shows
+    the uplink gives at least that."""
 
     def __init__(self) -> None:
         self._into: dict[str, deque[float]] = {}

@@ -160,6 +160,7 @@ class Mlfabric:
         src, dst = pending.src[ranked], pending.dst[ranked]
         capacity = [up_rate, down_rate]
         pair = np.full(len(ranked), -1, np.intp)
+        codes = np.empty(0, np.int64)  # the measured pairs' codes (HostTable.pairs)
         cap = np.minimum(up_rate[src], down_rate[dst])
         if network.pair:
             codes, rates = hosts.pairs(network.pair)

@@ -241,7 +241,7 @@ def plan(snapshot: PlanInput, config: PlanConfig | None = None, *, use_kernel: b
     )
 
 
-def _ready(now: float, running: Sequence[RunningTransfer]) -> float:
+def ready_at(now: float, running: Sequence[RunningTransfer]) -> float:
     """When the server has applied what is running: before any pending update."""
     return max([now, *(r.end for r in running)])
 
@@ -880,16 +880,15 @@ def plan_rows(now: float, rows: Rows, running: Sequence[RunningTransfer], networ
 
 
 class _KernelLinks:
-    """Every link the rows cross, indexed for the kernel, with its initial
-    segments. Links that carry a running transfer come from `_LinkTable`
-    (their step functions); every other link is flat: one segment [now, inf)
-    at its capacity, never built as an object."""
+    """Every link the rows cross, indexed for the kernel. Links that carry a
+    running transfer come from `_LinkTable` (`reserved`, their step
+    functions); every other link is flat at its capacity, never built as an
+    object (`LinkSegments.of` writes both into the kernel's arrays)."""
 
     def __init__(self, network: Capacities, now: float, running: Sequence[RunningTransfer],
                  rows: Rows) -> None:
         table = _LinkTable(network, now)
         table.load_running(running)
-        self.now = now
         self.reserved = table.links  # indices 0 .. len - 1
         self.capacity = [_capacity(link) for link in table.links]
         self.up = self._indices({h: lk.index for h, lk in table.up.items()}, network.up,
@@ -924,23 +923,6 @@ class _KernelLinks:
         base = len(self.capacity)
         known.update(zip(keys, range(base, base + len(keys)), strict=True))
         self.capacity.extend(caps)
-
-    def segments(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(seg_lo, seg_t, seg_r, seg_f) as schedule_stf takes them."""
-        reserved = self.reserved
-        flat = np.array(self.capacity[len(reserved):], np.float64)
-        counts = np.ones(len(self.capacity), np.intp)
-        counts[:len(reserved)] = [len(link.times) for link in reserved]
-        seg_lo = np.zeros(len(self.capacity) + 1, np.intp)
-        np.cumsum(counts, out=seg_lo[1:])
-        chain = itertools.chain.from_iterable
-
-        def column(name: str, flat_value: np.ndarray) -> np.ndarray:
-            head = np.fromiter(chain(getattr(lk, name) for lk in reserved), np.float64)
-            return np.concatenate([head, flat_value])
-
-        return (seg_lo, column("times", np.full(len(flat), self.now)),
-                column("residual", flat), column("free", flat))
 
 
 _KERNEL_REASONS = ("", DEADLINE_MISSED, WOULD_IDLE_SERVER)
@@ -979,7 +961,7 @@ def _with_overload_rule(one_pass: _Pass, base_version: np.ndarray, n: int,
 def _reference_pass(now: float, rows: Rows, running: Sequence[RunningTransfer],
                     network: Capacities, v_init: int, config: PlanConfig) -> _Pass:
     """`_plan_stf` on fresh link tables: the pure-Python reference."""
-    ready = _ready(now, running)
+    ready = ready_at(now, running)
     pending = [PendingUpdate(k, s, d, z, int(v), 1.0, now) for k, (s, d, z, v) in
                enumerate(zip(rows.source, rows.destination, np.asarray(rows.size).tolist(),
                              np.asarray(rows.base_version).tolist(), strict=True))]
@@ -1005,8 +987,9 @@ def _kernel_pass(kernel: Callable[..., tuple[int, int]], now: float, rows: Rows,
     cap[has_pair] = np.minimum(cap[has_pair], link_capacity[links.pair[has_pair]])
     indexed = IndexedRows(np.asarray(rows.size, np.float64), np.asarray(rows.base_version),
                           links.up, links.down, links.pair, cap)
-    return _indexed_pass(kernel, indexed, LinkSegments(*links.segments()),
-                         _ready(now, running), v_init, config)
+    segments = LinkSegments.of(now, link_capacity, {
+        k: (link.times, link.residual, link.free) for k, link in enumerate(links.reserved)})
+    return _indexed_pass(kernel, indexed, segments, ready_at(now, running), v_init, config)
 
 
 # --- the same plan on rows whose links are numbered already ----------------------------
@@ -1082,11 +1065,6 @@ def reserved_links(now: float, running: Sequence[RunningTransfer], network: Capa
 def has_kernel() -> bool:
     """True when the compiled core is built (`plan_indexed` needs it)."""
     return _stf_kernel is not None
-
-
-def ready_at(now: float, running: Sequence[RunningTransfer]) -> float:
-    """When the server has applied what is running: before any pending update."""
-    return _ready(now, running)
 
 
 def plan_indexed(rows: IndexedRows, links: LinkSegments, *, ready: float, v_init: int,
