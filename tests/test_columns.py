@@ -82,7 +82,10 @@ class _Twins:
         elif kind < 0.84:
             host = f"h{rng.randrange(6)}"
             net = a.network
-            if rng.random() < 0.5:
+            draw = rng.random()
+            if draw < 0.15:  # several controllers: this one's part of the uplinks changes
+                net = dataclasses.replace(net, up_share=rng.choice([1.0, 0.5, 0.25]))
+            elif draw < 0.55:
                 net = with_host_load(net, host, down=rng.choice([-1.0, 30 * MB]),
                                      up=rng.choice([-1.0, 10 * MB, 95 * MB]))
             else:

@@ -141,6 +141,8 @@ class HostTable:
             observed = self._table(f"observed_{side}", getattr(net, f"observed_{side}"),
                                    np.inf)
             left = np.maximum(capacity - load, MIN_LEFT * capacity)
+            if side == "up" and net.up_share != 1.0:
+                left = left * net.up_share
             out.append(np.minimum(left, observed))
         return out[0], out[1]
 

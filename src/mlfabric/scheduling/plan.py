@@ -37,7 +37,11 @@ class Network:
     measured by the agent on that host: the job gets what is left of the
     capacity (at least `MIN_LEFT` of it). `observed_up`/`observed_down` cap
     a host's link at what the job's own transfers were last delivered
-    (`observed`: the controller's closed loop)."""
+    (`observed`: the controller's closed loop). `up_share` is the part of
+    every host's uplink this picture's planner may reserve: with several
+    controllers (issue 34) each plans some server shards, and the workers'
+    uplinks, which carry a part to every shard, are split between them by
+    the number of shards each plans, so no uplink is reserved twice over."""
 
     default: float = 125e6  # 1 Gbit/s
     up: Mapping[str, float] = field(default_factory=dict)
@@ -47,6 +51,7 @@ class Network:
     load_down: Mapping[str, float] = field(default_factory=dict)
     observed_up: Mapping[str, float] = field(default_factory=dict)
     observed_down: Mapping[str, float] = field(default_factory=dict)
+    up_share: float = 1.0
 
     @functools.cached_property
     def up_rates(self) -> Mapping[str, float]:
@@ -59,7 +64,7 @@ class Network:
 
     def up_rate(self, host: str) -> float:
         """What the job can send from `host`: its uplink less others' load."""
-        left = _left(self.up.get(host, self.default), self.load_up.get(host, 0.0))
+        left = _left(self.up.get(host, self.default), self.load_up.get(host, 0.0)) * self.up_share
         return min(left, self.observed_up.get(host, left))
 
     def down_rate(self, host: str) -> float:

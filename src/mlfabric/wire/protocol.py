@@ -107,6 +107,7 @@ class MsgType(enum.IntEnum):
     TRANSFER_PROGRESS = 26
     SHARD_AT = 27
     FELL_BACK = 28
+    MOVED = 29
 
 
 class _NeedData:
@@ -405,6 +406,17 @@ class ShardAt:
 
 
 @dataclass(frozen=True)
+class Moved:
+    """Controller -> client, and the controller then closes the link: another
+    of the job's controllers plans shard `shard` (several controllers, issue
+    34): the one at `owner`, or none yet ("") while its lease is taken over.
+    The client dials it and asks again for what this one left undecided."""
+
+    shard: int
+    owner: str
+
+
+@dataclass(frozen=True)
 class FellBack:
     """Client -> controller, first on a link dialled after the client had no
     controller (unreachable at connect, or lost later): since it connected,
@@ -550,9 +562,8 @@ class Status:
 
 Event = (Hello | Challenge | Auth | Welcome | Pull | PullCancel | Model | ModelEnd | Push
          | PushResult | Error | TransferRequest | Directive | TransferDone | TransferProgress
-         | StatusRequest
-         | Status | ShardAt | FellBack | ReplicaDone | Ping | Pong | Promote | Resync | Failover
-         | StateRequest | ReplicaJoin | ReplicaAt)
+         | StatusRequest | Status | ShardAt | Moved | FellBack | ReplicaDone | Ping | Pong
+         | Promote | Resync | Failover | StateRequest | ReplicaJoin | ReplicaAt)
 
 DIRECTIVE_ACTIONS = ("go", "drop")
 
@@ -1118,6 +1129,10 @@ def _decode_status_request(meta: Mapping[str, Any], tensors: dict[str, np.ndarra
     return StatusRequest(req=_int(meta, "req"))
 
 
+def _decode_moved(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    return Moved(shard=_shard_index(meta), owner=_str(meta, "owner", 256))
+
+
 def _decode_fell_back(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
     seconds = _float(meta, "seconds")
     if seconds < 0:
@@ -1349,6 +1364,7 @@ CODECS: tuple[Codec, ...] = (
     Codec(MsgType.STATUS, Status, _decode_status),
     Codec(MsgType.SHARD_AT, ShardAt, _decode_shard_at),
     Codec(MsgType.FELL_BACK, FellBack, _decode_fell_back),
+    Codec(MsgType.MOVED, Moved, _decode_moved),
     Codec(MsgType.REPLICA_DONE, ReplicaDone, _decode_replica_done),
     Codec(MsgType.PING, Ping, _decode_ping),
     Codec(MsgType.PONG, Pong, _decode_pong),
