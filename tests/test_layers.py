@@ -27,7 +27,7 @@ LAYERS: list[set[str]] = [
     {"kernels"},
     {"wire", "scheduling", "sharding"},
     {"runtime"},
-    {"transport"},
+    {"transport", "coordination"},
     {"client"},
     {"server"},
     {"agent"},

@@ -407,6 +407,23 @@ class ControllerMetrics:
             "controller_failover_seconds",
             "From the last heartbeat answered by the lost server to the clients told",
             namespace=ns, registry=r, buckets=(0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0))
+        # Several controllers (--coordination): the shards this one plans.
+        self.shards_owned = Gauge(
+            "controller_shards_owned",
+            "Server shards this controller plans (holds in etcd); with one controller, all",
+            namespace=ns, registry=r)
+        self.shards_claimed = Counter(
+            "controller_shards_claimed",
+            "Shards this controller claimed in etcd, its own at start and any taken over "
+            "from a controller that was gone", namespace=ns, registry=r)
+        self.leases_lost = Counter(
+            "controller_leases_lost",
+            "Times this controller could not renew its etcd lease in time and stopped "
+            "planning its shards", namespace=ns, registry=r)
+        self.links_moved = Counter(
+            "controller_links_moved",
+            "Worker links sent to the controller that plans their shard", namespace=ns,
+            registry=r)
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, addr: str) -> str:
