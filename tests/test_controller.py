@@ -239,6 +239,22 @@ def test_controller_command_serves_and_stops_cleanly(tmp_path):
      "server, in shard order"),
     (["--server", "127.0.0.1:1,nonsense", "--replica", "127.0.0.1:3,127.0.0.1:4"],
      "nonsense"),
+    # Several controllers (--etcd).
+    (["--controllers", "127.0.0.1:7071,127.0.0.1:7072"],
+     "--controllers only apply with --etcd URL"),
+    (["--etcd", "http://127.0.0.1:1"], "--etcd needs --controllers HOST:PORT,..."),
+    (["--etcd", "http://127.0.0.1:1", "--controllers", "127.0.0.1:7071"],
+     "this controller's address '127.0.0.1:0' is not in --controllers 127.0.0.1:7071"),
+    (["--etcd", "https://127.0.0.1:1", "--controllers", "127.0.0.1:7071",
+      "--advertise", "127.0.0.1:7071"], "https is not supported yet"),
+    (["--etcd", "http://127.0.0.1:1", "--controllers", "127.0.0.1:7071",
+      "--advertise", "127.0.0.1:7071", "--server", "127.0.0.1:1", "--replica", "127.0.0.1:2"],
+     "does not yet combine with failover"),
+    (["--etcd", "http://127.0.0.1:1", "--controllers", "127.0.0.1:7071",
+      "--advertise", "127.0.0.1:7071", "--lease-ttl", "0"], "--lease-ttl must be 1..3600"),
+    # etcd not there: said at start, not ridden out.
+    (["--etcd", "http://127.0.0.1:1", "--controllers", "127.0.0.1:7071",
+      "--advertise", "127.0.0.1:7071"], "--etcd http://127.0.0.1:1: etcd /v3/lease/grant failed"),
 ])
 def test_controller_rejects_bad_settings_in_one_line(tmp_path, args, message):
     import subprocess

@@ -101,8 +101,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("job", "str", None, "the job's name, as the server was started with (required)"),
     Setting("token_file", "path", None,
             "file holding the job's secret token (required)"),
-    Setting("controller", "address", None,
-            "the job's controller, HOST:PORT (default: none; pushes go straight to the server)"),
+    Setting("controller", "addresses", None,
+            "the job's controller, HOST:PORT, or with several controllers every one of them, "
+            "HOST:PORT,HOST:PORT,... as their --controllers lists them (default: none; "
+            "pushes go straight to the server)"),
     Setting("replica", "addresses", None,
             "the job's replica, HOST:PORT, or one per shard of a sharded job, "
             "HOST:PORT,HOST:PORT,... in shard order: every applied update (part) is also "

@@ -8,6 +8,15 @@ a warning (fallback "fifo") or wait for it up to `timeout` seconds (fallback
 decides; this class does the I/O on the client's event loop (the blocking
 client runs the same client on a thread).
 
+A job may have several controllers (issue 34), each planning some server
+shards: `address` then lists them all ("HOST:PORT,HOST:PORT,..."), and a
+shard's link dials the one the shard is first offered to (shard s: the
+(s mod N)-th), and whichever one a controller names in a `Moved` answer.
+A move is no outage: the updates waiting for a directive wait for the next
+controller and are asked again there. When a controller stops answering,
+the link dials the next one in the list, which is the one that takes the
+shard over.
+
 Only a controller that does not answer is an outage. One that refuses the
 worker (another job's, a wrong token, or a refusal after the handshake), or
 an address that is no controller (a server's, an agent's, a metrics port),
@@ -28,13 +37,14 @@ import numpy as np
 from ..errors import ConfigError, ConnectError, MlfabricError
 from ..runtime.metrics import ClientMetrics
 from ..wire.handshake import ClientHandshake
-from ..wire.protocol import Directive, Error, Failover, ReplicaAt, ReplicaDone, ShardAt
+from ..wire.protocol import Directive, Error, Failover, Moved, ReplicaAt, ReplicaDone, ShardAt
 from .control_book import (
     RECONNECT_EVERY,
     ControlBook,
     ControlledUpdate,
     controlled_update,
 )
+from .core import parse_address
 from .futures import AsyncPushFuture
 from .link import Link, LinkPool, open_link
 from .outcome import PushOutcome
@@ -60,33 +70,51 @@ class AsyncControlledPushes:
         bytes at a time (a sharded job's chunk), so that a shorter transfer
         can pass it. `metrics`: the client's (time and updates without the
         controller). `tls`: the client's TLS context, for the controller link."""
-        self.book = ControlBook(address, host=host, dst=dst, fallback=fallback,
+        self.addresses = controller_addresses(address)
+        self._at = (shard or 0) % len(self.addresses)  # the one dialled
+        self.book = ControlBook(self.address, host=host, dst=dst, fallback=fallback,
                                 timeout=timeout, shard=shard or 0,
                                 chunk=chunk, metrics=metrics)
         self.sharded = shard is not None
         self._aggregators = aggregators
         self.client = client
-        self.address = address
+        self._moving = False  # a controller named the one to dial at once
+        self._moved_last = False  # ... and nothing was decided since
         self.hs = hs
         self.tls = tls
         self._link: Link | None = None
         self._reconnect_task: asyncio.Task[None] | None = None
         self._redial_error = ""  # the last refusal met dialling again, warned once
 
+    @property
+    def address(self) -> str:
+        """The controller this link dials."""
+        return self.addresses[self._at]
+
+    def _dial(self, index: int) -> None:
+        self._at = index % len(self.addresses)
+        self.book.address = self.address
+
     async def start(self) -> None:
-        """Dial the controller. Any answer but a welcome raises (a refusal,
-        another kind of process, a protocol error): those are settings to
-        fix, not an outage. Where nothing answers (refused, unreachable, or
-        no handshake in time: the controller is down, or not started yet),
-        fallback "fifo" goes on without it, loudly, and "wait" raises."""
-        try:
-            self._link = await self._connect()
-        except ConnectError as exc:
-            if self.book.fallback == "wait":
-                raise
-            self._lost(None, exc)
-        else:
-            self.book.reconnected()
+        """Dial the controller (with several, each in turn until one
+        answers). Any answer but a welcome raises (a refusal, another kind
+        of process, a protocol error): those are settings to fix, not an
+        outage. Where nothing answers (refused, unreachable, or no handshake
+        in time: the controller is down, or not started yet), fallback
+        "fifo" goes on without it, loudly, and "wait" raises."""
+        for tried in range(len(self.addresses)):
+            try:
+                self._link = await self._connect()
+            except ConnectError as exc:
+                if tried + 1 < len(self.addresses):
+                    self._dial(self._at + 1)
+                    continue
+                if self.book.fallback == "wait":
+                    raise
+                self._lost(None, exc)
+            else:
+                self.book.reconnected()
+            return
 
     async def _connect(self) -> Link:
         link = await open_link(self.address, self.hs, min(self.book.timeout, 10.0),
@@ -132,6 +160,9 @@ class AsyncControlledPushes:
         if isinstance(d, (Failover, ReplicaAt)):
             self.client.replica_change(d)
             return
+        if isinstance(d, Moved):
+            self._moved(d)
+            return
         if isinstance(d, Error):
             exc = ConfigError(f"the controller at {self.address} refused this worker: "
                               f"{d.message}")
@@ -143,6 +174,7 @@ class AsyncControlledPushes:
             raise exc  # the link closes: no fallback, no dialling again (see _lost)
         if not isinstance(d, Directive):
             raise MlfabricError(f"controller sent {type(d).__name__}")
+        self._moved_last = False
         u, outcome = self.book.directive(d, self.client.last_version)
         if u is None:
             return
@@ -151,26 +183,68 @@ class AsyncControlledPushes:
         elif not u.future.done():
             u.future.set_result(outcome)
 
+    def _moved(self, d: Moved) -> None:
+        """The controller says another plans this link's shard; it closes
+        the link next. Dial the one it names at once, unless the last move
+        was not followed by any decision (two controllers that disagree for
+        a moment are then dialled every RECONNECT_EVERY, not in a loop).
+        Without a name (the shard is being taken over), the next controller
+        in the list is dialled as after an outage."""
+        was = self.address
+        if d.owner in self.addresses:
+            self._dial(self.addresses.index(d.owner))
+        else:
+            if d.owner:
+                log.warning("controller %s says controller %s plans shard %d, but this worker "
+                            "was not given it (controller setting %s): give every worker the "
+                            "same list as the controllers' --controllers", was, d.owner,
+                            d.shard, ",".join(self.addresses))
+            self._dial(self._at + 1)
+        self._moving = bool(d.owner) and self.address != was and not self._moved_last
+        self._moved_last = True
+        log.info("controller %s: shard %d is planned by %s; dialling %s", was, d.shard,
+                 d.owner or "no controller yet", self.address)
+        if self._moving:
+            for u in self.book.moved():
+                self._send(u)
+
     def _lost(self, link: Any, exc: BaseException | None) -> None:
         if link is not None and link is not self._link:
             return
         self._link = None
         if self.book.refusal is not None:
             return
+        if self._moving and not self.book.closed:
+            self._moving = False
+            if self._reconnect_task is None:
+                self._reconnect_task = asyncio.get_running_loop().create_task(
+                    self._reconnect(at_once=True))
+            return
         for u in self.book.lost(exc):
             self._send(u)
         if self._reconnect_task is None and not self.book.closed:
             self._reconnect_task = asyncio.get_running_loop().create_task(self._reconnect())
 
-    async def _reconnect(self) -> None:
+    async def _reconnect(self, at_once: bool = False) -> None:
+        """Dial until a controller answers: every RECONNECT_EVERY seconds,
+        the next in the list each time. `at_once`: a controller named the
+        one to dial (a move, no outage yet): the first try is now, and only
+        if it fails do the waiting updates fall back."""
         while not self.book.closed:
-            await asyncio.sleep(RECONNECT_EVERY)
+            if not at_once:
+                await asyncio.sleep(RECONNECT_EVERY)
             for u, exc in self.book.expired(time.monotonic()):
                 if not u.future.done():
                     u.future.set_exception(exc)
             try:
                 link = await self._connect()
             except (OSError, MlfabricError) as exc:
+                if at_once:  # the controller named is not there: an outage after all
+                    at_once = False
+                    for u in self.book.lost(exc):
+                        self._send(u)
+                if len(self.addresses) > 1:
+                    self._dial(self._at + 1)
                 # Not answering is the outage itself; an answer that is not a
                 # welcome (the controller restarted with another token or
                 # job, another process took its port) is said, once each.
@@ -287,3 +361,16 @@ class AsyncControlledPushes:
         if link is not None:
             link.close()
             await link.closed
+
+
+def controller_addresses(address: str) -> list[str]:
+    """The `controller` setting: one "HOST:PORT", or every controller of a
+    job with several, "HOST:PORT,HOST:PORT,...", each checked."""
+    addresses = [a.strip() for a in address.split(",")]
+    if any(not a for a in addresses) or len(set(addresses)) != len(addresses):
+        raise ConfigError(f"controller setting {address!r}: give HOST:PORT, or every "
+                          f"controller of the job once each, separated by commas (the "
+                          f"controllers' --controllers list)")
+    for a in addresses:
+        parse_address(a)
+    return addresses

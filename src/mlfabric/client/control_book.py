@@ -119,6 +119,9 @@ class ControlBook:
         self.fell_back_seconds = 0.0
         # Set when the controller refused this worker: every push fails with it.
         self.refusal: MlfabricError | None = None
+        # Set from a controller's Moved (another plans this shard) until the
+        # next one answers or cannot be reached.
+        self.moving = False
 
     def ask(self, u: ControlledUpdate) -> TransferRequest:
         u.creq = next(self._ids)
@@ -138,6 +141,9 @@ class ControlBook:
         u.future.uid = u.uid  # for the clients' pull(including=...)
         if self.connected:
             return self.ask(u), []
+        if self.moving:  # another controller is being dialled: ask it
+            self._orphans.append(u)
+            return None, []
         return None, self._without_controller([u])
 
     def _without_controller(self, updates: list[ControlledUpdate]) -> list[ControlledUpdate]:
@@ -204,6 +210,10 @@ class ControlBook:
         self.connected = False
         stranded = list(self._asked.values())
         self._asked.clear()
+        if self.moving:  # the controller named could not be reached either
+            self.moving = False
+            stranded += self._orphans
+            self._orphans = []
         if self.closed:
             return [u for u in stranded if u.in_parts]
         if self.down_since is None:
@@ -222,11 +232,26 @@ class ControlBook:
         return ([u for u in stranded if u.in_parts]
                 + self._without_controller([u for u in stranded if not u.in_parts]))
 
+    def moved(self) -> list[ControlledUpdate]:
+        """The controller said another one plans this shard, and is closing
+        the link. Not an outage: the updates that waited for its directive
+        wait for the next controller's (asked again once it answers; no
+        fallback meanwhile). Returns those sent in part, to finish now
+        (their frame holds up the server's link)."""
+        self.connected, self.moving = False, True
+        stranded = list(self._asked.values())
+        self._asked.clear()
+        for u in stranded:
+            u.upto = None
+        self._orphans.extend(u for u in stranded if not u.in_parts)
+        return [u for u in stranded if u.in_parts]
+
     def reconnected(self, now: float | None = None) -> list[FellBack | TransferRequest]:
         """The controller answers (again): what to send it, first a report
         of the time and updates without it if there was any, then requests
         for the updates that waited for it."""
         self.connected, self._warned, self.ever_connected = True, False, True
+        self.moving = False
         report: list[FellBack | TransferRequest] = []
         if self.down_since is not None:
             down = max(0.0, (time.monotonic() if now is None else now) - self.down_since)

@@ -8,6 +8,8 @@ import math
 import os
 
 from ..client.core import parse_address
+from ..coordination.etcd import EtcdClient, EtcdError, parse_endpoints
+from ..coordination.leases import ShardLeases
 from ..errors import ConfigError
 from ..replication.divergence import DEFAULT_LAG_TIMEOUT, DivergenceGate
 from ..replication.failover import DEFAULT_GAP_TIMEOUT
@@ -121,6 +123,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --div-max: after holding server transfers this long with no "
                         "progress of the replica, let them go without the bound until it "
                         f"catches up, rather than stall the job (default: {DEFAULT_LAG_TIMEOUT})")
+    g = p.add_argument_group(
+        "several controllers", "each plans some of the job's server shards; who plans which "
+        "is held in etcd under leases, and a controller's shards move to another when it is "
+        "gone (docs/guide/deploying.md)")
+    g.add_argument("--etcd", metavar="URL[,URL...]", default=None,
+                   help="the etcd cluster holding the job's shard leases, e.g. "
+                        "http://10.0.0.2:2379 (default: none: this is the job's only "
+                        "controller and plans every shard)")
+    g.add_argument("--controllers", metavar="HOST:PORT,...", default=None,
+                   help="with --etcd: every controller of the job, as the workers reach them "
+                        "and in the order the workers are given them (their `controller` "
+                        "setting); shard s is first offered to the (s mod N)-th")
+    g.add_argument("--advertise", metavar="HOST:PORT", default=None,
+                   help="with --etcd: this controller's entry in --controllers (default: the "
+                        "--listen address)")
+    g.add_argument("--shards", type=int, default=None, metavar="S",
+                   help="with --etcd: the job's number of server shards (default: the number "
+                        "of --server addresses, else 1: one server, with the other "
+                        "controllers standing by)")
+    g.add_argument("--lease-ttl", type=int, default=2, metavar="SECONDS",
+                   help="with --etcd: the lease under which this controller holds its shards; "
+                        "a controller that dies keeps them about this long (plus up to 0.75 s "
+                        "for etcd's sweep and the next read) before another takes them over. "
+                        "etcd grants at least 1.5 election timeouts (default: 2)")
     p.add_argument("--decision-log", metavar="PATH", default=None,
                    help="append one JSON line per decision to this file")
     add_metrics_arguments(p)
@@ -204,6 +230,35 @@ def check_numbers(args: argparse.Namespace) -> None:
     check_metrics_host(args.metrics_port, args.metrics_host)
 
 
+def coordination(args: argparse.Namespace, servers: list[str]) -> ShardLeases | None:
+    """The shard leases --etcd asks for, checked; None without --etcd."""
+    given = [f for f, v in (("--controllers", args.controllers), ("--advertise", args.advertise),
+                            ("--shards", args.shards)) if v is not None]
+    if args.etcd is None:
+        if given:
+            raise ConfigError(f"{' and '.join(given)} only apply with --etcd URL (several "
+                              f"controllers); without it this is the job's only controller")
+        return None
+    if args.controllers is None:
+        raise ConfigError("--etcd needs --controllers HOST:PORT,...: every controller of the "
+                          "job, as the workers are given them")
+    controllers = [a.strip() for a in args.controllers.split(",") if a.strip()]
+    for address in controllers:
+        parse_address(address)
+    me = args.advertise or args.listen
+    host, _ = parse_address(me)
+    if host in ("", "0.0.0.0", "::"):
+        raise ConfigError(f"--listen {args.listen} is no address workers can dial: give "
+                          f"--advertise HOST:PORT, this controller's entry in --controllers")
+    shards = args.shards if args.shards is not None else max(len(servers), 1)
+    return ShardLeases(EtcdClient(parse_endpoints(args.etcd)), job=args.job, me=me,
+                       controllers=controllers, shards=shards, ttl=args.lease_ttl)
+
+
+def planning(leases: ShardLeases) -> str:
+    return f", planning shards {sorted(leases.owned)} of {leases.shards} (etcd)"
+
+
 def run(args: argparse.Namespace) -> int:
     host, port = parse_address(args.listen)
     check_numbers(args)
@@ -260,6 +315,11 @@ def run(args: argparse.Namespace) -> int:
                         "applied updates only from the workers that pushed them, and a replica "
                         "waiting for a lost update is not resynced (it is given up after "
                         "--replica-lag-timeout)")
+    leases = coordination(args, servers)
+    if leases is not None and (servers or gate is not None):
+        raise ConfigError("--etcd (several controllers) does not yet combine with failover "
+                          "(--server/--replica) or --div-max: each controller would watch "
+                          "every shard's server; run one controller for such a job")
     if args.decision_log:
         handler = decision_log(args.decision_log)
         handler.setFormatter(logging.Formatter("%(message)s"))
@@ -283,6 +343,12 @@ def run(args: argparse.Namespace) -> int:
         controller.state.chunks = args.chunks
         controller.tls = None if secured is None else secured[0]
         stopped = stop_on_signals()  # before the "serving" line: see stop_on_signals
+        if leases is not None:
+            try:
+                await controller.coordinate(leases)
+            except EtcdError as exc:
+                raise ConfigError(f"--etcd {args.etcd}: {exc}; start etcd or give its client "
+                                  f"URL") from None
         bound = await listen(controller, host, port, args.listen)
         if agents:
             assert agent_key is not None
@@ -295,6 +361,7 @@ def run(args: argparse.Namespace) -> int:
               f"(policy {args.policy}, tau_max {tau_max}"
               f"{'' if gate is None else f', div_max {gate.div_max}'}"
               f"{f', {len(aggregators)} aggregators' if aggregators else ''}"
+              f"{'' if leases is None else planning(leases)}"
               f"{tls.describe(controller.tls)}"
               f"{'' if metrics_url is None else f', metrics {metrics_url}'})", flush=True)
         await stopped.wait()

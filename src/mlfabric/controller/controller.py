@@ -18,8 +18,10 @@ import os
 import secrets
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
+from ..coordination.leases import ShardLeases
 from ..errors import ConfigError, MlfabricError
 from ..replication.divergence import DivergenceGate
 from ..replication.failover import DEFAULT_GAP_TIMEOUT, FailoverMonitor
@@ -35,6 +37,7 @@ from ..wire.protocol import (
     Directive,
     Failover,
     FellBack,
+    Moved,
     Pong,
     ReplicaAt,
     ReplicaDone,
@@ -109,6 +112,48 @@ class Controller(Endpoint):
         # One per server watched for failover, by shard index (one for a job
         # of one server).
         self.monitors: list[FailoverMonitor] = []
+        # Several controllers (issue 34): the shards this one holds in etcd.
+        # None: the only controller, planning every shard.
+        self.leases: ShardLeases | None = None
+
+    # -- several controllers ------------------------------------------------------
+
+    async def coordinate(self, leases: ShardLeases) -> None:
+        """Plan only the shards `leases` holds in etcd, from its first round
+        (which raises EtcdError when etcd cannot be reached: at start that is
+        a setting to fix, not an outage to ride out)."""
+        self.leases = leases
+        leases.metrics = self.metrics
+        leases.on_change = self._owned_changed
+        await leases.tick()
+        leases.start()
+
+    def owns(self, shard: int) -> bool:
+        return self.leases is None or shard in self.leases.owned
+
+    def _owned_changed(self, owned: frozenset[int], owners: dict[int, str]) -> None:
+        """This controller's shards changed: its part of the workers' uplinks
+        follows (`Network.up_share`), and links to shards it no longer plans
+        are sent to their new controller."""
+        assert self.leases is not None
+        share = max(len(owned), 1) / self.leases.shards
+        if share != self.state.network.up_share:
+            self.state.set_network(replace(self.state.network, up_share=share))
+            self.state.touch(None)
+        for conn in list(self.connections):
+            if isinstance(conn, _ControllerProtocol) and conn.shard is not None \
+                    and conn.shard not in owned:
+                self.move(conn, conn.shard)
+        self.replan()
+
+    def move(self, conn: _ControllerProtocol, shard: int) -> None:
+        """Tell a worker's link that another controller plans `shard`, and
+        close it (its transfers here are forgotten; the worker asks again)."""
+        assert self.leases is not None
+        owner = self.leases.owner(shard)
+        self.metrics.links_moved.inc()
+        conn.send(Moved(shard=shard, owner="" if owner == self.leases.me else owner))
+        conn.close()
 
     # -- agents -------------------------------------------------------------------
 
@@ -442,6 +487,11 @@ class Controller(Endpoint):
                                   f"for failover, not shard {ev.shard}: give --server and "
                                   f"--replica one address per shard, in shard order")
             return
+        if conn.shard is None:
+            conn.shard = ev.shard  # a client of one server says it only here
+        if not self.owns(ev.shard):
+            self.move(conn, ev.shard)
+            return
         self.metrics.requests.inc()
         self.state.request(conn, ev.req, host=ev.host, dst=ev.dst, nbytes=ev.nbytes,
                            base_version=ev.base_version, norm=ev.norm, now=self.clock(),
@@ -648,6 +698,8 @@ class Controller(Endpoint):
             await asyncio.wait(self._agent_tasks, timeout=5.0)
         for monitor in self.monitors:
             await monitor.close()
+        if self.leases is not None:
+            await self.leases.close()
         await super().close()
 
 
@@ -672,6 +724,9 @@ class _ControllerProtocol(EndpointProtocol):
             self.endpoint.on_replica_done(event, self.shard or 0)
         elif isinstance(event, ShardAt):
             self.shard = event.shard  # failover news for that shard come here
+            if not self.endpoint.owns(event.shard):
+                self.endpoint.move(self, event.shard)
+                return
             self.endpoint.state.shard_at(event.shard, event.dst, event.version)
         elif isinstance(event, StatusRequest):
             self.send(Status(req=event.req, status=self.endpoint.status(asker=self)))
