@@ -15,11 +15,16 @@ mlfabric.controller.controller answers the events of one turn of its loop.
 
     .venv/bin/python benchmarks/bench_sim.py [--scales 100,1000,10000] [--steps 8,4,2]
         [--replan-every-ms 0,0,0] [--decision-latency none|measured] [--shards 1]
+        [--controllers 1]
 
 With --shards S the server is S shards (hosts s0..s{S-1}), each with 1/S of
 the downlink (so each worker's share stays the same) and a part of every
 update; the change in the middle third is then s0's downlink alone (one
-shard's host loses half its link to another tenant).
+shard's host loses half its link to another tenant). With --controllers C
+the shards are split between C controllers (shard k to controller k mod C,
+as `mlfabric controller --etcd` splits them at start), each with its part
+of every worker uplink and busy with its own re-plans; busy is then the
+busiest controller's.
 
 Prints per scale and policy: pushes, applied, dropped (by reason), delay
 and push-to-applied distributions, bytes into the server, and the
@@ -48,7 +53,8 @@ def scenario(n: int, steps: int, replan_ms: float, args: argparse.Namespace) -> 
     if args.change_factor != 1.0:
         changes = (RateChange(expected / 3, first, down_mbit=down * args.change_factor),
                    RateChange(2 * expected / 3, first, down_mbit=down))
-    return Scenario(workers=n, shards=args.shards, update_bytes=int(args.update_mib * MIB),
+    return Scenario(workers=n, shards=args.shards, controllers=args.controllers,
+                    update_bytes=int(args.update_mib * MIB),
                     steps=steps,
                     compute=args.compute_ms / 1e3, jitter=0.2, max_in_flight=1, tau_max=n,
                     server_down_mbit=down, server_up_mbit=10 * down, worker_up_mbit=1000.0,
@@ -93,6 +99,8 @@ def main() -> int:
     ap.add_argument("--compute-ms", type=float, default=1200.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shards", type=int, default=1, help="server shards (see above)")
+    ap.add_argument("--controllers", type=int, default=1,
+                    help="controllers splitting the shards (see above)")
     ap.add_argument("--policies", default="fifo,mlfabric")
     ap.add_argument("--replan-every-ms", default="0,0,0",
                     help="per scale: the controller re-plans at most this often (0: on "
@@ -121,6 +129,8 @@ def main() -> int:
             if args.decision_latency == "measured":
                 how += ", each taking the time it took here"
             servers = "server downlink" if sc.shards == 1 else f"{sc.shards} shards, downlink"
+            if sc.controllers > 1:
+                servers = f"{sc.controllers} controllers, {servers}"
             changed = "" if sc.shards == 1 else " on s0"
             print(f"{n} workers, {k} steps: {servers} {sc.server_down_mbit:g} Mbit/s "
                   f"({args.change_factor:g}x in the middle third{changed}), tau_max "

@@ -441,6 +441,28 @@ def test_measured_decision_latency_delays_directives_and_batches_events():
         Scenario(decision_latency="slow")
 
 
+def test_several_controllers_each_decide_their_own_shards_in_parallel():
+    """TINY over two shards, each re-plan taking 0.125 s. Worker 0's two
+    parts are asked for at 1.002. One controller decides the first alone
+    (its go leaves at 1.127) and the second with worker 1's parts in its
+    next re-plan (go at 1.252): the push lands whole at 1.752. Two
+    controllers, one per shard, each decide their part at once: both go at
+    1.127 and land at 1.627. Each is busy for its own re-plans."""
+    def run(controllers: int):
+        sc = dataclasses.replace(TINY, shards=2, controllers=controllers,
+                                 decision_latency="measured")
+        ticks = itertools.count(0.0, 0.125)
+        return simulate(sc, "mlfabric", timer=lambda: next(ticks))
+
+    one, two = run(1), run(2)
+    assert by_worker(one)[0].done == pytest.approx(1.752, abs=EXACT)
+    assert by_worker(two)[0].done == pytest.approx(1.627, abs=EXACT)
+    assert all(r.applied for r in two.records)
+    assert one.busy == [pytest.approx(1.0)] and two.busy == [pytest.approx(0.75)] * 2
+    with pytest.raises(ConfigError, match=r"controllers must be in 1..shards \(2\)"):
+        dataclasses.replace(TINY, shards=2, controllers=3)
+
+
 def test_mlfabric_sends_nothing_the_server_refuses_as_stale_with_mixed_speed_workers():
     """Issue 34: with slow and fast workers, the controller released a
     transfer that had to land next beside one that landed first (9 of 120

@@ -83,6 +83,11 @@ class Scenario:
 
     workers: int = 8
     shards: int = 1
+    # Controllers, each planning the shards k with k mod controllers equal to
+    # its index (as `mlfabric controller --etcd` splits them at start), with
+    # its part of every worker uplink (`Network.up_share`), each busy with its
+    # own re-plans (they run on hosts of their own).
+    controllers: int = 1
     update_bytes: int = 2 * MIB
     steps: int = 8
     compute: float = 1.2  # seconds per step, before jitter
@@ -132,6 +137,9 @@ class Scenario:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
         if not 1 <= self.shards <= MAX_SHARDS:
             raise ConfigError(f"shards must be in 1..{MAX_SHARDS}, got {self.shards}")
+        if not 1 <= self.controllers <= self.shards:
+            raise ConfigError(f"controllers must be in 1..shards ({self.shards}): each plans at "
+                              f"least one shard, got {self.controllers}")
         if self.update_bytes < self.shards:
             raise ConfigError(f"update_bytes must be >= 1 per shard, got {self.update_bytes} "
                               f"for {self.shards} shard(s)")
@@ -232,6 +240,7 @@ class Result:
     decision_events: list[int] = field(default_factory=list)  # events each decide() answered
     max_utilization: float = 0.0  # highest link load / capacity seen (audit runs)
     events: int = 0
+    busy: list[float] = field(default_factory=list)  # decide() wall time, per controller
 
     def summary(self) -> dict[str, Any]:
         recs = self.records
@@ -255,7 +264,9 @@ class Result:
         if self.decision_seconds:
             ds = sorted(self.decision_seconds)
             out["decision_seconds"] = _stats(ds)
-            out["controller_busy"] = sum(ds) / self.end if self.end > 0 else 0.0
+            # The busiest controller's share of the run spent deciding.
+            busiest = max(self.busy, default=sum(ds))
+            out["controller_busy"] = busiest / self.end if self.end > 0 else 0.0
         return out
 
 
@@ -333,9 +344,12 @@ class _Sim:
         # The closed loop (order guard, rates learnt from the job's transfers)
         # as `mlfabric controller` runs it: for the mlfabric policy.
         closed = policy == "mlfabric"
-        self.state = ControlState(make_policy(policy, sc.idle_factor), tau_max=sc.tau_max,
-                                  network=self._controller_network(up, down),
-                                  guard_order=closed, learn_rates=closed)
+        self.controllers = [
+            _Controller(self, k, ControlState(
+                make_policy(policy, sc.idle_factor), tau_max=sc.tau_max,
+                network=self._controller_network(up, down, k), guard_order=closed,
+                learn_rates=closed))
+            for k in range(sc.controllers)]
         self.servers = sc.servers()
         self.parts = sc.parts()
         self.versions = [0] * sc.shards  # each shard server's
@@ -345,10 +359,6 @@ class _Sim:
         self.by_request: dict[tuple[int, int], tuple[PushRecord, int]] = {}
         self._sent: dict[tuple[int, int], float] = {}
         self._requests = 0
-        self._wake_gen = 0
-        self._replan_ok = 0.0  # the earliest next re-plan (replan_every, decision_latency)
-        self._events_waiting = 0  # events since the last re-plan
-        self._batched = False  # a re-plan is scheduled at _replan_ok
         self.decision_seconds: list[float] = []
         self.decision_pending: list[int] = []
         self.decision_events: list[int] = []
@@ -408,13 +418,17 @@ class _Sim:
 
     # -- network changes ---------------------------------------------------------------------
 
-    def _controller_network(self, up: dict[str, float], down: dict[str, float]) -> Network:
-        """What the controller is told: link rates in bytes/s on the wire, as an
-        operator writes them with --link (no header overhead taken off)."""
+    def _controller_network(self, up: dict[str, float], down: dict[str, float],
+                            controller: int) -> Network:
+        """What controller `controller` is told: link rates in bytes/s on the
+        wire, as an operator writes them with --link (no header overhead
+        taken off), and its part of the uplinks (the shards it plans)."""
         floor = 1.0  # the scheduling core refuses capacity 0; a measured 0 is floored
+        planned = len(range(controller, self.sc.shards, self.sc.controllers))
         return Network(default=mbit(self.sc.worker_up_mbit),
                        up={h: max(mbit(r), floor) for h, r in up.items()},
-                       down={h: max(mbit(r), floor) for h, r in down.items()})
+                       down={h: max(mbit(r), floor) for h, r in down.items()},
+                       up_share=planned / self.sc.shards)
 
     def _rate_change(self, c: RateChange) -> None:
         if c.up_mbit is not None:
@@ -424,8 +438,10 @@ class _Sim:
             self.wire_down[c.host] = c.down_mbit
             self.net.set_capacity(self.link_down[c.host], mbit(c.down_mbit) * self.sc.goodput)
         if self.sc.controller_view == "live":
-            self.state.set_network(self._controller_network(self.wire_up, self.wire_down))
-            self._replan()
+            for ctl in self.controllers:
+                ctl.state.set_network(self._controller_network(self.wire_up, self.wire_down,
+                                                               ctl.index))
+                ctl.replan()
 
     # -- workers (workload.py's loop) --------------------------------------------------
 
@@ -492,7 +508,7 @@ class _Sim:
         """One part's outcome; the push's once every part has one (as
         ShardedOutcome: applied by every shard, the first refusal's reason;
         the delay, the most any shard measured, applying it or not)."""
-        rec, _ = self.by_request.pop((w.index, req))
+        rec, k = self.by_request.pop((w.index, req))
         sent = self._sent.pop((w.index, req), None)
         first = rec.parts_left == len(self.servers)
         rec.parts_left -= 1
@@ -505,7 +521,8 @@ class _Sim:
             version, ok, d = report
             # The worker reports the time from its go to the server's answer.
             seconds = self.now - sent if sent is not None else None
-            self.after(self.sc.message_latency, self._ctl_done, w, req, version, ok, d, seconds)
+            self.after(self.sc.message_latency, self._ctl_done, w, req, version, ok, d, seconds,
+                       k)
         if rec.parts_left == 0:
             rec.done = self.now
             self._settle(w)
@@ -545,65 +562,82 @@ class _Sim:
     # -- the controller (controller.py's event handling) ------------------------------------
 
     def _ctl_request(self, w: _Worker, req: int, shard: int, base_version: int) -> None:
-        self.state.request(w.index, req, host=w.host, dst=self.servers[shard],
-                           nbytes=self.parts[shard], base_version=base_version, norm=1.0,
-                           now=self.now, shard=shard)
-        self._replan()
+        ctl = self.controllers[shard % len(self.controllers)]
+        ctl.state.request(w.index, req, host=w.host, dst=self.servers[shard],
+                          nbytes=self.parts[shard], base_version=base_version, norm=1.0,
+                          now=self.now, shard=shard)
+        ctl.replan()
 
     def _ctl_done(self, w: _Worker, req: int, version: int, applied: bool,
-                  delay: int | None, seconds: float | None = None) -> None:
-        self.state.done(w.index, req, version=version, applied=applied, delay=delay,
-                        now=self.now, seconds=seconds)
-        self._replan()
+                  delay: int | None, seconds: float | None, shard: int) -> None:
+        ctl = self.controllers[shard % len(self.controllers)]
+        ctl.state.done(w.index, req, version=version, applied=applied, delay=delay,
+                       now=self.now, seconds=seconds)
+        ctl.replan()
+
+
+class _Controller:
+    """One controller (controller.py's event handling): re-plans on every
+    event, or once it may (replan_every, decision_latency), together with
+    the events that come meanwhile."""
+
+    def __init__(self, sim: _Sim, index: int, state: ControlState) -> None:
+        self.sim, self.index, self.state = sim, index, state
+        self._wake_gen = 0
+        self._replan_ok = 0.0  # the earliest next re-plan (replan_every, decision_latency)
+        self._events_waiting = 0  # events since the last re-plan
+        self._batched = False  # a re-plan is scheduled at _replan_ok
+        self.busy = 0.0  # wall time spent deciding
 
     def _wake(self, gen: int) -> None:
         if gen == self._wake_gen:
-            self._replan()
+            self.replan()
 
     def _batched_replan(self) -> None:
         self._batched = False
         self._replan_when_free()
 
-    def _replan(self) -> None:
-        """An event: re-plan now, or once the controller may (replan_every,
-        decision_latency), together with the events that come meanwhile."""
+    def replan(self) -> None:
+        """An event: re-plan now, or once the controller may."""
         self._events_waiting += 1
         self._replan_when_free()
 
     def _replan_when_free(self) -> None:
-        if self.now < self._replan_ok:
+        sim = self.sim
+        if sim.now < self._replan_ok:
             if not self._batched:
                 self._batched = True
-                self.at(self._replan_ok, self._batched_replan)
+                sim.at(self._replan_ok, self._batched_replan)
             return
-        measured = self.sc.decision_latency == "measured"
-        timer = self.timer or (time.perf_counter if measured else None)
+        measured = sim.sc.decision_latency == "measured"
+        timer = sim.timer or (time.perf_counter if measured else None)
         pending = len(self.state.pending)
         spent = 0.0
         if timer is not None:
             t0 = timer()
-            decisions = self.state.decide(self.now)
+            decisions = self.state.decide(sim.now)
             spent = timer() - t0
-            self.decision_seconds.append(spent)
+            sim.decision_seconds.append(spent)
+            self.busy += spent
         else:
-            decisions = self.state.decide(self.now)
-        self.decision_pending.append(pending)
-        self.decision_events.append(self._events_waiting)
+            decisions = self.state.decide(sim.now)
+        sim.decision_pending.append(pending)
+        sim.decision_events.append(self._events_waiting)
         self._events_waiting = 0
         busy = spent if measured else 0.0  # the controller is deciding until now + busy
-        self._replan_ok = self.now + max(self.sc.replan_every, busy)
-        lat = busy + self.sc.message_latency
+        self._replan_ok = sim.now + max(sim.sc.replan_every, busy)
+        lat = busy + sim.sc.message_latency
         for action in decisions.actions:
             t = action.transfer
-            w = self.workers[cast(int, t.owner)]  # (t.req names the part)
+            w = sim.workers[cast(int, t.owner)]  # (t.req names the part)
             if isinstance(action, Go):
-                self.after(lat, self._go, w, t.req)
+                sim.after(lat, sim._go, w, t.req)
             else:
                 assert isinstance(action, Drop)
-                self.after(lat, self._outcome, w, t.req, False, None, action.reason, None)
+                sim.after(lat, sim._outcome, w, t.req, False, None, action.reason, None)
         self._wake_gen += 1  # cancels the previous timer, as call_later's handle does
         if decisions.wake_at is not None:
-            self.at(max(self.now + busy, decisions.wake_at), self._wake, self._wake_gen)
+            sim.at(max(sim.now + busy, decisions.wake_at), self._wake, self._wake_gen)
 
 
 def simulate(scenario: Scenario, policy: str, *, timer: Callable[[], float] | None = None,
@@ -623,7 +657,7 @@ def simulate(scenario: Scenario, policy: str, *, timer: Callable[[], float] | No
     end = max((r.done for r in sim.records if r.done is not None), default=sim.now)
     return Result(policy, scenario, sim.records, end, sim.bytes_in, sim.decision_seconds,
                   sim.decision_pending, sim.decision_events, sim.net.max_utilization,
-                  sim.events)
+                  sim.events, [c.busy for c in sim.controllers])
 
 
 # --- command line ------------------------------------------------------------------------
@@ -647,7 +681,8 @@ def parse_change(spec: str) -> RateChange:
 
 def scenario_from_args(args: argparse.Namespace, seed: int) -> Scenario:
     return Scenario(
-        workers=args.workers, shards=args.shards, update_bytes=round(args.update_mib * MIB),
+        workers=args.workers, shards=args.shards, controllers=args.controllers,
+        update_bytes=round(args.update_mib * MIB),
         steps=args.steps,
         compute=args.compute_ms / 1e3, jitter=args.jitter, max_in_flight=args.in_flight,
         tau_max=None if args.tau_max < 0 else args.tau_max,
@@ -667,6 +702,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shards", type=int, default=1,
                    help="server shards, on hosts s0..s{N-1} (1: one server, on h0); each "
                         "has the --server-*-mbit links and gets one part of every update")
+    p.add_argument("--controllers", type=int, default=1,
+                   help="controllers, 1..shards: controller c plans shards k with k mod "
+                        "controllers = c, with its part of every worker uplink, and is busy "
+                        "with its own re-plans")
     p.add_argument("--policy", choices=[*POLICIES, "both"], default="both")
     p.add_argument("--update-mib", type=float, default=2.0,
                    help="update (and model) size, over all shards")
