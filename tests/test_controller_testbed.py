@@ -4,6 +4,9 @@ as the bottleneck."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from mlfabric.tools.testbed import Testbed
@@ -58,6 +61,39 @@ def test_a_run_over_sharded_servers_applies_every_push_on_every_shard():
     assert versions[-1] == (summary.applied, summary.applied), versions
     for r in records:
         assert r["applied"] or "dropped by the controller" in (r["reason"] or ""), r
+
+
+@pytest.mark.root
+@needs_root
+def test_two_controllers_split_the_shards_and_one_killed_mid_run_loses_nothing(tmp_path):
+    """Two shards (h0, h1), a controller beside each, sharing an etcd on h0.
+    Half a second after the workers connected, the first controller (shard
+    0's) is killed with SIGKILL and not started again. The workers wait
+    for a controller (fallback "wait": nothing goes unscheduled): the
+    second takes shard 0 over, and every push ends applied or with the
+    controller's reason."""
+    log = tmp_path / "decisions.jsonl"
+    with Testbed(hosts=5, rate_mbit=1000.0,
+                 rates={"h0": (1000.0, 50.0), "h1": (1000.0, 50.0)}) as tb:
+        summary, records = run_policy(
+            tb, "mlfabric", model_bytes=1 << 20, steps=6, tau_max=TAU_MAX, compute_ms=100,
+            max_in_flight=1, link_mbit={"h0": (1000, 50), "h1": (1000, 50)},
+            shard_hosts=["h1"], controllers=2, kill_controller_after=0.5, fallback="wait",
+            decision_log=log)
+    assert summary.pushes == len(records) == 3 * 6
+    for r in records:
+        assert r["applied"] or "dropped by the controller" in (r["reason"] or ""), r
+    first = [json.loads(x) for x in log.read_text().splitlines()]
+    second = [json.loads(x) for x in Path(f"{log}.1").read_text().splitlines()]
+    def decisions(log: list[dict]) -> int:
+        return sum(r["event"] in ("go", "drop") for r in log)
+
+    # Every part decided once (a directive lost with the killed controller
+    # is asked for again: at most a few twice).
+    assert 2 * summary.pushes <= decisions(first) + decisions(second) <= 2 * summary.pushes + 3
+    # The first decided shard 0's parts until it was killed; the second its
+    # own shard's all along, and shard 0's from then on.
+    assert 0 < decisions(first) < summary.pushes < decisions(second)
 
 
 @pytest.mark.root

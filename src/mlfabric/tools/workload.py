@@ -38,6 +38,7 @@ from .token_cli import agent_secrets
 
 JOB = "workload"
 CONTROLLER_PORT = 7071  # inside the server host's own namespace
+ETCD_PORTS = (2379, 2380)  # several controllers: etcd on the server host (client, peer)
 AGENT_PORT = 7400  # the aggregator's agent (its own host)
 AGGREGATE_PORT = 7401
 METRICS_PORTS = {"server": 9100, "controller": 9101, "agent": 9102}
@@ -247,7 +248,8 @@ def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: i
                agent_log: Path | None = None,
                during_run: Callable[[RunInfo], None] | None = None,
                at_end: Callable[[RunInfo], None] | None = None,
-               shard_hosts: Sequence[str] = ()
+               shard_hosts: Sequence[str] = (), controllers: int = 1,
+               kill_controller_after: float | None = None, lease_ttl: int = 1
                ) -> tuple[Summary, list[dict[str, Any]]]:
     """Run one policy: server and controller on `server_host`, a worker on
     every other host of testbed `tb`. `during(tb)` runs once the workers are
@@ -270,13 +272,26 @@ def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: i
 
     `shard_hosts`: the model is served by len(shard_hosts) + 1 shards, shard
     0 on `server_host` (with the controller) and shard i on shard_hosts[i-1];
-    no worker runs there. RunInfo.server_addr then lists them all."""
+    no worker runs there. RunInfo.server_addr then lists them all.
+
+    `controllers` > 1 (several controllers, issue 34): an etcd on
+    `server_host`, and controller k on the k-th of [server_host,
+    *shard_hosts] (`--etcd`, `--lease-ttl lease_ttl`); the workers are
+    given them all. `kill_controller_after`: the first controller is killed
+    (SIGKILL) that many seconds after every worker has connected, and not
+    started again: the others take its shards over."""
     from ..wire import auth
 
     server = tb.host(server_host)
     if shard_hosts and aggregator:
         raise ValueError("run_policy: sharded servers with an aggregator are not supported "
                          "(an aggregator forwards to one server)")
+    if controllers > 1 and (aggregator or restart_controller_after is not None):
+        raise ValueError("run_policy: several controllers with an aggregator or a restarted "
+                         "controller are not supported")
+    if not 1 <= controllers <= 1 + len(shard_hosts):
+        raise ValueError(f"run_policy: controllers must be 1..shards ({1 + len(shard_hosts)}), "
+                         f"got {controllers}")
     skip = {server_host, *shard_hosts, *idle_hosts, *([aggregator] if aggregator else [])}
     workers = [h for h in tb.hosts if h.name not in skip]
     with tempfile.TemporaryDirectory(prefix="mlfabric-workload-") as tmp:
@@ -345,13 +360,40 @@ def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: i
                 procs["agent"] = tb.popen(agg, agent_argv, **kw)
         if decision_log is not None:
             ctl_argv += ["--decision-log", str(decision_log)]
+        ctl_hosts = [server, *(tb.host(h) for h in shard_hosts)][:controllers]
+        if controllers > 1:
+            from .etcd import etcd_argv
+
+            # Its log goes to a file (read for its ready line): a pipe left
+            # unread would fill and stall it.
+            etcd_log = Path(tmp) / "etcd.log"
+            with open(etcd_log, "w") as out:
+                procs["etcd"] = tb.popen(server, etcd_argv(server.ip, *ETCD_PORTS,
+                                                           Path(tmp) / "etcd", log_level="info"),
+                                         stdout=out, stderr=subprocess.STDOUT, cwd=tmp, env=env)
+            deadline = time.monotonic() + 30.0
+            while "ready to serve client requests" not in etcd_log.read_text():
+                if procs["etcd"].poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"etcd did not start: {etcd_log.read_text()[-2000:]}")
+                time.sleep(0.05)
+            listed = ",".join(f"{h.ip}:{CONTROLLER_PORT}" for h in ctl_hosts)
+            ctl_argv += ["--etcd", f"http://{server.ip}:{ETCD_PORTS[0]}", "--controllers",
+                         listed, "--shards", str(shards), "--lease-ttl", str(lease_ttl)]
         ctl = tb.popen(server, ctl_argv, **kw)
         procs["controller"] = ctl
+        for k, host in enumerate(ctl_hosts[1:], start=1):
+            argv = list(ctl_argv)
+            argv[argv.index("--listen") + 1] = f"{host.ip}:{CONTROLLER_PORT}"
+            if decision_log is not None:
+                argv = [f"{decision_log}.{k}" if a == str(decision_log) else a for a in argv]
+            procs[f"controller{k}"] = tb.popen(host, argv, **kw)
         try:
             if not aggregator:
                 srv_addr = ",".join(serving_address(procs[role], role) for role in
                                     ["server", *(f"server{i}" for i in range(1, shards))])
-            ctl_addr = serving_address(ctl, "controller")
+            ctl_addr = ",".join(serving_address(procs[role], role) for role in
+                                ["controller", *(f"controller{k}"
+                                                 for k in range(1, controllers))])
             if "agent" in procs:
                 wait_for_line(procs["agent"], "aggregating", "aggregator agent")
             info = RunInfo(tb, server, Path(tmp), token, srv_addr, ctl_addr, procs, ports)
@@ -384,6 +426,12 @@ def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: i
                 time.sleep(1.0)  # a second without a controller
                 ctl = procs["controller"] = tb.popen(server, ctl_argv, **kw)
                 serving_address(ctl, "restarted controller")
+            if kill_controller_after is not None:
+                for i, p in enumerate(workers_procs):
+                    wait_for_line(p, "ready", f"worker {i}", timeout=60.0)
+                time.sleep(kill_controller_after)  # the point in the run to kill it at
+                ctl.kill()
+                ctl.wait(10)
             records: list[dict[str, Any]] = []
             for i, p in enumerate(workers_procs):
                 try:
@@ -399,8 +447,9 @@ def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: i
             if at_end is not None:
                 at_end(info)
         finally:
-            for proc in (*[p for r, p in procs.items() if r not in ("controller", "server")],
-                         ctl, srv):
+            for proc in (*[p for r, p in procs.items()
+                           if r not in ("controller", "server", "etcd")],
+                         ctl, srv, *([procs["etcd"]] if "etcd" in procs else [])):
                 proc.terminate()
                 try:
                     proc.wait(10)
