@@ -46,12 +46,12 @@ ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "guide"
 PAGES = ["quickstart.md", "deploying.md", "troubleshooting.md", "security.md"]
 # Every port number the guide's commands use; each is replaced by a free port.
-GUIDE_PORTS = (7070, 7071, 7080, 7400, 9100, 9101, 9470, 9471, 9472)
+GUIDE_PORTS = (2379, 2380, 7070, 7071, 7080, 7400, 9100, 9101, 9470, 9471, 9472)
 MAX_NORUN = 6
 COMMAND_TIMEOUT = 120.0  # bounded, and generous: the suite may share its CPUs
 READY_TIMEOUT = 30.0
 # What each long-running command prints once it is ready.
-READY = re.compile(r"serving job|ready on|press Ctrl-C")
+READY = re.compile(r"serving job|ready on|press Ctrl-C|ready to serve client requests")
 
 FENCE = re.compile(r"^```(\S*)[ \t]*(.*)$")
 
@@ -205,8 +205,12 @@ class Background:
         except subprocess.TimeoutExpired:
             self.kill()
             pytest.fail(f"{self.block.where}: did not stop within 15 s of Ctrl-C (SIGINT)")
-        assert code == 0, (f"{self.block.where}: exited with {code} on Ctrl-C (SIGINT):\n"
-                           + "".join(self.lines))
+        # etcd, like many Go servers, ends by raising the signal again once it
+        # has shut down: only mlfabric's own commands must exit 0.
+        ours = self.block.text.lstrip().startswith(("mlfabric", "python"))
+        assert code == 0 or (not ours and code == -signal.SIGINT), (
+            f"{self.block.where}: exited with {code} on Ctrl-C (SIGINT):\n"
+            + "".join(self.lines))
 
     def kill(self) -> None:
         if self.proc.poll() is None:
