@@ -80,6 +80,7 @@ class AsyncControlledPushes:
         self.client = client
         self._moving = False  # a controller named the one to dial at once
         self._moved_last = False  # ... and nothing was decided since
+        self._gone: str | None = None  # the controller last lost or not reached
         self.hs = hs
         self.tls = tls
         self._link: Link | None = None
@@ -174,7 +175,7 @@ class AsyncControlledPushes:
             raise exc  # the link closes: no fallback, no dialling again (see _lost)
         if not isinstance(d, Directive):
             raise MlfabricError(f"controller sent {type(d).__name__}")
-        self._moved_last = False
+        self._moved_last, self._gone = False, None
         u, outcome = self.book.directive(d, self.client.last_version)
         if u is None:
             return
@@ -188,17 +189,18 @@ class AsyncControlledPushes:
         the link next. Dial the one it names at once, unless the last move
         was not followed by any decision (two controllers that disagree for
         a moment are then dialled every RECONNECT_EVERY, not in a loop).
-        Without a name (the shard is being taken over), the next controller
-        in the list is dialled as after an outage."""
+        Without a name, or naming the controller this link just lost (its
+        lease has not run out yet), the shard is being taken over, and by
+        this controller: the next in the list after the lost one, as this
+        link dials them. It is asked again after the reconnect interval."""
         was = self.address
-        if d.owner in self.addresses:
+        if d.owner in self.addresses and d.owner != self._gone:
             self._dial(self.addresses.index(d.owner))
-        else:
-            if d.owner:
-                log.warning("controller %s says controller %s plans shard %d, but this worker "
-                            "was not given it (controller setting %s): give every worker the "
-                            "same list as the controllers' --controllers", was, d.owner,
-                            d.shard, ",".join(self.addresses))
+        elif d.owner and d.owner not in self.addresses:
+            log.warning("controller %s says controller %s plans shard %d, but this worker "
+                        "was not given it (controller setting %s): give every worker the "
+                        "same list as the controllers' --controllers", was, d.owner,
+                        d.shard, ",".join(self.addresses))
             self._dial(self._at + 1)
         self._moving = bool(d.owner) and self.address != was and not self._moved_last
         self._moved_last = True
@@ -214,6 +216,8 @@ class AsyncControlledPushes:
         self._link = None
         if self.book.refusal is not None:
             return
+        if not self._moved_last:  # lost, not sent on: do not dial it again at once
+            self._gone = self.address
         if self._moving and not self.book.closed:
             self._moving = False
             if self._reconnect_task is None:
@@ -244,6 +248,7 @@ class AsyncControlledPushes:
                     for u in self.book.lost(exc):
                         self._send(u)
                 if len(self.addresses) > 1:
+                    self._gone = self.address
                     self._dial(self._at + 1)
                 # Not answering is the outage itself; an answer that is not a
                 # welcome (the controller restarted with another token or
