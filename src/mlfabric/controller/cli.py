@@ -131,6 +131,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the etcd cluster holding the job's shard leases, e.g. "
                         "http://10.0.0.2:2379 (default: none: this is the job's only "
                         "controller and plans every shard)")
+    g.add_argument("--etcd-cert", default=None, metavar="FILE",
+                   help="with an https:// --etcd: this controller's client certificate for "
+                        "etcd (PEM; with --etcd-key and --etcd-ca; default: --tls-cert, "
+                        "--tls-key and --tls-ca)")
+    g.add_argument("--etcd-key", default=None, metavar="FILE",
+                   help="the private key of --etcd-cert (PEM)")
+    g.add_argument("--etcd-ca", default=None, metavar="FILE",
+                   help="the CA that signed etcd's server certificate (PEM)")
     g.add_argument("--controllers", metavar="HOST:PORT,...", default=None,
                    help="with --etcd: every controller of the job, as the workers reach them "
                         "and in the order the workers are given them (their `controller` "
@@ -233,10 +241,13 @@ def check_numbers(args: argparse.Namespace) -> None:
 def coordination(args: argparse.Namespace, servers: list[str]) -> ShardLeases | None:
     """The shard leases --etcd asks for, checked; None without --etcd."""
     given = [f for f, v in (("--controllers", args.controllers), ("--advertise", args.advertise),
-                            ("--shards", args.shards)) if v is not None]
+                            ("--shards", args.shards), ("--etcd-cert", args.etcd_cert),
+                            ("--etcd-key", args.etcd_key), ("--etcd-ca", args.etcd_ca))
+             if v is not None]
     if args.etcd is None:
         if given:
-            raise ConfigError(f"{' and '.join(given)} only apply with --etcd URL (several "
+            raise ConfigError(f"{' and '.join(given)} only appl{'y' if len(given) > 1 else 'ies'} "
+                              f"with --etcd URL (several "
                               f"controllers); without it this is the job's only controller")
         return None
     if args.controllers is None:
@@ -251,7 +262,21 @@ def coordination(args: argparse.Namespace, servers: list[str]) -> ShardLeases | 
         raise ConfigError(f"--listen {args.listen} is no address workers can dial: give "
                           f"--advertise HOST:PORT, this controller's entry in --controllers")
     shards = args.shards if args.shards is not None else max(len(servers), 1)
-    return ShardLeases(EtcdClient(parse_endpoints(args.etcd)), job=args.job, me=me,
+    endpoints, secure = parse_endpoints(args.etcd)
+    names = ("--etcd-cert", "--etcd-key", "--etcd-ca")
+    files = tls.files(args.etcd_cert, args.etcd_key, args.etcd_ca, names)
+    if files is None and secure:
+        names = tls.FLAGS
+        files = tls.files(args.tls_cert, args.tls_key, args.tls_ca)
+    if secure and files is None:
+        raise ConfigError(f"--etcd {args.etcd} is https: give this controller's client "
+                          f"certificate for it, --etcd-cert, --etcd-key and --etcd-ca (or "
+                          f"--tls-cert, --tls-key and --tls-ca)")
+    if files is not None and not secure:
+        raise ConfigError(f"--etcd {args.etcd} is plain http, but {names[0]} was given: "
+                          f"give etcd's https:// client URLs")
+    context = tls.client_context(files, names) if files is not None else None
+    return ShardLeases(EtcdClient(endpoints, tls=context), job=args.job, me=me,
                        controllers=controllers, shards=shards, ttl=args.lease_ttl)
 
 

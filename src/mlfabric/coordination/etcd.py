@@ -13,7 +13,10 @@ controller's event loop. This is about 200 lines with every answer bound
 checked.
 
 Every call is bounded by `timeout` and tries the endpoints in turn; an etcd
-that cannot be reached or answers with an error raises `EtcdError`.
+that cannot be reached or answers with an error raises `EtcdError`. An
+https:// endpoint is dialled over TLS with a client certificate (etcd's
+--client-cert-auth then admits only the holders of a certificate its CA
+signed): `tls` is the client context.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,21 +48,26 @@ class KeyValue:
     lease: int  # 0: no lease
 
 
-def parse_endpoints(spec: str) -> list[tuple[str, int]]:
-    """`http://HOST:PORT[,http://HOST:PORT...]` (or bare HOST:PORT) -> addresses."""
-    out = []
+def parse_endpoints(spec: str) -> tuple[list[tuple[str, int]], bool]:
+    """`http[s]://HOST:PORT[,...]` (or bare HOST:PORT: http) -> (addresses,
+    whether they are https). All of one kind: a cluster is served one way."""
+    out, schemes = [], set()
     for part in (p.strip() for p in spec.split(",")):
         url = urlsplit(part if "://" in part else f"http://{part}")
-        if url.scheme != "http" or not url.hostname or url.path not in ("", "/"):
-            raise ConfigError(f"etcd endpoint {part!r}: expected http://HOST:PORT, e.g. "
-                              f"http://127.0.0.1:2379 (https is not supported yet: keep "
-                              f"etcd's client port on a network only the controllers reach)")
+        if url.scheme not in ("http", "https") or not url.hostname \
+                or url.path not in ("", "/"):
+            raise ConfigError(f"etcd endpoint {part!r}: expected http://HOST:PORT or "
+                              f"https://HOST:PORT, e.g. https://10.0.0.2:2379")
         try:
             port = url.port or 2379
         except ValueError:
             raise ConfigError(f"etcd endpoint {part!r}: the port is not a number") from None
         out.append((url.hostname, port))
-    return out
+        schemes.add(url.scheme)
+    if len(schemes) > 1:
+        raise ConfigError(f"etcd endpoints {spec!r} mix http:// and https://: give the "
+                          f"cluster's client URLs, all of one kind")
+    return out, schemes == {"https"}
 
 
 def _b64(s: str) -> str:
@@ -91,11 +100,13 @@ def prefix_end(prefix: str) -> str:
 
 
 class EtcdClient:
-    def __init__(self, endpoints: Sequence[tuple[str, int]], *, timeout: float = 1.0) -> None:
+    def __init__(self, endpoints: Sequence[tuple[str, int]], *, timeout: float = 1.0,
+                 tls: ssl.SSLContext | None = None) -> None:
         if not endpoints:
             raise ConfigError("etcd: no endpoint given")
         self.endpoints = list(endpoints)
         self.timeout = timeout
+        self.tls = tls
         self._at = 0  # the endpoint in use
         self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._lock = asyncio.Lock()  # one request at a time on the connection
@@ -162,7 +173,7 @@ class EtcdClient:
 
     def where(self) -> str:
         host, port = self.endpoints[self._at]
-        return f"http://{host}:{port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{port}"
 
     async def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST `body` to `path`: on the connection in use, then on each
@@ -188,7 +199,14 @@ class EtcdClient:
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         if self._conn is None:
-            self._conn = await asyncio.open_connection(*self.endpoints[self._at])
+            host, port = self.endpoints[self._at]
+            try:
+                self._conn = await asyncio.open_connection(
+                    host, port, ssl=self.tls, server_hostname=host if self.tls else None)
+            except ssl.SSLError as exc:
+                raise EtcdError(f"TLS with etcd failed: {exc.reason or exc} (is its "
+                                f"certificate signed by --etcd-ca, for this host name?)"
+                                ) from None
         reader, writer = self._conn
         payload = json.dumps(body).encode()
         host, port = self.endpoints[self._at]
