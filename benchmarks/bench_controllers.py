@@ -65,7 +65,7 @@ def free_port() -> int:
 
 def owner(url: str, shard: int) -> str:
     async def read() -> str:
-        client = EtcdClient(parse_endpoints(url), timeout=1.0)
+        client = EtcdClient(parse_endpoints(url)[0], timeout=1.0)
         try:
             _, owners = ownership.read(JOB, await client.range(ownership.prefix(JOB)),
                                        ownership.MAX_SHARDS)
