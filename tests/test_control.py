@@ -583,3 +583,37 @@ def test_status_lists_the_workers_back_from_a_fallback_and_those_gone():
         state.forget(i, now=float(i))
     gone = state.status()["gone_workers"]
     assert len(gone) == GONE_KEPT and gone[0]["name"] == f"x{GONE_KEPT + 4}"
+
+
+def test_a_move_to_another_controller_is_no_outage_and_an_unreachable_one_is():
+    """Several controllers (issue 34): MOVED turns the updates waiting for a
+    directive into ones to ask the next controller, with no fallback (even
+    "fifo"), and so are updates placed meanwhile; once it answers, each is
+    asked again there and nothing is reported as unscheduled. If the
+    controller named cannot be reached, that is an outage after all: the
+    fallback takes every waiting update."""
+    from mlfabric.client.control_book import ControlBook
+    from mlfabric.errors import ConnectError
+    from mlfabric.runtime.metrics import ClientMetrics
+    from mlfabric.wire.protocol import TransferRequest
+
+    m = ClientMetrics()
+    book = ControlBook("ctl:1", host="h", dst="s", fallback="fifo", timeout=30.0, metrics=m)
+    book.reconnected(now=0.0)
+    asked = _update()
+    book.place(asked)
+    assert book.moved() == []  # none was sent in part
+    later = _update()
+    assert book.place(later) == (None, [])  # waits for the next controller
+    requests = book.reconnected(now=1.0)
+    assert [type(r) for r in requests] == [TransferRequest, TransferRequest]
+    assert [r.req for r in requests] == [asked.creq, later.creq]
+    assert m.controller_unreachable._value.get() == 0
+    assert m.controller_fallback_updates._value.get() == 0
+    # Moved again, and the one named is down: both go at once (fifo), counted.
+    book.moved()
+    third = _update()
+    book.place(third)
+    assert book.lost(ConnectError("refused"), now=2.0) == [asked, later, third]
+    assert m.controller_unreachable._value.get() == 1
+    assert m.controller_fallback_updates._value.get() == 3
