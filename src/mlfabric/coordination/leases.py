@@ -68,7 +68,6 @@ class ShardLeases:
         self._expiry: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self._failing = ""  # the last etcd error, logged once until it changes
-        self.first_read = asyncio.Event()  # set once the keys were read (or failed) once
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -85,7 +84,8 @@ class ShardLeases:
                     log.warning("etcd: %s; this controller keeps its shards until its lease "
                                 "would run out", exc)
                     self._failing = str(exc)
-            self.first_read.set()
+            except Exception:  # a bug here must not stop the renewals for good
+                log.exception("shard leases: unexpected error; trying again")
             await asyncio.sleep(self.interval)
 
     async def tick(self) -> None:
@@ -134,7 +134,8 @@ class ShardLeases:
                     if self.metrics is not None:
                         self.metrics.shards_claimed.inc()
                     if home != self.me:
-                        log.warning("took over shard %d: its controller %s is gone", shard, home)
+                        log.warning("took over shard %d: its home controller %s is not live",
+                                    shard, home)
         if self._lease != lease:
             return  # given up while reading: nothing is ours
         self._publish(ownership.owned_by(held, self.me, lease),
