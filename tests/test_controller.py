@@ -241,7 +241,7 @@ def test_controller_command_serves_and_stops_cleanly(tmp_path):
      "nonsense"),
     # Several controllers (--etcd).
     (["--controllers", "127.0.0.1:7071,127.0.0.1:7072"],
-     "--controllers only apply with --etcd URL"),
+     "--controllers only applies with --etcd URL"),
     (["--etcd", "http://127.0.0.1:1"], "--etcd needs --controllers HOST:PORT,..."),
     (["--etcd", "http://127.0.0.1:1", "--controllers", "127.0.0.1:7071"],
      "this controller's address '127.0.0.1:0' is not in --controllers 127.0.0.1:7071"),
