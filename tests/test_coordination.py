@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import threading
@@ -19,6 +20,7 @@ import pytest
 from test_sharded import SIZES, addresses, shard_servers
 
 import mlfabric
+from mlfabric.controller.status_cli import fetch_status, format_status
 from mlfabric.coordination import ownership
 from mlfabric.coordination.etcd import (
     EtcdClient,
@@ -309,6 +311,13 @@ def test_a_controller_back_from_the_dead_sends_workers_to_the_one_that_took_over
             assert all(f.result(10).applied for f in outcomes)
         assert back.gos() == 0
         wait_until(lambda: second.gos() == 3, 10, "the second's decisions")
+        # `mlfabric status` of either says who plans the job's one shard.
+        status = fetch_status(names[0], JOB, TOKEN)
+        assert status["controllers"]["plans"] == []
+        assert status["controllers"]["owners"] == [names[1]]
+        text = format_status(fetch_status(names[1], JOB, TOKEN), names[1])
+        assert "this one plans shards [0] of 1" in text
+        assert re.search(rf"^\s*0\s+{re.escape(names[1])}\s*$", text, re.M), text
         assert sample(metrics.controller_fallback_updates) == 0
         assert sample(metrics.controller_unreachable) == 0  # a move, not an outage
 

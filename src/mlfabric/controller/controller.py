@@ -684,6 +684,12 @@ class Controller(Endpoint):
             me = self.state.workers[asker].name
             status["workers"] = [w for w in status["workers"] if w["name"] != me]
         status.update(job=self.job, policy=self.policy_name, connections=len(self.connections))
+        if self.leases is not None:  # several controllers: who plans which shard
+            leases = self.leases
+            status["controllers"] = {
+                "etcd": leases.etcd.where(), "lease_ttl_s": leases.ttl, "this": leases.me,
+                "plans": sorted(leases.owned),
+                "owners": [leases.owner(k) for k in range(leases.shards)]}
         return status
 
     async def close(self) -> None:

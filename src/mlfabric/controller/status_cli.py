@@ -131,6 +131,14 @@ def format_status(s: dict[str, Any], address: str) -> str:
         f"server version {s['server_version']}   transfers pending {s['pending']}, active "
         f"{s['active']}   connections {s.get('connections')}",
     ]
+    ctl = s.get("controllers")
+    if ctl:
+        lines.append(f"several controllers (etcd {ctl['etcd']}, lease {ctl['lease_ttl_s']} s): "
+                     f"this one plans shards {ctl['plans']} of {len(ctl['owners'])}; the "
+                     f"status below is this one's")
+        lines += _table(("shard", "planned by"),
+                        [(str(k), owner or "nobody yet (being taken over)")
+                         for k, owner in enumerate(ctl["owners"])])
     servers = s.get("servers") or []
     if servers:
         lines.append("servers (versions as their workers reported them):")
