@@ -40,6 +40,7 @@ from support import (
     JOB,
     TOKEN,
     EtcdServer,
+    RawClient,
     ServerThread,
     free_port,
     make_model,
@@ -386,3 +387,61 @@ def test_a_controller_reaches_an_etcd_over_tls_with_its_own_certificate(tmp_path
         proc.stdout.close()
         proc.stderr.close()
         server.close()
+
+
+# --- the controller's side, without etcd ---------------------------------------------
+
+
+class _Held:
+    """What a controller needs of its ShardLeases, held by hand."""
+
+    def __init__(self, owned, owners, shards=2):
+        self.owned, self.owners, self.shards, self.me = frozenset(owned), owners, shards, A
+        self.etcd, self.ttl = EtcdClient([("127.0.0.1", 1)]), 1  # (named by the status only)
+
+    def owner(self, shard):
+        return self.owners.get(shard, "")
+
+    async def tick(self):
+        pass
+
+    def start(self):
+        pass
+
+    async def close(self):
+        pass
+
+
+def test_a_controller_sends_on_links_of_shards_it_does_not_plan_and_those_it_loses():
+    """A link that says (SHARD_AT) or asks (a request) for a shard another
+    controller plans gets MOVED naming it, and is closed; when this
+    controller loses a shard, its links get MOVED too (no owner yet: the
+    shard is being taken over), and its part of the uplinks follows."""
+    from mlfabric.controller.controller import Controller
+    from mlfabric.scheduling.plan import fifo_policy
+    from mlfabric.wire.protocol import Moved, ShardAt, TransferRequest
+
+    controller = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None)
+    held = _Held({0}, {0: A, 1: B})
+    with ServerThread(None, endpoint=controller) as thread:
+        thread.run(controller.coordinate(held))
+        other = RawClient(thread.port)
+        other.send(ShardAt(shard=1, dst="s1", version=0))
+        assert other.recv_event() == Moved(shard=1, owner=B)
+        assert other.recv_event() is None  # closed
+        unsharded = RawClient(thread.port)  # a client of one server asks for shard 0 only
+        unsharded.send(TransferRequest(req=1, host="h", dst="s1", nbytes=10, base_version=0,
+                                       norm=1.0, shard=1))
+        assert unsharded.recv_event() == Moved(shard=1, owner=B)
+        mine = RawClient(thread.port)
+        mine.send(ShardAt(shard=0, dst="s0", version=0))
+        wait_until(lambda: thread.call(lambda: dict(controller.state.shard_hosts)) == {0: "s0"},
+                   5, "shard 0's link to be heard")
+        held.owned, held.owners = frozenset(), {1: B}
+        thread.call(lambda: held.on_change(held.owned, held.owners))  # the lease is lost
+        assert mine.recv_event() == Moved(shard=0, owner="")
+        assert mine.recv_event() is None
+        assert thread.call(lambda: controller.state.network.up_share) == 0.5
+        assert sample(controller.metrics.links_moved) == 3
+        for c in (other, unsharded, mine):
+            c.close()
