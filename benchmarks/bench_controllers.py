@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ import mlfabric
 from mlfabric.coordination import ownership
 from mlfabric.coordination.etcd import EtcdClient, parse_endpoints
 from mlfabric.runtime.metrics import ClientMetrics
+from mlfabric.tools.chaos import free_port
 from mlfabric.tools.etcd import etcd_argv
 from mlfabric.tools.workload import serving_address
 from mlfabric.wire import auth
@@ -55,12 +55,6 @@ PY = [sys.executable, "-m", "mlfabric", "--log-level", "WARNING"]
 
 def sample(metric: Any) -> float:
     return float(next(iter(metric.collect())).samples[0].value)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def owner(url: str, shard: int) -> str:

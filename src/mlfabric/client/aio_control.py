@@ -78,8 +78,7 @@ class AsyncControlledPushes:
         self.sharded = shard is not None
         self._aggregators = aggregators
         self.client = client
-        self._moving = False  # a controller named the one to dial at once
-        self._moved_last = False  # ... and nothing was decided since
+        self._moved_last = False  # a controller sent this link on; nothing decided since
         self._gone: str | None = None  # the controller last lost or not reached
         self.hs = hs
         self.tls = tls
@@ -202,11 +201,11 @@ class AsyncControlledPushes:
                         "same list as the controllers' --controllers", was, d.owner,
                         d.shard, ",".join(self.addresses))
             self._dial(self._at + 1)
-        self._moving = bool(d.owner) and self.address != was and not self._moved_last
+        at_once = bool(d.owner) and self.address != was and not self._moved_last
         self._moved_last = True
         log.info("controller %s: shard %d is planned by %s; dialling %s", was, d.shard,
                  d.owner or "no controller yet", self.address)
-        if self._moving:
+        if at_once:  # the book keeps the waiting updates for it (book.moving)
             for u in self.book.moved():
                 self._send(u)
 
@@ -218,8 +217,7 @@ class AsyncControlledPushes:
             return
         if not self._moved_last:  # lost, not sent on: do not dial it again at once
             self._gone = self.address
-        if self._moving and not self.book.closed:
-            self._moving = False
+        if self.book.moving and not self.book.closed:
             if self._reconnect_task is None:
                 self._reconnect_task = asyncio.get_running_loop().create_task(
                     self._reconnect(at_once=True))
