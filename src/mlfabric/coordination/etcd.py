@@ -1,13 +1,12 @@
 """A small asyncio client for etcd's v3 API, through its JSON gateway.
 
 Only what shard ownership needs: leases (grant, keep alive, revoke), a put
-that succeeds only where the key is absent, a delete that succeeds only
-under one's own lease, and a range over a prefix. It speaks HTTP/1.1 to the
+that succeeds only where the key is absent, and a range over a prefix. It speaks HTTP/1.1 to the
 gateway every etcd (3.4 and later) serves on its client URL (`/v3/...`,
 keys and values in base64), on one kept-alive connection per endpoint.
 
 Why not a library: the asyncio etcd clients on PyPI pull in gRPC (grpcio
-and protobuf, tens of MB in every controller's image) for five calls, and
+and protobuf, tens of MB in every controller's image) for four calls, and
 the gateway client that does not (etcd3gw) blocks, which would stall the
 controller's event loop. This is about 200 lines with every answer bound
 checked.
@@ -140,14 +139,6 @@ class EtcdClient:
             "compare": [{"target": "CREATE", "key": _b64(key), "create_revision": "0"}],
             "success": [{"request_put": {"key": _b64(key), "value": _b64(value),
                                          "lease": str(lease)}}]})
-        return bool(r.get("succeeded", False))
-
-    async def delete_if_leased(self, key: str, lease: int) -> bool:
-        """Delete `key` if it is held under `lease` (a key given up, while
-        another controller may already have taken it, is left alone)."""
-        r = await self._call("/v3/kv/txn", {
-            "compare": [{"target": "LEASE", "key": _b64(key), "lease": str(lease)}],
-            "success": [{"request_delete_range": {"key": _b64(key)}}]})
         return bool(r.get("succeeded", False))
 
     async def range(self, prefix: str) -> list[KeyValue]:
