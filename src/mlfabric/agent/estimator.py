@@ -483,7 +483,7 @@ class ProbeConfig:
     target: float = 0.6  # fraction of the budget planned for steady state (headroom for
     # confirmation trains, reports and acks)
     hard_cap: float = 0.75  # retries and confirmations never push probes beyond this
-    cap_depth: float = 0.5  # seconds of hard_cap the token bucket holds
+    cap_depth: float = 1.0  # seconds of hard_cap the token bucket holds
     min_confident: int = 6  # queued packets a sample needs to signal a capacity drop
     share: int = 1  # paths probed over the same uplink (the number of peers)
     packet_size: int = DEFAULT_PACKET_SIZE
@@ -635,11 +635,17 @@ class PathEstimator:
         c = self.config
         cap = max(self.capacity.value or 0.0, self.hint_bps)
         rate = self.budget() * c.hard_cap * cap / c.payload_ratio / 8 / c.share
-        depth = max(rate * c.cap_depth, float(self._steady_train_bytes()))
+        steady = float(self._steady_train_bytes())
+        depth = max(rate * c.cap_depth, steady)
         if self._tokens_at is None:
             self._tokens = depth
         else:
             self._tokens = min(depth, self._tokens + rate * max(0.0, now - self._tokens_at))
+        # A debt is at most one steady train at the current rate: one run up
+        # at a faster path's rate (a collision's retries just before a drop
+        # to a quarter) silenced the path for 1.8 s at the slower rate's
+        # refill, though every byte of it was within the budget when sent.
+        self._tokens = max(self._tokens, -steady)
         self._tokens_at = now
         return rate
 
@@ -699,8 +705,19 @@ class PathEstimator:
             return max(c.quick_interval, self._backoff(nxt))
         else:
             interval = max(c.quick_interval, self._backoff(nxt))
-        if nxt > self._tokens:
-            interval = max(interval, (nxt - self._tokens) / rate)
+        # A train that met another agent's at the peer and read less than the
+        # estimate is a collision or the path's drop, which must be learnt
+        # within a second (issue 32). Its retry goes after the backoff alone
+        # while the bucket can lend one steady train, charged: waiting for
+        # the whole train's tokens after the steady one had spent them, the
+        # retry went 0.22 s later, met another train again, and waited
+        # 0.38 s more (a fresh-clone CI run saw a drop to 50 Mbit/s read 195
+        # for more than 1 s). The loan is repaid before the next steady
+        # train, so the budget holds over any run.
+        loan = (float(self._steady_train_bytes())
+                if self._last == "collision" and self._collided <= RISE_RETRIES else 0.0)
+        if nxt > self._tokens + loan:
+            interval = max(interval, (nxt - self._tokens - loan) / rate)
         return interval
 
     def _backoff(self, nbytes: int) -> float:
