@@ -760,6 +760,25 @@ def test_a_vouching_train_slowed_by_the_jobs_flow_vouches_beside_it() -> None:
 
 
 
+def test_only_a_vouching_train_is_lifted_by_what_the_peer_carried() -> None:
+    """Recorded on the emulated cluster (issue 32's asymmetric cluster, a
+    tenant's TCP flow from h2 into h0): h2's first train to h0, 23 packets
+    of which 4 queued, read 252 Mbit/s; h2's uplink carries 194. Trains of
+    46 to 415 packets then all read 191-195, while h0's downlink carried
+    the ramping flow. Each shorter train was lifted by what h0 carried to
+    243.8 and held at that, the long one vouched for it, and h2's paths
+    read 90 against 42 for 15 s. Now only the vouching train may be lifted,
+    and it reads no less than the rung before it: the path reads 194."""
+    est = PathEstimator(ProbeConfig(initial_bps=100 * MBIT), FakeClock())
+    flow = 84 * MBIT / PAYLOAD  # wire bit/s h0's downlink carried, mostly h2's flow
+    recorded = [(23, 252.0, math.nan), (46, 194.0, math.nan), (46, 190.8, flow),
+                (92, 194.8, flow), (184, 194.3, flow), (368, 194.4, flow), (415, 194.2, flow)]
+    for count, reading, carried in recorded:
+        est.on_train(_measure(reading * MBIT, count=count), peer_down_load=carried,
+                     peer_carried=carried)
+    assert est.capacity.value == pytest.approx(194.4 * MBIT, rel=0.01)
+
+
 def _held_rise(est: PathEstimator, carried: float) -> int:
     """Trains of a rise to 93.6 Mbit/s up to one long enough to vouch for
     it; returns that train's packet count."""
