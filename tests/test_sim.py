@@ -142,6 +142,26 @@ def test_slow_start_waits_a_queue_per_round_trip_on_a_busy_link():
     assert net.next_completion() == pytest.approx(0.6)
 
 
+def test_a_flow_joining_a_link_waits_for_no_more_queue_than_its_flows_have_left():
+    """A saturated link's queue holds only bytes its flows have still to
+    deliver. A 128 KiB transfer joining a link whose last transfer has
+    10 KB to go waited a whole 50 ms queue per round trip in the model and
+    took 30 ms instead of 4.7: its round trip is the base plus those 10 KB
+    at the link's rate."""
+    ramp = SlowStart(initial_window=1000.0, base_rtt=0.001, queue_delay=0.099)
+    net = FlowNet([1e6], slow_start=ramp)
+    a = net.start((0,), 1e9)
+    net.advance(0.5)  # ramped up: holds the whole link, with 1e9 B to go
+    b = net.start((0,), 1e9)
+    assert net.rate(b) == pytest.approx(1e4)  # a full queue: 0.1 s round trips
+    net = FlowNet([1e6], slow_start=ramp)
+    a = net.start((0,), 0.5e6 + 1e4)
+    net.advance(0.5)  # 1e4 B left of a: 10 ms at 1e6 B/s
+    assert net.rate(a) == 1e6 and net.left(a) == pytest.approx(1e4)
+    c = net.start((0,), 1e9)
+    assert net.rate(c) == pytest.approx(1000.0 / (0.001 + 0.01))
+
+
 def test_flownet_refuses_bad_input_clearly():
     with pytest.raises(ConfigError, match="capacity of link 1 is -1"):
         FlowNet([1.0, -1.0])

@@ -14,7 +14,8 @@ rate is capped at one initial window per round trip, doubling every round
 trip, until the network rather than the cap limits it (TCP slow start,
 which Linux also restarts after an idle connection). A round trip is
 `base_rtt`, plus `queue_delay` while a link on the flow's path is saturated
-(loss-based TCP keeps a saturated bottleneck's queue nearly full). This is
+(loss-based TCP keeps a saturated bottleneck's queue nearly full), or less
+where the flows on that link have fewer bytes left than such a queue holds. This is
 what makes a flow that joins busy links slower to get its share than the
 flows already there.
 
@@ -172,12 +173,23 @@ class FlowNet:
 
     def _rtt(self, links: tuple[int, ...] | np.ndarray) -> float:
         """The round trip of a flow over `links` now: base, plus the queue of a
-        saturated link (from the current allocation)."""
+        saturated link (from the current allocation). A queue holds only
+        bytes its flows have still to deliver: at most `queue_delay`, and at
+        most what the flows crossing the link have left, at its capacity.
+        (A transfer joining a link whose last flow has 10 KB to go waits for
+        those, not for 50 ms of a bulk flow's queue.)"""
         assert self.slow_start is not None
         load = self.loads()
         cap = self.capacity
-        busy = any(load[k] >= cap[k] * (1 - 1e-9) for k in links if k != self.dummy)
-        return self.slow_start.base_rtt + (self.slow_start.queue_delay if busy else 0.0)
+        n = len(self._ids)
+        queue = 0.0
+        for k in links:
+            if k == self.dummy or load[k] < cap[k] * (1 - 1e-9):
+                continue
+            left = float(self._left[:n][np.any(self._links[:n] == k, axis=1)].sum())
+            held = left / cap[k] if cap[k] > 0 else INF
+            queue = max(queue, min(self.slow_start.queue_delay, held))
+        return self.slow_start.base_rtt + queue
 
     # -- time -----------------------------------------------------------------------------
 
