@@ -128,6 +128,78 @@ def test_a_transfer_past_its_planned_end_replans_what_follows_at_its_rate_so_far
     assert d.actions == ()
 
 
+def _measured_handover(state: ControlState, hops: float) -> None:
+    """One short transfer into s reported `hops` s after its go plus the
+    worker's own time: the go's way there and the report's way back."""
+    go = _one(state, 99, 0.0)
+    state.done("w", 99, version=1, now=go.planned_seconds + hops,
+               seconds=go.planned_seconds)
+
+
+def test_a_short_transfer_alone_lets_its_successor_go_at_its_planned_end():
+    """Issue 34, the hand-over: at 300 simulated workers over 16 shards,
+    each 4.5 ms transfer waited 3.1 ms for its predecessor's outcome,
+    report and go, and a shard's link idled 40% of the time. A transfer
+    alone into its server and planned within PIPELINE_HANDOVERS measured
+    hand-overs is trusted to end as planned: its successor goes then, its
+    go on the way while the last bytes are. A third waits for a report
+    (one late overlaps one successor at most)."""
+    state = ControlState(mlfabric_policy, tau_max=None, learn_rates=True,
+                         network=Network(default=125 * MB, down={"s": 10 * MB}))
+    assert state.handover == 0.0
+    _measured_handover(state, hops=0.002)
+    assert state.handover == pytest.approx(0.003)  # 1.5 x the two measured hops
+    t0 = 1.0
+    for owner, host in (("w1", "a"), ("w2", "b"), ("w3", "c")):
+        state.request(owner, 1, host=host, dst="s", nbytes=0.02 * MB, base_version=1,
+                      norm=1.0, now=t0)
+    (first,) = state.decide(t0).actions  # 2 ms at 10 MB/s, one at a time
+    assert first.planned_seconds == pytest.approx(0.002)
+    end = t0 + first.planned_seconds
+    (second,) = state.decide(end).actions  # at its planned end, no report yet
+    assert isinstance(second, Go) and second.transfer.owner != first.transfer.owner
+    # two let go into s: neither trusted, the third waits past both ends
+    d = state.decide(end + second.planned_seconds)
+    assert d.actions == ()
+    state.done(first.transfer.owner, 1, version=2, now=end + 0.003, seconds=0.003)
+    (third,) = state.decide(end + 0.004).actions  # the second alone again: trusted
+    assert isinstance(third, Go)
+
+
+def test_a_long_transfer_waits_for_its_report_as_before():
+    """Planned beyond PIPELINE_HANDOVERS hand-overs, a transfer is not
+    trusted: waiting for its report costs little beside it, and a late one
+    re-plans what follows (the closed loop) instead of sharing its link."""
+    state = ControlState(mlfabric_policy, tau_max=None, learn_rates=True,
+                         network=Network(default=125 * MB, down={"s": 10 * MB}))
+    _measured_handover(state, hops=0.002)  # trusted up to 30 ms
+    for owner, host in (("w1", "a"), ("w2", "b")):
+        state.request(owner, 1, host=host, dst="s", nbytes=0.4 * MB, base_version=1,
+                      norm=1.0, now=1.0)
+    (first,) = state.decide(1.0).actions  # 40 ms
+    d = state.decide(1.0 + first.planned_seconds)
+    assert d.actions == () and d.wake_at is not None  # its guard, then its report
+
+
+def test_trusted_needs_a_measured_handover_and_a_transfer_alone_direct_and_whole():
+    from mlfabric.scheduling.plan import Route, Transfer
+    from mlfabric.scheduling.policies import PIPELINE_HANDOVERS, trusted
+
+    def t(tid: int, dst: str = "s", planned: float = 0.01, **kw: object) -> Transfer:
+        return Transfer(id=tid, owner=tid, req=1, host=f"h{tid}", dst=dst, nbytes=1000,
+                        base_version=0, norm=1.0, arrival=0.0, started=0.0,
+                        planned_seconds=planned, **kw)  # type: ignore[arg-type]
+
+    limit = PIPELINE_HANDOVERS * 0.003
+    assert trusted([t(1)], 0.0) == set()  # no hand-over measured yet
+    assert trusted([t(1), t(2, dst="r", planned=limit), t(3, dst="q", planned=limit * 1.01)],
+                   0.003) == {1, 2}
+    assert trusted([t(1), t(2)], 0.003) == set()  # two into s
+    assert trusted([t(1, chunk=500)], 0.003) == set()
+    assert trusted([t(1, route=Route(host="agg", address="agg:7070", group=1, fan_in=2,
+                                     index=0))], 0.003) == set()
+
+
 def test_fifo_runs_without_the_closed_loop():
     from mlfabric.scheduling.plan import fifo_policy
     state = ControlState(fifo_policy, tau_max=None, network=Network(default=10 * MB))

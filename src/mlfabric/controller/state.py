@@ -12,7 +12,7 @@ clock (the `now` arguments).
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
@@ -37,6 +37,11 @@ from ..scheduling.policies import Mlfabric
 MIN_CHUNK = 256 * 1024
 # Workers that disconnected, kept for `mlfabric status` (the newest).
 GONE_KEPT = 32
+# The hand-over (`ControlState.handover`) is the median of this many reports,
+# each taken as at most MAX_HANDOVER seconds: a worker's own timing is its
+# word, and a wrong one must not make long transfers trusted (policies.trusted).
+HANDOVER_SAMPLES = 16
+MAX_HANDOVER = 0.1
 
 
 @dataclass(frozen=True)
@@ -208,6 +213,8 @@ class ControlState:
         self._held: set[int] = set()  # active transfers counted in _holders
         self._delivered = observed.Delivered()  # which link held an alone transfer back
         self._solo: dict[int, tuple[int, int]] = {}  # those alone when they went: their marks
+        self._handovers: deque[float] = deque(maxlen=HANDOVER_SAMPLES)  # see handover
+        self._handover = 0.0
         self.workers: dict[Hashable, WorkerStats] = {}
         self.gone: OrderedDict[str, GoneWorker] = OrderedDict()  # by hello name, oldest first
         self.delays = DelayStats()
@@ -295,6 +302,12 @@ class ControlState:
             alone = self._release(t)
             if seconds is not None and self.learn_rates and alone:
                 self._observed(t, seconds)
+            if seconds is not None and now is not None and t.started is not None:
+                hops = now - t.started - seconds  # the go's way there, the report's back
+                if math.isfinite(hops):
+                    self._handovers.append(min(max(hops, 0.0), MAX_HANDOVER))
+                    self._handover = 1.5 * float(np.median(np.fromiter(self._handovers,
+                                                                       np.float64)))
             if via_failed is not None and t.route is not None and now is not None:
                 self.aggregator_failed(t.route.host, now)
             self.version = max(self.version, version)
@@ -342,6 +355,17 @@ class ControlState:
         del self.pending[t.id]
         if self._columns is not None:
             self._columns.remove(t.id)
+
+    @property
+    def handover(self) -> float:
+        """Seconds a transfer's successor waits past its end for its report
+        and go when it waits: three messages (the server's answer to the
+        worker, its report here, the go to the next worker). Measured as
+        the median of the last reports' go-and-report time (a report's
+        arrival less the go's, less the worker's own time from go to
+        answer: two of the three messages), times 1.5. 0 until a transfer
+        has been reported."""
+        return self._handover
 
     def _hold(self, t: Transfer) -> None:
         """`t` goes: it holds its uplink and downlink until `_release`."""
@@ -537,6 +561,7 @@ class ControlState:
             active=self._active(),
             network=self.network,
             aggregators=self.usable_aggregators(now),
+            handover=self.handover,
         )
 
     def decide(self, now: float) -> Decisions:
@@ -604,7 +629,8 @@ class ControlState:
                 return Snapshot(
                     now=now, version=self.shard_versions.get(shard, 0), tau_max=self.tau_max,
                     pending=_planned(by_shard[shard]), active=active, network=self.network,
-                    aggregators=aggregators, in_flight=sum(t.shard == shard for t in active))
+                    aggregators=aggregators, in_flight=sum(t.shard == shard for t in active),
+                    handover=self.handover)
 
             decided = self._commit(self._plan(now, shard, active, snapshot), now)
             actions.extend(decided.actions)
@@ -647,7 +673,8 @@ class ControlState:
                 in_flight = sum(t.shard == shard for t in active)
             plan = self.policy.plan_columns(
                 self._columns, self._columns.rows(shard), now=now, version=version,
-                in_flight=in_flight, tau_max=self.tau_max, active=active, network=self.network)
+                in_flight=in_flight, tau_max=self.tau_max, active=active, network=self.network,
+                handover=self.handover)
             if plan is not None:
                 return plan
         return self.policy(snapshot())

@@ -184,6 +184,10 @@ class Snapshot:
     network: Network
     aggregators: Mapping[str, str] = field(default_factory=dict)  # host -> address, usable now
     in_flight: int | None = None  # None: len(active)
+    # Seconds a transfer's successor waits past its end for its report and
+    # go, as measured (`ControlState.handover`; 0: unknown). Short transfers
+    # let theirs go at their planned end instead (`policies.trusted`).
+    handover: float = 0.0
 
     @property
     def server_in_flight(self) -> int:

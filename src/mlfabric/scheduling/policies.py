@@ -5,7 +5,8 @@ The core plans with reservations on links; the controller knows, for each
 transfer it let go, when it started and how long the plan expected it to
 take. A transfer that outlives its plan still holds its link: its
 reservation is extended a little past now, so the next transfer waits for
-its completion report (which triggers a re-plan) instead of overlapping it.
+its completion report (which triggers a re-plan) instead of overlapping it;
+unless it is short beside the hand-over that wait costs (`trusted`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from .plan import ColumnPlan, Network, PlanItem, Snapshot, Transfer
 # An overdue transfer is assumed to need this fraction of its planned time more.
 _OVERDUE_EXTENSION = 0.25
 _MIN_SECONDS = 1e-6
+# A transfer alone into its server whose planned time is at most this many
+# hand-overs is trusted to end as planned (`trusted`): waiting for its report
+# would idle the link a tenth of the time or more.
+PIPELINE_HANDOVERS = 10.0
 
 
 def _network(snap: Snapshot) -> schedule.Capacities:
@@ -47,7 +52,7 @@ def mlfabric_policy(snap: Snapshot, *, idle_factor: float | None = 1.0,
                     overload: str = "stalest") -> ColumnPlan:
     """Shortest-transfer-first with deadlines and drops (docs/scheduling.md),
     planned from the snapshot alone."""
-    running = _running(snap.active, snap.now, snap.network)
+    running = _running(snap.active, snap.now, snap.network, snap.handover)
     # The core breaks ties between equal transfers by row. Hand it rows ranked
     # earliest deadline first (oldest base version, then earliest arrival):
     # among equal transfers the stalest goes first, which spreads delays
@@ -72,17 +77,42 @@ def _config(tau_max: int | None, idle_factor: float | None, overload: str) -> sc
                                overload=overload)
 
 
-def _running(active: Sequence[Transfer], now: float, network: Network
+def trusted(active: Sequence[Transfer], handover: float) -> set[int]:
+    """The ids of the transfers let go that are trusted to end as planned:
+    direct, alone into their server, and short beside the hand-over (at most
+    PIPELINE_HANDOVERS of it). The next transfer into that server goes at
+    its planned end, its go on the way while its last bytes are, instead of
+    after its report: on a shard's link at 300 simulated workers, 128 KiB
+    transfers of 4.5 ms each waited 3.1 ms each for the report, outcome and
+    go (three messages), and the link idled 40% of the time. One late
+    overlaps one successor at most: two into a server, and neither is
+    trusted until one is reported. A long transfer is not trusted: waiting
+    costs it little, and a late one then re-plans what follows (the closed
+    loop, `observed.overdue`) instead of sharing its link with it."""
+    if handover <= 0:
+        return set()
+    into: dict[str, list[Transfer]] = {}
+    for t in active:
+        into.setdefault(t.dst, []).append(t)
+    return {ts[0].id for ts in into.values()
+            if len(ts) == 1 and ts[0].route is None and not ts[0].chunk
+            and (ts[0].planned_seconds or 0.0) <= PIPELINE_HANDOVERS * handover}
+
+
+def _running(active: Sequence[Transfer], now: float, network: Network, handover: float = 0.0
              ) -> list[schedule.RunningTransfer]:
     """What the transfers let go hold: each its path until its planned end
-    (or, past it, a little longer), and through an aggregator the
-    aggregate's forward into the server."""
+    (or, past it, a little longer, unless `trusted`), and through an
+    aggregator the aggregate's forward into the server."""
     running = []
     forwards: dict[int, schedule.RunningTransfer] = {}
+    trust = trusted(active, handover)
     for t in active:
         planned = max(t.planned_seconds or _MIN_SECONDS, _MIN_SECONDS)
         started = t.started if t.started is not None else now
-        end = max(started + planned, now + _OVERDUE_EXTENSION * planned)
+        end = started + planned
+        if t.id not in trust:
+            end = max(end, now + _OVERDUE_EXTENSION * planned)
         # Running ids only need to differ from each other (pending ids are rows).
         if t.route is None:
             running.append(schedule.RunningTransfer(-t.id, t.host, t.dst,
@@ -140,14 +170,15 @@ class Mlfabric:
 
     def plan_columns(self, pending: PendingColumns, rows: np.ndarray, *, now: float,
                      version: int, in_flight: int, tau_max: int | None,
-                     active: Sequence[Transfer], network: Network) -> ColumnPlan | None:
+                     active: Sequence[Transfer], network: Network, handover: float = 0.0
+                     ) -> ColumnPlan | None:
         """The plan of `pending`'s `rows` (one shard's) as `mlfabric_policy`
         makes it from a snapshot of the same transfers; None if the network
         has a rate the core refuses (planning from a snapshot raises the
         error that says which) or the core is not built."""
         if not schedule.has_kernel():
             return None
-        running = _running(active, now, network)
+        running = _running(active, now, network, handover)
         hosts = pending.hosts
         for r in running:  # every link that carries something gets a number
             hosts.index(str(r.source))
