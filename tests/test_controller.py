@@ -301,6 +301,10 @@ def test_asyncio_client_through_the_controller(cluster, run_async):
     wait_until(lambda: controller.metrics.actual_seconds._sum.get() > 0)
     wait_until(lambda: sample(controller.metrics.drops, reason="deadline_missed") == 2,
                what="2 drops counted")
+    # the two reports measured the hand-over (their go's way out and their
+    # way back on loopback: more than nothing, far less than its 0.15 s cap)
+    handover = controller.metrics.handover._value.get()
+    assert 0 < handover < 0.15 and handover == controller.server.state.handover
 
 
 def test_asyncio_client_falls_back_when_the_controller_dies(cluster, run_async):

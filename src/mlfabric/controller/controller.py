@@ -633,6 +633,7 @@ class Controller(Endpoint):
                 "queue_wait": round(wait, 6)}))
         m.pending.set(len(self.state.pending))
         m.active.set(len(self.state.active))
+        m.handover.set(self.state.handover)
         m.version.set(self.state.version)
         if self.gates:
             self._replication_metrics()

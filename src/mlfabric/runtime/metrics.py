@@ -338,6 +338,12 @@ class ControllerMetrics:
             "controller_transfer_actual_seconds",
             "Time from go to the server's outcome, as the worker reported it",
             namespace=ns, registry=r, buckets=TRANSFER_BUCKETS)
+        self.handover = Gauge(
+            "controller_handover_seconds",
+            "Measured wait a transfer's successor would have past its end for its report and "
+            "go (three messages); transfers alone into a server and planned within 10 of "
+            "these hand over at their planned end instead (0: none reported yet)",
+            namespace=ns, registry=r)
         self.pending = Gauge("controller_pending_transfers", "Transfers waiting for a directive",
                              namespace=ns, registry=r)
         self.active = Gauge("controller_active_transfers", "Transfers let go, not yet done",
