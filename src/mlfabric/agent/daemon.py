@@ -796,7 +796,7 @@ class Agent:
         if m is None:
             return
         for g in (m.available_bandwidth, m.capacity, m.path_load, m.rtt, m.estimate_age,
-                  m.estimate_stale, m.peer_connected, m.probe_share):
+                  m.estimate_stale, m.probe_interval, m.peer_connected, m.probe_share):
             with contextlib.suppress(KeyError):
                 g.remove(name)
 
@@ -808,6 +808,7 @@ class Agent:
         est = st.estimator
         m.estimate_age.labels(st.name).set_function(lambda: est.snapshot().age_s)
         m.estimate_stale.labels(st.name).set_function(lambda: float(est.snapshot().stale))
+        m.probe_interval.labels(st.name).set_function(est.steady_interval)
 
     def _record(self, st: _PeerState, plan: TrainPlan, m: TrainMeasurement,
                 outcome: str) -> None:

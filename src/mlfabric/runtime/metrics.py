@@ -569,6 +569,12 @@ class AgentMetrics:
             "agent_estimate_stale", "1 when the estimate for the peer is stale or unknown",
             ["peer"], namespace=ns, registry=r,
         )
+        self.probe_interval = Gauge(
+            "agent_probe_interval_seconds",
+            "Seconds between steady-state trains to the peer that the probe budget allows "
+            "(a change of the path shows within about this plus its confirming trains)",
+            ["peer"], namespace=ns, registry=r,
+        )
         self.peer_connected = Gauge(
             "agent_peer_connected", "1 while the probe connection to the peer is up",
             ["peer"], namespace=ns, registry=r,
