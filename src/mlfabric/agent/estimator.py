@@ -841,7 +841,7 @@ class PathEstimator:
         # What the peer's downlink carried with this train (down_capacity).
         load = (self.peer_down_load or 0.0) * c.payload_ratio
         self._evidence.append(m.capacity_bps)
-        if self._prove and (m.received + m.lost) * (c.packet_size + WIRE_OVERHEAD) >= self._prove:
+        if self._prove and self._train_bytes(m) >= self._prove:
             # what the train got beside the load, not its clean capacity sample
             got = m.tail_bps or 0.0
             clean = v is not None and got >= (1 - c.threshold) * v
@@ -874,6 +874,10 @@ class PathEstimator:
         c = self.config
         return math.ceil(c.verify_s * rate_bps / c.payload_ratio / 8)
 
+    def _train_bytes(self, m: TrainMeasurement) -> int:
+        """The wire bytes of the train `m` measured (lost packets included)."""
+        return (m.received + m.lost) * (self.config.packet_size + WIRE_OVERHEAD)
+
     def _vouches(self, train_bytes: float, reading: float) -> bool:
         """Whether a train of `train_bytes` on the wire is long enough to
         vouch for `reading` (`_rise_check`): it lasted `verify_s` at about
@@ -896,8 +900,7 @@ class PathEstimator:
         c = self.config
         held, x = self._rise, m.capacity_bps
         return (not self._carried_known and held is not None and x is not None
-                and self._vouches((m.received + m.lost) * (c.packet_size + WIRE_OVERHEAD),
-                                  held[1])
+                and self._vouches(self._train_bytes(m), held[1])
                 and x < held[1] * (1 - c.threshold) and self._unexplained < RISE_RETRIES)
 
     def _beside_the_job(self, m: TrainMeasurement) -> TrainMeasurement:
@@ -924,8 +927,7 @@ class PathEstimator:
         held, x = self._rise, m.capacity_bps
         carried = self.peer_carried * c.payload_ratio
         if (held is None or x is None or carried <= 0
-                or not self._vouches((m.received + m.lost) * (c.packet_size + WIRE_OVERHEAD),
-                                     held[1])
+                or not self._vouches(self._train_bytes(m), held[1])
                 or x >= held[1] * (1 - c.threshold)
                 or x + carried < held[1] * (1 - c.threshold)):
             return m
@@ -965,7 +967,7 @@ class PathEstimator:
         c = self.config
         v = self.capacity.value
         wire = c.packet_size + WIRE_OVERHEAD
-        train = (m.received + m.lost) * wire
+        train = self._train_bytes(m)
         x = m.capacity_bps
         assert x is not None
         held = self._rise
@@ -1020,7 +1022,7 @@ class PathEstimator:
         c = self.config
         v = self.capacity.value
         wire = c.packet_size + WIRE_OVERHEAD
-        train = (m.received + m.lost) * wire
+        train = self._train_bytes(m)
         if train >= c.max_packets * wire or (v is not None and send < 1.5 * v):
             return False
         # (With no estimate yet, likewise: the send rate taken at start-up
