@@ -329,6 +329,9 @@ PORT = "must be a port number in 0..65535 (0 picks a free port), got"
      "--handshake-timeout must be a positive number of seconds, got 0.0"),
     ("promote", ["--timeout", "inf"], "--timeout must be a positive number of seconds, got inf"),
     ("status", ["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
+    ("status", ["--controller", "127.0.0.1:1,127.0.0.1:1"],
+     "--controller '127.0.0.1:1,127.0.0.1:1': give HOST:PORT, or the job's controllers "
+     "separated by commas, each once"),
 ])
 def test_every_numeric_flag_has_its_range_checked(files, name, flags, message):
     assert_one_line_error(files, [*command(name, files), *flags], message)

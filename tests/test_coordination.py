@@ -20,7 +20,12 @@ import pytest
 from test_sharded import SIZES, addresses, shard_servers
 
 import mlfabric
-from mlfabric.controller.status_cli import fetch_status, format_status
+from mlfabric.controller.status_cli import (
+    fetch_status,
+    fetch_statuses,
+    format_status,
+    format_statuses,
+)
 from mlfabric.coordination import ownership
 from mlfabric.coordination.etcd import (
     EtcdClient,
@@ -319,6 +324,15 @@ def test_a_controller_back_from_the_dead_sends_workers_to_the_one_that_took_over
         text = format_status(fetch_status(names[1], JOB, TOKEN), names[1])
         assert "this one plans shards [0] of 1" in text
         assert re.search(rf"^\s*0\s+{re.escape(names[1])}\s*$", text, re.M), text
+        # Asked of every controller at once, one of them gone: who answered,
+        # what each plans, and each one's own view.
+        gone = f"127.0.0.1:{free_port()}"
+        text = format_statuses(fetch_statuses([*names, gone], JOB, TOKEN, timeout=5))
+        assert text.splitlines()[0] == f"job {JOB!r}: 3 controllers, 2 answered", text
+        assert re.search(rf"^\s*{re.escape(names[0])}\s+yes\s+\[\]\s", text, re.M), text
+        assert re.search(rf"^\s*{re.escape(names[1])}\s+yes\s+\[0\]\s", text, re.M), text
+        assert re.search(rf"^\s*{re.escape(gone)}\s+no: .*{re.escape(gone)}", text, re.M), text
+        assert text.count("on controller 127.0.0.1:") == 2
         assert sample(metrics.controller_fallback_updates) == 0
         assert sample(metrics.controller_unreachable) == 0  # a move, not an outage
 

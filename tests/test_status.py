@@ -103,3 +103,46 @@ def test_status_text_shows_workers_without_this_controller_as_far_as_it_knows():
         "  w2    h2    40        12.5 s ago",
     ]
     assert lines[i + 6].startswith("bandwidth picture")
+
+
+def test_status_of_several_controllers_says_who_answered_and_who_plans_which_shard():
+    from mlfabric.controller.status_cli import format_statuses
+    from mlfabric.errors import ConnectError
+
+    def planning(plans: list[int], owners: list[str], pending: int) -> dict:
+        return {**STATUS, "pending": pending,
+                "controllers": {"etcd": "http://e:2379", "lease_ttl_s": 2, "this": "",
+                                "plans": plans, "owners": owners}}
+
+    owners = ["a:7071", "b:7071", "a:7071"]
+    text = format_statuses({
+        "a:7071": planning([0, 2], owners, 5),
+        "b:7071": planning([1], owners, 7),
+        "c:7071": ConnectError("nothing listens at c:7071"),
+    })
+    lines = text.splitlines()
+    assert lines[:10] == [
+        "job 'mnist': 3 controllers, 2 answered",
+        "  controller  answered                       plans shards  pending  active  connections",
+        "  a:7071      yes                            [0, 2]        5        2       3",
+        "  b:7071      yes                            [1]           7        2       3",
+        "  c:7071      no: nothing listens at c:7071  -             -        -       -",
+        "shards planned by:",
+        "  shard  controller",
+        "  0      a:7071",
+        "  1      b:7071",
+        "  2      a:7071",
+    ]
+    # then each answering controller's own status, in the order given
+    assert [line for line in lines if line.startswith("job 'mnist' on controller")] == [
+        "job 'mnist' on controller a:7071   policy mlfabric   tau_max 16",
+        "job 'mnist' on controller b:7071   policy mlfabric   tau_max 16"]
+    # While a shard moves, their views of etcd differ: both are shown.
+    moving = format_statuses({"a:7071": planning([0], ["a:7071", ""], 0),
+                              "b:7071": planning([1], ["a:7071", "b:7071"], 0)})
+    i = moving.splitlines().index(
+        "shards planned by (the controllers' views differ while a shard moves):")
+    assert moving.splitlines()[i + 1:i + 4] == [
+        "  shard  as a:7071 reads it  as b:7071 reads it",
+        "  0      a:7071              a:7071",
+        "  1      nobody              b:7071"]

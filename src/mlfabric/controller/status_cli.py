@@ -1,15 +1,24 @@
-"""`mlfabric status`: the job at a glance, from its controller."""
+"""`mlfabric status`: the job at a glance, from its controller (or from each
+of its controllers, when several plan its shards)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..client.core import default_client_name
 from ..client.link import open_link
-from ..errors import ConnectError, ConnectionLost, ProtocolError, WrongPeer
+from ..errors import (
+    ConfigError,
+    ConnectError,
+    ConnectionLost,
+    MlfabricError,
+    ProtocolError,
+    WrongPeer,
+)
 from ..runtime import loop as loops
 from ..runtime.loop import within
 from ..transport.listener import check_positive
@@ -20,8 +29,9 @@ from ..wire.protocol import Error, Status, StatusRequest
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--controller", required=True, metavar="HOST:PORT",
-                   help="the job's controller")
+    p.add_argument("--controller", required=True, metavar="HOST:PORT[,HOST:PORT...]",
+                   help="the job's controller; with several controllers (--etcd), all of "
+                        "them (the --controllers list) to see each one's part of the job")
     p.add_argument("--job", required=True, help="the job's name")
     p.add_argument("--token-file", required=True, metavar="PATH",
                    help="file holding the job's secret token")
@@ -72,6 +82,63 @@ async def _fetch_status(address: str, job: str, token: bytes, timeout: float
             f"address of the job's `mlfabric controller`, not of its server "
             f"(--controller)")
     raise ProtocolError(f"expected a status, got {type(event).__name__}")
+
+
+def fetch_statuses(addresses: Sequence[str], job: str, token: bytes, timeout: float = 10.0
+                   ) -> dict[str, dict[str, Any] | MlfabricError]:
+    """Each controller's status, asked at once; a controller that does not
+    answer gives its error instead (the others still count)."""
+    async def each() -> list[dict[str, Any] | BaseException]:
+        return await asyncio.gather(*(_fetch_status(a, job, token, timeout) for a in addresses),
+                                    return_exceptions=True)
+
+    out: dict[str, dict[str, Any] | MlfabricError] = {}
+    for address, got in zip(addresses, loops.run(each()), strict=True):
+        if isinstance(got, MlfabricError):
+            out[address] = got
+        elif isinstance(got, BaseException):
+            raise got
+        else:
+            out[address] = got
+    return out
+
+
+def format_statuses(statuses: Mapping[str, dict[str, Any] | MlfabricError]) -> str:
+    """Several controllers of one job: which answered and what each plans,
+    who plans which shard, then each one's own status."""
+    answered = {a: s for a, s in statuses.items() if isinstance(s, dict)}
+    job = next((s.get("job") for s in answered.values()), None)
+    lines = [f"job {job!r}: {len(statuses)} controllers, {len(answered)} answered"]
+    rows: list[tuple[str, ...]] = []
+    for address, s in statuses.items():
+        if isinstance(s, dict):
+            ctl = s.get("controllers") or {}
+            rows.append((address, "yes", _cell(ctl.get("plans", "all")), str(s["pending"]),
+                         str(s["active"]), _cell(s.get("connections"))))
+        else:
+            rows.append((address, f"no: {s}", "-", "-", "-", "-"))
+    lines += _table(("controller", "answered", "plans shards", "pending", "active",
+                     "connections"), rows)
+    # Who plans which shard, as each answering controller last read etcd
+    # (they can differ for a lease's time while a shard moves).
+    views = {a: tuple((s.get("controllers") or {}).get("owners") or ())
+             for a, s in answered.items()}
+    distinct = set(views.values()) - {()}
+    if len(distinct) == 1:
+        (owners,) = distinct
+        lines.append("shards planned by:")
+        lines += _table(("shard", "controller"),
+                        [(str(k), o or "nobody yet (being taken over)")
+                         for k, o in enumerate(owners)])
+    elif distinct:
+        lines.append("shards planned by (the controllers' views differ while a shard moves):")
+        lines += _table(("shard", *(f"as {a} reads it" for a, v in views.items() if v)),
+                        [(str(k), *(v[k] if k < len(v) and v[k] else "nobody"
+                                    for v in views.values() if v))
+                         for k in range(max(len(v) for v in distinct))])
+    for address, s in answered.items():
+        lines += ["", format_status(s, address)]
+    return "\n".join(lines)
 
 
 def _mbit(bytes_per_s: float) -> str:
@@ -202,9 +269,21 @@ def run(args: argparse.Namespace) -> int:
     timeout = check_positive("--timeout", args.timeout)
     token = auth.load_token(args.token_file)
     from_args(args)  # the link to the controller is TLS with --tls-*
-    status = fetch_status(args.controller, args.job, token, timeout)
+    addresses = [a.strip() for a in args.controller.split(",") if a.strip()]
+    if len(set(addresses)) != len(addresses) or not addresses:
+        raise ConfigError(f"--controller {args.controller!r}: give HOST:PORT, or the job's "
+                          f"controllers separated by commas, each once")
+    if len(addresses) == 1:
+        status = fetch_status(addresses[0], args.job, token, timeout)
+        print(json.dumps(status, indent=2) if args.json else format_status(status, addresses[0]))
+        return 0
+    statuses = fetch_statuses(addresses, args.job, token, timeout)
+    if not any(isinstance(s, dict) for s in statuses.values()):
+        # None answered: the first one's reason, as with one controller.
+        raise next(iter(statuses.values()))  # type: ignore[misc]
     if args.json:
-        print(json.dumps(status, indent=2))
+        print(json.dumps({"controllers": {a: s if isinstance(s, dict) else {"error": str(s)}
+                                          for a, s in statuses.items()}}, indent=2))
     else:
-        print(format_status(status, args.controller))
+        print(format_statuses(statuses))
     return 0
