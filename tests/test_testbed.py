@@ -556,11 +556,19 @@ def spawn_owner() -> Iterator[Callable[[], tuple[subprocess.Popen[str], str]]]:
 
     yield spawn
     for proc, run in spawned:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate(timeout=5)
-        if run and our_namespaces(run):
-            cleanup(run=run, include_live=True)
+        try:
+            if proc.poll() is None:
+                proc.kill()
+            # wait, not communicate: a process the owner started in a host
+            # (its `sleep 60`) may still hold the pipes if the owner died
+            # before its teardown killed it.
+            proc.wait(timeout=5)
+        finally:
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+            if run and our_namespaces(run):
+                cleanup(run=run, include_live=True)
 
 
 def _cli(*argv: str, capsys: pytest.CaptureFixture[str]) -> str:
@@ -617,7 +625,9 @@ def test_signals_tear_the_testbed_down(
     for _ in range(times):
         proc.send_signal(sig)
         time.sleep(0.005)
-    _, err = proc.communicate(timeout=10)
+    # The teardown deletes three namespaces; at the end of a full suite on a
+    # slow machine the kernel took more than 10 s for that once (CI, SIGHUP).
+    _, err = proc.communicate(timeout=30)
     # KeyboardInterrupt propagates (not swallowed: Python then dies of SIGINT);
     # SIGTERM and SIGHUP exit with 128 + signal number after the teardown.
     assert proc.returncode == (-sig if sig == signal.SIGINT else 128 + sig), err
