@@ -94,12 +94,9 @@ def fetch_statuses(addresses: Sequence[str], job: str, token: bytes, timeout: fl
 
     out: dict[str, dict[str, Any] | MlfabricError] = {}
     for address, got in zip(addresses, loops.run(each()), strict=True):
-        if isinstance(got, MlfabricError):
-            out[address] = got
-        elif isinstance(got, BaseException):
-            raise got
-        else:
-            out[address] = got
+        if isinstance(got, BaseException) and not isinstance(got, MlfabricError):
+            raise got  # a bug, not a controller that did not answer
+        out[address] = got
     return out
 
 
@@ -278,9 +275,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=2) if args.json else format_status(status, addresses[0]))
         return 0
     statuses = fetch_statuses(addresses, args.job, token, timeout)
-    if not any(isinstance(s, dict) for s in statuses.values()):
-        # None answered: the first one's reason, as with one controller.
-        raise next(iter(statuses.values()))  # type: ignore[misc]
+    errors = [s for s in statuses.values() if isinstance(s, MlfabricError)]
+    if len(errors) == len(statuses):
+        raise errors[0]  # none answered: the first one's reason, as with one controller
     if args.json:
         print(json.dumps({"controllers": {a: s if isinstance(s, dict) else {"error": str(s)}
                                           for a, s in statuses.items()}}, indent=2))
