@@ -8,8 +8,9 @@
 
 from __future__ import annotations
 
-from .client.blocking import Client, connect
-from .client.outcome import PushOutcome
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     AuthenticationError,
     ConfigError,
@@ -23,6 +24,25 @@ from .errors import (
 )
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .client.blocking import Client, connect
+    from .client.outcome import PushOutcome
+
+# The client (numpy, asyncio, prometheus-client) loads on first use, not with
+# the package: every `mlfabric` command imports this package, and most of
+# them never touch the client (`mlfabric --version` takes 0.05 s, not 0.5 s).
+_LAZY = {"Client": ".client.blocking", "connect": ".client.blocking",
+         "PushOutcome": ".client.outcome"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mlfabric' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups find it without coming here
+    return value
 
 __all__ = [
     "AuthenticationError",
