@@ -348,7 +348,15 @@ def test_asymmetric_links_real_buckets_and_other_tenants(case: str) -> None:
                 return min(up, down) * 1e6 * PAYLOAD
 
             pairs = all_pairs(tb)
-            wait_for(lambda: within(agents.estimates(), pairs, truth, 0.10), timeout=15.0)
+            # Settling is not what this test judges (issue 32 asks for the
+            # estimates once settled). On the slower machine of 2026-11-28 the
+            # agents' Python sender got trains out at only 1.3-3x a 300 Mbit/s
+            # path, so behind a 10 ms bucket a train queued 4-17 packets and a
+            # start-up reading of 213-253 could stand until the next steady
+            # train: all pairs within 10% took up to 15.1 s (in 8 runs), and
+            # CI once missed a 15 s bound. Sizing trains for the sender's pace
+            # (burst * send / (send - C)) was tried and did not settle sooner.
+            wait_for(lambda: within(agents.estimates(), pairs, truth, 0.10), timeout=30.0)
             errors: dict[tuple[str, str], list[float]] = {p: [] for p in pairs}
             for _ in range(16):
                 ests = agents.estimates()
