@@ -288,6 +288,10 @@ PORT = "must be a port number in 0..65535 (0 picks a free port), got"
     ("controller", ["--agent-interval", "0"],
      "--agent-interval must be a positive number of seconds, got 0.0"),
     ("controller", ["--max-fan-in", "1"], "--max-fan-in must be in 2..64, got 1"),
+    ("controller", ["--idle-factor", "-1"], "--idle-factor must be a number >= 0 or 'off', "
+     "got '-1'"),
+    ("controller", ["--idle-factor", "never"], "--idle-factor must be a number >= 0 or "
+     "'off', got 'never'"),
     ("controller", ["--group-wait", "inf"],
      "--group-wait must be a finite number of seconds >= 0 (0: aggregation never stalls the "
      "server), got inf"),

@@ -879,3 +879,29 @@ def test_controller_overload_flag_selects_the_rule():
     reasons = {name: sorted(i.drop for i in make_policy("mlfabric", name)(snap) if i.drop)
                for name in ("stalest", "deadline")}
     assert reasons == {"stalest": ["stalest_in_overload"], "deadline": ["deadline_missed"]}
+
+
+def test_controller_idle_factor_flag_selects_the_rule():
+    """--idle-factor: the brief's rule at 1 (the default), off, or larger."""
+    from mlfabric.controller.cli import make_policy, parse_idle_factor
+    from mlfabric.scheduling.plan import Network as ControlNetwork
+    from mlfabric.scheduling.plan import Snapshot as ControlSnapshot
+    from mlfabric.scheduling.plan import Transfer
+
+    # The straggler's update (dl 0) crawls at 1 B/s and ends at 10; the other
+    # would end at 1: forcing the first in idles the server 9 s for 1 s displaced.
+    ts = (Transfer(id=1, owner=None, req=1, nbytes=10, base_version=0, norm=1.0, host="slow",
+                   dst="s", arrival=0.0),
+          Transfer(id=2, owner=None, req=2, nbytes=10, base_version=3, norm=1.0, host="b",
+                   dst="s", arrival=1.0))
+    snap = ControlSnapshot(now=0.0, version=3, tau_max=3, pending=ts, active=(),
+                           network=ControlNetwork(default=10.0, up={"slow": 1.0}))
+    drops = {text: [i.drop for i in make_policy("mlfabric", "stalest",
+                                                parse_idle_factor(text))(snap) if i.drop]
+             for text in ("1", "off", "10", "9.5")}
+    assert drops == {"1": ["would_idle_server"], "off": [], "10": [], "9.5": []}
+    assert parse_idle_factor("OFF") is None and parse_idle_factor("0") == 0.0
+    for bad in ("-0.5", "inf", "nan", "often"):
+        with pytest.raises(ConfigError, match=f"--idle-factor must be a number >= 0 or 'off', "
+                                              f"got '{bad}'"):
+            parse_idle_factor(bad)

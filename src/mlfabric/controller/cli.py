@@ -53,6 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="mlfabric policy, when not every pending update can meet its deadline: "
                         "drop the stalest ones (default) or the ones whose deadline passes, "
                         "forcing the rest in at delay tau_max (docs/scheduling.md)")
+    p.add_argument("--idle-factor", default="1", metavar="X|off",
+                   help="mlfabric policy: drop an update forced in at tau_max when the "
+                        "server would wait for it longer than X times the transfers it "
+                        "displaces (default: 1, the design brief's rule; larger drops "
+                        "less; off: never for that reason; docs/scheduling.md)")
     p.add_argument("--link", action="append", default=[], metavar="HOST=UP[/DOWN]",
                    help="a host's uplink and downlink capacity in Mbit/s (repeat per host)")
     p.add_argument("--default-link-mbit", type=float, default=1000.0, metavar="M",
@@ -206,20 +211,35 @@ def decision_log(path: str) -> logging.FileHandler:
                           f"{exc.strerror}") from None
 
 
-def make_policy(name: str, overload: str = "stalest") -> Policy:
+def parse_idle_factor(text: str) -> float | None:
+    """--idle-factor: a number >= 0, or "off" (None: the rule is off)."""
+    if text.strip().lower() == "off":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise ConfigError(f"--idle-factor must be a number >= 0 or 'off', got {text!r}")
+    return value
+
+
+def make_policy(name: str, overload: str = "stalest",
+                idle_factor: float | None = 1.0) -> Policy:
     if name == "fifo":
         return fifo_policy
     try:
         from ..scheduling.policies import Mlfabric
     except ImportError as exc:  # pragma: no cover - the module ships with the package
         raise ConfigError(f"policy 'mlfabric' is unavailable: {exc}") from None
-    return Mlfabric(overload=overload)
+    return Mlfabric(overload=overload, idle_factor=idle_factor)
 
 
 def check_numbers(args: argparse.Namespace) -> None:
     """Every numeric flag within its range, whether or not the feature it
     tunes is on (issue 33): a wrong value is an error, never silently unused."""
     check_positive("--agent-interval", args.agent_interval)
+    parse_idle_factor(args.idle_factor)
     check_count("--max-fan-in", args.max_fan_in, 2, MAX_FAN_IN)
     if not 0 <= args.group_wait < math.inf:
         raise ConfigError(f"--group-wait must be a finite number of seconds >= 0 (0: "
@@ -308,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--agent-key-file {args.agent_key_file!r} is job "
                               f"{agent_key.job!r}'s key, not job {args.job!r}'s: make this "
                               f"job's with `mlfabric token agent-key --job {args.job}`")
-    policy = make_policy(args.policy, args.overload)
+    policy = make_policy(args.policy, args.overload, parse_idle_factor(args.idle_factor))
     aggregators = {h: f"{a}:{p}" for h, (a, p) in
                    parse_agents(args.aggregator, "--aggregator").items()}
     if aggregators and args.policy != "mlfabric":

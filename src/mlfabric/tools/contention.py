@@ -38,6 +38,9 @@ accuracy reaches the target or the time limit passes:
   aggregator sums one shard's parts and forwards them to that shard;
 * ``mlfabric-colocated-agg-wait``: ``mlfabric-colocated-agg`` whose
   controller waits for groups as ``mlfabric-agg-wait``'s does;
+* ``mlfabric-idle-off``: ``mlfabric`` whose controller never drops an update
+  forced in at tau_max for idling the server (``--idle-factor off``): what
+  the brief's idle rule gains or costs;
 * ``ddp``: synchronous data parallelism, PyTorch DistributedDataParallel over
   gloo, one rank per worker host (needs ``mlfabric[torch]``).
 
@@ -82,7 +85,7 @@ SYSTEMS: tuple[str, ...] = ("fifo", "mlfabric", "mlfabric-agg", "mlfabric-agg-wa
                              "mlfabric-static", "mlfabric-agg-static",
                              "mlfabric-agg-wait-late-pull", "mlfabric-colocated",
                              "mlfabric-2shards", "mlfabric-colocated-agg",
-                             "mlfabric-colocated-agg-wait")
+                             "mlfabric-colocated-agg-wait", "mlfabric-idle-off")
 # Sharded systems: where their shards run (see `shard_hosts`).
 SHARDED = ("mlfabric-colocated", "mlfabric-2shards", "mlfabric-colocated-agg",
            "mlfabric-colocated-agg-wait")
@@ -501,7 +504,7 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
         job_port = [a for address in srv_addr.split(",")
                     for a in ("--job-port", address.rpartition(":")[2])]
         if base in ("mlfabric", "mlfabric-agg", "mlfabric-agg-wait", "mlfabric-agg-static",
-                    *SHARDED):
+                    "mlfabric-idle-off", *SHARDED):
             measured = base != "mlfabric-agg-static"  # the controller reads the agents
             # Each worker host's agent measures the paths to the server hosts, and
             # each server host's agent (a worker's too, when co-located) the paths
@@ -531,7 +534,9 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
         ctl = _popen(tb, h0, [*py, "controller", "--listen", f"{h0.ip}:{CONTROLLER_PORT}",
                               "--job", JOB, "--token-file", str(token), "--tau-max",
                               str(sc.tau_max), "--policy", policy, "--decision-log",
-                              str(tmp / "decisions.jsonl"), *links, *agents, *wait], tmp)
+                              str(tmp / "decisions.jsonl"), *links, *agents, *wait,
+                              *(["--idle-factor", "off"] if base == "mlfabric-idle-off"
+                                else [])], tmp)
         helpers.append(ctl)
         ctl_addr = serving_address(ctl, "the controller", timeout=90.0)
         for i, w in enumerate(workers):
