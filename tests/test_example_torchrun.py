@@ -48,11 +48,16 @@ def run(argv: list[str], cwd: Path, env: dict[str, str] | None = None
                           text=True, timeout=RUN_LIMIT)
 
 
-def check_summary(path: Path, proc: subprocess.CompletedProcess[str]) -> dict:
+#: Pushes per rank where a test's point is the configuration, not the
+#: stated accuracy: 150 reached 0.944 (350: 0.958) and saves 4 s a run.
+SHORT = 150
+
+
+def check_summary(path: Path, proc: subprocess.CompletedProcess[str], steps: int = 350) -> dict:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(path.read_text())
     assert summary["ranks"] == 4
-    assert summary["applied"] + summary["dropped"] == 4 * 350
+    assert summary["applied"] + summary["dropped"] == 4 * steps
     assert summary["version"] == summary["applied"]
     assert sum(summary["delays"].values()) == summary["applied"]
     assert summary["accuracy"] >= STATED_ACCURACY, summary
@@ -122,10 +127,10 @@ def test_torchrun_example_with_a_server_from_a_config_file(tmp_path):
         # The file names the wrong job and server; the environment and a flag fix them.
         cfg.write_text('server = "127.0.0.1:1"\njob = "wrong"\ntimeout = 20\n')
         out = tmp_path / "summary.json"
-        proc = run(torchrun("--job", "digits-cfg", "--json", str(out)), tmp_path,
-                   clean_env(MLFABRIC_CONFIG=str(cfg), MLFABRIC_SERVER=server.address,
-                             MLFABRIC_TOKEN_FILE=str(token)))
-        summary = check_summary(out, proc)
+        proc = run(torchrun("--job", "digits-cfg", "--steps", str(SHORT), "--json", str(out)),
+                   tmp_path, clean_env(MLFABRIC_CONFIG=str(cfg), MLFABRIC_SERVER=server.address,
+                                       MLFABRIC_TOKEN_FILE=str(token)))
+        summary = check_summary(out, proc, SHORT)
         assert "started a parameter server" not in proc.stdout
         with mlfabric.connect(server.address, job="digits-cfg", token_file=token) as ps:
             assert ps.pull(timeout=10)[0] == summary["applied"]
@@ -149,16 +154,16 @@ def test_torchrun_example_through_two_shards_named_by_the_environment(tmp_path):
               for i in range(2)]
     try:
         out = tmp_path / "summary.json"
-        proc = run(torchrun("--json", str(out)), tmp_path,
+        proc = run(torchrun("--steps", str(SHORT), "--json", str(out)), tmp_path,
                    clean_env(MLFABRIC_SERVER=",".join(s.address for s in shards),
                              MLFABRIC_JOB="digits-shards", MLFABRIC_TOKEN_FILE=str(token)))
         assert proc.returncode == 0, proc.stdout + proc.stderr
         summary = json.loads(out.read_text())
         assert summary["ranks"] == 4 and summary["accuracy"] >= STATED_ACCURACY, summary
-        assert summary["applied"] + summary["dropped"] == 4 * 350
+        assert summary["applied"] + summary["dropped"] == 4 * SHORT
         # An update counts as applied when both shards applied their parts.
         versions = summary["version"]
-        assert len(versions) == 2 and all(summary["applied"] <= v <= 4 * 350 for v in versions)
+        assert len(versions) == 2 and all(summary["applied"] <= v <= 4 * SHORT for v in versions)
         assert "Traceback" not in proc.stderr
     finally:
         for s in shards:
