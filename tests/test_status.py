@@ -121,12 +121,15 @@ def test_status_of_several_controllers_says_who_answered_and_who_plans_which_sha
         "c:7071": ConnectError("nothing listens at c:7071"),
     })
     lines = text.splitlines()
-    assert lines[:10] == [
+    assert lines[:11] == [
         "job 'mnist': 3 controllers, 2 answered",
-        "  controller  answered                       plans shards  pending  active  connections",
-        "  a:7071      yes                            [0, 2]        5        2       3",
-        "  b:7071      yes                            [1]           7        2       3",
-        "  c:7071      no: nothing listens at c:7071  -             -        -       -",
+        "  controller      answered                       plans shards  pending  active  "
+        "connections",
+        "  a:7071          yes                            [0, 2]        5        2       3",
+        "  b:7071          yes                            [1]           7        2       3",
+        "  c:7071          no: nothing listens at c:7071  -             -        -       -",
+        # the job's transfers, added up over the controllers that answered
+        "  job (answered)  -                              [0, 1, 2]     12       4       -",
         "shards planned by:",
         "  shard  controller",
         "  0      a:7071",

@@ -114,6 +114,16 @@ def format_statuses(statuses: Mapping[str, dict[str, Any] | MlfabricError]) -> s
                          str(s["active"]), _cell(s.get("connections"))))
         else:
             rows.append((address, f"no: {s}", "-", "-", "-", "-"))
+    if len(answered) > 1:
+        # Each part of an update is planned by the one controller of its
+        # shard, so pending and active add up to the job's. Connections do
+        # not: a worker connects to every controller.
+        plans = sorted({k for st in answered.values()
+                        for k in ((st.get("controllers") or {}).get("plans") or ())
+                        if isinstance(k, int)})
+        rows.append(("job (answered)", "-", _cell(plans or None),
+                     str(sum(int(st["pending"]) for st in answered.values())),
+                     str(sum(int(st["active"]) for st in answered.values())), "-"))
     lines += _table(("controller", "answered", "plans shards", "pending", "active",
                      "connections"), rows)
     # Who plans which shard, as each answering controller last read etcd
