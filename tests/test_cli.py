@@ -288,3 +288,11 @@ def test_log_level_is_taken_before_and_after_the_subcommand():
     assert parser.parse_args(["demo", "--log-level", "DEBUG"]).log_level == "DEBUG"
     assert parser.parse_args(["--log-level", "ERROR", "demo", "--log-level",
                               "DEBUG"]).log_level == "DEBUG"
+    # Only the named command's module is loaded: found however the options
+    # before it are spelt (argparse takes `--log` for --log-level).
+    from mlfabric.cli import _command_in
+
+    for argv in (["demo"], ["--log-level", "DEBUG", "demo"], ["--log-level=DEBUG", "demo"],
+                 ["--log", "DEBUG", "demo", "--steps", "3"]):
+        assert _command_in(argv) == "demo", argv
+    assert _command_in(["--version"]) is None and _command_in(["bogus"]) is None

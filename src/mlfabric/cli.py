@@ -65,18 +65,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def _command_in(argv: list[str]) -> str | None:
-    """The subcommand `argv` names, if its first positional word is one."""
-    i = 0
-    while i < len(argv):
-        word = argv[i]
-        if word == "--log-level":
-            i += 2
-            continue
-        if word.startswith("-"):
-            i += 1
-            continue
-        return word if word in COMMANDS else None
-    return None
+    """The subcommand `argv` names: its first word that is one. Before it
+    come only top-level options, whose one value (--log-level's, or an
+    abbreviation's such as `--log DEBUG`) is never a command's name."""
+    return next((word for word in argv if word in COMMANDS), None)
 
 
 def main(argv: list[str] | None = None) -> int:
