@@ -107,23 +107,24 @@ def format_statuses(statuses: Mapping[str, dict[str, Any] | MlfabricError]) -> s
     job = next((s.get("job") for s in answered.values()), None)
     lines = [f"job {job!r}: {len(statuses)} controllers, {len(answered)} answered"]
     rows: list[tuple[str, ...]] = []
+    # Each part of an update is planned by the one controller of its shard,
+    # so pending and active add up to the job's. Connections do not: a
+    # worker connects to every controller.
+    planned: set[int] = set()
+    pending = active = 0
     for address, s in statuses.items():
         if isinstance(s, dict):
             ctl = s.get("controllers") or {}
             rows.append((address, "yes", _cell(ctl.get("plans", "all")), str(s["pending"]),
                          str(s["active"]), _cell(s.get("connections"))))
+            planned.update(k for k in ctl.get("plans") or () if isinstance(k, int))
+            pending += int(s["pending"])
+            active += int(s["active"])
         else:
             rows.append((address, f"no: {s}", "-", "-", "-", "-"))
     if len(answered) > 1:
-        # Each part of an update is planned by the one controller of its
-        # shard, so pending and active add up to the job's. Connections do
-        # not: a worker connects to every controller.
-        plans = sorted({k for st in answered.values()
-                        for k in ((st.get("controllers") or {}).get("plans") or ())
-                        if isinstance(k, int)})
-        rows.append(("job (answered)", "-", _cell(plans or None),
-                     str(sum(int(st["pending"]) for st in answered.values())),
-                     str(sum(int(st["active"]) for st in answered.values())), "-"))
+        rows.append(("job (answered)", "-", _cell(sorted(planned) or None), str(pending),
+                     str(active), "-"))
     lines += _table(("controller", "answered", "plans shards", "pending", "active",
                      "connections"), rows)
     # Who plans which shard, as each answering controller last read etcd
