@@ -253,8 +253,8 @@ def test_controller_command_serves_and_stops_cleanly(tmp_path):
      "TLS needs all three of --etcd-cert, --etcd-key, --etcd-ca"),
     (["--etcd-ca", "ca.pem"], "--etcd-ca only applies with --etcd URL"),
     (["--etcd", "http://127.0.0.1:1", "--controllers", "127.0.0.1:7071",
-      "--advertise", "127.0.0.1:7071", "--server", "127.0.0.1:1", "--replica", "127.0.0.1:2"],
-     "does not yet combine with failover"),
+      "--advertise", "127.0.0.1:7071", "--div-max", "1", "--momentum", "0.5"],
+     "--etcd with --div-max needs --server and --replica (one of each per shard"),
     (["--etcd", "http://127.0.0.1:1", "--controllers", "127.0.0.1:7071",
       "--advertise", "127.0.0.1:7071", "--lease-ttl", "0"], "--lease-ttl must be 1..3600"),
     # etcd not there: said at start, not ridden out.

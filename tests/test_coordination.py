@@ -195,15 +195,17 @@ class Controller:
     """`mlfabric controller --etcd` in a process of its own."""
 
     def __init__(self, tmp_path, me: str, controllers: list[str], etcd: EtcdServer,
-                 shards: int) -> None:
+                 shards: int, *more: str) -> None:
         self.address = me
         self.log = tmp_path / f"decisions-{me.replace(':', '-')}.jsonl"
+        if self.log.exists():  # the same controller again: its own log
+            self.log.rename(self.log.with_suffix(f".{time.monotonic_ns()}"))
         self.proc = subprocess.Popen(
             mlfabric_cmd("controller", "--listen", me, "--job", JOB, "--token-file",
                          str(secret_file("job.token", TOKEN.decode())),
                          "--etcd", etcd.url, "--controllers", ",".join(controllers),
                          "--shards", str(shards), "--lease-ttl", "1",
-                         "--decision-log", str(self.log)),
+                         "--decision-log", str(self.log), *more),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [self.lines.put(x) for x in self.proc.stdout]
@@ -212,10 +214,14 @@ class Controller:
         assert line and "serving job" in line, self.proc.stderr.read() if line is None else line
         self.line = line
 
-    def gos(self) -> int:
+    def events(self, kind: str) -> list[dict]:
         if not self.log.exists():
-            return 0
-        return sum(json.loads(x)["event"] == "go" for x in self.log.read_text().splitlines())
+            return []
+        return [e for e in map(json.loads, self.log.read_text().splitlines())
+                if e["event"] == kind]
+
+    def gos(self) -> int:
+        return len(self.events("go"))
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -335,6 +341,98 @@ def test_a_controller_back_from_the_dead_sends_workers_to_the_one_that_took_over
         assert text.count("on controller 127.0.0.1:") == 2
         assert sample(metrics.controller_fallback_updates) == 0
         assert sample(metrics.controller_unreachable) == 0  # a move, not an outage
+
+
+def test_failover_follows_the_shards_from_controller_to_controller(tmp_path, etcd):
+    """Two shards, each with a replica the workers feed; two controllers
+    with --etcd, each watching the servers of the shard it plans. The
+    controller of shard 0 is killed: the other takes the shard and its
+    watch over, and when shard 0's server then dies, it promotes the
+    replica and the workers fail over. That controller is killed in turn,
+    and the first, started again, takes both shards: it finds shard 0's
+    replica already serving and watches it as the server (no second
+    promotion). Every acknowledged part is applied once, and each shard's
+    final model is the numpy replay of its parts, bit for bit."""
+    from test_sharded import assert_each_shard_replays, replicated_shards, store_state
+
+    from support import random_update
+
+    gamma = 0.5
+    model = make_model(sizes=SIZES)
+    servers, endpoints, replicas, _, _ = replicated_shards(model, gamma)
+    names = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    acked: list[dict[int, dict[str, np.ndarray]]] = [{}, {}]
+    with contextlib.ExitStack() as stack:
+        for st in (servers[1], *replicas):
+            stack.enter_context(st)
+        servers[0].__enter__()
+        lost: list[bool] = []  # shard 0's server was stopped (and must not be again)
+        stack.callback(lambda: lost or servers[0].__exit__(None, None, None))
+        watch = ("--server", ",".join(s.address for s in servers),
+                 "--replica", ",".join(r.address for r in replicas),
+                 "--heartbeat-interval", "0.05", "--heartbeat-timeout", "0.5",
+                 # a bound that holds nothing here: each shard's gate is live
+                 "--div-max", "100", "--momentum", str(gamma))
+
+        def controller(k: int) -> Controller:
+            c = Controller(tmp_path, names[k], names, etcd, 2, *watch)
+            stack.callback(c.stop)
+            return c
+
+        first, second = controller(0), controller(1)
+        assert "planning shards [0] of 2" in first.line
+        workers = [stack.enter_context(mlfabric.connect(
+            addresses(servers), job=JOB, token=TOKEN, controller=",".join(names),
+            controller_fallback="wait", controller_timeout=30, host=f"w{k}",
+            replica=",".join(r.address for r in replicas), failover_timeout=20))
+            for k in range(3)]
+        seed = iter(range(1000))
+
+        def round_of_pushes() -> None:
+            futures = []
+            for ps in workers:
+                u = random_update(model, seed=next(seed))
+                futures.append((u, ps.push(u, base_version=ps.pull(timeout=10)[0])))
+            for u, f in futures:
+                outcome = f.result(30)
+                assert outcome.applied, outcome
+                for shard, part in enumerate(outcome.shards):
+                    assert part.version not in acked[shard], outcome
+                    acked[shard][part.version] = u
+
+        round_of_pushes()
+        first.proc.send_signal(signal.SIGKILL)
+        wait_until(lambda: _owner(etcd, 0) == names[1], 5, "shard 0 to move")
+        round_of_pushes()
+        # Shard 0's server dies: the controller that took the shard over
+        # promotes its replica.
+        lost.append(True)
+        servers[0].__exit__(None, None, None)
+        round_of_pushes()
+        wait_until(lambda: second.events("failover"), 10, "the failover's record")
+        assert [e["shard"] for e in second.events("failover")] == [0]
+        assert endpoints[0].serving and not endpoints[1].serving
+
+        second.proc.send_signal(signal.SIGKILL)
+        back = controller(0)
+        wait_until(lambda: _owner(etcd, 1) == names[0] and _owner(etcd, 0) == names[0], 5,
+                   "both shards to the controller started again")
+        wait_until(lambda: back.events("adopted"), 10, "the promoted replica's adoption")
+        assert [(e["shard"], e["server"]) for e in back.events("adopted")] == [
+            (0, replicas[0].address)]
+        round_of_pushes()
+        assert back.events("failover") == []  # nothing promoted twice
+        # Shard 1, taken over with its replica, is bounded again (its share
+        # of --div-max), from the replica's heartbeats.
+        wait_until(lambda: any(r.get("shard") == 1 and "div_max" in r for r in fetch_status(
+            names[0], JOB, TOKEN)["replicas"]), 10, "shard 1's replica in the status")
+        (row,) = [r for r in fetch_status(names[0], JOB, TOKEN)["replicas"]
+                  if r.get("shard") == 1]
+        assert row["div_max"] == pytest.approx(100 / 2 ** 0.5)
+        assert row["address"] == replicas[1].address
+        assert not endpoints[1].serving  # shard 1's server never went away
+        final = [store_state(replicas[0]), store_state(servers[1])]
+    assert_each_shard_replays(model, gamma, acked, final, 4 * len(workers))
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ model is a numpy replay of every acknowledged update in the order applied."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import threading
 import time
@@ -104,6 +105,57 @@ def test_heartbeat_declares_a_server_dead_only_after_it_answered_once():
     hb.heard(100.0)
     assert not hb.dead(101.0)
     assert hb.dead(101.01)
+
+
+def test_a_monitor_taking_over_a_served_shard_promotes_on_silence_and_adopts_a_promoted_one(
+        run_async):
+    """A monitor started for a shard another controller watched (`serving`)
+    promotes the replica when the server is silent from its start on: the
+    server may have died before this monitor saw it answer. A second
+    monitor, started later (a controller after a restart), finds the
+    replica serving and watches it as the server: adopted, not promoted
+    again."""
+    from mlfabric.replication.failover import FailoverMonitor
+
+    model = make_model()
+    replica = new_replica(ParameterStore(model, momentum=0.5))
+    dead = f"127.0.0.1:{free_port()}"  # the lost server: nothing listens there
+    try:
+        async def main():
+            loop = asyncio.get_running_loop()
+            failed_over, adopted = loop.create_future(), loop.create_future()
+            first = FailoverMonitor(
+                server=dead, replica=replica.address, job=JOB, token=TOKEN, interval=0.05,
+                timeout=0.3, serving=True,
+                on_failover=lambda a, v, since: failed_over.set_result((a, v)),
+                on_adopted=lambda a, v: adopted.set_result(("first", a)))
+            first.start()
+            try:
+                assert await asyncio.wait_for(failed_over, 10) == (replica.address, 0)
+            finally:
+                await first.close()
+            assert not adopted.done()  # the replica was not serving yet
+
+            async def recovered():  # promoted, it serves once its recovery is over
+                while not replica.server.serving:
+                    await asyncio.sleep(0.02)
+
+            await asyncio.wait_for(recovered(), 10)
+            again = FailoverMonitor(
+                server=dead, replica=replica.address, job=JOB, token=TOKEN, interval=0.05,
+                timeout=0.3,
+                on_failover=lambda a, v, since: failed_over.set_result(("again", a)),
+                on_adopted=lambda a, v: adopted.set_result((a, v)))
+            again.start()
+            try:
+                assert await asyncio.wait_for(adopted, 10) == (replica.address, 0)
+                assert (again.server, again.replica) == (replica.address, None)
+            finally:
+                await again.close()
+
+        run_async(main())
+    finally:
+        replica.__exit__(None, None, None)
 
 
 @pytest.mark.parametrize("kill_after", [5, 17])

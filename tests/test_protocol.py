@@ -145,6 +145,7 @@ CASES = [
     StateRequest(req=3),
     ReplicaJoin(address="10.0.0.4:7070", version=41, velocity=0.25),
     ReplicaJoin(address="10.0.0.4:7070", version=41, velocity=0.25, shard=3),
+    ReplicaJoin(address="10.0.0.4:7070", version=41, shard=3, server="10.0.0.3:7070"),
     ReplicaAt(address="10.0.0.4:7070", version=41),
     Status(req=3, status={"job": "j", "workers": [{"host": "h1", "requests": 4}]}),
     Error(code="bad_shape", message="tensor 'w' has shape (2,)", req=77),

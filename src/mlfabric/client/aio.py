@@ -433,6 +433,11 @@ class AsyncClient:
             log.warning("controller reports a replica change (%s), but this client has no "
                         "replica configured: ignoring it", event)
             return
+        if isinstance(event, Failover) and event.server == self.address:
+            # Said again by a controller that took the shard over, in case
+            # the one that promoted it could not say it: already done here.
+            log.info("already served by %s (failed over to before)", event.server)
+            return
         if isinstance(event, Failover) and self._controlled is not None:
             self._controlled.book.dst = parse_address(event.server)[0]
         self._changes.append(event)

@@ -349,6 +349,10 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--server names {len(servers)} server(s) and --replica "
                               f"{len(replicas)} replica(s): give one replica per shard's "
                               f"server, in shard order")
+    if args.etcd is not None and args.div_max is not None and not servers:
+        raise ConfigError("--etcd with --div-max needs --server and --replica (one of each "
+                          "per shard, in shard order): with several controllers, each bounds "
+                          "the shards it plans from their servers' and replicas' heartbeats")
     gate = None
     if args.div_max is not None:
         if args.momentum is None:
@@ -361,10 +365,6 @@ def run(args: argparse.Namespace) -> int:
                         "waiting for a lost update is not resynced (it is given up after "
                         "--replica-lag-timeout)")
     leases = coordination(args, servers)
-    if leases is not None and (servers or gate is not None):
-        raise ConfigError("--etcd (several controllers) does not yet combine with failover "
-                          "(--server/--replica) or --div-max: each controller would watch "
-                          "every shard's server; run one controller for such a job")
     if args.decision_log:
         handler = decision_log(args.decision_log)
         handler.setFormatter(logging.Formatter("%(message)s"))

@@ -109,12 +109,18 @@ class Controller(Endpoint):
         # By shard: the server's update norms are known up to this version.
         self._norms_known: dict[int, int] = {}
         self._seen: dict[int, tuple[int, int, int]] = {}  # gate counters already counted
-        # One per server watched for failover, by shard index (one for a job
-        # of one server).
-        self.monitors: list[FailoverMonitor] = []
+        # One per server watched for failover, by shard index (shard 0 for a
+        # job of one server). With several controllers, only the shards this
+        # one plans: a failover is one controller's decision.
+        self.monitors: dict[int, FailoverMonitor] = {}
+        self._watch: _Watch | None = None
+        # Each shard's (server, replica) as this controller last knew them:
+        # where a monitor starts when this controller takes the shard over.
+        self._servers: dict[int, tuple[str, str | None]] = {}
         # Several controllers (issue 34): the shards this one holds in etcd.
         # None: the only controller, planning every shard.
         self.leases: ShardLeases | None = None
+        self._closing: set[asyncio.Task[None]] = set()  # monitors of shards given up
 
     # -- several controllers ------------------------------------------------------
 
@@ -144,7 +150,31 @@ class Controller(Endpoint):
             if isinstance(conn, _ControllerProtocol) and conn.shard is not None \
                     and conn.shard not in owned:
                 self.move(conn, conn.shard)
+        if self._watch is not None:
+            self._follow_owned(owned)
         self.replan()
+
+    def _follow_owned(self, owned: frozenset[int]) -> None:
+        """Watch the servers of the shards this controller now plans, and only
+        those: a shard taken over gets a monitor (and a divergence gate that
+        starts over from its replica's next heartbeat); a shard lost, none."""
+        assert self._watch is not None and self.leases is not None
+        for shard in sorted(set(self.monitors) - owned):
+            monitor = self.monitors.pop(shard)
+            self._servers[shard] = (monitor.server, monitor.replica)
+            self._closing.add(asyncio.get_running_loop().create_task(monitor.close()))
+            self._closing = {t for t in self._closing if not t.done()}
+        for shard in sorted(owned - set(self.monitors)):
+            if shard >= len(self._servers):
+                continue  # refused at its requests (on_request)
+            gate = self.gates.get(shard)
+            if gate is not None:
+                self.gates[shard] = DivergenceGate(gate.gamma, gate.div_max,
+                                                   lag_timeout=gate.lag_timeout)
+                self._norms_known.pop(shard, None)
+            # Served before: another controller planned it, so its server has
+            # answered someone; its silence from now on is a loss.
+            self._start_monitor(shard, serving=shard in self.leases.ever_held)
 
     def move(self, conn: _ControllerProtocol, shard: int) -> None:
         """Tell a worker's link that another controller plans `shard`, and
@@ -252,7 +282,9 @@ class Controller(Endpoint):
                       gap_timeout: float = DEFAULT_GAP_TIMEOUT) -> None:
         """`watch_server` for each shard of a sharded job (`servers[i]` is
         shard i's, `replicas[i]` its replica): losing one shard promotes only
-        its replica and tells only the workers' links to that shard."""
+        its replica and tells only the workers' links to that shard. With
+        several controllers (`coordinate`), each watches the shards it plans,
+        and takes up the watch of a shard it takes over."""
         if len(servers) != len(replicas) or not servers:
             raise ConfigError(f"failover needs one replica per server: {len(servers)} "
                               f"server(s), {len(replicas)} replica(s)")
@@ -264,26 +296,37 @@ class Controller(Endpoint):
             for shard in range(len(servers)):
                 self.gates[shard] = DivergenceGate(template.gamma, per_shard,
                                                    lag_timeout=template.lag_timeout)
-        up = [False] * len(servers)
+        self._watch = _Watch(len(servers), interval, timeout, gap_timeout)
+        self._servers = {k: (server, replica)
+                         for k, (server, replica) in enumerate(zip(servers, replicas,
+                                                                   strict=True))}
+        for shard in range(len(servers)):
+            if self.owns(shard):
+                self._start_monitor(shard, serving=False)
 
-        def server_up(shard: int, is_up: bool) -> None:
-            up[shard] = is_up  # the gauge says whether every server answers
-            self.metrics.server_up.set(int(all(up)))
+    def _start_monitor(self, shard: int, *, serving: bool) -> None:
+        assert self._watch is not None
+        w = self._watch
+        server, replica = self._servers[shard]
 
-        for shard, (server, replica) in enumerate(zip(servers, replicas, strict=True)):
-            self.monitors.append(FailoverMonitor(
-                server=server, replica=replica, job=self.job, token=self.token,
-                interval=interval, timeout=timeout,
-                on_failover=functools.partial(self.on_failover, shard=shard),
-                on_server_up=functools.partial(server_up, shard),
-                on_replica_lost=functools.partial(self.on_replica_lost, shard=shard),
-                since=functools.partial(self._norms_since, shard),
-                on_server_pong=functools.partial(self.on_server_pong, shard=shard),
-                on_replica_pong=functools.partial(self.on_replica_pong, shard=shard),
-                on_resynced=functools.partial(self.on_resynced, shard=shard),
-                gap_timeout=gap_timeout))
-        for monitor in self.monitors:
-            monitor.start()
+        def server_up(is_up: bool) -> None:
+            w.up[shard] = is_up  # the gauge says whether every server watched answers
+            self.metrics.server_up.set(int(all(w.up[k] for k in self.monitors)))
+
+        monitor = FailoverMonitor(
+            server=server, replica=replica, job=self.job, token=self.token,
+            interval=w.interval, timeout=w.timeout,
+            on_failover=functools.partial(self.on_failover, shard=shard),
+            on_server_up=server_up,
+            on_replica_lost=functools.partial(self.on_replica_lost, shard=shard),
+            since=functools.partial(self._norms_since, shard),
+            on_server_pong=functools.partial(self.on_server_pong, shard=shard),
+            on_replica_pong=functools.partial(self.on_replica_pong, shard=shard),
+            on_resynced=functools.partial(self.on_resynced, shard=shard),
+            gap_timeout=w.gap_timeout,
+            on_adopted=functools.partial(self.on_adopted, shard=shard), serving=serving)
+        self.monitors[shard] = monitor
+        monitor.start()
 
     def _peers(self, shard: int) -> list[_ControllerProtocol]:
         """The connections to tell of a change at `shard`'s server: every one
@@ -291,9 +334,14 @@ class Controller(Endpoint):
         to that shard (SHARD_AT)."""
         ready = [c for c in list(self.connections)
                  if isinstance(c, _ControllerProtocol) and c.stage == "ready"]
-        if len(self.monitors) <= 1:
+        if not self.sharded:
             return ready
         return [c for c in ready if c.shard == shard]
+
+    @property
+    def sharded(self) -> bool:
+        """Failover watches the servers of several shards."""
+        return self._watch is not None and self._watch.shards > 1
 
     @property
     def gate(self) -> DivergenceGate | None:
@@ -358,7 +406,7 @@ class Controller(Endpoint):
         row = {"host": host, "version": version, **more}
         if ":" in address:
             row["address"] = address
-        if len(self.monitors) > 1:  # one row per shard
+        if self.sharded:  # one row per shard
             self.state.replicas[shard] = {**self.state.replicas.get(shard, {}), **row,
                                           "shard": shard}
         else:
@@ -372,10 +420,19 @@ class Controller(Endpoint):
         self.on_replica_join(ReplicaJoin(address=address, version=version, velocity=velocity),
                              shard=shard)
 
-    def on_failover(self, address: str, version: int, silent_since: float, shard: int = 0
-                    ) -> None:
+    def on_adopted(self, address: str, version: int, shard: int = 0) -> None:
+        """`shard`'s replica was promoted before this controller watched it
+        (by the controller it took the shard over from, or by this one before
+        a restart): the workers are told, as at a failover, in case the one
+        that promoted it could not tell them; no failover is counted."""
+        self.on_failover(address, version, asyncio.get_running_loop().time(), shard=shard,
+                         adopted=True)
+
+    def on_failover(self, address: str, version: int, silent_since: float, shard: int = 0,
+                    *, adopted: bool = False) -> None:
         m = self.metrics
-        m.failovers.inc()
+        if not adopted:
+            m.failovers.inc()
         gate = self.gates.get(shard)
         if gate is not None:
             gate.active = False  # no replica left to diverge from
@@ -383,7 +440,8 @@ class Controller(Endpoint):
             # updates than the lost server's: forget the old norms there.
             gate.forget_above(version)
         self._norms_known[shard] = min(self._norms_known.get(shard, 0), version)
-        sharded = len(self.monitors) > 1
+        sharded = self.sharded
+        self._servers[shard] = (address, None)
         host = address.rsplit(":", 1)[0]
         if sharded:  # the other shards' replicas and transfers are untouched
             self.state.replicas.pop(shard, None)
@@ -399,12 +457,17 @@ class Controller(Endpoint):
         for conn in peers:
             conn.send(event)
         seconds = asyncio.get_running_loop().time() - silent_since
-        m.failover_seconds.observe(seconds)
         what = f"shard {shard}'s server" if sharded else "the server"
-        log.warning("failover: the replica at %s is %s (version %d); %d peers told, "
-                    "%.2f s after the last heartbeat", address, what, version, len(peers),
-                    seconds)
-        decision_log.info(json.dumps({"event": "failover", "server": address,
+        if adopted:
+            log.warning("the replica at %s is %s since an earlier failover (version %d); %d "
+                        "peers told", address, what, version, len(peers))
+        else:
+            m.failover_seconds.observe(seconds)
+            log.warning("failover: the replica at %s is %s (version %d); %d peers told, "
+                        "%.2f s after the last heartbeat", address, what, version, len(peers),
+                        seconds)
+        decision_log.info(json.dumps({"event": "adopted" if adopted else "failover",
+                                      "server": address,
                                       "version": version, "seconds": round(seconds, 6),
                                       **({"shard": shard} if sharded else {})}))
         self.state.touch(None if not sharded else shard)
@@ -417,10 +480,12 @@ class Controller(Endpoint):
         gate = self.gates.get(shard)
         if gate is not None:
             gate.active = False
-        if len(self.monitors) > 1:
+        if self.sharded:
             self.state.replicas.pop(shard, None)
         else:
             self.state.replicas.clear()
+        if shard in self._servers:
+            self._servers[shard] = (self._servers[shard][0], None)
         decision_log.info(json.dumps({"event": "replica_lost", "replica": address}))
         self.state.touch(shard)
         self.replan()
@@ -428,15 +493,29 @@ class Controller(Endpoint):
     def on_replica_join(self, ev: ReplicaJoin, shard: int = 0) -> None:
         """A new replica serves from ev.version: workers send it the updates
         above that version, and it is the one to promote at the next failover.
-        With shards, only for `shard`: its monitor, its gate, its workers' links."""
-        if shard < len(self.monitors):
+        With shards, only for `shard`: its monitor, its gate, its workers' links.
+        A controller that does not plan `shard` only notes where its server
+        and replica are, for when it takes the shard over (a replica
+        announces itself to every controller of the job)."""
+        if self._watch is not None and shard < self._watch.shards:
+            server = self._servers[shard][0]
+            if ev.server is not None:  # the server it joined from serves the shard now
+                server = ev.server
+                if shard in self.monitors:
+                    self.monitors[shard].server = server
+            self._servers[shard] = (server, ev.address)
+        if not self.owns(shard):
+            log.info("replica of shard %d joined at %s; the controller planning that shard "
+                     "watches it", shard, ev.address)
+            return
+        if shard in self.monitors:
             self.monitors[shard].replica = ev.address
         gate = self.gates.get(shard)
         if gate is not None:
             gate.start(ev.version, ev.velocity)
             gate.active = True
             self._norms_known[shard] = max(self._norms_known.get(shard, 0), ev.version)
-        if len(self.monitors) <= 1:
+        if not self.sharded:
             self.state.replicas.clear()
         self._replica_row(shard, ev.address, ev.version)
         peers = self._peers(shard)
@@ -482,8 +561,8 @@ class Controller(Endpoint):
                                   f"--server and --replica one address per shard, in shard "
                                   f"order")
             return
-        if ev.shard and self.monitors and ev.shard >= len(self.monitors):
-            conn.refuse("config", f"this controller watches {len(self.monitors)} server(s) "
+        if ev.shard and self._watch is not None and ev.shard >= self._watch.shards:
+            conn.refuse("config", f"this controller watches {self._watch.shards} server(s) "
                                   f"for failover, not shard {ev.shard}: give --server and "
                                   f"--replica one address per shard, in shard order")
             return
@@ -703,11 +782,23 @@ class Controller(Endpoint):
             task.cancel()
         if self._agent_tasks:  # no re-plan from an agent's report after close
             await asyncio.wait(self._agent_tasks, timeout=5.0)
-        for monitor in self.monitors:
+        for monitor in self.monitors.values():
             await monitor.close()
+        if self._closing:
+            await asyncio.wait(self._closing, timeout=5.0)
         if self.leases is not None:
             await self.leases.close()
         await super().close()
+
+
+class _Watch:
+    """What `watch_servers` was given, to start a monitor for a shard later."""
+
+    def __init__(self, shards: int, interval: float, timeout: float, gap_timeout: float
+                 ) -> None:
+        self.shards, self.interval, self.timeout = shards, interval, timeout
+        self.gap_timeout = gap_timeout
+        self.up = [False] * shards  # each watched server answers (the server_up gauge)
 
 
 class _ControllerProtocol(EndpointProtocol):

@@ -62,6 +62,9 @@ class ShardLeases:
         self.interval = min(ttl / 4, 0.25)
         self.owned: frozenset[int] = frozenset()
         self.owners: dict[int, str] = {}
+        # Every shard seen held by a controller (this one included) before
+        # this one claimed it: a shard the job has been running on.
+        self.ever_held: set[int] = set()
         self._lease: int | None = None
         self._ended: int | None = None  # a lease given up, to revoke
         self._registered_at: float | None = None
@@ -124,6 +127,7 @@ class ShardLeases:
             self._registered_at = self.clock()
         live, held = ownership.read(self.job, await self.etcd.range(ownership.prefix(self.job)),
                                     self.shards)
+        self.ever_held |= held.keys()
         if self._registered_at is not None:
             settled = self.clock() - self._registered_at >= self.ttl
             for shard in ownership.claims(shards=self.shards, controllers=self.controllers,

@@ -18,6 +18,15 @@ Promotion names the server it replaces: the replica refuses it while it
 still reaches that server itself, so a partition between the controller
 and a live server does not make a second server. The monitor then goes
 back to watching the server.
+
+A monitor may start on a shard whose failover another controller already
+carried out (a controller restarted with its old --server, or one taking
+over another's shards: issue 34). So it first asks the replica its role:
+one that answers as the server was promoted before, and is watched as the
+server (`on_adopted`), not promoted again. A monitor taking over a shard
+the job has been running on (`serving`) counts the server's silence from
+its own start, as if it had answered once: the controller it replaces may
+have seen its last answer.
 """
 
 from __future__ import annotations
@@ -70,7 +79,7 @@ class FailoverMonitor:
     its velocity); a resync it completed to `on_resynced(address, version,
     velocity)`."""
 
-    def __init__(self, *, server: str, replica: str, job: str, token: bytes,
+    def __init__(self, *, server: str, replica: str | None, job: str, token: bytes,
                  interval: float, timeout: float,
                  on_failover: Callable[[str, int, float], None],
                  on_server_up: Callable[[bool], None] = lambda up: None,
@@ -80,7 +89,9 @@ class FailoverMonitor:
                  on_server_pong: Callable[[Pong], None] = lambda pong: None,
                  on_replica_pong: Callable[[str, Pong], None] = lambda address, pong: None,
                  on_resynced: Callable[[str, int, float], None] = lambda a, v, n: None,
-                 gap_timeout: float = DEFAULT_GAP_TIMEOUT) -> None:
+                 gap_timeout: float = DEFAULT_GAP_TIMEOUT,
+                 on_adopted: Callable[[str, int], None] | None = None,
+                 serving: bool = False) -> None:
         if not 0 < interval < timeout:
             raise ConfigError(f"--heartbeat-interval must be positive and below "
                               f"--heartbeat-timeout ({timeout}), got {interval}")
@@ -100,6 +111,8 @@ class FailoverMonitor:
         self.on_replica_pong = on_replica_pong
         self.on_resynced = on_resynced
         self.gap_timeout = gap_timeout
+        self.on_adopted = on_adopted
+        self.serving = serving
         self.resyncs = 0  # RESYNCs sent
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -120,6 +133,10 @@ class FailoverMonitor:
                 task.exception()  # retrieved: the monitor is closing anyway
 
     async def run(self) -> None:
+        if self.on_adopted is not None:
+            await self._adopt_promoted()
+        if self.serving:
+            self.heartbeat.heard(self.clock())
         while True:
             await self.watch()
             replica = self.replica
@@ -142,6 +159,37 @@ class FailoverMonitor:
                 self.replica = None
             self.heartbeat = Heartbeat(self.heartbeat.timeout)
             self.on_failover(replica, version, silent_since)
+
+    async def _adopt_promoted(self) -> None:
+        """If the replica already serves as the server (promoted before this
+        monitor started), watch it as the server from now on."""
+        replica = self.replica
+        if replica is None:
+            return
+        answer: asyncio.Future[Pong] = asyncio.get_running_loop().create_future()
+
+        def on_event(event: Any) -> None:
+            if isinstance(event, Pong) and not answer.done():
+                answer.set_result(event)
+
+        try:
+            link = await open_link(replica, self._hs(), self.heartbeat.timeout,
+                                   "replica server", on_event=on_event)
+            try:
+                link.send(Ping(1))
+                pong = await within(asyncio.shield(answer), self.heartbeat.timeout)
+            finally:
+                link.close()
+        except (MlfabricError, TimeoutError):
+            return  # not up (yet): its own heartbeats will say
+        if pong.role != "server":
+            return
+        log.warning("the replica at %s already serves as the server at version %d (promoted "
+                    "before this controller watched it): watching it as the server, not the "
+                    "lost %s", replica, pong.version, self.server)
+        self.server, self.replica = replica, None
+        assert self.on_adopted is not None
+        self.on_adopted(replica, pong.version)
 
     async def watch(self) -> None:
         """Return once the server is lost."""

@@ -43,13 +43,14 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .. import kernels
-from ..errors import InvalidUpdate, MlfabricError, SequenceGap
+from ..errors import ConnectionLost, InvalidUpdate, MlfabricError, SequenceGap
 from ..runtime.loop import within
 from ..runtime.metrics import ServerMetrics
 from ..server.server import ParameterServer, ServerProtocol, velocity_norm
@@ -514,18 +515,39 @@ async def fetch_state(address: str, *, job: str, token: bytes, timeout: float = 
     return store
 
 
-async def announce(controller: str, *, address: str, store: ParameterStore, job: str,
-                   token: bytes, timeout: float = 30.0) -> None:
-    """Tell the controller a replica serves at `address` from the store's version on."""
+async def announce(controllers: str | Sequence[str], *, address: str, store: ParameterStore,
+                   job: str, token: bytes, server: str | None = None,
+                   timeout: float = 30.0) -> None:
+    """Tell the job's controllers a replica serves at `address` from the
+    store's version on, having taken its state from `server`. Each is told
+    (with several, the one planning the replica's shard acts; the others
+    note it for when they take the shard over); an error only when none
+    could be."""
     from ..client.link import open_link
     from ..wire.handshake import ClientHandshake
     from ..wire.protocol import ReplicaJoin
 
-    link = await open_link(controller, ClientHandshake(job, token, "mlfabric-replica"), timeout,
-                           "controller")
+    if isinstance(controllers, str):
+        controllers = [controllers]
     velocity = float(np.sqrt(sum(
         kernels.l2_norm_diff(w, store.previous[n]) ** 2 for n, w in store.weights.items())))
-    link.send(ReplicaJoin(address=address, version=store.version, velocity=velocity,
-                          shard=None if store.shard is None else store.shard.index))
-    link.close()
-    await link.closed
+    join = ReplicaJoin(address=address, version=store.version, velocity=velocity,
+                       shard=None if store.shard is None else store.shard.index, server=server)
+    failed: list[str] = []
+    for controller in controllers:
+        try:
+            link = await open_link(controller, ClientHandshake(job, token, "mlfabric-replica"),
+                                   timeout, "controller")
+        except MlfabricError as exc:
+            if len(controllers) == 1:
+                raise
+            log.warning("could not tell the controller at %s of this replica: %s", controller,
+                        exc)
+            failed.append(f"{controller}: {exc}")
+            continue
+        link.send(join)
+        link.close()
+        await link.closed
+    if len(failed) == len(controllers):
+        raise ConnectionLost(f"no controller could be told of this replica: "
+                             f"{'; '.join(failed)}")

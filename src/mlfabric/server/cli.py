@@ -90,9 +90,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="replica: start from the whole state of the running server there "
                         "(instead of --init/--resume) and announce to --controller; the "
                         "workers then send it every update above that state's version")
-    p.add_argument("--controller", metavar="HOST:PORT", default=None,
+    p.add_argument("--controller", metavar="HOST:PORT[,HOST:PORT...]", default=None,
                    help="replica with --join-from: the job's controller, told where this "
-                        "replica serves")
+                        "replica serves (several, with `mlfabric controller --etcd`: every "
+                        "one, as the workers are given them)")
     p.add_argument("--advertise", metavar="HOST:PORT", default=None,
                    help="replica with --join-from: the address workers reach it at (default: "
                         "the address it listens on)")
@@ -382,7 +383,8 @@ def run_server(args: argparse.Namespace) -> int:
             raise ConfigError("--join-from takes the running server's state: drop --init "
                               "and --resume")
         parse_address(args.join_from)
-        parse_address(args.controller)
+        for controller in args.controller.split(","):
+            parse_address(controller.strip())
         refuse_other_runs(args)
         store, resumed = None, None
         run = checkpoint.new_run_id()
@@ -443,8 +445,8 @@ def run_server(args: argparse.Namespace) -> int:
                 raise ConfigError("listening on all addresses: give --advertise HOST:PORT, "
                                   "the address workers reach this replica at")
             address = args.advertise or f"{bound[0]}:{bound[1]}"
-            await announce(args.controller, address=address, store=store, job=args.job,
-                           token=token)
+            await announce([c.strip() for c in args.controller.split(",")], address=address,
+                           store=store, job=args.job, token=token, server=args.join_from)
         await stopped.wait()
         log.info("shutting down at version %d", store.version)
         if sampler is not None:

@@ -528,12 +528,14 @@ PREVIOUS_PREFIX: Final = "\x00previous/"
 class ReplicaJoin:
     """New replica -> controller: serving at `address` from `version`, with
     ||w - w_prev|| = `velocity` (for the divergence bound); `shard`: the
-    shard it keeps, for a sharded job's replica."""
+    shard it keeps, for a sharded job's replica; `server`: the server it
+    took its state from (the one serving the shard now)."""
 
     address: str
     version: int
     velocity: float = 0.0
     shard: int | None = None
+    server: str | None = None
 
 
 @dataclass(frozen=True)
@@ -1190,7 +1192,8 @@ def _decode_state_request(meta: Mapping[str, Any], tensors: dict[str, np.ndarray
 def _decode_replica_join(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
     return ReplicaJoin(address=_str(meta, "address", 256), version=_int(meta, "version"),
                        velocity=_opt_float(meta, "velocity") or 0.0,
-                       shard=None if meta.get("shard") is None else _shard_index(meta))
+                       shard=None if meta.get("shard") is None else _shard_index(meta),
+                       server=_opt_str(meta, "server", 256))
 
 
 def _decode_replica_at(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
