@@ -573,8 +573,8 @@ def test_status_lists_the_workers_back_from_a_fallback_and_those_gone():
     (w1,) = status["workers"]
     assert (w1["name"], w1["fell_back_updates"], w1["fell_back_seconds"]) == (
         "w1 (10.0.0.1:5000)", 7, 2.5)
-    assert status["gone_workers"] == [{"name": "w2 (10.0.0.2:5000)", "host": "h2",
-                                       "requests": 1, "gone_age_s": 2.0}]
+    assert status["gone_workers"] == [{"name": "w2 (10.0.0.2:5000)", "client": "w2",
+                                       "host": "h2", "requests": 1, "gone_age_s": 2.0}]
     state.join("b2", "w2 (10.0.0.2:5001)", client="w2")  # back, by its hello's name
     assert state.status()["gone_workers"] == []
     for i in range(GONE_KEPT + 5):  # the newest are kept, newest first

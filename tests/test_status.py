@@ -109,15 +109,27 @@ def test_status_of_several_controllers_says_who_answered_and_who_plans_which_sha
     from mlfabric.controller.status_cli import format_statuses
     from mlfabric.errors import ConnectError
 
-    def planning(plans: list[int], owners: list[str], pending: int) -> dict:
+    def planning(plans: list[int], owners: list[str], pending: int, **more) -> dict:
         return {**STATUS, "pending": pending,
                 "controllers": {"etcd": "http://e:2379", "lease_ttl_s": 2, "this": "",
-                                "plans": plans, "owners": owners}}
+                                "plans": plans, "owners": owners}, **more}
 
     owners = ["a:7071", "b:7071", "a:7071"]
+    # b plans shard 1, on a server of its own; w1 sent it the parts for
+    # shard 1, and w2 talks to b alone so far.
+    b_servers = [{**STATUS["servers"][0], "version": 41, "last_heard_age_s": 0.125},
+                 {"host": "10.0.0.8", "version": 7, "transfers": 9, "applied": 8,
+                  "refused": 1, "last_heard_age_s": 3.0}]
+    # (each controller names a worker with its connection's address; the
+    # name in its hello is the same)
+    b_workers = [{"name": "w1 (10.0.0.1:6000)", "client": "w1", "host": "h1", "requests": 25, "sent": 24, "dropped": 1,
+                  "applied": 20, "refused": 4, "last_delay": 2},
+                 {"name": "w2", "host": "h2", "requests": 3, "sent": 3, "dropped": 0,
+                  "applied": 3, "refused": 0, "last_delay": 0}]
     text = format_statuses({
-        "a:7071": planning([0, 2], owners, 5),
-        "b:7071": planning([1], owners, 7),
+        "a:7071": planning([0, 2], owners, 5, gone_workers=[
+            {"name": "w3", "host": "h3", "requests": 5, "gone_age_s": 1.0}]),
+        "b:7071": planning([1], owners, 7, servers=b_servers, workers=b_workers),
         "c:7071": ConnectError("nothing listens at c:7071"),
     })
     lines = text.splitlines()
@@ -135,6 +147,19 @@ def test_status_of_several_controllers_says_who_answered_and_who_plans_which_sha
         "  0      a:7071",
         "  1      b:7071",
         "  2      a:7071",
+    ]
+    # the job's servers and workers, added up over those that answered
+    i = lines.index("the job's servers (added up over the controllers that answered):")
+    assert lines[i + 1:i + 9] == [
+        "  host      version  transfers  applied  refused  last heard",
+        "  10.0.0.8  7        9          8        1        3.0 s ago",
+        "  10.0.0.9  42       100        80       4        0.1 s ago",
+        "the job's connected workers (parts of their updates, added up over the "
+        "controllers that answered):",
+        "  name  host  controllers  requests  sent  dropped  applied  refused",
+        "  w1    h1    2            75        69    6        60       6",
+        "  w2    h2    1            3         3     0        3        0",
+        "  and 1 disconnected (each controller's list is below)",
     ]
     # then each answering controller's own status, in the order given
     assert [line for line in lines if line.startswith("job 'mnist' on controller")] == [

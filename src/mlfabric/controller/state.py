@@ -782,8 +782,9 @@ class ControlState:
             "workers": [vars(w).copy() for w in sorted(self.workers.values(),
                                                         key=lambda w: w.name)],
             "gone_workers": [
-                {"name": g.name, "host": g.host, "requests": g.requests,
-                 "gone_age_s": _age(g.gone_at, now)} for g in reversed(self.gone.values())],
+                {"name": g.name, "client": client, "host": g.host, "requests": g.requests,
+                 "gone_age_s": _age(g.gone_at, now)}
+                for client, g in reversed(self.gone.items())],
             "delay": self.delays.summary(),
             "bandwidth": {h: {"up_bytes_per_s": net.up.get(h, net.default),
                               "down_bytes_per_s": net.down.get(h, net.default),

@@ -144,9 +144,61 @@ def format_statuses(statuses: Mapping[str, dict[str, Any] | MlfabricError]) -> s
                         [(str(k), *(v[k] if k < len(v) and v[k] else "nobody"
                                     for v in views.values() if v))
                          for k in range(max(len(v) for v in distinct))])
+    if len(answered) > 1:
+        lines += _job_servers_and_workers(list(answered.values()))
     for address, s in answered.items():
         lines += ["", format_status(s, address)]
     return "\n".join(lines)
+
+
+_COUNTS = ("requests", "sent", "dropped", "applied", "refused")
+
+
+def _job_servers_and_workers(statuses: list[dict[str, Any]]) -> list[str]:
+    """The job's servers and workers, over the controllers that answered.
+    A worker talks to every controller, each about the parts of its updates
+    for the shards it plans: its counts add up to the worker's (a push of S
+    shards is S requests). A server is counted by the controller of its
+    shard, so its rows add up too; its version is the highest reported."""
+    servers: dict[str, dict[str, Any]] = {}
+    for s in statuses:
+        for v in s.get("servers") or ():
+            row = servers.setdefault(v["host"], {"version": None, "transfers": 0, "applied": 0,
+                                                 "refused": 0, "last_heard_age_s": None})
+            for key in ("transfers", "applied", "refused"):
+                row[key] += int(v[key])
+            if v.get("version") is not None:
+                row["version"] = max(row["version"] or 0, int(v["version"]))
+            age = v.get("last_heard_age_s")
+            if age is not None:
+                row["last_heard_age_s"] = min(age, row["last_heard_age_s"] or age)
+    # A worker is known by the name in its hello: each controller's name for
+    # it adds the address of its connection there.
+    workers: dict[str, dict[str, Any]] = {}
+    for s in statuses:
+        for w in s.get("workers") or ():
+            row = workers.setdefault(w.get("client") or w["name"],
+                                     {"host": w.get("host"), "controllers": 0,
+                                      **dict.fromkeys(_COUNTS, 0)})
+            row["controllers"] += 1
+            for key in _COUNTS:
+                row[key] += int(w.get(key) or 0)
+    lines = ["the job's servers (added up over the controllers that answered):"]
+    lines += _table(("host", "version", "transfers", "applied", "refused", "last heard"),
+                    [(host, _cell(v["version"]), str(v["transfers"]), str(v["applied"]),
+                      str(v["refused"]), _ago(v["last_heard_age_s"]))
+                     for host, v in sorted(servers.items())]) if servers else ["  none seen yet"]
+    lines.append("the job's connected workers (parts of their updates, added up over the "
+                 "controllers that answered):")
+    lines += _table(("name", "host", "controllers", *_COUNTS),
+                    [(name, w["host"] or "-", str(w["controllers"]),
+                      *(str(w[k]) for k in _COUNTS))
+                     for name, w in sorted(workers.items())]) if workers else ["  none"]
+    gone = {g.get("client") or g["name"] for s in statuses for g in s.get("gone_workers") or ()
+            } - set(workers)
+    if gone:
+        lines.append(f"  and {len(gone)} disconnected (each controller's list is below)")
+    return lines
 
 
 def _mbit(bytes_per_s: float) -> str:
