@@ -122,8 +122,8 @@ def test_status_of_several_controllers_says_who_answered_and_who_plans_which_sha
                   "refused": 1, "last_heard_age_s": 3.0}]
     # (each controller names a worker with its connection's address; the
     # name in its hello is the same)
-    b_workers = [{"name": "w1 (10.0.0.1:6000)", "client": "w1", "host": "h1", "requests": 25, "sent": 24, "dropped": 1,
-                  "applied": 20, "refused": 4, "last_delay": 2},
+    b_workers = [{"name": "w1 (10.0.0.1:6000)", "client": "w1", "host": "h1", "requests": 25,
+                  "sent": 24, "dropped": 1, "applied": 20, "refused": 4, "last_delay": 2},
                  {"name": "w2", "host": "h2", "requests": 3, "sent": 3, "dropped": 0,
                   "applied": 3, "refused": 0, "last_delay": 0}]
     text = format_statuses({
