@@ -1,6 +1,7 @@
 """Build the Cython extensions: the numeric kernels (src/mlfabric/kernels/_core.pyx),
-the scheduling core's hot loop (src/mlfabric/scheduling/_stf.pyx) and the
-scatter-gather send of a frame (src/mlfabric/runtime/_sendv.pyx).
+the scheduling core's hot loop (src/mlfabric/scheduling/_stf.pyx), the
+scatter-gather send of a frame (src/mlfabric/runtime/_sendv.pyx) and the
+16-bit casts of compressed updates (src/mlfabric/compression/_casts.pyx).
 
 -ffp-contract=off keeps the compiler from fusing a*b+c into one FMA, so every
 kernel rounds exactly like the numpy expression it is tested against, and the
@@ -28,6 +29,14 @@ extensions = [
         extra_compile_args=["-O3"],
         include_dirs=[numpy.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    ),
+    # Error feedback fused with the 16-bit casts of compressed pushes
+    # (compression.codecs); the same flags: the residual must round as the
+    # numpy reference does.
+    Extension(
+        "mlfabric.compression._casts",
+        ["src/mlfabric/compression/_casts.pyx"],
+        extra_compile_args=["-O3", "-ffp-contract=off"],
     ),
     # The scheduling core's hot loop: a port of schedule.py's reference that
     # must take the same floating-point steps, hence the same flags.

@@ -25,7 +25,7 @@ PACKAGE = SRC / "mlfabric"
 LAYERS: list[set[str]] = [
     {"errors"},
     {"kernels"},
-    {"wire", "scheduling", "sharding"},
+    {"wire", "scheduling", "sharding", "compression"},
     {"runtime"},
     {"transport", "coordination"},
     {"client"},

@@ -1,0 +1,9 @@
+"""Compressed updates with error feedback (issue 35): the codecs and the
+worker's residuals, without I/O. `parse("topk:0.01")` gives a codec;
+`ErrorFeedback(codec).encode(update)` the tensors to send; `check` and
+`decode` are the receiver's side."""
+
+from .codecs import NAMES, Codec, Encoded, check, decode, parse
+from .feedback import ErrorFeedback
+
+__all__ = ["NAMES", "Codec", "Encoded", "ErrorFeedback", "check", "decode", "parse"]

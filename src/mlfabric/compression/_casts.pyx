@@ -1,0 +1,150 @@
+# cython: language_level=3
+"""Error feedback fused with a cast to 16 bits, in one pass (issue 35).
+
+For each element: acc = x + r (float32), h = the 16-bit code of acc,
+r = acc - float(h). numpy takes five passes and three temporaries for
+the same (`np.add`, `astype`, `astype`, `np.subtract`, a clamp); the worker
+runs this on the whole model before every push.
+
+Rounding is numpy's: float32 -> float16 and -> bfloat16 round to nearest,
+ties to even, exactly as `astype(np.float16)` does and as the reference in
+tests/test_compression.py does for bfloat16. A value too large for the
+16-bit format is clamped to its largest finite value first (65504 for
+float16): what the clamp cuts off stays in the residual, so error feedback
+sends it later instead of sending inf. The input must be finite (the caller
+checks with `kernels.all_finite`); NaN is not a number to round.
+"""
+
+from libc.stdint cimport uint16_t, uint32_t
+from libc.string cimport memcpy
+
+cdef extern from *:
+    """
+    #define MLF_HALF_MAX 65504.0f
+    #define MLF_BF16_MAX 3.3895313892515355e38f
+    """
+    float MLF_HALF_MAX
+    float MLF_BF16_MAX
+
+
+cdef inline uint32_t _bits(float f) noexcept nogil:
+    cdef uint32_t u
+    memcpy(&u, &f, 4)
+    return u
+
+
+cdef inline float _float(uint32_t u) noexcept nogil:
+    cdef float f
+    memcpy(&f, &u, 4)
+    return f
+
+
+cdef inline uint16_t _to_half(float f) noexcept nogil:
+    """float32 -> IEEE half, round to nearest even; |f| <= 65504."""
+    cdef uint32_t u = _bits(f)
+    cdef uint16_t sign = <uint16_t>((u >> 16) & 0x8000)
+    cdef uint32_t a = u & 0x7FFFFFFF
+    cdef uint32_t mant, shift, half_bit, rest, out
+    cdef int exp
+    if a < 0x33000000:  # below half the smallest subnormal (2^-25): rounds to 0
+        return sign
+    exp = <int>(a >> 23) - 127
+    if exp < -14:  # a subnormal half: units of 2^-24
+        mant = (a & 0x7FFFFF) | 0x800000  # the 24-bit significand
+        shift = <uint32_t>(-exp - 1)  # value = mant * 2^(exp-23); unit 2^-24: >> (-1-exp)
+        out = mant >> shift
+        half_bit = <uint32_t>1 << (shift - 1)
+        rest = mant & ((<uint32_t>1 << shift) - 1)
+        if rest > half_bit or (rest == half_bit and (out & 1)):
+            out += 1  # may carry into the smallest normal: still the right code
+        return sign | <uint16_t>out
+    # normal: 10 of the 23 mantissa bits stay
+    out = (<uint32_t>(exp + 15) << 10) | ((a >> 13) & 0x3FF)
+    rest = a & 0x1FFF
+    if rest > 0x1000 or (rest == 0x1000 and (out & 1)):
+        out += 1  # a carry into the exponent is the right rounding too
+    return sign | <uint16_t>out
+
+
+cdef inline float _from_half(uint16_t h) noexcept nogil:
+    cdef uint32_t sign = (<uint32_t>h & 0x8000) << 16
+    cdef uint32_t exp = (h >> 10) & 0x1F
+    cdef uint32_t mant = h & 0x3FF
+    cdef float f
+    if exp == 0:  # subnormal (or 0): mant * 2^-24, exact in float32
+        f = <float>mant * <float>5.9604644775390625e-08
+        return -f if sign else f
+    if exp == 31:  # inf or NaN (never made here; decoded data is checked first)
+        return _float(sign | 0x7F800000 | (mant << 13))
+    return _float(sign | ((exp + 112) << 23) | (mant << 13))
+
+
+cdef inline uint16_t _to_bf16(float f) noexcept nogil:
+    """float32 -> bfloat16, round to nearest even; |f| <= MLF_BF16_MAX."""
+    cdef uint32_t u = _bits(f)
+    u += 0x7FFF + ((u >> 16) & 1)
+    return <uint16_t>(u >> 16)
+
+
+def ef_half(const float[::1] x, float[::1] residual, uint16_t[::1] out):
+    """acc = x + residual; out = float16 bits of acc (clamped to +-65504);
+    residual = acc - float32(out). Returns nothing; `residual` and `out`
+    are written in place."""
+    cdef Py_ssize_t n = x.shape[0], i
+    if residual.shape[0] != n or out.shape[0] != n:
+        raise ValueError(f"ef_half: x, residual and out differ in length: {n}, "
+                         f"{residual.shape[0]}, {out.shape[0]}")
+    cdef float acc, c
+    cdef uint16_t h
+    with nogil:
+        for i in range(n):
+            acc = x[i] + residual[i]
+            c = acc
+            if c > MLF_HALF_MAX:
+                c = MLF_HALF_MAX
+            elif c < -MLF_HALF_MAX:
+                c = -MLF_HALF_MAX
+            h = _to_half(c)
+            out[i] = h
+            residual[i] = acc - _from_half(h)
+
+
+def ef_bf16(const float[::1] x, float[::1] residual, uint16_t[::1] out):
+    """As `ef_half`, to bfloat16 (clamped to its largest finite value)."""
+    cdef Py_ssize_t n = x.shape[0], i
+    if residual.shape[0] != n or out.shape[0] != n:
+        raise ValueError(f"ef_bf16: x, residual and out differ in length: {n}, "
+                         f"{residual.shape[0]}, {out.shape[0]}")
+    cdef float acc, c
+    cdef uint16_t h
+    with nogil:
+        for i in range(n):
+            acc = x[i] + residual[i]
+            c = acc
+            if c > MLF_BF16_MAX:
+                c = MLF_BF16_MAX
+            elif c < -MLF_BF16_MAX:
+                c = -MLF_BF16_MAX
+            h = _to_bf16(c)
+            out[i] = h
+            residual[i] = acc - _float(<uint32_t>h << 16)
+
+
+def half_to_float(const uint16_t[::1] h, float[::1] out):
+    """out = float32 of the float16 bits `h` (as `h.view(np.float16)`)."""
+    cdef Py_ssize_t n = h.shape[0], i
+    if out.shape[0] != n:
+        raise ValueError(f"half_to_float: {n} codes, {out.shape[0]} outputs")
+    with nogil:
+        for i in range(n):
+            out[i] = _from_half(h[i])
+
+
+def bf16_to_float(const uint16_t[::1] h, float[::1] out):
+    """out = float32 of the bfloat16 bits `h`."""
+    cdef Py_ssize_t n = h.shape[0], i
+    if out.shape[0] != n:
+        raise ValueError(f"bf16_to_float: {n} codes, {out.shape[0]} outputs")
+    with nogil:
+        for i in range(n):
+            out[i] = _float(<uint32_t>h[i] << 16)

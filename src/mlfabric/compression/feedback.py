@@ -1,0 +1,59 @@
+"""Error feedback over a whole update (issue 35), without I/O.
+
+A worker keeps one residual per tensor: what its compressed pushes have not
+sent yet. `encode` sends a compressed form of update + residual and keeps
+the rest; `fold` puts a whole update into the residuals, for an update the
+controller dropped, so that its work goes with the next push instead of
+being lost. For every tensor, after any sequence of encodes and folds,
+
+    sum of what was sent (decoded) + residual == sum of the updates given
+
+bit for bit for the casts and the sparsifiers when the sums themselves are
+exact in float32 (tests/test_compression.py), to float32 rounding otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..kernels import l2_norm
+from .codecs import Codec, Encoded
+
+
+class ErrorFeedback:
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+        self.residual: dict[str, np.ndarray] = {}
+
+    def _residual(self, name: str, x: np.ndarray) -> np.ndarray:
+        if x.dtype != np.float32:
+            raise ConfigError(f"compression works on float32 tensors; tensor {name!r} is "
+                              f"{x.dtype}: cast the model to float32, or push it with "
+                              f"compression off")
+        r = self.residual.get(name)
+        if r is None or r.shape != x.shape:
+            r = self.residual[name] = np.zeros(x.shape, np.float32)
+        return r
+
+    def encode(self, update: Mapping[str, np.ndarray]) -> dict[str, Encoded]:
+        """Each tensor of `update` plus its residual, compressed; the residuals
+        keep what was not sent. The update's arrays are not modified."""
+        out = {}
+        for name, x in update.items():
+            r = self._residual(name, x)
+            out[name] = self.codec.encode(np.ascontiguousarray(x), r, key=name)
+        return out
+
+    def fold(self, update: Mapping[str, np.ndarray]) -> None:
+        """An update that was not sent (dropped): all of it waits in the
+        residuals for the next push."""
+        for name, x in update.items():
+            r = self._residual(name, x)
+            r += x
+
+    def norm(self) -> float:
+        """||residual||_2 over every tensor: what waits to be sent."""
+        return float(np.sqrt(sum(l2_norm(r) ** 2 for r in self.residual.values())))

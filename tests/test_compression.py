@@ -1,0 +1,274 @@
+"""Compressed updates with error feedback (issue 35): each codec against a
+numpy reference, error feedback conserving the sum, and the receiver's
+bound check refusing what is malformed."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from mlfabric.compression import ErrorFeedback, _casts, check, decode, parse
+from mlfabric.compression.codecs import Encoded, LowRank, RandK, TopK, sent_count
+from mlfabric.errors import ConfigError, InvalidUpdate
+
+SPECS = ["none", "fp16", "bf16", "topk:0.1", "randk:0.1", "lowrank:2"]
+
+
+def wide(n: int, seed: int = 0) -> np.ndarray:
+    """float32 values over the whole of fp16's range and past it: subnormals,
+    normals, values that clamp, zeros, exact ties."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n) * np.exp(rng.uniform(-32, 13, n))
+    x = x.astype(np.float32)
+    x[:8] = [0.0, 65504.0, 65520.0, -70000.0, 2.0 ** -25, 3 * 2.0 ** -25, 1 + 2.0 ** -11,
+             1 + 3 * 2.0 ** -11]  # ties: to even (down, then up)
+    return x
+
+
+def bf16_reference(acc: np.ndarray) -> np.ndarray:
+    """numpy's float32 -> bfloat16 bits, rounded to nearest even, clamped."""
+    top = np.float32(np.uint32(0x7F7F0000).view(np.float32))
+    u = np.clip(acc, -top, top).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_the_fused_cast_rounds_as_numpy_and_keeps_the_rest_exactly(fmt):
+    x = wide(200_000)
+    r = (wide(200_000, seed=1) * np.float32(1e-3)).astype(np.float32)
+    acc = x + r  # what the kernel sends, rounded as numpy adds
+    h = np.empty(len(x), np.uint16)
+    kernel = _casts.ef_half if fmt == "fp16" else _casts.ef_bf16
+    r_after = r.copy()
+    kernel(x, r_after, h)
+    if fmt == "fp16":
+        want = np.clip(acc, -65504, 65504).astype(np.float16).view(np.uint16)
+        decoded = want.view(np.float16).astype(np.float32)
+    else:
+        want = bf16_reference(acc)
+        decoded = (want.astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(h, want)
+    out = np.empty(len(x), np.float32)
+    (_casts.half_to_float if fmt == "fp16" else _casts.bf16_to_float)(h, out)
+    np.testing.assert_array_equal(out, decoded)
+    # Nothing lost: sent + kept is acc, bit for bit (the clamped ones too).
+    np.testing.assert_array_equal(out + r_after, acc)
+    assert np.all(np.isfinite(out))
+
+
+def test_the_kernels_refuse_arrays_of_different_lengths():
+    with pytest.raises(ValueError, match="differ in length: 3, 2, 3"):
+        _casts.ef_half(np.zeros(3, np.float32), np.zeros(2, np.float32),
+                       np.zeros(3, np.uint16))
+
+
+def test_topk_sends_the_largest_in_magnitude_and_keeps_the_rest_exactly():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((40, 25)).astype(np.float32)
+    r = rng.standard_normal((40, 25)).astype(np.float32)
+    acc = x + r
+    codec = TopK(0.05)
+    r_after = r.copy()
+    e = codec.encode(x, r_after)
+    k = sent_count(0.05, 1000)
+    assert k == 50 and e.arrays["i"].dtype == np.int32 and len(e.arrays["i"]) == k
+    assert np.all(np.diff(e.arrays["i"]) > 0)
+    largest = np.sort(np.abs(acc).ravel())[-k:]
+    np.testing.assert_array_equal(np.sort(np.abs(e.arrays["v"])), largest)
+    np.testing.assert_array_equal(e.arrays["v"], acc.ravel()[e.arrays["i"]])
+    d = decode(e)
+    assert d.shape == (40, 25) and np.count_nonzero(d) == k
+    np.testing.assert_array_equal(d + r_after, acc)
+    assert codec.encoded_bytes((40, 25)) == e.nbytes == k * 8
+
+
+def test_randk_sends_distinct_random_elements():
+    x = np.arange(1, 1001, dtype=np.float32)
+    codec = RandK(0.01, seed=7)
+    r = np.zeros_like(x)
+    first = codec.encode(x, r)
+    i = first.arrays["i"]
+    assert len(i) == 10 and np.all(np.diff(i) > 0)
+    np.testing.assert_array_equal(first.arrays["v"], x[i])
+    np.testing.assert_array_equal(decode(first) + r, x)
+    second = codec.encode(np.zeros_like(x), r)  # another draw, from what was kept
+    assert not np.array_equal(second.arrays["i"], i)
+
+
+def test_lowrank_recovers_a_low_rank_update_and_keeps_what_it_missed():
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((64, 2)), rng.standard_normal((2, 48))
+    x = (a @ b).astype(np.float32).reshape(64, 6, 8)  # rank 2, seen as 64 x 48
+    codec = LowRank(2)
+    r = np.zeros_like(x)
+    e = codec.encode(x, r, key="w")
+    assert e.arrays["p"].shape == (64, 2) and e.arrays["q"].shape == (48, 2)
+    p = e.arrays["p"]
+    np.testing.assert_allclose(p.T @ p, np.eye(2), atol=1e-5)  # orthonormal
+    d = decode(e)
+    np.testing.assert_array_equal(d, (p @ e.arrays["q"].T).reshape(x.shape))
+    # One power iteration from a random start already spans a rank-2 matrix.
+    assert np.linalg.norm(r) <= 1e-4 * np.linalg.norm(x)
+    np.testing.assert_allclose(d + r, x, rtol=0, atol=1e-5 * float(np.abs(x).max()))
+    assert codec.encoded_bytes(x.shape) == e.nbytes == 4 * 2 * (64 + 48)
+    # The warm start is kept per tensor.
+    assert set(codec.q) == {"w"}
+
+
+def test_lowrank_sends_small_and_1d_tensors_as_they_are():
+    codec = LowRank(4)
+    for shape in [(10,), (4, 4), (3, 100)]:  # 1-D; 4*(4+4) >= 16; 4*(3+100) >= 300
+        x = np.ones(shape, np.float32)
+        r = np.full(shape, 0.5, np.float32)
+        e = codec.encode(x, r)
+        assert e.codec == "none" and codec.encoded_bytes(shape) == e.nbytes
+        np.testing.assert_array_equal(decode(e), np.full(shape, 1.5, np.float32))
+        assert not r.any()
+
+
+def dyadic_updates(steps: int, shape: tuple[int, ...], seed: int) -> list[np.ndarray]:
+    """Multiples of 2^-20 between 2^-10 and 1 in magnitude: every value the
+    codecs send or keep, and every sum of a few of them, is exact in
+    float32, so conservation can be checked bit for bit."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        k = rng.integers(1 << 10, 1 << 20, shape) * rng.choice([-1, 1], shape)
+        out.append((k * 2.0 ** -20).astype(np.float32))
+    return out
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "bf16", "topk:0.1", "randk:0.1"])
+def test_error_feedback_conserves_the_sum_exactly(spec):
+    """What was pushed (decoded) plus the residual equals what was computed,
+    bit for bit, over pushes and a dropped update folded in."""
+    fb = ErrorFeedback(parse(spec))
+    updates = {n: dyadic_updates(5, shape, seed) for seed, (n, shape) in
+               enumerate({"w": (30, 20), "b": (20,)}.items())}
+    sent = {n: np.zeros(u[0].shape, np.float32) for n, u in updates.items()}
+    for step in range(5):
+        update = {n: u[step] for n, u in updates.items()}
+        if step == 2:
+            fb.fold(update)  # dropped by the controller: kept, not lost
+            continue
+        for n, e in fb.encode(update).items():
+            check(e, updates[n][0].shape)
+            sent[n] += decode(e)
+    for n, u in updates.items():
+        computed = np.sum(u, axis=0, dtype=np.float64)
+        assert np.array_equal((sent[n].astype(np.float64) + fb.residual[n]), computed), n
+    assert fb.norm() >= 0.0
+
+
+def test_error_feedback_with_lowrank_conserves_the_sum_to_rounding():
+    rng = np.random.default_rng(4)
+    fb = ErrorFeedback(LowRank(2))
+    total = np.zeros((50, 40))
+    sent = np.zeros((50, 40))
+    for _ in range(6):
+        u = rng.standard_normal((50, 40)).astype(np.float32)
+        total += u
+        sent += decode(fb.encode({"w": u})["w"])
+    np.testing.assert_allclose(sent + fb.residual["w"], total, rtol=0, atol=1e-4)
+    # Over the pushes the residual stays bounded: a power iteration per push
+    # sends the largest directions of what waits.
+    assert np.linalg.norm(fb.residual["w"]) < np.linalg.norm(total)
+
+
+def test_error_feedback_refuses_other_dtypes_with_the_fix():
+    with pytest.raises(ConfigError, match="tensor 'w' is float64: cast the model to float32"):
+        ErrorFeedback(parse("fp16")).encode({"w": np.zeros(3)})
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("shape", [(1,), (7,), (33, 17), (8, 4, 5)])
+def test_the_wire_size_is_known_before_encoding(spec, shape):
+    """The controller plans with encoded_bytes: it must be the size sent."""
+    codec = parse(spec)
+    x = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
+    e = codec.encode(x, np.zeros_like(x), key="t")
+    assert codec.encoded_bytes(shape) == e.nbytes
+    check(e, shape)
+    assert decode(e).shape == shape
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("zip", "unknown compression 'zip': use one of none, fp16, bf16, topk:F, randk:F, "
+            "lowrank:R"),
+    ("topk", "topk needs the fraction of elements to send, in (0, 1], e.g. topk:0.01"),
+    ("randk:2", "randk needs the fraction"),
+    ("topk:nan", "topk needs the fraction"),
+    ("lowrank:0", "lowrank needs a rank 1..1024, e.g. lowrank:4"),
+    ("lowrank:x", "lowrank needs a rank"),
+    ("fp16:2", "fp16 takes no parameter"),
+])
+def test_bad_compression_settings_say_what_to_give(spec, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[")):
+        parse(spec)
+
+
+def test_specs_read_back():
+    assert [parse(s).spec for s in SPECS] == SPECS
+
+
+def _sparse(i, v, codec="topk", shape=(10,)):
+    return Encoded(codec, shape, {"i": np.asarray(i), "v": np.asarray(v, np.float32)})
+
+
+I32 = np.int32
+MALFORMED = [
+    (_sparse(np.array([1, 10], I32), [1, 2]), "index out of range 0..9: first 1, last 10"),
+    (_sparse(np.array([-1, 3], I32), [1, 2]), "index out of range 0..9: first -1"),
+    (_sparse(np.array([3, 3], I32), [1, 2]), "strictly increasing"),
+    (_sparse(np.array([4, 3], I32), [1, 2]), "strictly increasing"),
+    (_sparse(np.array([1, 3], I32), [1, np.inf]), "holds 1 non-finite value"),
+    (_sparse(np.array([1, 3], I32), [np.nan, 2], codec="randk"), "holds 1 non-finite"),
+    (_sparse(np.array([1, 3], np.float32), [1, 2]), "array 'i' of a topk tensor must be "
+                                                    "int32 or int64, got float32"),
+    (_sparse(np.array([1, 3], I32), [1, 2, 3]), "must have shape (2,), got (3,)"),
+    (_sparse(np.arange(11, dtype=I32), np.ones(11)), "at most the tensor's 10 elements"),
+    (Encoded("topk", (10,), {"i": np.array([1], I32)}), "needs its array 'v'"),
+    (Encoded("fp16", (10,), {"h": np.full(10, 0x7C00, np.uint16)}),
+     "holds 10 non-finite value"),
+    (Encoded("bf16", (10,), {"h": np.full(10, 0xFFC0, np.uint16)}), "non-finite"),
+    (Encoded("fp16", (10,), {"h": np.zeros(10, np.float16)}), "must be uint16"),
+    (Encoded("fp16", (10,), {"h": np.zeros(9, np.uint16)}), "must have shape (10,), got (9,)"),
+    (Encoded("fp16", (10,), {"h": np.zeros(10, np.uint16), "x": np.zeros(1)}),
+     "has no array 'x'"),
+    (Encoded("none", (10,), {"v": np.zeros(10)}), "must be float32, got float64"),
+    (Encoded("gzip", (10,), {}), "unknown compression 'gzip'"),
+    (Encoded("fp16", (5, 2), {"h": np.zeros(10, np.uint16)}),
+     "compressed as shape (5, 2), the tensor is (10,)"),
+    (Encoded("lowrank", (10,), {"p": np.zeros((10, 1), np.float32),
+                                "q": np.zeros((1, 1), np.float32)}),
+     "lowrank is for tensors of 2 or more axes; this one has shape (10,)"),
+    (Encoded("lowrank", (6, 4), {"p": np.zeros((6, 5), np.float32),
+                                 "q": np.zeros((4, 5), np.float32)}),
+     "lowrank's P must be 6 x R with 1 <= R <= 4, got shape (6, 5)"),
+    (Encoded("lowrank", (6, 4), {"p": np.zeros((6, 2), np.float32),
+                                 "q": np.zeros((2, 4), np.float32)}),
+     "array 'q' of a lowrank tensor must have shape (4, 2), got (2, 4)"),
+    (Encoded("lowrank", (6, 4), {"p": np.full((6, 2), np.nan, np.float32),
+                                 "q": np.zeros((4, 2), np.float32)}), "non-finite"),
+]
+
+
+@pytest.mark.parametrize("encoded, message", MALFORMED)
+def test_a_malformed_compressed_tensor_is_refused_with_the_reason(encoded, message):
+    shape = (6, 4) if encoded.codec == "lowrank" and encoded.shape == (6, 4) else (10,)
+    with pytest.raises(InvalidUpdate) as info:
+        check(encoded, shape, "tensor 'w'")
+    assert message in str(info.value)
+    assert str(info.value).startswith("tensor 'w': ")
+
+
+def test_a_well_formed_one_passes_and_decodes_in_place():
+    e = _sparse(np.array([0, 9], I32), [1.5, -2.0])
+    check(e, (10,))
+    out = np.full(10, 7.0, np.float32)
+    assert decode(e, out) is out
+    np.testing.assert_array_equal(out, [1.5, 0, 0, 0, 0, 0, 0, 0, 0, -2.0])
+    assert math.isclose(float(np.abs(out).sum()), 3.5)
