@@ -1,7 +1,7 @@
 """Build the Cython extensions: the numeric kernels (src/mlfabric/kernels/_core.pyx),
 the scheduling core's hot loop (src/mlfabric/scheduling/_stf.pyx), the
 scatter-gather send of a frame (src/mlfabric/runtime/_sendv.pyx) and the
-16-bit casts of compressed updates (src/mlfabric/compression/_casts.pyx).
+kernels of compressed updates (src/mlfabric/compression/_kernels.pyx).
 
 -ffp-contract=off keeps the compiler from fusing a*b+c into one FMA, so every
 kernel rounds exactly like the numpy expression it is tested against, and the
@@ -30,12 +30,13 @@ extensions = [
         include_dirs=[numpy.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     ),
-    # Error feedback fused with the 16-bit casts of compressed pushes
-    # (compression.codecs); the same flags: the residual must round as the
-    # numpy reference does.
+    # Compressed pushes (compression.codecs): error feedback fused with the
+    # 16-bit casts, and low rank's product in a fixed order. The same flags:
+    # the residual rounds as the numpy reference does, and a server and its
+    # replica decode the same bits.
     Extension(
-        "mlfabric.compression._casts",
-        ["src/mlfabric/compression/_casts.pyx"],
+        "mlfabric.compression._kernels",
+        ["src/mlfabric/compression/_kernels.pyx"],
         extra_compile_args=["-O3", "-ffp-contract=off"],
     ),
     # The scheduling core's hot loop: a port of schedule.py's reference that

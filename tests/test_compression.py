@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from mlfabric.compression import ErrorFeedback, _casts, check, decode, parse
+from mlfabric.compression import ErrorFeedback, _kernels, check, decode, parse
 from mlfabric.compression.codecs import Encoded, LowRank, RandK, TopK, sent_count
 from mlfabric.errors import ConfigError, InvalidUpdate
 
@@ -40,7 +40,7 @@ def test_the_fused_cast_rounds_as_numpy_and_keeps_the_rest_exactly(fmt):
     r = (wide(200_000, seed=1) * np.float32(1e-3)).astype(np.float32)
     acc = x + r  # what the kernel sends, rounded as numpy adds
     h = np.empty(len(x), np.uint16)
-    kernel = _casts.ef_half if fmt == "fp16" else _casts.ef_bf16
+    kernel = _kernels.ef_half if fmt == "fp16" else _kernels.ef_bf16
     r_after = r.copy()
     kernel(x, r_after, h)
     if fmt == "fp16":
@@ -51,7 +51,7 @@ def test_the_fused_cast_rounds_as_numpy_and_keeps_the_rest_exactly(fmt):
         decoded = (want.astype(np.uint32) << 16).view(np.float32)
     np.testing.assert_array_equal(h, want)
     out = np.empty(len(x), np.float32)
-    (_casts.half_to_float if fmt == "fp16" else _casts.bf16_to_float)(h, out)
+    (_kernels.half_to_float if fmt == "fp16" else _kernels.bf16_to_float)(h, out)
     np.testing.assert_array_equal(out, decoded)
     # Nothing lost: sent + kept is acc, bit for bit (the clamped ones too).
     np.testing.assert_array_equal(out + r_after, acc)
@@ -60,7 +60,7 @@ def test_the_fused_cast_rounds_as_numpy_and_keeps_the_rest_exactly(fmt):
 
 def test_the_kernels_refuse_arrays_of_different_lengths():
     with pytest.raises(ValueError, match="differ in length: 3, 2, 3"):
-        _casts.ef_half(np.zeros(3, np.float32), np.zeros(2, np.float32),
+        _kernels.ef_half(np.zeros(3, np.float32), np.zeros(2, np.float32),
                        np.zeros(3, np.uint16))
 
 
@@ -108,7 +108,9 @@ def test_lowrank_recovers_a_low_rank_update_and_keeps_what_it_missed():
     p = e.arrays["p"]
     np.testing.assert_allclose(p.T @ p, np.eye(2), atol=1e-5)  # orthonormal
     d = decode(e)
-    np.testing.assert_array_equal(d, (p @ e.arrays["q"].T).reshape(x.shape))
+    # The fixed-order product: each element the rank's sum in double, rounded once.
+    want = (p.astype(np.float64) @ e.arrays["q"].T.astype(np.float64)).astype(np.float32)
+    np.testing.assert_array_equal(d, want.reshape(x.shape))
     # One power iteration from a random start already spans a rank-2 matrix.
     assert np.linalg.norm(r) <= 1e-4 * np.linalg.norm(x)
     np.testing.assert_allclose(d + r, x, rtol=0, atol=1e-5 * float(np.abs(x).max()))

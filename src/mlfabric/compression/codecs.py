@@ -8,7 +8,10 @@ exactly what was not sent, so that
     decode(encode(x, r)) + r_after == x + r_before
 
 element by element (bit for bit for the casts and the sparsifiers; to
-float32 rounding for low rank, whose product P Q^T is not exact). Over many
+float32 rounding for low rank, whose subtraction of P Q^T is not exact).
+Decoding is the same bits on every machine (low rank's product too: a
+fixed-order kernel, not BLAS), so a server and its replica apply the same
+update. Over many
 pushes nothing is lost: what was not sent goes with a later push.
 
 The codecs:
@@ -44,7 +47,7 @@ import numpy as np
 
 from ..errors import ConfigError, InvalidUpdate
 from ..kernels import all_finite
-from ._casts import bf16_to_float, ef_bf16, ef_half, half_to_float
+from ._kernels import bf16_to_float, ef_bf16, ef_half, half_to_float, lowrank_product
 
 NAMES = ("none", "fp16", "bf16", "topk", "randk", "lowrank")
 # Indices fit int32 below 2^31 elements; a larger tensor sends int64.
@@ -138,7 +141,7 @@ class Dense:
 
 
 class Cast16:
-    """fp16 or bf16, error feedback fused with the cast (`_casts`)."""
+    """fp16 or bf16, error feedback fused with the cast (`_kernels`)."""
 
     def __init__(self, name: str) -> None:
         if name not in ("fp16", "bf16"):
@@ -260,7 +263,11 @@ class LowRank:
         p, _ = np.linalg.qr(p)  # orthonormal columns: P P^T projects
         p = np.ascontiguousarray(p, np.float32)
         q = np.ascontiguousarray(acc.T @ p, np.float32)
-        acc -= p @ q.T  # what the approximation missed stays
+        # What the approximation missed stays: the product as every receiver
+        # computes it (`decode`), bit for bit.
+        approx = np.empty((m, n), np.float32)
+        lowrank_product(p, q, approx)
+        acc -= approx
         self.q[key] = q
         return Encoded("lowrank", x.shape, {"p": p, "q": q})
 
@@ -366,7 +373,8 @@ def decode(e: Encoded, out: np.ndarray | None = None) -> np.ndarray:
         flat[a["i"]] = a["v"]
     elif e.codec == "lowrank":
         m, n = matrix_shape(e.shape)
-        np.matmul(a["p"], a["q"].T, out=flat.reshape(m, n))
+        lowrank_product(np.ascontiguousarray(a["p"]), np.ascontiguousarray(a["q"]),
+                        flat.reshape(m, n))
     else:
         raise InvalidUpdate(f"unknown compression {e.codec!r}")
     return out

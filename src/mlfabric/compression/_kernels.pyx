@@ -1,8 +1,9 @@
 # cython: language_level=3
-"""Error feedback fused with a cast to 16 bits, in one pass (issue 35).
+"""The compression kernels (issue 35): error feedback fused with a cast to
+16 bits, and low rank's product P Q^T in a fixed order.
 
-For each element: acc = x + r (float32), h = the 16-bit code of acc,
-r = acc - float(h). numpy takes five passes and three temporaries for
+The casts: for each element, acc = x + r (float32), h = the 16-bit code of
+acc, r = acc - float(h). numpy takes five passes and three temporaries for
 the same (`np.add`, `astype`, `astype`, `np.subtract`, a clamp); the worker
 runs this on the whole model before every push.
 
@@ -13,6 +14,12 @@ tests/test_compression.py does for bfloat16. A value too large for the
 float16): what the clamp cuts off stays in the residual, so error feedback
 sends it later instead of sending inf. The input must be finite (the caller
 checks with `kernels.all_finite`); NaN is not a number to round.
+
+Low rank. `lowrank_product` computes P Q^T summing over the rank in
+order, in double, rounded once to float32: the same bits on every machine,
+so a server and its replica decode a low-rank update identically (a BLAS
+product may differ between builds in the last place), and the worker's
+residual is taken from the very tensor they apply.
 """
 
 from libc.stdint cimport uint16_t, uint32_t
@@ -148,3 +155,21 @@ def bf16_to_float(const uint16_t[::1] h, float[::1] out):
     with nogil:
         for i in range(n):
             out[i] = _float(<uint32_t>h[i] << 16)
+
+
+def lowrank_product(const float[:, ::1] p, const float[:, ::1] q, float[:, ::1] out):
+    """out = P Q^T (m x n from m x R and n x R), each element summed over the
+    rank in order in double and rounded once."""
+    cdef Py_ssize_t m = p.shape[0], n = q.shape[0], rank = p.shape[1], i, j, k
+    if q.shape[1] != rank or out.shape[0] != m or out.shape[1] != n:
+        raise ValueError(f"lowrank_product: P {p.shape[0]}x{p.shape[1]}, Q "
+                         f"{q.shape[0]}x{q.shape[1]}, out {out.shape[0]}x{out.shape[1]}: "
+                         f"need P m x R, Q n x R, out m x n")
+    cdef double acc
+    with nogil:
+        for i in range(m):
+            for j in range(n):
+                acc = 0.0
+                for k in range(rank):
+                    acc = acc + <double>p[i, k] * <double>q[j, k]
+                out[i, j] = <float>acc
