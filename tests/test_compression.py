@@ -274,3 +274,108 @@ def test_a_well_formed_one_passes_and_decodes_in_place():
     assert decode(e, out) is out
     np.testing.assert_array_equal(out, [1.5, 0, 0, 0, 0, 0, 0, 0, 0, -2.0])
     assert math.isclose(float(np.abs(out).sum()), 3.5)
+
+
+# --- the server's side: compressed pushes over the wire ---------------------------------
+
+
+def _compressed_push(req: int, encoded: dict[str, Encoded], base: int = 0):
+    from mlfabric.wire.protocol import PART_SEP, Push
+
+    return Push(req=req, base_version=base,
+                tensors={f"{n}{PART_SEP}{p}": a for n, e in encoded.items()
+                         for p, a in e.arrays.items()},
+                codecs=tuple((n, e.codec) for n, e in encoded.items()))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_the_server_applies_a_compressed_push_as_its_decoded_update(spec):
+    """Each codec over the wire: the server decodes, then applies with its
+    kernels, bit for bit as the numpy update rule applied to the decoded
+    update. The counter says which codec."""
+    from mlfabric.server.store import ParameterStore
+    from mlfabric.wire.protocol import PushResult
+
+    from support import JOB, RawClient, Reference, ServerThread, assert_model_equal, make_model
+
+    model = make_model(sizes={"w": (40, 30), "b": (30,)})
+    ref = Reference(model, 0.5)
+    fb = ErrorFeedback(parse(spec))
+    with ServerThread(ParameterStore(model, momentum=0.5)) as st:
+        raw = RawClient(st.port, job=JOB)
+        for step in range(3):
+            update = {n: np.random.default_rng(step).standard_normal(a.shape).astype(np.float32)
+                      for n, a in model.items()}
+            encoded = fb.encode(update)
+            raw.send(_compressed_push(step + 1, encoded, base=step))
+            answer = raw.recv_event()
+            assert isinstance(answer, PushResult) and answer.applied, answer
+            ref.apply({n: decode(e) for n, e in encoded.items()})
+        assert_model_equal(st.server.store.weights, ref.w)
+        codec = spec.partition(":")[0]
+        counted = st.server.metrics.compressed_tensors.labels(codec)._value.get()
+        # low rank sends the 1-D bias as it is ("none")
+        assert counted == (3 if codec == "lowrank" else 6)
+
+
+MALFORMED_PUSHES = [
+    ("an index past the tensor", "topk:0.1", lambda a: {**a, "i": a["i"] + 1200},
+     "index out of range 0..1199", "malformed"),
+    ("a NaN value", "topk:0.1", lambda a: {**a, "v": np.full_like(a["v"], np.nan)},
+     "non-finite", "nonfinite"),
+    ("a wrong rank", "lowrank:2", lambda a: {"p": a["p"], "q": a["q"][:, :1].copy()},
+     "array 'q' of a lowrank tensor must have shape (30, 2), got (30, 1)", "malformed"),
+    ("an inf code", "fp16", lambda a: {"h": np.full_like(a["h"], 0x7C00)}, "non-finite",
+     "nonfinite"),
+    ("indices as floats", "topk:0.1", lambda a: {**a, "i": a["i"].astype(np.float32)},
+     "must be int32 or int64, got float32", "malformed"),
+]
+
+
+@pytest.mark.parametrize("what, spec, spoil, message, reason", MALFORMED_PUSHES,
+                         ids=[m[0] for m in MALFORMED_PUSHES])
+def test_a_malformed_compressed_push_is_refused_and_the_model_untouched(
+        what, spec, spoil, message, reason):
+    from mlfabric.server.store import ParameterStore
+    from mlfabric.wire.protocol import Error
+
+    from support import JOB, RawClient, ServerThread, assert_model_equal, make_model
+
+    model = make_model(sizes={"w": (40, 30), "b": (30,)})
+    codec = parse(spec)
+    encoded = {n: codec.encode(np.ones_like(a), np.zeros_like(a), key=n)
+               for n, a in model.items()}
+    encoded["w"] = Encoded(encoded["w"].codec, (40, 30), spoil(dict(encoded["w"].arrays)))
+    with ServerThread(ParameterStore(model, momentum=0.5)) as st:
+        raw = RawClient(st.port, job=JOB)
+        raw.send(_compressed_push(1, encoded))
+        answer = raw.recv_event()
+        assert isinstance(answer, Error) and answer.code == reason, answer
+        assert message in answer.message and answer.message.startswith("tensor 'w': ")
+        assert st.server.store.version == 0
+        assert_model_equal(st.server.store.weights, model)
+        assert st.server.metrics.updates_rejected.labels(reason)._value.get() == 1
+
+
+def test_a_compressed_push_must_cover_the_model():
+    from mlfabric.server.store import ParameterStore
+    from mlfabric.wire.protocol import Error
+
+    from support import JOB, RawClient, ServerThread, make_model
+
+    model = make_model(sizes={"w": (40, 30), "b": (30,)})
+    codec = parse("fp16")
+    only_w = {"w": codec.encode(np.ones((40, 30), np.float32), np.zeros((40, 30), np.float32))}
+    with ServerThread(ParameterStore(model)) as st:
+        raw = RawClient(st.port, job=JOB)
+        raw.send(_compressed_push(1, only_w))
+        answer = raw.recv_event()
+        assert isinstance(answer, Error) and answer.code == "unknown_tensor"
+        assert "compressed update lacks tensor 'b'" in answer.message
+
+
+def test_the_metrics_know_every_codec():
+    from mlfabric.compression import NAMES
+    from mlfabric.runtime.metrics import COMPRESSION_CODECS
+
+    assert COMPRESSION_CODECS == NAMES

@@ -108,6 +108,11 @@ CASES = [
     PushResult(req=4, applied=False, version=11, delay=None, reason="stale: delay 9 > 8"),
     PushResult(req=7, applied=True, version=20, delay=3, fan_in=4, index=3),
     Push(req=16, base_version=4, tensors={"a": np.float32([0.5])}, seq=18, fan_in=4, index=1),
+    # compressed (issue 35): each tensor's parts, named TENSOR#PART
+    Push(req=17, base_version=4, tensors={
+        "w#i": np.int32([1, 7]), "w#v": np.float32([0.5, -1]),
+        "b#h": np.uint16([0x3C00, 0x7BFF, 0]), "big#i": np.int64([3])},
+        codecs=(("w", "topk"), ("b", "fp16"), ("big", "randk"))),
     Error(code="protocol", message="bad frame"),
     TransferRequest(req=4, host="h1", dst="10.0.0.1:7070", nbytes=2**40, base_version=3,
                     norm=0.125),
@@ -345,9 +350,40 @@ BAD_FRAMES = {
         frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [["a", "f4"]]}),
         "must be \\[name, dtype, shape\\]"),
     "unknown dtype": (
-        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [["a", "i8", [1]]]},
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [["a", "c8", [1]]]},
               b"\0" * 8),
         "unknown dtype code"),
+    "integers in a plain push": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [["a", "i8", [1]]]},
+              b"\0" * 8),
+        "tensor 'a' is int64: only the parts of a compressed push"),
+    "integers in a model": (
+        frame(MsgType.MODEL, {"req": 1, "version": 0, "tensors": [["a", "u2", [4]]]},
+              b"\0" * 8),
+        "unknown dtype code 'u2'"),
+    "a part of no compressed tensor": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "codecs": [["w", "topk"]],
+                             "tensors": [["w#i", "i4", [1]], ["b#i", "i4", [1]]]},
+              b"\0" * 68),
+        "tensor 'b#i' of a compressed push is no part"),
+    "a whole tensor in a compressed push": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "codecs": [["w", "none"]],
+                             "tensors": [["w", "f4", [1]]]}, b"\0" * 4),
+        "tensor 'w' of a compressed push is no part"),
+    "a compressed tensor without parts": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0,
+                             "codecs": [["w", "topk"], ["b", "fp16"]],
+                             "tensors": [["w#i", "i4", [1]]]}, b"\0" * 4),
+        "compressed tensor 'b' has 0 parts"),
+    "codecs naming a tensor twice": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0,
+                             "codecs": [["w", "topk"], ["w", "fp16"]],
+                             "tensors": [["w#i", "i4", [1]]]}, b"\0" * 4),
+        "names a tensor twice"),
+    "codecs malformed": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "codecs": {"w": "topk"},
+                             "tensors": [["w#i", "i4", [1]]]}, b"\0" * 4),
+        "field 'codecs' must be"),
     "bad shape": (
         frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [["a", "f4", [-1]]]}),
         "malformed shape"),

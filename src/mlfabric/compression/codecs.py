@@ -305,7 +305,7 @@ def _finite(a: np.ndarray, name: str, e: Encoded, what: str) -> None:
         bad = 0 if all_finite(a) else int(np.count_nonzero(~np.isfinite(a)))
     if bad:
         raise InvalidUpdate(f"{what}: array {name!r} of a {e.codec} tensor holds {bad} "
-                            f"non-finite value(s)", "non_finite")
+                            f"non-finite value(s)", "nonfinite")
 
 
 def check(e: Encoded, shape: tuple[int, ...], what: str = "compressed tensor") -> None:

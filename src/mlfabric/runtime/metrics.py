@@ -28,6 +28,9 @@ TRANSFER_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0
 FAN_IN_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
 # Why a push was not applied: the fixed set of `reason` label values.
+# mlfabric.compression.NAMES (the metrics sit below it; tests/test_compression.py
+# checks the two agree).
+COMPRESSION_CODECS = ("none", "fp16", "bf16", "topk", "randk", "lowrank")
 REJECT_REASONS = (
     "stale",
     "nonfinite",
@@ -98,6 +101,12 @@ class ServerMetrics:
         )
         for reason in REJECT_REASONS:
             self.updates_rejected.labels(reason)
+        self.compressed_tensors = Counter(
+            "server_compressed_tensors",
+            "Tensors of compressed pushes decoded, by codec (issue 35)", ["codec"],
+            namespace=ns, registry=r)
+        for codec in COMPRESSION_CODECS:
+            self.compressed_tensors.labels(codec)
         self.shard = Gauge(
             "server_shard", "1 on a server that keeps one shard of a partitioned model "
             "(--shard INDEX/COUNT), with its partition's digest", ["index", "count", "partition"],

@@ -9,6 +9,7 @@ always sees the model between two updates, never half of one.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -144,6 +145,20 @@ class ParameterServer(Endpoint):
                                  "which carries single updates only: send the aggregate's "
                                  "members one by one (worker-driven replicas, --replica, "
                                  "replay aggregates)")
+        if event.codecs is not None:
+            if event.members is not None or event.group is not None:
+                return Error(code="malformed", req=event.req,
+                             message="a compressed push is a worker's own update: aggregates "
+                                     "are not compressed")
+            try:
+                dense = self.store.decompress(event.codecs, event.tensors)
+            except InvalidUpdate as exc:
+                m.updates_rejected.labels(exc.reason).inc()
+                return Error(code=exc.reason, message=str(exc), req=event.req)
+            for _, codec in event.codecs:
+                m.compressed_tensors.labels(codec).inc()
+            event = dataclasses.replace(event, tensors=dense, codecs=None)
+            staged, data = None, None  # never staged (store.stage_for)
         if event.members is not None:
             return self._apply_aggregate(event, staged, data)
         started = time.perf_counter()

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import kernels
+from .. import compression, kernels
 from ..client.outcome import PushOutcome
 from ..errors import ConfigError, InvalidUpdate
-from ..wire.protocol import FrameTensors, Push, ShardInfo, TensorSpec, layout
+from ..wire.protocol import PART_SEP, FrameTensors, Push, ShardInfo, TensorSpec, layout
 from .checkpoint import Checkpoint
 
 MODEL_DTYPE = np.dtype(np.float32)
@@ -181,6 +181,31 @@ class ParameterStore:
                 f"model (zeros where nothing changes)",
                 reason="unknown_tensor",
             )
+
+    def decompress(self, codecs: Sequence[tuple[str, str]], parts: Mapping[str, np.ndarray]
+                   ) -> dict[str, np.ndarray]:
+        """A compressed push's update (issue 35), whole: each of the model's
+        tensors rebuilt from its parts (`parts["w#i"]`, ...) once
+        `compression.check` has found them well formed. Raises InvalidUpdate
+        naming the fault; nothing is applied then."""
+        by_tensor: dict[str, dict[str, np.ndarray]] = {name: {} for name, _ in codecs}
+        for key, array in parts.items():
+            name, _, part = key.rpartition(PART_SEP)
+            by_tensor[name][part] = array  # the protocol checked every key names one
+        for name in by_tensor:
+            if name not in self.weights:
+                raise InvalidUpdate(f"unknown tensor {name!r}; the model's tensors are "
+                                    f"{sorted(self.weights)}", reason="unknown_tensor")
+        missing = [n for n in self.weights if n not in by_tensor]
+        if missing:
+            raise InvalidUpdate(f"compressed update lacks tensor {missing[0]!r}: compress "
+                                f"every tensor of the model", reason="unknown_tensor")
+        update = {}
+        for name, codec in codecs:
+            encoded = compression.Encoded(codec, self.weights[name].shape, by_tensor[name])
+            compression.check(encoded, encoded.shape, f"tensor {name!r}")
+            update[name] = compression.decode(encoded)
+        return update
 
     def check_base_version(self, base_version: int) -> None:
         if base_version > self.version and not self.accept_future_base:
@@ -532,7 +557,8 @@ class ParameterStore:
         (applied whole at its end by `apply_push`). Only pushes of at least
         `min_bytes` (None: none) are staged; never a sequenced one (only a
         replica takes those) nor a duplicate (answered, never applied twice)."""
-        if min_bytes is None or nbytes < min_bytes or push.seq is not None:
+        if min_bytes is None or nbytes < min_bytes or push.seq is not None \
+                or push.codecs is not None:  # compressed: decoded whole, then applied
             return None
         if push.members is not None:
             members = [(uid, base) for uid, base, _ in push.members]

@@ -75,7 +75,18 @@ DTYPES: Final[Mapping[str, np.dtype]] = {
     "f4": np.dtype("<f4"),
     "f8": np.dtype("<f8"),
 }
-_DTYPE_CODES = {dt: code for code, dt in DTYPES.items()}
+# Only the parts of a compressed push's tensors (Push.codecs) may also be
+# 16-bit codes and indices; every other tensor on the wire is float.
+PART_DTYPES: Final[Mapping[str, np.dtype]] = {
+    **DTYPES,
+    "u2": np.dtype("<u2"),
+    "i4": np.dtype("<i4"),
+    "i8": np.dtype("<i8"),
+}
+_DTYPE_CODES = {dt: code for code, dt in PART_DTYPES.items()}
+# A compressed tensor's parts are named NAME + PART_SEP + part ("w#i").
+PART_SEP: Final = "#"
+MAX_PARTS: Final = 4  # parts of one compressed tensor (the codecs use at most 2)
 
 
 class MsgType(enum.IntEnum):
@@ -147,13 +158,16 @@ def layout(specs: Sequence[TensorSpec]) -> tuple[list[int], int]:
 _LITTLE = sys.byteorder == "little"
 
 
-def spec_of(name: str, array: np.ndarray) -> TensorSpec:
+def spec_of(name: str, array: np.ndarray, part: bool = False) -> TensorSpec:
+    """`part`: the array is a part of a compressed tensor (PART_DTYPES)."""
     dt = array.dtype
     # Fast path (every push): native little-endian float32/float64.
     if _LITTLE and dt.kind == "f" and dt.byteorder in "=<" and dt.itemsize in (4, 8):
         return TensorSpec(name, DTYPES["f4"] if dt.itemsize == 4 else DTYPES["f8"],
                           array.shape)
-    if array.dtype.newbyteorder("<") not in _DTYPE_CODES or array.dtype.byteorder == ">":
+    if part and dt.byteorder != ">" and dt.newbyteorder("<") in _DTYPE_CODES:
+        return TensorSpec(name, np.dtype(dt.newbyteorder("<")), tuple(array.shape))
+    if array.dtype.newbyteorder("<") not in DTYPES.values() or array.dtype.byteorder == ">":
         raise TypeError(
             f"tensor {name!r} has dtype {array.dtype}; mlfabric sends float32 or float64 "
             f"(little-endian): convert with arr.astype(np.float32)"
@@ -294,6 +308,10 @@ class Push:
     index: int | None = None
     dst: str | None = None
     members: tuple[tuple[str, int, str], ...] | None = None
+    # A compressed update (issue 35): (tensor name, codec) for each of the
+    # model's tensors, and `tensors` holds their parts, named
+    # NAME + PART_SEP + part ("w#i", "w#v"): see mlfabric.compression.
+    codecs: tuple[tuple[str, str], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -895,7 +913,8 @@ def _aggregation_fields(meta: Mapping[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def _specs(meta: Mapping[str, Any]) -> tuple[TensorSpec, ...]:
+def _specs(meta: Mapping[str, Any], dtypes: Mapping[str, np.dtype] = DTYPES
+           ) -> tuple[TensorSpec, ...]:
     raw = meta.get("tensors")
     if not isinstance(raw, list) or len(raw) > MAX_TENSORS:
         raise ProtocolError(f"field 'tensors' must be a list of at most {MAX_TENSORS} entries")
@@ -910,7 +929,7 @@ def _specs(meta: Mapping[str, Any]) -> tuple[TensorSpec, ...]:
         if name in seen:
             raise ProtocolError(f"tensor {name!r} is listed twice")
         seen.add(name)
-        if code not in DTYPES:
+        if code not in dtypes:
             raise ProtocolError(f"tensor {name!r} has unknown dtype code {code!r:.20}")
         if not (
             isinstance(shape, list)
@@ -918,7 +937,7 @@ def _specs(meta: Mapping[str, Any]) -> tuple[TensorSpec, ...]:
             and all(type(d) is int and 0 <= d <= _MAX_U64 for d in shape)
         ):
             raise ProtocolError(f"tensor {name!r} has a malformed shape {shape!r:.80}")
-        specs.append(TensorSpec(name, DTYPES[code], tuple(shape)))
+        specs.append(TensorSpec(name, dtypes[code], tuple(shape)))
     return tuple(specs)
 
 
@@ -930,7 +949,7 @@ def _meta_specs(specs: Sequence[TensorSpec]) -> list[list[Any]]:
 # list with every frame costs a parse each time, never unbounded memory.
 _SPEC_CACHE_SIZE = 256
 _encoded_specs: dict[tuple[TensorSpec, ...], tuple[bytes, list[int], int]] = {}
-_decoded_specs: dict[bytes, tuple[tuple[TensorSpec, ...], list[int], int]] = {}
+_decoded_specs: dict[tuple[bytes, bool], tuple[tuple[TensorSpec, ...], list[int], int]] = {}
 
 
 # The same, by identity: a client sends one tensor list object with every push
@@ -960,18 +979,22 @@ def _encode_specs_by_value(specs: tuple[TensorSpec, ...]) -> tuple[bytes, list[i
     return hit
 
 
-def _decode_specs(raw: bytes) -> tuple[tuple[TensorSpec, ...], list[int], int]:
-    hit = _decoded_specs.get(raw)
+def _decode_specs(raw: bytes, parts: bool = False
+                  ) -> tuple[tuple[TensorSpec, ...], list[int], int]:
+    """`parts`: a push's list, whose tensors may be compressed parts
+    (PART_DTYPES; `check_parts` then says which may)."""
+    key = (raw, parts)
+    hit = _decoded_specs.get(key)
     if hit is None:
         try:
             entries = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError):
             raise ProtocolError("tensor list is not valid JSON") from None
-        specs = _specs({"tensors": entries})
+        specs = _specs({"tensors": entries}, PART_DTYPES if parts else DTYPES)
         hit = (specs, *layout(specs))
         if len(_decoded_specs) >= _SPEC_CACHE_SIZE:
             _decoded_specs.clear()
-        _decoded_specs[raw] = hit
+        _decoded_specs[key] = hit
     return hit
 
 
@@ -1054,7 +1077,48 @@ def _decode_model_end(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -
 
 def _decode_push(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
     return Push(req=_int(meta, "req"), base_version=_int(meta, "base_version"),
-                tensors=tensors, seq=_opt_int(meta, "seq"), **_aggregation_fields(meta))
+                tensors=tensors, seq=_opt_int(meta, "seq"), codecs=_codecs(meta),
+                **_aggregation_fields(meta))
+
+
+def _codecs(meta: Mapping[str, Any]) -> tuple[tuple[str, str], ...] | None:
+    raw = meta.get("codecs")
+    if raw is None:
+        return None
+    if (not isinstance(raw, list) or not 0 < len(raw) <= MAX_TENSORS
+            or not all(isinstance(c, list) and len(c) == 2 and isinstance(c[0], str)
+                       and 0 < len(c[0]) <= MAX_NAME_LEN and isinstance(c[1], str)
+                       and 0 < len(c[1]) <= 16 for c in raw)):
+        raise ProtocolError(f"field 'codecs' must be 1 to {MAX_TENSORS} [tensor, codec] "
+                            f"pairs, got {raw!r:.80}")
+    names = [c[0] for c in raw]
+    if len(set(names)) != len(names):
+        raise ProtocolError("field 'codecs' names a tensor twice")
+    return tuple((name, codec) for name, codec in raw)
+
+
+def check_parts(codecs: tuple[tuple[str, str], ...] | None, specs: Sequence[TensorSpec]
+                ) -> None:
+    """A push's tensor list against its codecs: without codecs every tensor is
+    float; with them, every tensor is a part (NAME#PART) of a tensor they
+    name, each has at least one, and none more than MAX_PARTS. What the parts
+    must be for each codec is the receiver's check (compression.check)."""
+    if codecs is None:
+        for spec in specs:
+            if spec.dtype not in DTYPES.values():
+                raise ProtocolError(f"tensor {spec.name!r} is {spec.dtype}: only the parts of "
+                                    f"a compressed push (field 'codecs') are not float")
+        return
+    count = dict.fromkeys((name for name, _ in codecs), 0)
+    for spec in specs:
+        name, sep, part = spec.name.rpartition(PART_SEP)
+        if not sep or not part or name not in count:
+            raise ProtocolError(f"tensor {spec.name!r} of a compressed push is no part "
+                                f"(NAME{PART_SEP}PART) of a tensor its 'codecs' name")
+        count[name] += 1
+    for name, n in count.items():
+        if not 1 <= n <= MAX_PARTS:
+            raise ProtocolError(f"compressed tensor {name!r} has {n} parts (1 to {MAX_PARTS})")
 
 
 def _decode_push_result(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
@@ -1271,6 +1335,8 @@ def _encode_push(event: Push) -> dict[str, Any]:
             meta[key] = value
     if event.members is not None:
         meta["members"] = [list(m) for m in event.members]
+    if event.codecs is not None:
+        meta["codecs"] = [list(c) for c in event.codecs]
     return meta
 
 
@@ -1307,7 +1373,7 @@ def _fast_hello(event: Hello) -> bytes:
 
 def _fast_push(event: Push) -> bytes | None:
     if event.uid is not None or event.members is not None or event.group is not None \
-            or event.dst is not None or event.fan_in is not None:
+            or event.dst is not None or event.fan_in is not None or event.codecs is not None:
         return None
     if event.seq is not None:
         return b'{"req":%d,"base_version":%d,"seq":%d}' % (
@@ -1736,7 +1802,8 @@ class Connection:
             fields, sep, specs_raw = raw.partition(b"\n")
             if not sep:
                 raise ProtocolError(f"{name} metadata lacks its tensor list")
-            frame.specs, frame.offsets, total = _decode_specs(specs_raw)
+            frame.specs, frame.offsets, total = _decode_specs(
+                specs_raw, parts=frame.msg_type is MsgType.PUSH)
             if total != frame.data_len:
                 raise ProtocolError(
                     f"{name} lists tensors of {total} bytes but carries {frame.data_len}"
@@ -1751,6 +1818,8 @@ class Connection:
         # Every field checked now, so nothing outside the codec reads raw JSON,
         # not even for a frame whose data is still arriving.
         frame.head = _decode(frame.msg_type, meta, {})
+        if isinstance(frame.head, Push):
+            check_parts(frame.head.codecs, frame.specs)
 
     def _finish(self, frame: _Frame) -> Event:
         if frame.msg_type not in (MsgType.MODEL, MsgType.PUSH):
@@ -1787,7 +1856,8 @@ class Connection:
         if isinstance(event, (Model, Push)):
             names = list(event.tensors)
             arrays = [np.asarray(event.tensors[n]) for n in names]
-            specs = [spec_of(n, a) for n, a in zip(names, arrays, strict=True)]
+            part = isinstance(event, Push) and event.codecs is not None
+            specs = [spec_of(n, a, part) for n, a in zip(names, arrays, strict=True)]
         if msg_type in (MsgType.MODEL, MsgType.PUSH):
             specs_bytes, offsets, data_len = _encode_specs_by_value(tuple(specs))
             meta_bytes += b"\n" + specs_bytes
