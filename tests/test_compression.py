@@ -379,3 +379,124 @@ def test_the_metrics_know_every_codec():
     from mlfabric.runtime.metrics import COMPRESSION_CODECS
 
     assert COMPRESSION_CODECS == NAMES
+
+
+# --- the worker's side: mlfabric.connect(compression=...) -------------------------------
+
+
+def _mirror_apply(model, gamma, codec_spec, steps, dropped=()):
+    """The numpy reference of what a compressing worker makes the server
+    hold: its own error feedback (the same codec), the decoded updates applied
+    by the update rule, a dropped step folded into the residuals."""
+    from support import Reference, random_update
+
+    ref = Reference(model, gamma)
+    fb = ErrorFeedback(parse(codec_spec))
+    for step in range(steps):
+        u = random_update(model, seed=step)
+        if step in dropped:
+            fb.fold(u)
+        else:
+            ref.apply({n: decode(e) for n, e in fb.encode(u).items()})
+    return ref.w
+
+
+@pytest.mark.parametrize("spec", ["fp16", "topk:0.05", "lowrank:2"])
+def test_a_compressing_worker_makes_the_server_apply_what_it_sent(spec):
+    import mlfabric
+    from mlfabric.server.store import ParameterStore
+
+    from support import JOB, TOKEN, ServerThread, assert_model_equal, make_model, random_update
+
+    model = make_model(sizes={"w": (40, 30), "b": (30,)})
+    with ServerThread(ParameterStore(model, momentum=0.5)) as st, \
+            mlfabric.connect(st.address, job=JOB, token=TOKEN, compression=spec) as ps:
+        for step in range(6):
+            outcome = ps.push(random_update(model, seed=step), base_version=step).result(10)
+            assert outcome.applied and not outcome.folded
+        assert_model_equal(ps.pull(timeout=10)[1], _mirror_apply(model, 0.5, spec, 6))
+        codec = spec.partition(":")[0]
+        assert st.server.metrics.compressed_tensors.labels(codec)._value.get() > 0
+
+
+def test_through_a_controller_a_dropped_update_goes_with_the_next_push(caplog):
+    """The controller drops every other update: with compression each
+    dropped one is folded into the residuals (the outcome says so), so the
+    server ends as if it had been sent with the next push. The controller
+    plans each transfer at its compressed size."""
+    import json
+    import logging
+
+    import mlfabric
+    from mlfabric.controller.controller import Controller
+    from mlfabric.scheduling.plan import PlanItem, Snapshot
+    from mlfabric.server.store import ParameterStore
+
+    from support import JOB, TOKEN, ServerThread, assert_model_equal, make_model, random_update
+
+    def drop_odd(snap: Snapshot) -> list[PlanItem]:
+        return [PlanItem(t.id, start=snap.now) if t.req % 2 else
+                PlanItem(t.id, drop="deadline_missed", detail="test") for t in snap.pending]
+
+    caplog.set_level(logging.INFO, logger="mlfabric.decisions")
+    model = make_model(sizes={"w": (40, 30), "b": (30,)})
+    with ServerThread(ParameterStore(model, momentum=0.5)) as st, \
+            ServerThread(None, endpoint=Controller(drop_odd, job=JOB, token=TOKEN,
+                                                   tau_max=None)) as ctl, \
+            mlfabric.connect(st.address, job=JOB, token=TOKEN, controller=ctl.address,
+                             compression="fp16") as ps:
+        outcomes = [ps.push(random_update(model, seed=step), base_version=0).result(10)
+                    for step in range(6)]
+        assert [o.applied for o in outcomes] == [True, False] * 3
+        assert [o.folded for o in outcomes] == [False, True] * 3
+        assert outcomes[1].reason == ("dropped by the controller: deadline_missed: test; "
+                                      "folded into the next push (compression's error "
+                                      "feedback)")
+        assert_model_equal(ps.pull(timeout=10)[1],
+                           _mirror_apply(model, 0.5, "fp16", 6, dropped={1, 3, 5}))
+    sizes = {json.loads(r.getMessage())["nbytes"] for r in caplog.records
+             if r.name == "mlfabric.decisions" and json.loads(r.getMessage())["event"] == "go"}
+    assert sizes == {2 * (40 * 30 + 30)}  # 16-bit: half the update's 4 bytes per element
+
+
+def test_without_compression_a_dropped_update_is_not_folded():
+    import mlfabric
+    from mlfabric.controller.controller import Controller
+    from mlfabric.scheduling.plan import PlanItem, Snapshot
+    from mlfabric.server.store import ParameterStore
+
+    from support import JOB, TOKEN, ServerThread, make_model
+
+    def drop_all(snap: Snapshot) -> list[PlanItem]:
+        return [PlanItem(t.id, drop="would_idle_server", detail="test") for t in snap.pending]
+
+    model = make_model()
+    with ServerThread(ParameterStore(model)) as st, \
+            ServerThread(None, endpoint=Controller(drop_all, job=JOB, token=TOKEN,
+                                                   tau_max=None)) as ctl, \
+            mlfabric.connect(st.address, job=JOB, token=TOKEN, controller=ctl.address) as ps:
+        outcome = ps.push(model, base_version=0).result(10)
+        assert not outcome.applied and not outcome.folded
+        assert outcome.reason == "dropped by the controller: would_idle_server: test"
+
+
+def test_compression_settings_that_cannot_work_are_refused_at_connect():
+    from test_sharded import addresses, shard_servers
+
+    import mlfabric
+    from mlfabric.server.store import ParameterStore
+
+    from support import JOB, TOKEN, ServerThread, make_model
+
+    model = make_model()
+    with ServerThread(ParameterStore(model)) as st:
+        with pytest.raises(ConfigError, match="unknown compression 'zip'"):
+            mlfabric.connect(st.address, job=JOB, token=TOKEN, compression="zip")
+        with pytest.raises(ConfigError, match="compression does not combine with replica= "
+                                              "yet"):
+            mlfabric.connect(st.address, job=JOB, token=TOKEN, compression="fp16",
+                             replica=st.address)
+    sharded = "compression does not combine with sharded servers yet"
+    with shard_servers(make_model(sizes={"w": (64, 10), "b": (10,)}), 2) as servers, \
+            pytest.raises(ConfigError, match=sharded):
+        mlfabric.connect(addresses(servers), job=JOB, token=TOKEN, compression="topk:0.1")

@@ -138,6 +138,10 @@ SETTINGS: tuple[Setting, ...] = (
             "pull the newest model every N steps; 0: only when asked (default: 1)", minimum=0),
     Setting("max_in_flight", "int", 1,
             "pushes whose outcome a worker may await at once (default: 1)", minimum=1),
+    Setting("compression", "str", None,
+            "send updates compressed, with error feedback (what a push leaves out, and a "
+            "dropped update, go with the next pushes): fp16, bf16, topk:F, randk:F (the "
+            "fraction F of the elements) or lowrank:R (default: none, updates go whole)"),
     Setting("tls_cert", "path", None,
             "this worker's TLS certificate (PEM); with tls_key and tls_ca, every link is "
             "mutual TLS (default: none, plain TCP)"),
@@ -173,6 +177,7 @@ class Settings:
     host: str | None = None
     pull_every: int = 1
     max_in_flight: int = 1
+    compression: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
@@ -467,6 +472,13 @@ def connect(settings: Settings, *, launch: Launch | None = None, **extra: Any) -
     settings.require()
     assert settings.server is not None and settings.job is not None
     token = settings.load_token()
+    if settings.compression is not None:
+        from .compression import parse
+
+        try:
+            parse(settings.compression)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} ({settings.where('compression')})") from None
     for which in ("controller", "replica"):
         if getattr(settings, which) is not None:
             _probe(settings, which)
@@ -484,7 +496,7 @@ def connect(settings: Settings, *, launch: Launch | None = None, **extra: Any) -
             replica_timeout=settings.replica_timeout, push_timeout=settings.push_timeout,
             agent=settings.agent, agent_key_file=settings.agent_key_file,
             tls_cert=settings.tls_cert, tls_key=settings.tls_key, tls_ca=settings.tls_ca,
-            **extra,
+            compression=settings.compression, **extra,
         )
     except TLSError as exc:
         raise ConfigError(f"{exc} ({_tls_sources(settings)})") from None

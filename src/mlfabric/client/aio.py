@@ -21,11 +21,14 @@ from typing import Any
 
 import numpy as np
 
+from ..compression import Codec, ErrorFeedback
+from ..compression import parse as parse_compression
 from ..errors import ConfigError, ConnectionLost, MlfabricError
 from ..runtime.metrics import ClientMetrics
 from ..transport import tls
 from ..wire.handshake import ClientHandshake
 from ..wire.protocol import (
+    PART_SEP,
     BlockPlan,
     Failover,
     FrameTensors,
@@ -85,6 +88,7 @@ async def connect(
     tls_cert: str | os.PathLike[str] | None = None,
     tls_key: str | os.PathLike[str] | None = None,
     tls_ca: str | os.PathLike[str] | None = None,
+    compression: str | None = None,
 ) -> AsyncClient:
     """Connect to the parameter server at `address` ("HOST:PORT") for `job`.
 
@@ -101,8 +105,13 @@ async def connect(
     (which runs this client on a thread of its own). With `tls_cert`,
     `tls_key` and `tls_ca` (all three), every link this client opens (to the
     server, the controller, a replica, an aggregator, the agent) is mutual
-    TLS, as with mlfabric.connect()."""
+    TLS, as with mlfabric.connect(). `compression` sends compressed updates
+    with error feedback, as with mlfabric.connect()."""
     check_push_timeout(push_timeout)
+    codec = None if compression is None else parse_compression(compression)
+    if codec is not None and replica is not None:
+        raise ConfigError("compression does not combine with replica= yet: push uncompressed "
+                          "to a replicated server, or run without replicas")
     tls_files = tls.files(tls_cert, tls_key, tls_ca, tls.SETTINGS)
     ctx = None if tls_files is None else tls.client_context(tls_files, tls.SETTINGS)
     agent_key = None if agent is None else job_agent_key(agent_key_file, job)
@@ -110,6 +119,12 @@ async def connect(
     hs = ClientHandshake(job, secret, name or default_client_name())
     proto = await open_link(address, hs, timeout, "parameter server", metrics=metrics, tls=ctx)
     client = AsyncClient(proto)
+    if codec is not None:
+        try:
+            client.compress_with(codec)
+        except ConfigError:
+            await client.close()
+            raise
     client._dial = (job, secret, hs.name, timeout, metrics)
     client._tls, client._tls_ctx = tls_files, ctx
     if push_timeout is not None:
@@ -171,6 +186,11 @@ async def connect(
             metrics=metrics, tls=ctx)
         try:
             await controlled.start()
+            if codec is not None and controlled.aggregators_offered():
+                raise ConfigError(f"the controller at {controller} routes updates through "
+                                  f"aggregators, which do not take compressed updates yet: "
+                                  f"connect without compression, or start the controller "
+                                  f"without --aggregator")
         except BaseException:
             await client.close()
             raise
@@ -238,6 +258,10 @@ class AsyncClient:
         # a join announced right after a failover must find the new server.
         self._changes: collections.deque[Failover | ReplicaAt] = collections.deque()
         self._changer: asyncio.Task[None] | None = None
+        # Compressed pushes (issue 35): the residuals of error feedback, and
+        # the bytes an update then takes on the wire (what the controller plans).
+        self._compression: ErrorFeedback | None = None
+        self.wire_bytes = self.block_layout[1]
         self._watcher: asyncio.Task[None] | None = None
         self._reporter: TransferReporter | None = None  # with an agent
         self._peer_host = ""
@@ -334,9 +358,39 @@ class AsyncClient:
         base = check_base_version(base_version)
         return self.submit(self.prepare(update), base)
 
+    def compress_with(self, codec: Codec) -> None:
+        """Send every update from now on compressed by `codec`, with error
+        feedback: what a push does not send (or a dropped update) goes with
+        the next ones."""
+        if self.welcome_shard is not None:
+            raise ConfigError("compression does not combine with sharded servers yet: push "
+                              "uncompressed to a sharded job")
+        wrong = [s.name for s in self.specs if s.dtype != np.float32]
+        if wrong:
+            raise ConfigError(f"compression works on float32 models; tensor {wrong[0]!r} of "
+                              f"the server's model is not")
+        self._compression = ErrorFeedback(codec)
+        self.wire_bytes = sum(codec.encoded_bytes(s.shape) for s in self.specs)
+
+    @property
+    def compression(self) -> ErrorFeedback | None:
+        """The residuals of compressed pushes (None: updates go whole)."""
+        return self._compression
+
+    def dropped(self, arrays: Mapping[str, np.ndarray]) -> bool:
+        """An update the controller dropped (never sent): with compression,
+        all of it goes into the residuals, to go with the next push (True);
+        without, it is lost (False)."""
+        if self._compression is None:
+            return False
+        self._compression.fold(arrays)
+        return True
+
     def prepare(self, update: Mapping[str, Any]) -> Mapping[str, np.ndarray]:
         """`update` checked against the model: its arrays; for many small
         tensors, laid out as one frame block (`core.laid_out_update`)."""
+        if self._compression is not None:  # encoded when sent: each array by name
+            return check_update(update, self.specs)
         fast = laid_out_update(update, self.specs, self.block_layout, self.block_plan)
         return fast if fast is not None else check_update(update, self.specs)
 
@@ -368,7 +422,7 @@ class AsyncClient:
         if self._feeds is not None:
             return self._push_replicated({n: a.copy() for n, a in arrays.items()}, base)
         if self._controlled is not None:
-            return self._controlled.push(arrays, base, self.block_layout[1])
+            return self._controlled.push(arrays, base, self.wire_bytes)
         return self.send_push(arrays, base)
 
     def _push_replicated(self, arrays: Mapping[str, np.ndarray], base: int
@@ -398,7 +452,7 @@ class AsyncClient:
             return
         try:
             if via_controller and self._controlled is not None:
-                at_server = self._controlled.push(arrays, base, self.block_layout[1])
+                at_server = self._controlled.push(arrays, base, self.wire_bytes)
             else:
                 at_server = self.send_push(arrays, base)
         except MlfabricError as exc:
@@ -516,7 +570,14 @@ class AsyncClient:
         rest (it is None if the whole frame went, or waits to go whole
         behind another frame sent in parts)."""
         fut = AsyncPushFuture(loop=asyncio.get_running_loop())
-        tensors = laid_out(arrays, self.specs, self.block_layout)
+        if self._compression is not None and seq is None and "group" not in fields:
+            # Encoded now, as it leaves: the residuals hold what no push sent yet.
+            encoded = self._compression.encode(arrays)
+            tensors: Mapping[str, np.ndarray] = {
+                f"{n}{PART_SEP}{p}": a for n, e in encoded.items() for p, a in e.arrays.items()}
+            fields["codecs"] = tuple((n, e.codec) for n, e in encoded.items())
+        else:
+            tensors = laid_out(arrays, self.specs, self.block_layout)
         _, event = self._new_request(
             "push", lambda req: Push(req, base, tensors, seq, **fields), base, fut)
         part = None

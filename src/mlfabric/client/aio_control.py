@@ -27,6 +27,7 @@ never a silent switch to unscheduled training (issue 33).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import ssl
 import time
@@ -129,6 +130,10 @@ class AsyncControlledPushes:
             self._aggregators.ahead(address)
         return link
 
+    def aggregators_offered(self) -> bool:
+        """The controller's welcome named aggregators it may route through."""
+        return self._link is not None and bool(self._link.welcomed.result().aggregators)
+
     def push(self, arrays: dict[str, np.ndarray], base_version: int, nbytes: int
              ) -> AsyncPushFuture:
         u = controlled_update(arrays, base_version, nbytes,
@@ -181,6 +186,11 @@ class AsyncControlledPushes:
         if outcome is None:
             self._send(u)
         elif not u.future.done():
+            if self.client.dropped(u.arrays):  # with compression: kept for the next push
+                outcome = dataclasses.replace(
+                    outcome, folded=True,
+                    reason=f"{outcome.reason}; folded into the next push (compression's "
+                           f"error feedback)")
             u.future.set_result(outcome)
 
     def _moved(self, d: Moved) -> None:

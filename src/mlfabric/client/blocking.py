@@ -57,6 +57,7 @@ def connect(
     tls_cert: str | os.PathLike[str] | None = None,
     tls_key: str | os.PathLike[str] | None = None,
     tls_ca: str | os.PathLike[str] | None = None,
+    compression: str | None = None,
 ) -> Client:
     """Connect to the parameter server at `address` ("HOST:PORT") for `job`.
 
@@ -111,6 +112,14 @@ def connect(
     still checked inside it. A refusal on either side raises TLSError or
     ConnectionLost saying which side did not accept what.
 
+    With `compression` ("fp16", "bf16", "topk:F", "randk:F" or "lowrank:R";
+    see mlfabric.compression), every update goes compressed with error
+    feedback: what a push leaves out stays in a residual per tensor and goes
+    with the next pushes, and an update the controller drops is folded into
+    it too (its outcome says `folded`), so nothing is lost. The controller
+    plans each transfer at its compressed size. Not yet with replicas,
+    sharded servers or aggregators (ConfigError at connect).
+
     The asyncio client, `await mlfabric.aio.connect(...)`, takes the same
     arguments and behaves the same: this client runs it on a thread.
     """
@@ -123,7 +132,8 @@ def connect(
             agent=agent, agent_key_file=agent_key_file, replica=replica,
             failover_timeout=failover_timeout,
             replica_backlog=replica_backlog, replica_timeout=replica_timeout,
-            push_timeout=push_timeout, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca))
+            push_timeout=push_timeout, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca,
+            compression=compression))
     except BaseException:
         runner.stop()
         raise

@@ -16,6 +16,9 @@ class PushOutcome:
     fan_in, index: it was applied as member `index` of an aggregate of
         `fan_in` updates, one step that took the server from version -
         fan_in to `version` (None when applied alone).
+    folded: with compression, a dropped update was folded into the
+        error-feedback residual: its contribution goes with the next push,
+        nothing of it is lost (issue 35).
     """
 
     applied: bool
@@ -25,6 +28,7 @@ class PushOutcome:
     base_version: int | None = None
     fan_in: int | None = None
     index: int | None = None
+    folded: bool = False
 
     @property
     def seq(self) -> int:

@@ -72,6 +72,8 @@ class ControlledClient(Protocol):
 
     def replica_change(self, event: Failover | ReplicaAt) -> None: ...
 
+    def dropped(self, arrays: dict[str, np.ndarray]) -> bool: ...
+
 
 class ServerConnection(Protocol):
     address: str
