@@ -493,8 +493,6 @@ def test_without_compression_a_dropped_update_is_not_folded():
 
 
 def test_compression_settings_that_cannot_work_are_refused_at_connect():
-    from test_sharded import addresses, shard_servers
-
     import mlfabric
     from mlfabric.server.store import ParameterStore
 
@@ -508,7 +506,33 @@ def test_compression_settings_that_cannot_work_are_refused_at_connect():
                                               "yet"):
             mlfabric.connect(st.address, job=JOB, token=TOKEN, compression="fp16",
                              replica=st.address)
-    sharded = "compression does not combine with sharded servers yet"
-    with shard_servers(make_model(sizes={"w": (64, 10), "b": (10,)}), 2) as servers, \
-            pytest.raises(ConfigError, match=sharded):
-        mlfabric.connect(addresses(servers), job=JOB, token=TOKEN, compression="topk:0.1")
+
+
+@pytest.mark.parametrize("spec", ["fp16", "topk:0.1"])
+def test_each_shard_applies_its_compressed_parts(spec):
+    """A sharded job: each shard's client compresses its shard's pieces with
+    error feedback of its own, and each shard's server ends bit for bit as
+    the numpy update rule on those decoded pieces."""
+    from test_sharded import SIZES, addresses, shard_servers, store_state
+
+    import mlfabric
+    from mlfabric.sharding.partition import partition
+
+    from support import JOB, TOKEN, Reference, assert_model_equal, make_model, random_update
+
+    model = make_model(sizes=SIZES)
+    part = partition([(n, a.dtype, a.shape) for n, a in model.items()], 2, 1 << 16)
+    refs = [Reference(p, 0.5) for p in part.split(model)]
+    mirrors = [ErrorFeedback(parse(spec)) for _ in range(2)]
+    with shard_servers(model, 2) as servers, \
+            mlfabric.connect(addresses(servers), job=JOB, token=TOKEN, compression=spec) as ps:
+        for step in range(4):
+            u = random_update(model, seed=step)
+            outcome = ps.push(u, base_version=ps.pull(timeout=10)[0]).result(10)
+            assert outcome.applied, outcome
+            for ref, fb, piece in zip(refs, mirrors, part.split(u), strict=True):
+                ref.apply({n: decode(e) for n, e in fb.encode(piece).items()})
+        for server, ref in zip(servers, refs, strict=True):
+            version, weights = store_state(server)
+            assert version == 4
+            assert_model_equal(weights, ref.w)

@@ -182,7 +182,10 @@ async def connect(
             host=host or sock.getsockname()[0], dst=sock.getpeername()[0],
             fallback=controller_fallback, timeout=controller_timeout,
             shard=client.welcome_shard.index if client.welcome_shard is not None else None,
-            chunk=client.welcome_shard.chunk if client.welcome_shard is not None else 0,
+            # A compressed part is a fraction of its shard's block: it goes
+            # whole, not a chunk at a time.
+            chunk=client.welcome_shard.chunk
+            if client.welcome_shard is not None and codec is None else 0,
             metrics=metrics, tls=ctx)
         try:
             await controlled.start()
@@ -361,10 +364,9 @@ class AsyncClient:
     def compress_with(self, codec: Codec) -> None:
         """Send every update from now on compressed by `codec`, with error
         feedback: what a push does not send (or a dropped update) goes with
-        the next ones."""
-        if self.welcome_shard is not None:
-            raise ConfigError("compression does not combine with sharded servers yet: push "
-                              "uncompressed to a sharded job")
+        the next ones. A shard's server keeps flat pieces of the model's
+        tensors: each piece is compressed as a tensor of its own (low rank
+        then sends them whole: they are 1-D)."""
         wrong = [s.name for s in self.specs if s.dtype != np.float32]
         if wrong:
             raise ConfigError(f"compression works on float32 models; tensor {wrong[0]!r} of "

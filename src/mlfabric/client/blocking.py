@@ -117,8 +117,9 @@ def connect(
     feedback: what a push leaves out stays in a residual per tensor and goes
     with the next pushes, and an update the controller drops is folded into
     it too (its outcome says `folded`), so nothing is lost. The controller
-    plans each transfer at its compressed size. Not yet with replicas,
-    sharded servers or aggregators (ConfigError at connect).
+    plans each transfer at its compressed size. With sharded servers each
+    shard's part is compressed on its own. Not yet with replicas or
+    aggregators (ConfigError at connect).
 
     The asyncio client, `await mlfabric.aio.connect(...)`, takes the same
     arguments and behaves the same: this client runs it on a thread.
