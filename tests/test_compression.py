@@ -492,20 +492,14 @@ def test_without_compression_a_dropped_update_is_not_folded():
         assert outcome.reason == "dropped by the controller: would_idle_server: test"
 
 
-def test_compression_settings_that_cannot_work_are_refused_at_connect():
+def test_a_compression_setting_that_cannot_work_is_refused_at_connect():
+    """Before anything is dialled: the setting is checked first."""
     import mlfabric
-    from mlfabric.server.store import ParameterStore
 
-    from support import JOB, TOKEN, ServerThread, make_model
+    from support import JOB, TOKEN
 
-    model = make_model()
-    with ServerThread(ParameterStore(model)) as st:
-        with pytest.raises(ConfigError, match="unknown compression 'zip'"):
-            mlfabric.connect(st.address, job=JOB, token=TOKEN, compression="zip")
-        with pytest.raises(ConfigError, match="compression does not combine with replica= "
-                                              "yet"):
-            mlfabric.connect(st.address, job=JOB, token=TOKEN, compression="fp16",
-                             replica=st.address)
+    with pytest.raises(ConfigError, match="unknown compression 'zip'"):
+        mlfabric.connect("127.0.0.1:9", job=JOB, token=TOKEN, compression="zip")
 
 
 @pytest.mark.parametrize("spec", ["fp16", "topk:0.1"])
@@ -536,3 +530,64 @@ def test_each_shard_applies_its_compressed_parts(spec):
             version, weights = store_state(server)
             assert version == 4
             assert_model_equal(weights, ref.w)
+
+
+def test_the_replica_applies_the_same_bits_and_takes_over_with_nothing_lost():
+    """A compressing worker through a controller, feeding a replica: the
+    replica gets the very parts the server decoded, so the two hold the same
+    model bit for bit. The server is lost; the promoted replica goes on, and
+    ends as the numpy mirror of the worker's compressed pushes: no update
+    encoded twice, none lost."""
+    from test_failover import server_state, watched_job
+
+    import mlfabric
+
+    from support import JOB, TOKEN, assert_model_equal, make_model, random_update
+
+    gamma = 0.5
+    model = make_model(sizes={"w": (40, 30), "b": (30,)})
+    server, replica, _, controller = watched_job(model, gamma)
+    try:
+        with mlfabric.connect(server.address, job=JOB, token=TOKEN,
+                              controller=controller.address, controller_fallback="wait",
+                              replica=replica.address, failover_timeout=10,
+                              compression="fp16") as ps:
+            for step in range(8):
+                if step == 4:
+                    # (a push resolves once the replica has it too)
+                    assert _same(server_state(server), server_state(replica))
+                    server.__exit__(None, None, None)  # lost: the replica is promoted
+                version, _ = ps.pull(timeout=20)
+                outcome = ps.push(random_update(model, seed=step), base_version=version)
+                assert outcome.result(30).applied
+            final_version, final = server_state(replica)
+    finally:
+        for t in (controller, replica, server):
+            if t._thread.is_alive():
+                t.__exit__(None, None, None)
+    assert final_version == 8
+    assert_model_equal(final, _mirror_apply(model, gamma, "fp16", 8))
+
+
+def _same(a, b) -> bool:
+    (va, wa), (vb, wb) = a, b
+    return va == vb == 4 and all(np.array_equal(wa[n].view(np.uint32), wb[n].view(np.uint32))
+                                 for n in wa)
+
+
+def test_a_controller_with_aggregators_is_refused_with_compression():
+    import mlfabric
+    from mlfabric.controller.controller import Controller
+    from mlfabric.scheduling.policies import Mlfabric
+    from mlfabric.server.store import ParameterStore
+
+    from support import JOB, TOKEN, ServerThread, make_model
+
+    ctl = Controller(Mlfabric(), job=JOB, token=TOKEN, tau_max=None,
+                     aggregators={"h1": "127.0.0.1:9"})
+    with ServerThread(ParameterStore(make_model())) as st, \
+            ServerThread(None, endpoint=ctl) as controller, \
+            pytest.raises(ConfigError, match="routes updates through aggregators, which do "
+                                             "not take compressed updates yet"):
+        mlfabric.connect(st.address, job=JOB, token=TOKEN, controller=controller.address,
+                         compression="fp16")

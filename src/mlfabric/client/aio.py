@@ -44,6 +44,7 @@ from ..wire.protocol import (
 from ..wire.streamed import StreamedBlock
 from .agent_report import TransferReporter, job_agent_key
 from .aio_control import AsyncControlledPushes
+from .compressed import CompressedParts
 from .control_book import AGGREGATOR_COMMAND, AGGREGATOR_DIAL_TIMEOUT
 from .core import (
     DEFAULT_PUSH_TIMEOUT,
@@ -109,9 +110,6 @@ async def connect(
     with error feedback, as with mlfabric.connect()."""
     check_push_timeout(push_timeout)
     codec = None if compression is None else parse_compression(compression)
-    if codec is not None and replica is not None:
-        raise ConfigError("compression does not combine with replica= yet: push uncompressed "
-                          "to a replicated server, or run without replicas")
     tls_files = tls.files(tls_cert, tls_key, tls_ca, tls.SETTINGS)
     ctx = None if tls_files is None else tls.client_context(tls_files, tls.SETTINGS)
     agent_key = None if agent is None else job_agent_key(agent_key_file, job)
@@ -442,11 +440,16 @@ class AsyncClient:
         controller again."""
         failover = self._failover
         generation = failover.generation if failover is not None else 0
+        at: list[asyncio.Future[PushOutcome]] = []  # the push to the server, once made
+
+        def sent() -> Mapping[str, np.ndarray]:
+            """The update as it went to the server: compressed, its parts."""
+            return (getattr(at[0], "sent_as", None) if at else None) or arrays
 
         def lost(exc: BaseException) -> None:
             if failover is not None and isinstance(exc, ConnectionLost):
                 failover.park(generation, lambda: self._push_to_server(
-                    arrays, base, done, via_controller=False), done)
+                    sent(), base, done, via_controller=False), done)
             elif not done.done():
                 done.set_exception(exc)
 
@@ -460,6 +463,7 @@ class AsyncClient:
         except MlfabricError as exc:
             lost(exc)
             return
+        at.append(at_server)
         if isinstance(done, AsyncPushFuture) and done.uid is None:
             done.uid = getattr(at_server, "uid", None)  # for pull(including=...)
 
@@ -474,9 +478,10 @@ class AsyncClient:
                 lost(exc)
                 return
             outcome = f.result()
-            feed = self._feeds.acknowledged(arrays, base, outcome)
+            update = sent()
+            feed = self._feeds.acknowledged(update, base, outcome)
             if feed is not None:
-                feed.replicate(arrays, base, outcome, done)
+                feed.replicate(update, base, outcome, done)
             else:
                 done.set_result(outcome)
 
@@ -572,12 +577,17 @@ class AsyncClient:
         rest (it is None if the whole frame went, or waits to go whole
         behind another frame sent in parts)."""
         fut = AsyncPushFuture(loop=asyncio.get_running_loop())
-        if self._compression is not None and seq is None and "group" not in fields:
+        tensors: Mapping[str, np.ndarray]
+        if isinstance(arrays, CompressedParts):  # encoded before: the same bits again
+            tensors = arrays
+            fields["codecs"] = arrays.codecs
+        elif self._compression is not None and seq is None and "group" not in fields:
             # Encoded now, as it leaves: the residuals hold what no push sent yet.
             encoded = self._compression.encode(arrays)
-            tensors: Mapping[str, np.ndarray] = {
-                f"{n}{PART_SEP}{p}": a for n, e in encoded.items() for p, a in e.arrays.items()}
-            fields["codecs"] = tuple((n, e.codec) for n, e in encoded.items())
+            tensors = fut.sent_as = CompressedParts(
+                {f"{n}{PART_SEP}{p}": a for n, e in encoded.items() for p, a in e.arrays.items()},
+                tuple((n, e.codec) for n, e in encoded.items()))
+            fields["codecs"] = tensors.codecs
         else:
             tensors = laid_out(arrays, self.specs, self.block_layout)
         _, event = self._new_request(

@@ -290,6 +290,9 @@ class AsyncControlledPushes:
             if not u.future.done():
                 u.future.set_exception(exc)
             return
+        sent_as = getattr(server_future, "sent_as", None)
+        if sent_as is not None:  # compressed as it left: these parts, if it goes again
+            u.future.sent_as = u.arrays = sent_as
         server_future.add_done_callback(lambda f: self._finish(u, f, u.sent or 0.0))
         if u.upto is not None and u.part is None:
             # Another frame is under way on the link: this one goes whole after it.

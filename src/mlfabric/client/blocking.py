@@ -118,8 +118,9 @@ def connect(
     with the next pushes, and an update the controller drops is folded into
     it too (its outcome says `folded`), so nothing is lost. The controller
     plans each transfer at its compressed size. With sharded servers each
-    shard's part is compressed on its own. Not yet with replicas or
-    aggregators (ConfigError at connect).
+    shard's part is compressed on its own; a replica gets the same
+    compressed parts as its server. Not yet with aggregators (ConfigError
+    at connect).
 
     The asyncio client, `await mlfabric.aio.connect(...)`, takes the same
     arguments and behaves the same: this client runs it on a thread.

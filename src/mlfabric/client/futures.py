@@ -10,14 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from .outcome import PushOutcome
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class AsyncPushFuture(asyncio.Future[PushOutcome]):
     """The asyncio client's push: resolves to the update's `PushOutcome`."""
 
     uid: str | None = None
+    # A compressed push: its parts as they went (client.compressed).
+    sent_as: Mapping[str, np.ndarray] | None = None
 
 
 class PushFuture(concurrent.futures.Future[PushOutcome]):

@@ -315,14 +315,19 @@ class ReplicaServer(ParameterServer):
                         f"updates with the sequence number the server gave them; push to the "
                         f"server"))
             return
-        misplaced = self._misplaced(event.seq, _Held(event))
+        seq = event.seq
+        misplaced = self._misplaced(seq, _Held(event))
         if misplaced is not None:
             m.updates_rejected.labels("out_of_order").inc()
             conn.send(Error(code="out_of_order", req=event.req, message=misplaced))
             return
         try:
+            if event.codecs is not None:  # the parts its server decoded: the same bits
+                event = dataclasses.replace(
+                    event, tensors=self.store.decompress(event.codecs, event.tensors),
+                    codecs=None)
             self.store.check_layout((n, u.dtype, u.shape) for n, u in event.tensors.items())
-            offer = self.sequencer.offer(event.seq, _Held(event))
+            offer = self.sequencer.offer(seq, _Held(event))
         except InvalidUpdate as exc:
             m.updates_rejected.labels(exc.reason).inc()
             conn.send(Error(code=exc.reason, message=str(exc), req=event.req))
@@ -335,10 +340,10 @@ class ReplicaServer(ParameterServer):
             m.updates_rejected.labels("duplicate").inc()
             conn.send(PushResult(
                 req=event.req, applied=False, version=self.store.version, delay=None,
-                reason=f"duplicate: sequence number {event.seq} was already applied "
+                reason=f"duplicate: sequence number {seq} was already applied "
                        f"(replica at version {self.store.version})"))
             return
-        held = self.sequencer.pending[event.seq]
+        held = self.sequencer.pending[seq]
         if offer == "held":
             m.updates_rejected.labels("duplicate").inc()
         held.waiters.append((conn, event.req))
