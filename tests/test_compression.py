@@ -591,3 +591,144 @@ def test_a_controller_with_aggregators_is_refused_with_compression():
                                              "not take compressed updates yet"):
         mlfabric.connect(st.address, job=JOB, token=TOKEN, controller=controller.address,
                          compression="fp16")
+
+
+# --- the controller's choice (issue 35) -----------------------------------------------
+
+
+def _straggler(options=()):
+    """test_schedule's straggler: its update (deadline position 0) crawls at
+    1 B/s and would end at 10 s; the other would end at 1 s. Forcing the
+    first in idles the server 9 s for 1 s displaced: the plan drops it
+    (would_idle_server) unless it is small enough."""
+    from mlfabric.scheduling.plan import Network, Snapshot, Transfer
+
+    ts = (Transfer(id=1, owner=None, req=1, nbytes=10, base_version=0, norm=1.0, host="slow",
+                   dst="s", arrival=0.0, options=options),
+          Transfer(id=2, owner=None, req=2, nbytes=10, base_version=3, norm=1.0, host="b",
+                   dst="s", arrival=1.0, options=options))
+    return Snapshot(now=0.0, version=3, tau_max=3, pending=ts, active=(),
+                    network=Network(default=10.0, up={"slow": 1.0}))
+
+
+@pytest.mark.parametrize("mode, options, want", [
+    # adaptive: whole when it goes whole; else the least compression that lets it go
+    ("adaptive", (), {1: "would_idle_server", 2: None}),
+    ("adaptive", (("fp16", 5), ("topk:0.1", 1)), {1: "topk:0.1", 2: None}),
+    ("adaptive", (("fp16", 1), ("topk:0.1", 1)), {1: "fp16", 2: None}),
+    ("adaptive", (("fp16", 5),), {1: "would_idle_server", 2: None}),  # not small enough
+    ("off", (("fp16", 1),), {1: "would_idle_server", 2: None}),
+    ("fixed:fp16", (("fp16", 5), ("topk:0.1", 1)), {1: "would_idle_server", 2: "fp16"}),
+    # fixed shrinks the other too (0.1 s): the straggler's 1 s idles the
+    # server 0.9 s for 0.1 s displaced, and it is dropped; adaptive (above)
+    # sends it, with the other whole
+    ("fixed:topk:0.1", (("fp16", 5), ("topk:0.1", 1)),
+     {1: "would_idle_server", 2: "topk:0.1"}),
+])
+def test_the_controller_shrinks_an_update_it_would_drop(mode, options, want):
+    """For each transfer: its codec if it goes (None: whole), or why it is dropped."""
+    from mlfabric.scheduling.policies import Mlfabric
+
+    plan = Mlfabric(compression=mode)(_straggler(options))
+    got = {i.id: i.drop if i.drop else i.codec for i in plan}
+    assert got == want
+    sent = {i.id: i.planned_seconds for i in plan if not i.drop and i.start == 0.0}
+    if want[1] == "topk:0.1":  # 1 byte at 1 B/s
+        assert sent[1] == pytest.approx(1.0)
+
+
+def test_the_controllers_state_lets_a_shrunk_update_go_at_its_compressed_size():
+    """Through ControlState (the columns the controller keeps): the go names
+    the codec, the transfer then holds its links for the compressed bytes,
+    and the plan is the one planned from a snapshot."""
+    from mlfabric.controller.state import ControlState, Go
+    from mlfabric.scheduling.plan import Network
+    from mlfabric.scheduling.policies import Mlfabric
+
+    options = (("fp16", 5), ("topk:0.1", 1))
+    state = ControlState(Mlfabric(), tau_max=3,
+                         network=Network(default=10.0, up={"slow": 1.0}))
+    state.version = 3
+    state.request("w1", 1, host="slow", dst="s", nbytes=10, base_version=0, norm=1.0, now=0.0,
+                  options=options)
+    state.request("w2", 2, host="b", dst="s", nbytes=10, base_version=3, norm=1.0, now=0.0,
+                  options=options)
+    gos = {a.transfer.req: a for a in state.decide(0.0).actions if isinstance(a, Go)}
+    assert gos[1].codec == "topk:0.1" and gos[1].transfer.nbytes == 1
+    assert gos[1].planned_seconds == pytest.approx(1.0)
+    snapshot_plan = Mlfabric()(_straggler(options))
+    assert {i.id: i.codec for i in snapshot_plan if not i.drop}[1] == "topk:0.1"
+
+
+def test_compression_modes_are_checked():
+    from mlfabric.controller.cli import parse_compression_mode
+
+    assert parse_compression_mode("adaptive") == "adaptive"
+    assert parse_compression_mode("fixed:topk:0.01") == "fixed:topk:0.01"
+    with pytest.raises(ConfigError, match="compression mode must be off, adaptive or "
+                                          "fixed:CODEC"):
+        parse_compression_mode("sometimes")
+    with pytest.raises(ConfigError, match="unknown compression 'zip'"):
+        parse_compression_mode("fixed:zip")
+
+
+def test_adaptive_offers_are_parsed():
+    from mlfabric.compression import parse_offer
+
+    assert [c.spec for c in parse_offer("adaptive")] == ["fp16", "topk:0.1", "topk:0.01"]
+    assert [c.spec for c in parse_offer("adaptive:bf16,randk:0.05")] == ["bf16", "randk:0.05"]
+    assert parse_offer("fp16") is None
+    with pytest.raises(ConfigError, match="list each compressed form once, without none"):
+        parse_offer("adaptive:fp16,fp16")
+
+
+@pytest.mark.parametrize("mode, sent_as", [("fixed:fp16", "fp16"), ("adaptive", None),
+                                           ("off", None)])
+def test_a_worker_offering_forms_sends_what_the_controller_chose(mode, sent_as, caplog):
+    """compression="adaptive": the worker offers its forms and sends each
+    update as its go says. With fixed:fp16 every one goes as fp16; adaptive,
+    on a link with room, and off send them whole (the residual stays empty).
+    The decision log records the choice."""
+    import json
+    import logging
+
+    import mlfabric
+    from mlfabric.compression.codecs import Dense
+    from mlfabric.controller.controller import Controller
+    from mlfabric.scheduling.policies import Mlfabric
+    from mlfabric.server.store import ParameterStore
+
+    from support import (
+        JOB,
+        TOKEN,
+        Reference,
+        ServerThread,
+        assert_model_equal,
+        make_model,
+        random_update,
+    )
+
+    caplog.set_level(logging.INFO, logger="mlfabric.decisions")
+    model = make_model(sizes={"w": (40, 30), "b": (30,)})
+    ref = Reference(model, 0.5)
+    mirror = ErrorFeedback(Dense())
+    ctl = Controller(Mlfabric(compression=mode), job=JOB, token=TOKEN, tau_max=None)
+    with ServerThread(ParameterStore(model, momentum=0.5)) as st, \
+            ServerThread(None, endpoint=ctl) as controller, \
+            mlfabric.connect(st.address, job=JOB, token=TOKEN, controller=controller.address,
+                             compression="adaptive") as ps:
+        for step in range(4):
+            u = random_update(model, seed=step)
+            assert ps.push(u, base_version=step).result(10).applied
+            encoded = mirror.encode(u, None if sent_as is None else parse(sent_as))
+            ref.apply({n: decode(e) for n, e in encoded.items()})
+        assert_model_equal(ps.pull(timeout=10)[1], ref.w)
+    records = [json.loads(r.getMessage()) for r in caplog.records
+               if r.name == "mlfabric.decisions"]
+    gos = [r for r in records if r["event"] == "go"]
+    assert [r["codec"] for r in gos] == [sent_as or "whole"] * 4
+    # The controller planned the chosen form's bytes.
+    dense = 4 * (40 * 30 + 30)
+    assert {r["nbytes"] for r in gos} == {dense // 2 if sent_as else dense}
+    chosen = (sent_as or "none").partition(":")[0]
+    assert ctl.metrics.compressed_transfers.labels(chosen)._value.get() == 4

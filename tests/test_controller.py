@@ -234,6 +234,9 @@ def test_controller_command_serves_and_stops_cleanly(tmp_path):
     (["--group-wait", "-0.5"], "--group-wait must be a finite number of seconds >= 0 (0: "
                                "aggregation never stalls the server), got -0.5"),
     (["--group-wait", "nan"], "--group-wait must be a finite number of seconds >= 0"),
+    (["--compression", "sometimes"], "--compression: compression mode must be off, adaptive "
+                                     "or fixed:CODEC (e.g. fixed:fp16), got 'sometimes'"),
+    (["--compression", "fixed:zip"], "--compression fixed:zip: unknown compression 'zip'"),
     (["--server", "127.0.0.1:1,127.0.0.1:2", "--replica", "127.0.0.1:3"],
      "--server names 2 server(s) and --replica 1 replica(s): give one replica per shard's "
      "server, in shard order"),

@@ -118,7 +118,10 @@ CASES = [
                     norm=0.125),
     TransferRequest(req=5, host="h1", dst="10.0.0.1:7070", nbytes=2**26, base_version=3,
                     norm=0.5, shard=3, chunk=4 << 20),
+    TransferRequest(req=6, host="h1", dst="10.0.0.1:7070", nbytes=4000, base_version=3,
+                    norm=0.5, options=(("fp16", 2000), ("topk:0.01", 80))),
     Directive(req=4, action="go", position=2, planned_seconds=0.5),
+    Directive(req=6, action="go", position=1, planned_seconds=0.01, codec="topk:0.01"),
     Directive(req=7, action="go", position=0, planned_seconds=0.04, upto=8 << 20),
     TransferProgress(req=7, sent=8 << 20),
     Directive(req=5, action="drop", reason="deadline_missed"),
@@ -380,6 +383,11 @@ BAD_FRAMES = {
                              "codecs": [["w", "topk"], ["w", "fp16"]],
                              "tensors": [["w#i", "i4", [1]]]}, b"\0" * 4),
         "names a tensor twice"),
+    "options malformed": (
+        frame(MsgType.TRANSFER_REQUEST, {"req": 1, "host": "h", "dst": "s", "nbytes": 8,
+                                         "base_version": 0, "norm": 0.0,
+                                         "options": [["fp16", -4]]}),
+        "field 'options' must be 1 to 8"),
     "codecs malformed": (
         frame(MsgType.PUSH, {"req": 1, "base_version": 0, "codecs": {"w": "topk"},
                              "tensors": [["w#i", "i4", [1]]]}, b"\0" * 4),

@@ -141,7 +141,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("compression", "str", None,
             "send updates compressed, with error feedback (what a push leaves out, and a "
             "dropped update, go with the next pushes): fp16, bf16, topk:F, randk:F (the "
-            "fraction F of the elements) or lowrank:R (default: none, updates go whole)"),
+            "fraction F of the elements) or lowrank:R; or adaptive[:A,B,...]: offer those "
+            "forms (default fp16, topk:0.1, topk:0.01) and let the controller choose per "
+            "transfer (default: none, updates go whole)"),
     Setting("tls_cert", "path", None,
             "this worker's TLS certificate (PEM); with tls_key and tls_ca, every link is "
             "mutual TLS (default: none, plain TCP)"),

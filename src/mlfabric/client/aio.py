@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..compression import Codec, ErrorFeedback
+from ..compression import Codec, ErrorFeedback, parse_offer
 from ..compression import parse as parse_compression
 from ..errors import ConfigError, ConnectionLost, MlfabricError
 from ..runtime.metrics import ClientMetrics
@@ -109,7 +109,8 @@ async def connect(
     TLS, as with mlfabric.connect(). `compression` sends compressed updates
     with error feedback, as with mlfabric.connect()."""
     check_push_timeout(push_timeout)
-    codec = None if compression is None else parse_compression(compression)
+    offer = None if compression is None else parse_offer(compression)
+    codec = None if compression is None or offer is not None else parse_compression(compression)
     tls_files = tls.files(tls_cert, tls_key, tls_ca, tls.SETTINGS)
     ctx = None if tls_files is None else tls.client_context(tls_files, tls.SETTINGS)
     agent_key = None if agent is None else job_agent_key(agent_key_file, job)
@@ -117,9 +118,9 @@ async def connect(
     hs = ClientHandshake(job, secret, name or default_client_name())
     proto = await open_link(address, hs, timeout, "parameter server", metrics=metrics, tls=ctx)
     client = AsyncClient(proto)
-    if codec is not None:
+    if codec is not None or offer is not None:
         try:
-            client.compress_with(codec)
+            client.compress_with(codec, offer)
         except ConfigError:
             await client.close()
             raise
@@ -183,11 +184,12 @@ async def connect(
             # A compressed part is a fraction of its shard's block: it goes
             # whole, not a chunk at a time.
             chunk=client.welcome_shard.chunk
-            if client.welcome_shard is not None and codec is None else 0,
+            if client.welcome_shard is not None and client.compression is None else 0,
             metrics=metrics, tls=ctx)
         try:
+            controlled.book.options = client.options
             await controlled.start()
-            if codec is not None and controlled.aggregators_offered():
+            if client.compression is not None and controlled.aggregators_offered():
                 raise ConfigError(f"the controller at {controller} routes updates through "
                                   f"aggregators, which do not take compressed updates yet: "
                                   f"connect without compression, or start the controller "
@@ -263,6 +265,10 @@ class AsyncClient:
         # the bytes an update then takes on the wire (what the controller plans).
         self._compression: ErrorFeedback | None = None
         self.wire_bytes = self.block_layout[1]
+        # compression="adaptive": the forms offered to the controller, (codec,
+        # bytes), and their codecs by name (its go names one).
+        self.options: tuple[tuple[str, int], ...] = ()
+        self._offer: dict[str, Codec] = {}
         self._watcher: asyncio.Task[None] | None = None
         self._reporter: TransferReporter | None = None  # with an agent
         self._peer_host = ""
@@ -359,16 +365,25 @@ class AsyncClient:
         base = check_base_version(base_version)
         return self.submit(self.prepare(update), base)
 
-    def compress_with(self, codec: Codec) -> None:
+    def compress_with(self, codec: Codec | None, offer: tuple[Codec, ...] | None = None
+                      ) -> None:
         """Send every update from now on compressed by `codec`, with error
         feedback: what a push does not send (or a dropped update) goes with
-        the next ones. A shard's server keeps flat pieces of the model's
-        tensors: each piece is compressed as a tensor of its own (low rank
-        then sends them whole: they are 1-D)."""
+        the next ones. Or, with `offer` (compression="adaptive"), offer the
+        controller those forms and send each update as its go says (whole,
+        the residual with it, when it names none). A shard's server keeps
+        flat pieces of the model's tensors: each piece is compressed as a
+        tensor of its own (low rank then sends them whole: they are 1-D)."""
         wrong = [s.name for s in self.specs if s.dtype != np.float32]
         if wrong:
             raise ConfigError(f"compression works on float32 models; tensor {wrong[0]!r} of "
                               f"the server's model is not")
+        if offer:
+            self._offer = {c.spec: c for c in offer}
+            self.options = tuple((c.spec, sum(c.encoded_bytes(s.shape) for s in self.specs))
+                                 for c in offer)
+            codec = parse_compression("none")
+        assert codec is not None
         self._compression = ErrorFeedback(codec)
         self.wire_bytes = sum(codec.encoded_bytes(s.shape) for s in self.specs)
 
@@ -577,13 +592,19 @@ class AsyncClient:
         rest (it is None if the whole frame went, or waits to go whole
         behind another frame sent in parts)."""
         fut = AsyncPushFuture(loop=asyncio.get_running_loop())
+        chosen = fields.pop("codec", None)  # the controller's choice (compression="adaptive")
         tensors: Mapping[str, np.ndarray]
         if isinstance(arrays, CompressedParts):  # encoded before: the same bits again
             tensors = arrays
             fields["codecs"] = arrays.codecs
         elif self._compression is not None and seq is None and "group" not in fields:
             # Encoded now, as it leaves: the residuals hold what no push sent yet.
-            encoded = self._compression.encode(arrays)
+            codec = self._offer.get(chosen) if chosen is not None else None
+            if chosen is not None and codec is None:
+                log.warning("the controller named compression %r, which this worker did not "
+                            "offer (%s): sending the update whole", chosen,
+                            ", ".join(self._offer) or "none")
+            encoded = self._compression.encode(arrays, codec)
             tensors = fut.sent_as = CompressedParts(
                 {f"{n}{PART_SEP}{p}": a for n, e in encoded.items() for p, a in e.arrays.items()},
                 tuple((n, e.codec) for n, e in encoded.items()))

@@ -284,8 +284,9 @@ class AsyncControlledPushes:
             asyncio.get_running_loop().create_task(self._send_member(u))
             return
         try:
+            codec: dict[str, Any] = {} if u.codec is None else {"codec": u.codec}
             server_future, u.part = self.client.send_push_part(u.arrays, u.base_version,
-                                                               u.upto, uid=u.uid)
+                                                               u.upto, uid=u.uid, **codec)
         except MlfabricError as exc:
             if not u.future.done():
                 u.future.set_exception(exc)

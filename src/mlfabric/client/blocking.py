@@ -117,7 +117,11 @@ def connect(
     feedback: what a push leaves out stays in a residual per tensor and goes
     with the next pushes, and an update the controller drops is folded into
     it too (its outcome says `folded`), so nothing is lost. The controller
-    plans each transfer at its compressed size. With sharded servers each
+    plans each transfer at its compressed size. With "adaptive" (or
+    "adaptive:A,B,..."), the worker offers the controller those compressed
+    forms (by default fp16, topk:0.1, topk:0.01) and sends each update as
+    its go says: whole unless the plan would drop it, else with the least
+    compression that lets it go (`mlfabric controller --compression`). With sharded servers each
     shard's part is compressed on its own; a replica gets the same
     compressed parts as its server. Not yet with aggregators (ConfigError
     at connect).

@@ -67,6 +67,7 @@ class ControlledUpdate:
     # (a `link.PartFrame`).
     upto: int | None = None
     part: Any = None
+    codec: str | None = None  # the compressed form its go named (None: the client's own)
 
     @property
     def in_parts(self) -> bool:
@@ -107,6 +108,9 @@ class ControlBook:
         self._warned = False
         self.shard = shard
         self.chunk = chunk
+        # The compressed forms this worker offers the controller, (codec,
+        # bytes), from the least compressed (compression="adaptive").
+        self.options: tuple[tuple[str, int], ...] = ()
         self._uid_prefix = secrets.token_hex(8)
         self._uids = itertools.count(1)
         self._failed_aggregators: set[str] = set()  # warned about once each
@@ -128,7 +132,7 @@ class ControlBook:
         self._asked[u.creq] = u
         return TransferRequest(req=u.creq, host=self.host, dst=self.dst, nbytes=u.nbytes,
                                base_version=u.base_version, norm=u.norm, shard=self.shard,
-                               chunk=self.chunk)
+                               chunk=self.chunk, options=self.options or None)
 
     def place(self, u: ControlledUpdate) -> tuple[TransferRequest | None, list[ControlledUpdate]]:
         """A new update: the request to send the controller, or (without one)
@@ -178,6 +182,7 @@ class ControlBook:
             return u, None
         if d.action == "go":
             u.upto = d.upto
+            u.codec = d.codec
             if d.via is not None:
                 u.via = d.via
                 u.member = {"group": d.group, "fan_in": d.fan_in, "index": d.index}

@@ -3,7 +3,8 @@ worker's residuals, without I/O. `parse("topk:0.01")` gives a codec;
 `ErrorFeedback(codec).encode(update)` the tensors to send; `check` and
 `decode` are the receiver's side."""
 
-from .codecs import NAMES, Codec, Encoded, check, decode, parse
+from .codecs import NAMES, Codec, Encoded, check, decode, parse, parse_offer
 from .feedback import ErrorFeedback
 
-__all__ = ["NAMES", "Codec", "Encoded", "ErrorFeedback", "check", "decode", "parse"]
+__all__ = ["NAMES", "Codec", "Encoded", "ErrorFeedback", "check", "decode", "parse",
+           "parse_offer"]

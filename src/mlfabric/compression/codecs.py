@@ -88,6 +88,24 @@ class Codec(Protocol):
         """The bytes `encode` puts on the wire for a tensor of `shape`."""
 
 
+# What a worker with compression="adaptive" offers the controller, from the
+# least compressed: half the bytes, a tenth of the elements, a hundredth.
+ADAPTIVE_DEFAULT = ("fp16", "topk:0.1", "topk:0.01")
+
+
+def parse_offer(spec: str) -> tuple[Codec, ...] | None:
+    """The codecs `compression="adaptive[:A,B,...]"` offers the controller,
+    from the least compressed (None: `spec` is one fixed codec)."""
+    name, _, arg = spec.strip().partition(":")
+    if name != "adaptive":
+        return None
+    codecs = tuple(parse(s) for s in (arg.split(",") if arg else ADAPTIVE_DEFAULT))
+    if any(c.name == "none" for c in codecs) or len({c.spec for c in codecs}) != len(codecs):
+        raise ConfigError(f"compression {spec!r}: list each compressed form once, without "
+                          f"none (the update whole is always an option)")
+    return codecs
+
+
 def parse(spec: str) -> Codec:
     """A codec from its name: none, fp16, bf16, topk:F, randk:F, lowrank:R."""
     name, _, arg = spec.strip().partition(":")
@@ -110,7 +128,7 @@ def parse(spec: str) -> Codec:
                               f"e.g. lowrank:4")
         return LowRank(int(arg))
     raise ConfigError(f"unknown compression {spec!r}: use one of none, fp16, bf16, topk:F, "
-                      f"randk:F, lowrank:R")
+                      f"randk:F, lowrank:R, or adaptive (the controller chooses)")
 
 
 def _flat(a: np.ndarray, what: str) -> np.ndarray:

@@ -38,13 +38,17 @@ class ErrorFeedback:
             r = self.residual[name] = np.zeros(x.shape, np.float32)
         return r
 
-    def encode(self, update: Mapping[str, np.ndarray]) -> dict[str, Encoded]:
-        """Each tensor of `update` plus its residual, compressed; the residuals
-        keep what was not sent. The update's arrays are not modified."""
+    def encode(self, update: Mapping[str, np.ndarray], codec: Codec | None = None
+               ) -> dict[str, Encoded]:
+        """Each tensor of `update` plus its residual, compressed (by `codec`
+        for this push: the controller's choice; else this one's own); the
+        residuals keep what was not sent. The update's arrays are not
+        modified."""
+        codec = codec or self.codec
         out = {}
         for name, x in update.items():
             r = self._residual(name, x)
-            out[name] = self.codec.encode(np.ascontiguousarray(x), r, key=name)
+            out[name] = codec.encode(np.ascontiguousarray(x), r, key=name)
         return out
 
     def fold(self, update: Mapping[str, np.ndarray]) -> None:

@@ -58,6 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "server would wait for it longer than X times the transfers it "
                         "displaces (default: 1, the design brief's rule; larger drops "
                         "less; off: never for that reason; docs/scheduling.md)")
+    p.add_argument("--compression", default="adaptive", metavar="off|adaptive|fixed:CODEC",
+                   help="mlfabric policy, for workers that offer compressed forms of their "
+                        "updates (compression=\"adaptive\"): adaptive sends each whole "
+                        "unless the plan would drop it, then with the least compression "
+                        "that lets it go; fixed:CODEC (e.g. fixed:fp16) always that one; off "
+                        "always whole (default: adaptive; docs/scheduling.md)")
     p.add_argument("--link", action="append", default=[], metavar="HOST=UP[/DOWN]",
                    help="a host's uplink and downlink capacity in Mbit/s (repeat per host)")
     p.add_argument("--default-link-mbit", type=float, default=1000.0, metavar="M",
@@ -225,14 +231,31 @@ def parse_idle_factor(text: str) -> float | None:
 
 
 def make_policy(name: str, overload: str = "stalest",
-                idle_factor: float | None = 1.0) -> Policy:
+                idle_factor: float | None = 1.0, compression: str = "adaptive") -> Policy:
     if name == "fifo":
         return fifo_policy
     try:
         from ..scheduling.policies import Mlfabric
     except ImportError as exc:  # pragma: no cover - the module ships with the package
         raise ConfigError(f"policy 'mlfabric' is unavailable: {exc}") from None
-    return Mlfabric(overload=overload, idle_factor=idle_factor)
+    return Mlfabric(overload=overload, idle_factor=idle_factor, compression=compression)
+
+
+def parse_compression_mode(text: str) -> str:
+    """--compression: off, adaptive or fixed:CODEC, with a codec that exists."""
+    from ..compression import parse
+    from ..scheduling.policies import check_compression
+
+    try:
+        mode = check_compression(text.strip())
+    except ValueError as exc:
+        raise ConfigError(f"--compression: {exc}") from None
+    if mode.startswith("fixed:"):
+        try:
+            parse(mode.partition(":")[2])
+        except ConfigError as exc:
+            raise ConfigError(f"--compression {text}: {exc}") from None
+    return mode
 
 
 def check_numbers(args: argparse.Namespace) -> None:
@@ -240,6 +263,7 @@ def check_numbers(args: argparse.Namespace) -> None:
     tunes is on (issue 33): a wrong value is an error, never silently unused."""
     check_positive("--agent-interval", args.agent_interval)
     parse_idle_factor(args.idle_factor)
+    parse_compression_mode(args.compression)
     check_count("--max-fan-in", args.max_fan_in, 2, MAX_FAN_IN)
     if not 0 <= args.group_wait < math.inf:
         raise ConfigError(f"--group-wait must be a finite number of seconds >= 0 (0: "
@@ -328,7 +352,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--agent-key-file {args.agent_key_file!r} is job "
                               f"{agent_key.job!r}'s key, not job {args.job!r}'s: make this "
                               f"job's with `mlfabric token agent-key --job {args.job}`")
-    policy = make_policy(args.policy, args.overload, parse_idle_factor(args.idle_factor))
+    policy = make_policy(args.policy, args.overload, parse_idle_factor(args.idle_factor),
+                         parse_compression_mode(args.compression))
     aggregators = {h: f"{a}:{p}" for h, (a, p) in
                    parse_agents(args.aggregator, "--aggregator").items()}
     if aggregators and args.policy != "mlfabric":

@@ -574,7 +574,7 @@ class Controller(Endpoint):
         self.metrics.requests.inc()
         self.state.request(conn, ev.req, host=ev.host, dst=ev.dst, nbytes=ev.nbytes,
                            base_version=ev.base_version, norm=ev.norm, now=self.clock(),
-                           shard=ev.shard, chunk=ev.chunk)
+                           shard=ev.shard, chunk=ev.chunk, options=ev.options or ())
         self.replan()
 
     def on_progress(self, conn: _ControllerProtocol, ev: TransferProgress) -> None:
@@ -690,11 +690,16 @@ class Controller(Endpoint):
                     planned_seconds=action.planned_seconds,
                     via=route.address if route else None, group=route.group if route else None,
                     fan_in=route.fan_in if route else None,
-                    index=route.index if route else None, upto=action.upto))
+                    index=route.index if route else None, upto=action.upto,
+                    codec=action.codec))
                 record = {"event": "go", "at": round(now, 6), "position": action.position,
                           "planned_seconds": round(action.planned_seconds, 6)}
                 if action.upto is not None:
                     record["upto"] = action.upto
+                if t.options:  # what it could have been sent as, and what was chosen
+                    record["codec"] = action.codec or "whole"
+                    m.compressed_transfers.labels(
+                        (action.codec or "none").partition(":")[0]).inc()
                 if route is not None:
                     m.aggregation_members.inc()
                     record.update(via=route.host, group=route.group, index=route.index)

@@ -57,6 +57,7 @@ class Go:
     route: Route | None = None
     upto: int | None = None
     first: bool = True
+    codec: str | None = None  # go compressed by this of its worker's options
 
 
 @dataclass(frozen=True)
@@ -248,13 +249,14 @@ class ControlState:
 
     def request(self, owner: Hashable, req: int, *, host: str, dst: str, nbytes: int,
                 base_version: int, norm: float, now: float, shard: int = 0,
-                chunk: int = 0) -> Transfer:
+                chunk: int = 0, options: tuple[tuple[str, int], ...] = ()) -> Transfer:
         """A worker asks to send an update. `chunk` > 0: it may be let go
         that many bytes at a time (at least `MIN_CHUNK`), so that shorter
-        transfers can pass it between chunks."""
+        transfers can pass it between chunks. `options`: the compressed forms
+        it can send instead, (codec, bytes) (the policy may choose one)."""
         chunk = max(chunk, MIN_CHUNK) if chunk > 0 and self.chunks else 0
         t = Transfer(self._next_id, owner, req, host, dst, nbytes, base_version, norm, now,
-                     shard=shard, chunk=chunk if nbytes > chunk else 0)
+                     shard=shard, chunk=chunk if nbytes > chunk else 0, options=options)
         self._next_id += 1
         stats = self.workers.setdefault(owner, WorkerStats(str(owner)))
         stats.requests += 1
@@ -715,7 +717,8 @@ class ControlState:
                     # (None) once that one is reported done. Its end is the
                     # earliest the path allows, not the plan's: a worker sends
                     # as fast as TCP lets it, not at its reserved rate.
-                    fastest = t.rest / self.network.rate(t.host, t.dst)
+                    fastest = (t.option_bytes(item.codec) if item.codec else t.rest
+                               ) / self.network.rate(t.host, t.dst)
                     at = observed.release_at(critical[t.shard], now=now,
                                              planned_seconds=fastest)
                     if at is None or at > now:
@@ -746,13 +749,17 @@ class ControlState:
             # The plan was for all that is left; this grant is a part of it.
             planned *= (upto - t.granted) / max(t.rest, 1)
             t.piece, t.granted = upto - t.granted, upto
+        if item.codec is not None and not t.chunk:
+            # Compressed: it holds its links for the bytes it will send.
+            t.codec, t.nbytes = item.codec, t.option_bytes(item.codec)
         t.started, t.position = now, item.position
         t.planned_seconds = planned
         t.path_rate = self.network.rate(t.host, t.dst)
         t.route = item.route
         self.active[t.id] = t
         self._hold(t)
-        return Go(t, item.position or 0, planned, item.route, upto=upto, first=first)
+        return Go(t, item.position or 0, planned, item.route, upto=upto, first=first,
+                  codec=t.codec)
 
     def status(self, now: float | None = None) -> dict[str, object]:
         """The job at a glance (what `mlfabric status` prints), JSON-ready.

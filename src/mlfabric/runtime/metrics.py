@@ -299,6 +299,12 @@ class ControllerMetrics:
                                   ["action"], namespace=ns, registry=r)
         for action in ("go", "drop"):
             self.directives.labels(action)
+        self.compressed_transfers = Counter(
+            "controller_compressed_transfers",
+            "Transfers let go whose workers offered compressed forms, by the codec chosen "
+            "(none: whole; issue 35)", ["codec"], namespace=ns, registry=r)
+        for codec in COMPRESSION_CODECS:
+            self.compressed_transfers.labels(codec)
         self.drops = Counter("controller_drops", "Updates dropped, by reason", ["reason"],
                              namespace=ns, registry=r)
         for reason in DROP_REASONS:

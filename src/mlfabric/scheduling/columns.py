@@ -40,6 +40,8 @@ class PendingColumns:
         self.src = np.empty(_FIRST_ROOM, np.intp)
         self.dst = np.empty(_FIRST_ROOM, np.intp)
         self.hosts = HostTable()
+        # The compressed forms offered, by transfer id (only those that offer any).
+        self.offers: dict[int, tuple[tuple[str, int], ...]] = {}
 
     _COLUMNS = ("ids", "size", "base_version", "arrival", "shard", "src", "dst")
 
@@ -65,10 +67,13 @@ class PendingColumns:
         self.src[k], self.dst[k] = self.hosts.index(t.host), self.hosts.index(t.dst)
         self._row[t.id] = k
         self.n += 1
+        if t.options and not t.chunk:
+            self.offers[t.id] = t.options
 
     def remove(self, transfer_id: int) -> None:
         """The transfer is no longer pending (let go, dropped or withdrawn)."""
         k = self._row.pop(transfer_id)
+        self.offers.pop(transfer_id, None)
         last = self.n - 1
         if k != last:
             for name in self._COLUMNS:

@@ -160,6 +160,17 @@ class Transfer:
     # The path's rate the controller believed when it let this go (the rate
     # its planned_seconds assumed the path to have: `observed`).
     path_rate: float | None = None
+    # Compressed forms its worker can send (issue 35): (codec, bytes), from
+    # the least compressed; `codec` is the one its go named (None: whole).
+    options: tuple[tuple[str, int], ...] = ()
+    codec: str | None = None
+
+    def option_bytes(self, codec: str | None) -> int:
+        """The bytes the transfer takes compressed by `codec` (None: whole)."""
+        for name, nbytes in self.options:
+            if name == codec:
+                return nbytes
+        return self.nbytes
 
     @property
     def rest(self) -> int:
@@ -210,6 +221,7 @@ class PlanItem(NamedTuple):
     drop: str | None = None
     detail: str = ""
     route: Route | None = None  # go through an aggregator
+    codec: str | None = None  # go compressed by this of the transfer's options
 
 
 class ColumnPlan(Sequence[PlanItem]):
@@ -223,18 +235,22 @@ class ColumnPlan(Sequence[PlanItem]):
 
     def __init__(self, ids: Sequence[int] | np.ndarray, start: Sequence[float] | np.ndarray,
                  end: Sequence[float] | np.ndarray, position: Sequence[int] | np.ndarray,
-                 drops: Sequence[PlanItem]) -> None:
-        """Send k: transfer ids[k] from start[k] to end[k] at `position[k]`."""
+                 drops: Sequence[PlanItem], codecs: Mapping[int, str] | None = None) -> None:
+        """Send k: transfer ids[k] from start[k] to end[k] at `position[k]`,
+        compressed by codecs[ids[k]] if there is one."""
         self._ids = np.asarray(ids, np.int64)
         self._start = np.asarray(start, np.float64)
         self._end = np.asarray(end, np.float64)
         self._position = np.asarray(position, np.int64)
         self._drops = drops
+        self._codecs = codecs or {}
 
     def _send(self, k: int) -> PlanItem:
         start = float(self._start[k])
-        return PlanItem(int(self._ids[k]), start=start, position=int(self._position[k]),
-                        planned_seconds=float(self._end[k]) - start)
+        tid = int(self._ids[k])
+        return PlanItem(tid, start=start, position=int(self._position[k]),
+                        planned_seconds=float(self._end[k]) - start,
+                        codec=self._codecs.get(tid))
 
     def __len__(self) -> int:
         return len(self._ids) + len(self._drops)

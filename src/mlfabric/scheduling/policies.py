@@ -12,7 +12,7 @@ unless it is short beside the hand-over that wait costs (`trusted`).
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -48,8 +48,60 @@ def _capacities(net: Network) -> schedule.Capacities:
 _EARLIEST_DEADLINE_FIRST = operator.attrgetter("base_version", "arrival", "id")
 
 
+COMPRESSION_MODES = ("off", "adaptive", "fixed:CODEC")
+
+
+def check_compression(mode: str) -> str:
+    """`mode` if it is one of COMPRESSION_MODES, else ValueError saying so."""
+    if mode in ("off", "adaptive") or (mode.startswith("fixed:") and len(mode) > 6):
+        return mode
+    raise ValueError(f"compression mode must be off, adaptive or fixed:CODEC (e.g. "
+                     f"fixed:fp16), got {mode!r}")
+
+
+def choose_compression(plan: Callable[[np.ndarray], schedule.RowPlan], size: np.ndarray,
+                       offers: Sequence[tuple[tuple[str, int], ...]], mode: str
+                       ) -> tuple[schedule.RowPlan, dict[int, str]]:
+    """The plan of rows of `size` bytes, some sent compressed (issue 35), and
+    the codec chosen for each row that is (row -> codec).
+
+    `offers[k]`: row k's compressed forms, (codec, bytes) from the least
+    compressed. "off": every row whole. "fixed:NAME": every row that offers
+    NAME sends it. "adaptive": each row whole, unless the plan drops it (its
+    deadline cannot be met, it would idle the server, or the queue is past
+    what the link can deliver in time): then its next form, and the rows
+    are planned again, until no dropped row has a smaller form left. A row
+    thus goes with the least compression that lets it go; shrinking a row
+    only frees link time for the others. At most one pass per form."""
+    chosen: dict[int, str] = {}
+    if mode == "off" or not any(offers):
+        return plan(size), chosen
+    size = size.copy()
+    if mode.startswith("fixed:"):
+        name = mode.partition(":")[2]
+        for k, offer in enumerate(offers):
+            for codec, nbytes in offer:
+                if codec == name:
+                    size[k], chosen[k] = nbytes, codec
+        return plan(size), chosen
+    level = [0] * len(offers)
+    result = plan(size)
+    for _ in range(max(len(o) for o in offers)):
+        shrunk = False
+        for k in result.drop_row:
+            if level[k] < len(offers[k]):
+                codec, nbytes = offers[k][level[k]]
+                level[k] += 1
+                size[k], chosen[k] = nbytes, codec
+                shrunk = True
+        if not shrunk:
+            break
+        result = plan(size)
+    return result, chosen
+
+
 def mlfabric_policy(snap: Snapshot, *, idle_factor: float | None = 1.0,
-                    overload: str = "stalest") -> ColumnPlan:
+                    overload: str = "stalest", compression: str = "adaptive") -> ColumnPlan:
     """Shortest-transfer-first with deadlines and drops (docs/scheduling.md),
     planned from the snapshot alone."""
     running = _running(snap.active, snap.now, snap.network, snap.handover)
@@ -60,16 +112,20 @@ def mlfabric_policy(snap: Snapshot, *, idle_factor: float | None = 1.0,
     # raised its standard deviation by 10-15%: benchmarks/RESULTS.md.)
     ranked = sorted(snap.pending, key=_EARLIEST_DEADLINE_FIRST)
     n = len(ranked)
-    rows = schedule.Rows([t.host for t in ranked], [t.dst for t in ranked],
-                         np.fromiter((t.nbytes for t in ranked), np.float64, n),
-                         np.fromiter((t.base_version for t in ranked), np.int64, n))
-    result = schedule.plan_rows(
-        snap.now, rows, running, _network(snap),
-        schedule.ServerState(snap.version, in_flight=snap.server_in_flight),
-        _config(snap.tau_max, idle_factor, overload),
-    )
-    return _column_plan(result, np.fromiter((t.id for t in ranked), np.int64, n),
-                        rows.base_version)
+    hosts, dsts = [t.host for t in ranked], [t.dst for t in ranked]
+    base_version = np.fromiter((t.base_version for t in ranked), np.int64, n)
+
+    def plan(size: np.ndarray) -> schedule.RowPlan:
+        return schedule.plan_rows(
+            snap.now, schedule.Rows(hosts, dsts, size, base_version), running, _network(snap),
+            schedule.ServerState(snap.version, in_flight=snap.server_in_flight),
+            _config(snap.tau_max, idle_factor, overload))
+
+    result, chosen = choose_compression(
+        plan, np.fromiter((t.nbytes for t in ranked), np.float64, n),
+        [() if t.chunk else t.options for t in ranked], compression)
+    ids = np.fromiter((t.id for t in ranked), np.int64, n)
+    return _column_plan(result, ids, base_version, chosen)
 
 
 def _config(tau_max: int | None, idle_factor: float | None, overload: str) -> schedule.PlanConfig:
@@ -132,9 +188,10 @@ def _running(active: Sequence[Transfer], now: float, network: Network, handover:
     return running
 
 
-def _column_plan(result: schedule.RowPlan, ids: np.ndarray, base_version: np.ndarray
-                 ) -> ColumnPlan:
-    """The policy's plan from the core's: row k is transfer ids[k]."""
+def _column_plan(result: schedule.RowPlan, ids: np.ndarray, base_version: np.ndarray,
+                 chosen: Mapping[int, str] | None = None) -> ColumnPlan:
+    """The policy's plan from the core's: row k is transfer ids[k], sent
+    compressed by chosen[k] if there is one."""
     drops = []
     for k, reason, position, idle, displaced in zip(result.drop_row, result.reason,
                                                      result.drop_position, result.idle,
@@ -148,8 +205,9 @@ def _column_plan(result: schedule.RowPlan, ids: np.ndarray, base_version: np.nda
                        f"{displaced:.3f} s")
         drops.append(PlanItem(int(ids[k]), drop=reason, detail=detail))
     # Most sends start later: their items are built only if someone reads them.
+    codecs = {int(ids[k]): codec for k, codec in chosen.items()} if chosen else None
     return ColumnPlan(ids[np.asarray(result.send_row, np.intp)], result.start, result.end,
-                      result.position, drops)
+                      result.position, drops, codecs)
 
 
 @dataclass(frozen=True)
@@ -164,9 +222,14 @@ class Mlfabric:
 
     idle_factor: float | None = 1.0
     overload: str = "stalest"
+    # Transfers whose workers offer compressed forms (issue 35): see
+    # choose_compression. Adaptive by default: a transfer goes compressed only
+    # when it would not go whole, so a link with room costs no worker CPU.
+    compression: str = "adaptive"
 
     def __call__(self, snap: Snapshot) -> ColumnPlan:
-        return mlfabric_policy(snap, idle_factor=self.idle_factor, overload=self.overload)
+        return mlfabric_policy(snap, idle_factor=self.idle_factor, overload=self.overload,
+                               compression=self.compression)
 
     def plan_columns(self, pending: PendingColumns, rows: np.ndarray, *, now: float,
                      version: int, in_flight: int, tau_max: int | None,
@@ -216,10 +279,19 @@ class Mlfabric:
                 a, b = cast(tuple[str, str], key)
                 code = hosts.index(a) * n_hosts + hosts.index(b)
                 reserved[2 * n_hosts + int(np.searchsorted(codes, code))] = segments
-        indexed = schedule.IndexedRows(pending.size[ranked], pending.base_version[ranked],
-                                       src, n_hosts + dst, pair, cap)
-        result = schedule.plan_indexed(
-            indexed, schedule.LinkSegments.of(now, link_capacity, reserved),
-            ready=schedule.ready_at(now, running), v_init=version + in_flight,
-            config=_config(tau_max, self.idle_factor, self.overload))
-        return _column_plan(result, pending.ids[ranked], indexed.base_version)
+        base_version = pending.base_version[ranked]
+        ready = schedule.ready_at(now, running)
+        config = _config(tau_max, self.idle_factor, self.overload)
+
+        def plan(size: np.ndarray) -> schedule.RowPlan:
+            indexed = schedule.IndexedRows(size, base_version, src, n_hosts + dst, pair, cap)
+            return schedule.plan_indexed(
+                indexed, schedule.LinkSegments.of(now, link_capacity, reserved),
+                ready=ready, v_init=version + in_flight, config=config)
+
+        ids = pending.ids[ranked]
+        offers = pending.offers
+        result, chosen = choose_compression(
+            plan, pending.size[ranked],
+            [offers.get(int(i), ()) for i in ids] if offers else [], self.compression)
+        return _column_plan(result, ids, base_version, chosen)

@@ -359,6 +359,10 @@ class TransferRequest:
     # block at a time (each grant a `Directive.upto`), so that a shorter
     # transfer can pass it between chunks. 0: all at once.
     chunk: int = 0
+    # Compressed forms the worker can send instead (issue 35): (codec, the
+    # bytes it would take), from the least compressed; the controller names
+    # one in its go (`Directive.codec`), or none for the update whole.
+    options: tuple[tuple[str, int], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -384,6 +388,8 @@ class Directive:
     fan_in: int | None = None
     index: int | None = None
     upto: int | None = None
+    # A go's compression: one of the request's options (None: whole).
+    codec: str | None = None
 
 
 @dataclass(frozen=True)
@@ -1154,7 +1160,23 @@ def _decode_transfer_request(meta: Mapping[str, Any], tensors: dict[str, np.ndar
                            dst=_str(meta, "dst", 256), nbytes=_int(meta, "nbytes"),
                            base_version=_int(meta, "base_version"),
                            norm=_float(meta, "norm"), shard=_shard_index(meta),
-                           chunk=_opt_int(meta, "chunk") or 0)
+                           chunk=_opt_int(meta, "chunk") or 0, options=_options(meta))
+
+
+MAX_OPTIONS: Final = 8  # compressed forms one transfer request may offer
+
+
+def _options(meta: Mapping[str, Any]) -> tuple[tuple[str, int], ...] | None:
+    raw = meta.get("options")
+    if raw is None:
+        return None
+    if (not isinstance(raw, list) or not 0 < len(raw) <= MAX_OPTIONS
+            or not all(isinstance(o, list) and len(o) == 2 and isinstance(o[0], str)
+                       and 0 < len(o[0]) <= 32 and type(o[1]) is int and 0 <= o[1] <= _MAX_U64
+                       for o in raw)):
+        raise ProtocolError(f"field 'options' must be 1 to {MAX_OPTIONS} [codec, bytes] "
+                            f"pairs, got {raw!r:.80}")
+    return tuple((codec, nbytes) for codec, nbytes in raw)
 
 
 def _shard_index(meta: Mapping[str, Any]) -> int:
@@ -1178,7 +1200,7 @@ def _decode_directive(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -
                      position=_opt_int(meta, "position"),
                      planned_seconds=_opt_float(meta, "planned_seconds"),
                      via=None if via is None else _str(meta, "via", 256),
-                     upto=_opt_int(meta, "upto"), **group)
+                     upto=_opt_int(meta, "upto"), codec=_opt_str(meta, "codec", 32), **group)
 
 
 def _decode_transfer_progress(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]
