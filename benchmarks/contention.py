@@ -151,7 +151,7 @@ def table(sc: Scenario, runs: dict[str, list[RunResult]]) -> str:
     pairs = [(m, other) for m in SYSTEMS if m.startswith("mlfabric") and runs.get(m)
              for other in ("fifo", "ddp") if runs.get(other)]
     pairs += [("mlfabric", other) for other in ("mlfabric-agg", "mlfabric-static",
-                                                "mlfabric-idle-off")
+                                                "mlfabric-idle-off", "mlfabric-adaptive")
               if runs.get("mlfabric") and runs.get(other)]
     for m, other in pairs:
         mt = med([ttt(r, sc.time_limit) for r in runs[m]])
@@ -173,7 +173,8 @@ def plot(path: str, results: dict[str, dict[str, list[RunResult]]]) -> None:
                "mlfabric-static": "tab:gray",
                "mlfabric-agg-static": "tab:brown", "mlfabric-colocated": "tab:cyan",
                "mlfabric-2shards": "tab:olive", "mlfabric-colocated-agg": "tab:pink",
-               "mlfabric-colocated-agg-wait": "black", "mlfabric-idle-off": "navy"}
+               "mlfabric-colocated-agg-wait": "black", "mlfabric-idle-off": "navy",
+               "mlfabric-adaptive": "gold"}
     for ax, (name, runs) in zip(axes[0], results.items(), strict=True):
         for system, rs in runs.items():
             for k, r in enumerate(rs):

@@ -287,7 +287,10 @@ def test_demo_without_root_says_what_it_needs(monkeypatch):
         contention.run_demo()
 
 
-SYSTEMS = ["fifo", "mlfabric", "mlfabric-agg", "mlfabric-agg-wait", "mlfabric-colocated-agg"] + (
+# mlfabric-agg differs from mlfabric-agg-wait by one controller flag, and
+# aggregation runs here in agg-wait and colocated-agg: left out to keep the
+# suite within its 15 minutes (one system costs about 12 s on 2 CPUs).
+SYSTEMS = ["fifo", "mlfabric", "mlfabric-agg-wait", "mlfabric-colocated-agg"] + (
     ["ddp"] if importlib.util.find_spec("torch") else [])
 
 

@@ -41,6 +41,10 @@ accuracy reaches the target or the time limit passes:
 * ``mlfabric-idle-off``: ``mlfabric`` whose controller never drops an update
   forced in at tau_max for idling the server (``--idle-factor off``): what
   the brief's idle rule gains or costs;
+* ``mlfabric-adaptive``: ``mlfabric`` whose workers offer compressed forms
+  of their updates (``compression="adaptive"``) and whose controller sends
+  each whole unless it would drop it, then with the least compression that
+  lets it go (issue 35);
 * ``ddp``: synchronous data parallelism, PyTorch DistributedDataParallel over
   gloo, one rank per worker host (needs ``mlfabric[torch]``).
 
@@ -85,7 +89,8 @@ SYSTEMS: tuple[str, ...] = ("fifo", "mlfabric", "mlfabric-agg", "mlfabric-agg-wa
                              "mlfabric-static", "mlfabric-agg-static",
                              "mlfabric-agg-wait-late-pull", "mlfabric-colocated",
                              "mlfabric-2shards", "mlfabric-colocated-agg",
-                             "mlfabric-colocated-agg-wait", "mlfabric-idle-off")
+                             "mlfabric-colocated-agg-wait", "mlfabric-idle-off",
+                             "mlfabric-adaptive")
 # Sharded systems: where their shards run (see `shard_hosts`).
 SHARDED = ("mlfabric-colocated", "mlfabric-2shards", "mlfabric-colocated-agg",
            "mlfabric-colocated-agg-wait")
@@ -504,7 +509,7 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
         job_port = [a for address in srv_addr.split(",")
                     for a in ("--job-port", address.rpartition(":")[2])]
         if base in ("mlfabric", "mlfabric-agg", "mlfabric-agg-wait", "mlfabric-agg-static",
-                    "mlfabric-idle-off", *SHARDED):
+                    "mlfabric-idle-off", "mlfabric-adaptive", *SHARDED):
             measured = base != "mlfabric-agg-static"  # the controller reads the agents
             # Each worker host's agent measures the paths to the server hosts, and
             # each server host's agent (a worker's too, when co-located) the paths
@@ -551,7 +556,8 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
                 "--index", str(i), "--workers", str(sc.workers), "--hidden", str(sc.hidden),
                 "--batch", str(sc.batch), "--eta", str(sc.eta), "--in-flight",
                 str(sc.in_flight), "--pull", pull, "--slowdown", str(sc.slowdown(i)),
-                "--seed", str(sc.seed)],
+                "--seed", str(sc.seed),
+                *(["--compression", "adaptive"] if base == "mlfabric-adaptive" else [])],
                 tmp))
         for i, p in enumerate(procs):
             wait_for_line(p, "ready", f"worker {i}", timeout=90.0)
@@ -771,7 +777,8 @@ def ps_worker(args: argparse.Namespace) -> int:
 
     with mlfabric.connect(args.server, job=JOB, token_file=args.token_file,
                           controller=args.controller, host=args.host, agent=args.agent,
-                          agent_key_file=args.agent_key_file) as ps:
+                          agent_key_file=args.agent_key_file,
+                          compression=args.compression) as ps:
         _, params = ps.pull()
         idx = np.arange(min(args.batch, len(x)))
         extra = (args.slowdown - 1) * _compute_seconds(
@@ -863,6 +870,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     w.add_argument("--host", default=None)
     w.add_argument("--agent", default=None, help="this host's agent, for transfer reports")
     w.add_argument("--agent-key-file", default=None, help="the job's agent key (with --agent)")
+    w.add_argument("--compression", default=None, help="as mlfabric.connect's (issue 35)")
     w.add_argument("--index", type=int, required=True)
     w.add_argument("--in-flight", type=int, default=2)
     w.add_argument("--pull", choices=["with-push", "after-outcome"], default="with-push",
