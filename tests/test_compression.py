@@ -9,9 +9,21 @@ import math
 import numpy as np
 import pytest
 
+import mlfabric
 from mlfabric.compression import ErrorFeedback, _kernels, check, decode, parse
 from mlfabric.compression.codecs import Encoded, LowRank, RandK, TopK, sent_count
 from mlfabric.errors import ConfigError, InvalidUpdate
+
+from support import (
+    JOB,
+    TOKEN,
+    RawClient,
+    Reference,
+    ServerThread,
+    assert_model_equal,
+    make_model,
+    random_update,
+)
 
 SPECS = ["none", "fp16", "bf16", "topk:0.1", "randk:0.1", "lowrank:2"]
 
@@ -308,8 +320,6 @@ def test_the_server_applies_a_compressed_push_as_its_decoded_update(spec):
     from mlfabric.server.store import ParameterStore
     from mlfabric.wire.protocol import PushResult
 
-    from support import JOB, RawClient, Reference, ServerThread, assert_model_equal, make_model
-
     model = make_model(sizes={"w": (40, 30), "b": (30,)})
     ref = Reference(model, 0.5)
     fb = ErrorFeedback(parse(spec))
@@ -351,8 +361,6 @@ def test_a_malformed_compressed_push_is_refused_and_the_model_untouched(
     from mlfabric.server.store import ParameterStore
     from mlfabric.wire.protocol import Error
 
-    from support import JOB, RawClient, ServerThread, assert_model_equal, make_model
-
     model = make_model(sizes={"w": (40, 30), "b": (30,)})
     codec = parse(spec)
     encoded = {n: codec.encode(np.ones_like(a), np.zeros_like(a), key=n)
@@ -372,8 +380,6 @@ def test_a_malformed_compressed_push_is_refused_and_the_model_untouched(
 def test_a_compressed_push_must_cover_the_model():
     from mlfabric.server.store import ParameterStore
     from mlfabric.wire.protocol import Error
-
-    from support import JOB, RawClient, ServerThread, make_model
 
     model = make_model(sizes={"w": (40, 30), "b": (30,)})
     codec = parse("fp16")
@@ -400,8 +406,6 @@ def _mirror_apply(model, gamma, codec_spec, steps, dropped=()):
     """The numpy reference of what a compressing worker makes the server
     hold: its own error feedback (the same codec), the decoded updates applied
     by the update rule, a dropped step folded into the residuals."""
-    from support import Reference, random_update
-
     ref = Reference(model, gamma)
     fb = ErrorFeedback(parse(codec_spec))
     for step in range(steps):
@@ -415,10 +419,7 @@ def _mirror_apply(model, gamma, codec_spec, steps, dropped=()):
 
 @pytest.mark.parametrize("spec", ["fp16", "topk:0.05", "lowrank:2"])
 def test_a_compressing_worker_makes_the_server_apply_what_it_sent(spec):
-    import mlfabric
     from mlfabric.server.store import ParameterStore
-
-    from support import JOB, TOKEN, ServerThread, assert_model_equal, make_model, random_update
 
     model = make_model(sizes={"w": (40, 30), "b": (30,)})
     with ServerThread(ParameterStore(model, momentum=0.5)) as st, \
@@ -439,12 +440,9 @@ def test_through_a_controller_a_dropped_update_goes_with_the_next_push(caplog):
     import json
     import logging
 
-    import mlfabric
     from mlfabric.controller.controller import Controller
     from mlfabric.scheduling.plan import PlanItem, Snapshot
     from mlfabric.server.store import ParameterStore
-
-    from support import JOB, TOKEN, ServerThread, assert_model_equal, make_model, random_update
 
     def drop_odd(snap: Snapshot) -> list[PlanItem]:
         return [PlanItem(t.id, start=snap.now) if t.req % 2 else
@@ -472,12 +470,9 @@ def test_through_a_controller_a_dropped_update_goes_with_the_next_push(caplog):
 
 
 def test_without_compression_a_dropped_update_is_not_folded():
-    import mlfabric
     from mlfabric.controller.controller import Controller
     from mlfabric.scheduling.plan import PlanItem, Snapshot
     from mlfabric.server.store import ParameterStore
-
-    from support import JOB, TOKEN, ServerThread, make_model
 
     def drop_all(snap: Snapshot) -> list[PlanItem]:
         return [PlanItem(t.id, drop="would_idle_server", detail="test") for t in snap.pending]
@@ -494,10 +489,6 @@ def test_without_compression_a_dropped_update_is_not_folded():
 
 def test_a_compression_setting_that_cannot_work_is_refused_at_connect():
     """Before anything is dialled: the setting is checked first."""
-    import mlfabric
-
-    from support import JOB, TOKEN
-
     with pytest.raises(ConfigError, match="unknown compression 'zip'"):
         mlfabric.connect("127.0.0.1:9", job=JOB, token=TOKEN, compression="zip")
 
@@ -509,10 +500,7 @@ def test_each_shard_applies_its_compressed_parts(spec):
     the numpy update rule on those decoded pieces."""
     from test_sharded import SIZES, addresses, shard_servers, store_state
 
-    import mlfabric
     from mlfabric.sharding.partition import partition
-
-    from support import JOB, TOKEN, Reference, assert_model_equal, make_model, random_update
 
     model = make_model(sizes=SIZES)
     part = partition([(n, a.dtype, a.shape) for n, a in model.items()], 2, 1 << 16)
@@ -540,9 +528,6 @@ def test_the_replica_applies_the_same_bits_and_takes_over_with_nothing_lost():
     encoded twice, none lost."""
     from test_failover import server_state, watched_job
 
-    import mlfabric
-
-    from support import JOB, TOKEN, assert_model_equal, make_model, random_update
 
     gamma = 0.5
     model = make_model(sizes={"w": (40, 30), "b": (30,)})
@@ -576,12 +561,9 @@ def _same(a, b) -> bool:
 
 
 def test_a_controller_with_aggregators_is_refused_with_compression():
-    import mlfabric
     from mlfabric.controller.controller import Controller
     from mlfabric.scheduling.policies import Mlfabric
     from mlfabric.server.store import ParameterStore
-
-    from support import JOB, TOKEN, ServerThread, make_model
 
     ctl = Controller(Mlfabric(), job=JOB, token=TOKEN, tau_max=None,
                      aggregators={"h1": "127.0.0.1:9"})
@@ -692,21 +674,10 @@ def test_a_worker_offering_forms_sends_what_the_controller_chose(mode, sent_as, 
     import json
     import logging
 
-    import mlfabric
     from mlfabric.compression.codecs import Dense
     from mlfabric.controller.controller import Controller
     from mlfabric.scheduling.policies import Mlfabric
     from mlfabric.server.store import ParameterStore
-
-    from support import (
-        JOB,
-        TOKEN,
-        Reference,
-        ServerThread,
-        assert_model_equal,
-        make_model,
-        random_update,
-    )
 
     caplog.set_level(logging.INFO, logger="mlfabric.decisions")
     model = make_model(sizes={"w": (40, 30), "b": (30,)})

@@ -140,52 +140,57 @@ cdef inline uint16_t _to_bf16(float f) noexcept nogil:
     return <uint16_t>(u >> 16)
 
 
+cdef void _ef_loop(const float* x, float* residual, uint16_t* out, Py_ssize_t start,
+                   Py_ssize_t n, bint half) noexcept nogil:
+    """The portable loop of both casts (`half`: fp16, else bf16): the branch
+    on `half` goes the same way every element, so it costs nothing."""
+    cdef Py_ssize_t i
+    cdef float acc, c, top = MLF_HALF_MAX if half else MLF_BF16_MAX
+    cdef uint16_t h
+    for i in range(start, n):
+        acc = x[i] + residual[i]
+        c = acc
+        if c > top:
+            c = top
+        elif c < -top:
+            c = -top
+        if half:
+            h = _to_half(c)
+            residual[i] = acc - _from_half(h)
+        else:
+            h = _to_bf16(c)
+            residual[i] = acc - _float(<uint32_t>h << 16)
+        out[i] = h
+
+
+def _check_lengths(str what, Py_ssize_t n, Py_ssize_t r, Py_ssize_t o):
+    if r != n or o != n:
+        raise ValueError(f"{what}: x, residual and out differ in length: {n}, {r}, {o}")
+
+
 def ef_half(const float[::1] x, float[::1] residual, uint16_t[::1] out):
     """acc = x + residual; out = float16 bits of acc (clamped to +-65504);
     residual = acc - float32(out). Returns nothing; `residual` and `out`
     are written in place."""
-    cdef Py_ssize_t n = x.shape[0], i
-    if residual.shape[0] != n or out.shape[0] != n:
-        raise ValueError(f"ef_half: x, residual and out differ in length: {n}, "
-                         f"{residual.shape[0]}, {out.shape[0]}")
-    cdef float acc, c
-    cdef uint16_t h
+    cdef Py_ssize_t n = x.shape[0]
+    _check_lengths("ef_half", n, residual.shape[0], out.shape[0])
+    if n == 0:
+        return
     cdef Py_ssize_t start = 0
-    if n and _F16C:
-        with nogil:
-            start = mlf_ef_half_f16c(&x[0], &residual[0], &out[0], n)
     with nogil:
-        for i in range(start, n):
-            acc = x[i] + residual[i]
-            c = acc
-            if c > MLF_HALF_MAX:
-                c = MLF_HALF_MAX
-            elif c < -MLF_HALF_MAX:
-                c = -MLF_HALF_MAX
-            h = _to_half(c)
-            out[i] = h
-            residual[i] = acc - _from_half(h)
+        if _F16C:
+            start = mlf_ef_half_f16c(&x[0], &residual[0], &out[0], n)
+        _ef_loop(&x[0], &residual[0], &out[0], start, n, True)
 
 
 def ef_bf16(const float[::1] x, float[::1] residual, uint16_t[::1] out):
     """As `ef_half`, to bfloat16 (clamped to its largest finite value)."""
-    cdef Py_ssize_t n = x.shape[0], i
-    if residual.shape[0] != n or out.shape[0] != n:
-        raise ValueError(f"ef_bf16: x, residual and out differ in length: {n}, "
-                         f"{residual.shape[0]}, {out.shape[0]}")
-    cdef float acc, c
-    cdef uint16_t h
+    cdef Py_ssize_t n = x.shape[0]
+    _check_lengths("ef_bf16", n, residual.shape[0], out.shape[0])
+    if n == 0:
+        return
     with nogil:
-        for i in range(n):
-            acc = x[i] + residual[i]
-            c = acc
-            if c > MLF_BF16_MAX:
-                c = MLF_BF16_MAX
-            elif c < -MLF_BF16_MAX:
-                c = -MLF_BF16_MAX
-            h = _to_bf16(c)
-            out[i] = h
-            residual[i] = acc - _float(<uint32_t>h << 16)
+        _ef_loop(&x[0], &residual[0], &out[0], 0, n, False)
 
 
 def half_to_float(const uint16_t[::1] h, float[::1] out):
