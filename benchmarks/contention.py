@@ -34,6 +34,7 @@ from pathlib import Path
 
 from mlfabric.errors import ConfigError
 from mlfabric.tools.contention import (
+    DDP_SYSTEMS,
     SHARDED,
     SYSTEMS,
     RunResult,
@@ -124,7 +125,7 @@ def table(sc: Scenario, runs: dict[str, list[RunResult]]) -> str:
         reached = sum(r.reached for r in rs)
         t = med([ttt(r, sc.time_limit) for r in rs])
         mark = "" if reached == len(rs) else " (>=)"
-        if system == "ddp":
+        if system in DDP_SYSTEMS:
             rest = f"{'-':>11s} {'-':>6s} {'-':>4s} {'-':>8s} {'-':>10s} {'-':>8s} {'-':>13s}"
         else:
             b = [r.server_bytes_in for r in rs if r.server_bytes_in is not None]
@@ -149,7 +150,7 @@ def table(sc: Scenario, runs: dict[str, list[RunResult]]) -> str:
     # Each mlfabric system against what a user would pick instead (the goals),
     # and plain mlfabric against its variants.
     pairs = [(m, other) for m in SYSTEMS if m.startswith("mlfabric") and runs.get(m)
-             for other in ("fifo", "ddp") if runs.get(other)]
+             for other in ("fifo", "ddp", "ddp-powersgd") if runs.get(other)]
     pairs += [("mlfabric", other) for other in ("mlfabric-agg", "mlfabric-static",
                                                 "mlfabric-idle-off", "mlfabric-adaptive")
               if runs.get("mlfabric") and runs.get(other)]
@@ -169,6 +170,7 @@ def plot(path: str, results: dict[str, dict[str, list[RunResult]]]) -> None:
 
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.2), squeeze=False)
     colours = {"fifo": "tab:red", "mlfabric": "tab:blue", "ddp": "tab:green",
+               "ddp-powersgd": "lime",
                "mlfabric-agg": "tab:purple", "mlfabric-agg-wait": "tab:orange",
                "mlfabric-static": "tab:gray",
                "mlfabric-agg-static": "tab:brown", "mlfabric-colocated": "tab:cyan",
@@ -305,7 +307,7 @@ def main() -> int:
                         print(file=sys.stderr)
                     runs[system].append(res)
                     t = f"{res.time_to_target:.1f} s" if res.reached else "not reached"
-                    extra = ("" if system == "ddp" else
+                    extra = ("" if system in DDP_SYSTEMS else
                              f"  delay mean {res.delay_mean:.2f} std {res.delay_std:.2f} max "
                              f"{res.delay_max}  applied {res.applied} dropped {res.dropped}  "
                              f"server MB in {(res.server_bytes_in or 0) / 1e6:.1f}"

@@ -46,7 +46,10 @@ accuracy reaches the target or the time limit passes:
   each whole unless it would drop it, then with the least compression that
   lets it go (issue 35);
 * ``ddp``: synchronous data parallelism, PyTorch DistributedDataParallel over
-  gloo, one rank per worker host (needs ``mlfabric[torch]``).
+  gloo, one rank per worker host (needs ``mlfabric[torch]``);
+* ``ddp-powersgd``: ``ddp`` with PyTorch's PowerSGD communication hook
+  (rank 4, error feedback and warm start, compressing from the second step):
+  the peer with compression a user would pick (issue 35).
 
 `run_system` runs one system once and returns a `RunResult`; the benchmark
 (`benchmarks/contention.py`) and `mlfabric demo --contention` call it. Time 0
@@ -90,7 +93,9 @@ SYSTEMS: tuple[str, ...] = ("fifo", "mlfabric", "mlfabric-agg", "mlfabric-agg-wa
                              "mlfabric-agg-wait-late-pull", "mlfabric-colocated",
                              "mlfabric-2shards", "mlfabric-colocated-agg",
                              "mlfabric-colocated-agg-wait", "mlfabric-idle-off",
-                             "mlfabric-adaptive")
+                             "mlfabric-adaptive", "ddp-powersgd")
+DDP_SYSTEMS = ("ddp", "ddp-powersgd")
+POWERSGD_RANK = 4
 # Sharded systems: where their shards run (see `shard_hosts`).
 SHARDED = ("mlfabric-colocated", "mlfabric-2shards", "mlfabric-colocated-agg",
            "mlfabric-colocated-agg-wait")
@@ -449,8 +454,8 @@ def run_system(tb: Any, sc: Scenario, system: str, *, progress: Callable[[str], 
         raise ConfigError(f"system must be one of {SYSTEMS}, got {system!r}")
     with tempfile.TemporaryDirectory(prefix="mlfabric-contention-") as d:
         tmp = Path(d)
-        if system == "ddp":
-            return _run_ddp(tb, sc, tmp, progress)
+        if system in DDP_SYSTEMS:
+            return _run_ddp(tb, sc, tmp, progress, system)
         try:
             return _run_ps(tb, sc, system, tmp, progress)
         finally:
@@ -680,8 +685,8 @@ def _server_bytes_in(h0: Any) -> float | None:
     return None
 
 
-def _run_ddp(tb: Any, sc: Scenario, tmp: Path, progress: Callable[[str], None] | None
-             ) -> RunResult:
+def _run_ddp(tb: Any, sc: Scenario, tmp: Path, progress: Callable[[str], None] | None,
+             system: str = "ddp") -> RunResult:
     _, init = _write_common(tmp, sc)
     workers = [tb.host(f"h{i + 1}") for i in range(sc.workers)]
     master = workers[0]
@@ -695,7 +700,8 @@ def _run_ddp(tb: Any, sc: Scenario, tmp: Path, progress: Callable[[str], None] |
                 "--ifname", w.ifname, "--init", str(init), "--hidden", str(sc.hidden),
                 "--batch", str(sc.batch), "--lr", str(sc.ddp_lr), "--momentum",
                 str(sc.ddp_momentum), "--slowdown", str(sc.slowdown(i)), "--seed",
-                str(sc.seed), "--target", str(sc.target), "--time-limit", str(sc.time_limit)],
+                str(sc.seed), "--target", str(sc.target), "--time-limit", str(sc.time_limit),
+                *(["--powersgd", str(POWERSGD_RANK)] if system == "ddp-powersgd" else [])],
                 tmp))
         for i, p in enumerate(procs):
             wait_for_line(p, "ready", f"ddp rank {i}", timeout=180)
@@ -708,8 +714,8 @@ def _run_ddp(tb: Any, sc: Scenario, tmp: Path, progress: Callable[[str], None] |
                 _, t, acc = line.split()
                 curve.append((float(t), float(acc)))
                 if progress is not None:
-                    progress(f"ddp      {float(t):6.1f} s  held-out accuracy {float(acc):.3f} "
-                             f"(target {sc.target})")
+                    progress(f"{system:8s} {float(t):6.1f} s  held-out accuracy "
+                             f"{float(acc):.3f} (target {sc.target})")
             elif line.startswith("end "):
                 wall = float(line.split()[1])
                 break
@@ -727,7 +733,7 @@ def _run_ddp(tb: Any, sc: Scenario, tmp: Path, progress: Callable[[str], None] |
         _stop_traffic(sched)
         _stop(procs)
     reach = first_reach(curve, sc.target)
-    return RunResult(system="ddp", scenario=sc.name, reached=reach is not None,
+    return RunResult(system=system, scenario=sc.name, reached=reach is not None,
                      time_to_target=reach, wall=wall, curve=curve)
 
 
@@ -819,6 +825,16 @@ def ddp_rank(args: argparse.Namespace) -> int:
         second.bias.copy_(torch.from_numpy(init["b2"]))
     model = torch.nn.Sequential(first, torch.nn.Tanh(), second)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if args.powersgd:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        # From the second step (PowerSGD's error feedback and warm start need
+        # one plain step first; its default waits 1,000), as its paper tunes it.
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=args.powersgd,
+            start_powerSGD_iter=2, use_error_feedback=True, warm_start=True,
+            random_seed=args.seed)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
     loss_fn = torch.nn.CrossEntropyLoss()
     rng = np.random.default_rng(args.seed * 100 + args.rank)
@@ -878,6 +894,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "after-outcome: pull once the push is answered")
     w.add_argument("--eta", type=float, required=True)
     r = sub.add_parser("ddp-rank")
+    r.add_argument("--powersgd", type=int, default=0, metavar="RANK",
+                   help="register PyTorch's PowerSGD hook of this rank (0: plain DDP)")
     r.add_argument("--rank", type=int, required=True)
     r.add_argument("--master", required=True)
     r.add_argument("--ifname", required=True)
@@ -953,7 +971,7 @@ def format_results(sc: Scenario, results: Sequence[RunResult]) -> str:
     for r in results:
         t = f"{r.time_to_target:.1f} s" if r.time_to_target is not None else (
             f"> {sc.time_limit:.0f} s")
-        if r.system == "ddp":
+        if r.system in DDP_SYSTEMS:
             lines.append(f"  {r.system:{w}s} {t:>16s}")
             continue
         mb = f"{r.server_bytes_in / 1e6:.0f}" if r.server_bytes_in is not None else "?"
