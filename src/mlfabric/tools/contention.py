@@ -45,6 +45,8 @@ accuracy reaches the target or the time limit passes:
   of their updates (``compression="adaptive"``) and whose controller sends
   each whole unless it would drop it, then with the least compression that
   lets it go (issue 35);
+* ``mlfabric-colocated-adaptive``: ``mlfabric-colocated`` whose workers
+  offer compressed forms as ``mlfabric-adaptive``'s do;
 * ``ddp``: synchronous data parallelism, PyTorch DistributedDataParallel over
   gloo, one rank per worker host (needs ``mlfabric[torch]``);
 * ``ddp-powersgd``: ``ddp`` with PyTorch's PowerSGD communication hook
@@ -93,12 +95,12 @@ SYSTEMS: tuple[str, ...] = ("fifo", "mlfabric", "mlfabric-agg", "mlfabric-agg-wa
                              "mlfabric-agg-wait-late-pull", "mlfabric-colocated",
                              "mlfabric-2shards", "mlfabric-colocated-agg",
                              "mlfabric-colocated-agg-wait", "mlfabric-idle-off",
-                             "mlfabric-adaptive", "ddp-powersgd")
+                             "mlfabric-adaptive", "ddp-powersgd", "mlfabric-colocated-adaptive")
 DDP_SYSTEMS = ("ddp", "ddp-powersgd")
 POWERSGD_RANK = 4
 # Sharded systems: where their shards run (see `shard_hosts`).
 SHARDED = ("mlfabric-colocated", "mlfabric-2shards", "mlfabric-colocated-agg",
-           "mlfabric-colocated-agg-wait")
+           "mlfabric-colocated-agg-wait", "mlfabric-colocated-adaptive")
 
 
 def aggregates(system: str) -> bool:
@@ -562,7 +564,7 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
                 "--batch", str(sc.batch), "--eta", str(sc.eta), "--in-flight",
                 str(sc.in_flight), "--pull", pull, "--slowdown", str(sc.slowdown(i)),
                 "--seed", str(sc.seed),
-                *(["--compression", "adaptive"] if base == "mlfabric-adaptive" else [])],
+                *(["--compression", "adaptive"] if base.endswith("-adaptive") else [])],
                 tmp))
         for i, p in enumerate(procs):
             wait_for_line(p, "ready", f"worker {i}", timeout=90.0)
