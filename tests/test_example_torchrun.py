@@ -49,8 +49,11 @@ def run(argv: list[str], cwd: Path, env: dict[str, str] | None = None
 
 
 #: Pushes per rank where a test's point is the configuration, not the
-#: stated accuracy: 150 reached 0.944 (350: 0.958) and saves 4 s a run.
+#: stated accuracy: 150 reached 0.944 (350: 0.958) and saves 4 s a run. Such
+#: a run is held to the example's target (0.90), not to the accuracy the
+#: README states for 350 steps: one reached 0.927 in a CI run.
 SHORT = 150
+TARGET = 0.90
 
 
 def check_summary(path: Path, proc: subprocess.CompletedProcess[str], steps: int = 350) -> dict:
@@ -60,7 +63,7 @@ def check_summary(path: Path, proc: subprocess.CompletedProcess[str], steps: int
     assert summary["applied"] + summary["dropped"] == 4 * steps
     assert summary["version"] == summary["applied"]
     assert sum(summary["delays"].values()) == summary["applied"]
-    assert summary["accuracy"] >= STATED_ACCURACY, summary
+    assert summary["accuracy"] >= (STATED_ACCURACY if steps == 350 else TARGET), summary
     assert f"held-out accuracy {summary['accuracy']:.4f} (reached the 0.90 target)" in \
         proc.stdout
     assert "Traceback" not in proc.stderr
