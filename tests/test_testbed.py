@@ -348,19 +348,25 @@ def test_hosts_reach_each_other_and_nothing_else() -> None:
 @needs_root
 @pytest.mark.parametrize("rate", [50, 200])
 def test_tcp_bulk_transfer_measures_the_shaped_rate(rate: float) -> None:
+    # 2.6 s measured, not 1.2: in one fresh-clone CI run the 50 Mbit/s flow
+    # delivered nothing in most 100 ms windows of 1.2 s (mean 22.8, median
+    # 0): the processes stalled about 0.6 s on the loaded 2-core host. The
+    # median of a longer run is the shaped rate through a stall of up to 1.3 s.
     with Testbed(hosts=2, rate_mbit=rate) as tb:
         flow = TcpFlow(tb.host("h0"), tb.host("h1"))
-        transfer = flow.run_for(1.6)
+        transfer = flow.run_for(3.0)
     t0 = transfer.marks[0][0]
-    mean = transfer.mbit(t0 + 0.4, t0 + 1.6)
-    median = transfer.median_mbit(t0 + 0.4, t0 + 1.6)
+    mean = transfer.mbit(t0 + 0.4, t0 + 3.0)
+    median = transfer.median_mbit(t0 + 0.4, t0 + 3.0)
     expected = rate * TCP_EFFICIENCY
     print(
         f"shaped {rate} Mbit/s: TCP goodput mean {mean:.1f}, median of 100 ms windows "
         f"{median:.1f} Mbit/s (expected {expected:.1f})"
     )
     assert median == pytest.approx(expected, rel=0.10)
-    assert mean == pytest.approx(expected, rel=0.20)  # looser: includes receiver stalls
+    # looser: the mean includes such stalls (0.6 s of that run's 1.2 would be
+    # a quarter of 2.6 s)
+    assert mean == pytest.approx(expected, rel=0.30)
 
 
 @pytest.mark.root
