@@ -378,14 +378,16 @@ class AsyncClient:
         if wrong:
             raise ConfigError(f"compression works on float32 models; tensor {wrong[0]!r} of "
                               f"the server's model is not")
+        def model_bytes(c: Codec) -> int:
+            return sum(c.encoded_bytes(s.shape) for s in self.specs)
+
         if offer:
             self._offer = {c.spec: c for c in offer}
-            self.options = tuple((c.spec, sum(c.encoded_bytes(s.shape) for s in self.specs))
-                                 for c in offer)
+            self.options = tuple((c.spec, model_bytes(c)) for c in offer)
             codec = parse_compression("none")
         assert codec is not None
         self._compression = ErrorFeedback(codec)
-        self.wire_bytes = sum(codec.encoded_bytes(s.shape) for s in self.specs)
+        self.wire_bytes = model_bytes(codec)
 
     @property
     def compression(self) -> ErrorFeedback | None:
