@@ -703,3 +703,165 @@ def test_a_worker_offering_forms_sends_what_the_controller_chose(mode, sent_as, 
     assert {r["nbytes"] for r in gos} == {dense // 2 if sent_as else dense}
     chosen = (sent_as or "none").partition(":")[0]
     assert ctl.metrics.compressed_transfers.labels(chosen)._value.get() == 4
+
+
+# --- the significance filter (Gaia): mlfabric.connect(significance=...) -----------------
+
+
+def test_significance_measures_against_the_model_pulled_last():
+    from mlfabric.compression import Significance
+
+    s = Significance(0.01)
+    assert s.holds(1e-9) is None  # no model pulled yet: everything goes
+    s.observe({"w": np.full(4, 3.0, np.float32), "b": np.full(9, 4.0 / 3, np.float32)})
+    assert s.model_norm == pytest.approx(math.sqrt(36 + 16))
+    assert s.holds(0.0999 * s.model_norm / 10) == pytest.approx(0.00999)
+    assert s.holds(0.01 * s.model_norm) is None  # at the threshold: it goes
+    s.observe({"w": np.zeros(3, np.float32)})
+    assert s.holds(1e-9) is None  # a zero model: any update is significant
+
+
+@pytest.mark.parametrize("bad", [0, 1, 1.5, -0.1, "x", math.nan])
+def test_a_significance_outside_0_1_says_what_fits(bad):
+    from mlfabric.compression import Significance
+
+    with pytest.raises(ConfigError, match=r"in \(0, 1\); Gaia used 0.01 to 0.05"):
+        Significance(bad)
+
+
+def test_the_pending_norm_is_that_of_update_plus_residual():
+    fb = ErrorFeedback(parse("topk:0.1"))
+    u = {"w": wide(50)[:50].clip(-10, 10), "b": np.arange(7, dtype=np.float32)}
+    assert fb.pending_norm(u) == pytest.approx(
+        math.sqrt(sum(float(np.sum(a.astype(np.float64) ** 2)) for a in u.values())))
+    fb.encode(u)  # leaves 90% of w in the residual
+    want = math.sqrt(sum(float(np.sum((u[n] + fb.residual[n]).astype(np.float64) ** 2))
+                         for n in u))
+    assert fb.pending_norm(u) == pytest.approx(want, rel=1e-6)
+
+
+def _small_update(model):
+    """An update of relative magnitude about 0.004 to each tensor."""
+    rng = np.random.default_rng(7)
+    return {n: (rng.standard_normal(a.shape) * 0.004 * float(np.linalg.norm(a)) /
+                math.sqrt(a.size)).astype(np.float32) for n, a in model.items()}
+
+
+def _significance_run(ps, model, steps, threshold):
+    """Push `steps` copies of one small update, pulling after each: the
+    outcomes, and the numpy reference of which are held (relative magnitude
+    of update + what was held, against the model pulled last) and of what
+    the server then holds (each update that goes carries the held ones)."""
+    update = _small_update(model)
+    ref = Reference(model, 0.5)
+    held = {n: np.zeros_like(a) for n, a in update.items()}
+    version, pulled = ps.pull(timeout=10)
+    outcomes, want = [], []
+    for _ in range(steps):
+        pending = {n: update[n] + held[n] for n in update}
+        rel = math.sqrt(sum(float(np.sum(p.astype(np.float64) ** 2)) for p in pending.values())) \
+            / math.sqrt(sum(float(np.sum(a.astype(np.float64) ** 2)) for a in pulled.values()))
+        if rel < threshold:
+            for n in held:
+                held[n] += update[n]
+            want.append(False)
+        else:
+            ref.apply(pending)
+            held = {n: np.zeros_like(a) for n, a in update.items()}
+            want.append(True)
+        outcomes.append(ps.push(update, base_version=version).result(10))
+        version, pulled = ps.pull(timeout=10)
+    return outcomes, want, ref.w
+
+
+def test_a_push_below_the_significance_threshold_waits_in_the_residual():
+    """One update of relative magnitude 0.004, pushed again and again with a
+    threshold of 0.01: two are held, the third goes with both, and so on.
+    The server holds exactly the numpy update rule over what went, nothing
+    lost; held outcomes say so at once and are counted."""
+    from mlfabric.runtime.metrics import ClientMetrics
+    from mlfabric.server.store import ParameterStore
+
+    model = make_model(sizes={"w": (40, 30), "b": (30,)})
+    metrics = ClientMetrics()
+    with ServerThread(ParameterStore(model, momentum=0.5)) as st, \
+            mlfabric.connect(st.address, job=JOB, token=TOKEN, significance=0.01,
+                             metrics=metrics) as ps:
+        outcomes, want, weights = _significance_run(ps, model, 9, 0.01)
+        assert [o.applied for o in outcomes] == want == [False, False, True] * 3
+        for o in outcomes:
+            assert o.folded is not o.applied
+        held = outcomes[0]
+        assert held.delay is None and held.version == 0 and held.base_version == 0
+        assert held.reason.startswith("held: relative magnitude 0.00")
+        assert held.reason.endswith("is below the significance threshold 0.01; kept in the "
+                                    "residual for a later push")
+        assert_model_equal(ps.pull(timeout=10)[1], weights)
+        assert metrics.pushes.labels("held")._value.get() == 6
+        assert metrics.pushes.labels("applied")._value.get() == 3
+
+
+def test_significance_composes_with_compression_and_sharding():
+    """Two shards, fp16: a push is held by both shards or goes to both,
+    measured over the whole model, and each shard's server ends as the numpy
+    update rule on the decoded parts (error feedback mirrored per shard)."""
+    from test_sharded import SIZES, addresses, shard_servers, store_state
+
+    from mlfabric.client.sharded import ShardedOutcome
+    from mlfabric.sharding.partition import partition
+
+    model = make_model(sizes=SIZES)
+    part = partition([(n, a.dtype, a.shape) for n, a in model.items()], 2, 1 << 16)
+    with shard_servers(model, 2) as servers, \
+            mlfabric.connect(addresses(servers), job=JOB, token=TOKEN, compression="fp16",
+                             significance=0.01) as ps:
+        outcomes, want, _ = _significance_run(ps, model, 6, 0.01)
+        assert [o.applied for o in outcomes] == want and sum(want) == 2, want
+        for o in outcomes:
+            assert isinstance(o, ShardedOutcome) and len(o.shards) == 2
+            assert [s.applied for s in o.shards] == [o.applied] * 2
+            assert o.folded is not o.applied
+        # Each shard's mirror: the update folded while held, encoded when it went.
+        update = _small_update(model)
+        for server, piece, original in zip(servers, part.split(update), part.split(model),
+                                           strict=True):
+            ref, fb = Reference(original, 0.5), ErrorFeedback(parse("fp16"))
+            for goes in want:
+                if goes:
+                    ref.apply({n: decode(e) for n, e in fb.encode(piece).items()})
+                else:
+                    fb.fold(piece)
+            version, weights = store_state(server)
+            assert version == sum(want)
+            assert_model_equal(weights, ref.w)
+
+
+def test_a_significance_setting_is_checked_with_where_it_came_from(tmp_path):
+    from mlfabric import config
+
+    token = tmp_path / "t"
+    token.write_bytes(TOKEN)
+    token.chmod(0o600)
+    s = config.resolve(environ={"MLFABRIC_SERVER": "127.0.0.1:9", "MLFABRIC_JOB": JOB,
+                                "MLFABRIC_TOKEN_FILE": str(token),
+                                "MLFABRIC_SIGNIFICANCE": "2"})
+    with pytest.raises(ConfigError) as exc:
+        config.connect(s)
+    assert "(setting significance (from MLFABRIC_SIGNIFICANCE))" in str(exc.value)
+    assert "in (0, 1)" in str(exc.value)
+
+
+def test_an_adaptive_compression_setting_is_taken_from_the_environment(tmp_path):
+    """compression=adaptive from a setting passes the check (it once was
+    refused as an unknown codec) and the connection is what fails here."""
+    from mlfabric import config
+
+    token = tmp_path / "t"
+    token.write_bytes(TOKEN)
+    token.chmod(0o600)
+    s = config.resolve(environ={"MLFABRIC_SERVER": "127.0.0.1:9", "MLFABRIC_JOB": JOB,
+                                "MLFABRIC_TOKEN_FILE": str(token), "MLFABRIC_TIMEOUT": "2",
+                                "MLFABRIC_COMPRESSION": "adaptive:fp16,topk:0.1"})
+    with pytest.raises(ConfigError) as exc:
+        config.connect(s)
+    assert "cannot reach the server at 127.0.0.1:9" in str(exc.value)

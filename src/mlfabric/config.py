@@ -144,6 +144,10 @@ SETTINGS: tuple[Setting, ...] = (
             "fraction F of the elements) or lowrank:R; or adaptive[:A,B,...]: offer those "
             "forms (default fp16, topk:0.1, topk:0.01) and let the controller choose per "
             "transfer (default: none, updates go whole)"),
+    Setting("significance", "float", None,
+            "hold a push whose relative magnitude ||update + residual|| / ||model|| is below "
+            "this threshold in (0, 1), after Gaia: it waits in the residual and goes with a "
+            "later push, nothing lost (default: none, every push goes)", positive=True),
     Setting("tls_cert", "path", None,
             "this worker's TLS certificate (PEM); with tls_key and tls_ca, every link is "
             "mutual TLS (default: none, plain TCP)"),
@@ -180,6 +184,7 @@ class Settings:
     pull_every: int = 1
     max_in_flight: int = 1
     compression: str | None = None
+    significance: float | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
@@ -475,12 +480,19 @@ def connect(settings: Settings, *, launch: Launch | None = None, **extra: Any) -
     assert settings.server is not None and settings.job is not None
     token = settings.load_token()
     if settings.compression is not None:
-        from .compression import parse
+        from .compression import parse, parse_offer
 
         try:
-            parse(settings.compression)
+            parse_offer(settings.compression) or parse(settings.compression)
         except ConfigError as exc:
             raise ConfigError(f"{exc} ({settings.where('compression')})") from None
+    if settings.significance is not None:
+        from .compression.significance import check_threshold
+
+        try:
+            check_threshold(settings.significance)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} ({settings.where('significance')})") from None
     for which in ("controller", "replica"):
         if getattr(settings, which) is not None:
             _probe(settings, which)
@@ -498,7 +510,7 @@ def connect(settings: Settings, *, launch: Launch | None = None, **extra: Any) -
             replica_timeout=settings.replica_timeout, push_timeout=settings.push_timeout,
             agent=settings.agent, agent_key_file=settings.agent_key_file,
             tls_cert=settings.tls_cert, tls_key=settings.tls_key, tls_ca=settings.tls_ca,
-            compression=settings.compression, **extra,
+            compression=settings.compression, significance=settings.significance, **extra,
         )
     except TLSError as exc:
         raise ConfigError(f"{exc} ({_tls_sources(settings)})") from None

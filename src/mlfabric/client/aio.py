@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..compression import Codec, ErrorFeedback, parse_offer
+from ..compression import Codec, ErrorFeedback, Significance, parse_offer
 from ..compression import parse as parse_compression
 from ..errors import ConfigError, ConnectionLost, MlfabricError
 from ..runtime.metrics import ClientMetrics
@@ -90,6 +90,7 @@ async def connect(
     tls_key: str | os.PathLike[str] | None = None,
     tls_ca: str | os.PathLike[str] | None = None,
     compression: str | None = None,
+    significance: float | None = None,
 ) -> AsyncClient:
     """Connect to the parameter server at `address` ("HOST:PORT") for `job`.
 
@@ -107,7 +108,8 @@ async def connect(
     `tls_key` and `tls_ca` (all three), every link this client opens (to the
     server, the controller, a replica, an aggregator, the agent) is mutual
     TLS, as with mlfabric.connect(). `compression` sends compressed updates
-    with error feedback, as with mlfabric.connect()."""
+    with error feedback, and `significance` holds back pushes too small to
+    matter, as with mlfabric.connect()."""
     check_push_timeout(push_timeout)
     offer = None if compression is None else parse_offer(compression)
     codec = None if compression is None or offer is not None else parse_compression(compression)
@@ -118,9 +120,12 @@ async def connect(
     hs = ClientHandshake(job, secret, name or default_client_name())
     proto = await open_link(address, hs, timeout, "parameter server", metrics=metrics, tls=ctx)
     client = AsyncClient(proto)
-    if codec is not None or offer is not None:
+    if codec is not None or offer is not None or significance is not None:
         try:
-            client.compress_with(codec, offer)
+            if codec is not None or offer is not None:
+                client.compress_with(codec, offer)
+            if significance is not None:
+                client.hold_insignificant(significance)
         except ConfigError:
             await client.close()
             raise
@@ -192,8 +197,8 @@ async def connect(
             if client.compression is not None and controlled.aggregators_offered():
                 raise ConfigError(f"the controller at {controller} routes updates through "
                                   f"aggregators, which do not take compressed updates yet: "
-                                  f"connect without compression, or start the controller "
-                                  f"without --aggregator")
+                                  f"connect without compression and significance, or start "
+                                  f"the controller without --aggregator")
         except BaseException:
             await client.close()
             raise
@@ -269,6 +274,8 @@ class AsyncClient:
         # bytes), and their codecs by name (its go names one).
         self.options: tuple[tuple[str, int], ...] = ()
         self._offer: dict[str, Codec] = {}
+        # significance=: pushes too small to matter wait in the residual (Gaia).
+        self.significance: Significance | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._reporter: TransferReporter | None = None  # with an agent
         self._peer_host = ""
@@ -309,7 +316,13 @@ class AsyncClient:
             if failover is None or not await failover.wait_past(generation):
                 raise
             return await self.pull(into=into)  # from the promoted replica
+        return self._pulled(version, params, into)
+
+    def _pulled(self, version: int, params: dict[str, np.ndarray], into: Scatter | None
+                ) -> tuple[int, dict[str, np.ndarray]]:
         self.last_version = max(self.last_version, version)
+        if self.significance is not None and into is None:
+            self.significance.observe(params)  # what the next pushes are measured against
         return version, params
 
     async def _pull_including(self, push: asyncio.Future[PushOutcome], into: Scatter | None
@@ -338,8 +351,7 @@ class AsyncClient:
                 except ConnectionLost:
                     return await self.pull(into=into)  # failover: from the promoted replica
                 if version >= outcome.version:
-                    self.last_version = max(self.last_version, version)
-                    return version, params
+                    return self._pulled(version, params, into)
         finally:
             self._give_up(reqs)  # unless answered: not applied, or cancelled
         return await self.pull(into=into)
@@ -389,6 +401,18 @@ class AsyncClient:
         self._compression = ErrorFeedback(codec)
         self.wire_bytes = model_bytes(codec)
 
+    def hold_insignificant(self, threshold: float) -> None:
+        """Hold every push whose relative magnitude ||update + residual|| /
+        ||model pulled last|| is below `threshold` (Gaia's filter,
+        `compression.significance`): it is folded into the error-feedback
+        residual and goes with a later push; its outcome is not applied,
+        `folded`, with the reason. Without compression, the residual is kept
+        and sent whole."""
+        significance = Significance(threshold)
+        if self._compression is None:
+            self.compress_with(parse_compression("none"))
+        self.significance = significance
+
     @property
     def compression(self) -> ErrorFeedback | None:
         """The residuals of compressed pushes (None: updates go whole)."""
@@ -436,11 +460,32 @@ class AsyncClient:
     def submit(self, arrays: Mapping[str, np.ndarray], base: int) -> AsyncPushFuture:
         """push() of an update it has already checked (`check_update`): the
         blocking client checks in the caller's thread, then submits here."""
+        if self.significance is not None:
+            held = self._hold(arrays, base)
+            if held is not None:
+                return held
         if self._feeds is not None:
             return self._push_replicated({n: a.copy() for n, a in arrays.items()}, base)
         if self._controlled is not None:
             return self._controlled.push(arrays, base, self.wire_bytes)
         return self.send_push(arrays, base)
+
+    def _hold(self, arrays: Mapping[str, np.ndarray], base: int) -> AsyncPushFuture | None:
+        """A push below the significance threshold, folded into the residual
+        and answered at once (None: it goes)."""
+        assert self.significance is not None and self._compression is not None
+        relative = self.significance.holds(self._compression.pending_norm(arrays))
+        if relative is None:
+            return None
+        self._compression.fold(arrays)
+        metrics = self._proto.metrics
+        if metrics is not None:
+            metrics.pushes.labels("held").inc()
+        done = AsyncPushFuture(loop=asyncio.get_running_loop())
+        done.set_result(PushOutcome(applied=False, version=self.last_version, delay=None,
+                                    reason=self.significance.reason(relative),
+                                    base_version=base, folded=True))
+        return done
 
     def _push_replicated(self, arrays: Mapping[str, np.ndarray], base: int
                          ) -> AsyncPushFuture:

@@ -58,6 +58,7 @@ def connect(
     tls_key: str | os.PathLike[str] | None = None,
     tls_ca: str | os.PathLike[str] | None = None,
     compression: str | None = None,
+    significance: float | None = None,
 ) -> Client:
     """Connect to the parameter server at `address` ("HOST:PORT") for `job`.
 
@@ -126,6 +127,13 @@ def connect(
     compressed parts as its server. Not yet with aggregators (ConfigError
     at connect).
 
+    With `significance` (a threshold in (0, 1), e.g. 0.01), a push whose
+    relative magnitude ||update + residual|| / ||model last pulled|| is
+    below it is held, after Gaia (mlfabric.compression.significance): it is
+    folded into the error-feedback residual and goes with a later push, and
+    its outcome, at once, is not applied, `folded`, with the reason. With
+    or without `compression`; over every shard at once.
+
     The asyncio client, `await mlfabric.aio.connect(...)`, takes the same
     arguments and behaves the same: this client runs it on a thread.
     """
@@ -139,7 +147,7 @@ def connect(
             failover_timeout=failover_timeout,
             replica_backlog=replica_backlog, replica_timeout=replica_timeout,
             push_timeout=push_timeout, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca,
-            compression=compression))
+            compression=compression, significance=significance))
     except BaseException:
         runner.stop()
         raise

@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 
 from .. import kernels
+from ..compression import Significance
+from ..compression import parse as parse_compression
 from ..errors import ConfigError
 from ..runtime.metrics import ClientMetrics
 from ..sharding.partition import Partition
@@ -120,6 +122,18 @@ class ShardedClient:
         self._runs = [_runs(*cut, client.block_layout[1]) for cut, client
                       in zip(self._cuts, shards, strict=True)]
         self._spare = memoryview(bytearray(ALIGN))
+        # significance=: a push too small to matter is held by every shard at
+        # once, measured against the whole model (`hold_insignificant`).
+        self.significance: Significance | None = None
+
+    def hold_insignificant(self, threshold: float) -> None:
+        """As AsyncClient.hold_insignificant(), over the whole model: an
+        update is held, in every shard's residuals, or goes to every shard."""
+        significance = Significance(threshold)
+        for c in self.shards:
+            if c.compression is None:
+                c.compress_with(parse_compression("none"))
+        self.significance = significance
 
     @property
     def last_version(self) -> tuple[int, ...]:
@@ -156,6 +170,8 @@ class ShardedClient:
         if self.metrics is not None:
             for i, n in enumerate(self._nbytes):
                 self.metrics.shard_model_bytes.labels(str(i)).inc(n)
+        if self.significance is not None:
+            self.significance.observe(model)
         return tuple(v for v, _ in answers), model
 
     def _new_model(self) -> tuple[dict[str, np.ndarray], list[Scatter]]:
@@ -196,6 +212,10 @@ class ShardedClient:
     def submit(self, arrays: Mapping[str, np.ndarray], base: tuple[int, ...]
                ) -> ShardedPushFuture:
         """push() of a checked update (`check_update` against `specs`)."""
+        if self.significance is not None:
+            held = self._hold(self.partition.split(arrays), base)
+            if held is not None:
+                return held
         cut: Sequence[Mapping[str, np.ndarray]]
         if isinstance(arrays, FrameTensors) and arrays.specs is self.specs:
             blocks = []
@@ -224,6 +244,40 @@ class ShardedClient:
         uids = [getattr(f, "uid", None) for f in parts]
         done.uid = None if None in uids else ",".join(uids)  # type: ignore[arg-type]
         _combine(done, parts, self.addresses)
+        return done
+
+    def _hold(self, cut: Sequence[Mapping[str, np.ndarray]], base: tuple[int, ...]
+              ) -> ShardedPushFuture | None:
+        """An update below the significance threshold over the whole model,
+        folded into every shard's residuals and answered at once (None: it
+        goes)."""
+        assert self.significance is not None
+        feedback = [c.compression for c in self.shards]
+        pending = 0.0
+        for ef, part in zip(feedback, cut, strict=True):
+            assert ef is not None  # hold_insignificant gave every shard residuals
+            pending += ef.pending_norm(part) ** 2
+        relative = self.significance.holds(pending ** 0.5)
+        if relative is None:
+            return None
+        reason = self.significance.reason(relative)
+        loop = asyncio.get_running_loop()
+        parts = []
+        for c, ef, part, b in zip(self.shards, feedback, cut, base, strict=True):
+            assert ef is not None
+            ef.fold(part)
+            f = AsyncPushFuture(loop=loop)
+            f.set_result(PushOutcome(applied=False, version=c.last_version, delay=None,
+                                     reason=reason, base_version=b, folded=True))
+            parts.append(f)
+        if self.metrics is not None:
+            self.metrics.pushes.labels("held").inc()
+        done = ShardedPushFuture(loop=loop)
+        done.parts = tuple(parts)
+        done.set_result(ShardedOutcome(
+            applied=False, version=self.last_version, delay=None,  # type: ignore[arg-type]
+            reason=reason, base_version=base, folded=True,  # type: ignore[arg-type]
+            shards=tuple(p.result() for p in parts)))
         return done
 
     def _count(self, parts: list[AsyncPushFuture]) -> None:
@@ -336,10 +390,15 @@ async def connect(address: str, *, job: str, token: str | bytes | None = None,
                 f"replica= names {len(named)} replica(s) for {len(addresses)} server "
                 f"address(es): give one replica per shard, in shard order")
         replicas = list(named)
+    significance = options.pop("significance", None)
+    if significance is not None and options.get("compression") is None:
+        # Held pushes need residuals from the start: whole parts, not chunks.
+        options["compression"] = "none"
     common = dict(job=job, token=token, token_file=token_file, timeout=timeout,
                   metrics=metrics, push_timeout=push_timeout, **options)
     if len(addresses) == 1:
-        client = await aio.connect(addresses[0], replica=replicas[0], **common)
+        client = await aio.connect(addresses[0], replica=replicas[0], significance=significance,
+                                   **common)
         info = client.welcome_shard
         if info is not None and info.count > 1:  # one shard of several: say so
             await client.close()
@@ -352,7 +411,10 @@ async def connect(address: str, *, job: str, token: str | bytes | None = None,
                             [c.specs for c in clients])
         _check_same_settings(clients)
         assert part is not None
-        return ShardedClient(clients, part, metrics)
+        sharded = ShardedClient(clients, part, metrics)
+        if significance is not None:
+            sharded.hold_insignificant(significance)
+        return sharded
     except BaseException:
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
         raise

@@ -58,6 +58,16 @@ class ErrorFeedback:
             r = self._residual(name, x)
             r += x
 
+    def pending_norm(self, update: Mapping[str, np.ndarray]) -> float:
+        """||update + residual||_2 over every tensor: what a push of `update`
+        would carry (the significance filter's measure). Modifies nothing."""
+        total = 0.0
+        for name, x in update.items():
+            r = self.residual.get(name)
+            pending = x if r is None or r.shape != x.shape else np.add(x, r, dtype=np.float32)
+            total += l2_norm(np.ascontiguousarray(pending, np.float32)) ** 2
+        return float(np.sqrt(total))
+
     def norm(self) -> float:
         """||residual||_2 over every tensor: what waits to be sent."""
         return float(np.sqrt(sum(l2_norm(r) ** 2 for r in self.residual.values())))

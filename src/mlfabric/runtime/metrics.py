@@ -250,7 +250,8 @@ class ClientMetrics:
         self.pushes = Counter(
             "client_pushes", "Push outcomes, by result", ["result"], namespace=ns, registry=r
         )
-        for result in ("applied", "rejected", "error"):
+        # held: below the significance threshold, kept in the residual.
+        for result in ("applied", "rejected", "error", "held"):
             self.pushes.labels(result)
         self.sent_bytes = Counter(
             "client_sent_bytes", "Bytes sent to servers", namespace=ns, registry=r

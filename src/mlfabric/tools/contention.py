@@ -786,7 +786,8 @@ def ps_worker(args: argparse.Namespace) -> int:
     with mlfabric.connect(args.server, job=JOB, token_file=args.token_file,
                           controller=args.controller, host=args.host, agent=args.agent,
                           agent_key_file=args.agent_key_file,
-                          compression=args.compression) as ps:
+                          compression=args.compression,
+                          significance=args.significance) as ps:
         _, params = ps.pull()
         idx = np.arange(min(args.batch, len(x)))
         extra = (args.slowdown - 1) * _compute_seconds(
@@ -889,6 +890,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     w.add_argument("--agent", default=None, help="this host's agent, for transfer reports")
     w.add_argument("--agent-key-file", default=None, help="the job's agent key (with --agent)")
     w.add_argument("--compression", default=None, help="as mlfabric.connect's (issue 35)")
+    w.add_argument("--significance", type=float, default=None,
+                   help="as mlfabric.connect's (issue 35)")
     w.add_argument("--index", type=int, required=True)
     w.add_argument("--in-flight", type=int, default=2)
     w.add_argument("--pull", choices=["with-push", "after-outcome"], default="with-push",
