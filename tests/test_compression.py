@@ -596,15 +596,21 @@ def _straggler(options=()):
 @pytest.mark.parametrize("mode, options, want", [
     # adaptive: whole when it goes whole; else the least compression that lets it go
     ("adaptive", (), {1: "would_idle_server", 2: None}),
-    ("adaptive", (("fp16", 5), ("topk:0.1", 1)), {1: "topk:0.1", 2: None}),
-    ("adaptive", (("fp16", 1), ("topk:0.1", 1)), {1: "fp16", 2: None}),
-    ("adaptive", (("fp16", 5),), {1: "would_idle_server", 2: None}),  # not small enough
-    ("off", (("fp16", 1),), {1: "would_idle_server", 2: None}),
-    ("fixed:fp16", (("fp16", 5), ("topk:0.1", 1)), {1: "would_idle_server", 2: "fp16"}),
+    ("adaptive", (("fp16", 5, 0.0), ("topk:0.1", 1, 0.0)), {1: "topk:0.1", 2: None}),
+    ("adaptive", (("fp16", 1, 0.0), ("topk:0.1", 1, 0.0)), {1: "fp16", 2: None}),
+    ("adaptive", (("fp16", 5, 0.0),), {1: "would_idle_server", 2: None}),  # not small enough
+    # the worker's encoding time counts at the path's rate (1 B/s): top-k's
+    # 6 s of CPU outlast the 4 s it saves over fp16 on the wire, so it is no
+    # smaller and not chosen; a form no smaller than the last one is skipped
+    ("adaptive", (("fp16", 5, 0.0), ("topk:0.1", 1, 6.0)), {1: "would_idle_server", 2: None}),
+    ("adaptive", (("fp16", 12, 0.0), ("topk:0.1", 1, 0.0)), {1: "topk:0.1", 2: None}),
+    ("off", (("fp16", 1, 0.0),), {1: "would_idle_server", 2: None}),
+    ("fixed:fp16", (("fp16", 5, 0.0), ("topk:0.1", 1, 0.0)),
+     {1: "would_idle_server", 2: "fp16"}),
     # fixed shrinks the other too (0.1 s): the straggler's 1 s idles the
     # server 0.9 s for 0.1 s displaced, and it is dropped; adaptive (above)
     # sends it, with the other whole
-    ("fixed:topk:0.1", (("fp16", 5), ("topk:0.1", 1)),
+    ("fixed:topk:0.1", (("fp16", 5, 0.0), ("topk:0.1", 1, 0.0)),
      {1: "would_idle_server", 2: "topk:0.1"}),
 ])
 def test_the_controller_shrinks_an_update_it_would_drop(mode, options, want):
@@ -619,6 +625,60 @@ def test_the_controller_shrinks_an_update_it_would_drop(mode, options, want):
         assert sent[1] == pytest.approx(1.0)
 
 
+def test_a_forms_encoding_time_is_planned_as_link_time():
+    """Top-k's 1 byte and 0.5 s of encoding at 1 B/s: planned as 1.5 s,
+    in the plan from a snapshot and in the controller's columns alike."""
+    from mlfabric.controller.state import ControlState, Go
+    from mlfabric.scheduling.plan import Network
+    from mlfabric.scheduling.policies import Mlfabric
+
+    options = (("fp16", 5, 0.0), ("topk:0.1", 1, 0.5))
+    plan = Mlfabric()(_straggler(options))
+    assert {i.id: (i.codec, i.planned_seconds) for i in plan if not i.drop}[1] == \
+        ("topk:0.1", pytest.approx(1.5))
+    state = ControlState(Mlfabric(), tau_max=3,
+                         network=Network(default=10.0, up={"slow": 1.0}))
+    state.version = 3
+    state.request("w1", 1, host="slow", dst="s", nbytes=10, base_version=0, norm=1.0, now=0.0,
+                  options=options)
+    state.request("w2", 2, host="b", dst="s", nbytes=10, base_version=3, norm=1.0, now=0.0,
+                  options=options)
+    gos = {a.transfer.req: a for a in state.decide(0.0).actions if isinstance(a, Go)}
+    assert gos[1].codec == "topk:0.1" and gos[1].transfer.nbytes == 1
+    assert gos[1].planned_seconds == pytest.approx(1.5)
+
+
+def test_a_worker_offers_each_form_with_its_measured_encoding_time():
+    """What the worker tells the controller: each form's bytes, and seconds
+    timed on the model's shapes (positive, and top-k's argpartition slower
+    than fp16's one pass over a 1000 x 1000 tensor); a push sent so moves
+    the estimate halfway to what it took."""
+    import asyncio
+
+    import mlfabric.aio
+    from mlfabric.server.store import ParameterStore
+
+    async def offered(address):
+        client = await mlfabric.aio.connect(address, job=JOB, token=TOKEN,
+                                            compression="adaptive")
+        try:
+            before = client.options
+            client.note_encoded("fp16", 1.0)
+            return before, client.options
+        finally:
+            await client.close()
+
+    model = make_model(sizes={"w": (1000, 1000)})
+    with ServerThread(ParameterStore(model)) as st:
+        options, after = asyncio.run(offered(st.address))
+    assert [(c, n) for c, n, _ in options] == [("fp16", 2_000_000), ("topk:0.1", 800_000),
+                                               ("topk:0.01", 80_000)]
+    seconds = {c: s for c, _, s in options}
+    assert all(s > 0 for s in seconds.values())
+    assert seconds["topk:0.1"] > seconds["fp16"]
+    assert {c: s for c, _, s in after} == {**seconds, "fp16": (seconds["fp16"] + 1.0) / 2}
+
+
 def test_the_controllers_state_lets_a_shrunk_update_go_at_its_compressed_size():
     """Through ControlState (the columns the controller keeps): the go names
     the codec, the transfer then holds its links for the compressed bytes,
@@ -627,7 +687,7 @@ def test_the_controllers_state_lets_a_shrunk_update_go_at_its_compressed_size():
     from mlfabric.scheduling.plan import Network
     from mlfabric.scheduling.policies import Mlfabric
 
-    options = (("fp16", 5), ("topk:0.1", 1))
+    options = (("fp16", 5, 0.0), ("topk:0.1", 1, 0.0))
     state = ControlState(Mlfabric(), tau_max=3,
                          network=Network(default=10.0, up={"slow": 1.0}))
     state.version = 3

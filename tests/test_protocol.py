@@ -119,7 +119,7 @@ CASES = [
     TransferRequest(req=5, host="h1", dst="10.0.0.1:7070", nbytes=2**26, base_version=3,
                     norm=0.5, shard=3, chunk=4 << 20),
     TransferRequest(req=6, host="h1", dst="10.0.0.1:7070", nbytes=4000, base_version=3,
-                    norm=0.5, options=(("fp16", 2000), ("topk:0.01", 80))),
+                    norm=0.5, options=(("fp16", 2000, 0.0005), ("topk:0.01", 80, 0.02))),
     Directive(req=4, action="go", position=2, planned_seconds=0.5),
     Directive(req=6, action="go", position=1, planned_seconds=0.01, codec="topk:0.01"),
     Directive(req=7, action="go", position=0, planned_seconds=0.04, upto=8 << 20),
@@ -387,6 +387,21 @@ BAD_FRAMES = {
         frame(MsgType.TRANSFER_REQUEST, {"req": 1, "host": "h", "dst": "s", "nbytes": 8,
                                          "base_version": 0, "norm": 0.0,
                                          "options": [["fp16", -4]]}),
+        "field 'options' must be 1 to 8"),
+    "an option's encoding seconds negative": (
+        frame(MsgType.TRANSFER_REQUEST, {"req": 1, "host": "h", "dst": "s", "nbytes": 8,
+                                         "base_version": 0, "norm": 0.0,
+                                         "options": [["fp16", 4, -0.5]]}),
+        r"encode seconds in 0..600\] lists"),
+    "an option's encoding seconds not finite": (
+        frame(MsgType.TRANSFER_REQUEST, {"req": 1, "host": "h", "dst": "s", "nbytes": 8,
+                                         "base_version": 0, "norm": 0.0,
+                                         "options": [["fp16", 4, float("nan")]]}),
+        "field 'options' must be 1 to 8"),
+    "an option's encoding seconds past the bound": (
+        frame(MsgType.TRANSFER_REQUEST, {"req": 1, "host": "h", "dst": "s", "nbytes": 8,
+                                         "base_version": 0, "norm": 0.0,
+                                         "options": [["fp16", 4, 601]]}),
         "field 'options' must be 1 to 8"),
     "codecs malformed": (
         frame(MsgType.PUSH, {"req": 1, "base_version": 0, "codecs": {"w": "topk"},
@@ -832,3 +847,14 @@ def test_a_scatter_must_cover_its_block_with_writable_bytes():
         Scatter(specs, [memoryview(np.zeros(4, np.float32))], {})
     assert Scatter(specs, [memoryview(bytearray(10)), memoryview(bytearray(0)),
                            memoryview(bytearray(6))], {}).runs[1].nbytes == 6
+
+
+def test_an_option_without_encoding_seconds_is_read_as_costing_none():
+    """A worker of before the seconds (issue 35) offers [codec, bytes]."""
+    r = Connection()
+    r.receive_data(frame(MsgType.TRANSFER_REQUEST,
+                         {"req": 1, "host": "h", "dst": "s", "nbytes": 8, "base_version": 0,
+                          "norm": 0.0, "options": [["fp16", 4], ["topk:0.1", 2, 3]]}))
+    event = r.next_event()
+    assert isinstance(event, TransferRequest)
+    assert event.options == (("fp16", 4, 0.0), ("topk:0.1", 2, 3.0))

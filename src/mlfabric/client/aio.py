@@ -23,6 +23,7 @@ import numpy as np
 
 from ..compression import Codec, ErrorFeedback, Significance, parse_offer
 from ..compression import parse as parse_compression
+from ..compression.feedback import measure_encode
 from ..errors import ConfigError, ConnectionLost, MlfabricError
 from ..runtime.metrics import ClientMetrics
 from ..transport import tls
@@ -271,8 +272,8 @@ class AsyncClient:
         self._compression: ErrorFeedback | None = None
         self.wire_bytes = self.block_layout[1]
         # compression="adaptive": the forms offered to the controller, (codec,
-        # bytes), and their codecs by name (its go names one).
-        self.options: tuple[tuple[str, int], ...] = ()
+        # bytes, encode seconds), and their codecs by name (its go names one).
+        self.options: tuple[tuple[str, int, float], ...] = ()
         self._offer: dict[str, Codec] = {}
         # significance=: pushes too small to matter wait in the residual (Gaia).
         self.significance: Significance | None = None
@@ -394,8 +395,13 @@ class AsyncClient:
             return sum(c.encoded_bytes(s.shape) for s in self.specs)
 
         if offer:
+            # Each form's encoding time, timed once here on the model's shapes
+            # and then by every push sent so (`note_encoded`): the controller
+            # counts it against what the form saves on the wire.
+            shapes = [s.shape for s in self.specs]
             self._offer = {c.spec: c for c in offer}
-            self.options = tuple((c.spec, model_bytes(c)) for c in offer)
+            self.options = tuple((c.spec, model_bytes(c), measure_encode(c, shapes))
+                                 for c in offer)
             codec = parse_compression("none")
         assert codec is not None
         self._compression = ErrorFeedback(codec)
@@ -651,7 +657,10 @@ class AsyncClient:
                 log.warning("the controller named compression %r, which this worker did not "
                             "offer (%s): sending the update whole", chosen,
                             ", ".join(self._offer) or "none")
+            started = time.perf_counter()
             encoded = self._compression.encode(arrays, codec)
+            if codec is not None:
+                self.note_encoded(codec.spec, time.perf_counter() - started)
             tensors = fut.sent_as = CompressedParts(
                 {f"{n}{PART_SEP}{p}": a for n, e in encoded.items() for p, a in e.arrays.items()},
                 tuple((n, e.codec) for n, e in encoded.items()))
@@ -672,6 +681,15 @@ class AsyncClient:
                       else sum(a.nbytes for a in arrays.values()))
             fut.add_done_callback(functools.partial(self._report, nbytes, time.monotonic()))
         return fut, part
+
+    def note_encoded(self, spec: str, seconds: float) -> None:
+        """A push went compressed by the offered form `spec` and took
+        `seconds` to encode: the offer's estimate moves halfway to it (one
+        slow encode, a page fault or a busy core, does not set it alone)."""
+        self.options = tuple((c, n, (s + seconds) / 2 if c == spec else s)
+                             for c, n, s in self.options)
+        if self._controlled is not None:
+            self._controlled.book.options = self.options
 
     def _report(self, nbytes: int, started: float, fut: asyncio.Future[Any]) -> None:
         """Tell the agent how long the push took (a sample of the path's rate)."""

@@ -109,8 +109,9 @@ class ControlBook:
         self.shard = shard
         self.chunk = chunk
         # The compressed forms this worker offers the controller, (codec,
-        # bytes), from the least compressed (compression="adaptive").
-        self.options: tuple[tuple[str, int], ...] = ()
+        # bytes, encode seconds), from the least compressed
+        # (compression="adaptive").
+        self.options: tuple[tuple[str, int, float], ...] = ()
         self._uid_prefix = secrets.token_hex(8)
         self._uids = itertools.count(1)
         self._failed_aggregators: set[str] = set()  # warned about once each

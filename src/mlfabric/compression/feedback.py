@@ -14,13 +14,14 @@ exact in float32 (tests/test_compression.py), to float32 rounding otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from ..errors import ConfigError
 from ..kernels import l2_norm
-from .codecs import Codec, Encoded
+from .codecs import Codec, Encoded, parse
 
 
 class ErrorFeedback:
@@ -71,3 +72,18 @@ class ErrorFeedback:
     def norm(self) -> float:
         """||residual||_2 over every tensor: what waits to be sent."""
         return float(np.sqrt(sum(l2_norm(r) ** 2 for r in self.residual.values())))
+
+
+def measure_encode(codec: Codec, shapes: Sequence[tuple[int, ...]], seed: int = 0) -> float:
+    """The seconds `codec` takes to encode an update of tensors of `shapes`
+    with error feedback, timed once on random data with a fresh codec of the
+    same spec (the worker's own keeps its state: low rank's warm starts).
+    What a worker offering compressed forms tells the controller before its
+    first push; its pushes then measure the real thing."""
+    rng = np.random.default_rng(seed)
+    update = {str(i): rng.standard_normal(s, np.float32) for i, s in enumerate(shapes)}
+    fresh = ErrorFeedback(parse(codec.spec))
+    fresh.fold(update)  # a residual as a push after the first has (and the allocations)
+    started = time.perf_counter()
+    fresh.encode(update)
+    return time.perf_counter() - started

@@ -249,11 +249,13 @@ class ControlState:
 
     def request(self, owner: Hashable, req: int, *, host: str, dst: str, nbytes: int,
                 base_version: int, norm: float, now: float, shard: int = 0,
-                chunk: int = 0, options: tuple[tuple[str, int], ...] = ()) -> Transfer:
+                chunk: int = 0, options: tuple[tuple[str, int, float], ...] = ()
+                ) -> Transfer:
         """A worker asks to send an update. `chunk` > 0: it may be let go
         that many bytes at a time (at least `MIN_CHUNK`), so that shorter
         transfers can pass it between chunks. `options`: the compressed forms
-        it can send instead, (codec, bytes) (the policy may choose one)."""
+        it can send instead, (codec, bytes, encode seconds) (the policy may
+        choose one)."""
         chunk = max(chunk, MIN_CHUNK) if chunk > 0 and self.chunks else 0
         t = Transfer(self._next_id, owner, req, host, dst, nbytes, base_version, norm, now,
                      shard=shard, chunk=chunk if nbytes > chunk else 0, options=options)

@@ -41,7 +41,7 @@ class PendingColumns:
         self.dst = np.empty(_FIRST_ROOM, np.intp)
         self.hosts = HostTable()
         # The compressed forms offered, by transfer id (only those that offer any).
-        self.offers: dict[int, tuple[tuple[str, int], ...]] = {}
+        self.offers: dict[int, tuple[tuple[str, int, float], ...]] = {}
 
     _COLUMNS = ("ids", "size", "base_version", "arrival", "shard", "src", "dst")
 

@@ -160,14 +160,15 @@ class Transfer:
     # The path's rate the controller believed when it let this go (the rate
     # its planned_seconds assumed the path to have: `observed`).
     path_rate: float | None = None
-    # Compressed forms its worker can send (issue 35): (codec, bytes), from
-    # the least compressed; `codec` is the one its go named (None: whole).
-    options: tuple[tuple[str, int], ...] = ()
+    # Compressed forms its worker can send (issue 35): (codec, bytes, the
+    # worker's encoding seconds), from the least compressed; `codec` is the
+    # one its go named (None: whole).
+    options: tuple[tuple[str, int, float], ...] = ()
     codec: str | None = None
 
     def option_bytes(self, codec: str | None) -> int:
         """The bytes the transfer takes compressed by `codec` (None: whole)."""
-        for name, nbytes in self.options:
+        for name, nbytes, _ in self.options:
             if name == codec:
                 return nbytes
         return self.nbytes

@@ -11,6 +11,7 @@ unless it is short beside the hand-over that wait costs (`trusted`).
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -60,40 +61,56 @@ def check_compression(mode: str) -> str:
 
 
 def choose_compression(plan: Callable[[np.ndarray], schedule.RowPlan], size: np.ndarray,
-                       offers: Sequence[tuple[tuple[str, int], ...]], mode: str
+                       offers: Sequence[tuple[tuple[str, int, float], ...]], mode: str,
+                       rates: np.ndarray | None = None
                        ) -> tuple[schedule.RowPlan, dict[int, str]]:
     """The plan of rows of `size` bytes, some sent compressed (issue 35), and
     the codec chosen for each row that is (row -> codec).
 
-    `offers[k]`: row k's compressed forms, (codec, bytes) from the least
-    compressed. "off": every row whole. "fixed:NAME": every row that offers
-    NAME sends it. "adaptive": each row whole, unless the plan drops it (its
-    deadline cannot be met, it would idle the server, or the queue is past
-    what the link can deliver in time): then its next form, and the rows
-    are planned again, until no dropped row has a smaller form left. A row
-    thus goes with the least compression that lets it go; shrinking a row
-    only frees link time for the others. At most one pass per form."""
+    `offers[k]`: row k's compressed forms, (codec, bytes, the seconds its
+    worker takes to encode it) from the least compressed. A form is planned
+    at its bytes plus its encoding time at the row's path rate (`rates[k]`,
+    bytes/s; None: encoding not counted): the link time it costs, counting
+    the worker's CPU as if it held the link, so that a form whose encoding
+    outlasts what it saves on the wire is never the smaller one.
+
+    "off": every row whole. "fixed:NAME": every row that offers NAME sends
+    it. "adaptive": each row whole, unless the plan drops it (its deadline
+    cannot be met, it would idle the server, or the queue is past what the
+    link can deliver in time): then its next form that is smaller counted
+    so, and the rows are planned again, until no dropped row has a smaller
+    form left. A row thus goes with the least compression that lets it go;
+    shrinking a row only frees link time for the others. At most one pass
+    per form."""
     chosen: dict[int, str] = {}
     if mode == "off" or not any(offers):
         return plan(size), chosen
     size = size.copy()
+
+    def cost(k: int, nbytes: int, seconds: float) -> float:
+        rate = float(rates[k]) if rates is not None else 0.0
+        return nbytes + seconds * rate if math.isfinite(rate) and rate > 0 else float(nbytes)
+
     if mode.startswith("fixed:"):
         name = mode.partition(":")[2]
         for k, offer in enumerate(offers):
-            for codec, nbytes in offer:
+            for codec, nbytes, seconds in offer:
                 if codec == name:
-                    size[k], chosen[k] = nbytes, codec
+                    size[k], chosen[k] = cost(k, nbytes, seconds), codec
         return plan(size), chosen
     level = [0] * len(offers)
     result = plan(size)
     for _ in range(max(len(o) for o in offers)):
         shrunk = False
         for k in result.drop_row:
-            if level[k] < len(offers[k]):
-                codec, nbytes = offers[k][level[k]]
+            while level[k] < len(offers[k]):
+                codec, nbytes, seconds = offers[k][level[k]]
                 level[k] += 1
-                size[k], chosen[k] = nbytes, codec
-                shrunk = True
+                planned = cost(k, nbytes, seconds)
+                if planned < size[k]:
+                    size[k], chosen[k] = planned, codec
+                    shrunk = True
+                    break
         if not shrunk:
             break
         result = plan(size)
@@ -121,9 +138,12 @@ def mlfabric_policy(snap: Snapshot, *, idle_factor: float | None = 1.0,
             schedule.ServerState(snap.version, in_flight=snap.server_in_flight),
             _config(snap.tau_max, idle_factor, overload))
 
+    offers = [() if t.chunk else t.options for t in ranked]
+    rates = (np.fromiter((snap.network.rate(t.host, t.dst) for t in ranked), np.float64, n)
+             if any(offers) else None)
     result, chosen = choose_compression(
-        plan, np.fromiter((t.nbytes for t in ranked), np.float64, n),
-        [() if t.chunk else t.options for t in ranked], compression)
+        plan, np.fromiter((t.nbytes for t in ranked), np.float64, n), offers, compression,
+        rates)
     ids = np.fromiter((t.id for t in ranked), np.int64, n)
     return _column_plan(result, ids, base_version, chosen)
 
@@ -293,5 +313,5 @@ class Mlfabric:
         offers = pending.offers
         result, chosen = choose_compression(
             plan, pending.size[ranked],
-            [offers.get(int(i), ()) for i in ids] if offers else [], self.compression)
+            [offers.get(int(i), ()) for i in ids] if offers else [], self.compression, cap)
         return _column_plan(result, ids, base_version, chosen)

@@ -360,9 +360,10 @@ class TransferRequest:
     # transfer can pass it between chunks. 0: all at once.
     chunk: int = 0
     # Compressed forms the worker can send instead (issue 35): (codec, the
-    # bytes it would take), from the least compressed; the controller names
-    # one in its go (`Directive.codec`), or none for the update whole.
-    options: tuple[tuple[str, int], ...] | None = None
+    # bytes it would take, the seconds the worker measured encoding it
+    # takes), from the least compressed; the controller names one in its go
+    # (`Directive.codec`), or none for the update whole.
+    options: tuple[tuple[str, int, float], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -1164,19 +1165,31 @@ def _decode_transfer_request(meta: Mapping[str, Any], tensors: dict[str, np.ndar
 
 
 MAX_OPTIONS: Final = 8  # compressed forms one transfer request may offer
+MAX_ENCODE_SECONDS: Final = 600.0  # an option's encoding time, at most
 
 
-def _options(meta: Mapping[str, Any]) -> tuple[tuple[str, int], ...] | None:
+def _option(o: Any) -> tuple[str, int, float] | None:
+    """[codec, bytes, encode seconds] (or, from a worker of before the
+    seconds, [codec, bytes]: 0 s), or None if malformed."""
+    if not (isinstance(o, list) and len(o) in (2, 3) and isinstance(o[0], str)
+            and 0 < len(o[0]) <= 32 and type(o[1]) is int and 0 <= o[1] <= _MAX_U64):
+        return None
+    seconds = o[2] if len(o) == 3 else 0.0
+    if type(seconds) not in (int, float) or not 0.0 <= seconds <= MAX_ENCODE_SECONDS:
+        return None  # NaN fails the comparison too
+    return o[0], o[1], float(seconds)
+
+
+def _options(meta: Mapping[str, Any]) -> tuple[tuple[str, int, float], ...] | None:
     raw = meta.get("options")
     if raw is None:
         return None
-    if (not isinstance(raw, list) or not 0 < len(raw) <= MAX_OPTIONS
-            or not all(isinstance(o, list) and len(o) == 2 and isinstance(o[0], str)
-                       and 0 < len(o[0]) <= 32 and type(o[1]) is int and 0 <= o[1] <= _MAX_U64
-                       for o in raw)):
-        raise ProtocolError(f"field 'options' must be 1 to {MAX_OPTIONS} [codec, bytes] "
-                            f"pairs, got {raw!r:.80}")
-    return tuple((codec, nbytes) for codec, nbytes in raw)
+    options = [_option(o) for o in raw] if isinstance(raw, list) else []
+    if not 0 < len(options) <= MAX_OPTIONS or None in options:
+        raise ProtocolError(f"field 'options' must be 1 to {MAX_OPTIONS} [codec, bytes, "
+                            f"encode seconds in 0..{MAX_ENCODE_SECONDS:g}] lists, got "
+                            f"{raw!r:.80}")
+    return tuple(o for o in options if o is not None)
 
 
 def _shard_index(meta: Mapping[str, Any]) -> int:
