@@ -136,6 +136,17 @@ def table(sc: Scenario, runs: dict[str, list[RunResult]]) -> str:
                     f"{med([r.dropped for r in rs]):8.0f} {med(b) / 1e6:13.1f}")
         lines.append(f"  {system:{NAME_W}s} {t:13.1f} s{mark:5s}{reached:>3d}/{len(rs):<3d} {rest}")
     lines += milestones(sc, runs)
+    finals = [f"{system} {med([r.curve[-1][1] for r in rs if r.curve]):.3f}"
+              for system, rs in runs.items() if any(r.curve for r in rs)]
+    if finals:  # with a target none reaches, every run's accuracy at the time limit
+        lines.append(f"  final held-out accuracy (median of each run's last): "
+                     f"{', '.join(finals)}")
+    for system, rs in runs.items():
+        if any(r.codecs for r in rs):
+            merged = RunResult(system, sc.name, False, None, 0.0,
+                               codecs=[c for r in rs for c in r.codecs])
+            lines.append(f"  {system} forms chosen per transfer (all runs): "
+                         f"{codec_counts(merged)}")
     for system, rs in runs.items():
         parts = {k: [getattr(r, k) for r in rs if getattr(r, k) is not None]
                  for k in ("gather_mean", "forward_mean", "planned_gather_mean",
@@ -168,7 +179,12 @@ def plot(path: str, results: dict[str, dict[str, list[RunResult]]]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.2), squeeze=False)
+    # Beneath the accuracy, where workers offered compressed forms (issue
+    # 35): each transfer's form as the controller chose it, over the same time.
+    chose = any(r.codecs for runs in results.values() for rs in runs.values() for r in rs)
+    rows = 2 if chose else 1
+    fig, axes = plt.subplots(rows, len(results), figsize=(6 * len(results), 4.2 * rows),
+                             squeeze=False, sharex="col")
     colours = {"fifo": "tab:red", "mlfabric": "tab:blue", "ddp": "tab:green",
                "ddp-powersgd": "lime",
                "mlfabric-agg": "tab:purple", "mlfabric-agg-wait": "tab:orange",
@@ -176,7 +192,7 @@ def plot(path: str, results: dict[str, dict[str, list[RunResult]]]) -> None:
                "mlfabric-agg-static": "tab:brown", "mlfabric-colocated": "tab:cyan",
                "mlfabric-2shards": "tab:olive", "mlfabric-colocated-agg": "tab:pink",
                "mlfabric-colocated-agg-wait": "black", "mlfabric-idle-off": "navy",
-               "mlfabric-adaptive": "gold"}
+               "mlfabric-adaptive": "gold", "mlfabric-colocated-adaptive": "darkgoldenrod"}
     for ax, (name, runs) in zip(axes[0], results.items(), strict=True):
         for system, rs in runs.items():
             for k, r in enumerate(rs):
@@ -189,15 +205,58 @@ def plot(path: str, results: dict[str, dict[str, list[RunResult]]]) -> None:
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
         ax.legend()
+    if chose:
+        for ax, runs in zip(axes[1], results.values(), strict=True):
+            forms = sorted({c for rs in runs.values() for r in rs for _, c in r.codecs},
+                           key=form_order)
+            offset = 0.0
+            for system, rs in runs.items():
+                points = [(t, forms.index(c)) for r in rs for t, c in r.codecs]
+                if not points:
+                    continue
+                ts, ys = zip(*points, strict=True)
+                ax.scatter(ts, [y + offset for y in ys], s=6, alpha=0.5,
+                           color=colours.get(system), label=system)
+                offset += 0.15  # systems side by side within a form's band
+            ax.set_yticks(range(len(forms)), forms)
+            ax.set_title("compression chosen per transfer")
+            ax.set_xlabel("wall time (s)")
+            ax.grid(alpha=0.3)
+            if forms:
+                ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def form_order(codec: str) -> tuple[int, float, str]:
+    """Whole first, then by the bytes a form keeps: 16-bit, then sparse and
+    low rank by their fraction or rank, descending."""
+    name, _, arg = codec.partition(":")
+    if codec == "whole":
+        return (0, 0.0, codec)
+    if name in ("fp16", "bf16"):
+        return (1, 0.0, codec)
+    try:
+        return (2, -float(arg), codec)
+    except ValueError:
+        return (3, 0.0, codec)
+
+
+def codec_counts(r: RunResult) -> str:
+    """'whole 120, fp16 5, topk:0.1 17' for a run whose workers offered forms."""
+    counts: dict[str, int] = {}
+    for _, c in r.codecs:
+        counts[c] = counts.get(c, 0) + 1
+    return ", ".join(f"{c} {counts[c]}" for c in sorted(counts, key=form_order))
 
 
 def report(path: str, plot_path: str | None, time_limit: float) -> int:
     try:
         with open(path) as f:
             saved = json.load(f)
-        results = {name: {system: [RunResult(**{**r, "curve": [tuple(p) for p in r["curve"]]})
+        results = {name: {system: [RunResult(**{**r, "curve": [tuple(p) for p in r["curve"]],
+                                                "codecs": [tuple(c) for c in
+                                                           r.get("codecs", [])]})
                                    for r in rs]
                           for system, rs in runs.items()}
                    for name, runs in saved.items()}
@@ -248,6 +307,10 @@ def main() -> int:
                     metavar="MBIT|none",
                     help="bound on each tenant flow's rate (default %(default)s Mbit/s; none: "
                          "60%% of the link it loads, whatever that costs the machine's CPU)")
+    ap.add_argument("--target", type=float, default=Scenario.target,
+                    help="the held-out accuracy to reach (default %(default)s); one no "
+                         "system reaches (0.99) runs each for the whole --time-limit, to "
+                         "compare final accuracies")
     ap.add_argument("--tau-max", type=int, default=Scenario.tau_max,
                     help="the staleness bound of the PS systems, in versions (default "
                          "%(default)s)")
@@ -278,7 +341,7 @@ def main() -> int:
         if n not in SCENARIOS:
             ap.error(f"unknown scenario {n!r}; choose from {', '.join(SCENARIOS)}")
     try:
-        base = Scenario(time_limit=args.time_limit, workers=args.workers,
+        base = Scenario(time_limit=args.time_limit, workers=args.workers, target=args.target,
                         tenant_max_mbit=args.tenant_max_mbit, mtu=args.mtu,
                         tau_max=args.tau_max, group_wait=args.group_wait)
     except ConfigError as exc:
@@ -314,7 +377,8 @@ def main() -> int:
                              + (f"  groups {res.groups} of {res.grouped} updates "
                                 f"({res.rescued} rescued)" if res.groups else "")
                              + "".join(f"  {n} {reason}" for reason, n in
-                                       sorted(res.drop_reasons.items())))
+                                       sorted(res.drop_reasons.items()))
+                             + (f"  forms: {codec_counts(res)}" if res.codecs else ""))
                     print(f"{sc.name} round {r + 1} {system:8s} time to target {t}  wall "
                           f"{res.wall:.1f} s{extra}", flush=True)
             results[sc.name] = runs

@@ -168,10 +168,13 @@ def test_decision_log_and_aggregators_give_planned_and_measured_group_times(tmp_
         {"event": "drop", "at": 1.1, "id": 4, "reason": "deadline_missed"},
         {"event": "group", "ids": [5, 6, 7], "rescued": 1, "ready": 2.5, "delivered": 3.5},
         {"event": "go", "at": 2.0, "id": 5, "via": "h3", "index": 0},
+        {"event": "go", "at": 2.25, "id": 8, "position": 0, "codec": "whole"},
+        {"event": "go", "at": 2.75, "id": 9, "position": 0, "codec": "topk:0.1"},
     ]
     log.write_text("".join(json.dumps(e) + "\n" for e in events))
-    assert contention.read_decisions(log) == {
+    assert contention.read_decisions(log, t0=0.25) == {
         "groups": 2, "grouped": 5, "rescued": 1, "drop_reasons": {"deadline_missed": 1},
+        "codecs": [(2.0, "whole"), (2.5, "topk:0.1")],
         # go -> ready: 0.25 and 0.5; ready -> delivered: 0.25 and 1.0
         "planned_gather_mean": 0.375, "planned_forward_mean": 0.625}
     agents = [{"mlfabric_aggregator_gather_seconds_count": 2.0,
@@ -200,7 +203,9 @@ def test_benchmark_reprints_saved_runs_with_their_update_rate(tmp_path):
                planned_forward_mean=0.3)
     saved = {"contended": {"fifo": [run("fifo", 10.0, 10.0, 40), run("fifo", 30.0, 30.0, 60),
                                     run("fifo", None, 50.0, 100)],
-                           "mlfabric": [run("mlfabric", 20.0, 20.0, 100)],
+                           "mlfabric": [run("mlfabric", 20.0, 20.0, 100,
+                                            codecs=[(1.0, "whole"), (2.0, "topk:0.1"),
+                                                    (3.0, "fp16"), (4.0, "whole")])],
                            "mlfabric-agg": [run("mlfabric-agg", 8.0, 8.0, 40, **agg)],
                            # every update grouped: (5 - 1) x 0.5 s and (3 - 1) x 1.0 s
                            "mlfabric-agg-wait": [
@@ -238,6 +243,17 @@ def test_benchmark_reprints_saved_runs_with_their_update_rate(tmp_path):
             "2.00 s, 2.00 s; ddp's time to target / that: 1.50x, 0.50x (the most ddp / "
             "mlfabric-agg-wait could be)") in out.stdout
     assert "mlfabric-agg: forwards alone" not in out.stdout  # not every update was grouped
+    # the last point of each run: 0.9 if it reached the target, else 0.84
+    assert ("  final held-out accuracy (median of each run's last): fifo 0.900, mlfabric "
+            "0.900,") in out.stdout
+    assert ("  mlfabric forms chosen per transfer (all runs): whole 2, fp16 1, topk:0.1 1"
+            in out.stdout)
+    if importlib.util.find_spec("matplotlib"):  # the bench extra: accuracy over the forms
+        png = tmp_path / "runs.png"
+        drawn = subprocess.run([*script, "--plot", str(png)], capture_output=True, text=True,
+                               timeout=120)
+        assert drawn.returncode == 0, drawn.stderr
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     path.write_text("{not json")
     bad = subprocess.run(script, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and f"cannot read the runs saved in {path}" in bad.stderr

@@ -301,6 +301,9 @@ class RunResult:
     forward_mean: float | None = None
     planned_gather_mean: float | None = None
     planned_forward_mean: float | None = None
+    # Workers offering compressed forms: each go's choice, (seconds from time
+    # 0, codec or "whole"), from the decision log (issue 35).
+    codecs: list[tuple[float, str]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -317,10 +320,14 @@ def summarise_outcomes(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def read_decisions(decision_log: Path) -> dict[str, Any]:
+def read_decisions(decision_log: Path, t0: float = 0.0) -> dict[str, Any]:
     """From a controller's decision log: the aggregation groups formed, their
-    members, how many of those were rescued drops, and the drops by reason."""
-    out: dict[str, Any] = {"groups": 0, "grouped": 0, "rescued": 0, "drop_reasons": {}}
+    members, how many of those were rescued drops, the drops by reason, and
+    each go's compressed form if its worker offered any (at seconds from
+    `t0`, the run's time 0 on the controller's clock: both are the host's
+    monotonic clock)."""
+    out: dict[str, Any] = {"groups": 0, "grouped": 0, "rescued": 0, "drop_reasons": {},
+                           "codecs": []}
     if not decision_log.exists():
         return out
     planned: dict[int, dict[str, Any]] = {}  # group by its first member, until that one's go
@@ -336,6 +343,8 @@ def read_decisions(decision_log: Path) -> dict[str, Any]:
             g = planned.pop(event["id"])
             gather.append(g["ready"] - event["at"])
             forward.append(g["delivered"] - g["ready"])
+        elif event.get("event") == "go" and "codec" in event:
+            out["codecs"].append((round(event["at"] - t0, 6), event["codec"]))
         elif event.get("event") == "drop":
             reasons = out["drop_reasons"]
             reasons[event["reason"]] = reasons.get(event["reason"], 0) + 1
@@ -591,7 +600,7 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
             records += json.loads(lines[-1])["outcomes"]
         counted = [_server_bytes_in(host) for host in servers]
         bytes_in = None if None in counted else sum(c for c in counted if c is not None)
-        decisions = read_decisions(tmp / "decisions.jsonl")
+        decisions = read_decisions(tmp / "decisions.jsonl", t0)
         if aggregates(base):
             decisions.update(aggregator_seconds(
                 [scrape_metrics(w, AGENT_METRICS_PORT) for w in workers]))
