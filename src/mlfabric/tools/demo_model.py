@@ -16,9 +16,12 @@ accuracy with 4 workers whose updates are several versions stale.
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -76,14 +79,9 @@ def load_digits_split(
     """
     if not 0.0 < test_fraction < 1.0:
         raise ConfigError(f"test_fraction must be strictly between 0 and 1, got {test_fraction!r}")
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as exc:
-        raise ConfigError("the demo needs scikit-learn: pip install 'mlfabric[demo]'") from exc
-
-    digits = load_digits()
-    X = np.ascontiguousarray(np.asarray(digits.data, dtype=np.float32) / np.float32(16.0))
-    y = np.asarray(digits.target, dtype=np.int64)
+    data, target = bundled_digits()
+    X = np.ascontiguousarray(np.asarray(data, dtype=np.float32) / np.float32(16.0))
+    y = np.asarray(target, dtype=np.int64)
 
     rng = np.random.default_rng(seed)
     train_idx: list[np.ndarray] = []
@@ -101,6 +99,31 @@ def load_digits_split(
         np.ascontiguousarray(X[te]),
         np.ascontiguousarray(y[te]),
     )
+
+
+def bundled_digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits, (1797 x 64 pixel values 0..16, labels).
+
+    Read from the CSV scikit-learn ships, without importing scikit-learn:
+    that import (scipy and the rest) takes 2.3 s of CPU on a small machine,
+    once per worker process, where reading the file takes 30 ms. The same
+    values as `sklearn.datasets.load_digits()` (tests/test_demo_model.py);
+    if the file is not where this looks, through scikit-learn after all."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("the demo needs scikit-learn: pip install 'mlfabric[demo]'")
+    package = Path(next(iter(spec.submodule_search_locations)))
+    path = package / "datasets" / "data" / "digits.csv.gz"
+    if path.is_file():
+        with gzip.open(path, "rt") as f:
+            table = np.loadtxt(f, delimiter=",")
+        return table[:, :-1], table[:, -1].astype(np.int64)
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as exc:
+        raise ConfigError("the demo needs scikit-learn: pip install 'mlfabric[demo]'") from exc
+    digits = load_digits()
+    return digits.data, digits.target
 
 
 def init_params(hidden: int = 64, seed: int = 0) -> dict[str, np.ndarray]:
