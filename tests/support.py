@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import random
 import shutil
 import socket
 import sys
@@ -22,6 +21,7 @@ from mlfabric.runtime import loop as loops
 from mlfabric.runtime.metrics import ServerMetrics
 from mlfabric.server.server import ParameterServer
 from mlfabric.server.store import ParameterStore
+from mlfabric.tools import ports
 from mlfabric.wire.agent_auth import (
     AgentCredential,
     cluster_credential,
@@ -44,38 +44,8 @@ JOB_AGENT_KEY = AgentCredential("job", JOB, derive_job_key(CLUSTER_TOKEN, JOB))
 LOOP_CLOCK_SLACK = 0.01
 
 
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A loopback port free now, for a process or endpoint to bind later.
-
-    Not one from bind(("", 0)): the kernel gives those, and the local ports of
-    outgoing connections, from its ephemeral range, so a port found that way and
-    released can be taken again before the test binds it (CI saw a server's
-    bind to port 0 take the port reserved for the controller started next).
-    Below the range only an explicit bind can take it, and no port is handed
-    out twice in one test run.
-    """
-    low = _ephemeral_low()
-    candidates = [p for p in range(max(1024, low - 10000), low) if p not in _handed_out]
-    for port in random.sample(candidates, min(200, len(candidates))):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise RuntimeError(f"no free loopback port found below the ephemeral range ({low})")
+# A loopback port free now, below the kernel's ephemeral range (see there).
+free_port = ports.free_port
 
 
 def make_model(seed: int = 0, sizes: Mapping[str, tuple[int, ...]] | None = None):

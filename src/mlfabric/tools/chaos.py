@@ -50,7 +50,6 @@ import os
 import queue
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -61,18 +60,13 @@ from typing import Any
 
 import numpy as np
 
+from .ports import free_port
 from .token_cli import agent_secrets
 
 JOB = "chaos"
 TOKEN = b"LZOCIY7dpJlBseQd7WFHxOuZfBP-lw-b1w2dFVvkE7I"  # random (`mlfabric token new`)
 SCALE = 0.01  # of the seeded updates
 SERVING = ("serving job", "ready on")  # what each listening command prints when ready
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def model_of(tensors: int, size: int, seed: int = 0) -> dict[str, np.ndarray]:
