@@ -593,6 +593,21 @@ def _straggler(options=()):
                     network=Network(default=10.0, up={"slow": 1.0}))
 
 
+def _straggler_gos(options):
+    """The straggler example through ControlState (the columns the
+    controller keeps): its go actions by request."""
+    from mlfabric.controller.state import ControlState, Go
+    from mlfabric.scheduling.plan import Network
+    from mlfabric.scheduling.policies import Mlfabric
+
+    state = ControlState(Mlfabric(), tau_max=3, network=Network(default=10.0, up={"slow": 1.0}))
+    state.version = 3
+    for worker, req, host, base in (("w1", 1, "slow", 0), ("w2", 2, "b", 3)):
+        state.request(worker, req, host=host, dst="s", nbytes=10, base_version=base, norm=1.0,
+                      now=0.0, options=options)
+    return {a.transfer.req: a for a in state.decide(0.0).actions if isinstance(a, Go)}
+
+
 @pytest.mark.parametrize("mode, options, want", [
     # adaptive: whole when it goes whole; else the least compression that lets it go
     ("adaptive", (), {1: "would_idle_server", 2: None}),
@@ -628,22 +643,13 @@ def test_the_controller_shrinks_an_update_it_would_drop(mode, options, want):
 def test_a_forms_encoding_time_is_planned_as_link_time():
     """Top-k's 1 byte and 0.5 s of encoding at 1 B/s: planned as 1.5 s,
     in the plan from a snapshot and in the controller's columns alike."""
-    from mlfabric.controller.state import ControlState, Go
-    from mlfabric.scheduling.plan import Network
     from mlfabric.scheduling.policies import Mlfabric
 
     options = (("fp16", 5, 0.0), ("topk:0.1", 1, 0.5))
     plan = Mlfabric()(_straggler(options))
     assert {i.id: (i.codec, i.planned_seconds) for i in plan if not i.drop}[1] == \
         ("topk:0.1", pytest.approx(1.5))
-    state = ControlState(Mlfabric(), tau_max=3,
-                         network=Network(default=10.0, up={"slow": 1.0}))
-    state.version = 3
-    state.request("w1", 1, host="slow", dst="s", nbytes=10, base_version=0, norm=1.0, now=0.0,
-                  options=options)
-    state.request("w2", 2, host="b", dst="s", nbytes=10, base_version=3, norm=1.0, now=0.0,
-                  options=options)
-    gos = {a.transfer.req: a for a in state.decide(0.0).actions if isinstance(a, Go)}
+    gos = _straggler_gos(options)
     assert gos[1].codec == "topk:0.1" and gos[1].transfer.nbytes == 1
     assert gos[1].planned_seconds == pytest.approx(1.5)
 
@@ -683,19 +689,10 @@ def test_the_controllers_state_lets_a_shrunk_update_go_at_its_compressed_size():
     """Through ControlState (the columns the controller keeps): the go names
     the codec, the transfer then holds its links for the compressed bytes,
     and the plan is the one planned from a snapshot."""
-    from mlfabric.controller.state import ControlState, Go
-    from mlfabric.scheduling.plan import Network
     from mlfabric.scheduling.policies import Mlfabric
 
     options = (("fp16", 5, 0.0), ("topk:0.1", 1, 0.0))
-    state = ControlState(Mlfabric(), tau_max=3,
-                         network=Network(default=10.0, up={"slow": 1.0}))
-    state.version = 3
-    state.request("w1", 1, host="slow", dst="s", nbytes=10, base_version=0, norm=1.0, now=0.0,
-                  options=options)
-    state.request("w2", 2, host="b", dst="s", nbytes=10, base_version=3, norm=1.0, now=0.0,
-                  options=options)
-    gos = {a.transfer.req: a for a in state.decide(0.0).actions if isinstance(a, Go)}
+    gos = _straggler_gos(options)
     assert gos[1].codec == "topk:0.1" and gos[1].transfer.nbytes == 1
     assert gos[1].planned_seconds == pytest.approx(1.0)
     snapshot_plan = Mlfabric()(_straggler(options))
