@@ -376,3 +376,150 @@ def test_a_sharded_job_trains_as_one_model(client):
     finally:
         for t in threads:
             t.__exit__(None, None, None)
+
+
+# --- a torch.optim.Optimizer: schedulers, GradScaler, state dicts, Horovod's order (issue 36)
+
+
+def test_it_is_an_optimizer_whose_lr_a_scheduler_sets(serve, client):
+    """StepLR halves the param groups' lr after each step: each push is
+    float32(-lr) * grad at that step's lr, bit for bit on the server."""
+    model = Net()
+    st = serve(mt.model_arrays(model))
+    opt = mt.DistributedOptimizer(model, client(st), lr=0.2)
+    assert isinstance(opt, torch.optim.Optimizer)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref = Reference(arrays(model), gamma=0.0)
+    for step, lr in enumerate([0.2, 0.1, 0.05]):
+        assert opt.lr == pytest.approx(lr) and opt.param_groups[0]["lr"] == pytest.approx(lr)
+        backward(model, seed=step)
+        ref.apply({n: np.float32(-opt.param_groups[0]["lr"]) * p.grad.numpy()
+                   for n, p in model.named_parameters()})
+        assert opt.step().applied
+        sched.step()
+        assert_model_equal(server_model(st)[1], ref.w)
+
+
+def test_a_scheduler_reaches_the_local_optimizer(serve, client):
+    model = Net()
+    st = serve(mt.model_arrays(model))
+    local = torch.optim.SGD(model.parameters(), lr=0.4, momentum=0.9)
+    opt = mt.DistributedOptimizer(model, client(st), local_optimizer=local)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.25)
+    backward(model)
+    opt.step()
+    sched.step()
+    assert local.param_groups[0]["lr"] == pytest.approx(0.1)
+    assert opt.param_groups is local.param_groups and opt.state is local.state
+    assert opt.lr is None
+
+
+def test_state_dicts_round_trip_the_local_optimizers_state(serve, client):
+    """Adam's moments and a scheduled lr survive state_dict() and
+    load_state_dict() into a new optimizer of a new worker."""
+    model = Net()
+    st = serve(mt.model_arrays(model))
+    ps = client(st)
+    opt = mt.DistributedOptimizer(model, ps, local_optimizer=torch.optim.Adam(
+        model.parameters(), lr=0.01))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(2):
+        backward(model, seed=step)
+        opt.step()
+        sched.step()
+    saved = copy.deepcopy(opt.state_dict())
+    assert saved["param_groups"][0]["lr"] == pytest.approx(0.0025)
+    assert saved["state"][0]["step"] == 2
+
+    other = Net(seed=5)
+    again = mt.DistributedOptimizer(other, ps, local_optimizer=torch.optim.Adam(
+        other.parameters(), lr=0.01))
+    again.load_state_dict(saved)
+    loaded = again.local_optimizer.state_dict()
+    assert loaded["param_groups"][0]["lr"] == pytest.approx(0.0025)
+    for k, state in saved["state"].items():
+        torch.testing.assert_close(loaded["state"][k]["exp_avg"], state["exp_avg"])
+        torch.testing.assert_close(loaded["state"][k]["exp_avg_sq"], state["exp_avg_sq"])
+    assert again.state is again.local_optimizer.state  # still one optimizer after loading
+    backward(other)
+    assert again.step().applied
+
+    sgd = mt.DistributedOptimizer(Net(), ps, lr=0.3)
+    sgd.param_groups[0]["lr"] = 0.15  # as a scheduler would have set it
+    plain = copy.deepcopy(sgd.state_dict())
+    fresh = mt.DistributedOptimizer(Net(), ps, lr=0.3)
+    fresh.load_state_dict(plain)
+    assert fresh.lr == pytest.approx(0.15)
+
+
+def test_amps_grad_scaler_unscales_before_the_push_and_skips_an_inf_step(serve, client):
+    """With a scale of 2^10 the pushed update is float32(-lr) * the unscaled
+    gradient, bit for bit (unscaling by a power of two is exact); a step with
+    an Inf gradient is skipped, so nothing is pushed, and the scale backs off."""
+    model = Net()
+    st = serve(mt.model_arrays(model))
+    opt = mt.DistributedOptimizer(model, client(st), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    twin = copy.deepcopy(model)
+    backward(twin, seed=3)
+    ref = Reference(arrays(model), gamma=0.0)
+    ref.apply({n: np.float32(-0.1) * p.grad.numpy() for n, p in twin.named_parameters()})
+
+    def scaled_backward(seed):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(16, 8, generator=g)
+        y = torch.randint(0, 3, (16,), generator=g)
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+
+    scaled_backward(3)
+    outcome = scaler.step(opt)
+    scaler.update()
+    assert outcome.applied
+    assert_model_equal(server_model(st)[1], ref.w)
+
+    scaled_backward(4)
+    model.fc1.weight.grad[0, 0] = float("inf")
+    assert scaler.step(opt) is None  # skipped: no push
+    scaler.update()
+    assert server_model(st)[0] == 1 and opt.stats().steps == 1
+    assert scaler.get_scale() == 2.0 ** 9
+
+
+def test_horovods_order_takes_the_optimizer_first(serve, client):
+    model = Net()
+    st = serve(mt.model_arrays(model))
+    local = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = mt.DistributedOptimizer(local, client(st), named_parameters=model.named_parameters())
+    assert opt.local_optimizer is local and opt.module is None
+    before = arrays(model)
+    backward(model)
+    grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+    assert opt.step().applied
+    version, weights = server_model(st)
+    assert version == 1
+    for n in before:  # w + ((w - lr g) - w): the change SGD made, to float32 rounding
+        np.testing.assert_allclose(weights[n], before[n] - 0.05 * grads[n], atol=1e-6)
+
+
+@pytest.mark.parametrize(("first", "kwargs", "message"), [
+    ("optimizer", {}, "with an optimizer first \\(Horovod's order\\), give "
+                      "named_parameters=model.named_parameters\\(\\)"),
+    ("optimizer", {"named_parameters": [("w", 3)]},
+     "named_parameters must be \\(name, parameter\\) pairs"),
+    ("module", {"lr": 0.1, "named_parameters": []},
+     "named_parameters= goes with an optimizer first"),
+    ("text", {"lr": 0.1}, "DistributedOptimizer takes the model first .* got str"),
+    ("module-no-ps", {"lr": 0.1}, "give DistributedOptimizer the job's client: ps="),
+])
+def test_the_argument_order_is_explained_when_wrong(serve, client, first, kwargs, message):
+    model = Net()
+    st = serve(mt.model_arrays(model))
+    ps = client(st)
+    target = {"optimizer": torch.optim.SGD(model.parameters(), lr=0.1), "module": model,
+              "text": "model", "module-no-ps": model}[first]
+    with pytest.raises(ConfigError, match=message):
+        if first == "module-no-ps":
+            mt.DistributedOptimizer(target, **kwargs)
+        else:
+            mt.DistributedOptimizer(target, ps, **kwargs)

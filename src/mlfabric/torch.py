@@ -23,6 +23,12 @@ The update is ``-lr * grad`` (``lr=``), or, with ``local_optimizer=`` (any
 ``torch.optim.Optimizer`` over the module's parameters), the change that
 optimizer's ``step()`` made: ``new_param - old_param``.
 
+``DistributedOptimizer`` is itself a ``torch.optim.Optimizer`` (its param
+groups and state are the local optimizer's), so LR schedulers, AMP's
+``GradScaler`` and ``state_dict()`` checkpoints work as with any other; it
+also takes Horovod's order, ``DistributedOptimizer(optimizer, ps,
+named_parameters=model.named_parameters())``.
+
 Outcomes: an update the server refuses (stale beyond ``tau_max``, or dropped
 by the controller) is simply not applied; it is counted in ``dropped`` and
 ``dropped_reasons`` and ``step()`` goes on. A push that raises (a malformed
@@ -107,15 +113,22 @@ class Stats:
     in_flight: int  # pushes whose outcome is not collected yet
 
 
-class DistributedOptimizer:
-    """An optimizer-like object that trains `module` through a parameter server.
+class DistributedOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` that trains `module` through a parameter server.
 
+    module: the model, whose ``named_parameters()`` name the server's tensors.
+        Or, in Horovod's order, the local optimizer first:
+        ``DistributedOptimizer(optimizer, ps,
+        named_parameters=model.named_parameters())``.
     ps: an ``mlfabric.connect(...)`` client whose server holds this module's
         parameters (``save_init`` writes the file to start it with).
     lr: plain SGD, the update is ``-lr * grad`` (a parameter without a
-        gradient contributes zeros).
+        gradient contributes zeros); ``lr`` is the param groups' learning
+        rate, so LR schedulers change it.
     local_optimizer: any torch optimizer over the module's parameters; the
         update is the change its ``step()`` makes. Give exactly one of the two.
+        Its ``param_groups`` and ``state`` are this optimizer's: schedulers,
+        ``GradScaler`` and ``state_dict()`` / ``load_state_dict()`` act on it.
     pull_every: pull the newest model into the module every N steps (1: after
         every push); 0: only when ``pull()`` is called. Between pulls the
         module keeps its own updates, so training goes on locally. With
@@ -132,15 +145,21 @@ class DistributedOptimizer:
 
     def __init__(
         self,
-        module: torch.nn.Module,
-        ps: Any,
+        module: torch.nn.Module | torch.optim.Optimizer,
+        ps: Any = None,
         *,
         lr: float | None = None,
         local_optimizer: torch.optim.Optimizer | None = None,
+        named_parameters: Any = None,
         pull_every: int = 1,
         max_in_flight: int = 1,
         timeout: float | None = 60.0,
     ) -> None:
+        named, module, local_optimizer = _what_to_train(module, local_optimizer,
+                                                        named_parameters)
+        if ps is None:
+            raise ConfigError("give DistributedOptimizer the job's client: "
+                              "ps=mlfabric.connect(...) (or mlfabric.config.connect())")
         if (lr is None) == (local_optimizer is None):
             raise ConfigError(
                 "give DistributedOptimizer exactly one of lr=... (plain SGD) or "
@@ -154,15 +173,23 @@ class DistributedOptimizer:
         if (isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int)
                 or max_in_flight < 1):
             raise ConfigError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
+        self._params = dict(named)
+        if local_optimizer is None:
+            assert lr is not None
+            super().__init__(list(self._params.values()), {"lr": float(lr)})
+        else:
+            # The local optimizer's groups and state are this optimizer's (the
+            # same objects): a scheduler's lr, GradScaler's unscaling and a
+            # loaded state_dict reach the optimizer that steps.
+            super().__init__(list(self._params.values()), dict(local_optimizer.defaults))
+            self._share(local_optimizer)
         self.module = module
         self.ps = ps
-        self.lr = None if lr is None else float(lr)
         self.local_optimizer = local_optimizer
         self.pull_every = pull_every
         self.max_in_flight = max_in_flight
         self.timeout = timeout
         self._pull_including = takes_including(ps.pull)
-        self._params = dict(_named_parameters(module))
         if local_optimizer is not None:
             ours = {id(p) for p in self._params.values()}
             for group in local_optimizer.param_groups:
@@ -193,11 +220,36 @@ class DistributedOptimizer:
 
     # -- the training-loop API ------------------------------------------------------------
 
+    @property
+    def lr(self) -> float | None:
+        """Plain SGD's learning rate (the first param group's, which a
+        scheduler sets); None with a local optimizer."""
+        return None if self.local_optimizer is not None else float(self.param_groups[0]["lr"])
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.local_optimizer is not None:
             self.local_optimizer.zero_grad(set_to_none=set_to_none)
         else:
-            self.module.zero_grad(set_to_none=set_to_none)
+            super().zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The local optimizer's state dict (plain SGD: its param groups),
+        as ``torch.optim.Optimizer.state_dict`` gives it."""
+        if self.local_optimizer is not None:
+            return self.local_optimizer.state_dict()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.local_optimizer is not None:
+            self.local_optimizer.load_state_dict(state_dict)
+            self._share(self.local_optimizer)  # loading replaced its groups and state
+        else:
+            super().load_state_dict(state_dict)
+
+    def _share(self, local: torch.optim.Optimizer) -> None:
+        self.param_groups = local.param_groups
+        self.state = local.state
+        self.defaults = local.defaults
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> PushOutcome | None:
@@ -213,15 +265,15 @@ class DistributedOptimizer:
             for name, p in self._params.items():
                 _difference(self._update[name], p.detach(), self._base[name])
         else:
-            assert self.lr is not None
             if closure is not None:
                 with torch.enable_grad():
                     closure()
+            lr_of = {id(p): float(g["lr"]) for g in self.param_groups for p in g["params"]}
             for name, p in self._params.items():
                 if p.grad is None:
                     self._update[name].zero_()
                 else:
-                    _scaled(self._update[name], p.grad.detach(), -self.lr)
+                    _scaled(self._update[name], p.grad.detach(), -lr_of[id(p)])
         pull_now = bool(self.pull_every) and (self.steps + 1) % self.pull_every == 0
         pulled = None
         try:
@@ -356,6 +408,37 @@ class DistributedOptimizer:
         else:
             for name, p in self._params.items():
                 p.data.add_(self._update[name].to(p.device, p.dtype))
+
+
+def _what_to_train(first: Any, local_optimizer: torch.optim.Optimizer | None,
+                   named_parameters: Any
+                   ) -> tuple[list[tuple[str, torch.nn.Parameter]], torch.nn.Module | None,
+                              torch.optim.Optimizer | None]:
+    """(named parameters, module, local optimizer) from mlfabric's argument
+    order, DistributedOptimizer(module, ps, ...), or Horovod's,
+    DistributedOptimizer(optimizer, ps, named_parameters=...)."""
+    if isinstance(first, torch.nn.Module):
+        if named_parameters is not None:
+            raise ConfigError("named_parameters= goes with an optimizer first (Horovod's "
+                              "order); with the module first, its own names are used")
+        return _named_parameters(first), first, local_optimizer
+    if isinstance(first, torch.optim.Optimizer):
+        if local_optimizer is not None:
+            raise ConfigError("the optimizer is given twice: first and as local_optimizer=")
+        if named_parameters is None:
+            raise ConfigError(
+                "with an optimizer first (Horovod's order), give "
+                "named_parameters=model.named_parameters(): they name the server's tensors")
+        named = list(named_parameters)
+        if not named or not all(isinstance(n, str) and isinstance(p, torch.nn.Parameter)
+                                for n, p in named):
+            raise ConfigError("named_parameters must be (name, parameter) pairs, as "
+                              "model.named_parameters() gives them")
+        return named, None, first
+    raise ConfigError(
+        f"DistributedOptimizer takes the model first (DistributedOptimizer(model, ps, "
+        f"lr=0.1)) or, in Horovod's order, an optimizer (DistributedOptimizer(optimizer, ps, "
+        f"named_parameters=model.named_parameters())); got {type(first).__name__}")
 
 
 def _direct(t: torch.Tensor) -> bool:
