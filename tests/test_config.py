@@ -114,6 +114,45 @@ def test_launch_info_reads_torchruns_variables():
     assert config.launch_info({}) == config.Launch(0, 1, 0, under_launcher=False)
     got = config.launch_info({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"})
     assert got == config.Launch(3, 4, 1, under_launcher=True)
+    got = config.launch_info({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.7"})
+    assert got.master_addr == "10.0.0.7"
+
+
+def test_under_torchrun_the_server_defaults_to_master_addr():
+    under = config.Launch(1, 2, 1, under_launcher=True, master_addr="10.0.0.7")
+    s = config.server_from_launcher(config.resolve(environ={}), under)
+    assert (s.server, s.source("server")) == ("10.0.0.7:7070", "MASTER_ADDR (torchrun)")
+    six = config.Launch(0, 2, 0, under_launcher=True, master_addr="fd00::7")
+    assert config.server_from_launcher(config.resolve(environ={}), six).server == "[fd00::7]:7070"
+    named = config.resolve(environ={"MLFABRIC_SERVER": "h1:7071"})
+    assert config.server_from_launcher(named, under).server == "h1:7071"  # a setting wins
+    alone = config.resolve(environ={})
+    assert config.server_from_launcher(alone, config.Launch()).server is None
+
+
+def test_a_torchrun_worker_without_a_server_setting_connects_to_master_addr(
+        token_file, monkeypatch):
+    with ServerThread(ParameterStore(make_model())) as st:
+        monkeypatch.setattr(config, "SERVER_PORT", int(st.address.rsplit(":", 1)[1]))
+        s = config.resolve(environ={"MLFABRIC_JOB": JOB, "MLFABRIC_TOKEN_FILE": str(token_file)})
+        launch = config.Launch(0, 2, 0, under_launcher=True, master_addr="127.0.0.1")
+        with config.connect(s, launch=launch) as ps:
+            assert ps.address == st.address
+            assert ps.pull(timeout=5)[0] == 0
+
+
+def test_an_unreachable_master_addr_server_says_how_to_name_another(
+        token_file, refused_address, monkeypatch):
+    monkeypatch.setattr(config, "SERVER_PORT", int(refused_address.rsplit(":", 1)[1]))
+    s = config.resolve(environ={"MLFABRIC_JOB": JOB, "MLFABRIC_TOKEN_FILE": str(token_file)})
+    launch = config.Launch(0, 2, 0, under_launcher=True, master_addr="127.0.0.1")
+    with pytest.raises(ConfigError) as exc:
+        config.connect(s, launch=launch)
+    assert one_line(exc) == (
+        f"cannot reach the server at {refused_address} (setting server (from MASTER_ADDR "
+        f"(torchrun))): Connection refused; start `mlfabric server` there or fix --server or "
+        f"MLFABRIC_SERVER (without them, torchrun's MASTER_ADDR names the server, on port "
+        f"{refused_address.rsplit(':', 1)[1]})")
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ import os
 import socket
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +97,8 @@ class Setting:
 SETTINGS: tuple[Setting, ...] = (
     Setting("server", "addresses", None,
             "the job's parameter server, HOST:PORT, or every shard of a sharded job, "
-            "HOST:PORT,HOST:PORT,... in shard order (required)"),
+            "HOST:PORT,HOST:PORT,... in shard order (required; under torchrun, "
+            "MASTER_ADDR:7070 if not set)"),
     Setting("job", "str", None, "the job's name, as the server was started with (required)"),
     Setting("token_file", "path", None,
             "file holding the job's secret token (required)"),
@@ -226,6 +227,9 @@ class Settings:
 
     def _fix(self, name: str) -> str:
         src = self.source(name)
+        if src == FROM_MASTER_ADDR:
+            return (f"--server or MLFABRIC_SERVER (without them, torchrun's MASTER_ADDR "
+                    f"names the server, on port {SERVER_PORT})")
         return "the default" if src == "default" else src
 
 
@@ -237,6 +241,7 @@ class Launch:
     world_size: int = 1
     local_rank: int = 0
     under_launcher: bool = False
+    master_addr: str | None = None  # torchrun's MASTER_ADDR: rank 0's host
 
 
 def launch_info(environ: Mapping[str, str] | None = None) -> Launch:
@@ -268,7 +273,27 @@ def launch_info(environ: Mapping[str, str] | None = None) -> Launch:
             f"RANK={rank}, WORLD_SIZE={world}, LOCAL_RANK={local} are inconsistent: need "
             f"0 <= RANK < WORLD_SIZE; start workers with torchrun"
         )
-    return Launch(rank, world, local, under_launcher=True)
+    return Launch(rank, world, local, under_launcher=True,
+                  master_addr=env.get("MASTER_ADDR") or None)
+
+
+#: The port of the job's server where no setting names it: under torchrun,
+#: the server is MASTER_ADDR:SERVER_PORT (the port every example and
+#: manifest of this project gives `mlfabric server --listen`).
+SERVER_PORT = 7070
+FROM_MASTER_ADDR = "MASTER_ADDR (torchrun)"
+
+
+def server_from_launcher(settings: Settings, launch: Launch) -> Settings:
+    """`settings` with the server at MASTER_ADDR:SERVER_PORT if no setting
+    names one and torchrun gives MASTER_ADDR (rank 0's host, where a job
+    runs its server beside the rendezvous); else `settings` as they are."""
+    if settings.server is not None or not launch.under_launcher or not launch.master_addr:
+        return settings
+    host = launch.master_addr
+    server = f"[{host}]:{SERVER_PORT}" if ":" in host else f"{host}:{SERVER_PORT}"
+    return replace(settings, server=server,
+                   sources={**settings.sources, "server": FROM_MASTER_ADDR})
 
 
 # --- reading and checking values ---------------------------------------------------
@@ -473,9 +498,13 @@ def connect(settings: Settings, *, launch: Launch | None = None, **extra: Any) -
 
     A configured controller must be reachable at start (a wrong address would
     otherwise only be a warning); `controller_fallback` governs what happens
-    when it goes away later."""
+    when it goes away later. Under torchrun, with no server setting, the
+    server is MASTER_ADDR:7070 (`server_from_launcher`)."""
     from .client.blocking import connect as client_connect
 
+    if settings.server is None:
+        launch = launch or launch_info()
+        settings = server_from_launcher(settings, launch)
     settings.require()
     assert settings.server is not None and settings.job is not None
     token = settings.load_token()
