@@ -377,3 +377,31 @@ def test_resuming_a_run_below_its_own_later_checkpoints_is_refused(tmp_path):
             f"ckpt-000000000005-abc.mlfckpt): after a crash --resume latest would take those, "
             f"not this continuation. Move them out of '{ckdir}' to go back past them, or give "
             f"another --checkpoint-dir") in proc.stderr
+
+
+def test_resume_auto_starts_from_init_once_and_continues_after_every_restart(tmp_path):
+    """What a systemd unit or a StatefulSet runs on every (re)start: the
+    first finds no checkpoint and starts from --init; the next continues."""
+    ckdir = tmp_path / "ckpts"
+    model = make_model()
+    ref = Reference(model, 0.5)
+    for start in range(2):
+        server = Server(tmp_path, "--momentum", "0.5", "--checkpoint-dir", str(ckdir),
+                        "--resume", "auto", model=model)
+        try:
+            with mlfabric.connect(server.address, job=JOB, token=TOKEN) as ps:
+                version, params = ps.pull(timeout=10)
+                assert version == 2 * start
+                assert_model_equal(params, ref.w)
+                for i in range(2):
+                    u = random_update(model, seed=10 * start + i)
+                    assert ps.push(u, base_version=version + i).result(10).applied
+                    ref.apply(u)
+        finally:
+            code, _, err = server.stop(signal.SIGTERM)
+        assert code == 0, err
+    assert checkpoint.read(checkpoint.latest(ckdir)).version == 4
+    proc = serve(tmp_path, "--init", "init.npz", "--resume", "auto")
+    assert proc.returncode != 0
+    assert ("--resume auto needs --checkpoint-dir (where to look) and --init MODEL.npz (the "
+            "model of the first start)") in proc.stderr

@@ -133,7 +133,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default: 3); other runs' files in --checkpoint-dir are left alone")
     p.add_argument("--resume", metavar="PATH", default=None,
                    help="start from a checkpoint file, or 'latest': the newest valid one in "
-                        "--checkpoint-dir (the run goes on: same run id)")
+                        "--checkpoint-dir (the run goes on: same run id), or 'auto': "
+                        "'latest' if --checkpoint-dir holds any checkpoint, else a new run "
+                        "from --init (for a service manager that restarts the server)")
     p.add_argument("--fresh", action="store_true",
                    help="start a new run although --checkpoint-dir holds another run's "
                         "checkpoints (they are left alone); without it the server refuses, "
@@ -265,6 +267,16 @@ def build_store(args: argparse.Namespace, tau_max: int | None
     """The model to serve, from --resume if given, else from --init; the run id
     its checkpoints carry (the resumed run's, or a new one); and the
     (version, path) it resumed from."""
+    if args.resume == "auto":
+        # A unit or pod restarted by its manager: the first start finds no
+        # checkpoint and starts from --init; every restart after continues.
+        # Damaged files only still count as checkpoints: 'latest' then says
+        # so rather than a new run silently starting over them.
+        if args.checkpoint_dir is None or args.init is None:
+            raise ConfigError("--resume auto needs --checkpoint-dir (where to look) and "
+                              "--init MODEL.npz (the model of the first start)")
+        which = "latest" if checkpoint.found(args.checkpoint_dir) else None
+        args = argparse.Namespace(**{**vars(args), "resume": which})
     if args.resume is None:
         if args.init is None:
             raise ConfigError("give the initial model with --init MODEL.npz (or --resume PATH)")
