@@ -876,13 +876,13 @@ def test_agent_config_is_plain_data() -> None:
     assert replace(cfg, name="b").name == "b"
 
 
-# --- deployment files (agents/) ------------------------------------------------------
+# --- deployment files (deploy/) ------------------------------------------------------
 
 
 def test_systemd_unit_runs_a_valid_agent_command() -> None:
     import shlex
 
-    unit = (ROOT / "agents" / "mlfabric-agent.service").read_text()
+    unit = (ROOT / "deploy" / "systemd" / "mlfabric-agent.service").read_text()
     (line,) = [x for x in unit.splitlines() if x.startswith("ExecStart=")]
     line = line.replace("${CREDENTIALS_DIRECTORY}", "/run/credentials/mlfabric-agent.service")
     argv = [a for a in shlex.split(line.removeprefix("ExecStart=")) if not a.startswith("$")]
@@ -896,17 +896,21 @@ def test_systemd_unit_runs_a_valid_agent_command() -> None:
 
 
 def test_daemonset_runs_a_valid_agent_command_and_config() -> None:
-    text = (ROOT / "agents" / "daemonset.yaml").read_text()
+    text = (ROOT / "deploy" / "kubernetes" / "daemonset.yaml").read_text()
     lines = text.splitlines()
     start = next(i for i, x in enumerate(lines) if x.strip() == "command:")
     argv = []
     for x in lines[start + 1:]:
+        if x.strip().startswith("#"):
+            continue  # a comment between the arguments
         if not x.strip().startswith("- "):
             break
-        argv.append(x.strip()[2:].replace("$(NODE_NAME)", "n1").replace("$(HOST_IP)", "10.0.0.1"))
+        argv.append(x.strip()[2:].replace("$(HOST_IP)", "10.0.0.1"))
     assert argv[:2] == ["mlfabric", "agent"]
     args = _args(argv[2:])
-    assert (args.listen, args.metrics_port, args.name) == ("10.0.0.1:7400", 9470, "n1")
+    # named by the node's IP, as the controller names hosts; the job's port is not load
+    assert (args.listen, args.metrics_port, args.name) == ("10.0.0.1:7400", 9470, "10.0.0.1")
+    assert args.job_port == [7070]
     # the cluster token from its Secret, mounted where the flag says
     assert args.cluster_token_file == "/etc/mlfabric-secret/cluster.token"
     assert "secretName: mlfabric-cluster-token" in text
@@ -925,7 +929,7 @@ def test_daemonset_runs_a_valid_agent_command_and_config() -> None:
 
 
 def test_prometheus_config_scrapes_agents_servers_and_controller() -> None:
-    text = (ROOT / "agents" / "prometheus.yml").read_text()
+    text = (ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text()
     for job in ("mlfabric-agent", "mlfabric-server", "mlfabric-controller"):
         assert f"job_name: {job}" in text
     assert ":9470" in text and "kubernetes_sd_configs" in text

@@ -86,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer", action="append", default=[], metavar="NAME=HOST:PORT",
                    help="a peer agent to probe (repeatable)")
     p.add_argument("--config", type=Path, metavar="FILE",
-                   help="JSON config file (keys as in agents/README.md)")
+                   help="JSON config file (keys as in deploy/README.md)")
     add_metrics_arguments(p)
     p.add_argument("--probe-budget", type=float, metavar="FRACTION",
                    help="max fraction of each link spent on probes (default 0.02)")

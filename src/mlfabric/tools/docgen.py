@@ -165,7 +165,7 @@ def config_reference() -> str:
         f"| `{loop.LOOP_ENV}` | event loop of every mlfabric process: `uvloop` (default "
         "when installed) or `asyncio` |",
         "| `MLFABRIC_AGENT_ARGS` | extra flags for `mlfabric agent` in the systemd unit "
-        "(`agents/mlfabric-agent.service`) |",
+        "(`deploy/systemd/mlfabric-agent.service`) |",
         "",
         "## Commands",
         "",

@@ -1,0 +1,243 @@
+"""The deployment files (deploy/): each systemd unit and drop-in runs a
+command the CLI accepts, on the ports the rest of the project uses, and
+`systemd-analyze verify` (where installed) finds nothing to fix."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlfabric.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEMD = ROOT / "deploy" / "systemd"
+UNITS = sorted(p.name for p in SYSTEMD.glob("*.service"))
+# The ports every unit, example and guide page gives each process.
+PORTS = {"server": (7070, 9471), "replica": (7070, 9471), "controller": (7071, 9472)}
+
+
+def settings(text: str) -> tuple[dict[str, str], list[str]]:
+    """The [Service] Environment= defaults of a unit or drop-in (the last
+    one of a name wins, as in systemd), and its ExecStart= lines."""
+    env: dict[str, str] = {}
+    starts = []
+    for line in text.splitlines():
+        if line.startswith("Environment="):
+            for word in shlex.split(line.removeprefix("Environment=")):
+                name, _, value = word.partition("=")
+                env[name] = value
+        elif line.startswith("ExecStart="):
+            starts.append(line.removeprefix("ExecStart="))
+    return env, starts
+
+
+def argv_of(unit: str, start: str, env: dict[str, str]) -> list[str]:
+    """ExecStart as systemd runs it: ${NAME} replaced in place, $NAME split
+    into words, with the unit's credentials and state directories."""
+    dirs = {"CREDENTIALS_DIRECTORY": f"/run/credentials/{unit}",
+            "STATE_DIRECTORY": f"/var/lib/{unit.removesuffix('.service')}"}
+    start = re.sub(r"\$\{(\w+)\}", lambda m: {**env, **dirs}[m.group(1)], start)
+    argv = []
+    for word in shlex.split(start):
+        if word.startswith("$"):
+            argv += shlex.split(env[word[1:]])
+        else:
+            argv.append(word)
+    return argv
+
+
+def parsed(unit: str, extra: str = ""):
+    env, (start,) = settings((SYSTEMD / unit).read_text())
+    env.update(settings(extra)[0])
+    argv = argv_of(unit, start, env)
+    assert argv[0] == "/usr/local/bin/mlfabric", argv
+    return build_parser(argv[1]).parse_args(argv[1:])
+
+
+@pytest.mark.parametrize("unit", UNITS)
+def test_each_unit_runs_a_command_the_cli_accepts(unit):
+    args = parsed(unit)
+    kind = unit.removeprefix("mlfabric-").removesuffix(".service")
+    assert args.command == ("server" if kind == "replica" else kind)
+    text = (SYSTEMD / unit).read_text()
+    assert "DynamicUser=yes" in text and "WantedBy=multi-user.target" in text
+    if kind in PORTS:
+        listen, metrics = PORTS[kind]
+        assert args.listen == f"0.0.0.0:{listen}" and args.metrics_port == metrics
+        # every token is root's file, handed over by systemd
+        assert args.token_file == f"/run/credentials/{unit}/job.token"
+        assert "LoadCredential=job.token:/etc/mlfabric/job.token" in text.splitlines()
+    if kind == "server":
+        assert (args.resume, args.checkpoint_dir) == ("auto", "/var/lib/mlfabric-server")
+    if kind == "replica":
+        assert args.role == "replica" and args.join_from == "server:7070"
+    if kind == "agent":
+        # the job's own traffic to its server is not counted as load, and the
+        # agent may read the socket counters that tell it so (netlink)
+        assert args.job_port == [7070] and args.metrics_port == 9470
+        families = next(x for x in text.splitlines() if x.startswith("RestrictAddressFamilies="))
+        assert "AF_NETLINK" in families.split("=", 1)[1].split()
+
+
+@pytest.mark.parametrize(("unit", "drop_in"), [
+    ("mlfabric-agent.service", "aggregator.conf"),
+    ("mlfabric-controller.service", "controller-agents.conf"),
+])
+def test_each_drop_in_adds_flags_the_cli_accepts_and_the_credential_they_read(unit, drop_in):
+    text = (SYSTEMD / drop_in).read_text()
+    args = parsed(unit, text)
+    if drop_in == "aggregator.conf":
+        assert args.aggregate == "0.0.0.0:7401" and args.servers
+        assert args.token_file == f"/run/credentials/{unit}/job.token"
+        assert "LoadCredential=job.token:/etc/mlfabric/job.token" in text.splitlines()
+    else:
+        assert args.agent and args.agent_key_file == f"/run/credentials/{unit}/agent.key"
+        assert "LoadCredential=agent.key:/etc/mlfabric/agent.key" in text.splitlines()
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                    reason="systemd-analyze is not installed")
+@pytest.mark.parametrize("unit", UNITS)
+def test_systemd_analyze_verify_finds_nothing_to_fix(unit, tmp_path):
+    """With the command's path pointed at this install's `mlfabric` (verify
+    checks that the executable exists)."""
+    mlfabric = str(Path(sys.executable).parent / "mlfabric")
+    copy = tmp_path / unit
+    copy.write_text((SYSTEMD / unit).read_text().replace("/usr/local/bin/mlfabric", mlfabric))
+    out = subprocess.run(["systemd-analyze", "verify", str(copy)], capture_output=True,
+                         text=True, timeout=60)
+    problems = [line for line in (out.stdout + out.stderr).splitlines()
+                if str(copy) in line or unit in line]
+    assert out.returncode == 0 and not problems, out.stdout + out.stderr
+
+
+# --- Prometheus: the alerting rules -------------------------------------------------
+
+PROMETHEUS = ROOT / "deploy" / "prometheus"
+# Labels every scraped series has (the scrape's target).
+TARGET_LABELS = {"instance", "job"}
+
+
+def declared_metrics() -> dict[str, tuple[str, set[str]]]:
+    """Every metric as scraped, name -> (type, label names), from the metrics
+    reference (docs/guide/metrics.md, generated from the code and checked
+    against it by tests/test_docgen.py)."""
+    out = {}
+    for line in (ROOT / "docs" / "guide" / "metrics.md").read_text().splitlines():
+        m = re.match(r"\| `(mlfabric_\w+)` \| (\w+) \| ([^|]*) \|", line)
+        if m:
+            labels = set(re.findall(r"`(\w+)`", m.group(3)))
+            out[m.group(1)] = (m.group(2), labels)
+    assert len(out) > 100
+    return out
+
+
+def series(name: str, metrics: dict[str, tuple[str, set[str]]]) -> tuple[str, set[str]] | None:
+    """The declared metric a series name belongs to (a histogram's _bucket,
+    _sum and _count are its own)."""
+    if name in metrics:
+        return metrics[name]
+    for suffix in ("_bucket", "_sum", "_count"):
+        base = name.removesuffix(suffix)
+        if base != name and metrics.get(base, ("", set()))[0] == "histogram":
+            return metrics[base]
+    return None
+
+
+def check_query(where: str, expr: str, shown: str, metrics) -> None:
+    """Every metric `expr` names is declared, and every label it groups or
+    matches by, or `shown` (a legend, an annotation) prints, is on one of
+    them (or is a scrape target's)."""
+    used = set(re.findall(r"\bmlfabric_\w+", expr))
+    assert used, f"{where}: no mlfabric metric in {expr!r}"
+    labels: set[str] = set(TARGET_LABELS)
+    for name in used:
+        found = series(name, metrics)
+        assert found is not None, f"{where}: {name} is no metric mlfabric declares"
+        labels |= found[1]
+        if name.endswith("_bucket"):
+            labels.add("le")
+    grouped = re.findall(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)", expr)
+    named = {x.strip() for group in grouped for x in group.split(",") if x.strip()}
+    named |= set(re.findall(r"\{(\w+)\s*[=!~]", expr))
+    named |= set(re.findall(r"\$labels\.(\w+)", shown))
+    named |= set(re.findall(r"\{\{\s*(\w+)\s*\}\}", shown))
+    assert named <= labels, f"{where}: labels {sorted(named - labels)} are on no series"
+
+
+def test_the_alerts_cover_what_an_operator_must_know_with_metrics_that_exist():
+    import yaml
+
+    rules = yaml.safe_load((PROMETHEUS / "alerts.yml").read_text())["groups"][0]["rules"]
+    names = {r["alert"] for r in rules}
+    assert {"MlfabricServerAppliesNothing", "MlfabricDropRateHigh",
+            "MlfabricReplicaPastDivergenceBound", "MlfabricAgentEstimatesStale",
+            "MlfabricCheckpointOld"} <= names
+    metrics = declared_metrics()
+    for rule in rules:
+        where = rule["alert"]
+        assert rule["labels"]["severity"] in ("warning", "critical"), where
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"], where
+        check_query(where, rule["expr"], " ".join(rule["annotations"].values()), metrics)
+
+
+def test_prometheus_loads_the_alerts_beside_its_scrape_config():
+    import yaml
+
+    config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
+    assert config["rule_files"] == ["alerts.yml"]
+    assert (PROMETHEUS / "alerts.yml").is_file()
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None,
+                    reason="promtool is not installed (apt-get install prometheus)")
+def test_promtool_checks_the_alerting_rules():
+    out = subprocess.run(["promtool", "check", "rules", str(PROMETHEUS / "alerts.yml")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "SUCCESS" in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+# --- Grafana: the dashboard ---------------------------------------------------------
+
+GRAFANA = ROOT / "deploy" / "grafana"
+
+
+def test_every_dashboard_query_names_declared_metrics_and_labels():
+    import json
+
+    board = json.loads((GRAFANA / "mlfabric.json").read_text())
+    metrics = declared_metrics()
+    panels = [p for p in board["panels"] if p["type"] != "row"]
+    titles = {p["title"] for p in panels}
+    # what the operator asked to see (issue 36)
+    for want in ("Updates applied and dropped per second", "Update delay (staleness) "
+                 "distribution", "Push to applied", "Available bandwidth per host pair",
+                 "Controller: re-plan time and events per re-plan", "Server apply time per "
+                 "shard", "Server bytes in and out per shard",
+                 "Replica: lag and divergence against its bound"):
+        assert want in titles
+    for panel in panels:
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            check_query(panel["title"], target["expr"], target.get("legendFormat", ""),
+                        metrics)
+    assert [v["name"] for v in board["templating"]["list"]] == ["datasource"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("grafana_foundation_sdk") is None,
+                    reason="grafana-foundation-sdk is not installed (the test extra has it)")
+def test_the_dashboard_is_what_its_builder_gives():
+    out = subprocess.run([sys.executable, str(GRAFANA / "dashboard.py")], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == (GRAFANA / "mlfabric.json").read_text(), (
+        "deploy/grafana/mlfabric.json is not what deploy/grafana/dashboard.py builds: run "
+        "python deploy/grafana/dashboard.py > deploy/grafana/mlfabric.json")
