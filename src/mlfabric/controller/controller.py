@@ -711,10 +711,14 @@ class Controller(Endpoint):
                                     reason=f"{action.reason}: {action.detail}".rstrip(": ")))
                 record = {"event": "drop", "at": round(now, 6), "reason": action.reason,
                           "detail": action.detail}
+            # dst: the link it goes into; deadline_version: the server version
+            # past which it is stale (`mlfabric report` marks when it came).
+            deadline = ({} if self.state.tau_max is None
+                        else {"deadline_version": t.base_version + self.state.tau_max})
             decision_log.info(json.dumps({
-                **record, "id": t.id, "host": t.host, "nbytes": t.nbytes,
+                **record, "id": t.id, "host": t.host, "dst": t.dst, "nbytes": t.nbytes,
                 "base_version": t.base_version, "server_version": self.state.version,
-                "queue_wait": round(wait, 6)}))
+                **deadline, "queue_wait": round(wait, 6)}))
         m.pending.set(len(self.state.pending))
         m.active.set(len(self.state.active))
         m.handover.set(self.state.handover)
