@@ -174,3 +174,88 @@ def test_status_of_several_controllers_says_who_answered_and_who_plans_which_sha
         "  shard  as a:7071 reads it  as b:7071 reads it",
         "  0      a:7071              a:7071",
         "  1      nobody              b:7071"]
+
+
+def test_status_watch_redraws_as_the_job_moves_and_stops_on_ctrl_c(tmp_path):
+    """`mlfabric status --watch 0.2` against a real controller, in a terminal
+    (rich told so by TTY_COMPATIBLE): it shows server version 0, then, after
+    a worker's three updates, version 3, redrawn in place; Ctrl-C ends it
+    with status 0 and the terminal's cursor back."""
+    import os
+    import queue
+    import signal
+    import subprocess
+    import threading
+
+    import mlfabric
+    from mlfabric.controller.controller import Controller
+    from mlfabric.scheduling.policies import Mlfabric
+    from mlfabric.server.store import ParameterStore
+
+    from support import JOB, TOKEN, ServerThread, make_model, random_update
+    from test_cli import mlfabric_cmd
+
+    token = tmp_path / "job.token"
+    token.write_bytes(TOKEN)
+    token.chmod(0o600)
+    model = make_model()
+    with ServerThread(ParameterStore(model)) as st, \
+            ServerThread(None, endpoint=Controller(Mlfabric(), job=JOB, token=TOKEN,
+                                                   tau_max=None)) as ctl:
+        proc = subprocess.Popen(
+            mlfabric_cmd("status", "--controller", ctl.address, "--job", JOB, "--token-file",
+                         str(token), "--watch", "0.2"),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+            env={**os.environ, "TTY_COMPATIBLE": "1", "COLUMNS": "160"})
+        chunks: queue.Queue[str] = queue.Queue()
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            while chunk := proc.stdout.read(256):
+                chunks.put(chunk)
+
+        threading.Thread(target=pump, daemon=True).start()
+        seen = ""
+
+        def until(text: str) -> None:
+            nonlocal seen
+            while text not in seen:
+                try:
+                    seen += chunks.get(timeout=30)
+                except queue.Empty:
+                    proc.kill()
+                    raise AssertionError(f"no {text!r} within 30 s; it printed: {seen!r}"
+                                         ) from None
+
+        try:
+            until("server version 0")
+            with mlfabric.connect(st.address, job=JOB, token=TOKEN,
+                                  controller=ctl.address) as ps:
+                for v in range(3):
+                    assert ps.push(random_update(model, seed=v), base_version=v).result(10)
+            until("server version 3")
+        finally:
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait(15)
+        assert code == 0, proc.stderr.read() if proc.stderr else ""
+    assert "every 0.2 s, press Ctrl-C to stop; updated " in seen
+    assert "\x1b[1A" in seen  # redrawn in place: the cursor goes back up
+    assert seen.count(f"job '{JOB}' on controller") >= 2
+    assert "Traceback" not in (proc.stderr.read() if proc.stderr else "")
+
+
+def test_status_watch_refuses_json_and_a_bad_interval():
+    import argparse
+
+    import pytest
+
+    from mlfabric.controller import status_cli
+    from mlfabric.errors import ConfigError
+
+    parser = argparse.ArgumentParser()
+    status_cli.add_arguments(parser)
+    base = ["--controller", "127.0.0.1:1", "--job", "j", "--token-file", "/dev/null"]
+    for extra, message in ((["--watch", "--json"], "--watch shows the status as a table"),
+                           (["--watch", "0"], "--watch must be")):
+        with pytest.raises(ConfigError, match=message):
+            status_cli.run(parser.parse_args([*base, *extra]))

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ..client.core import default_client_name
@@ -37,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="file holding the job's secret token")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait (default: 10)")
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    p.add_argument("--watch", nargs="?", type=float, const=1.0, default=None,
+                   metavar="SECONDS",
+                   help="refresh the status every SECONDS (default 1) in the terminal, like "
+                        "top, until Ctrl-C (needs rich: pip install 'mlfabric[watch]')")
     add_tls_arguments(p, "the controller (started with --tls-*)", listens=False)
 
 
@@ -327,12 +333,19 @@ def format_status(s: dict[str, Any], address: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     timeout = check_positive("--timeout", args.timeout)
+    if args.watch is not None:
+        if args.json:
+            raise ConfigError("--watch shows the status as a table: give --json without it to "
+                              "print the raw status once")
+        check_positive("--watch", args.watch)
     token = auth.load_token(args.token_file)
     from_args(args)  # the link to the controller is TLS with --tls-*
     addresses = [a.strip() for a in args.controller.split(",") if a.strip()]
     if len(set(addresses)) != len(addresses) or not addresses:
         raise ConfigError(f"--controller {args.controller!r}: give HOST:PORT, or the job's "
                           f"controllers separated by commas, each once")
+    if args.watch is not None:
+        return watch(lambda: status_text(addresses, args.job, token, timeout), args.watch)
     if len(addresses) == 1:
         status = fetch_status(addresses[0], args.job, token, timeout)
         print(json.dumps(status, indent=2) if args.json else format_status(status, addresses[0]))
@@ -346,4 +359,62 @@ def run(args: argparse.Namespace) -> int:
                                           for a, s in statuses.items()}}, indent=2))
     else:
         print(format_statuses(statuses))
+    return 0
+
+
+def status_text(addresses: Sequence[str], job: str, token: bytes, timeout: float) -> str:
+    """The status as `mlfabric status` prints it: of the one controller, or of
+    each; an error if none answers."""
+    if len(addresses) == 1:
+        return format_status(fetch_status(addresses[0], job, token, timeout), addresses[0])
+    statuses = fetch_statuses(addresses, job, token, timeout)
+    errors = [s for s in statuses.values() if isinstance(s, MlfabricError)]
+    if len(errors) == len(statuses):
+        raise errors[0]
+    return format_statuses(statuses)
+
+
+def watch(text: Callable[[], str], interval: float) -> int:
+    """`mlfabric status --watch`: `text()` redrawn in place every `interval`
+    seconds until Ctrl-C, which ends it with status 0; into a pipe or a file,
+    each view printed after the last, as `top -b` does. The first fetch fails
+    as `mlfabric status` does (a wrong address or token is not worth
+    watching); later a controller that stops answering is shown as such, and
+    asked again at the next refresh."""
+    try:
+        from rich.console import Console
+        from rich.live import Live
+        from rich.text import Text
+    except ImportError:
+        raise ConfigError("--watch draws with rich: pip install 'mlfabric[watch]' (or run "
+                          "mlfabric status without --watch)") from None
+    console = Console()
+
+    def view(body: str) -> Text:
+        head = (f"every {interval:g} s, press Ctrl-C to stop; updated "
+                f"{time.strftime('%H:%M:%S')}\n\n")
+        return Text(head + body, no_wrap=True)  # a wide table is cropped, as top does
+
+    def bodies() -> Iterator[str]:
+        yield text()
+        while True:
+            time.sleep(interval)  # the refresh period, not a wait for an event
+            try:
+                yield text()
+            except MlfabricError as exc:
+                yield f"no answer: {exc}\n(asking again in {interval:g} s)"
+
+    views = bodies()
+    first = next(views)  # raises as mlfabric status does
+    try:
+        if not console.is_terminal:
+            for body in itertools.chain([first], views):
+                print(view(body).plain, end="\n\n", flush=True)
+        else:
+            with Live(view(first), console=console, auto_refresh=False,
+                      vertical_overflow="visible") as live:
+                for body in views:
+                    live.update(view(body), refresh=True)
+    except KeyboardInterrupt:
+        pass
     return 0
