@@ -241,3 +241,56 @@ def test_the_dashboard_is_what_its_builder_gives():
     assert out.stdout == (GRAFANA / "mlfabric.json").read_text(), (
         "deploy/grafana/mlfabric.json is not what deploy/grafana/dashboard.py builds: run "
         "python deploy/grafana/dashboard.py > deploy/grafana/mlfabric.json")
+
+
+# --- the container image ------------------------------------------------------------
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """(instruction, arguments) of the Dockerfile, continuation lines joined."""
+    text = re.sub(r"\\\n\s*", " ", (ROOT / "Dockerfile").read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_the_image_builds_what_the_readme_installs():
+    """The build stage copies what `pip install .` (the README's install)
+    reads and builds the wheel from it; the image installs that wheel with
+    extras pyproject.toml has, on a Python it supports, and runs the
+    `mlfabric` command pyproject.toml declares."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    steps = dockerfile()
+    froms = [args for word, args in steps if word == "FROM"]
+    assert len(froms) == 2 and froms[0].endswith(" AS build")  # two stages
+    python = next(args for word, args in steps if word == "ARG" and args.startswith("PYTHON="))
+    version = python.split("=", 1)[1]
+    minimum = project["requires-python"].removeprefix(">=")
+    assert tuple(map(int, version.split("."))) >= tuple(map(int, minimum.split(".")))
+    # the README's install: from the repository root, pip reads these
+    readme = (ROOT / "README.md").read_text()
+    assert "pip install '.[" in readme
+    copied = " ".join(args for word, args in steps[:steps.index(("FROM", froms[1]))]
+                      if word == "COPY")
+    needed = ["pyproject.toml", "setup.py", project["readme"], "src"]
+    for path in needed:
+        assert path in copied.split(), f"the build stage does not copy {path}"
+    builds = [args for word, args in steps if word == "RUN" and "pip wheel" in args]
+    assert len(builds) == 1 and builds[0].split()[-1] == "."
+    # setup.py's extensions are sources under src/: the build stage has them
+    for source in re.findall(r'"(src/[^"]+\.pyx)"', (ROOT / "setup.py").read_text()):
+        assert (ROOT / source).is_file()
+    extras = next(args for word, args in steps if word == "ARG" and args.startswith("EXTRAS="))
+    for extra in extras.split("=", 1)[1].split(","):
+        assert extra in project["optional-dependencies"], extra
+    (entry,) = [args for word, args in steps if word == "ENTRYPOINT"]
+    assert entry == '["mlfabric"]' and "mlfabric" in project["scripts"]
+    assert ("USER", "mlfabric") in steps  # not root
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert not set(needed) & set(ignored) and ".venv" in ignored
