@@ -294,3 +294,127 @@ def test_the_image_builds_what_the_readme_installs():
     assert ("USER", "mlfabric") in steps  # not root
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert not set(needed) & set(ignored) and ".venv" in ignored
+
+
+# --- Kubernetes: the whole job (mlfabric kube) ---------------------------------------
+
+KUBERNETES = "1.30.0"  # the schemas the manifests are checked against (pod-index: 1.28+)
+SIZES = [(1, 1, True), (2, 4, True), (3, 2, False)]
+
+
+def kube_job(shards: int, workers: int, replicas: bool) -> dict[str, dict]:
+    from mlfabric.tools.kube import JobSize, manifests
+
+    size = JobSize(shards=shards, workers=workers, replicas=replicas)
+    return {f"{m['kind']}/{m['metadata']['name']}": m for m in manifests(size)}
+
+
+def pod_of(obj: dict) -> dict:
+    return obj["spec"]["template"]["spec"]
+
+
+def command_of(container: dict, **env: str) -> list[str]:
+    """The container's command as Kubernetes runs it: $(VAR) from `env`."""
+    return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], word)
+            for word in container["command"]]
+
+
+def ports_of(container: dict) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in container["ports"]}
+
+
+@pytest.mark.parametrize(("shards", "workers", "replicas"), SIZES)
+def test_every_manifest_is_valid_kubernetes(shards, workers, replicas):
+    import kubernetes_validate
+
+    for name, obj in kube_job(shards, workers, replicas).items():
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            raise AssertionError(f"{name}: {exc.message}") from None
+
+
+@pytest.mark.parametrize(("shards", "workers", "replicas"), SIZES)
+def test_the_manifests_agree_with_the_cli_and_with_each_other(shards, workers, replicas):
+    """Every command parses with mlfabric's CLI; every process listens on the
+    port its container, its Service, its probe and its scrape annotation
+    name; the controller's and the workers' server lists are the
+    StatefulSet's pods, in shard order."""
+    job = kube_job(shards, workers, replicas)
+    sets = [("StatefulSet/mlfabric-server", "server")] + (
+        [("StatefulSet/mlfabric-replica", "replica")] if replicas else [])
+    servers = ",".join(f"mlfabric-server-{i}.mlfabric-server:7070" for i in range(shards))
+    for key, role in sets:
+        sts = job[key]
+        assert sts["spec"]["replicas"] == shards
+        (container,) = pod_of(sts)["containers"]
+        ports = ports_of(container)
+        for index in range(shards):
+            argv = command_of(container, POD_INDEX=str(index))
+            assert argv[0] == "mlfabric"
+            args = build_parser(argv[1]).parse_args(argv[1:])
+            assert args.listen == f"0.0.0.0:{ports['ps']}"
+            assert args.metrics_port == ports["metrics"]
+            assert args.token_file.startswith(container["volumeMounts"][0]["mountPath"])
+            if role == "server":
+                assert (args.shard, args.resume) == (f"{index}/{shards}", "auto")
+            else:
+                assert args.role == "replica"
+                assert args.join_from == servers.split(",")[index]
+        template = sts["spec"]["template"]
+        assert template["metadata"]["annotations"]["prometheus.io/port"] == str(ports["metrics"])
+        assert container["readinessProbe"]["httpGet"]["port"] == ports["metrics"]
+        service = job[f"Service/{sts['spec']['serviceName']}"]
+        assert service["spec"]["clusterIP"] == "None"  # stable pod names
+        assert service["spec"]["selector"] == template["metadata"]["labels"]
+        assert {p["targetPort"] for p in service["spec"]["ports"]} == set(ports.values())
+    # the controller
+    (ctl,) = pod_of(job["Deployment/mlfabric-controller"])["containers"]
+    argv = command_of(ctl)
+    args = build_parser(argv[1]).parse_args(argv[1:])
+    ports = ports_of(ctl)
+    assert args.listen == f"0.0.0.0:{ports['control']}" and args.metrics_port == ports["metrics"]
+    assert ctl["readinessProbe"]["httpGet"]["port"] == ports["metrics"]
+    assert job["Deployment/mlfabric-controller"]["spec"]["replicas"] == 1
+    if replicas:
+        assert args.server == servers
+        assert args.replica == servers.replace("server", "replica")
+    # the workers: one torchrun rank per pod, rendezvous at pod 0's stable name
+    workers_job = job["Job/mlfabric-workers"]
+    spec = workers_job["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == workers
+    (w,) = pod_of(workers_job)["containers"]
+    env = {e["name"]: e.get("value") for e in w["env"]}
+    assert env["MLFABRIC_SERVER"] == servers
+    assert env["MLFABRIC_CONTROLLER"] == f"mlfabric-controller:{ports['control']}"
+    argv = command_of(w, JOB_COMPLETION_INDEX="0")
+    assert argv[0] == "torchrun"
+    assert argv[argv.index("--nnodes") + 1] == str(workers)
+    subdomain = pod_of(workers_job)["subdomain"]
+    assert argv[argv.index("--master-addr") + 1] == f"mlfabric-workers-0.{subdomain}"
+    assert f"Service/{subdomain}" in job
+    # the example the workers and the servers' init run is where the image puts it
+    example = argv[-1]
+    assert example.startswith("/opt/mlfabric/examples/")
+    assert (ROOT / "examples" / Path(example).name).is_file()
+    assert ("COPY", "examples /opt/mlfabric/examples") in dockerfile()
+
+
+def test_mlfabric_kube_prints_one_list_and_refuses_bad_sizes():
+    import json
+
+    out = subprocess.run([sys.executable, "-m", "mlfabric", "kube", "--shards", "2",
+                          "--workers", "3", "--namespace", "team-a"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    listed = json.loads(out.stdout)
+    assert listed["kind"] == "List"
+    assert {i["metadata"]["namespace"] for i in listed["items"]} == {"team-a"}
+    for args, message in ((["--shards", "0"], "--shards 0: give 1 to 256 server shards"),
+                          (["--job", "Digits"], "--job 'Digits': a Kubernetes name part"),
+                          (["--workers", "0"], "--workers 0: give 1 to 10000 workers")):
+        bad = subprocess.run([sys.executable, "-m", "mlfabric", "kube", *args],
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+        assert "Traceback" not in bad.stderr

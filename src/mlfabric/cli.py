@@ -28,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "show a job's workers, servers, agents, versions, delays and bandwidth"),
     "token": ("mlfabric.tools.token_cli", "make a random job token, or check one"),
     "tls": ("mlfabric.tools.tls_cli", "make a CA and certificates for mutual TLS"),
+    "kube": ("mlfabric.tools.kube",
+             "print the Kubernetes manifests of a whole job, for its size"),
     "report": ("mlfabric.tools.report",
                "draw what the controller did from its decision log (needs matplotlib)"),
     "promote": ("mlfabric.replication.promote_cli",

@@ -1,0 +1,292 @@
+"""`mlfabric kube`: the Kubernetes manifests of a whole job, for its size.
+
+    mlfabric kube --job digits --shards 2 --workers 4 > job.json
+    kubectl create namespace mlfabric
+    kubectl -n mlfabric create secret generic mlfabric-job-token --from-file=job.token
+    kubectl apply -f job.json
+
+The job's size (shards, workers) and name are the only things to give;
+everything that depends on them (the servers' count and their `--shard I/S`,
+the controller's `--server` and `--replica` lists, the workers' settings)
+follows from them here, so no two places can disagree. The output is a
+Kubernetes `List` in JSON, which kubectl reads as it reads YAML.
+
+What it makes (`manifests`, pure: a size in, objects out):
+
+- the servers: a StatefulSet of one pod per shard (stable names
+  `mlfabric-server-I`, the pod's index as its shard), each with a persistent
+  volume for checkpoints and `--resume auto`, behind a headless Service;
+- their replicas, the same way (`--role replica --join-from` the shard's
+  server), announced to the controller;
+- the controller: a Deployment of one pod with a readiness probe on its
+  metrics port, behind a Service, its decision log on a volume;
+- the workers: an indexed Job running the PyTorch example under torchrun,
+  one rank per pod, the rendezvous at pod 0 (behind a headless Service);
+- Prometheus scrape annotations on every pod.
+
+The agents are `deploy/kubernetes/daemonset.yaml` (one per node, by IP);
+the token is a Secret you create (above), never written here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError
+
+SERVER_PORT, SERVER_METRICS = 7070, 9471
+CONTROLLER_PORT, CONTROLLER_METRICS = 7071, 9472
+RENDEZVOUS_PORT = 29500
+TOKEN_SECRET = "mlfabric-job-token"
+TOKEN_DIR = "/etc/mlfabric-secret"
+EXAMPLE = "/opt/mlfabric/examples/torch_digits.py"
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class JobSize:
+    job: str = "digits"
+    shards: int = 1
+    workers: int = 2
+    replicas: bool = True
+    image: str = "ghcr.io/mlfabric/mlfabric-torch:0.1.0"
+    namespace: str = "mlfabric"
+    checkpoint_gi: int = 1
+
+    def check(self) -> JobSize:
+        if not _NAME.match(self.job):
+            raise ConfigError(f"--job {self.job!r}: a Kubernetes name part, lower-case letters, "
+                              f"digits and '-', at most 40 characters")
+        if not 1 <= self.shards <= 256:
+            raise ConfigError(f"--shards {self.shards}: give 1 to 256 server shards")
+        if not 1 <= self.workers <= 10_000:
+            raise ConfigError(f"--workers {self.workers}: give 1 to 10000 workers")
+        if not _NAME.match(self.namespace):
+            raise ConfigError(f"--namespace {self.namespace!r}: a Kubernetes name, lower-case "
+                              f"letters, digits and '-'")
+        if not 1 <= self.checkpoint_gi <= 1024:
+            raise ConfigError(f"--checkpoint-gi {self.checkpoint_gi}: 1 to 1024 GiB")
+        return self
+
+    def servers(self) -> str:
+        """The shards' addresses in shard order, as workers and the controller name them."""
+        return ",".join(f"mlfabric-server-{i}.mlfabric-server:{SERVER_PORT}"
+                        for i in range(self.shards))
+
+    def replica_list(self) -> str:
+        return ",".join(f"mlfabric-replica-{i}.mlfabric-replica:{SERVER_PORT}"
+                        for i in range(self.shards))
+
+
+def _labels(component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "mlfabric", "app.kubernetes.io/component": component}
+
+
+def _scraped(port: int) -> dict[str, str]:
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+            "prometheus.io/path": "/metrics"}
+
+
+def _service(name: str, component: str, ports: dict[str, int], headless: bool
+             ) -> dict[str, Any]:
+    spec: dict[str, Any] = {"selector": _labels(component),
+                            "ports": [{"name": n, "port": p, "targetPort": p}
+                                      for n, p in ports.items()]}
+    if headless:
+        spec["clusterIP"] = "None"
+        spec["publishNotReadyAddresses"] = True  # peers find each other while starting
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "labels": _labels(component)}, "spec": spec}
+
+
+_TOKEN_VOLUME: dict[str, Any] = {"name": "token", "secret": {"secretName": TOKEN_SECRET,
+                                             "defaultMode": 0o400}}
+_TOKEN_MOUNT: dict[str, Any] = {"name": "token", "mountPath": TOKEN_DIR, "readOnly": True}
+_POD_INDEX: dict[str, Any] = {"name": "POD_INDEX", "valueFrom": {"fieldRef": {
+    "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}}
+_SECURITY = {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001}
+_CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                       "capabilities": {"drop": ["ALL"]}}
+
+
+def _container(name: str, size: JobSize, command: list[str], ports: dict[str, int],
+               env: list[dict[str, Any]], mounts: list[dict[str, Any]],
+               ready_port: int | None) -> dict[str, Any]:
+    c: dict[str, Any] = {
+        "name": name, "image": size.image, "imagePullPolicy": "IfNotPresent",
+        "command": command, "env": env, "volumeMounts": mounts,
+        "ports": [{"name": n, "containerPort": p} for n, p in ports.items()],
+        # A worker's PyTorch writes where it likes; the others only to volumes.
+        "securityContext": {**_CONTAINER_SECURITY, "readOnlyRootFilesystem": name != "worker"},
+    }
+    if ready_port is not None:
+        c["readinessProbe"] = {"httpGet": {"path": "/metrics", "port": ready_port},
+                               "periodSeconds": 5}
+    return c
+
+
+def _server_set(size: JobSize, replica: bool) -> dict[str, Any]:
+    name = "mlfabric-replica" if replica else "mlfabric-server"
+    component = "replica" if replica else "server"
+    common = ["--listen", f"0.0.0.0:{SERVER_PORT}", "--job", size.job, "--token-file",
+              f"{TOKEN_DIR}/job.token", "--checkpoint-dir", "/var/lib/mlfabric/checkpoints",
+              "--metrics-port", str(SERVER_METRICS), "--metrics-host", "0.0.0.0"]
+    init: list[dict[str, Any]] = []
+    volumes: list[dict[str, Any]] = [_TOKEN_VOLUME]
+    mounts: list[dict[str, Any]] = [_TOKEN_MOUNT,
+                                    {"name": "checkpoints", "mountPath": "/var/lib/mlfabric"}]
+    if replica:
+        command = ["mlfabric", "server", "--role", "replica", *common,
+                   "--join-from", f"mlfabric-server-$(POD_INDEX).mlfabric-server:{SERVER_PORT}",
+                   "--advertise", f"mlfabric-replica-$(POD_INDEX).mlfabric-replica:{SERVER_PORT}",
+                   "--controller", f"mlfabric-controller:{CONTROLLER_PORT}"]
+    else:
+        # Every shard starts from the example's initial model, written by an
+        # init container (the same seed as the workers' model).
+        init = [{"name": "init-model", "image": size.image, "imagePullPolicy": "IfNotPresent",
+                 "command": ["python", EXAMPLE, "--write-init", "/init/init.npz"],
+                 "volumeMounts": [{"name": "init", "mountPath": "/init"}],
+                 "securityContext": _CONTAINER_SECURITY}]
+        volumes.append({"name": "init", "emptyDir": {}})
+        mounts.append({"name": "init", "mountPath": "/init", "readOnly": True})
+        command = ["mlfabric", "server", *common, "--init", "/init/init.npz",
+                   "--resume", "auto", "--shard", f"$(POD_INDEX)/{size.shards}"]
+    container = _container(component, size, command,
+                           {"ps": SERVER_PORT, "metrics": SERVER_METRICS}, [_POD_INDEX], mounts,
+                           SERVER_METRICS)
+    pod: dict[str, Any] = {"securityContext": _SECURITY, "containers": [container],
+                           "volumes": volumes, "terminationGracePeriodSeconds": 30}
+    if init:
+        pod["initContainers"] = init
+    return {
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": {"name": name, "labels": _labels(component)},
+        "spec": {
+            "serviceName": name, "replicas": size.shards, "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": _labels(component)},
+            "template": {"metadata": {"labels": _labels(component),
+                                      "annotations": _scraped(SERVER_METRICS)},
+                         "spec": pod},
+            "volumeClaimTemplates": [{
+                "metadata": {"name": "checkpoints"},
+                "spec": {"accessModes": ["ReadWriteOnce"],
+                         "resources": {"requests": {"storage": f"{size.checkpoint_gi}Gi"}}}}],
+        },
+    }
+
+
+def _controller(size: JobSize) -> dict[str, Any]:
+    command = ["mlfabric", "controller", "--listen", f"0.0.0.0:{CONTROLLER_PORT}", "--job",
+               size.job, "--token-file", f"{TOKEN_DIR}/job.token", "--decision-log",
+               "/var/log/mlfabric/decisions.jsonl", "--metrics-port", str(CONTROLLER_METRICS),
+               "--metrics-host", "0.0.0.0"]
+    if size.replicas:
+        command += ["--server", size.servers(), "--replica", size.replica_list()]
+    container = _container("controller", size, command,
+                           {"control": CONTROLLER_PORT, "metrics": CONTROLLER_METRICS}, [],
+                           [_TOKEN_MOUNT, {"name": "log", "mountPath": "/var/log/mlfabric"}],
+                           CONTROLLER_METRICS)
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "mlfabric-controller", "labels": _labels("controller")},
+        "spec": {
+            # One controller per job (several need --etcd): never two at once.
+            "replicas": 1, "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": _labels("controller")},
+            "template": {"metadata": {"labels": _labels("controller"),
+                                      "annotations": _scraped(CONTROLLER_METRICS)},
+                         "spec": {"securityContext": _SECURITY, "containers": [container],
+                                  "volumes": [_TOKEN_VOLUME, {"name": "log", "emptyDir": {}}]}},
+        },
+    }
+
+
+def _workers(size: JobSize) -> dict[str, Any]:
+    env = [{"name": "MLFABRIC_SERVER", "value": size.servers()},
+           {"name": "MLFABRIC_JOB", "value": size.job},
+           {"name": "MLFABRIC_TOKEN_FILE", "value": f"{TOKEN_DIR}/job.token"},
+           {"name": "MLFABRIC_CONTROLLER", "value": f"mlfabric-controller:{CONTROLLER_PORT}"}]
+    if size.replicas:
+        env.append({"name": "MLFABRIC_REPLICA", "value": size.replica_list()})
+    command = ["torchrun", "--nnodes", str(size.workers), "--nproc-per-node", "1",
+               "--node-rank", "$(JOB_COMPLETION_INDEX)", "--master-addr",
+               "mlfabric-workers-0.mlfabric-workers", "--master-port", str(RENDEZVOUS_PORT),
+               EXAMPLE]
+    container = _container("worker", size, command, {"rendezvous": RENDEZVOUS_PORT},
+                           [{"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {
+                               "fieldPath": "metadata.annotations['batch.kubernetes.io/"
+                                            "job-completion-index']"}}}, *env],
+                           [_TOKEN_MOUNT, {"name": "tmp", "mountPath": "/tmp"}], None)
+    return {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": "mlfabric-workers", "labels": _labels("worker")},
+        "spec": {
+            "completionMode": "Indexed", "completions": size.workers,
+            "parallelism": size.workers, "backoffLimit": 0,
+            "template": {
+                "metadata": {"labels": _labels("worker")},
+                "spec": {"subdomain": "mlfabric-workers", "restartPolicy": "Never",
+                         "securityContext": _SECURITY, "containers": [container],
+                         "volumes": [_TOKEN_VOLUME, {"name": "tmp", "emptyDir": {}}]}},
+        },
+    }
+
+
+def manifests(size: JobSize) -> list[dict[str, Any]]:
+    """Every object of the job (namespace-less: `metadata.namespace` is set
+    by `as_list`)."""
+    size.check()
+    objects = [
+        _service("mlfabric-server", "server",
+                 {"ps": SERVER_PORT, "metrics": SERVER_METRICS}, headless=True),
+        _server_set(size, replica=False),
+    ]
+    if size.replicas:
+        objects += [_service("mlfabric-replica", "replica",
+                             {"ps": SERVER_PORT, "metrics": SERVER_METRICS}, headless=True),
+                    _server_set(size, replica=True)]
+    objects += [
+        _service("mlfabric-controller", "controller",
+                 {"control": CONTROLLER_PORT, "metrics": CONTROLLER_METRICS}, headless=False),
+        _controller(size),
+        _service("mlfabric-workers", "worker", {"rendezvous": RENDEZVOUS_PORT}, headless=True),
+        _workers(size),
+    ]
+    return objects
+
+
+def as_list(size: JobSize) -> dict[str, Any]:
+    """The objects as one Kubernetes List, each in `size.namespace`."""
+    items = manifests(size)
+    for item in items:
+        item["metadata"]["namespace"] = size.namespace
+    return {"apiVersion": "v1", "kind": "List", "items": items}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--job", default=JobSize.job, help="the job's name (default: digits)")
+    p.add_argument("--shards", type=int, default=JobSize.shards,
+                   help="server shards, each a pod with its replica (default: 1)")
+    p.add_argument("--workers", type=int, default=JobSize.workers,
+                   help="worker pods, one torchrun rank each (default: 2)")
+    p.add_argument("--no-replicas", action="store_true",
+                   help="no replicas (and so no failover)")
+    p.add_argument("--image", default=JobSize.image,
+                   help="the image every pod runs: the repository's Dockerfile built with "
+                        f"--build-arg EXTRAS=demo,torch (default: {JobSize.image})")
+    p.add_argument("--namespace", default=JobSize.namespace,
+                   help="the namespace (default: mlfabric)")
+    p.add_argument("--checkpoint-gi", type=int, default=JobSize.checkpoint_gi,
+                   help="each server's checkpoint volume, in GiB (default: 1)")
+
+
+def run(args: argparse.Namespace) -> int:
+    size = JobSize(job=args.job, shards=args.shards, workers=args.workers,
+                   replicas=not args.no_replicas, image=args.image, namespace=args.namespace,
+                   checkpoint_gi=args.checkpoint_gi)
+    print(json.dumps(as_list(size), indent=2))
+    return 0
