@@ -523,3 +523,97 @@ def test_the_argument_order_is_explained_when_wrong(serve, client, first, kwargs
             mt.DistributedOptimizer(target, **kwargs)
         else:
             mt.DistributedOptimizer(target, ps, **kwargs)
+
+
+# --- BatchNorm's buffers through the server (sync_buffers) ---------------------------
+
+
+class BNNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.bn = torch.nn.BatchNorm1d(4)
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(self.bn(x))
+
+
+def bn_backward(model: torch.nn.Module, seed: int, mean: float = 0.0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(32, 4, generator=g) + mean
+    y = torch.randint(0, 3, (32,), generator=g)
+    model.zero_grad(set_to_none=True)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+
+
+def test_save_init_with_buffers_adds_the_float_buffers_only(tmp_path):
+    path = tmp_path / "init.npz"
+    mt.save_init(BNNet(), path, buffers=True)
+    with np.load(path) as npz:
+        assert sorted(npz.files) == ["bn.bias", "bn.running_mean", "bn.running_var",
+                                     "bn.weight", "fc.bias", "fc.weight"]
+    assert "bn.num_batches_tracked" not in mt.model_arrays(BNNet(), buffers=True)
+    assert "bn.running_mean" not in mt.model_arrays(BNNet())
+
+
+def test_a_synced_buffer_pushes_what_the_forward_pass_changed(serve, client):
+    """Each push carries -lr * grad for the parameters and, for the running
+    statistics, new - pulled: the server's model is the numpy replay bit for
+    bit, and the pull brings the buffers back into the module."""
+    model = BNNet()
+    st = serve(mt.model_arrays(model, buffers=True))
+    opt = mt.DistributedOptimizer(model, client(st), lr=0.1, sync_buffers=True)
+    ref = Reference(mt.model_arrays(model, buffers=True), gamma=0.0)
+    for step in range(3):
+        pulled = {n: b.detach().numpy().copy() for n, b in model.named_buffers()}
+        bn_backward(model, seed=step)
+        update = {n: np.float32(-0.1) * p.grad.numpy() for n, p in model.named_parameters()}
+        update.update({n: model.get_buffer(n).numpy() - pulled[n]
+                       for n in ("bn.running_mean", "bn.running_var")})
+        assert np.abs(update["bn.running_mean"]).max() > 1e-3  # the forward pass moved it
+        ref.apply(update)
+        assert opt.step().applied
+        assert_model_equal(server_model(st)[1], ref.w)
+        for n in ("bn.running_mean", "bn.running_var"):
+            np.testing.assert_array_equal(model.get_buffer(n).numpy(), ref.w[n])
+
+
+def test_synced_buffers_hold_the_statistics_of_every_workers_data(serve, client):
+    """Two workers whose inputs have means +2 and -2: synchronised, both
+    normalise with a running mean near the job's (0); each alone drifts to
+    its own data's (+2 or -2)."""
+    def train(sync: bool) -> list[float]:
+        models = [BNNet(), BNNet()]
+        init = mt.model_arrays(models[0], buffers=True)
+        st = serve(init if sync else mt.model_arrays(models[0]))
+        opts = [mt.DistributedOptimizer(m, client(st), lr=0.01, sync_buffers=sync)
+                for m in models]
+        for step in range(60):
+            for k, (m, opt) in enumerate(zip(models, opts, strict=True)):
+                bn_backward(m, seed=2 * step + k, mean=2.0 if k == 0 else -2.0)
+                opt.step()
+        for opt in opts:
+            opt.pull()
+        return [float(m.bn.running_mean.mean()) for m in models]
+
+    synced = train(sync=True)
+    alone = train(sync=False)
+    assert all(abs(v) < 0.3 for v in synced), synced
+    assert alone[0] > 1.7 and alone[1] < -1.7, alone
+
+
+def test_sync_buffers_needs_buffers_on_both_sides(serve, client):
+    model = BNNet()
+    st = serve(mt.model_arrays(model))  # started without the buffers
+    with pytest.raises(ConfigError, match=r"the server has no tensor 'bn.running_mean', "
+                                          r"'bn.running_var'; .*save_init\(model, path, "
+                                          r"buffers=True\)"):
+        mt.DistributedOptimizer(model, client(st), lr=0.1, sync_buffers=True)
+    plain = Net()
+    st2 = serve(mt.model_arrays(plain))
+    with pytest.raises(ConfigError, match="Net has no floating-point buffers"):
+        mt.DistributedOptimizer(plain, client(st2), lr=0.1, sync_buffers=True)
+    with pytest.raises(ConfigError, match="sync_buffers needs the module"):
+        mt.DistributedOptimizer(torch.optim.SGD(plain.parameters(), lr=0.1), client(st2),
+                                named_parameters=plain.named_parameters(), sync_buffers=True)

@@ -12,9 +12,10 @@
 
 The server's model is the module's ``named_parameters()`` as float32 arrays
 under the same names (buffers such as BatchNorm's running statistics stay
-local). ``step()`` pushes the update computed from the weights the module
-holds, tagged with the version those weights were pulled at, and every
-``pull_every`` steps copies the newest model into the parameters in place
+local, or with ``sync_buffers=True`` go through the server too). ``step()``
+pushes the update computed from the weights the module holds, tagged with
+the version those weights were pulled at, and every ``pull_every`` steps
+copies the newest model into the parameters in place
 (``param.data.copy_``). CPU float32 parameters and updates are shared with
 numpy without copies: an update is written into a buffer the push sends as
 it is.
@@ -73,20 +74,31 @@ def _named_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Param
     return params
 
 
-def model_arrays(module: torch.nn.Module) -> dict[str, np.ndarray]:
-    """The module's parameters as named float32 numpy arrays (copies), the
-    layout the server's model must have."""
+def _float_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers that training changes and that can be averaged: BatchNorm's
+    running mean and variance, not its integer batch count."""
+    return [(name, b) for name, b in module.named_buffers() if b.is_floating_point()]
+
+
+def model_arrays(module: torch.nn.Module, buffers: bool = False) -> dict[str, np.ndarray]:
+    """The module's parameters (with `buffers`, and its floating-point
+    buffers) as named float32 numpy arrays (copies), the layout the server's
+    model must have."""
+    tensors = _named_parameters(module) + (_float_buffers(module) if buffers else [])
     return {
         name: np.ascontiguousarray(p.detach().to("cpu", torch.float32).numpy(), dtype=np.float32)
         .copy()
-        for name, p in _named_parameters(module)
+        for name, p in tensors
     }
 
 
-def save_init(module: torch.nn.Module, path: str | os.PathLike[str]) -> None:
-    """Write the module's parameters to `path` as an .npz of float32 arrays,
-    for ``mlfabric server --init``. The file is written atomically."""
-    arrays = model_arrays(module)
+def save_init(module: torch.nn.Module, path: str | os.PathLike[str], buffers: bool = False
+              ) -> None:
+    """Write the module's parameters (with `buffers`, and its floating-point
+    buffers, for ``DistributedOptimizer(..., sync_buffers=True)``) to `path`
+    as an .npz of float32 arrays, for ``mlfabric server --init``. The file is
+    written atomically."""
+    arrays = model_arrays(module, buffers)
     target = os.fspath(path)
     tmp = f"{target}.tmp-{os.getpid()}"
     try:
@@ -127,6 +139,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         rate, so LR schedulers change it.
     local_optimizer: any torch optimizer over the module's parameters; the
         update is the change its ``step()`` makes. Give exactly one of the two.
+    sync_buffers: also train the module's floating-point buffers (BatchNorm's
+        running mean and variance) through the server: each push carries the
+        change this worker's forward passes made to them since its last pull,
+        and each pull brings back the job's, so every worker normalises with
+        statistics of every worker's data (the server's model must hold them:
+        ``save_init(model, path, buffers=True)``). DDP instead broadcasts rank
+        0's buffers; a parameter server has no rank 0, and a sum of every
+        worker's running-average steps settles where their batches' mean is.
+        Default False: buffers stay local.
         Its ``param_groups`` and ``state`` are this optimizer's: schedulers,
         ``GradScaler`` and ``state_dict()`` / ``load_state_dict()`` act on it.
     pull_every: pull the newest model into the module every N steps (1: after
@@ -151,6 +172,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         lr: float | None = None,
         local_optimizer: torch.optim.Optimizer | None = None,
         named_parameters: Any = None,
+        sync_buffers: bool = False,
         pull_every: int = 1,
         max_in_flight: int = 1,
         timeout: float | None = 60.0,
@@ -174,6 +196,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 or max_in_flight < 1):
             raise ConfigError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
         self._params = dict(named)
+        # sync_buffers: the module's floating-point buffers (BatchNorm's running
+        # statistics) go through the server too: each step pushes the change
+        # this worker's forward passes made to them, and a pull brings back
+        # the job's. Without it they stay local, as before.
+        if sync_buffers and module is None:
+            raise ConfigError("sync_buffers needs the module (DistributedOptimizer(model, ps, "
+                              "..., sync_buffers=True)): Horovod's order names parameters only")
+        self._buffers = dict(_float_buffers(module)) if sync_buffers and module is not None else {}
+        if sync_buffers and not self._buffers:
+            raise ConfigError(f"sync_buffers=True, but {type(module).__name__} has no "
+                              f"floating-point buffers to synchronise")
         if local_optimizer is None:
             assert lr is not None
             super().__init__(list(self._params.values()), {"lr": float(lr)})
@@ -204,9 +237,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # array and a torch tensor sharing its memory. push() has written it
         # to the socket when it returns, so the next step may overwrite it.
         self._update_np = {n: np.empty(tuple(p.shape), np.float32)
-                           for n, p in self._params.items()}
+                           for n, p in {**self._params, **self._buffers}.items()}
         self._update = {n: torch.from_numpy(a) for n, a in self._update_np.items()}
         self._base: dict[str, torch.Tensor] = {}  # the weights the next update starts from
+        self._buffer_base: dict[str, torch.Tensor] = {}  # the buffers as last pulled or pushed
         self._in_flight: deque[Future[PushOutcome]] = deque()
         self.version = -1
         self.steps = 0
@@ -274,6 +308,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     self._update[name].zero_()
                 else:
                     _scaled(self._update[name], p.grad.detach(), -lr_of[id(p)])
+        for name, b in self._buffers.items():  # what this worker's forward passes changed
+            _difference(self._update[name], b.detach(), self._buffer_base[name])
         pull_now = bool(self.pull_every) and (self.steps + 1) % self.pull_every == 0
         pulled = None
         try:
@@ -327,6 +363,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     self._base[name] = pulled  # exact copy of p: no extra copy needed
                 else:
                     self._base[name] = p.detach().clone()
+        for name, b in self._buffers.items():
+            pulled = torch.from_numpy(arrays[name])
+            b.copy_(pulled)
+            self._buffer_base[name] = pulled if _direct(b) else b.detach().clone()
         self.version = version
         return version
 
@@ -352,16 +392,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _check_layout(self) -> None:
         specs = {spec.name: spec for spec in self.ps.specs}
-        ours = {name: tuple(p.shape) for name, p in self._params.items()}
+        ours = {name: tuple(p.shape) for name, p in {**self._params, **self._buffers}.items()}
         missing = sorted(set(ours) - set(specs))
         extra = sorted(set(specs) - set(ours))
-        fix = "start the server with --init written by mlfabric.torch.save_init(model, path)"
+        fix = ("start the server with --init written by mlfabric.torch.save_init(model, path"
+               + (", buffers=True)" if self._buffers else ")"))
         if missing or extra:
             parts = []
             if missing:
                 parts.append(f"the server has no tensor {', '.join(map(repr, missing[:3]))}")
             if extra:
-                parts.append(f"the module has no parameter {', '.join(map(repr, extra[:3]))}")
+                what = "parameter or synchronised buffer" if self._buffers else "parameter"
+                parts.append(f"the module has no {what} {', '.join(map(repr, extra[:3]))}")
             raise ConfigError(f"the server's model does not match the module: "
                               f"{'; '.join(parts)}; {fix}")
         for name, shape in ours.items():
@@ -408,6 +450,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             for name, p in self._params.items():
                 p.data.add_(self._update[name].to(p.device, p.dtype))
+        for name, b in self._buffers.items():  # pushed: the next push starts from here
+            self._buffer_base[name] = b.detach().clone()
 
 
 def _what_to_train(first: Any, local_optimizer: torch.optim.Optimizer | None,
