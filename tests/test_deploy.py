@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from mlfabric.cli import build_parser
+from mlfabric.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMD = ROOT / "deploy" / "systemd"
@@ -418,3 +419,45 @@ def test_mlfabric_kube_prints_one_list_and_refuses_bad_sizes():
                              capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr
         assert "Traceback" not in bad.stderr
+
+
+def test_the_controller_names_hosts_as_the_agents_name_themselves():
+    """With the nodes' IPs (--nodes), the controller polls each node's agent
+    under the name that agent reports (the DaemonSet's --name=$(HOST_IP), on
+    its --listen port), and the workers and servers are named by the same
+    node IPs (the workers' MLFABRIC_HOST is their node's; the servers are on
+    the node's network): one name per host across the network picture."""
+    from mlfabric.tools.kube import JobSize, manifests
+
+    nodes = ("10.0.0.1", "10.0.0.2", "10.0.0.3")
+    job = {f"{m['kind']}/{m['metadata']['name']}": m
+           for m in manifests(JobSize(shards=2, workers=3, nodes=nodes))}
+    # what each node's agent calls itself, and where it listens
+    text = (ROOT / "deploy" / "kubernetes" / "daemonset.yaml").read_text()
+    lines = text.splitlines()
+    start = next(i for i, x in enumerate(lines) if x.strip() == "command:")
+    agent_argv = []
+    for x in lines[start + 1:]:
+        if x.strip().startswith("#"):
+            continue
+        if not x.strip().startswith("- "):
+            break
+        agent_argv.append(x.strip()[2:])
+    agents = {}
+    for node in nodes:
+        argv = [w.replace("$(HOST_IP)", node) for w in agent_argv]
+        args = build_parser("agent").parse_args(argv[1:])
+        agents[args.name] = args.listen
+    (ctl,) = pod_of(job["Deployment/mlfabric-controller"])["containers"]
+    argv = command_of(ctl)
+    args = build_parser("controller").parse_args(argv[1:])
+    polled = dict(a.split("=", 1) for a in args.agent)
+    assert polled == agents  # every agent, by the name it reports, at its address
+    assert args.agent_key_file.startswith(ctl["volumeMounts"][0]["mountPath"])
+    (w,) = pod_of(job["Job/mlfabric-workers"])["containers"]
+    host = next(e for e in w["env"] if e["name"] == "MLFABRIC_HOST")
+    assert host["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+    for key in ("StatefulSet/mlfabric-server", "StatefulSet/mlfabric-replica"):
+        assert pod_of(job[key])["hostNetwork"] is True
+    with pytest.raises(ConfigError, match="--nodes: 'node-a' is not an IP address"):
+        manifests(JobSize(nodes=("node-a",)))

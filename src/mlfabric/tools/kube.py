@@ -31,6 +31,7 @@ the token is a Secret you create (above), never written here.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import re
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from typing import Any
 from ..errors import ConfigError
 
 SERVER_PORT, SERVER_METRICS = 7070, 9471
+AGENT_PORT = 7400
 CONTROLLER_PORT, CONTROLLER_METRICS = 7071, 9472
 RENDEZVOUS_PORT = 29500
 TOKEN_SECRET = "mlfabric-job-token"
@@ -56,6 +58,9 @@ class JobSize:
     image: str = "ghcr.io/mlfabric/mlfabric-torch:0.1.0"
     namespace: str = "mlfabric"
     checkpoint_gi: int = 1
+    # The nodes' IPs, each running an agent (deploy/kubernetes/daemonset.yaml
+    # names agents by their node's IP): the controller polls them.
+    nodes: tuple[str, ...] = ()
 
     def check(self) -> JobSize:
         if not _NAME.match(self.job):
@@ -70,6 +75,15 @@ class JobSize:
                               f"letters, digits and '-'")
         if not 1 <= self.checkpoint_gi <= 1024:
             raise ConfigError(f"--checkpoint-gi {self.checkpoint_gi}: 1 to 1024 GiB")
+        for node in self.nodes:
+            try:
+                ipaddress.ip_address(node)
+            except ValueError:
+                raise ConfigError(f"--nodes: {node!r} is not an IP address: give the nodes' "
+                                  f"IPs (kubectl get nodes -o wide), as their agents are "
+                                  f"named") from None
+        if len(set(self.nodes)) != len(self.nodes):
+            raise ConfigError("--nodes: name each node once")
         return self
 
     def servers(self) -> str:
@@ -158,8 +172,19 @@ def _server_set(size: JobSize, replica: bool) -> dict[str, Any]:
     container = _container(component, size, command,
                            {"ps": SERVER_PORT, "metrics": SERVER_METRICS}, [_POD_INDEX], mounts,
                            SERVER_METRICS)
-    pod: dict[str, Any] = {"securityContext": _SECURITY, "containers": [container],
-                           "volumes": volumes, "terminationGracePeriodSeconds": 30}
+    pod: dict[str, Any] = {
+        "securityContext": _SECURITY, "containers": [container], "volumes": volumes,
+        "terminationGracePeriodSeconds": 30,
+        # On the node's network, as the agents are: the address workers reach a
+        # server at is its node's IP, the name the agents measure paths by.
+        "hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet",
+        # One server (or replica) per node: they listen on the same port, and
+        # a shard and its replica on one node would fail together.
+        "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+            {"labelSelector": {"matchExpressions": [{
+                "key": "app.kubernetes.io/component", "operator": "In",
+                "values": ["server", "replica"]}]},
+             "topologyKey": "kubernetes.io/hostname"}]}}}
     if init:
         pod["initContainers"] = init
     return {
@@ -186,6 +211,12 @@ def _controller(size: JobSize) -> dict[str, Any]:
                "--metrics-host", "0.0.0.0"]
     if size.replicas:
         command += ["--server", size.servers(), "--replica", size.replica_list()]
+    if size.nodes:
+        # Each node by its IP, as its agent names itself and as workers and
+        # servers are named in the network picture (both on node IPs).
+        command += ["--agent-key-file", f"{TOKEN_DIR}/agent.key"]
+        for node in size.nodes:
+            command += ["--agent", f"{node}={node}:{AGENT_PORT}"]
     container = _container("controller", size, command,
                            {"control": CONTROLLER_PORT, "metrics": CONTROLLER_METRICS}, [],
                            [_TOKEN_MOUNT, {"name": "log", "mountPath": "/var/log/mlfabric"}],
@@ -206,10 +237,14 @@ def _controller(size: JobSize) -> dict[str, Any]:
 
 
 def _workers(size: JobSize) -> dict[str, Any]:
-    env = [{"name": "MLFABRIC_SERVER", "value": size.servers()},
-           {"name": "MLFABRIC_JOB", "value": size.job},
-           {"name": "MLFABRIC_TOKEN_FILE", "value": f"{TOKEN_DIR}/job.token"},
-           {"name": "MLFABRIC_CONTROLLER", "value": f"mlfabric-controller:{CONTROLLER_PORT}"}]
+    env: list[dict[str, Any]] = [
+        {"name": "MLFABRIC_SERVER", "value": size.servers()},
+        # The worker's host in the network picture: its node, as the agents
+        # name hosts (the pod's own IP is no host an agent measures).
+        {"name": "MLFABRIC_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
+        {"name": "MLFABRIC_JOB", "value": size.job},
+        {"name": "MLFABRIC_TOKEN_FILE", "value": f"{TOKEN_DIR}/job.token"},
+        {"name": "MLFABRIC_CONTROLLER", "value": f"mlfabric-controller:{CONTROLLER_PORT}"}]
     if size.replicas:
         env.append({"name": "MLFABRIC_REPLICA", "value": size.replica_list()})
     command = ["torchrun", "--nnodes", str(size.workers), "--nproc-per-node", "1",
@@ -282,11 +317,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the namespace (default: mlfabric)")
     p.add_argument("--checkpoint-gi", type=int, default=JobSize.checkpoint_gi,
                    help="each server's checkpoint volume, in GiB (default: 1)")
+    p.add_argument("--nodes", default="", metavar="IP,IP,...",
+                   help="the nodes' IPs, each running an agent (the DaemonSet): the "
+                        "controller polls them, with the job's agent key from the Secret "
+                        "(default: none, the controller plans without measurements)")
 
 
 def run(args: argparse.Namespace) -> int:
     size = JobSize(job=args.job, shards=args.shards, workers=args.workers,
                    replicas=not args.no_replicas, image=args.image, namespace=args.namespace,
-                   checkpoint_gi=args.checkpoint_gi)
+                   checkpoint_gi=args.checkpoint_gi,
+                   nodes=tuple(n.strip() for n in args.nodes.split(",") if n.strip()))
     print(json.dumps(as_list(size), indent=2))
     return 0
