@@ -373,6 +373,7 @@ def main() -> int:
                     extra = ("" if system in DDP_SYSTEMS else
                              f"  delay mean {res.delay_mean:.2f} std {res.delay_std:.2f} max "
                              f"{res.delay_max}  applied {res.applied} dropped {res.dropped}  "
+                             + (f"held {res.held}  " if res.held else "") +
                              f"server MB in {(res.server_bytes_in or 0) / 1e6:.1f}"
                              + (f"  groups {res.groups} of {res.grouped} updates "
                                 f"({res.rescued} rescued)" if res.groups else "")

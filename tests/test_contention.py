@@ -155,6 +155,10 @@ def test_outcome_summary_and_first_reach():
                                            "delay_std": pytest.approx((8 / 3) ** 0.5),
                                            "delay_max": 6}
     assert first_reach([(0.5, 0.2), (1.0, 0.91), (1.5, 0.95)], 0.9) == 1.0
+    # a push the significance filter held is not a drop
+    held = [*records, {"applied": False, "delay": -1, "reason": "held: relative magnitude "
+                       "0.004 is below the significance threshold 0.01"}]
+    assert summarise_outcomes(held)["held"] == 1 and summarise_outcomes(held)["dropped"] == 1
     assert first_reach([(0.5, 0.2)], 0.9) is None
 
 

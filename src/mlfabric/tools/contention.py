@@ -47,6 +47,9 @@ accuracy reaches the target or the time limit passes:
   lets it go (issue 35);
 * ``mlfabric-colocated-adaptive``: ``mlfabric-colocated`` whose workers
   offer compressed forms as ``mlfabric-adaptive``'s do;
+* ``mlfabric-colocated-significance``: ``mlfabric-colocated`` whose workers
+  hold a push until it is significant (``significance=SIGNIFICANCE``,
+  Gaia's filter, issue 35);
 * ``ddp``: synchronous data parallelism, PyTorch DistributedDataParallel over
   gloo, one rank per worker host (needs ``mlfabric[torch]``);
 * ``ddp-powersgd``: ``ddp`` with PyTorch's PowerSGD communication hook
@@ -95,12 +98,17 @@ SYSTEMS: tuple[str, ...] = ("fifo", "mlfabric", "mlfabric-agg", "mlfabric-agg-wa
                              "mlfabric-agg-wait-late-pull", "mlfabric-colocated",
                              "mlfabric-2shards", "mlfabric-colocated-agg",
                              "mlfabric-colocated-agg-wait", "mlfabric-idle-off",
-                             "mlfabric-adaptive", "ddp-powersgd", "mlfabric-colocated-adaptive")
+                             "mlfabric-adaptive", "ddp-powersgd", "mlfabric-colocated-adaptive",
+                             "mlfabric-colocated-significance")
 DDP_SYSTEMS = ("ddp", "ddp-powersgd")
 POWERSGD_RANK = 4
 # Sharded systems: where their shards run (see `shard_hosts`).
 SHARDED = ("mlfabric-colocated", "mlfabric-2shards", "mlfabric-colocated-agg",
-           "mlfabric-colocated-agg-wait", "mlfabric-colocated-adaptive")
+           "mlfabric-colocated-agg-wait", "mlfabric-colocated-adaptive",
+           "mlfabric-colocated-significance")
+# mlfabric-colocated-significance's workers hold pushes smaller than this
+# fraction of the model (Gaia's significance filter; Gaia used 0.01 to 0.05).
+SIGNIFICANCE = 0.01
 
 
 def aggregates(system: str) -> bool:
@@ -286,6 +294,7 @@ class RunResult:
     curve: list[tuple[float, float]] = field(default_factory=list)  # (seconds, accuracy)
     applied: int = 0
     dropped: int = 0
+    held: int = 0  # pushes the significance filter kept with their worker
     delay_mean: float = 0.0
     delay_std: float = 0.0
     delay_max: int = 0
@@ -311,13 +320,19 @@ class RunResult:
 
 def summarise_outcomes(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     delays = np.array([r["delay"] for r in records if r["applied"]], dtype=float)
-    return {
+    # A push the significance filter held never left its worker: not a drop.
+    held = sum(1 for r in records if not r["applied"]
+               and (r.get("reason") or "").startswith("held:"))
+    out = {
         "applied": int(delays.size),
-        "dropped": sum(1 for r in records if not r["applied"]),
+        "dropped": sum(1 for r in records if not r["applied"]) - held,
         "delay_mean": float(delays.mean()) if delays.size else 0.0,
         "delay_std": float(delays.std()) if delays.size else 0.0,
         "delay_max": int(delays.max()) if delays.size else 0,
     }
+    if held:
+        out["held"] = held
+    return out
 
 
 def read_decisions(decision_log: Path, t0: float = 0.0) -> dict[str, Any]:
@@ -573,7 +588,9 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
                 "--batch", str(sc.batch), "--eta", str(sc.eta), "--in-flight",
                 str(sc.in_flight), "--pull", pull, "--slowdown", str(sc.slowdown(i)),
                 "--seed", str(sc.seed),
-                *(["--compression", "adaptive"] if base.endswith("-adaptive") else [])],
+                *(["--compression", "adaptive"] if base.endswith("-adaptive") else []),
+                *(["--significance", str(SIGNIFICANCE)] if base.endswith("-significance")
+                  else [])],
                 tmp))
         for i, p in enumerate(procs):
             wait_for_line(p, "ready", f"worker {i}", timeout=90.0)
