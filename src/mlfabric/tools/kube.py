@@ -117,8 +117,10 @@ def _service(name: str, component: str, ports: dict[str, int], headless: bool
             "metadata": {"name": name, "labels": _labels(component)}, "spec": spec}
 
 
+# Secret files are root's, group fsGroup's: group-readable is how the
+# unprivileged user (10001, in fsGroup 10001) reads them.
 _TOKEN_VOLUME: dict[str, Any] = {"name": "token", "secret": {"secretName": TOKEN_SECRET,
-                                             "defaultMode": 0o400}}
+                                                             "defaultMode": 0o440}}
 _TOKEN_MOUNT: dict[str, Any] = {"name": "token", "mountPath": TOKEN_DIR, "readOnly": True}
 _POD_INDEX: dict[str, Any] = {"name": "POD_INDEX", "valueFrom": {"fieldRef": {
     "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}}
