@@ -50,7 +50,6 @@ from support import (
     secret_file,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 LOCAL = "127.0.0.1"
 # Small trains: loopback has no bottleneck, every train is "sender-limited".
 PROBE = ProbeConfig(max_packets=64, initial_bps=50e6, stale_after=0.5)
@@ -874,65 +873,6 @@ def test_cli_reports_config_errors_in_one_line() -> None:
 def test_agent_config_is_plain_data() -> None:
     cfg = _config("a")
     assert replace(cfg, name="b").name == "b"
-
-
-# --- deployment files (deploy/) ------------------------------------------------------
-
-
-def test_systemd_unit_runs_a_valid_agent_command() -> None:
-    import shlex
-
-    unit = (ROOT / "deploy" / "systemd" / "mlfabric-agent.service").read_text()
-    (line,) = [x for x in unit.splitlines() if x.startswith("ExecStart=")]
-    line = line.replace("${CREDENTIALS_DIRECTORY}", "/run/credentials/mlfabric-agent.service")
-    argv = [a for a in shlex.split(line.removeprefix("ExecStart=")) if not a.startswith("$")]
-    assert argv[0] == "/usr/local/bin/mlfabric" and argv[1] == "agent"
-    args = _args(argv[2:])
-    assert args.metrics_port == 9470 and str(args.config) == "/etc/mlfabric/agent.json"
-    # the cluster token, root's file, handed to the agent's DynamicUser by systemd
-    assert args.cluster_token_file == "/run/credentials/mlfabric-agent.service/cluster.token"
-    assert "LoadCredential=cluster.token:/etc/mlfabric/cluster.token" in unit.splitlines()
-    assert "KillSignal=SIGTERM" in unit and "WantedBy=multi-user.target" in unit
-
-
-def test_daemonset_runs_a_valid_agent_command_and_config() -> None:
-    text = (ROOT / "deploy" / "kubernetes" / "daemonset.yaml").read_text()
-    lines = text.splitlines()
-    start = next(i for i, x in enumerate(lines) if x.strip() == "command:")
-    argv = []
-    for x in lines[start + 1:]:
-        if x.strip().startswith("#"):
-            continue  # a comment between the arguments
-        if not x.strip().startswith("- "):
-            break
-        argv.append(x.strip()[2:].replace("$(HOST_IP)", "10.0.0.1"))
-    assert argv[:2] == ["mlfabric", "agent"]
-    args = _args(argv[2:])
-    # named by the node's IP, as the controller names hosts; the job's port is not load
-    assert (args.listen, args.metrics_port, args.name) == ("10.0.0.1:7400", 9470, "10.0.0.1")
-    assert args.job_port == [7070]
-    # the cluster token from its Secret, mounted where the flag says
-    assert args.cluster_token_file == "/etc/mlfabric-secret/cluster.token"
-    assert "secretName: mlfabric-cluster-token" in text
-    assert "mountPath: /etc/mlfabric-secret" in text
-    # the embedded agent.json is valid for build_config
-    cfg_start = next(i for i, x in enumerate(lines) if x.strip() == "agent.json: |")
-    body = []
-    for x in lines[cfg_start + 1:]:
-        if not x.startswith("    "):
-            break
-        body.append(x)
-    cfg = json.loads("\n".join(body))
-    assert set(cfg) <= {"name", "listen", "metrics_port", "probe_budget", "stale_after", "peers",
-                        "interface"}
-    assert "hostNetwork: true" in text and 'prometheus.io/port: "9470"' in text
-
-
-def test_prometheus_config_scrapes_agents_servers_and_controller() -> None:
-    text = (ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text()
-    for job in ("mlfabric-agent", "mlfabric-server", "mlfabric-controller"):
-        assert f"job_name: {job}" in text
-    assert ":9470" in text and "kubernetes_sd_configs" in text
 
 
 def test_clients_report_their_pushes_to_the_local_agent(tmp_path):

@@ -83,6 +83,11 @@ def test_each_unit_runs_a_command_the_cli_accepts(unit):
         # the job's own traffic to its server is not counted as load, and the
         # agent may read the socket counters that tell it so (netlink)
         assert args.job_port == [7070] and args.metrics_port == 9470
+        assert str(args.config) == "/etc/mlfabric/agent.json"
+        # the cluster token, root's file, handed to the agent's DynamicUser by systemd
+        assert args.cluster_token_file == f"/run/credentials/{unit}/cluster.token"
+        assert "LoadCredential=cluster.token:/etc/mlfabric/cluster.token" in text.splitlines()
+        assert "KillSignal=SIGTERM" in text
         families = next(x for x in text.splitlines() if x.startswith("RestrictAddressFamilies="))
         assert "AF_NETLINK" in families.split("=", 1)[1].split()
 
@@ -117,6 +122,53 @@ def test_systemd_analyze_verify_finds_nothing_to_fix(unit, tmp_path):
     problems = [line for line in (out.stdout + out.stderr).splitlines()
                 if str(copy) in line or unit in line]
     assert out.returncode == 0 and not problems, out.stdout + out.stderr
+
+
+# --- Kubernetes: the agents' DaemonSet ----------------------------------------------
+
+DAEMONSET = ROOT / "deploy" / "kubernetes" / "daemonset.yaml"
+
+
+def agent_argv(host_ip: str) -> list[str]:
+    """The DaemonSet's agent command as it runs on the node at `host_ip`."""
+    lines = DAEMONSET.read_text().splitlines()
+    start = next(i for i, x in enumerate(lines) if x.strip() == "command:")
+    argv = []
+    for x in lines[start + 1:]:
+        if x.strip().startswith("#"):
+            continue  # a comment between the arguments
+        if not x.strip().startswith("- "):
+            break
+        argv.append(x.strip()[2:].replace("$(HOST_IP)", host_ip))
+    return argv
+
+
+def test_daemonset_runs_a_valid_agent_command_and_config() -> None:
+    import json
+
+    text = DAEMONSET.read_text()
+    argv = agent_argv("10.0.0.1")
+    assert argv[:2] == ["mlfabric", "agent"]
+    args = build_parser("agent").parse_args(argv[1:])
+    # named by the node's IP, as the controller names hosts; the job's port is not load
+    assert (args.listen, args.metrics_port, args.name) == ("10.0.0.1:7400", 9470, "10.0.0.1")
+    assert args.job_port == [7070]
+    # the cluster token from its Secret, mounted where the flag says
+    assert args.cluster_token_file == "/etc/mlfabric-secret/cluster.token"
+    assert "secretName: mlfabric-cluster-token" in text
+    assert "mountPath: /etc/mlfabric-secret" in text
+    # the embedded agent.json holds only keys the agent's config file takes
+    lines = text.splitlines()
+    cfg_start = next(i for i, x in enumerate(lines) if x.strip() == "agent.json: |")
+    body = []
+    for x in lines[cfg_start + 1:]:
+        if not x.startswith("    "):
+            break
+        body.append(x)
+    cfg = json.loads("\n".join(body))
+    assert set(cfg) <= {"name", "listen", "metrics_port", "probe_budget", "stale_after", "peers",
+                        "interface"}
+    assert "hostNetwork: true" in text and 'prometheus.io/port: "9470"' in text
 
 
 # --- Prometheus: the alerting rules -------------------------------------------------
@@ -189,10 +241,14 @@ def test_the_alerts_cover_what_an_operator_must_know_with_metrics_that_exist():
         check_query(where, rule["expr"], " ".join(rule["annotations"].values()), metrics)
 
 
-def test_prometheus_loads_the_alerts_beside_its_scrape_config():
+def test_prometheus_scrapes_every_process_and_loads_the_alerts():
     import yaml
 
-    config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
+    text = (PROMETHEUS / "prometheus.yml").read_text()
+    config = yaml.safe_load(text)
+    jobs = {j["job_name"] for j in config["scrape_configs"]}
+    assert {"mlfabric-agent", "mlfabric-server", "mlfabric-controller"} <= jobs
+    assert ":9470" in text and "kubernetes_sd_configs" in text
     assert config["rule_files"] == ["alerts.yml"]
     assert (PROMETHEUS / "alerts.yml").is_file()
 
@@ -433,20 +489,9 @@ def test_the_controller_names_hosts_as_the_agents_name_themselves():
     job = {f"{m['kind']}/{m['metadata']['name']}": m
            for m in manifests(JobSize(shards=2, workers=3, nodes=nodes))}
     # what each node's agent calls itself, and where it listens
-    text = (ROOT / "deploy" / "kubernetes" / "daemonset.yaml").read_text()
-    lines = text.splitlines()
-    start = next(i for i, x in enumerate(lines) if x.strip() == "command:")
-    agent_argv = []
-    for x in lines[start + 1:]:
-        if x.strip().startswith("#"):
-            continue
-        if not x.strip().startswith("- "):
-            break
-        agent_argv.append(x.strip()[2:])
     agents = {}
     for node in nodes:
-        argv = [w.replace("$(HOST_IP)", node) for w in agent_argv]
-        args = build_parser("agent").parse_args(argv[1:])
+        args = build_parser("agent").parse_args(agent_argv(node)[1:])
         agents[args.name] = args.listen
     (ctl,) = pod_of(job["Deployment/mlfabric-controller"])["containers"]
     argv = command_of(ctl)
