@@ -483,14 +483,21 @@ class AsyncClient:
         relative = self.significance.holds(self._compression.pending_norm(arrays))
         if relative is None:
             return None
-        self._compression.fold(arrays)
         metrics = self._proto.metrics
         if metrics is not None:
             metrics.pushes.labels("held").inc()
+        return self.fold_held(arrays, base, self.significance.reason(relative))
+
+    def fold_held(self, arrays: Mapping[str, np.ndarray], base: int, reason: str
+                  ) -> AsyncPushFuture:
+        """A push held back (by the significance filter: this client's, or a
+        sharded client's over the whole model): folded into the residuals,
+        and its outcome at once, not applied, `folded`, with `reason`."""
+        assert self._compression is not None
+        self._compression.fold(arrays)
         done = AsyncPushFuture(loop=asyncio.get_running_loop())
         done.set_result(PushOutcome(applied=False, version=self.last_version, delay=None,
-                                    reason=self.significance.reason(relative),
-                                    base_version=base, folded=True))
+                                    reason=reason, base_version=base, folded=True))
         return done
 
     def _push_replicated(self, arrays: Mapping[str, np.ndarray], base: int

@@ -261,18 +261,11 @@ class ShardedClient:
         if relative is None:
             return None
         reason = self.significance.reason(relative)
-        loop = asyncio.get_running_loop()
-        parts = []
-        for c, ef, part, b in zip(self.shards, feedback, cut, base, strict=True):
-            assert ef is not None
-            ef.fold(part)
-            f = AsyncPushFuture(loop=loop)
-            f.set_result(PushOutcome(applied=False, version=c.last_version, delay=None,
-                                     reason=reason, base_version=b, folded=True))
-            parts.append(f)
+        parts = [c.fold_held(part, b, reason)
+                 for c, part, b in zip(self.shards, cut, base, strict=True)]
         if self.metrics is not None:
             self.metrics.pushes.labels("held").inc()
-        done = ShardedPushFuture(loop=loop)
+        done = ShardedPushFuture(loop=asyncio.get_running_loop())
         done.parts = tuple(parts)
         done.set_result(ShardedOutcome(
             applied=False, version=self.last_version, delay=None,  # type: ignore[arg-type]
