@@ -8,6 +8,8 @@ import importlib.util
 import re
 import shlex
 import shutil
+import socket
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -169,6 +171,22 @@ def test_daemonset_runs_a_valid_agent_command_and_config() -> None:
     assert set(cfg) <= {"name", "listen", "metrics_port", "probe_budget", "stale_after", "peers",
                         "interface"}
     assert "hostNetwork: true" in text and 'prometheus.io/port: "9470"' in text
+    # TLS: the agents' certificate from an optional Secret, mounted where the
+    # keys the header tells to add to agent.json point
+    import yaml
+
+    from mlfabric.agent.cli import CONFIG_KEYS
+
+    ds = next(d for d in yaml.safe_load_all(text) if d["kind"] == "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+    assert volume["secret"] == {"secretName": "mlfabric-agent-tls", "defaultMode": 0o440,
+                                "optional": True}
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "tls"]
+    told = dict(re.findall(r'"(tls_\w+)": "([^"]+)"', text))
+    assert set(told) == {"tls_cert", "tls_key", "tls_ca"} <= set(CONFIG_KEYS)
+    assert {Path(p).parent for p in told.values()} == {Path(mount["mountPath"])}
+    assert {Path(p).name for p in told.values()} == {"agents.pem", "agents.key", "ca.pem"}
 
 
 # --- Prometheus: the alerting rules -------------------------------------------------
@@ -506,3 +524,114 @@ def test_the_controller_names_hosts_as_the_agents_name_themselves():
         assert pod_of(job[key])["hostNetwork"] is True
     with pytest.raises(ConfigError, match="--nodes: 'node-a' is not an IP address"):
         manifests(JobSize(nodes=("node-a",)))
+
+
+def tls_handshake(server: ssl.SSLContext, client: ssl.SSLContext, dialled: str) -> None:
+    """A real TLS handshake over loopback: the listener presents its
+    certificate, the client checks it names `dialled` (as mlfabric's links
+    do, `server_hostname` the host of the address). Raises what ssl raises."""
+    import threading
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(10)
+        port = listener.getsockname()[1]
+        failed: list[BaseException] = []
+
+        def accept() -> None:
+            try:
+                conn, _ = listener.accept()
+                conn.settimeout(10)
+                with server.wrap_socket(conn, server_side=True):
+                    pass
+            except (OSError, ssl.SSLError) as exc:  # the client gave up: its error tells
+                failed.append(exc)
+
+        t = threading.Thread(target=accept)
+        t.start()
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+                    client.wrap_socket(raw, server_hostname=dialled):
+                pass
+        finally:
+            t.join(10)
+        assert not t.is_alive()
+
+
+def test_the_job_on_tls_every_address_dialled_is_named_by_its_certificate(tmp_path):
+    """`mlfabric kube --tls`: every mlfabric process of the job gets the
+    certificate, its key and the CA from the Secret, and every address one
+    process dials another at is named by the certificate that
+    `mlfabric tls init --host "$(mlfabric kube --print-tls-host)"` makes (a
+    real handshake per name); the controller's agents, by the agents'
+    certificate naming the nodes' IPs (deploy/README.md)."""
+    import kubernetes_validate
+
+    from mlfabric.config import resolve
+    from mlfabric.tools import tls_cli
+    from mlfabric.tools.kube import TLS_SECRET, JobSize, manifests, tls_host
+    from mlfabric.transport import tls
+
+    nodes = ("10.0.0.1", "10.0.0.2", "10.0.0.3")
+    size = JobSize(shards=2, workers=3, nodes=nodes, tls=True)
+    job = {f"{m['kind']}/{m['metadata']['name']}": m for m in manifests(size)}
+    for name, obj in job.items():
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            raise AssertionError(f"{name}: {exc.message}") from None
+
+    def tls_files(pod: dict, container: dict, cert: str | None, key: str | None,
+                  ca: str | None) -> None:
+        """The three files are in the container's mount of the TLS Secret."""
+        (volume,) = [v for v in pod["volumes"] if v.get("secret", {}).get("secretName")
+                     == TLS_SECRET]
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+        assert (cert, key, ca) == tuple(f"{mount['mountPath']}/{f}"
+                                        for f in ("job.pem", "job.key", "ca.pem"))
+
+    def hosts(*addresses: str | None) -> set[str]:
+        return {a.rsplit(":", 1)[0] for value in addresses if value
+                for a in value.split(",")}
+
+    dialled: set[str] = set()  # job addresses, by the job's certificate
+    for key in ("StatefulSet/mlfabric-server", "StatefulSet/mlfabric-replica"):
+        pod = pod_of(job[key])
+        (container,) = pod["containers"]
+        for index in range(size.shards):
+            argv = command_of(container, POD_INDEX=str(index))
+            args = build_parser(argv[1]).parse_args(argv[1:])
+            tls_files(pod, container, args.tls_cert, args.tls_key, args.tls_ca)
+            dialled |= hosts(getattr(args, "join_from", None), getattr(args, "advertise", None),
+                             getattr(args, "controller", None))
+    pod = pod_of(job["Deployment/mlfabric-controller"])
+    (ctl,) = pod["containers"]
+    args = build_parser("controller").parse_args(command_of(ctl)[1:])
+    tls_files(pod, ctl, args.tls_cert, args.tls_key, args.tls_ca)
+    dialled |= hosts(args.server, args.replica)
+    agents = hosts(*(a.split("=", 1)[1] for a in args.agent))
+    assert agents == set(nodes)
+    pod = pod_of(job["Job/mlfabric-workers"])
+    (w,) = pod["containers"]
+    settings = resolve(environ={e["name"]: e["value"] for e in w["env"] if "value" in e})
+    tls_files(pod, w, settings.tls_cert, settings.tls_key, settings.tls_ca)
+    dialled |= hosts(settings.server, settings.replica, settings.controller)
+    assert len(dialled) == 2 * size.shards + 1  # servers, replicas, the controller
+
+    # the certificates as the guide makes them, and a handshake per name dialled
+    tls_cli.init(tmp_path, [tls_host(size), "agents," + ",".join(nodes)])
+    job_files = tls.TLSFiles(str(tmp_path / "job.pem"), str(tmp_path / "job.key"),
+                             str(tmp_path / "ca.pem"))
+    agent_files = tls.TLSFiles(str(tmp_path / "agents.pem"), str(tmp_path / "agents.key"),
+                               str(tmp_path / "ca.pem"))
+    client = tls.client_context(job_files)
+    for host in sorted(dialled):
+        tls_handshake(tls.server_context(job_files), client, host)
+    for host in sorted(agents):
+        tls_handshake(tls.server_context(agent_files), client, host)
+    # and the check is real: a name the certificate lacks is refused
+    with pytest.raises(ssl.SSLCertVerificationError, match="mlfabric-server-2"):
+        tls_handshake(tls.server_context(job_files), client,
+                      "mlfabric-server-2.mlfabric-server")
+    out = subprocess.run([sys.executable, "-m", "mlfabric", "kube", "--shards", "2",
+                          "--print-tls-host"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == tls_host(size), out.stderr

@@ -26,6 +26,14 @@ What it makes (`manifests`, pure: a size in, objects out):
 
 The agents are `deploy/kubernetes/daemonset.yaml` (one per node, by IP);
 the token is a Secret you create (above), never written here.
+
+With `--tls`, every process of the job speaks mutual TLS (`mlfabric tls`):
+one certificate, `job.pem`, names every address a pod of the job is dialled
+at (`tls_names`; `--print-tls-host` prints them as `mlfabric tls init
+--host` takes them), and it comes with the CA from the Secret `mlfabric-tls`.
+A controller on TLS reads the agents on TLS too: with `--nodes`, the agents
+need their own certificate naming the nodes' IPs (the DaemonSet's
+`mlfabric-agent-tls`, deploy/README.md).
 """
 
 from __future__ import annotations
@@ -45,6 +53,11 @@ CONTROLLER_PORT, CONTROLLER_METRICS = 7071, 9472
 RENDEZVOUS_PORT = 29500
 TOKEN_SECRET = "mlfabric-job-token"
 TOKEN_DIR = "/etc/mlfabric-secret"
+TLS_SECRET = "mlfabric-tls"
+TLS_DIR = "/etc/mlfabric-tls"
+# The Secret's keys: the CA's certificate and the job's certificate and key,
+# as `mlfabric tls init DIR --host job,...` names them.
+TLS_FILES = {"ca": "ca.pem", "cert": "job.pem", "key": "job.key"}
 EXAMPLE = "/opt/mlfabric/examples/torch_digits.py"
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
 
@@ -61,6 +74,8 @@ class JobSize:
     # The nodes' IPs, each running an agent (deploy/kubernetes/daemonset.yaml
     # names agents by their node's IP): the controller polls them.
     nodes: tuple[str, ...] = ()
+    # Mutual TLS on every link of the job, from the Secret TLS_SECRET.
+    tls: bool = False
 
     def check(self) -> JobSize:
         if not _NAME.match(self.job):
@@ -95,6 +110,27 @@ class JobSize:
         return ",".join(f"mlfabric-replica-{i}.mlfabric-replica:{SERVER_PORT}"
                         for i in range(self.shards))
 
+    def controller(self) -> str:
+        return f"mlfabric-controller:{CONTROLLER_PORT}"
+
+
+def tls_names(size: JobSize) -> list[str]:
+    """Every host name a process of the job dials another at: what the job's
+    certificate must name, as a client checks the name it dialled (the
+    servers, the replicas and the controller; workers are only dialled by
+    torchrun, which is not mlfabric's link)."""
+    addresses = [*size.servers().split(","), size.controller()]
+    if size.replicas:
+        addresses += size.replica_list().split(",")
+    return [a.rsplit(":", 1)[0] for a in addresses]
+
+
+def tls_host(size: JobSize) -> str:
+    """`mlfabric tls init DIR --host` for the job's certificate: its file
+    name (job.pem, job.key) then every name it carries."""
+    name = TLS_FILES["cert"].removesuffix(".pem")
+    return ",".join([name, *tls_names(size)])
+
 
 def _labels(component: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": "mlfabric", "app.kubernetes.io/component": component}
@@ -122,6 +158,24 @@ def _service(name: str, component: str, ports: dict[str, int], headless: bool
 _TOKEN_VOLUME: dict[str, Any] = {"name": "token", "secret": {"secretName": TOKEN_SECRET,
                                                              "defaultMode": 0o440}}
 _TOKEN_MOUNT: dict[str, Any] = {"name": "token", "mountPath": TOKEN_DIR, "readOnly": True}
+_TLS_VOLUME: dict[str, Any] = {"name": "tls", "secret": {"secretName": TLS_SECRET,
+                                                         "defaultMode": 0o440}}
+_TLS_MOUNT: dict[str, Any] = {"name": "tls", "mountPath": TLS_DIR, "readOnly": True}
+_TLS_FLAGS = ["--tls-cert", f"{TLS_DIR}/{TLS_FILES['cert']}", "--tls-key",
+              f"{TLS_DIR}/{TLS_FILES['key']}", "--tls-ca", f"{TLS_DIR}/{TLS_FILES['ca']}"]
+# A worker takes them as settings (docs/guide/configuration.md).
+_TLS_ENV: list[dict[str, Any]] = [
+    {"name": f"MLFABRIC_TLS_{k.upper()}", "value": f"{TLS_DIR}/{v}"}
+    for k, v in TLS_FILES.items()]
+
+
+def _secrets(size: JobSize) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The Secret volumes a pod of the job mounts, and their mounts."""
+    if size.tls:
+        return [_TOKEN_VOLUME, _TLS_VOLUME], [_TOKEN_MOUNT, _TLS_MOUNT]
+    return [_TOKEN_VOLUME], [_TOKEN_MOUNT]
+
+
 _POD_INDEX: dict[str, Any] = {"name": "POD_INDEX", "valueFrom": {"fieldRef": {
     "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}}
 _SECURITY = {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001}
@@ -151,15 +205,16 @@ def _server_set(size: JobSize, replica: bool) -> dict[str, Any]:
     common = ["--listen", f"0.0.0.0:{SERVER_PORT}", "--job", size.job, "--token-file",
               f"{TOKEN_DIR}/job.token", "--checkpoint-dir", "/var/lib/mlfabric/checkpoints",
               "--metrics-port", str(SERVER_METRICS), "--metrics-host", "0.0.0.0"]
+    if size.tls:
+        common += _TLS_FLAGS
     init: list[dict[str, Any]] = []
-    volumes: list[dict[str, Any]] = [_TOKEN_VOLUME]
-    mounts: list[dict[str, Any]] = [_TOKEN_MOUNT,
-                                    {"name": "checkpoints", "mountPath": "/var/lib/mlfabric"}]
+    volumes, mounts = _secrets(size)
+    mounts = [*mounts, {"name": "checkpoints", "mountPath": "/var/lib/mlfabric"}]
     if replica:
         command = ["mlfabric", "server", "--role", "replica", *common,
                    "--join-from", f"mlfabric-server-$(POD_INDEX).mlfabric-server:{SERVER_PORT}",
                    "--advertise", f"mlfabric-replica-$(POD_INDEX).mlfabric-replica:{SERVER_PORT}",
-                   "--controller", f"mlfabric-controller:{CONTROLLER_PORT}"]
+                   "--controller", size.controller()]
     else:
         # Every shard starts from the example's initial model, written by an
         # init container (the same seed as the workers' model).
@@ -167,8 +222,8 @@ def _server_set(size: JobSize, replica: bool) -> dict[str, Any]:
                  "command": ["python", EXAMPLE, "--write-init", "/init/init.npz"],
                  "volumeMounts": [{"name": "init", "mountPath": "/init"}],
                  "securityContext": _CONTAINER_SECURITY}]
-        volumes.append({"name": "init", "emptyDir": {}})
-        mounts.append({"name": "init", "mountPath": "/init", "readOnly": True})
+        volumes = [*volumes, {"name": "init", "emptyDir": {}}]
+        mounts = [*mounts, {"name": "init", "mountPath": "/init", "readOnly": True}]
         command = ["mlfabric", "server", *common, "--init", "/init/init.npz",
                    "--resume", "auto", "--shard", f"$(POD_INDEX)/{size.shards}"]
     container = _container(component, size, command,
@@ -219,9 +274,12 @@ def _controller(size: JobSize) -> dict[str, Any]:
         command += ["--agent-key-file", f"{TOKEN_DIR}/agent.key"]
         for node in size.nodes:
             command += ["--agent", f"{node}={node}:{AGENT_PORT}"]
+    if size.tls:
+        command += _TLS_FLAGS
+    volumes, mounts = _secrets(size)
     container = _container("controller", size, command,
                            {"control": CONTROLLER_PORT, "metrics": CONTROLLER_METRICS}, [],
-                           [_TOKEN_MOUNT, {"name": "log", "mountPath": "/var/log/mlfabric"}],
+                           [*mounts, {"name": "log", "mountPath": "/var/log/mlfabric"}],
                            CONTROLLER_METRICS)
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
@@ -233,7 +291,7 @@ def _controller(size: JobSize) -> dict[str, Any]:
             "template": {"metadata": {"labels": _labels("controller"),
                                       "annotations": _scraped(CONTROLLER_METRICS)},
                          "spec": {"securityContext": _SECURITY, "containers": [container],
-                                  "volumes": [_TOKEN_VOLUME, {"name": "log", "emptyDir": {}}]}},
+                                  "volumes": [*volumes, {"name": "log", "emptyDir": {}}]}},
         },
     }
 
@@ -246,9 +304,12 @@ def _workers(size: JobSize) -> dict[str, Any]:
         {"name": "MLFABRIC_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
         {"name": "MLFABRIC_JOB", "value": size.job},
         {"name": "MLFABRIC_TOKEN_FILE", "value": f"{TOKEN_DIR}/job.token"},
-        {"name": "MLFABRIC_CONTROLLER", "value": f"mlfabric-controller:{CONTROLLER_PORT}"}]
+        {"name": "MLFABRIC_CONTROLLER", "value": size.controller()}]
     if size.replicas:
         env.append({"name": "MLFABRIC_REPLICA", "value": size.replica_list()})
+    if size.tls:
+        env += _TLS_ENV
+    volumes, mounts = _secrets(size)
     command = ["torchrun", "--nnodes", str(size.workers), "--nproc-per-node", "1",
                "--node-rank", "$(JOB_COMPLETION_INDEX)", "--master-addr",
                "mlfabric-workers-0.mlfabric-workers", "--master-port", str(RENDEZVOUS_PORT),
@@ -257,7 +318,7 @@ def _workers(size: JobSize) -> dict[str, Any]:
                            [{"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {
                                "fieldPath": "metadata.annotations['batch.kubernetes.io/"
                                             "job-completion-index']"}}}, *env],
-                           [_TOKEN_MOUNT, {"name": "tmp", "mountPath": "/tmp"}], None)
+                           [*mounts, {"name": "tmp", "mountPath": "/tmp"}], None)
     return {
         "apiVersion": "batch/v1", "kind": "Job",
         "metadata": {"name": "mlfabric-workers", "labels": _labels("worker")},
@@ -268,7 +329,7 @@ def _workers(size: JobSize) -> dict[str, Any]:
                 "metadata": {"labels": _labels("worker")},
                 "spec": {"subdomain": "mlfabric-workers", "restartPolicy": "Never",
                          "securityContext": _SECURITY, "containers": [container],
-                         "volumes": [_TOKEN_VOLUME, {"name": "tmp", "emptyDir": {}}]}},
+                         "volumes": [*volumes, {"name": "tmp", "emptyDir": {}}]}},
         },
     }
 
@@ -323,12 +384,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the nodes' IPs, each running an agent (the DaemonSet): the "
                         "controller polls them, with the job's agent key from the Secret "
                         "(default: none, the controller plans without measurements)")
+    p.add_argument("--tls", action="store_true",
+                   help=f"mutual TLS on every link of the job: each pod mounts the Secret "
+                        f"{TLS_SECRET} ({', '.join(TLS_FILES.values())}; see "
+                        f"--print-tls-host) and passes it as --tls-* (default: plain TCP)")
+    p.add_argument("--print-tls-host", action="store_true",
+                   help="print the job certificate's `mlfabric tls init --host` value (job, "
+                        "then every name a pod of the job is dialled at) instead of the "
+                        "manifests")
 
 
 def run(args: argparse.Namespace) -> int:
     size = JobSize(job=args.job, shards=args.shards, workers=args.workers,
                    replicas=not args.no_replicas, image=args.image, namespace=args.namespace,
                    checkpoint_gi=args.checkpoint_gi,
-                   nodes=tuple(n.strip() for n in args.nodes.split(",") if n.strip()))
+                   nodes=tuple(n.strip() for n in args.nodes.split(",") if n.strip()),
+                   tls=args.tls)
+    if args.print_tls_host:
+        print(tls_host(size.check()))
+        return 0
     print(json.dumps(as_list(size), indent=2))
     return 0
