@@ -287,6 +287,18 @@ PORT = "must be a port number in 0..65535 (0 picks a free port), got"
      "--link 'h=10/inf': expected HOST=UP or HOST=UP/DOWN in Mbit/s, e.g. 10.0.0.5=1000/400"),
     ("controller", ["--agent-interval", "0"],
      "--agent-interval must be a positive number of seconds, got 0.0"),
+    ("controller", ["--agent-rediscover", "0"],
+     "--agent-rediscover must be a positive number of seconds, got 0.0"),
+    ("controller", ["--agents-dns", "agents.example"],
+     "--agents-dns: address must be HOST:PORT, got 'agents.example': the agents' name and "
+     "port, e.g. mlfabric-agent.mlfabric.svc:7400"),
+    ("controller", ["--agents-dns", "agents.example:0"],
+     "--agents-dns agents.example:0: give the agents' port (7400 unless their --listen says "
+     "otherwise)"),
+    ("controller", ["--agents-dns", "agents.example:7400"],
+     "--agents-dns needs --agent-key-file PATH: the agents serve only clients that log in; "
+     "the operator makes the job's key with `mlfabric token agent-key --cluster-token-file "
+     f"FILE --job {JOB} KEYFILE`"),
     ("controller", ["--max-fan-in", "1"], "--max-fan-in must be in 2..64, got 1"),
     ("controller", ["--idle-factor", "-1"], "--idle-factor must be a number >= 0 or 'off', "
      "got '-1'"),

@@ -440,6 +440,83 @@ def test_close_ends_agent_polling_whenever_it_lands(run_async):
     run_async(body())
 
 
+def test_agents_found_by_name_are_polled_under_their_ips_and_followed(run_async, caplog):
+    """--agents-dns: every address the name resolves to is an agent, polled
+    under its IP (as a node's agent names itself); a later lookup adds the
+    agents that appeared and stops polling those gone; a failed lookup keeps
+    those found before. Two real agents, on 127.0.0.1 and 127.0.0.2 (one
+    port); the DNS answers are scripted (they change), then one is real
+    (localhost's)."""
+    import socket
+
+    from mlfabric.controller.controller import resolve_addresses
+
+    async def until(check, what: str) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10.0
+        while not check():  # the agents answer in their own time: read the state
+            assert loop.time() < deadline, f"not within 10 s: {what}"
+            await asyncio.sleep(0.01)
+
+    async def body():
+        a1 = Agent(AgentConfig("127.0.0.1", cluster_token=CLUSTER_TOKEN, host="127.0.0.1",
+                               port=0, counters=None))
+        await a1.start()
+        a2 = Agent(AgentConfig("127.0.0.2", cluster_token=CLUSTER_TOKEN, host="127.0.0.2",
+                               port=a1.port, counters=None))
+        await a2.start()
+        answers: asyncio.Queue = asyncio.Queue()
+        lookups = 0
+
+        async def resolve() -> set[str]:
+            nonlocal lookups
+            answer = await answers.get()
+            lookups += 1
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer
+
+        controller = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None)
+        await controller.start("127.0.0.1", 0)
+        agents = controller.state.agents
+
+        def polled() -> dict[str, bool]:
+            return {h: a.reachable for h, a in agents.items()}
+
+        try:
+            controller.discover_agents("agents.example", a1.port, JOB_AGENT_KEY, interval=0.01,
+                                       every=0.0, resolve=resolve)
+            await answers.put({"127.0.0.1"})
+            await until(lambda: polled() == {"127.0.0.1": True}, "the first agent polled")
+            await answers.put({"127.0.0.1", "127.0.0.2"})
+            await until(lambda: polled() == {"127.0.0.1": True, "127.0.0.2": True},
+                        "the second agent polled")
+            assert agents["127.0.0.2"].address == f"127.0.0.2:{a1.port}"
+            with caplog.at_level(logging.WARNING, "mlfabric.controller"):
+                await answers.put(socket.gaierror(socket.EAI_AGAIN, "Temporary failure"))
+                await answers.put({"127.0.0.2"})
+                await until(lambda: lookups == 4 and not agents["127.0.0.1"].reachable,
+                            "the first agent gone from the answers")
+            assert "cannot resolve the agents' name agents.example (" in caplog.text
+            assert "polling the 2 found before" in caplog.text
+            assert polled() == {"127.0.0.1": False, "127.0.0.2": True}
+            assert agents["127.0.0.1"].error == "no longer an address of agents.example"
+            reported = agents["127.0.0.1"].last_report
+            await answers.put({"127.0.0.2"})
+            await until(lambda: lookups == 5, "another lookup")
+            await until(lambda: agents["127.0.0.2"].last_report > reported, "a later poll")
+            assert agents["127.0.0.1"].last_report == reported  # no longer polled
+        finally:
+            await controller.close()
+            assert all(t.done() for t in controller._agent_tasks)
+            await a1.stop()
+            await a2.stop()
+        # and the real lookup: localhost is at least 127.0.0.1
+        assert "127.0.0.1" in await resolve_addresses("localhost", a1.port)
+
+    run_async(body())
+
+
 def test_a_jump_in_an_agents_estimate_is_held_until_its_next_reports_agree(
         run_async, caplog, monkeypatch):
     """Issue 32: one report far from the last (a token bucket's spike) does

@@ -524,6 +524,51 @@ def test_the_controller_names_hosts_as_the_agents_name_themselves():
         assert pod_of(job[key])["hostNetwork"] is True
     with pytest.raises(ConfigError, match="--nodes: 'node-a' is not an IP address"):
         manifests(JobSize(nodes=("node-a",)))
+    assert "--agents-dns" not in argv  # the nodes given are the agents read
+
+
+def test_without_nodes_the_controller_finds_the_agents_through_their_service():
+    """By default the controller looks the agents up (--agents-dns): the
+    name is the DaemonSet's headless Service, in its namespace, over the
+    agents' pods, on the port each agent listens on; every address it gives
+    is a node's IP, the name that node's agent reports. --no-agents reads
+    none. The DaemonSet's objects are valid Kubernetes."""
+    import kubernetes_validate
+    import yaml
+
+    from mlfabric.tools.kube import JobSize, manifests
+
+    docs = {f"{d['kind']}/{d['metadata']['name']}": d
+            for d in yaml.safe_load_all(DAEMONSET.read_text())}
+    for name, obj in docs.items():
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            raise AssertionError(f"{name}: {exc.message}") from None
+    job = {f"{m['kind']}/{m['metadata']['name']}": m
+           for m in manifests(JobSize(shards=2, workers=3))}
+    (ctl,) = pod_of(job["Deployment/mlfabric-controller"])["containers"]
+    args = build_parser("controller").parse_args(command_of(ctl)[1:])
+    assert args.agent == [] and args.agent_key_file.endswith("/agent.key")
+    name, port = args.agents_dns.rsplit(":", 1)
+    service_name, namespace, svc = name.split(".")
+    service = docs[f"Service/{service_name}"]
+    daemonset = docs["DaemonSet/mlfabric-agent"]
+    assert (svc, namespace) == ("svc", service["metadata"]["namespace"])
+    assert namespace == daemonset["metadata"]["namespace"]
+    assert service["spec"]["clusterIP"] == "None"  # each agent's own address
+    labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert daemonset["spec"]["template"]["spec"]["hostNetwork"] is True  # a node's IP
+    listen = build_parser("agent").parse_args(agent_argv("10.0.0.1")[1:]).listen
+    assert listen == f"10.0.0.1:{port}"
+    assert [p["port"] for p in service["spec"]["ports"]] == [int(port)]
+    job = {f"{m['kind']}/{m['metadata']['name']}": m
+           for m in manifests(JobSize(agents=False))}
+    (ctl,) = pod_of(job["Deployment/mlfabric-controller"])["containers"]
+    assert not {"--agents-dns", "--agent", "--agent-key-file"} & set(ctl["command"])
+    with pytest.raises(ConfigError, match="--nodes names the agents to read and --no-agents"):
+        manifests(JobSize(nodes=("10.0.0.1",), agents=False))
 
 
 def tls_handshake(server: ssl.SSLContext, client: ssl.SSLContext, dialled: str) -> None:

@@ -56,9 +56,11 @@ def test_status_text_says_what_is_missing_and_shows_any_replica_fields():
                           {"host": "r2", "version": None, "divergence": 0.125}]}
     lines = format_status(empty, "ctl:7071").splitlines()
     assert "servers: none seen yet (no transfer requested)" in lines
-    assert "agents: none (start the controller with --agent HOST=ADDR:PORT)" in lines
+    assert ("agents: none (start the controller with --agent HOST=ADDR:PORT or --agents-dns "
+            "NAME:PORT)") in lines
     assert "delay of applied updates: none reported yet" in lines
-    assert "measured by agents: none (no --agent, or no fresh estimate yet)" in lines
+    assert ("measured by agents: none (no --agent or --agents-dns, or no fresh estimate "
+            "yet)") in lines
     # Replicas print whatever fields they report, one column per key.
     i = lines.index("replicas:")
     assert lines[i + 1:i + 4] == [

@@ -71,9 +71,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agent", action="append", default=[], metavar="HOST=ADDR:PORT",
                    help="poll the agent on HOST (a name used in --link and by workers) at "
                         "ADDR:PORT for measured bandwidth (repeat per host)")
+    p.add_argument("--agents-dns", metavar="NAME:PORT", default=None,
+                   help="poll an agent at every address NAME resolves to, on PORT, each "
+                        "named by its IP as a node's agent names itself (on Kubernetes: the "
+                        "agents' headless Service, mlfabric-agent.mlfabric.svc:7400); NAME is "
+                        "resolved again every --agent-rediscover seconds, so agents of nodes "
+                        "that join are polled (default: none, only --agent)")
+    p.add_argument("--agent-rediscover", type=float, default=30.0, metavar="SECONDS",
+                   help="with --agents-dns: seconds between lookups of NAME (default: 30)")
     p.add_argument("--agent-key-file", metavar="PATH",
-                   help="the job's key for the agents' API (needed with --agent; the "
-                        "operator makes it: `mlfabric token agent-key`)")
+                   help="the job's key for the agents' API (needed with --agent and "
+                        "--agents-dns; the operator makes it: `mlfabric token agent-key`)")
     p.add_argument("--agent-interval", type=float, default=0.5, metavar="SECONDS",
                    help="seconds between polls of each agent (default: 0.5)")
     p.add_argument("--aggregator", action="append", default=[], metavar="HOST=ADDR:PORT",
@@ -262,6 +270,7 @@ def check_numbers(args: argparse.Namespace) -> None:
     """Every numeric flag within its range, whether or not the feature it
     tunes is on (issue 33): a wrong value is an error, never silently unused."""
     check_positive("--agent-interval", args.agent_interval)
+    check_positive("--agent-rediscover", args.agent_rediscover)
     parse_idle_factor(args.idle_factor)
     parse_compression_mode(args.compression)
     check_count("--max-fan-in", args.max_fan_in, 2, MAX_FAN_IN)
@@ -340,10 +349,21 @@ def run(args: argparse.Namespace) -> int:
     # heartbeats to the servers and replicas go over TLS too.
     secured = tls.from_args(args)
     agents = parse_agents(args.agent)
+    agents_dns = None
+    if args.agents_dns is not None:
+        try:
+            agents_dns = parse_address(args.agents_dns)
+        except ConfigError as exc:
+            raise ConfigError(f"--agents-dns: {exc}: the agents' name and port, e.g. "
+                              f"mlfabric-agent.mlfabric.svc:7400") from None
+    if agents_dns is not None and agents_dns[1] == 0:
+        raise ConfigError(f"--agents-dns {args.agents_dns}: give the agents' port (7400 "
+                          f"unless their --listen says otherwise)")
     agent_key = None
-    if agents:
+    if agents or agents_dns:
+        flag = "--agent" if agents else "--agents-dns"
         if not args.agent_key_file:
-            raise ConfigError("--agent needs --agent-key-file PATH: the agents serve only "
+            raise ConfigError(f"{flag} needs --agent-key-file PATH: the agents serve only "
                               "clients that log in; the operator makes the job's key with "
                               "`mlfabric token agent-key --cluster-token-file FILE --job "
                               f"{args.job} KEYFILE`")
@@ -423,6 +443,10 @@ def run(args: argparse.Namespace) -> int:
         if agents:
             assert agent_key is not None
             controller.watch_agents(agents, agent_key, args.agent_interval)
+        if agents_dns is not None:
+            assert agent_key is not None
+            controller.discover_agents(*agents_dns, agent_key, args.agent_interval,
+                                       args.agent_rediscover)
         if servers:
             controller.watch_servers(servers, replicas, interval=args.heartbeat_interval,
                                      timeout=args.heartbeat_timeout,

@@ -16,8 +16,9 @@ import logging
 import math
 import os
 import secrets
+import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -99,6 +100,7 @@ class Controller(Endpoint):
         self.clock = clock
         self.policy_name = policy_name or getattr(policy, "__name__", "custom")
         self._agent_tasks: list[asyncio.Task[None]] = []
+        self._named_agents: set[str] = set()  # watch_agents': discovery leaves them be
         # Which agent estimates the plans use (issue 32: one made-up spike or
         # a stale path must not steer them).
         self.estimate_guard = EstimateGuard()
@@ -192,11 +194,64 @@ class Controller(Endpoint):
         """Poll each agent (host name -> agent address) for its estimates, logged
         in with the job's agent key (`credential`), and re-plan when the
         bandwidth picture changes."""
-        for host, (ip, port) in agents.items():
-            self.state.add_agent(host, f"{ip}:{port}")
-        self._agent_tasks = [asyncio.get_running_loop().create_task(
+        for host, addr in agents.items():
+            self._named_agents.add(host)
+            self._watch_agent(host, addr, credential, interval)
+
+    def _watch_agent(self, host: str, addr: tuple[str, int], credential: AgentCredential,
+                     interval: float) -> asyncio.Task[None]:
+        self.state.add_agent(host, f"{addr[0]}:{addr[1]}")
+        task = asyncio.get_running_loop().create_task(
             self._poll_agent(host, addr, credential, interval))
-            for host, addr in agents.items()]
+        # (polls of agents no longer discovered are done: not kept forever)
+        self._agent_tasks = [t for t in self._agent_tasks if not t.done()] + [task]
+        return task
+
+    def discover_agents(self, name: str, port: int, credential: AgentCredential,
+                        interval: float = 0.5, every: float = 30.0,
+                        resolve: Callable[[], Awaitable[set[str]]] | None = None) -> None:
+        """Poll every agent at an address `name` resolves to, on `port`, each
+        under its IP as its name (as the DaemonSet's agents name themselves;
+        on Kubernetes `name` is a headless Service over them: the nodes'
+        IPs). `name` is resolved again every `every` seconds: an agent that
+        appears is polled, one that is gone is no longer (and shows
+        unreachable). `resolve`: the lookup (default DNS, `getaddrinfo`)."""
+        lookup = resolve or functools.partial(resolve_addresses, name, port)
+        self._agent_tasks.append(asyncio.get_running_loop().create_task(
+            self._discover(name, port, credential, interval, every, lookup)))
+
+    async def _discover(self, name: str, port: int, credential: AgentCredential,
+                        interval: float, every: float,
+                        resolve: Callable[[], Awaitable[set[str]]]) -> None:
+        polls: dict[str, asyncio.Task[None]] = {}
+        failing = ""
+        try:
+            while True:
+                try:
+                    found = await resolve()
+                except OSError as exc:
+                    # DNS can fail for a while (a restarting resolver): poll
+                    # the agents found before, and say so once per reason.
+                    if str(exc) != failing:
+                        log.warning("cannot resolve the agents' name %s (%s): polling the %d "
+                                    "found before", name, exc, len(polls))
+                    failing = str(exc)
+                    found = set(polls)
+                else:
+                    failing = ""
+                for ip in sorted(found - set(polls) - self._named_agents):
+                    log.info("agent %s found at %s:%d (%s)", ip, ip, port, name)
+                    polls[ip] = self._watch_agent(ip, (ip, port), credential, interval)
+                for ip in sorted(set(polls) - found):  # (never a named one)
+                    task = polls.pop(ip)
+                    task.cancel()
+                    await asyncio.wait([task], timeout=5.0)
+                    self.state.agent_unreachable(ip, f"no longer an address of {name}")
+                    log.info("agent %s is no longer an address of %s: not polled", ip, name)
+                await asyncio.sleep(every)
+        finally:
+            for task in polls.values():
+                task.cancel()
 
     async def _poll_agent(self, host: str, addr: tuple[str, int], credential: AgentCredential,
                           interval: float) -> None:
@@ -842,3 +897,10 @@ class _ControllerProtocol(EndpointProtocol):
 
     def on_lost(self) -> None:
         self.endpoint.on_lost(self)
+
+
+async def resolve_addresses(name: str, port: int) -> set[str]:
+    """Every address `name` resolves to (DNS, /etc/hosts): raises OSError
+    (socket.gaierror) when it resolves to none."""
+    infos = await asyncio.get_running_loop().getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    return {str(info[4][0]) for info in infos}

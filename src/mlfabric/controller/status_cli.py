@@ -304,7 +304,8 @@ def format_status(s: dict[str, Any], address: str) -> str:
             [(a["host"], a["address"], _cell(a["reachable"]), _ago(a["last_report_age_s"]),
               str(a["peers"]), str(a["fresh"]), _cell(a["error"])) for a in agents])
     else:
-        lines.append("agents: none (start the controller with --agent HOST=ADDR:PORT)")
+        lines.append("agents: none (start the controller with --agent HOST=ADDR:PORT or "
+                     "--agents-dns NAME:PORT)")
     d = s["delay"]
     if d.get("count"):
         lines.append(f"delay of applied updates: count {d['count']}  mean {d['mean']:.2f}  "
@@ -325,7 +326,7 @@ def format_status(s: dict[str, Any], address: str) -> str:
                  f"{_mbit(s['default_bytes_per_s'])}")
     paths = s.get("measured_paths") or {}
     lines.append("measured by agents (Mbit/s available):" if paths else
-                 "measured by agents: none (no --agent, or no fresh estimate yet)")
+                 "measured by agents: none (no --agent or --agents-dns, or no fresh estimate yet)")
     for path, rate in paths.items():
         lines.append(f"  {path}  {_mbit(rate)}")
     return "\n".join(lines)

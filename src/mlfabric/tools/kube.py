@@ -24,6 +24,10 @@ What it makes (`manifests`, pure: a size in, objects out):
   one rank per pod, the rendezvous at pod 0 (behind a headless Service);
 - Prometheus scrape annotations on every pod.
 
+The controller finds the nodes' agents through their Service (the
+DaemonSet's `mlfabric-agent`, looked up again every 30 s), or reads those
+`--nodes` lists.
+
 The agents are `deploy/kubernetes/daemonset.yaml` (one per node, by IP);
 the token is a Secret you create (above), never written here.
 
@@ -31,9 +35,9 @@ With `--tls`, every process of the job speaks mutual TLS (`mlfabric tls`):
 one certificate, `job.pem`, names every address a pod of the job is dialled
 at (`tls_names`; `--print-tls-host` prints them as `mlfabric tls init
 --host` takes them), and it comes with the CA from the Secret `mlfabric-tls`.
-A controller on TLS reads the agents on TLS too: with `--nodes`, the agents
-need their own certificate naming the nodes' IPs (the DaemonSet's
-`mlfabric-agent-tls`, deploy/README.md).
+A controller on TLS reads the agents on TLS too: they need their own
+certificate naming the nodes' IPs (the DaemonSet's `mlfabric-agent-tls`,
+deploy/README.md).
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ from ..errors import ConfigError
 
 SERVER_PORT, SERVER_METRICS = 7070, 9471
 AGENT_PORT = 7400
+# The agents' headless Service (deploy/kubernetes/daemonset.yaml): the nodes'
+# IPs, as the agents run on the host network. The controller finds them there.
+AGENTS_DNS = f"mlfabric-agent.mlfabric.svc:{AGENT_PORT}"
 CONTROLLER_PORT, CONTROLLER_METRICS = 7071, 9472
 RENDEZVOUS_PORT = 29500
 TOKEN_SECRET = "mlfabric-job-token"
@@ -72,8 +79,10 @@ class JobSize:
     namespace: str = "mlfabric"
     checkpoint_gi: int = 1
     # The nodes' IPs, each running an agent (deploy/kubernetes/daemonset.yaml
-    # names agents by their node's IP): the controller polls them.
+    # names agents by their node's IP): the controller polls them. None given:
+    # it finds them through the agents' Service (AGENTS_DNS), unless not `agents`.
     nodes: tuple[str, ...] = ()
+    agents: bool = True
     # Mutual TLS on every link of the job, from the Secret TLS_SECRET.
     tls: bool = False
 
@@ -99,6 +108,9 @@ class JobSize:
                                   f"named") from None
         if len(set(self.nodes)) != len(self.nodes):
             raise ConfigError("--nodes: name each node once")
+        if self.nodes and not self.agents:
+            raise ConfigError("--nodes names the agents to read and --no-agents reads none: "
+                              "give one of them")
         return self
 
     def servers(self) -> str:
@@ -268,12 +280,14 @@ def _controller(size: JobSize) -> dict[str, Any]:
                "--metrics-host", "0.0.0.0"]
     if size.replicas:
         command += ["--server", size.servers(), "--replica", size.replica_list()]
-    if size.nodes:
+    if size.nodes or size.agents:
         # Each node by its IP, as its agent names itself and as workers and
         # servers are named in the network picture (both on node IPs).
         command += ["--agent-key-file", f"{TOKEN_DIR}/agent.key"]
-        for node in size.nodes:
-            command += ["--agent", f"{node}={node}:{AGENT_PORT}"]
+    for node in size.nodes:
+        command += ["--agent", f"{node}={node}:{AGENT_PORT}"]
+    if size.agents and not size.nodes:
+        command += ["--agents-dns", AGENTS_DNS]
     if size.tls:
         command += _TLS_FLAGS
     volumes, mounts = _secrets(size)
@@ -382,8 +396,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="each server's checkpoint volume, in GiB (default: 1)")
     p.add_argument("--nodes", default="", metavar="IP,IP,...",
                    help="the nodes' IPs, each running an agent (the DaemonSet): the "
-                        "controller polls them, with the job's agent key from the Secret "
-                        "(default: none, the controller plans without measurements)")
+                        "controller polls these (default: it finds the agents through their "
+                        f"Service, --agents-dns {AGENTS_DNS}, again every 30 s); either way "
+                        "with the job's agent key from the Secret")
+    p.add_argument("--no-agents", action="store_true",
+                   help="the controller reads no agents and plans from its default link "
+                        "rate alone (no agent.key in the Secret needed)")
     p.add_argument("--tls", action="store_true",
                    help=f"mutual TLS on every link of the job: each pod mounts the Secret "
                         f"{TLS_SECRET} ({', '.join(TLS_FILES.values())}; see "
@@ -399,7 +417,7 @@ def run(args: argparse.Namespace) -> int:
                    replicas=not args.no_replicas, image=args.image, namespace=args.namespace,
                    checkpoint_gi=args.checkpoint_gi,
                    nodes=tuple(n.strip() for n in args.nodes.split(",") if n.strip()),
-                   tls=args.tls)
+                   agents=not args.no_agents, tls=args.tls)
     if args.print_tls_host:
         print(tls_host(size.check()))
         return 0
