@@ -352,6 +352,19 @@ def test_route_groups_sends_the_positions_behind_the_first_through_the_aggregato
     assert {i.route.group for i in items[1:]} == {(5 << 32) | 2}
 
 
+def test_a_grouped_transfer_goes_whole_whatever_form_the_policy_chose():
+    """An aggregator sums whole updates, and the group was planned at its
+    members' whole sizes: a member the policy planned compressed (issue 35's
+    adaptive choice) goes whole; one that goes straight keeps its form."""
+    ts = _transfers(5)
+    snap = _snapshot(ts, {"a": "10.0.0.9:7401"})
+    plan = [item._replace(codec="fp16") for item in _back_to_back(ts, snap)]
+    items, groups = route_groups(snap, plan)
+    assert [g.ids for g in groups] == [(2, 3, 4, 5)]
+    assert [(i.route is not None, i.codec) for i in items] == \
+        [(False, "fp16")] + [(True, None)] * 4
+
+
 def test_route_groups_forms_no_group_that_would_not_pay_or_without_aggregators():
     ts = _transfers(4)
     plan = _back_to_back(ts, _snapshot(ts, {}))

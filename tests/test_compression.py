@@ -560,19 +560,83 @@ def _same(a, b) -> bool:
                                  for n in wa)
 
 
-def test_a_controller_with_aggregators_is_refused_with_compression():
+def test_through_an_aggregator_an_update_goes_whole_with_what_waited_in_the_residual():
+    """Compression composes with aggregation. A push the controller sends
+    compressed leaves a residual; one it routes through an aggregator goes
+    whole (aggregators sum whole updates) and carries that residual, emptied
+    into it, so nothing waits for a straight push that may never come. The
+    server ends bit for bit at the numpy replay: the fp16 push, the aggregate
+    of (u1 + residual) and u2 as one step, then fp16 again. A fixed codec,
+    which the controller plans at its compressed size, is refused with
+    aggregators, with what to use instead; significance alone is not."""
+    from mlfabric.agent.aggregator import Aggregator
     from mlfabric.controller.controller import Controller
-    from mlfabric.scheduling.policies import Mlfabric
+    from mlfabric.runtime.metrics import AggregatorMetrics
+    from mlfabric.scheduling.aggregation import apply_aggregate
+    from mlfabric.scheduling.plan import PlanItem, Route, Snapshot
     from mlfabric.server.store import ParameterStore
 
-    ctl = Controller(Mlfabric(), job=JOB, token=TOKEN, tau_max=None,
-                     aggregators={"h1": "127.0.0.1:9"})
+    mode = ["fp16"]
+    aggregator: list[str] = []
+
+    def policy(snap: Snapshot) -> list[PlanItem]:
+        if mode[0] == "fp16":
+            return [PlanItem(t.id, start=snap.now, codec="fp16") for t in snap.pending]
+        if len(snap.pending) < 2:
+            return []  # the group waits for its second member
+        first = snap.pending[0].id
+        return [PlanItem(t.id, start=snap.now, position=i, planned_seconds=0.01,
+                         route=Route("agg", aggregator[0], first, 2, i))
+                for i, t in enumerate(snap.pending[:2])]
+
+    model = make_model(sizes={"w": (40, 30), "b": (30,)})
+    u = [random_update(model, seed=step) for step in range(4)]
+    with ServerThread(ParameterStore(model, momentum=0.5)) as st, \
+            ServerThread(None, endpoint=Aggregator(
+                job=JOB, token=TOKEN, servers=[st.address],
+                metrics=AggregatorMetrics())) as agg, \
+            ServerThread(None, endpoint=Controller(policy, job=JOB, token=TOKEN, tau_max=None,
+                                                   aggregators={"h1": "127.0.0.1:9"})) as ctl, \
+            mlfabric.connect(st.address, job=JOB, token=TOKEN, controller=ctl.address,
+                             compression="adaptive:fp16") as ps:
+        aggregator.append(agg.address)
+        assert ps.push(u[0], base_version=0).result(10).applied
+        mode[0] = "group"
+        futures = [ps.push(u[1], base_version=1), ps.push(u[2], base_version=1)]
+        grouped = [f.result(10) for f in futures]
+        mode[0] = "fp16"
+        assert ps.push(u[3], base_version=3).result(10).applied
+        got = ps.pull(timeout=10)[1]
+    assert [(o.applied, o.fan_in, o.index) for o in grouped] == [(True, 2, 0), (True, 2, 1)]
+    assert agg.metrics.members._value.get() == 2
+    # the replay: the worker's error feedback and the server's update rule
+    fb = ErrorFeedback(parse("fp16"))
+    w, prev, version = dict(model), dict(model), 0
+
+    def step(members):
+        nonlocal w, prev, version
+        w, prev, version, _ = apply_aggregate(w, prev, version, [(m, version) for m in members],
+                                              0.5)
+
+    step([{n: decode(e) for n, e in fb.encode(u[0]).items()}])
+    assert any(np.any(r != 0) for r in fb.residual.values())  # fp16 left something
+    step([{n: decode(e) for n, e in fb.encode(u[1], parse("none")).items()}, u[2]])
+    assert all(not np.any(r) for r in fb.residual.values())  # emptied into the member
+    step([{n: decode(e) for n, e in fb.encode(u[3]).items()}])
+    assert_model_equal(got, w)
+
+    # a fixed codec with aggregators: refused, saying what to use
     with ServerThread(ParameterStore(make_model())) as st, \
-            ServerThread(None, endpoint=ctl) as controller, \
-            pytest.raises(ConfigError, match="routes updates through aggregators, which do "
-                                             "not take compressed updates yet"):
-        mlfabric.connect(st.address, job=JOB, token=TOKEN, controller=controller.address,
-                         compression="fp16")
+            ServerThread(None, endpoint=Controller(policy, job=JOB, token=TOKEN, tau_max=None,
+                                                   aggregators={"h1": "127.0.0.1:9"})) as ctl:
+        with pytest.raises(ConfigError, match="routes updates through aggregators, which sum "
+                                              "whole updates, and compression='fp16' makes "
+                                              "every transfer compressed: connect with "
+                                              "compression='adaptive'"):
+            mlfabric.connect(st.address, job=JOB, token=TOKEN, controller=ctl.address,
+                             compression="fp16")
+        mlfabric.connect(st.address, job=JOB, token=TOKEN, controller=ctl.address,
+                         significance=0.01).close()
 
 
 # --- the controller's choice (issue 35) -----------------------------------------------

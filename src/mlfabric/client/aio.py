@@ -195,11 +195,17 @@ async def connect(
         try:
             controlled.book.options = client.options
             await controlled.start()
-            if client.compression is not None and controlled.aggregators_offered():
-                raise ConfigError(f"the controller at {controller} routes updates through "
-                                  f"aggregators, which do not take compressed updates yet: "
-                                  f"connect without compression and significance, or start "
-                                  f"the controller without --aggregator")
+            fb = client.compression
+            if fb is not None and not client.options and fb.codec.name != "none" \
+                    and controlled.aggregators_offered():
+                # The controller plans this worker's transfers at their
+                # compressed size; through an aggregator they would go whole.
+                raise ConfigError(
+                    f"the controller at {controller} routes updates through aggregators, "
+                    f"which sum whole updates, and compression={fb.codec.spec!r} makes "
+                    f"every transfer compressed: connect with compression='adaptive' (the "
+                    f"controller then sends grouped updates whole, others compressed as "
+                    f"their deadlines need), or start the controller without --aggregator")
         except BaseException:
             await client.close()
             raise
@@ -423,6 +429,16 @@ class AsyncClient:
     def compression(self) -> ErrorFeedback | None:
         """The residuals of compressed pushes (None: updates go whole)."""
         return self._compression
+
+    def with_residual(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The update plus what waits in the residuals, whole, the residuals
+        emptied: what a push through an aggregator carries (it sums whole
+        updates), so that nothing waits there for a push that may never go
+        straight to the server. Without compression, the update as it is."""
+        if self._compression is None:
+            return dict(arrays)
+        whole = self._compression.encode(arrays, parse_compression("none"))
+        return {n: e.arrays["v"].reshape(e.shape) for n, e in whole.items()}
 
     def dropped(self, arrays: Mapping[str, np.ndarray]) -> bool:
         """An update the controller dropped (never sent): with compression,

@@ -325,6 +325,10 @@ class AsyncControlledPushes:
         """To the aggregator the controller chose; straight to the server
         (same uid) if it cannot be reached."""
         assert u.via is not None
+        # Whole, with what the residuals held (they are emptied into it): if
+        # the aggregator fails it, the same values go straight to the server.
+        u.arrays = self.client.with_residual(u.arrays)
+        u.future.sent_as = u.arrays  # what a replica and a failover re-send take
         try:
             link = await self._aggregators.get(u.via)
             fut = link.send_push(u.arrays, u.base_version,

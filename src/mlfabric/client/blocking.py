@@ -124,8 +124,9 @@ def connect(
     its go says: whole unless the plan would drop it, else with the least
     compression that lets it go (`mlfabric controller --compression`). With sharded servers each
     shard's part is compressed on its own; a replica gets the same
-    compressed parts as its server. Not yet with aggregators (ConfigError
-    at connect).
+    compressed parts as its server. Through an aggregator (adaptive only:
+    a fixed codec with aggregators is a ConfigError at connect) an update
+    goes whole, with what waited in the residuals.
 
     With `significance` (a threshold in (0, 1), e.g. 0.01), a push whose
     relative magnitude ||update + residual|| / ||model last pulled|| is

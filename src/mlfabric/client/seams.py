@@ -74,6 +74,8 @@ class ControlledClient(Protocol):
 
     def dropped(self, arrays: dict[str, np.ndarray]) -> bool: ...
 
+    def with_residual(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
 
 class ServerConnection(Protocol):
     address: str

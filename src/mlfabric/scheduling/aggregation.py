@@ -388,9 +388,12 @@ def route_groups(snap: Snapshot, items: Sequence[PlanItem], config: AggregationC
             for index, tid in enumerate(g.ids):
                 route = Route(str(g.aggregator), snap.aggregators[str(g.aggregator)],
                               group=(epoch << 32) | g.ids[0], fan_in=len(g.ids), index=index)
+                # Whole: an aggregator sums whole updates (what a compressing
+                # worker's residual holds goes with its next push), and the
+                # group was planned at its members' whole sizes.
                 routed[tid] = plan_of[tid]._replace(start=snap.now,
                                                     planned_seconds=g.delivered - snap.now,
-                                                    route=route)
+                                                    route=route, codec=None)
     return [routed.get(i.id, i) for i in items], formed
 
 
