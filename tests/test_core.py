@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -754,6 +754,10 @@ def _segmented(seed, sizes, gap=16):
 @pytest.mark.parametrize("gamma", [None, 0.0, 0.9])
 @settings(max_examples=30, deadline=None)
 @given(sizes=st.lists(st.integers(0, 3000), min_size=0, max_size=12), seed=st.integers(0, 50))
+# Found in a run: the last segment's norm, 55.10125864955234, squared by
+# libm's pow() is one bit above its product with itself (the kernel squares
+# by a product; the norms are now products everywhere).
+@example(sizes=[0, 1628, 2993, 2331, 4, 11, 1878, 187, 3000], seed=50)
 def test_segments_match_the_kernels_called_segment_by_segment(gamma, sizes, seed):
     (w, prev, u), starts, counts = _segmented(seed, sizes)
     out = np.full_like(w, 7.0)
@@ -765,7 +769,8 @@ def test_segments_match_the_kernels_called_segment_by_segment(gamma, sizes, seed
     for a, n in zip(starts, counts, strict=True):
         _core.momentum_into(want[a:a + n], w[a:a + n], None if p is None else p[a:a + n],
                             u[a:a + n], g)
-        squares += _core.l2_norm(u[a:a + n]) ** 2
+        norm = _core.l2_norm(u[a:a + n])
+        squares += norm * norm
     assert np.array_equal(out.view(np.uint32), want.view(np.uint32))  # gaps untouched too
     assert _core.segments_l2_norm(u, starts, counts) == (math.sqrt(squares), -1)
 

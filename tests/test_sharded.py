@@ -743,7 +743,8 @@ def test_each_shards_measured_divergence_stays_within_its_share_of_div_max():
         return random_update(model, seed=1000 * w + i, scale=0.05 * (1 + i % 3))
 
     def norm(tensors):
-        return math.sqrt(sum(_core.l2_norm(a.reshape(-1)) ** 2 for a in tensors.values()))
+        return math.sqrt(sum(n * n for n in (_core.l2_norm(a.reshape(-1))
+                                             for a in tensors.values())))
 
     step = max(norm(p) for w in range(workers) for i in range(steps)
                for p in part.split(update(w, i)))

@@ -374,8 +374,8 @@ def test_a_replica_applies_what_its_server_applied_even_an_overflow():
 
 def reference_norm(update):
     """How a worker computes the norm it reports (control_book.controlled_update)."""
-    return math.sqrt(sum(_core.l2_norm(np.asarray(a).reshape(-1)) ** 2
-                         for a in update.values()))
+    norms = [_core.l2_norm(np.asarray(a).reshape(-1)) for a in update.values()]
+    return math.sqrt(sum(n * n for n in norms))
 
 
 @pytest.mark.parametrize("gamma", [0.0, 0.9])

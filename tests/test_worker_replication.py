@@ -36,7 +36,7 @@ GAMMA = 0.5
 
 
 def norm_of(u):
-    return float(np.sqrt(sum(_core.l2_norm(a.reshape(-1)) ** 2 for a in u.values())))
+    return float(np.sqrt(sum(n * n for n in (_core.l2_norm(a.reshape(-1)) for a in u.values()))))
 
 
 def run_job(div_max, *, workers=3, steps=10, loop_kind="uvloop"):

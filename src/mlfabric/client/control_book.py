@@ -81,7 +81,8 @@ def controlled_update(arrays: dict[str, np.ndarray], base_version: int, nbytes: 
     """Copy the arrays (they are sent later; the caller may reuse its own) and
     take the update's norm for the controller."""
     copies = {n: a.copy() for n, a in arrays.items()}
-    norm = math.sqrt(sum(kernels.l2_norm(a.reshape(-1)) ** 2 for a in copies.values()))
+    norms = [kernels.l2_norm(a.reshape(-1)) for a in copies.values()]
+    norm = math.sqrt(sum(n * n for n in norms))  # as the server sums them
     return ControlledUpdate(copies, base_version, nbytes, norm, future)
 
 

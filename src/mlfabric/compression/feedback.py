@@ -66,12 +66,13 @@ class ErrorFeedback:
         for name, x in update.items():
             r = self.residual.get(name)
             pending = x if r is None or r.shape != x.shape else np.add(x, r, dtype=np.float32)
-            total += l2_norm(np.ascontiguousarray(pending, np.float32)) ** 2
+            norm = l2_norm(np.ascontiguousarray(pending, np.float32))
+            total += norm * norm
         return float(np.sqrt(total))
 
     def norm(self) -> float:
         """||residual||_2 over every tensor: what waits to be sent."""
-        return float(np.sqrt(sum(l2_norm(r) ** 2 for r in self.residual.values())))
+        return float(np.sqrt(sum(n * n for n in map(l2_norm, self.residual.values()))))
 
 
 def measure_encode(codec: Codec, shapes: Sequence[tuple[int, ...]], seed: int = 0) -> float:

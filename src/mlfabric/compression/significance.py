@@ -55,7 +55,7 @@ class Significance:
 
     def observe(self, model: Mapping[str, np.ndarray]) -> None:
         """The model as just pulled: what the next pushes are measured against."""
-        self.model_norm = math.sqrt(sum(l2_norm(a) ** 2 for a in model.values()))
+        self.model_norm = math.sqrt(sum(n * n for n in map(l2_norm, model.values())))
 
     def relative(self, pending_norm: float) -> float | None:
         """||pending|| / ||model|| (None: no model pulled yet, or a zero one:
