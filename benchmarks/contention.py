@@ -192,7 +192,8 @@ def plot(path: str, results: dict[str, dict[str, list[RunResult]]]) -> None:
                "mlfabric-agg-static": "tab:brown", "mlfabric-colocated": "tab:cyan",
                "mlfabric-2shards": "tab:olive", "mlfabric-colocated-agg": "tab:pink",
                "mlfabric-colocated-agg-wait": "black", "mlfabric-idle-off": "navy",
-               "mlfabric-adaptive": "gold", "mlfabric-colocated-adaptive": "darkgoldenrod"}
+               "mlfabric-adaptive": "gold", "mlfabric-colocated-adaptive": "darkgoldenrod",
+               "mlfabric-colocated-agg-adaptive": "magenta"}
     for ax, (name, runs) in zip(axes[0], results.items(), strict=True):
         for system, rs in runs.items():
             for k, r in enumerate(rs):

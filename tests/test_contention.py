@@ -89,7 +89,7 @@ def test_cluster_layout():
     assert [s for s in contention.SYSTEMS if contention.aggregates(s)] == [
         "mlfabric-agg", "mlfabric-agg-wait", "mlfabric-agg-static",
         "mlfabric-agg-wait-late-pull", "mlfabric-colocated-agg",
-        "mlfabric-colocated-agg-wait"]
+        "mlfabric-colocated-agg-wait", "mlfabric-colocated-agg-adaptive"]
     assert shard_hosts(sc, "mlfabric-2shards") == [0, 6]
 
 
@@ -308,9 +308,10 @@ def test_demo_without_root_says_what_it_needs(monkeypatch):
 
 
 # mlfabric-agg differs from mlfabric-agg-wait by one controller flag, and
-# aggregation runs here in agg-wait and colocated-agg: left out to keep the
-# suite within its 15 minutes (one system costs about 12 s on 2 CPUs).
-SYSTEMS = ["fifo", "mlfabric", "mlfabric-agg-wait", "mlfabric-colocated-agg"] + (
+# aggregation runs here in agg-wait and colocated-agg-adaptive (sharded
+# aggregation with compression offered: the two compose): left out to keep
+# the suite within its 15 minutes (one system costs about 12 s on 2 CPUs).
+SYSTEMS = ["fifo", "mlfabric", "mlfabric-agg-wait", "mlfabric-colocated-agg-adaptive"] + (
     ["ddp"] if importlib.util.find_spec("torch") else [])
 
 

@@ -50,6 +50,10 @@ accuracy reaches the target or the time limit passes:
 * ``mlfabric-colocated-significance``: ``mlfabric-colocated`` whose workers
   hold a push until it is significant (``significance=SIGNIFICANCE``,
   Gaia's filter, issue 35);
+* ``mlfabric-colocated-agg-adaptive``: ``mlfabric-colocated-agg`` whose
+  workers offer compressed forms as ``mlfabric-adaptive``'s do: grouped
+  updates go whole (with what waited in the residual), the others as the
+  controller chooses;
 * ``ddp``: synchronous data parallelism, PyTorch DistributedDataParallel over
   gloo, one rank per worker host (needs ``mlfabric[torch]``);
 * ``ddp-powersgd``: ``ddp`` with PyTorch's PowerSGD communication hook
@@ -99,13 +103,13 @@ SYSTEMS: tuple[str, ...] = ("fifo", "mlfabric", "mlfabric-agg", "mlfabric-agg-wa
                              "mlfabric-2shards", "mlfabric-colocated-agg",
                              "mlfabric-colocated-agg-wait", "mlfabric-idle-off",
                              "mlfabric-adaptive", "ddp-powersgd", "mlfabric-colocated-adaptive",
-                             "mlfabric-colocated-significance")
+                             "mlfabric-colocated-significance", "mlfabric-colocated-agg-adaptive")
 DDP_SYSTEMS = ("ddp", "ddp-powersgd")
 POWERSGD_RANK = 4
 # Sharded systems: where their shards run (see `shard_hosts`).
 SHARDED = ("mlfabric-colocated", "mlfabric-2shards", "mlfabric-colocated-agg",
            "mlfabric-colocated-agg-wait", "mlfabric-colocated-adaptive",
-           "mlfabric-colocated-significance")
+           "mlfabric-colocated-significance", "mlfabric-colocated-agg-adaptive")
 # mlfabric-colocated-significance's workers hold pushes smaller than this
 # fraction of the model (Gaia's significance filter; Gaia used 0.01 to 0.05).
 SIGNIFICANCE = 0.01
