@@ -680,3 +680,47 @@ def test_the_job_on_tls_every_address_dialled_is_named_by_its_certificate(tmp_pa
     out = subprocess.run([sys.executable, "-m", "mlfabric", "kube", "--shards", "2",
                           "--print-tls-host"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == tls_host(size), out.stderr
+
+
+def test_kube_out_is_a_kustomization_kubectl_builds_and_an_overlay_patches(tmp_path):
+    """`mlfabric kube --out DIR`: job.json beside a kustomization.
+    `kubectl kustomize DIR` (kubectl's own kustomize, offline) builds exactly
+    the job's objects, and an overlay naming DIR as its base changes every
+    pod's image, as deploy/README.md tells operators to do."""
+    import json
+
+    import yaml
+
+    from mlfabric.tools.kube import JobSize, as_list
+
+    out = tmp_path / "digits"
+    run = subprocess.run([sys.executable, "-m", "mlfabric", "kube", "--shards", "2",
+                          "--workers", "3", "--out", str(out)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [str(out / "job.json"), str(out / "kustomization.yaml")]
+    expected = as_list(JobSize(shards=2, workers=3))["items"]
+    assert json.loads((out / "job.json").read_text())["items"] == expected
+    kustomization = yaml.safe_load((out / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["job.json"]
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: the kustomization was written, not built")
+
+    def build(directory: Path) -> list[dict]:
+        done = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return sorted(yaml.safe_load_all(done.stdout),
+                      key=lambda o: (o["kind"], o["metadata"]["name"]))
+
+    assert build(out) == sorted(expected, key=lambda o: (o["kind"], o["metadata"]["name"]))
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        "resources:\n  - ../digits\n"
+        "images:\n  - name: ghcr.io/mlfabric/mlfabric-torch\n    newTag: \"9.9.9\"\n")
+    images = {c["image"] for o in build(overlay) if "template" in o.get("spec", {})
+              for c in [*pod_of(o)["containers"], *pod_of(o).get("initContainers", [])]}
+    assert images == {"ghcr.io/mlfabric/mlfabric-torch:9.9.9"}

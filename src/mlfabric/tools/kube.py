@@ -1,15 +1,21 @@
 """`mlfabric kube`: the Kubernetes manifests of a whole job, for its size.
 
-    mlfabric kube --job digits --shards 2 --workers 4 > job.json
+    mlfabric kube --job digits --shards 2 --workers 4 --out digits/
     kubectl create namespace mlfabric
     kubectl -n mlfabric create secret generic mlfabric-job-token --from-file=job.token
-    kubectl apply -f job.json
+    kubectl apply -k digits/
+
+(Without --out it prints the objects, for `kubectl apply -f -`.)
 
 The job's size (shards, workers) and name are the only things to give;
 everything that depends on them (the servers' count and their `--shard I/S`,
 the controller's `--server` and `--replica` lists, the workers' settings)
 follows from them here, so no two places can disagree. The output is a
-Kubernetes `List` in JSON, which kubectl reads as it reads YAML.
+Kubernetes `List` in JSON, which kubectl reads as it reads YAML. With
+`--out DIR` it goes to DIR/job.json beside a kustomization that lists it:
+`kubectl apply -k DIR` applies the job, and anything else a cluster needs
+(images, resources, node selectors) goes in an overlay that names DIR as
+its base, so running `mlfabric kube` again for a new size keeps it.
 
 What it makes (`manifests`, pure: a size in, objects out):
 
@@ -379,6 +385,44 @@ def as_list(size: JobSize) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "List", "items": items}
 
 
+KUSTOMIZATION = """\
+# Written by `mlfabric kube` for job {job!r}: {shards} shard(s), {workers} worker(s), with
+# job.json beside it. To change the size, run `mlfabric kube` again; do not
+# edit either file. Apply with `kubectl apply -k {out}`. Anything else (images,
+# resources, node selectors) goes in an overlay whose kustomization lists
+# this directory under `resources:`.
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources:
+  - job.json
+"""
+
+
+def write_out(size: JobSize, out: str) -> list[str]:
+    """The job's objects as DIR/job.json and the kustomization beside it;
+    returns the paths written."""
+    import os
+
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {out!r}: cannot create the directory: {exc.strerror}"
+                          ) from None
+    written = []
+    for name, text in (("job.json", json.dumps(as_list(size), indent=2) + "\n"),
+                       ("kustomization.yaml", KUSTOMIZATION.format(
+                           job=size.job, shards=size.shards, workers=size.workers, out=out))):
+        path = os.path.join(out, name)
+        try:
+            with open(path, "w") as f:
+                f.write(text)
+        except OSError as exc:
+            raise ConfigError(f"--out {out!r}: cannot write {path!r}: {exc.strerror}"
+                              ) from None
+        written.append(path)
+    return written
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job", default=JobSize.job, help="the job's name (default: digits)")
     p.add_argument("--shards", type=int, default=JobSize.shards,
@@ -406,6 +450,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"mutual TLS on every link of the job: each pod mounts the Secret "
                         f"{TLS_SECRET} ({', '.join(TLS_FILES.values())}; see "
                         f"--print-tls-host) and passes it as --tls-* (default: plain TCP)")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="write the objects to DIR/job.json beside a kustomization "
+                        "(`kubectl apply -k DIR`; overlays name DIR as their base) instead of "
+                        "printing them")
     p.add_argument("--print-tls-host", action="store_true",
                    help="print the job certificate's `mlfabric tls init --host` value (job, "
                         "then every name a pod of the job is dialled at) instead of the "
@@ -420,6 +468,10 @@ def run(args: argparse.Namespace) -> int:
                    agents=not args.no_agents, tls=args.tls)
     if args.print_tls_host:
         print(tls_host(size.check()))
+        return 0
+    if args.out is not None:
+        for path in write_out(size, args.out):
+            print(path)
         return 0
     print(json.dumps(as_list(size), indent=2))
     return 0
