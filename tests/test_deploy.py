@@ -724,3 +724,65 @@ def test_kube_out_is_a_kustomization_kubectl_builds_and_an_overlay_patches(tmp_p
     images = {c["image"] for o in build(overlay) if "template" in o.get("spec", {})
               for c in [*pod_of(o)["containers"], *pod_of(o).get("initContainers", [])]}
     assert images == {"ghcr.io/mlfabric/mlfabric-torch:9.9.9"}
+
+
+def test_the_documented_secrets_hold_every_file_the_pods_read(tmp_path):
+    """Each `kubectl create secret generic` that deploy/README.md and the
+    DaemonSet's header tell the operator to run (run here with
+    --dry-run=client: kubectl builds the Secret offline) holds every file a
+    pod reads from its mount of that Secret: the tokens, the agent key, the
+    job's and the agents' certificates."""
+    import json
+
+    import yaml
+
+    from mlfabric.tools.kube import JobSize, manifests
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: it builds the documented Secrets")
+    texts = [(ROOT / "deploy" / "README.md").read_text(),
+             "\n".join(x.lstrip("#").strip() for x in DAEMONSET.read_text().splitlines()
+                       if x.startswith("#"))]
+    commands = {}
+    for text in texts:
+        for line in re.sub(r"\\\n\s*", " ", text).splitlines():
+            if line.startswith("kubectl") and " create secret generic " in line:
+                argv = shlex.split(line)
+                commands[argv[argv.index("generic") + 1]] = argv
+    made: dict[str, set[str]] = {}
+    for name, argv in commands.items():
+        for arg in argv:
+            if arg.startswith("--from-file="):
+                path = tmp_path / arg.split("=")[-1]
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text("x\n")
+        done = subprocess.run([kubectl, *argv[1:], "--dry-run=client", "-o", "json"],
+                              capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        made[name] = set(json.loads(done.stdout)["data"])
+    # what the pods read: each path under a Secret's mount, by Secret
+    pods = [pod_of(m) for m in manifests(JobSize(shards=2, workers=2, tls=True))
+            if "template" in m["spec"]]
+    daemonset = next(d for d in yaml.safe_load_all(DAEMONSET.read_text())
+                     if d["kind"] == "DaemonSet")
+    pods.append(pod_of(daemonset))
+    told = re.findall(r'"tls_\w+": "([^"]+)"', DAEMONSET.read_text())  # agent.json's keys
+    needed: dict[str, set[str]] = {}
+    for pod in pods:
+        secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+        for c in [*pod["containers"], *pod.get("initContainers", [])]:
+            words = [*c["command"], *(e.get("value", "") for e in c.get("env", []))]
+            if pod is pods[-1]:
+                words += told
+            for mount in c.get("volumeMounts", []):
+                if mount["name"] in secrets:
+                    prefix = mount["mountPath"] + "/"
+                    needed.setdefault(secrets[mount["name"]], set()).update(
+                        w[len(prefix):] for w in words if w.startswith(prefix))
+    assert set(needed) == {"mlfabric-job-token", "mlfabric-tls", "mlfabric-cluster-token",
+                           "mlfabric-agent-tls"}
+    assert needed["mlfabric-job-token"] == {"job.token", "agent.key"}
+    for name, files in needed.items():
+        assert name in made, f"no documented command makes Secret {name}"
+        assert files <= made[name], f"Secret {name} lacks {sorted(files - made[name])}"
