@@ -123,10 +123,17 @@ class Group:
         dist.all_gather_object(out, obj)
         return out
 
-    def close(self) -> None:
+    def close(self, graceful: bool = True) -> None:
         if self.active:
             import torch.distributed as dist
 
+            if graceful:
+                # Every rank is out of its last collective before any tears
+                # the links down: in a CI run a rank whose peer had destroyed
+                # the group during the final gather aborted in gloo
+                # ("terminate called without an active exception").
+                # Not after an error: the other ranks may never come.
+                dist.barrier()
             dist.destroy_process_group()
 
 
@@ -286,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
             server.stop()
         if workdir is not None:
             workdir.cleanup()
-        group.close()
+        group.close(graceful=sys.exc_info()[0] is None)
     return 0
 
 
