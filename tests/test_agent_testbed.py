@@ -425,8 +425,17 @@ def test_the_jobs_own_tcp_traffic_is_not_load() -> None:
               f"{est['h0'].up_load_bps / 1e6:.2f} Mbit/s; {note}")
         assert goodput > 0.8 * rate / 2
         assert ok, note
-        assert 0 <= est["h1"].down_load_bps < 0.05 * rate * 1e6
-        assert 0 <= est["h0"].up_load_bps < 0.05 * rate * 1e6
+        # The job's bytes are counted at its socket, the NIC's after the
+        # shaper's queue: their difference moves by what that queue gained or
+        # lost, at most its depth (queue_ms at the rate), over each window the
+        # load is taken on. That bounds the load the job's own flow can leave:
+        # 10% of the link here (seen: 0.6-4.7% on an idle machine, 6.0% in a
+        # CI run); the flow counted as load would read 50%.
+        from mlfabric.agent.estimator import LoadMeter
+
+        bound = tb.queue_ms / 1000 / LoadMeter().window * rate * 1e6
+        assert 0 <= est["h1"].down_load_bps < bound
+        assert 0 <= est["h0"].up_load_bps < bound
         # counted since each agent's first reading (the socket's whole history then)
         wire = ct.bytes_received / TCP_PAYLOAD
         got = scrape_metrics(tb.hosts[1], METRICS_PORT)[
