@@ -17,7 +17,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from mlfabric.kernels import _core
+from mlfabric.kernels import _core, norm_of
 
 DTYPES = [np.float32, np.float64]
 BITS = {np.dtype(np.float32): np.uint32, np.dtype(np.float64): np.uint64}
@@ -773,6 +773,9 @@ def test_segments_match_the_kernels_called_segment_by_segment(gamma, sizes, seed
         squares += norm * norm
     assert np.array_equal(out.view(np.uint32), want.view(np.uint32))  # gaps untouched too
     assert _core.segments_l2_norm(u, starts, counts) == (math.sqrt(squares), -1)
+    # and the helper every norm over tensors goes through says the same
+    assert norm_of(u[a:a + n] for a, n in zip(starts, counts, strict=True)) == \
+        math.sqrt(squares)
 
 
 def test_segments_report_the_first_non_finite_segment():

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -81,8 +80,7 @@ def controlled_update(arrays: dict[str, np.ndarray], base_version: int, nbytes: 
     """Copy the arrays (they are sent later; the caller may reuse its own) and
     take the update's norm for the controller."""
     copies = {n: a.copy() for n, a in arrays.items()}
-    norms = [kernels.l2_norm(a.reshape(-1)) for a in copies.values()]
-    norm = math.sqrt(sum(n * n for n in norms))  # as the server sums them
+    norm = kernels.norm_of(a.reshape(-1) for a in copies.values())  # as the server does
     return ControlledUpdate(copies, base_version, nbytes, norm, future)
 
 

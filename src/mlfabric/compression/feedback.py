@@ -15,12 +15,12 @@ exact in float32 (tests/test_compression.py), to float32 rounding otherwise.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
 from ..errors import ConfigError
-from ..kernels import l2_norm
+from ..kernels import norm_of
 from .codecs import Codec, Encoded, parse
 
 
@@ -62,17 +62,17 @@ class ErrorFeedback:
     def pending_norm(self, update: Mapping[str, np.ndarray]) -> float:
         """||update + residual||_2 over every tensor: what a push of `update`
         would carry (the significance filter's measure). Modifies nothing."""
-        total = 0.0
-        for name, x in update.items():
-            r = self.residual.get(name)
-            pending = x if r is None or r.shape != x.shape else np.add(x, r, dtype=np.float32)
-            norm = l2_norm(np.ascontiguousarray(pending, np.float32))
-            total += norm * norm
-        return float(np.sqrt(total))
+        def pending() -> Iterator[np.ndarray]:
+            for name, x in update.items():
+                r = self.residual.get(name)
+                sum_ = x if r is None or r.shape != x.shape else np.add(x, r, dtype=np.float32)
+                yield np.ascontiguousarray(sum_, np.float32)
+
+        return norm_of(pending())
 
     def norm(self) -> float:
         """||residual||_2 over every tensor: what waits to be sent."""
-        return float(np.sqrt(sum(n * n for n in map(l2_norm, self.residual.values()))))
+        return norm_of(self.residual.values())
 
 
 def measure_encode(codec: Codec, shapes: Sequence[tuple[int, ...]], seed: int = 0) -> float:

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from ..errors import ConfigError
-from ..kernels import l2_norm
+from ..kernels import norm_of
 
 
 def check_threshold(threshold: float) -> float:
@@ -55,7 +55,7 @@ class Significance:
 
     def observe(self, model: Mapping[str, np.ndarray]) -> None:
         """The model as just pulled: what the next pushes are measured against."""
-        self.model_norm = math.sqrt(sum(n * n for n in map(l2_norm, model.values())))
+        self.model_norm = norm_of(model.values())
 
     def relative(self, pending_norm: float) -> float | None:
         """||pending|| / ||model|| (None: no model pulled yet, or a zero one:

@@ -238,7 +238,7 @@ class ParameterStore:
             norm = kernels.l2_norm(c_contiguous(u).reshape(-1))
             if check and not self.allow_nonfinite and not math.isfinite(norm):
                 raise InvalidUpdate(_nonfinite_message(name), reason="nonfinite")
-            squares += norm * norm  # a product, as the kernel (not libm pow)
+            squares += norm * norm  # as kernels.norm_of (checked tensor by tensor here)
         return math.sqrt(squares)
 
     def stale_reason(self, delay: int) -> str | None:
