@@ -613,3 +613,60 @@ def test_the_events_of_one_loop_turn_share_one_replan(run_async):
         await controller.close()
 
     run_async(body())
+
+
+def test_a_decision_is_in_the_log_before_its_directive_goes_out(run_async):
+    """Write-ahead: a controller killed between the two leaves a logged
+    decision that never went out (asked for again, decided twice), never a
+    directive its log lacks. A CI run killed one in between, and the parts
+    its decision log held fell one short of the pushes applied."""
+    from mlfabric.controller.controller import _ControllerProtocol, decision_log
+    from mlfabric.wire.protocol import Directive, TransferRequest
+
+    logged: list[dict] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append(json.loads(record.getMessage()))
+
+    async def body():
+        done = asyncio.Event()
+
+        def policy(snap: Snapshot) -> list[PlanItem]:
+            return [PlanItem(t.id, start=snap.now, position=0, planned_seconds=0.01)
+                    if t.id % 2 == 0 else PlanItem(t.id, drop="late", detail="x")
+                    for t in snap.pending]
+
+        class Checking(_ControllerProtocol):
+            def __init__(self, endpoint: Controller) -> None:
+                super().__init__(endpoint)
+                self.in_log_first: list[tuple[str, bool]] = []
+
+            def send(self, event) -> None:
+                assert isinstance(event, Directive)
+                mine = [r for r in logged if r.get("event") in ("go", "drop")
+                        and r["host"] == f"w{event.req}"]
+                self.in_log_first.append((event.action, len(mine) == 1))
+                if len(self.in_log_first) == 1:
+                    done.set()
+
+        handler = Keep(logging.INFO)
+        level = decision_log.level
+        decision_log.addHandler(handler)
+        decision_log.setLevel(logging.INFO)
+        try:
+            controller = Controller(policy, job=JOB, token=TOKEN, tau_max=None)
+            conns = [Checking(controller) for _ in range(4)]
+            for req, conn in enumerate(conns):
+                controller.on_request(conn, TransferRequest(
+                    req=req, host=f"w{req}", dst="s", nbytes=10, base_version=0, norm=1.0))
+            await asyncio.wait_for(done.wait(), 10)
+            await controller.close()
+        finally:
+            decision_log.removeHandler(handler)
+            decision_log.setLevel(level)
+        # every directive found its decision already logged: two go, two drop
+        assert sorted(e for c in conns for e in c.in_log_first) == [
+            ("drop", True), ("drop", True), ("go", True), ("go", True)]
+
+    run_async(body())

@@ -723,30 +723,33 @@ class Controller(Endpoint):
             conn = t.owner
             assert isinstance(conn, _ControllerProtocol)
             wait = now - t.arrival
-            # Count first, then tell the worker: whoever sees the directive's
-            # effect also sees it counted.
+            # Count and log first, then tell the worker: whoever sees the
+            # directive's effect also sees it counted, and a controller killed
+            # in between has logged a decision that did not go out rather than
+            # sent one that its log lacks (a CI run killed one between the two:
+            # a part went and no log held its decision).
             if isinstance(action, Go) and not action.first:
                 # The next chunk of a transfer let go before.
                 m.chunks.inc()
-                conn.send(Directive(req=t.req, action="go", position=action.position,
-                                    planned_seconds=action.planned_seconds, upto=action.upto))
                 decision_log.info(json.dumps({
                     "event": "chunk", "at": round(now, 6), "id": t.id, "host": t.host,
                     "upto": action.upto, "nbytes": t.nbytes, "position": action.position,
                     "planned_seconds": round(action.planned_seconds, 6)}))
+                conn.send(Directive(req=t.req, action="go", position=action.position,
+                                    planned_seconds=action.planned_seconds, upto=action.upto))
                 continue
             m.queue_wait.observe(wait)
             if isinstance(action, Go):
                 m.directives.labels("go").inc()
                 m.planned_seconds.observe(action.planned_seconds)
                 route = action.route
-                conn.send(Directive(
+                directive = Directive(
                     req=t.req, action="go", position=action.position,
                     planned_seconds=action.planned_seconds,
                     via=route.address if route else None, group=route.group if route else None,
                     fan_in=route.fan_in if route else None,
                     index=route.index if route else None, upto=action.upto,
-                    codec=action.codec))
+                    codec=action.codec)
                 record = {"event": "go", "at": round(now, 6), "position": action.position,
                           "planned_seconds": round(action.planned_seconds, 6)}
                 if action.upto is not None:
@@ -762,8 +765,8 @@ class Controller(Endpoint):
                 assert isinstance(action, Drop)
                 m.directives.labels("drop").inc()
                 m.drops.labels(action.reason).inc()
-                conn.send(Directive(req=t.req, action="drop",
-                                    reason=f"{action.reason}: {action.detail}".rstrip(": ")))
+                directive = Directive(req=t.req, action="drop",
+                                      reason=f"{action.reason}: {action.detail}".rstrip(": "))
                 record = {"event": "drop", "at": round(now, 6), "reason": action.reason,
                           "detail": action.detail}
             # dst: the link it goes into; deadline_version: the server version
@@ -774,6 +777,7 @@ class Controller(Endpoint):
                 **record, "id": t.id, "host": t.host, "dst": t.dst, "nbytes": t.nbytes,
                 "base_version": t.base_version, "server_version": self.state.version,
                 **deadline, "queue_wait": round(wait, 6)}))
+            conn.send(directive)
         m.pending.set(len(self.state.pending))
         m.active.set(len(self.state.active))
         m.handover.set(self.state.handover)
