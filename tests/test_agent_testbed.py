@@ -68,12 +68,22 @@ class Agents:
         """Start `host`'s agent probing `peers_of` (default: every other host)."""
         others = [p for p in self.tb.hosts if p is not host] if peers_of is None else peers_of
         peers = [f"--peer={p.name}={p.ip}:{PORT}" for p in others]
-        argv = [sys.executable, "-m", "mlfabric", "--log-level", "WARNING", "agent",
+        # MLFABRIC_TEST_AGENT_LOGS=DIR: each agent's DEBUG log (every train's
+        # reading and outcome) in DIR/<host>.log, to read a failure back.
+        logs = os.environ.get("MLFABRIC_TEST_AGENT_LOGS")
+        argv = [sys.executable, "-m", "mlfabric", "--log-level", "DEBUG" if logs else "WARNING",
+                "agent",
                 "--cluster-token-file", str(cluster_token_file()), "--name", host.name,
                 "--listen", f"{host.ip}:{PORT}", *peers,
                 "--metrics-port", str(METRICS_PORT), "--metrics-host", host.ip, *self.extra]
         env = dict(os.environ)
-        proc = self.tb.popen(host, argv, stdout=subprocess.PIPE, text=True, env=env)
+        if logs:
+            Path(logs).mkdir(parents=True, exist_ok=True)
+            with open(Path(logs) / f"{host.name}.log", "w") as err:
+                proc = self.tb.popen(host, argv, stdout=subprocess.PIPE, stderr=err, text=True,
+                                     env=env)
+        else:
+            proc = self.tb.popen(host, argv, stdout=subprocess.PIPE, text=True, env=env)
         self.procs[host.name] = proc
         return proc.pid
 

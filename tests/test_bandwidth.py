@@ -819,6 +819,49 @@ def test_a_vouching_train_the_peer_cannot_yet_explain_is_retried_not_taken() -> 
     assert outcomes == ["unexplained"] * RISE_RETRIES + ["sample"]
     assert never.snapshot().capacity_bps == pytest.approx(48.6e6, rel=0.01)
 
+def test_a_rung_of_a_rise_slowed_by_the_jobs_flow_is_no_bucket() -> None:
+    """Recorded on the emulated cluster with both cores busy (and in a
+    fresh-clone CI run): h2's trains of 23 and 46 packets read h1's
+    downlink at 97 Mbit/s between the bursts of the job's 50 Mbit/s flow
+    into h1; one of 92 shared the queue with it and read 47.9, its head
+    passing at 97 and the rest queueing, as a bucket running dry does. It
+    was taken as the path's rate, and the next train went 3.7 s later. h1
+    had reported carrying 52.4 Mbit/s, none of it load: the job's flow
+    explains the shortfall, so the rise goes on to a train long enough to
+    vouch, which reads what the flow left and vouches beside it. A tenant's
+    flow (load) explains nothing: the reading is taken, as before."""
+    carried = 52.4 * MBIT
+    for load, want in ((0.0, 97.2e6), (carried, 47.9e6)):
+        clock = FakeClock()
+        est = PathEstimator(ProbeConfig(initial_bps=100 * MBIT), clock)
+        recorded = [(23, 97.1, 136.5, 0.0, 0.0), (46, 97.2, 131.7, carried, load)]
+        for count, reading, head, carried_now, load_now in recorded:
+            m = TrainMeasurement(count, 0, reading * MBIT, 1_800 * MBIT, 9, run_start=8,
+                                 head_bps=head * MBIT, tail_bps=reading * MBIT)
+            assert est.on_train(m, peer_down_load=load_now, peer_carried=carried_now) == "rise"
+        shared = TrainMeasurement(92, 0, 47.9 * MBIT, 1_848.5 * MBIT, 27, run_start=10,
+                                  head_bps=97.3 * MBIT, tail_bps=47.9 * MBIT)
+        outcome = est.on_train(shared, peer_down_load=load, peer_carried=carried)
+        if load:  # a bucket run dry, as far as the agent can tell
+            assert outcome == "sample"
+            assert est.snapshot().capacity_bps == pytest.approx(want, rel=0.01)
+            continue
+        assert outcome == "rise" and est.capacity.value is None
+        assert est.interval() < 0.1  # the rise's next train goes at once
+        count = est.plan(2).count
+        assert count > 92  # longer, on to one that vouches (here the next)
+        while count < est.verify_bytes(97.2 * MBIT / 1.1) / 1514:
+            assert est.on_train(TrainMeasurement(count, 0, 48.0 * MBIT, 1_800 * MBIT, 40,
+                                                 run_start=10, head_bps=97.0 * MBIT,
+                                                 tail_bps=48.0 * MBIT),
+                                peer_down_load=0.0, peer_carried=carried) == "rise"
+            count = est.plan(2).count
+        vouching = TrainMeasurement(count, 0, 48.0 * MBIT, 1_800 * MBIT, 100, run_start=10,
+                                    head_bps=97.0 * MBIT, tail_bps=48.0 * MBIT)
+        assert est.on_train(vouching, peer_down_load=0.0, peer_carried=carried) == "sample"
+        assert est.snapshot().capacity_bps == pytest.approx(want, rel=0.01)
+
+
 def test_lost_trains_are_counted_and_do_not_spin() -> None:
     clock = FakeClock()
     cfg = ProbeConfig()

@@ -817,10 +817,12 @@ class Agent:
                                   up_capacity=self.up_capacity())
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "train %s->%s n=%d recv=%d queued=%d C=%s send=%s -> %s "
-                "bw=%.1f cap=%.1f load=%.1f", self.name, st.name, plan.count, m.received,
-                m.queued, _mbit(m.capacity_bps), _mbit(m.send_bps), outcome,
-                e.bandwidth_bps / 1e6, e.capacity_bps / 1e6, e.load_bps / 1e6,
+                "train %s->%s n=%d recv=%d queued=%d C=%s send=%s head=%s -> %s "
+                "bw=%.1f cap=%.1f load=%.1f (peer: carried %.1f, load %s)", self.name,
+                st.name, plan.count, m.received, m.queued, _mbit(m.capacity_bps),
+                _mbit(m.send_bps), _mbit(m.head_bps), outcome, e.bandwidth_bps / 1e6,
+                e.capacity_bps / 1e6, e.load_bps / 1e6, st.estimator.peer_carried / 1e6,
+                _mbit(st.estimator.peer_down_load),
             )
         mt = self.metrics
         if mt is None:
