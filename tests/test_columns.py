@@ -169,12 +169,15 @@ def test_columns_follow_adds_and_removes():
                 t.nbytes, t.base_version, t.arrival, t.shard)
             assert cols.hosts.names[cols.src[k]] == t.host
     assert sorted(cols.ids[cols.rows(0)].tolist()) == [2, 4, 6]
+    assert cols.shards() == [0, 1]  # 5 is shard 1's last
+    cols.remove(5)
+    assert cols.shards() == [0]
     with pytest.raises(ValueError, match="transfer 2 is pending already"):
         cols.add(ts[1])
     many = [Transfer(100 + i, "o", i, "h", "s", 1, 0, 1.0, 0.0) for i in range(200)]
     for t in many:  # grows past its first room
         cols.add(t)
-    assert len(cols) == 204 and 150 in cols
+    assert len(cols) == 203 and 150 in cols
 
 
 def test_host_rates_equal_the_networks_own():

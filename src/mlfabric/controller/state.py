@@ -599,7 +599,7 @@ class ControlState:
 
     def _decide(self, now: float) -> Decisions:
         if self._columns is not None:
-            shards = np.unique(self._columns.shard[:len(self._columns)]).tolist()
+            shards = self._columns.shards()
         else:
             shards = sorted({t.shard for t in self.pending.values()})
         if shards == [0] and len(self.shard_versions) <= 1:
