@@ -43,7 +43,7 @@ class PendingColumns:
         # The compressed forms offered, by transfer id (only those that offer any).
         self.offers: dict[int, tuple[tuple[str, int, float], ...]] = {}
         # Pending rows per shard: a re-plan asks which shards have any, and
-        # np.unique over the shard column was a tenth of a re-plan at 1,000.
+        # np.unique over the shard column was 6% of a re-plan at 1,000 (RESULTS).
         self._per_shard: dict[int, int] = {}
 
     _COLUMNS = ("ids", "size", "base_version", "arrival", "shard", "src", "dst")
