@@ -18,12 +18,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import pytest
 
 from mlfabric.agent.daemon import query_estimates, read_net_dev
+from mlfabric.agent.estimator import LoadMeter
 from mlfabric.errors import ConfigError
 from mlfabric.tools.workload import scrape_metrics
 from mlfabric.wire import agent_protocol as probe
@@ -79,11 +80,9 @@ class Agents:
         env = dict(os.environ)
         if logs:
             Path(logs).mkdir(parents=True, exist_ok=True)
-            with open(Path(logs) / f"{host.name}.log", "w") as err:
-                proc = self.tb.popen(host, argv, stdout=subprocess.PIPE, stderr=err, text=True,
-                                     env=env)
-        else:
-            proc = self.tb.popen(host, argv, stdout=subprocess.PIPE, text=True, env=env)
+        with open(Path(logs) / f"{host.name}.log", "w") if logs else nullcontext() as err:
+            proc = self.tb.popen(host, argv, stdout=subprocess.PIPE, stderr=err, text=True,
+                                 env=env)
         self.procs[host.name] = proc
         return proc.pid
 
@@ -441,8 +440,6 @@ def test_the_jobs_own_tcp_traffic_is_not_load() -> None:
         # load is taken on. That bounds the load the job's own flow can leave:
         # 10% of the link here (seen: 0.6-4.7% on an idle machine, 6.0% in a
         # CI run); the flow counted as load would read 50%.
-        from mlfabric.agent.estimator import LoadMeter
-
         bound = tb.queue_ms / 1000 / LoadMeter().window * rate * 1e6
         assert 0 <= est["h1"].down_load_bps < bound
         assert 0 <= est["h0"].up_load_bps < bound
