@@ -85,6 +85,27 @@ def test_a_transfer_that_could_overtake_a_critical_one_waits_until_it_cannot():
     assert [x.transfer.id for x in state.decide(d.wake_at).actions] == [b.id]
 
 
+@pytest.mark.parametrize("seen", ["observed", "loaded"])
+def test_a_path_last_seen_slow_is_taken_at_its_capacity_beside_a_critical_one(seen):
+    """Issue 34: in the simulator, after an unannounced drop of the server's
+    downlink the loop had it at 40 Mbit/s; it recovered to 80, and a transfer
+    let go beside a critical one, believed to take 0.44 s, took 0.29 and
+    landed first: the critical one was refused as stale. The rate the loop
+    or the agents last saw can be out of date; the links' capacity cannot."""
+    state, (a, b) = _two(guard=True)
+    slow = {"observed": dict(observed_up={"b": 1 * MB}),  # 2 s for B's 2 MB
+            "loaded": dict(load_up={"b": 9 * MB})}[seen]
+    state.network = Network(default=10 * MB, **slow)
+    assert state.network.rate("b", "s") == 1 * MB
+    assert state.network.fastest("b", "s") == 10 * MB
+    d = state.decide(0.0)
+    # At the believed 1 MB/s B would end at 2.0, after A's 1.0 plus its guard,
+    # and would go now; at the 10 MB/s it may get it ends at 0.2.
+    assert [x.transfer.id for x in d.actions] == [a.id]
+    assert d.wake_at == pytest.approx(0.9)
+    assert [x.transfer.id for x in state.decide(d.wake_at).actions] == [b.id]
+
+
 def test_nothing_goes_beside_a_critical_transfer_past_its_planned_end():
     state, (_, b) = _two(guard=True)
     state.decide(0.0)

@@ -718,9 +718,10 @@ class ControlState:
                     # next: it goes when it would end a guard after it, or
                     # (None) once that one is reported done. Its end is the
                     # earliest the path allows, not the plan's: a worker sends
-                    # as fast as TCP lets it, not at its reserved rate.
+                    # as fast as TCP lets it, not at its reserved rate, nor at
+                    # the rate the loop or the agents last saw (`fastest`).
                     fastest = (t.option_bytes(item.codec) if item.codec else t.rest
-                               ) / self.network.rate(t.host, t.dst)
+                               ) / self.network.fastest(t.host, t.dst)
                     at = observed.release_at(critical[t.shard], now=now,
                                              planned_seconds=fastest)
                     if at is None or at > now:

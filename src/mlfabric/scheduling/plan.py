@@ -71,6 +71,13 @@ class Network:
         left = _left(self.down.get(host, self.default), self.load_down.get(host, 0.0))
         return min(left, self.observed_down.get(host, left))
 
+    def fastest(self, src: str, dst: str) -> float:
+        """The most the path could give the job: the links' capacities, less no
+        load and capped by no observation. Either can be out of date the
+        moment a tenant stops or a link recovers, and a transfer then runs
+        faster than `rate` says."""
+        return min(self.up.get(src, self.default), self.down.get(dst, self.default))
+
     def rate(self, src: str, dst: str) -> float:
         r = min(self.up_rate(src), self.down_rate(dst))
         measured = self.pair.get((src, dst))
