@@ -106,6 +106,35 @@ def test_a_path_last_seen_slow_is_taken_at_its_capacity_beside_a_critical_one(se
     assert [x.transfer.id for x in state.decide(d.wake_at).actions] == [b.id]
 
 
+def test_a_transfer_past_its_planned_end_may_be_overtaken_by_every_running_one():
+    """A (base 0) is planned to land first, C (base 1) after it; the server
+    is at 1 and tau_max is 2, so in planned order A has one update of slack.
+    Past its planned end A has no planned place: if C landed first, A would
+    have none, so it is critical and nothing more goes to its server."""
+    ends = {"w1": 0.5, "w3": 1.0, "w2": 1.2}
+
+    def policy(snap: Snapshot) -> list[PlanItem]:
+        return [PlanItem(t.id, start=snap.now, position=k,
+                         planned_seconds=ends[str(t.owner)] - snap.now)
+                for k, t in enumerate(snap.pending)]
+
+    state = ControlState(policy, tau_max=2, network=Network(default=10 * MB),
+                         guard_order=True)
+    state.shard_at(0, "s", 1)
+    for owner, host, base in (("w1", "a", 0), ("w3", "c", 1)):
+        state.request(owner, 1, host=host, dst="s", nbytes=1 * MB, base_version=base,
+                      norm=1.0, now=0.0)
+    assert len(state.decide(0.0).actions) == 2
+    assert state.critical(0, 0.5) == []  # within its guard (5 ms past its end)
+    assert state.critical(0, 0.6) == [(0.5, 0.5)]
+    state.request("w2", 1, host="b", dst="s", nbytes=1 * MB, base_version=1, norm=1.0,
+                  now=0.6)
+    d = state.decide(0.6)
+    assert d.actions == () and d.wake_at is None  # until A's report
+    state.done("w1", 1, version=2)
+    assert [x.transfer.owner for x in state.decide(0.7).actions] == ["w2"]
+
+
 def test_nothing_goes_beside_a_critical_transfer_past_its_planned_end():
     state, (_, b) = _two(guard=True)
     state.decide(0.0)
