@@ -198,3 +198,29 @@ def test_host_rates_equal_the_networks_own():
     up, down = cols.hosts.rates(other)
     assert up.tolist() == [other.up_rate(h) for h in ("a", "b", "c", "s", "d")]
     assert down.tolist() == [other.down_rate(h) for h in ("a", "b", "c", "s", "d")]
+
+
+def test_host_rates_are_shared_read_only_and_a_host_without_rate_is_checked_per_plan():
+    """The rates are kept until the network changes, so a plan cannot write
+    into the next one's; a host at rate 0 that no pending transfer uses
+    does not stop the plan, one that a transfer uses does (the core refuses
+    it, and the snapshot planner then says which)."""
+    net = Network(default=100 * MB, up={"idle": 0.0})
+    cols = PendingColumns()
+    for i, host in enumerate(("a", "b")):
+        cols.add(Transfer(i, f"w{i}", 0, host, "s", nbytes=int(MB), base_version=0, norm=1.0,
+                          arrival=0.0))
+    cols.hosts.index("idle")
+    up = cols.hosts.rates(net)[0]
+    assert cols.hosts.rates(net)[0] is up  # kept, not computed again
+    with pytest.raises(ValueError):
+        up[0] = 1.0
+    assert not cols.hosts.usable(net)
+    plan = Mlfabric().plan_columns(cols, cols.rows(None), now=0.0, version=0, in_flight=0,
+                                   tau_max=8, active=(), network=net)
+    assert plan is not None and sorted(item.id for item in plan) == [0, 1]
+    cols.add(Transfer(2, "w2", 0, "idle", "s", nbytes=int(MB), base_version=0, norm=1.0,
+                      arrival=0.0))
+    assert Mlfabric().plan_columns(cols, cols.rows(None), now=0.0, version=0, in_flight=0,
+                                   tau_max=8, active=(), network=net) is None
+    assert cols.hosts.usable(Network(default=100 * MB))

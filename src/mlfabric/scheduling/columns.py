@@ -115,6 +115,8 @@ class HostTable:
         self._tables: dict[str, tuple[Mapping[str, float], float, int, np.ndarray]] = {}
         self._pairs: tuple[Mapping[tuple[str, str], float], int,
                            np.ndarray, np.ndarray] | None = None
+        # (network, hosts covered, uplink rates, downlink rates, all usable)
+        self._rates: tuple[Network, int, np.ndarray, np.ndarray, bool] | None = None
 
     def __len__(self) -> int:
         return len(self.names)
@@ -152,7 +154,28 @@ class HostTable:
         return values
 
     def rates(self, net: Network) -> tuple[np.ndarray, np.ndarray]:
-        """(uplink rates, downlink rates) per host index, bytes/s."""
+        """(uplink rates, downlink rates) per host index, bytes/s. Computed
+        again only when the network is another object or hosts were added
+        (a `Network` is frozen, and replaced when anything in it changes)."""
+        cached = self._rates
+        if cached is None or cached[0] is not net or cached[1] != len(self.names):
+            up, down = self._compute_rates(net)
+            up.setflags(write=False)  # shared by every plan until the network changes
+            down.setflags(write=False)
+            usable = bool(np.all(np.isfinite(up) & (up > 0))
+                          and np.all(np.isfinite(down) & (down > 0)))
+            cached = self._rates = (net, len(self.names), up, down, usable)
+        return cached[2], cached[3]
+
+    def usable(self, net: Network) -> bool:
+        """Every host's uplink and downlink rate is finite and > 0 (the
+        scheduling core refuses any other), so no link of a plan needs
+        checking."""
+        self.rates(net)
+        assert self._rates is not None
+        return self._rates[4]
+
+    def _compute_rates(self, net: Network) -> tuple[np.ndarray, np.ndarray]:
         out = []
         for side in ("up", "down"):
             capacity = self._table(side, getattr(net, side), net.default)

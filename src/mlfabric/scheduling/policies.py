@@ -285,9 +285,10 @@ class Mlfabric:
             cap[measured] = np.minimum(cap[measured], rates[at[measured]])
             capacity.append(rates)
         link_capacity = np.concatenate(capacity)
-        used = np.concatenate([src, n_hosts + dst, pair[pair >= 0]])
-        if not bool(np.all(np.isfinite(link_capacity[used]) & (link_capacity[used] > 0))):
-            return None
+        if not (hosts.usable(network) and not network.pair):
+            used = np.concatenate([src, n_hosts + dst, pair[pair >= 0]])
+            if not bool(np.all(np.isfinite(link_capacity[used]) & (link_capacity[used] > 0))):
+                return None
         reserved = {}
         for (kind, key), segments in schedule.reserved_links(now, running,
                                                             _capacities(network)).items():

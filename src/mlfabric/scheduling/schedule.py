@@ -1039,8 +1039,10 @@ class LinkSegments:
         capacity = np.asarray(capacity, np.float64)
         if not reserved:
             return cls(seg_lo, np.full(len(capacity), now), capacity.copy(), capacity.copy())
-        seg_t = np.repeat(np.full(len(capacity), now), counts)
-        seg_r, seg_f = np.repeat(capacity, counts), np.repeat(capacity, counts)
+        # One repeat: at 10,000 hosts three of them were a tenth of a re-plan.
+        seg_t = np.full(int(seg_lo[-1]), now)
+        seg_r = np.repeat(capacity, counts)
+        seg_f = seg_r.copy()
         for index, (times, residual, free) in reserved.items():
             lo, hi = seg_lo[index], seg_lo[index + 1]
             seg_t[lo:hi], seg_r[lo:hi], seg_f[lo:hi] = times, residual, free
