@@ -20,6 +20,12 @@ deadlines pass in the plan and the overload rule plans a second time.
 
     python benchmarks/bench_replan.py                        # 1,000 and 10,000, 5 rounds
     python benchmarks/bench_replan.py --pending 10000 --rounds 3 --steps 100
+    python benchmarks/bench_replan.py --planners columns --malloc default
+
+The process sets up its memory as `mlfabric controller` does
+(`runtime.memory.reuse_freed_blocks`) unless --malloc default; each row also
+gives the page faults per re-plan (the process's minor faults over the
+round's re-plans and events, divided by the re-plans).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import resource
 import statistics
 import time
 
@@ -40,8 +47,9 @@ TARGET_MS = {1000: 1.0, 10000: 5.0}  # p99, issue 34
 
 
 def one_round(policy: Policy, pending: int, load: str, steps: int, seed: int
-              ) -> list[float]:
-    """Decision times (seconds) of `steps` re-plans at about `pending` pending."""
+              ) -> tuple[list[float], float]:
+    """Decision times (seconds) of `steps` re-plans at about `pending`
+    pending, and the page faults per re-plan."""
     rng = random.Random(seed)
     # Workers at 1 Gbit/s into a server that takes 4 at once: a queue.
     state = ControlState(policy, tau_max=pending, guard_order=True, learn_rates=True,
@@ -54,6 +62,7 @@ def one_round(policy: Policy, pending: int, load: str, steps: int, seed: int
     state.decide(now)
     times = []
     gc.collect()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for step in range(1, steps + 1):
         now += 0.004
         if state.active:
@@ -69,7 +78,8 @@ def one_round(policy: Policy, pending: int, load: str, steps: int, seed: int
         t0 = time.perf_counter()
         state.decide(now)
         times.append(time.perf_counter() - t0)
-    return times
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return times, faults / steps
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -86,11 +96,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=200, help="re-plans timed per round")
     ap.add_argument("--planners", default="scratch,columns",
-                    help="scratch: only the from-scratch planner (runs on a tree before "
-                         "the columns, to compare)")
+                    help="which of scratch,columns to time (scratch alone runs on a tree "
+                         "before the columns, to compare)")
+    ap.add_argument("--malloc", choices=("reuse", "default"), default="reuse",
+                    help="reuse: the controller's setting (runtime.memory."
+                         "reuse_freed_blocks); default: glibc's own")
     args = ap.parse_args()
-    planners: dict[str, Policy] = {"scratch": mlfabric_policy}
-    if "columns" in args.planners.split(","):
+    if args.malloc == "reuse":
+        from mlfabric.runtime import memory
+
+        if not memory.reuse_freed_blocks():
+            print("(no glibc: --malloc reuse changes nothing here)")
+    wanted = args.planners.split(",")
+    planners: dict[str, Policy] = {}
+    if "scratch" in wanted:
+        planners["scratch"] = mlfabric_policy
+    if "columns" in wanted:
         from mlfabric.scheduling.policies import Mlfabric
 
         planners["columns"] = Mlfabric()
@@ -98,10 +119,12 @@ def main() -> None:
         for load in args.loads.split(","):
             p50: dict[str, list[float]] = {k: [] for k in planners}
             p99: dict[str, list[float]] = {k: [] for k in planners}
+            faults: dict[str, list[float]] = {k: [] for k in planners}
             for r in range(args.rounds):
                 names = list(planners) if r % 2 == 0 else list(reversed(planners))
                 for name in names:
-                    times = one_round(planners[name], n, load, args.steps, seed=r)
+                    times, per_replan = one_round(planners[name], n, load, args.steps, seed=r)
+                    faults[name].append(per_replan)
                     p50[name].append(percentile(times, 0.50) * 1e3)
                     p99[name].append(percentile(times, 0.99) * 1e3)
                 print(f"  ... {n} pending, {load}: round {r + 1}/{args.rounds}", flush=True)
@@ -111,8 +134,9 @@ def main() -> None:
             for name in planners:
                 m50, m99 = statistics.median(p50[name]), statistics.median(p99[name])
                 goal = f"  p99 / {target:g} ms goal {m99 / target:.2f}" if target else ""
-                print(f"  {name:8s} p50 {m50:7.3f} ms  p99 {m99:7.3f} ms{goal}")
-            if "columns" in planners:
+                print(f"  {name:8s} p50 {m50:7.3f} ms  p99 {m99:7.3f} ms{goal}  page faults "
+                      f"per re-plan {statistics.median(faults[name]):.0f}")
+            if len(planners) == 2:
                 ratio50 = statistics.median(p50["columns"]) / statistics.median(p50["scratch"])
                 ratio99 = statistics.median(p99["columns"]) / statistics.median(p99["scratch"])
                 print(f"  columns / scratch: p50 {ratio50:.2f}  p99 {ratio99:.2f}")

@@ -13,7 +13,7 @@ from ..coordination.leases import ShardLeases
 from ..errors import ConfigError
 from ..replication.divergence import DEFAULT_LAG_TIMEOUT, DivergenceGate
 from ..replication.failover import DEFAULT_GAP_TIMEOUT
-from ..runtime import loop
+from ..runtime import loop, memory
 from ..runtime.metrics import ControllerMetrics, serve_metrics
 from ..scheduling.aggregation import AggregationConfig
 from ..scheduling.plan import POLICIES, Network, Policy, fifo_policy
@@ -417,6 +417,9 @@ def run(args: argparse.Namespace) -> int:
         decisions.addHandler(handler)
         decisions.setLevel(logging.INFO)
         decisions.propagate = False
+    # Re-plans allocate and free the same link-sized arrays on every event:
+    # keep their pages (runtime.memory says what it saves).
+    memory.reuse_freed_blocks()
     metrics = ControllerMetrics()
     metrics_url = None
     if args.metrics_port is not None:

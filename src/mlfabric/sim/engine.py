@@ -40,6 +40,7 @@ from typing import Any, cast
 
 from ..controller.state import ControlState, Drop, Go
 from ..errors import ConfigError
+from ..runtime import memory
 from ..scheduling import plan as control
 from ..scheduling.plan import Network
 from .flownet import FlowNet, SlowStart
@@ -773,6 +774,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(p)
     args = p.parse_args(argv)
     policies = list(POLICIES) if args.policy == "both" else [args.policy]
+    memory.reuse_freed_blocks()  # as `mlfabric controller` runs its decisions
 
     def progress(now: float, done: int, total: int) -> None:
         print(f"  ... t={now:8.2f}s  {done}/{total} pushes done", file=sys.stderr, flush=True)
