@@ -3,6 +3,8 @@ transfers, and a release order the real link honours. Pure: a fake clock."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from mlfabric.controller.state import ControlState, Go
@@ -343,3 +345,43 @@ def test_a_transfer_held_to_its_uplink_does_not_set_a_wider_downlinks_rate():
         Network(default=10 * MB, down={"s": 40 * MB}, observed_down={"s": 5 * MB}),
         "a", "s", believed=5 * MB, planned_seconds=2.0, seconds=1.0)
     assert capped.down_rate("s") == pytest.approx(10 * MB)
+
+
+def _critical_by_sorting(rows: list[tuple[float, int, float, int, bool]], now: float | None,
+                         tau_max: int) -> list[tuple[float, float]]:
+    """The definition, by sorting every running transfer (the controller's
+    rule before RunningOrder kept the order between transfers let go)."""
+    running = sorted(rows)
+    others = len(running) - 1
+    return [(end, planned) for ahead, (end, _, planned, stale, direct) in enumerate(running)
+            if direct and stale + (others if now is not None and now >= end + observed.order_guard(
+                planned) else ahead) >= tau_max]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_running_order_kept_between_transfers_let_go_equals_sorting_them_again(seed):
+    rng = random.Random(seed)
+    now = 10.0
+    tau = rng.choice([2, 5, 20])
+
+    def row(tid: int, end: float) -> tuple[float, int, float, int, bool]:
+        return (end, tid, rng.choice([0.001, 0.02, 0.5]), rng.randrange(tau + 2),
+                rng.random() < 0.9)
+
+    # Running: some past their planned end (and guard), ties in end included.
+    rows = [row(tid, rng.choice([9.0, 9.99, 10.2, 10.2, 11.0]) + rng.random() * 0.5 * (tid % 2))
+            for tid in rng.sample(range(1000), rng.randrange(0, 30))]
+    order = observed.RunningOrder(rows, now=now, tau_max=tau)
+    assert order.critical() == _critical_by_sorting(rows, now, tau)
+    for tid in range(1000, 1000 + rng.randrange(1, 40)):  # let go one by one
+        new = row(tid, now + rng.choice([0.001, 0.02, 0.3, 1.2]))
+        rows.append(new)
+        order.add(*new)
+        assert len(order) == len(rows)
+        critical = _critical_by_sorting(rows, now, tau)
+        assert order.critical() == critical
+        for seconds in (0.001, 0.3):
+            assert order.release_at(seconds) == observed.release_at(
+                critical, now=now, planned_seconds=seconds)
+    assert observed.RunningOrder(rows, now=None, tau_max=tau).critical() == \
+        _critical_by_sorting(rows, None, tau)

@@ -466,18 +466,27 @@ class ControlState:
         server's downlink that no transfer alone could show, transfers
         planned for 17 ms took 60-160, and 10 in 4,000 were refused as stale
         after others overtook them; with this rule 6.)"""
+        order = self._running_order(shard, now)
+        return [] if order is None else order.critical()
+
+    def _running_order(self, shard: int, now: float | None) -> observed.RunningOrder | None:
+        """The running transfers to `shard` as `critical` orders them (None
+        without a staleness bound)."""
         if self.tau_max is None:
-            return []
-        # A chunked transfer between its chunks lands only after its last one.
-        running = sorted((t.started + t.planned_seconds, t.id, t) for t in self.active.values()
-                         if t.shard == shard and t.started is not None and t.planned_seconds
-                         and (not t.chunk or t.granted >= t.nbytes))
+            return None
         version = self.shard_versions.get(shard, self.version)
-        others = len(running) - 1
-        return [(end, t.planned_seconds or 0.0) for ahead, (end, _, t) in enumerate(running)
-                if t.route is None and version - t.base_version + (
-                    others if now is not None and now >= end + observed.order_guard(
-                        t.planned_seconds or 0.0) else ahead) >= self.tau_max]
+        rows = (self._order_row(t, version) for t in self.active.values() if t.shard == shard)
+        return observed.RunningOrder((r for r in rows if r is not None), now=now,
+                                     tau_max=self.tau_max)
+
+    @staticmethod
+    def _order_row(t: Transfer, version: int) -> tuple[float, int, float, int, bool] | None:
+        """`t`'s row in a `RunningOrder`, if it lands as one: a chunked
+        transfer between its chunks lands only after its last one."""
+        if t.started is None or not t.planned_seconds or (t.chunk and t.granted < t.nbytes):
+            return None
+        return (t.started + t.planned_seconds, t.id, t.planned_seconds,
+                version - t.base_version, t.route is None)
 
     def progress(self, owner: Hashable, req: int, *, sent: int, now: float
                  ) -> Transfer | None:
@@ -699,7 +708,8 @@ class ControlState:
             plan, later = plan.due(now)
             wake_at = later if later is not None else math.inf
         actions: list[Go | Drop] = []
-        critical: dict[int, list[tuple[float, float]]] = {}  # by shard, while nothing goes
+        # By shard, once needed: what runs into it, told of each transfer let go.
+        orders: dict[int, observed.RunningOrder | None] = {}
         for item in plan:
             t = self.pending.get(item.id)
             if t is None:
@@ -713,6 +723,7 @@ class ControlState:
                     a.shard == t.shard for a in self.active.values()),
                     planned_seconds=t.rest / self.network.rate(t.host, t.dst))
                 actions.append(self._let_go(t, forced, now, whole=True))
+                self._joined(orders, t)
             elif item.drop is not None:
                 self._unpend(t)
                 self._ended(t)
@@ -720,9 +731,12 @@ class ControlState:
                 if stats is not None:
                     stats.dropped += 1
             elif item.start is not None and item.start <= now:
-                if self.guard_order and t.shard not in critical:
-                    critical[t.shard] = self.critical(t.shard, now)
-                if critical.get(t.shard):
+                order = None
+                if self.guard_order:
+                    if t.shard not in orders:
+                        orders[t.shard] = self._running_order(t.shard, now)
+                    order = orders[t.shard]
+                if order is not None and order.has_critical:
                     # It must not land before a transfer that has to land
                     # next: it goes when it would end a guard after it, or
                     # (None) once that one is reported done. Its end is the
@@ -731,8 +745,7 @@ class ControlState:
                     # the rate the loop or the agents last saw (`fastest`).
                     fastest = (t.option_bytes(item.codec) if item.codec else t.rest
                                ) / self.network.fastest(t.host, t.dst)
-                    at = observed.release_at(critical[t.shard], now=now,
-                                             planned_seconds=fastest)
+                    at = order.release_at(fastest)
                     if at is None or at > now:
                         if at is not None:
                             wake_at = min(wake_at, at)
@@ -740,10 +753,18 @@ class ControlState:
                 if stats is not None and not t.granted:
                     stats.sent += 1
                 actions.append(self._let_go(t, item, now))
-                critical.pop(t.shard, None)  # it may be critical itself
+                self._joined(orders, t)  # it may be critical itself, or make others so
             elif item.start is not None:
                 wake_at = min(wake_at, item.start)
         return Decisions(tuple(actions), None if wake_at == math.inf else wake_at)
+
+    def _joined(self, orders: dict[int, observed.RunningOrder | None], t: Transfer) -> None:
+        """`t` was let go: into its shard's running order, if one is kept."""
+        order = orders.get(t.shard)
+        if order is not None:
+            row = self._order_row(t, self.shard_versions.get(t.shard, self.version))
+            if row is not None:
+                order.add(*row)
 
     def _let_go(self, t: Transfer, item: PlanItem, now: float, whole: bool = False) -> Go:
         """Move pending `t` to active as planned by `item`: all of it, or for
