@@ -14,10 +14,10 @@ the problem dask's workers hit, and the same remedy:
 The controller has the opposite need (`reuse_freed_blocks`): a re-plan over
 10,000 pending transfers allocates arrays of one number per link (two per
 host: 160 KB), above glibc's first mmap threshold, and frees them when it
-ends. Measured with `benchmarks/bench_replan.py`: 180-220 page faults per
-re-plan, 0.9 ms of system time on this machine (a sixth of the re-plan),
-and none once blocks up to 4 MiB come from a heap that keeps 64 MiB of
-freed pages.
+ends. Measured with `benchmarks/bench_replan.py`: about 400 page faults
+per event (half of them in the re-plan, 0.9 ms of system time on this
+machine: a sixth of it), and none once blocks up to 4 MiB come from a heap
+that keeps 64 MiB of freed pages.
 
 `give_back_soon()` asks for one trim once the running callbacks are done,
 after a connection that may have held a large buffer closes: connections
@@ -83,6 +83,8 @@ def reuse_freed_blocks() -> bool:
         return False
     return bool(_mallopt(_M_MMAP_THRESHOLD, REUSE_BELOW)) and bool(
         _mallopt(_M_TRIM_THRESHOLD, KEEP_FREED))
+
+
 _pending: set[asyncio.AbstractEventLoop] = set()
 
 
