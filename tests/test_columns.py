@@ -13,7 +13,7 @@ from mlfabric.controller.state import ControlState, Drop, Go
 from mlfabric.scheduling import schedule
 from mlfabric.scheduling.columns import PendingColumns
 from mlfabric.scheduling.plan import Network, Transfer, with_estimates, with_host_load
-from mlfabric.scheduling.policies import Mlfabric, mlfabric_policy
+from mlfabric.scheduling.policies import PLAN_AHEAD, Mlfabric, mlfabric_policy
 
 MB = 1e6
 
@@ -37,7 +37,8 @@ class _Twins:
     (`mlfabric_policy`), one from its columns (`Mlfabric`)."""
 
     def __init__(self, rng: random.Random, *, shards: int, guard: bool, learn: bool,
-                 tau_max: int | None, idle_factor: float | None, overload: str) -> None:
+                 tau_max: int | None, idle_factor: float | None, overload: str,
+                 plan_ahead: int = PLAN_AHEAD) -> None:
         def scratch(snap):
             return mlfabric_policy(snap, idle_factor=idle_factor, overload=overload)
 
@@ -46,7 +47,8 @@ class _Twins:
         self.both = [ControlState(policy, tau_max=tau_max, network=net, guard_order=guard,
                                   learn_rates=learn)
                      for policy in (scratch, Mlfabric(idle_factor=idle_factor,
-                                                      overload=overload))]
+                                                      overload=overload, plan_ahead=plan_ahead))]
+        self.whole = plan_ahead == 0 or plan_ahead >= 1000  # (never more pending here)
         self.rng, self.shards, self.now, self.req = rng, shards, 0.0, 0
         self.decisions = 0
 
@@ -103,7 +105,10 @@ class _Twins:
             assert _full_plan(b, self.now) == _full_plan(a, self.now)
         da, db = self._each("decide", self.now)
         assert [_action(x) for x in db.actions] == [_action(x) for x in da.actions]
-        assert db.wake_at == da.wake_at
+        if self.whole:
+            assert db.wake_at == da.wake_at
+        elif da.wake_at is not None:  # a plan stopped early looks again no later
+            assert db.wake_at is not None and db.wake_at <= da.wake_at
         assert sorted(b.pending) == sorted(a.pending)
         self.decisions += bool(da.actions)
 
@@ -118,6 +123,21 @@ def test_the_plan_from_columns_equals_the_plan_from_scratch(seed):
     for _ in range(150):
         twins.step()
     assert twins.decisions > 10  # the runs decide things, not only wait
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_a_plan_stopped_once_nothing_more_can_start_decides_as_the_whole_plan(seed):
+    """Without deadlines that could pass in the plan, a plan that stops
+    after `plan_ahead` positions once nothing left can start now lets go
+    exactly what the whole plan lets go (the full plans are compared on
+    the kernel's own arrays in tests/test_schedule.py)."""
+    rng = random.Random(seed)
+    twins = _Twins(rng, shards=1 if seed % 3 else 3, guard=seed % 2 == 0, learn=seed % 4 < 2,
+                   tau_max=rng.choice([None, 10_000]), idle_factor=1.0, overload="stalest",
+                   plan_ahead=rng.choice([1, 2, 4]))
+    for _ in range(150):
+        twins.step()
+    assert twins.decisions > 10
 
 
 def test_a_full_plan_from_columns_equals_the_policy_on_its_snapshot():

@@ -26,6 +26,9 @@ def schedule_stf(
     reason: NDArray[np.int8],
     idle: NDArray[np.float64],
     displaced: NDArray[np.float64],
-) -> tuple[int, int]:
+    plan_ahead: int = 0,
+    horizon: float = ...,
+) -> tuple[int, int, float]:
     """The "mlfabric" scheduling policy on arrays (mlfabric.schedule builds them):
-    fills the per-update outputs and returns (number of sends, number of drops)."""
+    fills the per-update outputs and returns (number of sends, number of drops,
+    the earliest start of a row left out by plan_ahead: inf if none)."""

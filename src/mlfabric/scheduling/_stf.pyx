@@ -361,16 +361,44 @@ cdef void _ss_reserved(_SState* S, Py_ssize_t k) noexcept nogil:
                 _ss_hold(S, u)
 
 
+cdef double _ss_blocked_until(_SState* S, double horizon) noexcept nogil:
+    # The earliest time any update could start, if no destination has
+    # capacity free from `horizon` on; else -1 (something may still start by
+    # then). F only falls as reservations are added, so once every
+    # destination is blocked past the horizon it stays so. (Destinations
+    # whose updates are all placed count too: checking which still have
+    # some would cost a pass over them per position.)
+    cdef Py_ssize_t d, k
+    cdef _SLink* L
+    cdef double first = INFINITY
+    for d in range(S.n_dests):
+        L = &S.links[S.dests[d]]
+        k = 0
+        while k < L.n and L.f[k] <= 0.0:  # F is non-decreasing: zeros are a prefix
+            k += 1
+        if k == L.n:
+            continue  # never free again (cannot happen: capacities are > 0)
+        if L.t[k] <= horizon:
+            return -1.0
+        if L.t[k] < first:
+            first = L.t[k]
+    return first
+
+
 cdef Py_ssize_t _ss_plan(_SState* S, double ready, bint has_deadlines,
                          const Py_ssize_t* dl, const Py_ssize_t* by_dl, double idle_factor,
                          Py_ssize_t* send_order, Py_ssize_t* position,
                          Py_ssize_t* drop_order, Py_ssize_t* n_drops_out,
                          signed char* reason, double* idle_out, double* displaced_out,
-                         Py_ssize_t* forced) noexcept nogil:
+                         Py_ssize_t* forced, Py_ssize_t plan_ahead, double horizon,
+                         double* unplanned_from) noexcept nogil:
     # Fill positions 0, 1, ...; returns the number of sends (see _plan_stf).
+    # With plan_ahead > 0, stop once at least plan_ahead positions are filled
+    # and nothing left can start by `horizon` (see schedule_stf).
     cdef Py_ssize_t n = S.n, unscheduled = n, n_sends = 0, n_drops = 0
     cdef Py_ssize_t q = 0, r, pos = 0, chosen, nf, a, b, f, h, tmp, k
-    cdef double idle, displaced
+    cdef double idle, displaced, blocked
+    unplanned_from[0] = INFINITY
     if has_deadlines:
         while q < n and dl[by_dl[q]] < 0:
             k = by_dl[q]
@@ -384,6 +412,11 @@ cdef Py_ssize_t _ss_plan(_SState* S, double ready, bint has_deadlines,
             q += 1
     while unscheduled > 0:
         chosen = -1
+        if plan_ahead > 0 and pos >= plan_ahead:
+            blocked = _ss_blocked_until(S, horizon)
+            if blocked >= 0.0:
+                unplanned_from[0] = blocked
+                break
         if has_deadlines:
             while q < n and dl[by_dl[q]] < pos:
                 k = by_dl[q]
@@ -496,9 +529,11 @@ def schedule_stf(double ready, const double[::1] size, const Py_ssize_t[::1] up,
                  double[::1] start, double[::1] rate, double[::1] end,
                  Py_ssize_t[::1] position, Py_ssize_t[::1] send_order,
                  Py_ssize_t[::1] drop_order, signed char[::1] reason,
-                 double[::1] idle, double[::1] displaced):
+                 double[::1] idle, double[::1] displaced, Py_ssize_t plan_ahead=0,
+                 double horizon=-INFINITY):
     """Shortest-transfer-first with deadlines and drops (mlfabric.schedule's
-    reference `_plan_stf`), on arrays. Returns (n_sends, n_drops).
+    reference `_plan_stf`), on arrays. Returns (n_sends, n_drops,
+    unplanned_from).
 
     Update k crosses links up[k], down[k] and pair[k] (-1: none); cap[k] is the
     least capacity on its path; dl[k] its deadline position (if
@@ -507,9 +542,19 @@ def schedule_stf(double ready, const double[::1] size, const Py_ssize_t[::1] up,
     update: start, rate, end, position (sends: their position; drops: the
     position being filled), reason (0 sent, 1 deadline_missed,
     2 would_idle_server), idle and displaced (would_idle_server); send_order and
-    drop_order list the indices in decision order."""
+    drop_order list the indices in decision order.
+
+    plan_ahead > 0 stops the plan early: once at least plan_ahead positions
+    are filled and every destination with updates left has no capacity
+    free from `horizon` on, no update left can start by then, so the
+    positions filled are the full plan's and every send due by `horizon` is
+    among them. The updates left are neither sent nor dropped (a deadline
+    that would have passed later in the plan is not looked at), and
+    unplanned_from is the earliest any of them could start (inf when the
+    plan is complete)."""
     cdef Py_ssize_t n = size.shape[0], n_links = seg_lo.shape[0] - 1
     cdef Py_ssize_t L, k, i, total = 0, n_sends, n_drops = 0
+    cdef double unplanned_from = INFINITY
     for arr in (up.shape[0], down.shape[0], pair.shape[0], cap.shape[0], dl.shape[0],
                 start.shape[0], rate.shape[0], end.shape[0], position.shape[0],
                 send_order.shape[0], drop_order.shape[0], reason.shape[0], idle.shape[0],
@@ -662,8 +707,9 @@ def schedule_stf(double ready, const double[::1] size, const Py_ssize_t[::1] up,
                                idle_factor, &send_order[0] if n else NULL,
                                &position[0] if n else NULL, &drop_order[0] if n else NULL,
                                &n_drops, &reason[0] if n else NULL,
-                               &idle[0] if n else NULL, &displaced[0] if n else NULL, forced)
-        return n_sends, n_drops
+                               &idle[0] if n else NULL, &displaced[0] if n else NULL, forced,
+                               plan_ahead, horizon, &unplanned_from)
+        return n_sends, n_drops, unplanned_from
     finally:
         if shared:
             _scratch_busy = False

@@ -243,15 +243,19 @@ class ColumnPlan(Sequence[PlanItem]):
 
     def __init__(self, ids: Sequence[int] | np.ndarray, start: Sequence[float] | np.ndarray,
                  end: Sequence[float] | np.ndarray, position: Sequence[int] | np.ndarray,
-                 drops: Sequence[PlanItem], codecs: Mapping[int, str] | None = None) -> None:
+                 drops: Sequence[PlanItem], codecs: Mapping[int, str] | None = None,
+                 later: float = math.inf) -> None:
         """Send k: transfer ids[k] from start[k] to end[k] at `position[k]`,
-        compressed by codecs[ids[k]] if there is one."""
+        compressed by codecs[ids[k]] if there is one. A plan that stopped
+        early (`PlanConfig.plan_ahead`) holds no item for the transfers it
+        left out; `later` is the earliest any of them could start."""
         self._ids = np.asarray(ids, np.int64)
         self._start = np.asarray(start, np.float64)
         self._end = np.asarray(end, np.float64)
         self._position = np.asarray(position, np.int64)
         self._drops = drops
         self._codecs = codecs or {}
+        self._later = later
 
     def _send(self, k: int) -> PlanItem:
         start = float(self._start[k])
@@ -286,12 +290,14 @@ class ColumnPlan(Sequence[PlanItem]):
 
     def due(self, now: float) -> tuple[list[PlanItem], float | None]:
         """The items that take effect at `now` (the sends starting by then, in
-        position order, then the drops) and the earliest later start."""
+        position order, then the drops) and the earliest later start (of the
+        transfers left out too: the plan must be made again by then)."""
         start = self._start
         items = [self._send(k) for k in np.flatnonzero(start <= now).tolist()]
         waiting = start[start > now]
         items.extend(self._drops)
-        return items, float(waiting.min()) if len(waiting) else None
+        later = min(float(waiting.min()) if len(waiting) else math.inf, self._later)
+        return items, later if later < math.inf else None
 
 
 Policy = Callable[[Snapshot], Sequence[PlanItem]]

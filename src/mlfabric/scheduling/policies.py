@@ -148,9 +148,19 @@ def mlfabric_policy(snap: Snapshot, *, idle_factor: float | None = 1.0,
     return _column_plan(result, ids, base_version, chosen)
 
 
-def _config(tau_max: int | None, idle_factor: float | None, overload: str) -> schedule.PlanConfig:
+def _config(tau_max: int | None, idle_factor: float | None, overload: str,
+            plan_ahead: int = 0) -> schedule.PlanConfig:
     return schedule.PlanConfig(policy="mlfabric", tau_max=tau_max, idle_factor=idle_factor,
-                               overload=overload)
+                               overload=overload, plan_ahead=plan_ahead)
+
+
+# Positions the controller's plan always fills before it may stop at the
+# first one nothing can start by now (PlanConfig.plan_ahead). At 10,000
+# pending transfers into one server, placing all of them was most of a
+# re-plan, and all but the first few hundred are placed again at the next
+# event. Below this many pending, plans are whole, as before: every drop
+# is decided as early as the plan can see it.
+PLAN_AHEAD = 256
 
 
 def trusted(active: Sequence[Transfer], handover: float) -> set[int]:
@@ -227,7 +237,7 @@ def _column_plan(result: schedule.RowPlan, ids: np.ndarray, base_version: np.nda
     # Most sends start later: their items are built only if someone reads them.
     codecs = {int(ids[k]): codec for k, codec in chosen.items()} if chosen else None
     return ColumnPlan(ids[np.asarray(result.send_row, np.intp)], result.start, result.end,
-                      result.position, drops, codecs)
+                      result.position, drops, codecs, later=result.unplanned_from)
 
 
 @dataclass(frozen=True)
@@ -246,6 +256,9 @@ class Mlfabric:
     # choose_compression. Adaptive by default: a transfer goes compressed only
     # when it would not go whole, so a link with room costs no worker CPU.
     compression: str = "adaptive"
+    # plan_columns fills this many positions, then stops once nothing left
+    # can start now (0: every position). See PLAN_AHEAD.
+    plan_ahead: int = PLAN_AHEAD
 
     def __call__(self, snap: Snapshot) -> ColumnPlan:
         return mlfabric_policy(snap, idle_factor=self.idle_factor, overload=self.overload,
@@ -285,13 +298,16 @@ class Mlfabric:
             cap[measured] = np.minimum(cap[measured], rates[at[measured]])
             capacity.append(rates)
         link_capacity = np.concatenate(capacity)
-        if not (hosts.usable(network) and not network.pair):
+        simple = hosts.usable(network) and not network.pair
+        if not simple:
             used = np.concatenate([src, n_hosts + dst, pair[pair >= 0]])
             if not bool(np.all(np.isfinite(link_capacity[used]) & (link_capacity[used] > 0))):
                 return None
-        reserved = {}
-        for (kind, key), segments in schedule.reserved_links(now, running,
-                                                            _capacities(network)).items():
+        reserved = {} if not simple else schedule.reserved_indexed(now, (
+            (r.id, hosts.index(str(r.source)), n_hosts + hosts.index(str(r.destination)),
+             r.end, r.rate) for r in running), link_capacity)
+        for (kind, key), segments in () if simple else schedule.reserved_links(
+                now, running, _capacities(network)).items():
             if kind == "up":
                 reserved[hosts.index(str(key))] = segments
             elif kind == "down":
@@ -302,13 +318,13 @@ class Mlfabric:
                 reserved[2 * n_hosts + int(np.searchsorted(codes, code))] = segments
         base_version = pending.base_version[ranked]
         ready = schedule.ready_at(now, running)
-        config = _config(tau_max, self.idle_factor, self.overload)
+        config = _config(tau_max, self.idle_factor, self.overload, self.plan_ahead)
 
         def plan(size: np.ndarray) -> schedule.RowPlan:
             indexed = schedule.IndexedRows(size, base_version, src, n_hosts + dst, pair, cap)
             return schedule.plan_indexed(
                 indexed, schedule.LinkSegments.of(now, link_capacity, reserved),
-                ready=ready, v_init=version + in_flight, config=config)
+                ready=ready, v_init=version + in_flight, config=config, now=now)
 
         ids = pending.ids[ranked]
         offers = pending.offers
