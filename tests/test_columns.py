@@ -4,6 +4,7 @@ built from scratch, event after event (issue 34's incremental planning)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import numpy as np
@@ -130,7 +131,7 @@ def test_a_plan_stopped_once_nothing_more_can_start_decides_as_the_whole_plan(se
     """Without deadlines that could pass in the plan, a plan that stops
     after `plan_ahead` positions once nothing left can start now lets go
     exactly what the whole plan lets go (the full plans are compared on
-    the kernel's own arrays in tests/test_schedule.py)."""
+    the kernel's own arrays below)."""
     rng = random.Random(seed)
     twins = _Twins(rng, shards=1 if seed % 3 else 3, guard=seed % 2 == 0, learn=seed % 4 < 2,
                    tau_max=rng.choice([None, 10_000]), idle_factor=1.0, overload="stalest",
@@ -244,3 +245,49 @@ def test_host_rates_are_shared_read_only_and_a_host_without_rate_is_checked_per_
     assert Mlfabric().plan_columns(cols, cols.rows(None), now=0.0, version=0, in_flight=0,
                                    tau_max=8, active=(), network=net) is None
     assert cols.hosts.usable(Network(default=100 * MB))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_plan_that_stops_ahead_is_the_whole_plans_first_positions(seed):
+    """PlanConfig.plan_ahead: the positions filled are the whole plan's, with
+    the drops decided there; every send due now is among them; and what was
+    left out starts no earlier than `unplanned_from`, after now."""
+    rng = random.Random(seed)
+    now, hosts, dests = 5.0, 12, rng.choice([1, 2])
+    n = rng.randrange(5, 120)
+    capacity = np.array([rng.choice([1.0, 2.0, 5.0]) for _ in range(hosts)]  # uplinks
+                        + [rng.choice([4.0, 10.0]) for _ in range(hosts)], np.float64)
+    up = np.array([rng.randrange(dests, hosts) for _ in range(n)], np.intp)
+    down = np.array([hosts + rng.randrange(dests) for _ in range(n)], np.intp)
+    rows = schedule.IndexedRows(
+        np.array([rng.choice([1.0, 2.0, 3.0, 8.0]) for _ in range(n)]),
+        np.array([rng.randrange(40) for _ in range(n)], np.int64), up, down,
+        np.full(n, -1, np.intp), np.minimum(capacity[up], capacity[down]))
+    # A transfer under way holds part of the first destination for a while.
+    reserved = {hosts: ([now, now + 1.5], [capacity[hosts] / 2, capacity[hosts]],
+                        [capacity[hosts] / 2, capacity[hosts]])}
+    links = schedule.LinkSegments.of(now, capacity, reserved)
+    tau = rng.choice([None, 8, 30])
+    whole = schedule.plan_indexed(rows, links, ready=now, v_init=20,
+                                  config=schedule.PlanConfig(tau_max=tau, overload="deadline"))
+    ahead = rng.choice([1, 3, 10])
+    part = schedule.plan_indexed(rows, links, ready=now, v_init=20, now=now,
+                                 config=schedule.PlanConfig(tau_max=tau, overload="deadline",
+                                                            plan_ahead=ahead))
+    filled = len(part.send_row) + len(part.drop_row)
+    if part.unplanned_from == math.inf:
+        assert filled == n
+    else:
+        assert part.unplanned_from > now and filled < n
+        assert len(part.send_row) >= ahead
+    k = len(part.send_row)
+    for column in ("send_row", "start", "rate", "end", "position"):
+        assert np.asarray(getattr(part, column)).tolist() == \
+            np.asarray(getattr(whole, column))[:k].tolist()
+    drops = list(zip(whole.drop_row, whole.reason, whole.drop_position, strict=True))
+    if part.unplanned_from < math.inf:  # it stopped before filling position k
+        drops = [d for d in drops if d[2] < k]
+    assert list(zip(part.drop_row, part.reason, part.drop_position, strict=True)) == drops
+    due = {int(r) for r, s in zip(whole.send_row, whole.start, strict=True) if s <= now}
+    assert due <= {int(r) for r in part.send_row}
+    assert all(s >= part.unplanned_from for s in np.asarray(whole.start)[k:].tolist())

@@ -907,54 +907,6 @@ def test_controller_idle_factor_flag_selects_the_rule():
             parse_idle_factor(bad)
 
 
-@pytest.mark.skipif(KERNEL is None, reason=KERNEL_MISSING)
-@pytest.mark.parametrize("seed", range(30))
-def test_a_plan_that_stops_ahead_is_the_whole_plans_first_positions(seed, implementation):
-    """PlanConfig.plan_ahead: the positions filled are the whole plan's, with
-    the drops decided there; every send due now is among them; and what was
-    left out starts no earlier than `unplanned_from`, after now."""
-    if implementation == "python":
-        pytest.skip("plan_indexed (the only planner that stops ahead) runs the kernel")
-    rng = random.Random(seed)
-    now, hosts, dests = 5.0, 12, rng.choice([1, 2])
-    n = rng.randrange(5, 120)
-    capacity = np.array([rng.choice([1.0, 2.0, 5.0]) for _ in range(hosts)]  # uplinks
-                        + [rng.choice([4.0, 10.0]) for _ in range(hosts)], np.float64)
-    up = np.array([rng.randrange(dests, hosts) for _ in range(n)], np.intp)
-    down = np.array([hosts + rng.randrange(dests) for _ in range(n)], np.intp)
-    rows = schedule.IndexedRows(
-        np.array([rng.choice([1.0, 2.0, 3.0, 8.0]) for _ in range(n)]),
-        np.array([rng.randrange(40) for _ in range(n)], np.int64), up, down,
-        np.full(n, -1, np.intp), np.minimum(capacity[up], capacity[down]))
-    # A transfer under way holds part of the first destination for a while.
-    reserved = {hosts: ([now, now + 1.5], [capacity[hosts] / 2, capacity[hosts]],
-                        [capacity[hosts] / 2, capacity[hosts]])}
-    links = schedule.LinkSegments.of(now, capacity, reserved)
-    tau = rng.choice([None, 8, 30])
-    whole = schedule.plan_indexed(rows, links, ready=now, v_init=20, config=PlanConfig(
-        tau_max=tau, overload="deadline"))
-    ahead = rng.choice([1, 3, 10])
-    part = schedule.plan_indexed(rows, links, ready=now, v_init=20, now=now, config=PlanConfig(
-        tau_max=tau, overload="deadline", plan_ahead=ahead))
-    filled = len(part.send_row) + len(part.drop_row)
-    if part.unplanned_from == math.inf:
-        assert filled == n
-    else:
-        assert part.unplanned_from > now and filled < n
-        assert len(part.send_row) >= ahead
-    k = len(part.send_row)
-    for column in ("send_row", "start", "rate", "end", "position"):
-        assert np.asarray(getattr(part, column)).tolist() == \
-            np.asarray(getattr(whole, column))[:k].tolist()
-    drops = list(zip(whole.drop_row, whole.reason, whole.drop_position, strict=True))
-    if part.unplanned_from < math.inf:  # it stopped before filling position k
-        drops = [d for d in drops if d[2] < k]
-    assert list(zip(part.drop_row, part.reason, part.drop_position, strict=True)) == drops
-    due = {int(r) for r, s in zip(whole.send_row, whole.start, strict=True) if s <= now}
-    assert due <= {int(r) for r in part.send_row}
-    assert all(s >= part.unplanned_from for s in np.asarray(whole.start)[k:].tolist())
-
-
 @pytest.mark.parametrize("seed", range(10))
 def test_reserved_links_by_index_are_the_link_tables_segments(seed):
     """schedule.reserved_indexed (the controller's plans, no pair links)
