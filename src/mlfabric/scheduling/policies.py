@@ -20,7 +20,7 @@ from typing import cast
 import numpy as np
 
 from . import schedule
-from .columns import PendingColumns
+from .columns import HostTable, PendingColumns
 from .plan import ColumnPlan, Network, PlanItem, Snapshot, Transfer
 
 # An overdue transfer is assumed to need this fraction of its planned time more.
@@ -298,24 +298,16 @@ class Mlfabric:
             cap[measured] = np.minimum(cap[measured], rates[at[measured]])
             capacity.append(rates)
         link_capacity = np.concatenate(capacity)
-        simple = hosts.usable(network) and not network.pair
-        if not simple:
+        if hosts.usable(network) and not network.pair:
+            # Every rate usable, no measured pair: the links as numbered here.
+            reserved = schedule.reserved_indexed(now, (
+                (r.id, hosts.index(str(r.source)), n_hosts + hosts.index(str(r.destination)),
+                 r.end, r.rate) for r in running), link_capacity)
+        else:
             used = np.concatenate([src, n_hosts + dst, pair[pair >= 0]])
             if not bool(np.all(np.isfinite(link_capacity[used]) & (link_capacity[used] > 0))):
                 return None
-        reserved = {} if not simple else schedule.reserved_indexed(now, (
-            (r.id, hosts.index(str(r.source)), n_hosts + hosts.index(str(r.destination)),
-             r.end, r.rate) for r in running), link_capacity)
-        for (kind, key), segments in () if simple else schedule.reserved_links(
-                now, running, _capacities(network)).items():
-            if kind == "up":
-                reserved[hosts.index(str(key))] = segments
-            elif kind == "down":
-                reserved[n_hosts + hosts.index(str(key))] = segments
-            else:
-                a, b = cast(tuple[str, str], key)
-                code = hosts.index(a) * n_hosts + hosts.index(b)
-                reserved[2 * n_hosts + int(np.searchsorted(codes, code))] = segments
+            reserved = self._reserved_by_name(now, running, network, hosts, codes)
         base_version = pending.base_version[ranked]
         ready = schedule.ready_at(now, running)
         config = _config(tau_max, self.idle_factor, self.overload, self.plan_ahead)
@@ -332,3 +324,23 @@ class Mlfabric:
             plan, pending.size[ranked],
             [offers.get(int(i), ()) for i in ids] if offers else [], self.compression, cap)
         return _column_plan(result, ids, base_version, chosen)
+
+    @staticmethod
+    def _reserved_by_name(now: float, running: Sequence[schedule.RunningTransfer],
+                          network: Network, hosts: HostTable, codes: np.ndarray
+                          ) -> dict[int, tuple[list[float], list[float], list[float]]]:
+        """`schedule.reserved_links` (measured pairs too, every capacity
+        checked), numbered as `plan_columns` numbers the links."""
+        n_hosts = len(hosts)
+        reserved = {}
+        for (kind, key), segments in schedule.reserved_links(now, running,
+                                                            _capacities(network)).items():
+            if kind == "up":
+                reserved[hosts.index(str(key))] = segments
+            elif kind == "down":
+                reserved[n_hosts + hosts.index(str(key))] = segments
+            else:
+                a, b = cast(tuple[str, str], key)
+                code = hosts.index(a) * n_hosts + hosts.index(b)
+                reserved[2 * n_hosts + int(np.searchsorted(codes, code))] = segments
+        return reserved
