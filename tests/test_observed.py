@@ -50,10 +50,20 @@ def test_an_overdue_transfer_only_lowers_the_rate():
 def test_release_at_puts_an_end_a_guard_after_every_critical_end():
     assert observed.order_guard(1.0) == pytest.approx(0.1)
     assert observed.order_guard(0.01) == observed.ORDER_GUARD_MIN
-    assert observed.release_at([], now=0.0, planned_seconds=0.2) == 0.0
-    assert observed.release_at([(1.0, 1.0)], now=0.0, planned_seconds=0.2) == pytest.approx(0.9)
-    assert observed.release_at([(1.0, 1.0)], now=0.0, planned_seconds=5.0) == 0.0
-    assert observed.release_at([(1.0, 1.0)], now=1.0, planned_seconds=5.0) is None
+    assert observed.RunningOrder([], now=0.0, tau_max=1).release_at(0.2) == 0.0
+    # One running transfer, planned to end at 1.0 after 1 s, one version stale
+    # at tau_max 1: critical.
+    critical = [(1.0, 7, 1.0, 1, True)]
+    at_zero = observed.RunningOrder(critical, now=0.0, tau_max=1)
+    assert at_zero.critical() == [(1.0, 1.0)]
+    assert at_zero.release_at(0.2) == pytest.approx(0.9)
+    assert at_zero.release_at(5.0) == 0.0
+    assert observed.RunningOrder(critical, now=1.0, tau_max=1).release_at(5.0) is None
+    # Fresher, or through an aggregator: not critical, nothing to wait for.
+    assert observed.RunningOrder([(1.0, 7, 1.0, 0, True)], now=0.0, tau_max=1
+                                 ).release_at(0.2) == 0.0
+    assert observed.RunningOrder([(1.0, 7, 1.0, 1, False)], now=0.0, tau_max=1
+                                 ).release_at(0.2) == 0.0
 
 
 def _two(guard: bool) -> tuple[ControlState, list]:
@@ -347,6 +357,17 @@ def test_a_transfer_held_to_its_uplink_does_not_set_a_wider_downlinks_rate():
     assert capped.down_rate("s") == pytest.approx(10 * MB)
 
 
+def _release_by_definition(critical: list[tuple[float, float]], now: float,
+                           planned_seconds: float) -> float | None:
+    """The release rule on the critical transfers' (end, planned seconds)."""
+    at = now
+    for end, seconds in critical:
+        if end <= now:
+            return None
+        at = max(at, end + observed.order_guard(seconds) - planned_seconds)
+    return at
+
+
 def _critical_by_sorting(rows: list[tuple[float, int, float, int, bool]], now: float | None,
                          tau_max: int) -> list[tuple[float, float]]:
     """The definition, by sorting every running transfer (the controller's
@@ -381,7 +402,6 @@ def test_the_running_order_kept_between_transfers_let_go_equals_sorting_them_aga
         critical = _critical_by_sorting(rows, now, tau)
         assert order.critical() == critical
         for seconds in (0.001, 0.3):
-            assert order.release_at(seconds) == observed.release_at(
-                critical, now=now, planned_seconds=seconds)
+            assert order.release_at(seconds) == _release_by_definition(critical, now, seconds)
     assert observed.RunningOrder(rows, now=None, tau_max=tau).critical() == \
         _critical_by_sorting(rows, None, tau)

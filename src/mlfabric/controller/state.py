@@ -174,7 +174,7 @@ class ControlState:
                  network: Network | None = None, guard_order: bool = False,
                  learn_rates: bool = False) -> None:
         """`guard_order`: let nothing go that may land before a running
-        transfer that must land next (`observed.release_at`). `learn_rates`:
+        transfer that must land next (`observed.RunningOrder`). `learn_rates`:
         the job's own transfers correct the network picture (`observed`).
         The mlfabric policy plans with both; FIFO lets everything go at once
         by definition, so it runs without them."""

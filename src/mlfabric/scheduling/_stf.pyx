@@ -545,8 +545,8 @@ def schedule_stf(double ready, const double[::1] size, const Py_ssize_t[::1] up,
     drop_order list the indices in decision order.
 
     plan_ahead > 0 stops the plan early: once at least plan_ahead positions
-    are filled and every destination with updates left has no capacity
-    free from `horizon` on, no update left can start by then, so the
+    are filled and no destination of the plan has capacity free from
+    `horizon` on, no update left can start by then, so the
     positions filled are the full plan's and every send due by `horizon` is
     among them. The updates left are neither sent nor dropped (a deadline
     that would have passed later in the plan is not looked at), and

@@ -205,29 +205,16 @@ class RunningOrder:
                 sorted((self._end[tid], tid) for tid in self._critical)]
 
     def release_at(self, planned_seconds: float) -> float | None:
-        """`release_at(self.critical(), now=self.now, planned_seconds=...)`,
-        without going through them: needs `now`."""
+        """When a transfer that takes at least `planned_seconds` (its size at
+        the path's full rate: the real link does not hold it to the plan's
+        reserved rate) may be let go beside the critical transfers (each
+        must land before any other): `now`, a later time (its end then falls
+        a guard after every critical end), or None (a critical one is past
+        its planned end: wait for its report). Needs `now`."""
         assert self.now is not None, "release_at needs the order's now"
         if self._blocked:
             return None
         return max(self.now, self._latest - planned_seconds)
-
-
-def release_at(critical: list[tuple[float, float]], *, now: float,
-               planned_seconds: float) -> float | None:
-    """When a transfer that takes at least `planned_seconds` (its size at
-    the path's full rate: the real link does not hold it to the plan's
-    reserved rate) may be let go to a server where `critical` transfers run
-    ((planned end, planned seconds) each; each must land before any other):
-    `now`, a later time (its end then falls a guard after every critical
-    end), or None (a critical one is past its planned end: wait for its
-    report)."""
-    at = now
-    for end, seconds in critical:
-        if end <= now:
-            return None
-        at = max(at, end + order_guard(seconds) - planned_seconds)
-    return at
 
 
 def _corrected(net: Network, link: tuple[str, str], rate: float) -> Network:
