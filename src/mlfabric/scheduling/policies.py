@@ -276,9 +276,9 @@ class Mlfabric:
             return None
         running = _running(active, now, network, handover)
         hosts = pending.hosts
-        for r in running:  # every link that carries something gets a number
-            hosts.index(str(r.source))
-            hosts.index(str(r.destination))
+        # Every link that carries something gets a number.
+        numbered = [(hosts.index(str(r.source)), hosts.index(str(r.destination)))
+                    for r in running]
         up_rate, down_rate = hosts.rates(network)
         n_hosts = len(hosts)
         # Ranked earliest deadline first, as mlfabric_policy ranks them.
@@ -301,8 +301,8 @@ class Mlfabric:
         if hosts.usable(network) and not network.pair:
             # Every rate usable, no measured pair: the links as numbered here.
             reserved = schedule.reserved_indexed(now, (
-                (r.id, hosts.index(str(r.source)), n_hosts + hosts.index(str(r.destination)),
-                 r.end, r.rate) for r in running), link_capacity)
+                (r.id, up, n_hosts + down, r.end, r.rate)
+                for r, (up, down) in zip(running, numbered, strict=True)), link_capacity)
         else:
             used = np.concatenate([src, n_hosts + dst, pair[pair >= 0]])
             if not bool(np.all(np.isfinite(link_capacity[used]) & (link_capacity[used] > 0))):
