@@ -201,6 +201,35 @@ def test_columns_follow_adds_and_removes():
     assert len(cols) == 203 and 150 in cols
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_rows_ranked_as_the_policy_ranks_transfers(seed):
+    """PendingColumns.ranked against sorting the transfers by (base version,
+    arrival, id): ties in base version and arrival, arrivals out of add
+    order, removals that move rows, one shard's rows, and base versions
+    spread too far to pack (the three-key sort)."""
+    rng = random.Random(seed)
+    spread = [3, 50, 1 << 61, 1 << 62][seed % 4]
+    cols = PendingColumns()
+    live: dict[int, Transfer] = {}
+    for i in range(rng.randrange(1, 300)):
+        t = Transfer(rng.randrange(1 << 40) * 1000 + i, "o", i, "h", "s", 1,
+                     rng.randrange(-spread // 2, spread // 2 + 1), 1.0,
+                     float(rng.randrange(20)) if rng.random() < 0.3 else i * 0.5,
+                     shard=rng.randrange(2))
+        cols.add(t)
+        live[t.id] = t
+        if rng.random() < 0.3:
+            gone = rng.choice(sorted(live))
+            cols.remove(gone)
+            del live[gone]
+    for shard in (None, 0, 1):
+        rows = cols.rows(shard)
+        want = [t.id for t in sorted(live.values(),
+                                     key=lambda t: (t.base_version, t.arrival, t.id))
+                if shard is None or t.shard == shard]
+        assert cols.ids[cols.ranked(rows)].tolist() == want
+
+
 def test_host_rates_equal_the_networks_own():
     cols = PendingColumns()
     for h in ("a", "b", "c", "s"):

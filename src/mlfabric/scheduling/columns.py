@@ -102,6 +102,30 @@ class PendingColumns:
             return np.arange(self.n)
         return np.flatnonzero(self.shard[:self.n] == shard)
 
+    def ranked(self, rows: np.ndarray) -> np.ndarray:
+        """`rows` earliest deadline first: by (base version, arrival, id), the
+        order `policies.mlfabric_policy` ranks a snapshot's transfers in.
+
+        Rows are added in about arrival order, so sorting by (arrival, id)
+        first is nearly free; what costs is the base versions, scattered
+        when workers lag by different amounts. A stable sort by three keys
+        (np.lexsort) took 0.8 ms of a re-plan at 10,000 pending there. Here
+        the base version and the arrival rank are packed into one integer
+        per row, and numpy sorts plain integers several times faster
+        (0.12 ms). The packing needs the spread of base versions to fit
+        above the rank's bits; when it does not, the three-key sort runs."""
+        ids, arrival = self.ids[rows], self.arrival[rows]
+        by_arrival = rows[np.lexsort((ids, arrival))]
+        if len(rows) < 2:
+            return by_arrival
+        base = self.base_version[by_arrival]
+        low, high = int(base.min()), int(base.max())
+        bits = len(rows).bit_length()
+        if high - low >= 1 << (62 - bits):
+            return rows[np.lexsort((ids, arrival, self.base_version[rows]))]
+        key = ((base - low) << bits) | np.arange(len(rows))
+        return by_arrival[np.sort(key) & ((1 << bits) - 1)]
+
 
 class HostTable:
     """Hosts numbered in the order first seen, and each host's uplink and
