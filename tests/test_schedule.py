@@ -907,22 +907,42 @@ def test_controller_idle_factor_flag_selects_the_rule():
             parse_idle_factor(bad)
 
 
-@pytest.mark.parametrize("seed", range(10))
-def test_reserved_links_by_index_are_the_link_tables_segments(seed):
-    """schedule.reserved_indexed (the controller's plans, no pair links)
-    gives every link's segments as reserved_links does, float for float."""
+@pytest.mark.parametrize("seed", range(20))
+def test_running_links_by_index_are_the_link_tables_segments(seed):
+    """schedule.LinkSegments.of_running (the controller's plans, no pair
+    links) gives every link's segments as reserved_links does, float for
+    float: links held by one transfer and by several, ends at or before
+    now, a rate of 0, equal ends, and transfers out of id order."""
     rng = random.Random(seed)
     now, hosts = 2.0, [f"h{k}" for k in range(8)]
     up = {h: rng.choice([1.0, 3.0, 7.0]) for h in hosts}
     down = {h: rng.choice([5.0, 11.0]) for h in hosts}
     running = [RunningTransfer(-k, rng.choice(hosts[2:]), rng.choice(hosts[:2]),
-                               rate=rng.choice([0.5, 1.0, 2.5]),
-                               end=rng.choice([1.0, 2.5, 2.5, 3.0]) + rng.random())
-               for k in range(rng.randrange(0, 25))]
+                               rate=rng.choice([0.0, 0.1, 0.3, 0.7, 9.0]) * (1 + rng.random()),
+                               end=rng.choice([1.0, 2.5, 2.5, 3.0]) + rng.random() * (k % 3))
+               for k in range(rng.randrange(0, 40))]
+    rng.shuffle(running)
     by_key = schedule.reserved_links(now, running, Capacities(up=up, down=down))
     index = {h: k for k, h in enumerate(hosts)}
     capacity = np.array([up[h] for h in hosts] + [down[h] for h in hosts])
-    by_index = schedule.reserved_indexed(now, ((r.id, index[r.source], 8 + index[r.destination],
-                                                r.end, r.rate) for r in running), capacity)
-    assert by_index == {(index[key] if kind == "up" else 8 + index[key]): segments
-                        for (kind, key), segments in by_key.items()}
+    want = schedule.LinkSegments.of(now, capacity, {
+        (index[key] if kind == "up" else 8 + index[key]): segments
+        for (kind, key), segments in by_key.items()})
+    got = schedule.LinkSegments.of_running(
+        now, capacity, np.array([r.id for r in running], np.int64),
+        np.array([index[r.source] for r in running], np.intp),
+        np.array([8 + index[r.destination] for r in running], np.intp),
+        np.array([r.end for r in running]), np.array([r.rate for r in running]))
+    for name in ("seg_lo", "seg_t", "seg_r", "seg_f"):
+        assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
+
+
+def test_running_links_sum_equal_ends_in_id_order():
+    """Three transfers ending together on a link of capacity 1: in id order
+    their rates sum to (0.3 + 0.6) + 0.1 = 0.9999999999999999, leaving
+    1.1102230246251565e-16 of the link; summed in the order given,
+    (0.1 + 0.3) + 0.6 = 1.0 would leave nothing."""
+    got = schedule.LinkSegments.of_running(
+        0.0, np.array([1.0, 1.0, 1.0, 1.0]), np.array([3, 1, 2]), np.array([0, 1, 2]),
+        np.array([3, 3, 3]), np.array([5.0, 5.0, 5.0]), np.array([0.1, 0.3, 0.6]))
+    assert got.seg_r[got.seg_lo[3]:got.seg_lo[4]].tolist() == [1.1102230246251565e-16, 1.0]

@@ -218,6 +218,30 @@ def _running(active: Sequence[Transfer], now: float, network: Network, handover:
     return running
 
 
+def _held_columns(active: Sequence[Transfer], now: float, hosts: HostTable,
+                  handover: float = 0.0
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`_running` as columns, for transfers that go direct (none through an
+    aggregator): their ids, source and destination host numbers (numbering
+    hosts not seen yet), ends and rates, float for float as `_running`
+    computes them. Made per transfer as objects, then taken apart again per
+    link, they cost a tenth of a decision at 10,000 simulated workers."""
+    n = len(active)
+    trust = trusted(active, handover)
+    planned = np.maximum(np.fromiter((t.planned_seconds or _MIN_SECONDS for t in active),
+                                     np.float64, n), _MIN_SECONDS)
+    started = np.fromiter((now if t.started is None else t.started for t in active),
+                          np.float64, n)
+    end = started + planned
+    late = np.fromiter((t.id not in trust for t in active), bool, n)
+    end[late] = np.maximum(end[late], now + _OVERDUE_EXTENSION * planned[late])
+    rate = np.fromiter((t.nbytes for t in active), np.float64, n) / planned
+    ids = np.fromiter((-t.id for t in active), np.int64, n)
+    source = np.fromiter((hosts.index(t.host) for t in active), np.intp, n)
+    destination = np.fromiter((hosts.index(t.dst) for t in active), np.intp, n)
+    return ids, source, destination, end, rate
+
+
 def _column_plan(result: schedule.RowPlan, ids: np.ndarray, base_version: np.ndarray,
                  chosen: Mapping[int, str] | None = None) -> ColumnPlan:
     """The policy's plan from the core's: row k is transfer ids[k], sent
@@ -274,16 +298,21 @@ class Mlfabric:
         error that says which) or the core is not built."""
         if not schedule.has_kernel():
             return None
-        running = _running(active, now, network, handover)
         hosts = pending.hosts
-        # Every link that carries something gets a number.
-        numbered = [(hosts.index(str(r.source)), hosts.index(str(r.destination)))
-                    for r in running]
+        # Every link that carries something gets a number before the rates
+        # are read: first the links the running transfers hold.
+        direct = all(t.route is None for t in active)  # none through an aggregator
+        running: list[schedule.RunningTransfer] | None = None
+        if direct:
+            held = _held_columns(active, now, hosts, handover)
+        else:
+            running = _running(active, now, network, handover)
+            for r in running:
+                hosts.index(str(r.source)), hosts.index(str(r.destination))
         up_rate, down_rate = hosts.rates(network)
         n_hosts = len(hosts)
         # Ranked earliest deadline first, as mlfabric_policy ranks them.
-        ranked = rows[np.lexsort((pending.ids[rows], pending.arrival[rows],
-                                  pending.base_version[rows]))]
+        ranked = pending.ranked(rows)
         src, dst = pending.src[ranked], pending.dst[ranked]
         capacity = [up_rate, down_rate]
         pair = np.full(len(ranked), -1, np.intp)
@@ -298,25 +327,28 @@ class Mlfabric:
             cap[measured] = np.minimum(cap[measured], rates[at[measured]])
             capacity.append(rates)
         link_capacity = np.concatenate(capacity)
-        if hosts.usable(network) and not network.pair:
+        if direct and hosts.usable(network) and not network.pair:
             # Every rate usable, no measured pair: the links as numbered here.
-            reserved = schedule.reserved_indexed(now, (
-                (r.id, up, n_hosts + down, r.end, r.rate)
-                for r, (up, down) in zip(running, numbered, strict=True)), link_capacity)
+            held_ids, source, destination, end, rate = held
+            links = schedule.LinkSegments.of_running(now, link_capacity, held_ids, source,
+                                                     n_hosts + destination, end, rate)
+            ready = max(now, float(end.max())) if len(end) else now  # schedule.ready_at
         else:
+            if running is None:
+                running = _running(active, now, network, handover)
             used = np.concatenate([src, n_hosts + dst, pair[pair >= 0]])
             if not bool(np.all(np.isfinite(link_capacity[used]) & (link_capacity[used] > 0))):
                 return None
-            reserved = self._reserved_by_name(now, running, network, hosts, codes)
+            links = schedule.LinkSegments.of(
+                now, link_capacity, self._reserved_by_name(now, running, network, hosts, codes))
+            ready = schedule.ready_at(now, running)
         base_version = pending.base_version[ranked]
-        ready = schedule.ready_at(now, running)
         config = _config(tau_max, self.idle_factor, self.overload, self.plan_ahead)
 
         def plan(size: np.ndarray) -> schedule.RowPlan:
             indexed = schedule.IndexedRows(size, base_version, src, n_hosts + dst, pair, cap)
-            return schedule.plan_indexed(
-                indexed, schedule.LinkSegments.of(now, link_capacity, reserved),
-                ready=ready, v_init=version + in_flight, config=config, now=now)
+            return schedule.plan_indexed(indexed, links, ready=ready,
+                                         v_init=version + in_flight, config=config, now=now)
 
         ids = pending.ids[ranked]
         offers = pending.offers
