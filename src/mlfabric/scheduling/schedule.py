@@ -1084,11 +1084,9 @@ class LinkSegments:
         counts[links[alone]] = 2
         shared: dict[int, tuple[list[float], list[float], list[float]]] = {}
         for index in np.flatnonzero(holders > 1).tolist():
-            link = _Link(now, float(capacity[index]), index)
             mine = links == index
-            link.load_running(list(zip(ends[mine].tolist(), rates[mine].tolist(), strict=True)))
-            shared[index] = (link.times, link.residual, link.free)
-            counts[index] = len(link.times)
+            shared[index] = _loaded(now, float(capacity[index]), ends[mine], rates[mine])
+            counts[index] = len(shared[index][0])
         seg_lo = np.zeros(len(capacity) + 1, np.intp)
         np.cumsum(counts, out=seg_lo[1:])
         seg_t = np.full(int(seg_lo[-1]), now)
@@ -1102,6 +1100,33 @@ class LinkSegments:
             lo, hi = seg_lo[index], seg_lo[index + 1]
             seg_t[lo:hi], seg_r[lo:hi], seg_f[lo:hi] = times, residual, free
         return cls(seg_lo, seg_t, seg_r, seg_f)
+
+
+def _loaded(now: float, capacity: float, ends: np.ndarray, rates: np.ndarray
+            ) -> tuple[list[float], list[float], list[float]]:
+    """A link of `capacity` from `now` on, as `_Link.load_running` loads it
+    with transfers (ends, rates) in id order: (times, residual, free).
+
+    When no two transfers end together (almost always: ends are float
+    times), the load past each end is a running sum taken in the same order
+    as load_running's, so numpy's sequential cumsum gives the same floats;
+    otherwise load_running sums the rates of each end in id order itself.
+    At 10,000 simulated workers a hundred transfers share the server's
+    downlink, and loading it in Python took a quarter of building the links."""
+    by_end = np.argsort(ends, kind="stable")
+    ordered = ends[by_end]
+    if len(ordered) > 1 and bool(np.any(ordered[1:] == ordered[:-1])):
+        link = _Link(now, capacity)
+        link.load_running(list(zip(ends.tolist(), rates.tolist(), strict=True)))
+        return link.times, link.residual, link.free
+    # Segment k ends at ordered[k]; what runs over it is everything ending later.
+    load = np.cumsum(rates[by_end][::-1])[::-1]
+    residual = np.empty(len(ordered) + 1)
+    np.maximum(0.0, capacity - load, out=residual[:-1])
+    residual[-1] = capacity
+    # Everything started at now, so R only rises with time and F (its suffix
+    # minimum) is R itself.
+    return [now, *ordered.tolist()], residual.tolist(), residual.tolist()
 
 
 def reserved_links(now: float, running: Sequence[RunningTransfer], network: Capacities
