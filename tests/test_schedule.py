@@ -920,7 +920,7 @@ def test_running_links_by_index_are_the_link_tables_segments(seed):
     running = [RunningTransfer(-k, rng.choice(hosts[2:]), rng.choice(hosts[:2]),
                                rate=rng.choice([0.0, 0.1, 0.3, 0.7, 9.0]) * (1 + rng.random()),
                                end=rng.choice([1.0, 2.5, 2.5, 3.0]) + rng.random() * (k % 3))
-               for k in range(rng.randrange(0, 40))]
+               for k in range(rng.randrange(0, 150))]
     rng.shuffle(running)
     by_key = schedule.reserved_links(now, running, Capacities(up=up, down=down))
     index = {h: k for k, h in enumerate(hosts)}
@@ -935,6 +935,13 @@ def test_running_links_by_index_are_the_link_tables_segments(seed):
         np.array([r.end for r in running]), np.array([r.rate for r in running]))
     for name in ("seg_lo", "seg_t", "seg_r", "seg_f"):
         assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
+
+
+def test_running_links_refuse_a_link_out_of_range():
+    with pytest.raises(ValueError, match=r"transfer 1 names a link outside 0\.\.3"):
+        schedule.LinkSegments.of_running(
+            0.0, np.ones(4), np.array([1, 2]), np.array([0, 4]), np.array([3, 3]),
+            np.array([1.0, 1.0]), np.array([0.5, 0.5]))
 
 
 def test_running_links_sum_equal_ends_in_id_order():

@@ -32,3 +32,16 @@ def schedule_stf(
     """The "mlfabric" scheduling policy on arrays (mlfabric.schedule builds them):
     fills the per-update outputs and returns (number of sends, number of drops,
     the earliest start of a row left out by plan_ahead: inf if none)."""
+
+def running_segments(
+    now: float,
+    capacity: NDArray[np.float64],
+    ids: NDArray[np.int64],
+    up: NDArray[np.intp],
+    down: NDArray[np.intp],
+    end: NDArray[np.float64],
+    rate: NDArray[np.float64],
+) -> tuple[NDArray[np.intp], NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
+    """Every link's segments (seg_lo, seg_t, seg_r, seg_f) from the transfers
+    running on them, as mlfabric.scheduling.schedule's _Link.load_running
+    loads them."""

@@ -17,6 +17,7 @@ it shares no code with them, and a change to one rebuilds and re-tests only
 that one.
 """
 
+cimport cython
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.math cimport INFINITY
 from libc.string cimport memmove
@@ -765,3 +766,91 @@ cdef _build_fronts(_SState* S, const double[::1] size, const Py_ssize_t[::1] dow
         dests[n_dests] = L
         n_dests += 1
     S.n_dests = n_dests
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def running_segments(double now, const double[::1] capacity, const long long[::1] ids,
+                     const Py_ssize_t[::1] up, const Py_ssize_t[::1] down,
+                     const double[::1] end, const double[::1] rate):
+    """Every link's segments at the start of a plan, from the transfers
+    running on them: transfer k (ids[k]) holds links up[k] and down[k] at
+    rate[k] until end[k]; link L has capacity[L]. Returns (seg_lo, seg_t,
+    seg_r, seg_f) as schedule_stf takes them: the same floats as
+    mlfabric.scheduling.schedule's _Link.load_running gives for the links
+    held (those ending after now at a rate > 0, each link's transfers in id
+    order), and one flat segment from now for every other link.
+
+    Everything starts at now, so a link's residual capacity only rises with
+    time and its free-from capacity equals it."""
+    cdef Py_ssize_t n = ids.shape[0], n_links = capacity.shape[0]
+    cdef Py_ssize_t i, j, k, L, lo, hi, total, g, w
+    cdef double c, load, x
+    for arr in (up.shape[0], down.shape[0], end.shape[0], rate.shape[0]):
+        if arr != n:
+            raise ValueError(f"running_segments: every per-transfer array needs {n} elements")
+    for k in range(n):
+        if not (0 <= up[k] < n_links and 0 <= down[k] < n_links):
+            raise ValueError(f"running_segments: transfer {k} names a link outside "
+                             f"0..{n_links - 1}")
+    # The live transfers by (end, id): per link, its ends ascending and, for
+    # equal ends, its rates in id order (load_running's sums).
+    ends = np.asarray(end)
+    live = np.flatnonzero((ends > now) & (np.asarray(rate) > 0))
+    order = live[np.lexsort((np.asarray(ids)[live], ends[live]))].astype(np.intp, copy=False)
+    cdef const Py_ssize_t[::1] by = order
+    cdef Py_ssize_t m = by.shape[0]
+    # Per link, its holders in that order (CSR: first counts, then fill).
+    seg_lo_a = np.zeros(n_links + 1, np.intp)
+    held_lo_a = np.zeros(n_links + 1, np.intp)
+    held_a = np.empty(2 * m, np.intp)
+    cdef Py_ssize_t[::1] seg_lo = seg_lo_a
+    cdef Py_ssize_t[::1] held_lo = held_lo_a
+    cdef Py_ssize_t[::1] held = held_a
+    for i in range(m):
+        held_lo[up[by[i]] + 1] += 1
+        held_lo[down[by[i]] + 1] += 1
+    for L in range(n_links):
+        held_lo[L + 1] += held_lo[L]
+    fill_a = held_lo_a[:n_links].copy()
+    cdef Py_ssize_t[::1] fill = fill_a
+    for i in range(m):
+        k = by[i]
+        held[fill[up[k]]] = k
+        fill[up[k]] += 1
+        held[fill[down[k]]] = k
+        fill[down[k]] += 1
+    # Segments per link: now, then each distinct end.
+    for L in range(n_links):
+        g = 1
+        for j in range(held_lo[L], held_lo[L + 1]):
+            if j == held_lo[L] or end[held[j]] != end[held[j - 1]]:
+                g += 1
+        seg_lo[L + 1] = seg_lo[L] + g
+    total = seg_lo[n_links]
+    seg_t_a = np.empty(total, np.float64)
+    seg_r_a = np.empty(total, np.float64)
+    cdef double[::1] seg_t = seg_t_a
+    cdef double[::1] seg_r = seg_r_a
+    for L in range(n_links):
+        lo, hi = seg_lo[L], seg_lo[L + 1]
+        c = capacity[L]
+        seg_t[lo] = now
+        seg_r[hi - 1] = c
+        # Each end's summed rate, in the slot of the segment that ends there.
+        w = lo - 1
+        for j in range(held_lo[L], held_lo[L + 1]):
+            k = held[j]
+            if j == held_lo[L] or end[k] != end[held[j - 1]]:
+                w += 1
+                seg_t[w + 1] = end[k]
+                seg_r[w] = 0.0 + rate[k]
+            else:
+                seg_r[w] = seg_r[w] + rate[k]
+        # What runs over segment w: everything ending at or after its end.
+        load = 0.0
+        for w in range(hi - 2, lo - 1, -1):
+            load = load + seg_r[w]
+            x = c - load
+            seg_r[w] = x if x > 0.0 else 0.0
+    return seg_lo_a, seg_t_a, seg_r_a, seg_r_a.copy()

@@ -66,10 +66,12 @@ INF = math.inf
 # built, as in a checkout without build_ext: the pure-Python reference below
 # then runs instead, and gives the same plans).
 _stf_kernel: Callable[..., tuple[int, int, float]] | None
+_running_segments: Callable[..., tuple[np.ndarray, ...]] | None
 try:
+    from ._stf import running_segments as _running_segments
     from ._stf import schedule_stf as _stf_kernel
 except ImportError:  # pragma: no cover - an installed package always has it
-    _stf_kernel = None
+    _stf_kernel = _running_segments = None
 
 
 # --- the snapshot (input) -----------------------------------------------------------
@@ -1065,68 +1067,20 @@ class LinkSegments:
         the caller and without pair links: transfer k (ids[k]) holds uplink
         up[k] and downlink down[k] at rate[k] until end[k]; capacity[L] is
         link L's (finite and > 0: the caller has checked). The same arrays,
-        float for float, as `of` on `reserved_links` renumbered.
+        float for float, as `of` on `reserved_links` renumbered. Needs the
+        compiled core (`_stf.running_segments`).
 
-        A link held by one transfer (every worker's uplink) is written out
-        as its two segments, all such links at once; only a link several
-        hold (a server's downlink) is loaded as `_Link.load_running` loads
-        it. Built per transfer as lists and dictionaries, this was a fifth
-        of a decision at 10,000 simulated workers with a hundred running."""
-        capacity = np.asarray(capacity, np.float64)
-        live = (end > now) & (rate > 0)
-        by_id = np.argsort(ids[live], kind="stable")  # load_running's order
-        links = np.concatenate([up[live][by_id], down[live][by_id]])
-        ends = np.concatenate([end[live][by_id]] * 2)
-        rates = np.concatenate([rate[live][by_id]] * 2)
-        holders = np.bincount(links, minlength=len(capacity))
-        counts = np.ones(len(capacity), np.intp)
-        alone = holders[links] == 1
-        counts[links[alone]] = 2
-        shared: dict[int, tuple[list[float], list[float], list[float]]] = {}
-        for index in np.flatnonzero(holders > 1).tolist():
-            mine = links == index
-            shared[index] = _loaded(now, float(capacity[index]), ends[mine], rates[mine])
-            counts[index] = len(shared[index][0])
-        seg_lo = np.zeros(len(capacity) + 1, np.intp)
-        np.cumsum(counts, out=seg_lo[1:])
-        seg_t = np.full(int(seg_lo[-1]), now)
-        seg_r = np.repeat(capacity, counts)
-        at = seg_lo[links[alone]]
-        left = np.maximum(0.0, capacity[links[alone]] - rates[alone])
-        seg_t[at + 1] = ends[alone]
-        seg_r[at] = left
-        seg_f = seg_r.copy()
-        for index, (times, residual, free) in shared.items():
-            lo, hi = seg_lo[index], seg_lo[index + 1]
-            seg_t[lo:hi], seg_r[lo:hi], seg_f[lo:hi] = times, residual, free
-        return cls(seg_lo, seg_t, seg_r, seg_f)
-
-
-def _loaded(now: float, capacity: float, ends: np.ndarray, rates: np.ndarray
-            ) -> tuple[list[float], list[float], list[float]]:
-    """A link of `capacity` from `now` on, as `_Link.load_running` loads it
-    with transfers (ends, rates) in id order: (times, residual, free).
-
-    When no two transfers end together (almost always: ends are float
-    times), the load past each end is a running sum taken in the same order
-    as load_running's, so numpy's sequential cumsum gives the same floats;
-    otherwise load_running sums the rates of each end in id order itself.
-    At 10,000 simulated workers a hundred transfers share the server's
-    downlink, and loading it in Python took a quarter of building the links."""
-    by_end = np.argsort(ends, kind="stable")
-    ordered = ends[by_end]
-    if len(ordered) > 1 and bool(np.any(ordered[1:] == ordered[:-1])):
-        link = _Link(now, capacity)
-        link.load_running(list(zip(ends.tolist(), rates.tolist(), strict=True)))
-        return link.times, link.residual, link.free
-    # Segment k ends at ordered[k]; what runs over it is everything ending later.
-    load = np.cumsum(rates[by_end][::-1])[::-1]
-    residual = np.empty(len(ordered) + 1)
-    np.maximum(0.0, capacity - load, out=residual[:-1])
-    residual[-1] = capacity
-    # Everything started at now, so R only rises with time and F (its suffix
-    # minimum) is R itself.
-    return [now, *ordered.tolist()], residual.tolist(), residual.tolist()
+        Built per transfer as objects, lists and dictionaries, and then per
+        link, this was a fifth of a decision at 10,000 simulated workers with
+        a hundred running; with numpy, a few dozen calls on small arrays cost
+        more than that at 1,000."""
+        if _running_segments is None:  # pragma: no cover - an installed package has it
+            raise ConfigError("LinkSegments.of_running needs the compiled scheduling core "
+                              "(mlfabric.scheduling._stf); reinstall mlfabric to build it")
+        return cls(*_running_segments(
+            now, np.asarray(capacity, np.float64), np.asarray(ids, np.int64),
+            np.asarray(up, np.intp), np.asarray(down, np.intp),
+            np.asarray(end, np.float64), np.asarray(rate, np.float64)))
 
 
 def reserved_links(now: float, running: Sequence[RunningTransfer], network: Capacities
