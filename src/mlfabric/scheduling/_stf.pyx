@@ -522,6 +522,8 @@ cdef void* _take(int slot, size_t size, bint shared) except NULL:
     return _scratch[slot]
 
 
+@cython.boundscheck(False)  # every index is checked against its array first
+@cython.wraparound(False)
 def schedule_stf(double ready, const double[::1] size, const Py_ssize_t[::1] up,
                  const Py_ssize_t[::1] down, const Py_ssize_t[::1] pair,
                  const double[::1] cap, const Py_ssize_t[::1] dl, bint has_deadlines,
@@ -629,6 +631,15 @@ def schedule_stf(double ready, const double[::1] size, const Py_ssize_t[::1] up,
         S.tree = tree
         for i in range(2 * S.tree_size):
             tree[i] = -1.0
+        # Per link, when it is busy until (-inf: never, its F is flat) and when
+        # its capacity is first free: what deciding whether an update may be
+        # free reads, in one small array, filled as each link is copied in.
+        # Read through each update's links instead, the link tables were
+        # scattered reads over megabytes whenever the ranked rows' hosts were
+        # in no order (workers lagging by different amounts): 13% of a
+        # re-plan at 10,000 pending.
+        busy = <double*> _take(6, (2 * n_links + 1) * sizeof(double), shared)
+        first_free = busy + n_links
         total = 0
         for L in range(n_links):
             i = (seg_lo[L + 1] - seg_lo[L]) + 2 * users_count[L] + 1
@@ -641,18 +652,9 @@ def schedule_stf(double ready, const double[::1] size, const Py_ssize_t[::1] up,
                 S.links[L].t[k] = seg_t[seg_lo[L] + k]
                 S.links[L].r[k] = seg_r[seg_lo[L] + k]
                 S.links[L].f[k] = seg_f[seg_lo[L] + k]
-            total += 3 * i
-        # Per link, when it is busy until (-inf: never, its F is flat) and when
-        # its capacity is first free: what deciding whether an update may be
-        # free reads, in one small array. Read through each update's links
-        # instead, the link tables were scattered reads over megabytes
-        # whenever the ranked rows' hosts were in no order (workers lagging
-        # by different amounts): 13% of a re-plan at 10,000 pending.
-        busy = <double*> _take(6, (2 * n_links + 1) * sizeof(double), shared)
-        first_free = busy + n_links
-        for L in range(n_links):
             busy[L] = -INFINITY if _sl_flat(&S.links[L]) else S.links[L].t[S.links[L].n - 1]
             first_free[L] = _sl_first_free(&S.links[L])
+            total += 3 * i
         # Private users per link (CSR): uplinks and pair links.
         for L in range(n_links + 1):
             users_count[L] = 0
