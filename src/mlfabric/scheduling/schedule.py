@@ -1071,9 +1071,9 @@ class LinkSegments:
         compiled core (`_stf.running_segments`).
 
         Built per transfer as objects, lists and dictionaries, and then per
-        link, this was a fifth of a decision at 10,000 simulated workers with
-        a hundred running; with numpy, a few dozen calls on small arrays cost
-        more than that at 1,000."""
+        link, this was a quarter of a decision at 10,000 simulated workers
+        with a hundred running (line profile); with numpy, a few dozen calls
+        on small arrays cost more than that at 1,000."""
         if _running_segments is None:  # pragma: no cover - an installed package has it
             raise ConfigError("LinkSegments.of_running needs the compiled scheduling core "
                               "(mlfabric.scheduling._stf); reinstall mlfabric to build it")
