@@ -653,7 +653,10 @@ def schedule_stf(double ready, const double[::1] size, const Py_ssize_t[::1] up,
                 S.links[L].r[k] = seg_r[seg_lo[L] + k]
                 S.links[L].f[k] = seg_f[seg_lo[L] + k]
             busy[L] = -INFINITY if _sl_flat(&S.links[L]) else S.links[L].t[S.links[L].n - 1]
-            first_free[L] = _sl_first_free(&S.links[L])
+            # (A link of one segment and no capacity is nobody's destination:
+            # the callers check every link an update crosses.)
+            first_free[L] = (_sl_first_free(&S.links[L]) if S.links[L].n > 1
+                             else S.links[L].t[0])
             total += 3 * i
         # Private users per link (CSR): uplinks and pair links.
         for L in range(n_links + 1):
