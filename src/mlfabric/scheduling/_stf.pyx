@@ -581,7 +581,7 @@ def schedule_stf(double ready, const double[::1] size, const Py_ssize_t[::1] up,
     cdef double* segs = NULL
     cdef double* tree = NULL
     cdef double* busy = NULL
-    cdef double* first_free
+    cdef double t0
     cdef long* stamps = NULL
     cdef Py_ssize_t* users_count
     cdef Py_ssize_t* by_dl
@@ -631,15 +631,13 @@ def schedule_stf(double ready, const double[::1] size, const Py_ssize_t[::1] up,
         S.tree = tree
         for i in range(2 * S.tree_size):
             tree[i] = -1.0
-        # Per link, when it is busy until (-inf: never, its F is flat) and when
-        # its capacity is first free: what deciding whether an update may be
-        # free reads, in one small array, filled as each link is copied in.
-        # Read through each update's links instead, the link tables were
-        # scattered reads over megabytes whenever the ranked rows' hosts were
-        # in no order (workers lagging by different amounts): 13% of a
-        # re-plan at 10,000 pending.
-        busy = <double*> _take(6, (2 * n_links + 1) * sizeof(double), shared)
-        first_free = busy + n_links
+        # Per link, when it is busy until (-inf: never, its F is flat), noted
+        # as each link is copied in: what deciding whether an update may be
+        # free reads of its private links, in one small array. Read through
+        # each update's link tables instead, those were scattered reads over
+        # megabytes whenever the ranked rows' hosts were in no order (workers
+        # lagging by different amounts): 13% of a re-plan at 10,000 pending.
+        busy = <double*> _take(6, (n_links + 1) * sizeof(double), shared)
         total = 0
         for L in range(n_links):
             i = (seg_lo[L + 1] - seg_lo[L]) + 2 * users_count[L] + 1
@@ -653,10 +651,6 @@ def schedule_stf(double ready, const double[::1] size, const Py_ssize_t[::1] up,
                 S.links[L].r[k] = seg_r[seg_lo[L] + k]
                 S.links[L].f[k] = seg_f[seg_lo[L] + k]
             busy[L] = -INFINITY if _sl_flat(&S.links[L]) else S.links[L].t[S.links[L].n - 1]
-            # (A link of one segment and no capacity is nobody's destination:
-            # the callers check every link an update crosses.)
-            first_free[L] = (_sl_first_free(&S.links[L]) if S.links[L].n > 1
-                             else S.links[L].t[0])
             total += 3 * i
         # Private users per link (CSR): uplinks and pair links.
         for L in range(n_links + 1):
@@ -711,9 +705,10 @@ def schedule_stf(double ready, const double[::1] size, const Py_ssize_t[::1] up,
             S.in_held[k] = 0
             # Leaves only; the tree above them is built once below (fixing
             # the path to the root per update was most of the setup).
-            # As _ss_may_be_free(&S, k), from the arrays above.
-            if busy[up[k]] <= first_free[down[k]] and (
-                    pair[k] < 0 or busy[pair[k]] <= first_free[down[k]]):
+            # As _ss_may_be_free(&S, k), its private links from `busy` (its
+            # destination is shared: most updates have the same one).
+            t0 = _sl_first_free(&S.links[down[k]])
+            if busy[up[k]] <= t0 and (pair[k] < 0 or busy[pair[k]] <= t0):
                 S.free[k] = 1
                 tree[S.tree_size + S.front_pos[k]] = S.cap[k]
             else:
