@@ -185,47 +185,11 @@ def trusted(active: Sequence[Transfer], handover: float) -> set[int]:
             and (ts[0].planned_seconds or 0.0) <= PIPELINE_HANDOVERS * handover}
 
 
-def _running(active: Sequence[Transfer], now: float, network: Network, handover: float = 0.0
-             ) -> list[schedule.RunningTransfer]:
-    """What the transfers let go hold: each its path until its planned end
-    (or, past it, a little longer, unless `trusted`), and through an
-    aggregator the aggregate's forward into the server."""
-    running = []
-    forwards: dict[int, schedule.RunningTransfer] = {}
-    trust = trusted(active, handover)
-    for t in active:
-        planned = max(t.planned_seconds or _MIN_SECONDS, _MIN_SECONDS)
-        started = t.started if t.started is not None else now
-        end = started + planned
-        if t.id not in trust:
-            end = max(end, now + _OVERDUE_EXTENSION * planned)
-        # Running ids only need to differ from each other (pending ids are rows).
-        if t.route is None:
-            running.append(schedule.RunningTransfer(-t.id, t.host, t.dst,
-                                                    rate=t.nbytes / planned, end=end))
-            continue
-        # Through an aggregator: the member's leg to it, and once per group
-        # the aggregate's forward into the server (its downlink is what the
-        # group's plan reserved).
-        running.append(schedule.RunningTransfer(-t.id, t.host, t.route.host,
-                                                rate=t.nbytes / planned, end=end))
-        fwd_id = -(1 << 40) - t.route.group
-        if fwd_id not in forwards:
-            forwards[fwd_id] = schedule.RunningTransfer(
-                fwd_id, t.route.host, t.dst, rate=network.rate(t.route.host, t.dst),
-                end=end)
-    running.extend(forwards.values())
-    return running
-
-
-def _held_columns(active: Sequence[Transfer], now: float, hosts: HostTable,
-                  handover: float = 0.0
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """`_running` as columns, for transfers that go direct (none through an
-    aggregator): their ids, source and destination host numbers (numbering
-    hosts not seen yet), ends and rates, float for float as `_running`
-    computes them. Made per transfer as objects, then taken apart again per
-    link, they cost a tenth of a decision at 10,000 simulated workers."""
+def _holds(active: Sequence[Transfer], now: float, handover: float = 0.0
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """Until when and at what rate each transfer let go holds its path: its
+    planned end (or, past it, a little longer, unless `trusted`), at its
+    bytes over its planned time."""
     n = len(active)
     trust = trusted(active, handover)
     planned = np.maximum(np.fromiter((t.planned_seconds or _MIN_SECONDS for t in active),
@@ -235,7 +199,46 @@ def _held_columns(active: Sequence[Transfer], now: float, hosts: HostTable,
     end = started + planned
     late = np.fromiter((t.id not in trust for t in active), bool, n)
     end[late] = np.maximum(end[late], now + _OVERDUE_EXTENSION * planned[late])
-    rate = np.fromiter((t.nbytes for t in active), np.float64, n) / planned
+    return end, np.fromiter((t.nbytes for t in active), np.float64, n) / planned
+
+
+def _running(active: Sequence[Transfer], now: float, network: Network, handover: float = 0.0
+             ) -> list[schedule.RunningTransfer]:
+    """What the transfers let go hold (`_holds`): each its path, and through
+    an aggregator the aggregate's forward into the server."""
+    running = []
+    forwards: dict[int, schedule.RunningTransfer] = {}
+    end, rate = _holds(active, now, handover)
+    for t, t_end, t_rate in zip(active, end.tolist(), rate.tolist(), strict=True):
+        # Running ids only need to differ from each other (pending ids are rows).
+        if t.route is None:
+            running.append(schedule.RunningTransfer(-t.id, t.host, t.dst, rate=t_rate,
+                                                    end=t_end))
+            continue
+        # Through an aggregator: the member's leg to it, and once per group
+        # the aggregate's forward into the server (its downlink is what the
+        # group's plan reserved).
+        running.append(schedule.RunningTransfer(-t.id, t.host, t.route.host, rate=t_rate,
+                                                end=t_end))
+        fwd_id = -(1 << 40) - t.route.group
+        if fwd_id not in forwards:
+            forwards[fwd_id] = schedule.RunningTransfer(
+                fwd_id, t.route.host, t.dst, rate=network.rate(t.route.host, t.dst),
+                end=t_end)
+    running.extend(forwards.values())
+    return running
+
+
+def _held_columns(active: Sequence[Transfer], now: float, hosts: HostTable,
+                  handover: float = 0.0
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`_running` as columns, for transfers that go direct (none through an
+    aggregator): their ids, source and destination host numbers (numbering
+    hosts not seen yet), ends and rates. Made per transfer as objects, then
+    taken apart again per link, they cost a tenth of a decision at 10,000
+    simulated workers (line profile)."""
+    n = len(active)
+    end, rate = _holds(active, now, handover)
     ids = np.fromiter((-t.id for t in active), np.int64, n)
     source = np.fromiter((hosts.index(t.host) for t in active), np.intp, n)
     destination = np.fromiter((hosts.index(t.dst) for t in active), np.intp, n)
