@@ -304,7 +304,10 @@ class Mlfabric:
         hosts = pending.hosts
         # Every link that carries something gets a number before the rates
         # are read: first the links the running transfers hold.
-        direct = all(t.route is None for t in active)  # none through an aggregator
+        # As columns when no pair is measured and nothing runs through an
+        # aggregator (with agents measuring pairs, by name: decided here so
+        # that those plans do not build both).
+        direct = not network.pair and all(t.route is None for t in active)
         running: list[schedule.RunningTransfer] | None = None
         if direct:
             held = _held_columns(active, now, hosts, handover)
@@ -330,8 +333,8 @@ class Mlfabric:
             cap[measured] = np.minimum(cap[measured], rates[at[measured]])
             capacity.append(rates)
         link_capacity = np.concatenate(capacity)
-        if direct and hosts.usable(network) and not network.pair:
-            # Every rate usable, no measured pair: the links as numbered here.
+        if direct and hosts.usable(network):
+            # Every rate usable: the links as numbered here.
             held_ids, source, destination, end, rate = held
             links = schedule.LinkSegments.of_running(now, link_capacity, held_ids, source,
                                                      n_hosts + destination, end, rate)
