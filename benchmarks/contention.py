@@ -18,7 +18,11 @@ that never reach it count as the time limit and are marked), delay mean, std
 and max, updates applied (in all and per second of the run), drops, bytes
 into the server; then the ratios against mlfabric. Time to target swings
 with how many updates a run needs (asynchronous SGD on a noisy curve);
-applied/s is the network-bound part, steadier from run to run.
+applied/s is the network-bound part, steadier from run to run. For the
+systems with one server and no aggregation, the Mbit/s into the server's
+host while another tenant's flow loads its downlink and while none does
+(each transfer's bytes spread over its go to its report, from the decision
+log): how much of a shared link each way of sending gets.
 `--from-json out.json` prints the tables (and --plot) of a saved run again.
 Needs `pip install '.[torch]'` for ddp and matplotlib for --plot.
 """
@@ -112,6 +116,10 @@ def forwards_floor(sc: Scenario, runs: dict[str, list[RunResult]]) -> list[str]:
     return lines
 
 
+def _rate(xs: list[float]) -> str:
+    return f"{med(xs):.1f}" if xs else "-"
+
+
 def table(sc: Scenario, runs: dict[str, list[RunResult]]) -> str:
     lines = [f"scenario {sc.name}: medians of {max(len(v) for v in runs.values())} runs, "
              f"target accuracy {sc.target}, time limit {sc.time_limit:.0f} s"]
@@ -157,6 +165,13 @@ def table(sc: Scenario, runs: dict[str, list[RunResult]]) -> str:
                 f"aggregators vs planned: gather {med(parts['gather_mean']):.3f} vs "
                 f"{med(parts['planned_gather_mean']):.3f}, forward "
                 f"{med(parts['forward_mean']):.3f} vs {med(parts['planned_forward_mean']):.3f}")
+    for system, rs in runs.items():
+        loaded = [r.server_mbit_loaded for r in rs if r.server_mbit_loaded is not None]
+        free = [r.server_mbit_free for r in rs if r.server_mbit_free is not None]
+        if loaded or free:
+            lines.append(f"  {system} into the server's host, Mbit/s of its "
+                         f"{sc.server_link[1]:g} (median of runs): while another tenant's "
+                         f"flow loads it {_rate(loaded)}, while none does {_rate(free)}")
     lines += forwards_floor(sc, runs)
     # Each mlfabric system against what a user would pick instead (the goals),
     # and plain mlfabric against its variants.
@@ -380,7 +395,11 @@ def main() -> int:
                                 f"({res.rescued} rescued)" if res.groups else "")
                              + "".join(f"  {n} {reason}" for reason, n in
                                        sorted(res.drop_reasons.items()))
-                             + (f"  forms: {codec_counts(res)}" if res.codecs else ""))
+                             + (f"  forms: {codec_counts(res)}" if res.codecs else "")
+                             + (f"  into the server {res.server_mbit_loaded:.1f} Mbit/s with "
+                                f"a tenant" if res.server_mbit_loaded is not None else "")
+                             + (f"  {res.server_mbit_free:.1f} without"
+                                if res.server_mbit_free is not None else ""))
                     print(f"{sc.name} round {r + 1} {system:8s} time to target {t}  wall "
                           f"{res.wall:.1f} s{extra}", flush=True)
             results[sc.name] = runs

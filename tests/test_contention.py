@@ -194,6 +194,36 @@ def test_decision_log_and_aggregators_give_planned_and_measured_group_times(tmp_
     assert contention.aggregator_seconds([{}]) == {}
 
 
+def test_link_rates_with_and_without_a_tenant_spread_each_transfer_over_its_span():
+    """A tenant loads the link over [0, 10) and [20, 30) (the first given
+    twice, overlapping); the run ends at 25 s. 1 MB over [5, 15]: half in
+    each part. 2 MB over [24, 28]: a quarter before the end, in the loaded
+    part. 1 MB over [-2, 2] (went before time 0): half counted. A span of
+    no length is left out. Loaded 15 s, free 10 s."""
+    spans = [(5.0, 15.0, 1e6), (24.0, 28.0, 2e6), (-2.0, 2.0, 1e6), (3.0, 3.0, 5e6)]
+    loaded, free = contention.link_mbit(spans, [(0.0, 10.0), (5.0, 8.0), (20.0, 30.0)], 25.0)
+    assert loaded == pytest.approx((0.5e6 + 0.5e6 + 0.5e6) * 8 / 15 / 1e6, rel=1e-12)
+    assert free == pytest.approx(0.5e6 * 8 / 10 / 1e6, rel=1e-12)
+    assert contention.link_mbit(spans, [], 25.0)[0] is None  # no tenant: no loaded part
+    assert contention.link_mbit([(0.0, 4.0, 1e6)], [(0.0, 30.0)], 25.0) == (
+        pytest.approx(1e6 * 8 / 25 / 1e6), None)
+
+
+def test_transfer_spans_pair_each_direct_go_with_its_report(tmp_path):
+    log = tmp_path / "decisions.jsonl"
+    events = [
+        {"event": "go", "at": 1.5, "id": 1, "nbytes": 100, "position": 0},
+        {"event": "go", "at": 1.75, "id": 2, "nbytes": 200, "via": "h2"},  # aggregated
+        {"event": "go", "at": 2.0, "id": 3, "nbytes": 300, "position": 0},  # never reported
+        {"event": "done", "at": 2.5, "id": 1, "applied": True},
+        {"event": "done", "at": 2.75, "id": 2, "applied": True},
+        {"event": "done", "at": 3.0, "id": 9, "applied": True},  # a go before the log
+    ]
+    log.write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert contention.transfer_spans(log, t0=0.5) == [(1.0, 2.0, 100.0)]
+    assert contention.transfer_spans(tmp_path / "missing.jsonl") == []
+
+
 def test_benchmark_reprints_saved_runs_with_their_update_rate(tmp_path):
     """`benchmarks/contention.py --from-json` (no root, runs nothing): medians of
     the saved runs, applied/s as applied over wall time; a bad file is refused."""
@@ -205,8 +235,11 @@ def test_benchmark_reprints_saved_runs_with_their_update_rate(tmp_path):
 
     agg = dict(gather_mean=0.4, forward_mean=0.5, planned_gather_mean=0.1,
                planned_forward_mean=0.3)
-    saved = {"contended": {"fifo": [run("fifo", 10.0, 10.0, 40), run("fifo", 30.0, 30.0, 60),
-                                    run("fifo", None, 50.0, 100)],
+    shares = [dict(server_mbit_loaded=70.0, server_mbit_free=95.0),
+              dict(server_mbit_loaded=80.0, server_mbit_free=99.0), {}]
+    saved = {"contended": {"fifo": [run("fifo", 10.0, 10.0, 40, **shares[0]),
+                                    run("fifo", 30.0, 30.0, 60, **shares[1]),
+                                    run("fifo", None, 50.0, 100, **shares[2])],
                            "mlfabric": [run("mlfabric", 20.0, 20.0, 100,
                                             codecs=[(1.0, "whole"), (2.0, "topk:0.1"),
                                                     (3.0, "fp16"), (4.0, "whole")])],
@@ -247,6 +280,10 @@ def test_benchmark_reprints_saved_runs_with_their_update_rate(tmp_path):
             "2.00 s, 2.00 s; ddp's time to target / that: 1.50x, 0.50x (the most ddp / "
             "mlfabric-agg-wait could be)") in out.stdout
     assert "mlfabric-agg: forwards alone" not in out.stdout  # not every update was grouped
+    # the two fifo runs that measured it: medians of 70, 80 and of 95, 99
+    assert ("  fifo into the server's host, Mbit/s of its 100 (median of runs): while another "
+            "tenant's flow loads it 75.0, while none does 97.0") in out.stdout
+    assert "mlfabric into the server's host" not in out.stdout  # not measured
     # the last point of each run: 0.9 if it reached the target, else 0.84
     assert ("  final held-out accuracy (median of each run's last): fifo 0.900, mlfabric "
             "0.900,") in out.stdout

@@ -317,6 +317,11 @@ class RunResult:
     # Workers offering compressed forms: each go's choice, (seconds from time
     # 0, codec or "whole"), from the decision log (issue 35).
     codecs: list[tuple[float, str]] = field(default_factory=list)
+    # Mbit/s into the one server's host while another tenant's flow loads its
+    # downlink, and while none does (`link_mbit`); None for systems whose
+    # bytes reach it through aggregators or other shards' hosts.
+    server_mbit_loaded: float | None = None
+    server_mbit_free: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -371,6 +376,62 @@ def read_decisions(decision_log: Path, t0: float = 0.0) -> dict[str, Any]:
         out["planned_gather_mean"] = float(np.mean(gather))
         out["planned_forward_mean"] = float(np.mean(forward))
     return out
+
+
+def transfer_spans(decision_log: Path, t0: float = 0.0) -> list[tuple[float, float, float]]:
+    """(go, done, bytes) of every transfer a controller's decision log shows
+    let go straight to its server and reported done, in seconds from `t0`
+    (the run's time 0 on the controller's clock). Transfers through an
+    aggregator are left out: their bytes cross the server's link in the
+    aggregate, at other times."""
+    if not decision_log.exists():
+        return []
+    gone: dict[int, tuple[float, float]] = {}
+    spans = []
+    for line in decision_log.read_text().splitlines():
+        event = json.loads(line)
+        kind = event.get("event")
+        if kind == "go" and "via" not in event and "nbytes" in event:
+            gone[event["id"]] = (event["at"] - t0, float(event["nbytes"]))
+        elif kind == "done" and event.get("id") in gone:
+            at, nbytes = gone.pop(event["id"])
+            spans.append((at, event["at"] - t0, nbytes))
+    return spans
+
+
+def link_mbit(spans: Sequence[tuple[float, float, float]],
+              loaded: Sequence[tuple[float, float]], end: float
+              ) -> tuple[float | None, float | None]:
+    """Mbit/s the job moved over a link during the parts of [0, end] inside
+    the `loaded` intervals (another tenant's flow on it; they may overlap)
+    and during the rest: each (go, done, bytes) span's bytes spread evenly
+    over it, bytes outside [0, end] not counted. None for a part of no
+    length. Why: on one link shared with a tenant's TCP flow, a job that
+    sends one transfer at a time gets about half of it, and one that sends
+    eight at once eight ninths; this shows which a run got."""
+    merged: list[list[float]] = []
+    for a, b in sorted((max(a, 0.0), min(b, end)) for a, b in loaded):
+        if b <= a:
+            continue
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    loaded_s = sum(b - a for a, b in merged)
+    in_loaded = in_free = 0.0
+    for go, done, nbytes in spans:
+        if done <= go:
+            continue
+        inside = max(0.0, min(done, end) - max(go, 0.0))
+        overlap = sum(max(0.0, min(done, b) - max(go, a)) for a, b in merged)
+        in_loaded += nbytes * overlap / (done - go)
+        in_free += nbytes * (inside - overlap) / (done - go)
+    free_s = end - loaded_s
+
+    def mbit(nbytes: float, seconds: float) -> float | None:
+        return nbytes * 8 / seconds / 1e6 if seconds > 0 else None
+
+    return mbit(in_loaded, loaded_s), mbit(in_free, free_s)
 
 
 def aggregator_seconds(samples: Sequence[dict[str, float]]) -> dict[str, float]:
@@ -622,6 +683,10 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
         counted = [_server_bytes_in(host) for host in servers]
         bytes_in = None if None in counted else sum(c for c in counted if c is not None)
         decisions = read_decisions(tmp / "decisions.jsonl", t0)
+        if shard_hosts(sc, system) == [0] and not aggregates(base):
+            loaded = [(f.start, f.stop) for f in tenant_flows(sc) if f.dst == 0]
+            decisions["server_mbit_loaded"], decisions["server_mbit_free"] = link_mbit(
+                transfer_spans(tmp / "decisions.jsonl", t0), loaded, wall)
         if aggregates(base):
             decisions.update(aggregator_seconds(
                 [scrape_metrics(w, AGENT_METRICS_PORT) for w in workers]))
