@@ -22,7 +22,8 @@ applied/s is the network-bound part, steadier from run to run. For the
 systems with one server and no aggregation, the Mbit/s into the server's
 host while another tenant's flow loads its downlink and while none does
 (each transfer's bytes spread over its go to its report, from the decision
-log): how much of a shared link each way of sending gets.
+log), and what the tenant's flows into it got meanwhile: how much of a
+shared link each way of sending takes, and from whom.
 `--from-json out.json` prints the tables (and --plot) of a saved run again.
 Needs `pip install '.[torch]'` for ddp and matplotlib for --plot.
 """
@@ -168,10 +169,12 @@ def table(sc: Scenario, runs: dict[str, list[RunResult]]) -> str:
     for system, rs in runs.items():
         loaded = [r.server_mbit_loaded for r in rs if r.server_mbit_loaded is not None]
         free = [r.server_mbit_free for r in rs if r.server_mbit_free is not None]
+        tenant = [r.tenant_mbit_server for r in rs if r.tenant_mbit_server is not None]
         if loaded or free:
             lines.append(f"  {system} into the server's host, Mbit/s of its "
                          f"{sc.server_link[1]:g} (median of runs): while another tenant's "
-                         f"flow loads it {_rate(loaded)}, while none does {_rate(free)}")
+                         f"flow loads it {_rate(loaded)} (the tenant's flow {_rate(tenant)}), "
+                         f"while none does {_rate(free)}")
     lines += forwards_floor(sc, runs)
     # Each mlfabric system against what a user would pick instead (the goals),
     # and plain mlfabric against its variants.
@@ -398,6 +401,8 @@ def main() -> int:
                              + (f"  forms: {codec_counts(res)}" if res.codecs else "")
                              + (f"  into the server {res.server_mbit_loaded:.1f} Mbit/s with "
                                 f"a tenant" if res.server_mbit_loaded is not None else "")
+                             + (f" (its flow {res.tenant_mbit_server:.1f})"
+                                if res.tenant_mbit_server is not None else "")
                              + (f"  {res.server_mbit_free:.1f} without"
                                 if res.server_mbit_free is not None else ""))
                     print(f"{sc.name} round {r + 1} {system:8s} time to target {t}  wall "

@@ -209,6 +209,18 @@ def test_link_rates_with_and_without_a_tenant_spread_each_transfer_over_its_span
         pytest.approx(1e6 * 8 / 25 / 1e6), None)
 
 
+def test_tenant_rate_counts_each_flow_between_its_samples_inside_the_run():
+    """Two flows sampled every second. Inside [1.5, 4.5]: the first from 2
+    to 4 (2 MB in 2 s), the second from 2 to 3 (1 MB in 1 s): 3 MB in 3 s.
+    A flow with one sample inside counts nothing."""
+    first = [(1.0, 0), (2.0, 1_000_000), (3.0, 2_000_000), (4.0, 3_000_000), (5.0, 9_000_000)]
+    second = [(2.0, 0), (3.0, 1_000_000), (6.0, 5_000_000)]
+    lone = [(4.0, 0), (5.0, 1_000_000)]
+    assert contention.samples_mbit([first, second, lone], 1.5, 4.5) == pytest.approx(8.0)
+    assert contention.samples_mbit([lone], 1.5, 4.5) is None
+    assert contention.samples_mbit([], 0.0, 1.0) is None
+
+
 def test_transfer_spans_pair_each_direct_go_with_its_report(tmp_path):
     log = tmp_path / "decisions.jsonl"
     events = [
@@ -235,8 +247,9 @@ def test_benchmark_reprints_saved_runs_with_their_update_rate(tmp_path):
 
     agg = dict(gather_mean=0.4, forward_mean=0.5, planned_gather_mean=0.1,
                planned_forward_mean=0.3)
-    shares = [dict(server_mbit_loaded=70.0, server_mbit_free=95.0),
-              dict(server_mbit_loaded=80.0, server_mbit_free=99.0), {}]
+    shares = [dict(server_mbit_loaded=70.0, server_mbit_free=95.0, tenant_mbit_server=30.0),
+              dict(server_mbit_loaded=80.0, server_mbit_free=99.0, tenant_mbit_server=20.0),
+              {}]
     saved = {"contended": {"fifo": [run("fifo", 10.0, 10.0, 40, **shares[0]),
                                     run("fifo", 30.0, 30.0, 60, **shares[1]),
                                     run("fifo", None, 50.0, 100, **shares[2])],
@@ -282,7 +295,8 @@ def test_benchmark_reprints_saved_runs_with_their_update_rate(tmp_path):
     assert "mlfabric-agg: forwards alone" not in out.stdout  # not every update was grouped
     # the two fifo runs that measured it: medians of 70, 80 and of 95, 99
     assert ("  fifo into the server's host, Mbit/s of its 100 (median of runs): while another "
-            "tenant's flow loads it 75.0, while none does 97.0") in out.stdout
+            "tenant's flow loads it 75.0 (the tenant's flow 25.0), while none does 97.0"
+            ) in out.stdout
     assert "mlfabric into the server's host" not in out.stdout  # not measured
     # the last point of each run: 0.9 if it reached the target, else 0.84
     assert ("  final held-out accuracy (median of each run's last): fifo 0.900, mlfabric "

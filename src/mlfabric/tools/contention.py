@@ -322,6 +322,9 @@ class RunResult:
     # bytes reach it through aggregators or other shards' hosts.
     server_mbit_loaded: float | None = None
     server_mbit_free: float | None = None
+    # ... and what the tenant's flows into it got meanwhile (paced at
+    # Flow.rate_mbit), measured at their receiving end.
+    tenant_mbit_server: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -432,6 +435,22 @@ def link_mbit(spans: Sequence[tuple[float, float, float]],
         return nbytes * 8 / seconds / 1e6 if seconds > 0 else None
 
     return mbit(in_loaded, loaded_s), mbit(in_free, free_s)
+
+
+def samples_mbit(series: Sequence[Sequence[tuple[float, int]]], start: float, end: float
+                 ) -> float | None:
+    """Mbit/s over several flows' (time, bytes so far) samples, each counted
+    between its first and last sample inside [start, end]: the bytes all
+    of them moved there over the seconds they were measured. None if no
+    flow has two samples there."""
+    nbytes = seconds = 0.0
+    for samples in series:
+        inside = [(t, n) for t, n in samples if start <= t <= end]
+        if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+            continue
+        nbytes += inside[-1][1] - inside[0][1]
+        seconds += inside[-1][0] - inside[0][0]
+    return nbytes * 8 / seconds / 1e6 if seconds > 0 else None
 
 
 def aggregator_seconds(samples: Sequence[dict[str, float]]) -> dict[str, float]:
@@ -687,6 +706,11 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
             loaded = [(f.start, f.stop) for f in tenant_flows(sc) if f.dst == 0]
             decisions["server_mbit_loaded"], decisions["server_mbit_free"] = link_mbit(
                 transfer_spans(tmp / "decisions.jsonl", t0), loaded, wall)
+            if sched is not None:
+                into = {f"flow{k}" for k, f in enumerate(tenant_flows(sc)) if f.dst == 0}
+                decisions["tenant_mbit_server"] = samples_mbit(
+                    [[(x.time, x.total) for x in h.received_samples]
+                     for key, h in sched.handles.items() if key in into], t0, t0 + wall)
         if aggregates(base):
             decisions.update(aggregator_seconds(
                 [scrape_metrics(w, AGENT_METRICS_PORT) for w in workers]))
