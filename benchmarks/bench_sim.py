@@ -15,7 +15,7 @@ mlfabric.controller.controller answers the events of one turn of its loop.
 
     .venv/bin/python benchmarks/bench_sim.py [--scales 100,1000,10000] [--steps 8,4,2]
         [--replan-every-ms 0,0,0] [--decision-latency none|measured] [--shards 1]
-        [--controllers 1]
+        [--controllers 1] [--controller-view static|live]
 
 With --shards S the server is S shards (hosts s0..s{S-1}), each with 1/S of
 the downlink (so each worker's share stays the same) and a part of every
@@ -25,6 +25,10 @@ the shards are split between C controllers (shard k to controller k mod C,
 as `mlfabric controller --etcd` splits them at start), each with its part
 of every worker uplink and busy with its own re-plans; busy is then the
 busiest controller's.
+
+With --controller-view live the controller is told each rate change as it
+happens (ideal agents); by default it knows only the configured rates, and
+learns the rest from its own transfers.
 
 Prints per scale and policy: pushes, applied, dropped (by reason), delay
 and push-to-applied distributions, bytes into the server, and the
@@ -64,7 +68,8 @@ def scenario(n: int, steps: int, replan_ms: float, args: argparse.Namespace) -> 
                     server_down_mbit=down, server_up_mbit=10 * down, worker_up_mbit=1000.0,
                     worker_down_mbit=1000.0, changes=changes,
                     start_spread=args.compute_ms / 1e3, seed=args.seed,
-                    replan_every=replan_ms / 1e3, decision_latency=args.decision_latency)
+                    replan_every=replan_ms / 1e3, decision_latency=args.decision_latency,
+                    controller_view=args.controller_view)
 
 
 def fmt(s: dict[str, Any], wall: float) -> list[str]:
@@ -113,6 +118,9 @@ def main() -> int:
                     help="none: a re-plan takes no simulated time; measured: the wall time "
                          "it took here, its directives leave when it ends and the events "
                          "meanwhile share the next one, as the controller's do")
+    ap.add_argument("--controller-view", choices=["static", "live"], default="static",
+                    help="static: the controller is told the configured rates, not the "
+                         "change; live: it is told every change as it happens (ideal agents)")
     args = ap.parse_args()
     memory.reuse_freed_blocks()  # as `mlfabric controller` runs its decisions
     scales = [int(x) for x in args.scales.split(",")]
