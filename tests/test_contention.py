@@ -399,3 +399,15 @@ def test_each_system_really_trains_on_the_emulated_cluster():
                 elif r.groups:  # the aggregators' metrics were read, and the plan's parts
                     assert r.gather_mean is not None and r.forward_mean is not None
                     assert r.forward_mean > 0 and r.planned_forward_mean > 0
+                if not contention.aggregates(system) and shard_hosts(sc, system) == [0]:
+                    # A tenant's flow (paced at 60 Mbit/s) loads the server's
+                    # 100 Mbit/s downlink from time 0: the job's share is
+                    # measured, and neither share is beyond what the link or
+                    # the pacing allows. (A run here can end in a tenth of a
+                    # second, before the tenant's flow has two samples.)
+                    assert r.server_mbit_loaded is not None
+                    assert 0 < r.server_mbit_loaded <= 110, r.server_mbit_loaded
+                    assert r.tenant_mbit_server is None or 0 < r.tenant_mbit_server <= 66
+                    assert r.server_mbit_free is None or 0 <= r.server_mbit_free <= 110
+                else:
+                    assert r.server_mbit_loaded is r.tenant_mbit_server is None
