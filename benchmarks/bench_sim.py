@@ -15,7 +15,7 @@ mlfabric.controller.controller answers the events of one turn of its loop.
 
     .venv/bin/python benchmarks/bench_sim.py [--scales 100,1000,10000] [--steps 8,4,2]
         [--replan-every-ms 0,0,0] [--decision-latency none|measured] [--shards 1]
-        [--controllers 1] [--controller-view static|live]
+        [--controllers 1] [--controller-view static|live] [--landing-report worker|server]
 
 With --shards S the server is S shards (hosts s0..s{S-1}), each with 1/S of
 the downlink (so each worker's share stays the same) and a part of every
@@ -28,7 +28,10 @@ busiest controller's.
 
 With --controller-view live the controller is told each rate change as it
 happens (ideal agents); by default it knows only the configured rates, and
-learns the rest from its own transfers.
+learns the rest from its own transfers. With --landing-report server each
+server tells the controller of a landing itself, one message after it,
+instead of the worker once the answer has reached it (two): a path
+mlfabric does not have, to measure what it would give the hand-over.
 
 Prints per scale and policy: pushes, applied, dropped (by reason), delay
 and push-to-applied distributions, bytes into the server, and the
@@ -50,7 +53,14 @@ import time
 from typing import Any
 
 from mlfabric.runtime import memory
-from mlfabric.sim.engine import DECISION_LATENCIES, MIB, RateChange, Scenario, simulate
+from mlfabric.sim.engine import (
+    DECISION_LATENCIES,
+    LANDING_REPORTS,
+    MIB,
+    RateChange,
+    Scenario,
+    simulate,
+)
 
 
 def scenario(n: int, steps: int, replan_ms: float, args: argparse.Namespace) -> Scenario:
@@ -69,7 +79,7 @@ def scenario(n: int, steps: int, replan_ms: float, args: argparse.Namespace) -> 
                     worker_down_mbit=1000.0, changes=changes,
                     start_spread=args.compute_ms / 1e3, seed=args.seed,
                     replan_every=replan_ms / 1e3, decision_latency=args.decision_latency,
-                    controller_view=args.controller_view)
+                    controller_view=args.controller_view, landing_report=args.landing_report)
 
 
 def fmt(s: dict[str, Any], wall: float) -> list[str]:
@@ -121,6 +131,10 @@ def main() -> int:
     ap.add_argument("--controller-view", choices=["static", "live"], default="static",
                     help="static: the controller is told the configured rates, not the "
                          "change; live: it is told every change as it happens (ideal agents)")
+    ap.add_argument("--landing-report", choices=LANDING_REPORTS, default="worker",
+                    help="who tells the controller a transfer landed: worker (after the "
+                         "server's answer, as mlfabric does) or server (one message sooner: "
+                         "a path mlfabric does not have, to measure what it would give)")
     args = ap.parse_args()
     memory.reuse_freed_blocks()  # as `mlfabric controller` runs its decisions
     scales = [int(x) for x in args.scales.split(",")]

@@ -221,6 +221,30 @@ def test_mlfabric_by_hand_one_after_the_other():
     assert s_fifo["push_to_applied"]["mean"] == pytest.approx(2.0)
 
 
+def test_a_server_that_reports_landings_hands_the_link_over_one_message_sooner():
+    """TINY with 0.25 s messages. Worker 1's transfer waits for worker 0's
+    to be reported done: by its worker, the server's answer and the report
+    are two messages after the landing; by the server itself (a path
+    mlfabric does not have, `landing_report="server"`), one. Everything
+    before that hand-over is the same, and every push still ends with its
+    outcome."""
+    sc = dataclasses.replace(TINY, message_latency=0.25)
+    worker, server = (by_worker(simulate(dataclasses.replace(sc, landing_report=who),
+                                         "mlfabric", audit=True))
+                      for who in ("worker", "server"))
+    for a, b in zip(worker, server, strict=True):
+        assert (a.pushed, a.applied, a.delay) == (b.pushed, b.applied, b.delay)
+    assert worker[0].sent == server[0].sent and worker[0].landed == server[0].landed
+    # worker 0 lands; the answer (and, from its worker, the report) take a
+    # message each; the go to worker 1 one more
+    assert worker[1].sent == pytest.approx(worker[0].landed + 0.75, abs=EXACT)
+    assert server[1].sent == pytest.approx(worker[0].landed + 0.5, abs=EXACT)
+    assert all(r.done is not None for r in server)
+    with pytest.raises(ConfigError, match=r"landing_report must be one of \('worker', "
+                                          r"'server'\), got 'agent'"):
+        Scenario(landing_report="agent")
+
+
 def test_tau_max_zero_fifo_server_refuses_and_mlfabric_drops_before_sending():
     sc = dataclasses.replace(TINY, tau_max=0)
     w0, w1 = by_worker(simulate(sc, "fifo"))

@@ -67,6 +67,7 @@ class RateChange:
 
 
 DECISION_LATENCIES = ("none", "measured")
+LANDING_REPORTS = ("worker", "server")
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,11 @@ class Scenario:
     # machine's speed: what a controller built from this code keeps up with).
     decision_latency: str = "none"
     until: float = math.inf  # stop the run at this simulated time
+    # Who tells the controller a transfer has landed. "worker": its worker,
+    # once the server's answer has reached it (two messages after the
+    # landing), as mlfabric does. "server": the server itself (one message),
+    # a path mlfabric does not have: what it would give the hand-over.
+    landing_report: str = "worker"
 
     def __post_init__(self) -> None:
         def positive(name: str, v: float) -> None:
@@ -166,6 +172,9 @@ class Scenario:
         if self.decision_latency not in DECISION_LATENCIES:
             raise ConfigError(f"decision_latency must be one of {DECISION_LATENCIES}, got "
                               f"{self.decision_latency!r}")
+        if self.landing_report not in LANDING_REPORTS:
+            raise ConfigError(f"landing_report must be one of {LANDING_REPORTS}, got "
+                              f"{self.landing_report!r}")
         if self.controller_view not in ("static", "live"):
             raise ConfigError(
                 f"controller_view must be 'static' or 'live', got {self.controller_view!r}")
@@ -557,8 +566,18 @@ class _Sim:
         else:
             self.versions[k] += 1
             applied, reason = True, None
-        self.after(self.sc.apply_seconds + self.sc.message_latency, self._outcome, w, req,
-                   applied, delay, reason, (self.versions[k], applied, delay))
+        answer = self.sc.apply_seconds + self.sc.message_latency
+        report: tuple[int, bool, int | None] | None = (self.versions[k], applied, delay)
+        if self.sc.landing_report == "server":
+            # The server's report carries the time the worker would have
+            # given, less the answer's way back to it: from the go's arrival
+            # to the answer leaving.
+            sent = self._sent.get((w.index, req))
+            seconds = None if sent is None else self.now + self.sc.apply_seconds - sent
+            self.after(answer, self._ctl_done, w, req, self.versions[k], applied, delay,
+                       seconds, k)
+            report = None
+        self.after(answer, self._outcome, w, req, applied, delay, reason, report)
 
     # -- the controller (controller.py's event handling) ------------------------------------
 
@@ -695,7 +714,7 @@ def scenario_from_args(args: argparse.Namespace, seed: int) -> Scenario:
         start_spread=args.start_spread, stragglers=args.stragglers,
         straggler_factor=args.straggler_factor, seed=seed, idle_factor=args.idle_factor,
         controller_view=args.controller_view, replan_every=args.replan_every_ms / 1e3,
-        decision_latency=args.decision_latency)
+        decision_latency=args.decision_latency, landing_report=args.landing_report)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -747,6 +766,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="none: a re-plan takes no simulated time; measured: the wall time "
                         "it took here, with the events meanwhile answered together by the "
                         "next one (as the controller does)")
+    p.add_argument("--landing-report", choices=LANDING_REPORTS, default="worker",
+                   help="who tells the controller a transfer landed: worker (after the "
+                        "server's answer, as mlfabric does) or server (one message sooner; "
+                        "a path mlfabric does not have, to measure what it would give)")
     p.add_argument("--json", action="store_true", help="print one JSON summary per run")
     p.add_argument("--progress-every", type=int, default=20000, metavar="EVENTS",
                    help="a progress line on stderr every this many events")
