@@ -54,11 +54,10 @@ from typing import Any
 
 from mlfabric.runtime import memory
 from mlfabric.sim.engine import (
-    DECISION_LATENCIES,
-    LANDING_REPORTS,
     MIB,
     RateChange,
     Scenario,
+    add_controller_arguments,
     simulate,
 )
 
@@ -124,17 +123,7 @@ def main() -> int:
     ap.add_argument("--replan-every-ms", default="0,0,0",
                     help="per scale: the controller re-plans at most this often (0: on "
                          "every event, as mlfabric.controller.controller does)")
-    ap.add_argument("--decision-latency", choices=DECISION_LATENCIES, default="none",
-                    help="none: a re-plan takes no simulated time; measured: the wall time "
-                         "it took here, its directives leave when it ends and the events "
-                         "meanwhile share the next one, as the controller's do")
-    ap.add_argument("--controller-view", choices=["static", "live"], default="static",
-                    help="static: the controller is told the configured rates, not the "
-                         "change; live: it is told every change as it happens (ideal agents)")
-    ap.add_argument("--landing-report", choices=LANDING_REPORTS, default="worker",
-                    help="who tells the controller a transfer landed: worker (after the "
-                         "server's answer, as mlfabric does) or server (one message sooner: "
-                         "a path mlfabric does not have, to measure what it would give)")
+    add_controller_arguments(ap)
     args = ap.parse_args()
     memory.reuse_freed_blocks()  # as `mlfabric controller` runs its decisions
     scales = [int(x) for x in args.scales.split(",")]

@@ -717,6 +717,25 @@ def scenario_from_args(args: argparse.Namespace, seed: int) -> Scenario:
         decision_latency=args.decision_latency, landing_report=args.landing_report)
 
 
+def add_controller_arguments(p: argparse.ArgumentParser) -> None:
+    """What the simulated controller is told, how long its re-plans take and
+    who tells it of a landing: `python -m mlfabric.sim`'s options and
+    benchmarks/bench_sim.py's."""
+    p.add_argument("--controller-view", choices=["static", "live"], default="static",
+                   help="static: the controller knows the configured rates (--link), not "
+                        "their changes; live: it is told every change at once (ideal "
+                        "agents)")
+    p.add_argument("--decision-latency", choices=DECISION_LATENCIES, default="none",
+                   help="none: a re-plan takes no simulated time; measured: the wall time "
+                        "it took here, its directives leave when it ends, and the events "
+                        "meanwhile are answered together by the next one (as the "
+                        "controller's are)")
+    p.add_argument("--landing-report", choices=LANDING_REPORTS, default="worker",
+                   help="who tells the controller a transfer landed: worker (after the "
+                        "server's answer, as mlfabric does) or server (one message sooner; "
+                        "a path mlfabric does not have, to measure what it would give)")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--shards", type=int, default=1,
@@ -756,20 +775,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stragglers", type=float, default=0.0, help="fraction of slow workers")
     p.add_argument("--straggler-factor", type=float, default=1.0)
     p.add_argument("--idle-factor", type=float, default=1.0)
-    p.add_argument("--controller-view", choices=["static", "live"], default="static",
-                   help="static: the controller knows the configured rates (--link); "
-                        "live: it sees every rate change at once (ideal agents)")
     p.add_argument("--replan-every-ms", type=float, default=0.0,
                    help="re-plan at most this often (0: on every event, as the controller "
                         "does)")
-    p.add_argument("--decision-latency", choices=DECISION_LATENCIES, default="none",
-                   help="none: a re-plan takes no simulated time; measured: the wall time "
-                        "it took here, with the events meanwhile answered together by the "
-                        "next one (as the controller does)")
-    p.add_argument("--landing-report", choices=LANDING_REPORTS, default="worker",
-                   help="who tells the controller a transfer landed: worker (after the "
-                        "server's answer, as mlfabric does) or server (one message sooner; "
-                        "a path mlfabric does not have, to measure what it would give)")
+    add_controller_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON summary per run")
     p.add_argument("--progress-every", type=int, default=20000, metavar="EVENTS",
                    help="a progress line on stderr every this many events")
