@@ -703,11 +703,12 @@ def _run_ps(tb: Any, sc: Scenario, system: str, tmp: Path,
         bytes_in = None if None in counted else sum(c for c in counted if c is not None)
         decisions = read_decisions(tmp / "decisions.jsonl", t0)
         if shard_hosts(sc, system) == [0] and not aggregates(base):
-            loaded = [(f.start, f.stop) for f in tenant_flows(sc) if f.dst == 0]
+            # The tenant's flows into the server's host, by their schedule key.
+            into = {f"flow{k}": f for k, f in enumerate(tenant_flows(sc)) if f.dst == 0}
             decisions["server_mbit_loaded"], decisions["server_mbit_free"] = link_mbit(
-                transfer_spans(tmp / "decisions.jsonl", t0), loaded, wall)
+                transfer_spans(tmp / "decisions.jsonl", t0),
+                [(f.start, f.stop) for f in into.values()], wall)
             if sched is not None:
-                into = {f"flow{k}" for k, f in enumerate(tenant_flows(sc)) if f.dst == 0}
                 decisions["tenant_mbit_server"] = samples_mbit(
                     [[(x.time, x.total) for x in h.received_samples]
                      for key, h in sched.handles.items() if key in into], t0, t0 + wall)
