@@ -24,7 +24,9 @@ host while another tenant's flow loads its downlink and while none does
 (each transfer's bytes spread over its go to its report, from the decision
 log), and what the tenant's flows into it got meanwhile: how much of a
 shared link each way of sending takes, and from whom.
-`--from-json out.json` prints the tables (and --plot) of a saved run again.
+`--from-json out.json` prints the tables (and --plot) of a saved run again;
+given several times, it pools their runs. Each ratio of median times to
+target comes with a bootstrap 95% interval over the runs behind it.
 Needs `pip install '.[torch]'` for ddp and matplotlib for --plot.
 """
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 from dataclasses import replace
@@ -117,6 +120,20 @@ def forwards_floor(sc: Scenario, runs: dict[str, list[RunResult]]) -> list[str]:
     return lines
 
 
+def ratio_interval(num: list[float], den: list[float], *, resamples: int = 2000,
+                   seed: int = 0) -> tuple[float, float]:
+    """A 95% bootstrap interval of median(num) / median(den): both sets of
+    runs resampled with replacement, `resamples` times, from a seeded
+    generator (the same runs print the same interval). Time to target
+    spreads two- to three-fold between runs of one system, so a ratio of
+    medians from a few rounds says little without it."""
+    rng = random.Random(seed)
+    ratios = sorted(statistics.median(rng.choices(num, k=len(num)))
+                    / statistics.median(rng.choices(den, k=len(den)))
+                    for _ in range(resamples))
+    return ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
+
+
 def _rate(xs: list[float]) -> str:
     return f"{med(xs):.1f}" if xs else "-"
 
@@ -184,10 +201,16 @@ def table(sc: Scenario, runs: dict[str, list[RunResult]]) -> str:
                                                 "mlfabric-idle-off", "mlfabric-adaptive")
               if runs.get("mlfabric") and runs.get(other)]
     for m, other in pairs:
-        mt = med([ttt(r, sc.time_limit) for r in runs[m]])
-        o = med([ttt(r, sc.time_limit) for r in runs[other]])
+        mts = [ttt(r, sc.time_limit) for r in runs[m]]
+        os_ = [ttt(r, sc.time_limit) for r in runs[other]]
+        mt, o = med(mts), med(os_)
+        spread = ""
+        if len(mts) > 1 and len(os_) > 1:
+            lo, hi = ratio_interval(os_, mts)
+            spread = (f"; bootstrap 95% {lo:.2f}-{hi:.2f} over {len(os_)} and {len(mts)} runs"
+                      + (", which holds 1: neither is shown sooner" if lo <= 1 <= hi else ""))
         lines.append(f"  time to target, {other} / {m}: {o / mt:.2f}x "
-                     f"({m} {'sooner' if o > mt else 'later'})")
+                     f"({m} {'sooner' if o > mt else 'later'}{spread})")
     return "\n".join(lines)
 
 
@@ -269,20 +292,25 @@ def codec_counts(r: RunResult) -> str:
     return ", ".join(f"{c} {counts[c]}" for c in sorted(counts, key=form_order))
 
 
-def report(path: str, plot_path: str | None, time_limit: float) -> int:
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-        results = {name: {system: [RunResult(**{**r, "curve": [tuple(p) for p in r["curve"]],
-                                                "codecs": [tuple(c) for c in
-                                                           r.get("codecs", [])]})
-                                   for r in rs]
-                          for system, rs in runs.items()}
-                   for name, runs in saved.items()}
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
-        print(f"cannot read the runs saved in {path}: {exc}; give a file written by --json",
-              file=sys.stderr)
-        return 2
+def report(paths: list[str], plot_path: str | None, time_limit: float) -> int:
+    """Print the tables of the runs saved in `paths` (by --json), the runs of
+    each scenario and system pooled over the files in their order."""
+    results: dict[str, dict[str, list[RunResult]]] = {}
+    for path in paths:
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+            for name, runs in saved.items():
+                pooled = results.setdefault(name, {})
+                for system, rs in runs.items():
+                    pooled.setdefault(system, []).extend(
+                        RunResult(**{**r, "curve": [tuple(p) for p in r["curve"]],
+                                     "codecs": [tuple(c) for c in r.get("codecs", [])]})
+                        for r in rs)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            print(f"cannot read the runs saved in {path}: {exc}; give a file written by "
+                  f"--json", file=sys.stderr)
+            return 2
     base = Scenario(time_limit=time_limit)
     for name, runs in results.items():
         print(table(replace(base, name=name), runs))
@@ -344,8 +372,9 @@ def main() -> int:
     ap.add_argument("--plot", default=None, help="write the accuracy-over-time plot (PNG)")
     ap.add_argument("--keep-logs", default=None, metavar="DIR",
                     help="copy each run's controller decision log into DIR")
-    ap.add_argument("--from-json", default=None, metavar="FILE",
-                    help="print the tables of the runs saved in FILE (by --json); run nothing")
+    ap.add_argument("--from-json", action="append", default=[], metavar="FILE",
+                    help="print the tables of the runs saved in FILE (by --json); run "
+                         "nothing. Repeat it to pool the runs of several files")
     args = ap.parse_args()
     if args.from_json:
         return report(args.from_json, args.plot, args.time_limit)

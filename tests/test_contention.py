@@ -262,6 +262,8 @@ def test_benchmark_reprints_saved_runs_with_their_update_rate(tmp_path):
                                run("mlfabric-agg-wait", 4.0, 4.0, 40, groups=5, grouped=40, **agg),
                                run("mlfabric-agg-wait", 6.0, 6.0, 24, groups=3, grouped=24,
                                    **{**agg, "forward_mean": 1.0})],
+                           "mlfabric-idle-off": [run("mlfabric-idle-off", 18.0, 18.0, 40),
+                                                 run("mlfabric-idle-off", 22.0, 22.0, 40)],
                            "ddp": [run("ddp", 3.0, 3.0, 0), run("ddp", 1.0, 1.0, 0)]}}
     path = tmp_path / "runs.json"
     path.write_text(json.dumps(saved))
@@ -283,6 +285,13 @@ def test_benchmark_reprints_saved_runs_with_their_update_rate(tmp_path):
     assert "time to target, fifo / mlfabric: 1.50x (mlfabric sooner)" in out.stdout
     assert "time to target, fifo / mlfabric-agg: 3.75x (mlfabric-agg sooner)" in out.stdout
     assert "time to target, mlfabric-agg / mlfabric: 0.40x (mlfabric later)" in out.stdout
+    # With two runs or more on each side, a bootstrap interval (seeded: the
+    # same runs print the same one) of the ratio of medians.
+    assert ("time to target, fifo / mlfabric-agg-wait: 6.00x (mlfabric-agg-wait sooner; "
+            "bootstrap 95% 1.67-12.50 over 3 and 2 runs)") in out.stdout
+    assert ("time to target, fifo / mlfabric-idle-off: 1.50x (mlfabric-idle-off sooner; "
+            "bootstrap 95% 0.45-2.78 over 3 and 2 runs, which holds 1: neither is shown "
+            "sooner)") in out.stdout
     # to 0.80 at half the wall (5, 15, 25 -> 15); to 0.85 only in the 2 runs
     # that reached the target (10, 30, and the limit 50 -> 30, marked)
     assert marks["fifo"] == ["fifo", "15.0", "s", ">=30.0", "s", ">=30.0", "s"]
@@ -309,6 +318,13 @@ def test_benchmark_reprints_saved_runs_with_their_update_rate(tmp_path):
                                timeout=120)
         assert drawn.returncode == 0, drawn.stderr
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Two files (here the same one twice): their runs pooled, per scenario and system.
+    twice = subprocess.run([*script, "--from-json", str(path)], capture_output=True,
+                           text=True, timeout=60)
+    assert twice.returncode == 0, twice.stderr
+    assert "4/6" in twice.stdout and ("time to target, fifo / mlfabric-agg-wait: 6.00x "
+                                      "(mlfabric-agg-wait sooner; bootstrap 95% 1.67-12.50 "
+                                      "over 6 and 4 runs)") in twice.stdout
     path.write_text("{not json")
     bad = subprocess.run(script, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and f"cannot read the runs saved in {path}" in bad.stderr
