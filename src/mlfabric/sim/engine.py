@@ -68,6 +68,7 @@ class RateChange:
 
 DECISION_LATENCIES = ("none", "measured")
 LANDING_REPORTS = ("worker", "server")
+CONTROLLER_VIEWS = ("static", "live")
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,7 @@ class Scenario:
         if self.landing_report not in LANDING_REPORTS:
             raise ConfigError(f"landing_report must be one of {LANDING_REPORTS}, got "
                               f"{self.landing_report!r}")
-        if self.controller_view not in ("static", "live"):
+        if self.controller_view not in CONTROLLER_VIEWS:
             raise ConfigError(
                 f"controller_view must be 'static' or 'live', got {self.controller_view!r}")
         if self.starts and len(self.starts) != self.workers:
@@ -721,7 +722,7 @@ def add_controller_arguments(p: argparse.ArgumentParser) -> None:
     """What the simulated controller is told, how long its re-plans take and
     who tells it of a landing: `python -m mlfabric.sim`'s options and
     benchmarks/bench_sim.py's."""
-    p.add_argument("--controller-view", choices=["static", "live"], default="static",
+    p.add_argument("--controller-view", choices=CONTROLLER_VIEWS, default="static",
                    help="static: the controller knows the configured rates (--link), not "
                         "their changes; live: it is told every change at once (ideal "
                         "agents)")
