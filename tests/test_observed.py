@@ -156,6 +156,70 @@ def test_nothing_goes_beside_a_critical_transfer_past_its_planned_end():
     assert [x.transfer.id for x in state.decide(1.1).actions] == [b.id]
 
 
+def test_a_hold_that_idles_more_of_a_wide_link_than_the_critical_transfer_is_worth_ends():
+    """Issue 34: at 10,000 simulated workers the guard held every release
+    for one critical transfer past its end after another, and the server's
+    downlink, 125 lanes wide, drained to a few. W0 must land next (its
+    staleness is tau_max); the 9 others go once they cannot land first, and
+    nine more wait behind W0 once it is past its end. While the 9 run, the
+    link is as busy as planned and the hold costs nothing; once they end,
+    it idles 9 lanes, against W0's worth (its time on the link, growing
+    while it runs)."""
+    def policy(snap: Snapshot) -> list[PlanItem]:
+        return [PlanItem(t.id, start=snap.now, position=k,
+                         planned_seconds=0.5 if t.owner == "w0" else 1.0)
+                for k, t in enumerate(snap.pending)]
+
+    state = ControlState(policy, tau_max=20, network=Network(default=10 * MB),
+                         guard_order=True)
+    state.shard_at(0, "s", 20)
+    for k in range(10):
+        state.request(f"w{k}", 1, host=f"h{k}", dst="s", nbytes=1 * MB,
+                      base_version=0 if k == 0 else 20, norm=1.0, now=0.0)
+    d = state.decide(0.0)
+    assert [x.transfer.owner for x in d.actions] == ["w0"]
+    assert state.critical(0) == [(0.5, 0.5)]
+    assert d.wake_at == pytest.approx(0.45)  # at 10 MB/s they end 0.05 after W0
+    assert len(state.decide(d.wake_at).actions) == 9
+    for k in range(9):
+        state.request(f"n{k}", 1, host=f"n{k}", dst="s", nbytes=1 * MB, base_version=20,
+                      norm=1.0, now=0.6)
+    d = state.decide(0.6)
+    assert d.actions == () and d.wake_at is None  # nothing idles yet: until W0's report
+    for k in range(1, 10):
+        state.done(f"w{k}", 1, version=20 + k, now=1.45)
+    d = state.decide(1.45)
+    # 9 lanes idle from 1.45, W0's worth 1.45 s and growing 1 s a second:
+    # spent when 9 x (t - 1.45) = 0.5 + (t - 0.5), at t = 1.63125.
+    assert d.actions == () and d.wake_at == pytest.approx(1.63125)
+    assert state.decide(1.6).actions == ()
+    assert len(state.decide(d.wake_at).actions) == 9
+
+
+def test_a_hold_budget_counts_only_lanes_the_hold_idles_and_restarts_per_critical_transfer():
+    budget = observed.HoldBudget(running=10)
+    w = frozenset({1})
+    # 4 of the 10 still run and 8 are held: 6 lanes idle (not 8: the link
+    # had only 10), against a worth of 0.3 s that does not grow.
+    assert budget.idling(0.0, held=8, running=4, worth=0.3, growing=0,
+                         critical=w) == pytest.approx(0.05)
+    assert not budget.spent(0.04, 0.3)
+    assert budget.spent(0.05, 0.3)
+    # The critical one ended, another is critical: the cost starts again,
+    # from the most lanes the hold has seen.
+    assert budget.idling(0.05, held=8, running=4, worth=0.3, growing=0,
+                         critical=frozenset({2})) == pytest.approx(0.1)
+    assert budget.cost == 0.0
+    # Two lanes wide: one idles while the critical one's worth grows as
+    # fast, so the hold lasts until its report.
+    narrow = observed.HoldBudget(running=2)
+    assert narrow.idling(0.0, held=1, running=1, worth=0.3, growing=1, critical=w) is None
+    assert not narrow.spent(100.0, 0.3 + 100.0)
+    # None held: nothing idles for the hold, however few run.
+    assert observed.HoldBudget(running=10).idling(0.0, held=0, running=0, worth=0.3,
+                                                  growing=0, critical=w) is None
+
+
 def _one(state: ControlState, req: int, now: float) -> Go:
     state.request("w", req, host="a", dst="s", nbytes=10 * MB, base_version=0, norm=1.0,
                   now=now)

@@ -214,6 +214,7 @@ class ControlState:
         self._delivered = observed.Delivered()  # which link held an alone transfer back
         self._solo: dict[int, tuple[int, int]] = {}  # those alone when they went: their marks
         self._handovers: deque[float] = deque(maxlen=HANDOVER_SAMPLES)  # see handover
+        self._holds: dict[int, observed.HoldBudget] = {}  # by shard, while it has critical ones
         self._handover = 0.0
         self.workers: dict[Hashable, WorkerStats] = {}
         self.gone: OrderedDict[str, GoneWorker] = OrderedDict()  # by hello name, oldest first
@@ -710,6 +711,7 @@ class ControlState:
         actions: list[Go | Drop] = []
         # By shard, once needed: what runs into it, told of each transfer let go.
         orders: dict[int, observed.RunningOrder | None] = {}
+        held: dict[int, int] = {}  # by shard: due transfers the guard holds
         for item in plan:
             t = self.pending.get(item.id)
             if t is None:
@@ -736,19 +738,23 @@ class ControlState:
                     if t.shard not in orders:
                         orders[t.shard] = self._running_order(t.shard, now)
                     order = orders[t.shard]
-                if order is not None and order.has_critical:
+                if order is not None and order.has_critical and not self._budget(
+                        t.shard, len(order)).spent(now, order.worth()[0]):
                     # It must not land before a transfer that has to land
                     # next: it goes when it would end a guard after it, or
                     # (None) once that one is reported done. Its end is the
                     # earliest the path allows, not the plan's: a worker sends
                     # as fast as TCP lets it, not at its reserved rate, nor at
                     # the rate the loop or the agents last saw (`fastest`).
+                    # Unless holding has idled more of the link than the
+                    # critical ones would waste (`observed.HoldBudget`).
                     fastest = (t.option_bytes(item.codec) if item.codec else t.rest
                                ) / self.network.fastest(t.host, t.dst)
                     at = order.release_at(fastest)
                     if at is None or at > now:
                         if at is not None:
                             wake_at = min(wake_at, at)
+                        held[t.shard] = held.get(t.shard, 0) + 1
                         continue
                 if stats is not None and not t.granted:
                     stats.sent += 1
@@ -756,7 +762,26 @@ class ControlState:
                 self._joined(orders, t)  # it may be critical itself, or make others so
             elif item.start is not None:
                 wake_at = min(wake_at, item.start)
+        for shard, order in orders.items():
+            if order is None or not order.has_critical:
+                self._holds.pop(shard, None)  # nothing to hold for: the next hold starts anew
+                continue
+            worth, growing = order.worth()
+            spent_at = self._budget(shard, len(order)).idling(
+                now, held=held.get(shard, 0), running=len(order), worth=worth, growing=growing,
+                critical=order.critical_ids)
+            if spent_at is not None:  # look again then: the held ones go
+                wake_at = min(wake_at, spent_at)
         return Decisions(tuple(actions), None if wake_at == math.inf else wake_at)
+
+    def _budget(self, shard: int, running: int) -> observed.HoldBudget:
+        """The release guard's budget for holding `shard`'s transfers while
+        it has critical ones (`observed.HoldBudget`), begun with `running`
+        transfers into it."""
+        budget = self._holds.get(shard)
+        if budget is None:
+            budget = self._holds[shard] = observed.HoldBudget(running)
+        return budget
 
     def _joined(self, orders: dict[int, observed.RunningOrder | None], t: Transfer) -> None:
         """`t` was let go: into its shard's running order, if one is kept."""
