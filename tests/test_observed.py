@@ -180,7 +180,8 @@ def test_a_hold_that_idles_more_of_a_wide_link_than_the_critical_transfer_is_wor
     assert [x.transfer.owner for x in d.actions] == ["w0"]
     assert state.critical(0) == [(0.5, 0.5)]
     assert d.wake_at == pytest.approx(0.45)  # at 10 MB/s they end 0.05 after W0
-    assert len(state.decide(d.wake_at).actions) == 9
+    d = state.decide(d.wake_at)
+    assert len(d.actions) == 9 and not any(a.overrides_guard for a in d.actions)
     for k in range(9):
         state.request(f"n{k}", 1, host=f"n{k}", dst="s", nbytes=1 * MB, base_version=20,
                       norm=1.0, now=0.6)
@@ -193,7 +194,11 @@ def test_a_hold_that_idles_more_of_a_wide_link_than_the_critical_transfer_is_wor
     # spent when 9 x (t - 1.45) = 0.5 + (t - 0.5), at t = 1.63125.
     assert d.actions == () and d.wake_at == pytest.approx(1.63125)
     assert state.decide(1.6).actions == ()
-    assert len(state.decide(d.wake_at).actions) == 9
+    d = state.decide(d.wake_at)
+    assert len(d.actions) == 9
+    # Each says the guard would have held it (the controller counts them in
+    # mlfabric_controller_guard_overrides_total and marks their go logged).
+    assert all(isinstance(a, Go) and a.overrides_guard for a in d.actions)
 
 
 def test_a_hold_budget_counts_only_lanes_the_hold_idles_and_restarts_per_critical_transfer():

@@ -754,6 +754,9 @@ class Controller(Endpoint):
                           "planned_seconds": round(action.planned_seconds, 6)}
                 if action.upto is not None:
                     record["upto"] = action.upto
+                if action.overrides_guard:  # (observed.HoldBudget)
+                    m.guard_overrides.inc()
+                    record["guard"] = "overridden"
                 if t.options:  # what it could have been sent as, and what was chosen
                     record["codec"] = action.codec or "whole"
                     m.compressed_transfers.labels(

@@ -57,6 +57,9 @@ class Go:
     upto: int | None = None
     first: bool = True
     codec: str | None = None  # go compressed by this of its worker's options
+    # The release guard would hold it beside a critical transfer, and lets it
+    # go because holding has cost more than it protects (`observed.HoldBudget`).
+    overrides_guard: bool = False
 
 
 @dataclass(frozen=True)
@@ -738,27 +741,30 @@ class ControlState:
                     if t.shard not in orders:
                         orders[t.shard] = self._running_order(t.shard, now)
                     order = orders[t.shard]
-                if order is not None and order.has_critical and not self._budget(
-                        t.shard, len(order)).spent(now, order.worth()[0]):
+                overrides = False
+                if order is not None and order.has_critical:
                     # It must not land before a transfer that has to land
                     # next: it goes when it would end a guard after it, or
                     # (None) once that one is reported done. Its end is the
                     # earliest the path allows, not the plan's: a worker sends
                     # as fast as TCP lets it, not at its reserved rate, nor at
                     # the rate the loop or the agents last saw (`fastest`).
-                    # Unless holding has idled more of the link than the
-                    # critical ones would waste (`observed.HoldBudget`).
                     fastest = (t.option_bytes(item.codec) if item.codec else t.rest
                                ) / self.network.fastest(t.host, t.dst)
                     at = order.release_at(fastest)
                     if at is None or at > now:
-                        if at is not None:
-                            wake_at = min(wake_at, at)
-                        held[t.shard] = held.get(t.shard, 0) + 1
-                        continue
+                        # Unless holding has idled more of the link than the
+                        # critical ones would waste (`observed.HoldBudget`).
+                        overrides = self._budget(t.shard, len(order)).spent(
+                            now, order.worth()[0])
+                        if not overrides:
+                            if at is not None:
+                                wake_at = min(wake_at, at)
+                            held[t.shard] = held.get(t.shard, 0) + 1
+                            continue
                 if stats is not None and not t.granted:
                     stats.sent += 1
-                actions.append(self._let_go(t, item, now))
+                actions.append(self._let_go(t, item, now, overrides=overrides))
                 self._joined(orders, t)  # it may be critical itself, or make others so
             elif item.start is not None:
                 wake_at = min(wake_at, item.start)
@@ -791,7 +797,8 @@ class ControlState:
             if row is not None:
                 order.add(*row)
 
-    def _let_go(self, t: Transfer, item: PlanItem, now: float, whole: bool = False) -> Go:
+    def _let_go(self, t: Transfer, item: PlanItem, now: float, whole: bool = False,
+                overrides: bool = False) -> Go:
         """Move pending `t` to active as planned by `item`: all of it, or for
         a chunked transfer its next chunk (the rest of it if `whole`)."""
         self._unpend(t)
@@ -817,7 +824,7 @@ class ControlState:
         self.active[t.id] = t
         self._hold(t)
         return Go(t, item.position or 0, planned, item.route, upto=upto, first=first,
-                  codec=t.codec)
+                  codec=t.codec, overrides_guard=overrides)
 
     def status(self, now: float | None = None) -> dict[str, object]:
         """The job at a glance (what `mlfabric status` prints), JSON-ready.

@@ -310,6 +310,12 @@ class ControllerMetrics:
                              namespace=ns, registry=r)
         for reason in DROP_REASONS:
             self.drops.labels(reason)
+        self.guard_overrides = Counter(
+            "controller_guard_overrides",
+            "Transfers let go beside a critical transfer (one that must land next or be "
+            "refused as stale) that they could land before: holding them had idled more "
+            "of the server's link than the critical ones would waste if refused",
+            namespace=ns, registry=r)
         self.aggregation_groups = Counter(
             "controller_aggregation_groups", "Groups routed through an aggregator",
             namespace=ns, registry=r)
