@@ -240,23 +240,27 @@ class HoldBudget:
     A held transfer idles a lane of the link once fewer transfers run into
     the server than the most that ran during the hold: while they run,
     the link is as busy as the plan made it (past their planned ends, as
-    busy as the real link lets them be). A critical transfer refused as
-    stale wastes the link time it took: its planned seconds, or its time so
-    far once past them (`RunningOrder.worth`). So the hold is worth it while
-    the lane-seconds it has idled are fewer than that; past it, the guard
+    busy as the real link lets them be). The first lane drained is the
+    guard's own: it was built for, and measured on, links a transfer or two
+    wide, where holding one lane until the critical transfer's report kept
+    the emulated cluster's stale refusals at 0-1 in 240 pushes (counting
+    that lane too: 6). A critical transfer refused as stale wastes the link
+    time it took: its planned seconds, or its time so far once past them
+    (`RunningOrder.worth`). So the hold is worth it while the lane-seconds
+    it has idled beyond the first are fewer than that; past it, the guard
     lets the plan's transfers go and takes the risk. When a critical
     transfer ends, the hold has bought what it could: its cost starts again
     from nothing, with the most lanes the hold has seen (counted from the
     lanes left, each new critical transfer would hold the link again).
 
-    On a link two lanes wide a hold idles one lane, and a critical transfer
-    past its end grows worth as fast: the guard holds until its report, as
-    before (the 6-worker settings of `bench_order_sim.py` give the same
-    figures to the digit). At 10,000 simulated workers, 125 lanes wide, the
-    guard held every release while one critical transfer after another ran
-    past its planned end (after an unannounced halving of the link): 2 to
-    66 ran while 4,000 to 7,500 waited, and a push took 1.35 s; without the
-    guard it took 0.62 s, and no update was refused either way.
+    On a link up to three lanes wide, a critical transfer past its end
+    grows worth as fast as the one lane counted: the guard holds until its
+    report, as before (the 6-worker settings of `bench_order_sim.py` give
+    the same figures to the digit). At 10,000 simulated workers, 125 lanes
+    wide, the guard held every release while one critical transfer after
+    another ran past its planned end (after an unannounced halving of the
+    link): 2 to 66 ran while 4,000 to 7,500 waited, and a push took 1.35 s;
+    without the guard it took 0.62 s, and no update was refused either way.
 
     Pure bookkeeping: `ControlState` asks `spent` before each release the
     guard would hold, and tells `idling` once per decision what it held."""
@@ -264,7 +268,7 @@ class HoldBudget:
     def __init__(self, running: int) -> None:
         self.full = running  # the most transfers running into the server in the hold
         self.cost = 0.0  # lane-seconds idled so far
-        self._lanes = 0  # lanes idle since _at
+        self._lanes = 0  # lanes counted idle since _at
         self._at: float | None = None
         self._critical: frozenset[int] = frozenset()  # at the last decision
 
@@ -288,7 +292,7 @@ class HoldBudget:
             self.cost = 0.0
         self._critical = critical
         self.full = max(self.full, running)
-        self._lanes = min(held, max(self.full - running, 0))
+        self._lanes = min(held, max(self.full - running - 1, 0))  # (the first: see above)
         if self._lanes <= growing:
             return None
         at = now + max(worth - self.cost, 0.0) / (self._lanes - growing)
