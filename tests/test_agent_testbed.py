@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from mlfabric.agent.daemon import query_estimates, read_net_dev
+from mlfabric.agent.daemon import AgentConfig, query_estimates, read_net_dev
 from mlfabric.agent.estimator import LoadMeter
 from mlfabric.errors import ConfigError
 from mlfabric.tools.workload import scrape_metrics
@@ -359,7 +359,14 @@ def test_asymmetric_links_real_buckets_and_other_tenants(case: str) -> None:
     settled, behind 50 ms queues: the median error of all samples within 5%,
     no sample above 4x its truth, and few samples off by more than 25%:
     under 3% (the old agent: 23% with 10 ms buckets, spikes of 8x with 64 KB
-    ones, and with other tenants 25%, every path into the loaded host at 0)."""
+    ones, and with other tenants 25%, every path into the loaded host at 0).
+
+    The other tenant's flow is TCP: after a loss it sends what queued in its
+    socket above its rate for a moment (174 Mbit/s for a quarter second,
+    measured at its sink), and the room it leaves is that much smaller while
+    it does. The agents take the most load of a window in their span, so a
+    sample's error is its distance from the rooms between the flow at its
+    rate and at the most it ran over such a window."""
     burst = case.split()[1] if case.startswith("burst") else "1ms"
     with Testbed(hosts=len(ASYMMETRIC), rates=ASYMMETRIC, burst=burst, queue_ms=50.0) as tb:
         agents = Agents(tb)
@@ -375,10 +382,25 @@ def test_asymmetric_links_real_buckets_and_other_tenants(case: str) -> None:
                 # the agents' load span (1 s).
                 wait_for(lambda: steady(ct, ASYMMETRIC["h0"][1] / 2), timeout=10.0)
 
-            def truth(a: str, b: str) -> float:
-                up = ASYMMETRIC[a][0] - (cross if a == "h2" else 0.0)
-                down = ASYMMETRIC[b][1] - (cross if b == "h0" else 0.0)
+            def truth(a: str, b: str, flow: float | None = None) -> float:
+                flow = cross if flow is None else flow
+                up = ASYMMETRIC[a][0] - (flow if a == "h2" else 0.0)
+                down = ASYMMETRIC[b][1] - (flow if b == "h0" else 0.0)
                 return min(up, down) * 1e6 * PAYLOAD
+
+            config = AgentConfig("h0", cluster_token=b"-")  # the defaults the agents run with
+            meter = LoadMeter(config.load_window)
+
+            def peak_flow() -> float:
+                """The most the flow ran (wire Mbit/s) over a load window
+                ending in the agents' span, as its sink counted it."""
+                if not cross:
+                    return 0.0
+                now, samples = time.monotonic(), ct.received_samples
+                ends = [now - k * config.load_interval
+                        for k in range(int(meter.span / config.load_interval) + 1)]
+                return max(traffic.rate_mbit(samples, end - meter.window, end)
+                           for end in ends) / TCP_PAYLOAD
 
             pairs = all_pairs(tb)
             # Settling is not what this test judges (issue 32 asks for the
@@ -392,11 +414,13 @@ def test_asymmetric_links_real_buckets_and_other_tenants(case: str) -> None:
             wait_for(lambda: within(agents.estimates(), pairs, truth, 0.10), timeout=30.0)
             errors: dict[tuple[str, str], list[float]] = {p: [] for p in pairs}
             for _ in range(16):
-                ests = agents.estimates()
+                ests, peak = agents.estimates(), peak_flow()
                 for p in pairs:
                     e = ests[p]
-                    errors[p].append(1.0 if e.stale else
-                                     abs(e.bandwidth_bps - truth(*p)) / truth(*p))
+                    lo, hi = sorted((truth(*p), truth(*p, peak)))
+                    got = e.bandwidth_bps
+                    errors[p].append(1.0 if e.stale else 0.0 if lo <= got <= hi else
+                                     min(abs(got - lo) / lo, abs(got - hi) / hi))
                 time.sleep(0.5)  # sampling the agents' estimates, as a controller polls
             every = sorted(e for errs in errors.values() for e in errs)
             bad = {p: errs for p, errs in errors.items() if max(errs) > 0.25}
