@@ -8,6 +8,7 @@ server's downlink changes rate during each run. Needs root.
     sudo python benchmarks/bench_controller.py [--rounds 3] [--steps 8]
         [--compute-ms 1200] [--in-flight 1] [--model-mib 2] [--down-mbit 100]
         [--change-to 50] [--tau-max 8] [--uplinks 20,30,50,1000]
+        [--decision-log PREFIX]
 
 `--uplinks` gives the workers mixed uplink rates (Mbit/s, cycled over the
 workers; the controller is configured with them, as it is with the
@@ -26,6 +27,7 @@ import argparse
 import collections
 import statistics
 import sys
+from pathlib import Path
 
 from mlfabric.tools.testbed import SetRate, Testbed, require_root
 from mlfabric.tools.workload import Summary, run_policy
@@ -48,6 +50,9 @@ def main() -> int:
                          "(default: 1000 each)")
     ap.add_argument("--unannounced-uplinks", action="store_true",
                     help="configure the controller with the server's downlink only")
+    ap.add_argument("--decision-log", default=None, metavar="PREFIX",
+                    help="keep each run's controller decision log as "
+                         "PREFIX-POLICY-rN.jsonl (default: none kept)")
     args = ap.parse_args()
     try:
         uplinks = [float(x) for x in args.uplinks.split(",")] if args.uplinks else [1000.0]
@@ -78,7 +83,9 @@ def main() -> int:
                     tb, policy, model_bytes=int(args.model_mib * (1 << 20)), steps=args.steps,
                     tau_max=args.tau_max, compute_ms=args.compute_ms, seed=r,
                     max_in_flight=args.in_flight, during=change_rate,
-                    link_mbit={"h0": rates["h0"]} if args.unannounced_uplinks else rates)
+                    link_mbit={"h0": rates["h0"]} if args.unannounced_uplinks else rates,
+                    decision_log=None if args.decision_log is None else
+                    Path(f"{args.decision_log}-{policy}-r{r + 1}.jsonl").resolve())
                 runs[policy].append(summary)
                 why = collections.Counter(_reason(rec["reason"]) for rec in records
                                           if not rec["applied"])

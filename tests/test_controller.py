@@ -189,6 +189,36 @@ def test_closing_the_client_fails_updates_still_waiting(cluster):
     wait_until(lambda: controller.metrics.pending._value.get() == 0, what="forgotten")
 
 
+def test_the_closed_loops_corrections_are_counted_and_logged(loop_kind, caplog):
+    """The controller told every link takes 100 GB/s: a 16 MiB update
+    alone on its links, planned for 0.16 ms, takes longer on loopback, and
+    its report caps that downlink at what it delivered. The change is
+    counted (mlfabric_controller_link_corrections_total) and logged."""
+    from mlfabric.scheduling.plan import Network
+    from mlfabric.scheduling.policies import Mlfabric
+
+    model = {"w": np.zeros(4 << 20, np.float32)}  # 16 MiB
+    net = Network(default=100e9)  # every link: so the downlink is the bottleneck (a tie)
+    caplog.set_level(logging.INFO, logger="mlfabric.decisions")
+    with ServerThread(ParameterStore(model), loop_kind=loop_kind) as server, \
+            ServerThread(None, loop_kind=loop_kind, endpoint=Controller(
+                Mlfabric(), job=JOB, token=TOKEN, tau_max=None, network=net)) as controller:
+        with mlfabric.connect(server.address, job=JOB, token=TOKEN,
+                              controller=controller.address, host="127.0.0.1") as ps:
+            assert ps.push({"w": np.ones(4 << 20, np.float32)}, base_version=0).result(30).applied
+        m = controller.metrics
+        wait_until(lambda: sample(m.requests) == 1 and m.actual_seconds._sum.get() > 0)
+        capped = controller.server.state.network.observed_down.get("127.0.0.1")
+        assert capped is not None and capped < 100e9
+        assert sample(m.link_corrections, link="down", way="lower") >= 1
+        assert sample(m.link_corrections, link="up", way="higher") == 0
+    links = [json.loads(r.getMessage()) for r in caplog.records
+             if r.name == "mlfabric.decisions" and '"link"' in r.getMessage()]
+    assert links and links[0]["link"] == "down" and links[0]["host"] == "127.0.0.1"
+    assert links[0]["from"] is None and 0 < links[0]["to"] < 100e9
+    assert links[-1]["to"] == round(capped)
+
+
 def test_controller_command_serves_and_stops_cleanly(tmp_path):
     import queue
     import signal

@@ -367,6 +367,17 @@ def test_only_a_transfer_alone_on_its_links_teaches_the_loop():
     assert state.network.rate("a", "s") == pytest.approx(125 * MB / 4)
 
 
+def test_the_loops_corrections_are_listed_link_by_link():
+    net = Network(default=125 * MB, observed_down={"s": 5 * MB, "t": 7 * MB})
+    after = Network(default=125 * MB, observed_up={"a": 1 * MB},
+                    observed_down={"s": 6 * MB, "t": 7 * MB})
+    assert observed.corrections(net, after) == [("up", "a", None, 1 * MB),
+                                                ("down", "s", 5 * MB, 6 * MB)]
+    assert observed.corrections(after, Network(default=125 * MB)) == [
+        ("up", "a", 1 * MB, None), ("down", "s", 6 * MB, None), ("down", "t", 7 * MB, None)]
+    assert observed.corrections(net, net) == []
+
+
 def test_a_slow_uplink_is_told_from_a_slow_downlink_by_the_other_workers_transfers():
     """Alone on its links, a transfer runs at the slower of its uplink and
     the server's downlink, and its own time cannot say which. Recorded in

@@ -28,6 +28,7 @@ from ..replication.divergence import DivergenceGate
 from ..replication.failover import DEFAULT_GAP_TIMEOUT, FailoverMonitor
 from ..replication.gate import gated, in_flight_norms
 from ..runtime.metrics import ControllerMetrics
+from ..scheduling import observed
 from ..scheduling.aggregation import AggregationConfig, Group, aggregating
 from ..scheduling.estimates import EstimateGuard, Held
 from ..scheduling.plan import Network, Policy, fifo_policy, with_estimates, with_host_load
@@ -639,9 +640,11 @@ class Controller(Endpoint):
             self.replan()
 
     def on_done(self, conn: _ControllerProtocol, ev: TransferDone) -> None:
+        before = self.state.network
         t = self.state.done(conn, ev.req, version=ev.version, applied=ev.applied,
                             delay=ev.delay, now=self.clock(), via_failed=ev.via_failed,
                             seconds=ev.seconds)
+        self._corrected(before)
         if t is not None and ev.via_failed is not None and t.route is not None:
             self.metrics.aggregator_failures.inc()
             log.warning("aggregator on %s failed update %d (%s); routing nothing through it "
@@ -704,11 +707,26 @@ class Controller(Endpoint):
         if self._soon is None:
             self._soon = asyncio.get_running_loop().call_soon(self._replan_now)
 
+    def _corrected(self, before: Network) -> None:
+        """Count and log what the closed loop changed in the network picture
+        since `before` (a transfer's report, or one running past its time)."""
+        if self.state.network is before:
+            return
+        for link, host, old, new in observed.corrections(before, self.state.network):
+            way = "lower" if new is not None and (old is None or new < old) else "higher"
+            self.metrics.link_corrections.labels(link, way).inc()
+            decision_log.info(json.dumps({
+                "event": "link", "at": round(self.clock(), 6), "link": link, "host": host,
+                "from": None if old is None else round(old),
+                "to": None if new is None else round(new)}))
+
     def _replan_now(self) -> None:
         self._soon = None
         started = time.perf_counter()
         now = self.clock()
+        before = self.state.network
         decisions = self.state.decide(now)
+        self._corrected(before)
         m = self.metrics
         m.decision_seconds.observe(time.perf_counter() - started)
         if self._formed:

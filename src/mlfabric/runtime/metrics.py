@@ -316,6 +316,15 @@ class ControllerMetrics:
             "refused as stale) that they could land before: holding them had idled more "
             "of the server's link than the critical ones would waste if refused",
             namespace=ns, registry=r)
+        self.link_corrections = Counter(
+            "controller_link_corrections",
+            "Changes of the picture of a link by the job's own transfers (the closed "
+            "loop, scheduling.observed), by link (up: a worker's, down: a server's) and "
+            "way (lower: capped at what it delivered; higher: a cap raised or lifted)",
+            ["link", "way"], namespace=ns, registry=r)
+        for link in ("up", "down"):
+            for way in ("lower", "higher"):
+                self.link_corrections.labels(link, way)
         self.aggregation_groups = Counter(
             "controller_aggregation_groups", "Groups routed through an aggregator",
             namespace=ns, registry=r)

@@ -98,6 +98,22 @@ def overdue(net: Network, src: str, dst: str, *, believed: float, planned_second
     return net if rate >= _rate(net, link) else _capped(net, link, rate)
 
 
+def corrections(before: Network, after: Network
+                ) -> list[tuple[str, str, float | None, float | None]]:
+    """What the closed loop changed from `before` to `after`: (link "up" or
+    "down", host, its cap before, after), bytes/s, None where uncapped."""
+    out: list[tuple[str, str, float | None, float | None]] = []
+    for kind, old, new in (("up", before.observed_up, after.observed_up),
+                           ("down", before.observed_down, after.observed_down)):
+        if old is new:
+            continue
+        for host in sorted(old.keys() | new.keys()):
+            a, b = old.get(host), new.get(host)
+            if a != b:
+                out.append((kind, host, a, b))
+    return out
+
+
 def order_guard(planned_seconds: float) -> float:
     """How much later than a critical transfer's planned end another may end."""
     return max(ORDER_GUARD * planned_seconds, ORDER_GUARD_MIN)
