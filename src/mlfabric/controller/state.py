@@ -162,6 +162,12 @@ class Decisions:
     wake_at: float | None  # ask again at this time (a planned start), if any
 
 
+def _planned_rate(t: Transfer) -> float:
+    """The bytes/s of its links the plan gave transfer `t` let go."""
+    return (t.piece if t.chunk and t.piece else t.nbytes) / t.planned_seconds \
+        if t.planned_seconds else 0.0
+
+
 def _planned(transfers: Iterable[Transfer], *, active: bool = False) -> tuple[Transfer, ...]:
     """Transfers as a policy plans them: a chunked transfer that waits for
     its next grant by what is left of it, and an `active` one by the chunk it
@@ -216,6 +222,14 @@ class ControlState:
         self._held: set[int] = set()  # active transfers counted in _holders
         self._delivered = observed.Delivered()  # which link held an alone transfer back
         self._solo: dict[int, tuple[int, int]] = {}  # those alone when they went: their marks
+        # Those alone on their uplink when they went, into a downlink others
+        # shared: their uplink's mark, and the downlink's rate then planned
+        # (`observed.SharedDownlink`); and each downlink's rate planned now,
+        # the sum of what the transfers holding it were planned at.
+        self._shared = observed.SharedDownlink()
+        self._up_solo: dict[int, tuple[int, float]] = {}
+        self._booked: dict[str, float] = {}
+        self._rate_held: dict[int, float] = {}  # what each added to _booked
         self._handovers: deque[float] = deque(maxlen=HANDOVER_SAMPLES)  # see handover
         self._holds: dict[int, observed.HoldBudget] = {}  # by shard, while it has critical ones
         self._handover = 0.0
@@ -306,9 +320,15 @@ class ControlState:
             del self.active[t.id]
             self._ended(t)
             self._dirty.add(t.shard)
-            alone = self._release(t)
+            alone, booked = self._release(t)
             if seconds is not None and self.learn_rates and alone:
                 self._observed(t, seconds)
+            elif (seconds is not None and self.learn_rates and booked is not None
+                  and self._measures(t)):
+                assert t.planned_seconds
+                self.network = self._shared.completed(
+                    self.network, t.host, t.dst, booked=booked,
+                    planned_seconds=t.planned_seconds, seconds=seconds)
             if seconds is not None and now is not None and t.started is not None:
                 hops = now - t.started - seconds  # the go's way there, the report's back
                 if math.isfinite(hops):
@@ -381,23 +401,30 @@ class ControlState:
             return
         self._held.add(t.id)
         up, down = ("up", t.host), ("down", t.dst)
-        alone = not self._holders.get(up) and not self._holders.get(down)
+        up_alone = not self._holders.get(up)
+        alone = up_alone and not self._holders.get(down)
         for link in (up, down):
             self._holders[link] = self._holders.get(link, 0) + 1
             self._starts[link] = self._starts.get(link, 0) + 1
+        rate = self._rate_held[t.id] = _planned_rate(t)
+        booked = self._booked[t.dst] = self._booked.get(t.dst, 0.0) + rate
         if alone:
             self._solo[t.id] = (self._starts[up], self._starts[down])
+        if up_alone:  # (alone on both, and joined on the downlink later: shared)
+            self._up_solo[t.id] = (self._starts[up], booked)
 
-    def _release(self, t: Transfer) -> bool:
+    def _release(self, t: Transfer) -> tuple[bool, float | None]:
         """`t` no longer holds its links; returns whether it had them to
         itself from its go until now (nothing else on them when it went,
         nothing started on them since). Only then does its time measure
         them: a transfer sharing a link gets what TCP gives it beside the
         others, not the plan's share. Learnt from shared transfers, the
         controller capped workers' uplinks for the server downlink's share:
-        at 1,000 simulated workers it dropped 18% of the pushes (16 before)."""
+        at 1,000 simulated workers it dropped 18% of the pushes (16 before).
+        And, if it had only its uplink to itself, the downlink's rate
+        booked when it went (`observed.SharedDownlink`); else None."""
         if t.id not in self._held:
-            return False
+            return False, None
         self._held.discard(t.id)
         alone = self._alone(t)
         self._solo.pop(t.id, None)
@@ -408,7 +435,13 @@ class ControlState:
                 self._holders[link] = left
             else:
                 del self._holders[link]
-        return alone
+        rate = self._rate_held.pop(t.id)
+        if down in self._holders:
+            self._booked[t.dst] -= rate
+        else:
+            self._booked.pop(t.dst, None)  # (no rounding left over)
+        mark = self._up_solo.pop(t.id, None)
+        return alone, mark[1] if mark is not None and mark[0] == self._starts[up] else None
 
     def _alone(self, t: Transfer) -> bool:
         mark = self._solo.get(t.id)
@@ -768,6 +801,12 @@ class ControlState:
                 self._joined(orders, t)  # it may be critical itself, or make others so
             elif item.start is not None:
                 wake_at = min(wake_at, item.start)
+        # What a transfer let go shares its downlink with: those let go with
+        # it count as much as those before (`observed.SharedDownlink`).
+        for a in actions:
+            mark = self._up_solo.get(a.transfer.id) if isinstance(a, Go) else None
+            if mark is not None:
+                self._up_solo[a.transfer.id] = (mark[0], self._booked[a.transfer.dst])
         for shard, order in orders.items():
             if order is None or not order.has_critical:
                 self._holds.pop(shard, None)  # nothing to hold for: the next hold starts anew

@@ -378,3 +378,70 @@ class Delivered:
         if src in net.observed_up and net.observed_up[src] < rate:
             return _corrected(net, ("up", src), rate)  # it gives at least this now
         return net
+
+
+# A transfer into a shared downlink slower than planned by more than this
+# fraction of its speed is evidence of a slower downlink; less is what one
+# booked to its rate gives (about 12% in the simulator: TCP's ramp, and the
+# queue of a link booked to its rate).
+SHARED_SLOWED = 0.25
+
+
+class SharedDownlink:
+    """A server's downlink from the transfers that shared it.
+
+    `Delivered` learns only from a transfer alone on its links. Into a
+    server many workers' uplinks wide, none is: at 1,000 simulated workers
+    the downlink carries about twelve at once, so a halving of it nobody
+    announced was never learnt, and transfers let go at the configured rate
+    overtook slower ones, which the server then refused as stale (6 of
+    4,000, the mean of five seeds; told of the halving at once, 0.8).
+
+    A transfer that had its uplink to itself, let go while the transfers
+    into its server were planned to take (`booked`) at least
+    (1 - ORDER_GUARD) of the downlink's rate, ran its planned time over the
+    time it took: had the downlink held it back, the downlink gave about
+    `booked` times that. One transfer cannot tell (its worker's uplink may
+    be slower than believed, and TCP does not share a saturated link fairly
+    while new flows ramp up: after the halving most ran 15-20% slower than
+    planned and a few 85%), so the downlink is capped only when each of the
+    last DOWNLINK_WINDOW of them, from as many workers, was slower by more
+    than SHARED_SLOWED, and at the most any of them shows (as `Delivered`
+    keeps the fastest). Then the plans book the cap, and what the link could
+    give beyond it shows only in the transfers' speed: one let go booked to
+    the cap that ran within ORDER_GUARD of its planned time raises the cap
+    by ORDER_GUARD, until it reaches what the configuration and the agents
+    give and goes. A downlink still slow is then booked past its rate by
+    about ORDER_GUARD at times, which the release order tolerates."""
+
+    def __init__(self) -> None:
+        self._slowed: dict[str, deque[tuple[str, float]]] = {}
+
+    def completed(self, net: Network, src: str, dst: str, *, booked: float,
+                  planned_seconds: float, seconds: float) -> Network:
+        """`net` after a transfer src -> dst, let go with `booked` bytes/s of
+        `dst`'s downlink planned, took `seconds` for its `planned_seconds`."""
+        if not (seconds > 0 and planned_seconds > 0 and booked > 0
+                and math.isfinite(seconds) and math.isfinite(booked)):
+            return net
+        link = ("down", dst)
+        believed = _rate(net, link)
+        if booked < (1 - ORDER_GUARD) * believed:
+            return net  # the downlink had room: a slow transfer was held back elsewhere
+        seen = self._slowed.setdefault(dst, deque(maxlen=DOWNLINK_WINDOW))
+        speed = planned_seconds / seconds
+        if speed < 1 - SHARED_SLOWED:
+            seen.append((src, booked * speed))
+            if len(seen) == DOWNLINK_WINDOW and len({s for s, _ in seen}) == DOWNLINK_WINDOW:
+                gives = max(rate for _, rate in seen)
+                if gives < (1 - ORDER_GUARD) * believed:
+                    seen.clear()  # the next cap needs evidence of its own
+                    return _capped(net, link, gives)
+            return net
+        seen.clear()
+        cap = net.observed_down.get(dst)
+        # (Let go before the cap, it was planned beside more than the cap
+        # allows now, and says nothing of the capped link.)
+        if cap is None or abs(speed - 1) > ORDER_GUARD or booked > (1 + ORDER_GUARD) * cap:
+            return net
+        return _corrected(net, link, cap * (1 + ORDER_GUARD))
