@@ -123,6 +123,9 @@ CASES = [
     Directive(req=4, action="go", position=2, planned_seconds=0.5),
     Directive(req=6, action="go", position=1, planned_seconds=0.01, codec="topk:0.01"),
     Directive(req=7, action="go", position=0, planned_seconds=0.04, upto=8 << 20),
+    Directive(req=8, action="go", position=1, planned_seconds=0.3, pace=7_340_032.5),
+    Directive(req=9, action="go", position=1, planned_seconds=0.3, pace=1e6,
+              pace_seconds=0.125),
     TransferProgress(req=7, sent=8 << 20),
     Directive(req=5, action="drop", reason="deadline_missed"),
     Directive(req=6, action="go", position=3, planned_seconds=0.25, via="10.0.0.7:7401",
@@ -526,6 +529,18 @@ BAD_FRAMES = {
         "'chunk'"),
     "upto negative": (frame(MsgType.DIRECTIVE, {"req": 1, "action": "go", "upto": -1}),
                       "'upto'"),
+    "pace zero": (frame(MsgType.DIRECTIVE, {"req": 1, "action": "go", "pace": 0}),
+                  r"field 'pace' must be 1 to 1e\+12 bytes/s, got 0"),
+    "pace past the bound": (frame(MsgType.DIRECTIVE, {"req": 1, "action": "go", "pace": 2e12}),
+                            "field 'pace' must be 1 to"),
+    "pace not a number": (frame(MsgType.DIRECTIVE, {"req": 1, "action": "go", "pace": "fast"}),
+                          "field 'pace' must be a finite number"),
+    "pace seconds zero": (
+        frame(MsgType.DIRECTIVE, {"req": 1, "action": "go", "pace": 1e6, "pace_seconds": 0}),
+        "field 'pace_seconds' must be above 0 and at most 86400, got 0"),
+    "pace seconds past a day": (
+        frame(MsgType.DIRECTIVE, {"req": 1, "action": "go", "pace": 1e6,
+                                  "pace_seconds": 1e6}), "'pace_seconds'"),
     "length mismatch": (
         frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [["a", "f4", [4]]]},
               b"\0" * 12),

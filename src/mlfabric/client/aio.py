@@ -754,6 +754,12 @@ class AsyncClient:
         specs = [spec_of(n, np.asarray(a)) for n, a in event.tensors.items()]
         return fut, FrameWriter(proto, StreamedBlock(specs))
 
+    def pace(self, rate: float | None) -> bool:
+        """Cap what this client's link to its server sends at `rate` bytes/s
+        (None: no cap again): a controller's go beside a transfer that must
+        land first. False where it cannot (`runtime.pacing`)."""
+        return self._proto.pace(rate)
+
     async def flushed(self) -> None:
         """Wait until every byte handed to this client's link has gone to the
         operating system (what the blocking client waits for in push()). A

@@ -86,6 +86,10 @@ class AsyncControlledPushes:
         self._link: Link | None = None
         self._reconnect_task: asyncio.Task[None] | None = None
         self._redial_error = ""  # the last refusal met dialling again, warned once
+        # The paced updates on the server link (their goes' `pace`): the link
+        # is paced while any is unanswered, at the latest one's rate.
+        self._paced: set[int] = set()
+        self._pace_refused = False  # the platform cannot pace: said once
 
     @property
     def address(self) -> str:
@@ -283,6 +287,8 @@ class AsyncControlledPushes:
         if u.via is not None:
             asyncio.get_running_loop().create_task(self._send_member(u))
             return
+        if u.pace is not None:
+            self._pace(u)
         try:
             codec: dict[str, Any] = {} if u.codec is None else {"codec": u.codec}
             server_future, u.part = self.client.send_push_part(u.arrays, u.base_version,
@@ -302,6 +308,28 @@ class AsyncControlledPushes:
                 self._link.send(report)
         elif u.part is not None:
             self._chunk_sent(u)
+
+    def _pace(self, u: ControlledUpdate) -> None:
+        """Hold the server link to `u`'s pace until its answer, or for its
+        go's `pace_seconds` if that is sooner (`_unpace`)."""
+        assert u.pace is not None
+        if self.client.pace(u.pace):
+            self._paced.add(id(u))
+            if u.pace_seconds is not None:
+                asyncio.get_running_loop().call_later(u.pace_seconds, self._unpace, u)
+            if self.book.metrics is not None:
+                self.book.metrics.paced_pushes.inc()
+        elif not self._pace_refused:
+            self._pace_refused = True
+            log.warning("the controller paced a push at %.0f bytes/s, and this platform "
+                        "cannot pace a socket (Linux's SO_MAX_PACING_RATE): it goes as fast "
+                        "as TCP allows, and may crowd out one that must land first", u.pace)
+
+    def _unpace(self, u: ControlledUpdate) -> None:
+        if id(u) in self._paced:
+            self._paced.discard(id(u))
+            if not self._paced:
+                self.client.pace(None)
 
     def _chunk_sent(self, u: ControlledUpdate) -> None:
         """A chunk of `u` is handed to the link: once its bytes have left,
@@ -341,6 +369,7 @@ class AsyncControlledPushes:
 
     def _finish(self, u: ControlledUpdate, server_future: asyncio.Future[Any],
                 started: float) -> None:
+        self._unpace(u)  # its bytes have all landed, or never will
         if u.in_parts:
             # Failed or cancelled before all of it was let go: finish the
             # frame all the same, or the link would stay in the middle of it.

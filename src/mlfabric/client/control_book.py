@@ -67,6 +67,8 @@ class ControlledUpdate:
     upto: int | None = None
     part: Any = None
     codec: str | None = None  # the compressed form its go named (None: the client's own)
+    pace: float | None = None  # bytes/s its go holds it to (None: as TCP allows) ...
+    pace_seconds: float | None = None  # ... for so long from its go (None: until answered)
 
     @property
     def in_parts(self) -> bool:
@@ -183,6 +185,7 @@ class ControlBook:
         if d.action == "go":
             u.upto = d.upto
             u.codec = d.codec
+            u.pace, u.pace_seconds = d.pace, d.pace_seconds
             if d.via is not None:
                 u.via = d.via
                 u.member = {"group": d.group, "fan_in": d.fan_in, "index": d.index}

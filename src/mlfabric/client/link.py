@@ -20,6 +20,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from ..errors import ConnectError, ConnectionLost, MlfabricError, NotMlfabric
 from ..runtime.loop import within, write_parts
 from ..runtime.metrics import ClientMetrics
+from ..runtime.pacing import set_pace
 from ..transport.tls import process_client_context, tls_refused
 from ..wire import roles
 from ..wire.handshake import ClientHandshake
@@ -233,6 +234,13 @@ class Link(asyncio.BufferedProtocol):
         if the link is gone: its buffer is then dropped)."""
         if self.transport is not None:
             await self.can_write.wait()
+
+    def pace(self, rate: float | None) -> bool:
+        """Cap what this link sends at `rate` bytes/s (None: no cap), from the
+        bytes still in the kernel's buffer on (`runtime.pacing`). False if
+        the link is gone or the platform cannot pace a socket."""
+        sock = None if self.transport is None else self.transport.get_extra_info("socket")
+        return sock is not None and set_pace(sock, rate)
 
     def pause_writing(self) -> None:
         self.can_write.clear()

@@ -283,6 +283,10 @@ class ClientMetrics:
             "client_controller_fallback_updates", "Updates sent straight to the server, "
             "unscheduled, because the controller did not answer (controller_fallback 'fifo')",
             namespace=ns, registry=r)
+        self.paced_pushes = Counter(
+            "client_paced_pushes", "Pushes the controller let go paced at their reserved "
+            "rate (beside one that must land first), with the socket held to it until "
+            "the server's answer", namespace=ns, registry=r)
 
 
 class ControllerMetrics:
@@ -315,6 +319,11 @@ class ControllerMetrics:
             "Transfers let go beside a critical transfer (one that must land next or be "
             "refused as stale) that they could land before: holding them had idled more "
             "of the server's link than the critical ones would waste if refused",
+            namespace=ns, registry=r)
+        self.paced_transfers = Counter(
+            "controller_paced_transfers",
+            "Transfers let go beside a critical transfer, paced at their reserved rate so "
+            "that they cannot crowd it out of the server's link (scheduling.observed.pace)",
             namespace=ns, registry=r)
         self.link_corrections = Counter(
             "controller_link_corrections",

@@ -391,6 +391,12 @@ class Directive:
     upto: int | None = None
     # A go's compression: one of the request's options (None: whole).
     codec: str | None = None
+    # The most bytes/s the worker's socket may send at while it goes (None:
+    # as fast as TCP allows), given beside a transfer that must land first,
+    # so it cannot crowd that one out (`MAX_PACE`), for `pace_seconds` from
+    # the go (None: until the server's answer).
+    pace: float | None = None
+    pace_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -1166,6 +1172,10 @@ def _decode_transfer_request(meta: Mapping[str, Any], tensors: dict[str, np.ndar
 
 MAX_OPTIONS: Final = 8  # compressed forms one transfer request may offer
 MAX_ENCODE_SECONDS: Final = 600.0  # an option's encoding time, at most
+# A go's pacing rate, at most (bytes/s): 8 Tbit/s, above any NIC's, and within
+# the 64 bits the socket option takes.
+MAX_PACE: Final = 1e12
+MAX_PACE_SECONDS: Final = 86400.0  # how long a go may pace, at most (a day)
 
 
 def _option(o: Any) -> tuple[str, int, float] | None:
@@ -1213,7 +1223,23 @@ def _decode_directive(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -
                      position=_opt_int(meta, "position"),
                      planned_seconds=_opt_float(meta, "planned_seconds"),
                      via=None if via is None else _str(meta, "via", 256),
-                     upto=_opt_int(meta, "upto"), codec=_opt_str(meta, "codec", 32), **group)
+                     upto=_opt_int(meta, "upto"), codec=_opt_str(meta, "codec", 32),
+                     pace=_pace(meta), pace_seconds=_pace_seconds(meta), **group)
+
+
+def _pace(meta: Mapping[str, Any]) -> float | None:
+    pace = _opt_float(meta, "pace")
+    if pace is not None and not 1.0 <= pace <= MAX_PACE:
+        raise ProtocolError(f"field 'pace' must be 1 to {MAX_PACE:g} bytes/s, got {pace!r}")
+    return pace
+
+
+def _pace_seconds(meta: Mapping[str, Any]) -> float | None:
+    seconds = _opt_float(meta, "pace_seconds")
+    if seconds is not None and not 0.0 < seconds <= MAX_PACE_SECONDS:
+        raise ProtocolError(f"field 'pace_seconds' must be above 0 and at most "
+                            f"{MAX_PACE_SECONDS:g}, got {seconds!r}")
+    return seconds
 
 
 def _decode_transfer_progress(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]
