@@ -219,6 +219,74 @@ def test_the_closed_loops_corrections_are_counted_and_logged(loop_kind, caplog):
     assert links[-1]["to"] == round(capped)
 
 
+def test_a_paced_go_holds_the_workers_link_to_its_rate_until_the_servers_answer(
+        loop_kind, run_async, caplog):
+    """The worker's side of a paced go (`Directive.pace`; which goes the
+    controller paces, test_observed says): a real controller whose goes
+    carry 4 MB/s, a real server and worker on loopback. The first 4 MiB push,
+    paced to its end, takes at least its size over that rate (unpaced,
+    milliseconds here); the second, paced for 0.1 s (`pace_seconds`), takes
+    that and little more. The worker counts both, and once the server has
+    answered, its link to the server is unpaced again."""
+    import dataclasses
+    import time
+
+    import mlfabric.aio
+    from mlfabric.controller.state import Go
+    from mlfabric.runtime.metrics import ClientMetrics
+    from mlfabric.runtime.pacing import pace_of
+
+    pace = 4e6
+    model = {"w": np.zeros(1 << 20, np.float32)}  # 4 MiB
+    endpoint = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None)
+    decide, paced = endpoint.state.decide, []
+
+    def goes_paced(now):
+        d = decide(now)
+        actions = []
+        for a in d.actions:
+            if isinstance(a, Go):
+                a = dataclasses.replace(a, pace=pace, pace_seconds=(None, 0.1)[len(paced)])
+                paced.append(a.transfer.id)
+            actions.append(a)
+        return dataclasses.replace(d, actions=tuple(actions))
+
+    endpoint.state.decide = goes_paced
+    metrics = ClientMetrics()
+    caplog.set_level(logging.INFO, logger="mlfabric.decisions")
+
+    async def two_pushes(server, controller):
+        client = await mlfabric.aio.connect(server, job=JOB, token=TOKEN, controller=controller,
+                                            host="127.0.0.1", metrics=metrics)
+        # The worker's socket to the server (what the kernel paces).
+        sock = client._proto.transport.get_extra_info("socket")
+        try:
+            took = []
+            for base in (0, 1):
+                started = time.monotonic()
+                outcome = await client.push({"w": np.ones(1 << 20, np.float32)},
+                                            base_version=base)
+                took.append(time.monotonic() - started)
+                assert outcome.applied, outcome
+                assert pace_of(sock) is None  # unpaced once answered
+            return took
+        finally:
+            await client.close()
+
+    with ServerThread(ParameterStore(model), loop_kind=loop_kind) as server, \
+            ServerThread(None, loop_kind=loop_kind, endpoint=endpoint) as controller:
+        first, second = run_async(two_pushes(server.address, controller.address))
+        assert sample(controller.metrics.paced_transfers) == 2
+    goes = [json.loads(r.getMessage()) for r in caplog.records
+            if r.name == "mlfabric.decisions" and '"go"' in r.getMessage()]
+    assert [(g.get("pace"), g.get("pace_seconds")) for g in goes] == [
+        (4_000_000, None), (4_000_000, 0.1)]
+    # 1.05 s at 4 MB/s (a burst before the pacing starts takes a few percent off).
+    assert first >= (4 << 20) / pace * 0.85, first
+    assert 0.09 <= second < 0.6, second  # 0.4 MB in 0.1 s, then the rest at once
+    assert sample(metrics.paced_pushes) == 2
+
+
 def test_controller_command_serves_and_stops_cleanly(tmp_path):
     import queue
     import signal

@@ -103,6 +103,27 @@ def test_max_min_with_a_flow_bottlenecked_elsewhere():
     assert net.max_utilization == pytest.approx(1.0)
 
 
+def test_a_paced_flow_keeps_to_its_rate_and_leaves_the_rest_to_the_others():
+    # Link 0 at 10 B/s: f0 paced at 3 B/s gets 3 (not its fair 5); f1 the 7 left.
+    net = FlowNet([10.0], audit=True)
+    f0 = net.start((0,), 30.0, max_rate=3.0)
+    f1 = net.start((0,), 70.0)
+    assert (net.rate(f0), net.rate(f1)) == (3.0, 7.0)
+    ended = net.advance(net.next_completion())
+    assert [f.id for f in ended] == [f0, f1] and ended[0].ended == pytest.approx(10.0)
+    # Alone, a paced flow still keeps to its pace, below the link's rate,
+    # until the pace is lifted: 2 B at 2 B/s, then the 4 B left at 10 B/s.
+    f2 = net.start((0,), 6.0, max_rate=2.0)
+    assert net.rate(f2) == 2.0
+    assert net.advance(11.0) == []
+    net.set_max_rate(f2)
+    assert net.rate(f2) == 10.0
+    (last,) = net.advance(net.next_completion())
+    assert last.ended == pytest.approx(11.4)
+    net.set_max_rate(f2, 1.0)  # it has ended: nothing to change
+    assert len(net) == 0
+
+
 def test_max_min_reference_cases():
     inf = float("inf")
     # Three links 6, 4, 12 (3 is the padding link): f0 on 0+1, f1 on 1, f2 on 0+2, f3 on 2.
@@ -170,6 +191,8 @@ def test_flownet_refuses_bad_input_clearly():
         net.start((3,), 1.0)
     with pytest.raises(ConfigError, match="size must be"):
         net.start((0,), 0.0)
+    with pytest.raises(ConfigError, match="max_rate must be > 0 bytes/s, got 0"):
+        net.start((0,), 1.0, max_rate=0.0)
 
 
 # --- the job: fifo vs mlfabric by hand -----------------------------------------------------

@@ -767,7 +767,7 @@ class Controller(Endpoint):
                     via=route.address if route else None, group=route.group if route else None,
                     fan_in=route.fan_in if route else None,
                     index=route.index if route else None, upto=action.upto,
-                    codec=action.codec)
+                    codec=action.codec, pace=action.pace, pace_seconds=action.pace_seconds)
                 record = {"event": "go", "at": round(now, 6), "position": action.position,
                           "planned_seconds": round(action.planned_seconds, 6)}
                 if action.upto is not None:
@@ -775,6 +775,11 @@ class Controller(Endpoint):
                 if action.overrides_guard:  # (observed.HoldBudget)
                     m.guard_overrides.inc()
                     record["guard"] = "overridden"
+                if action.pace is not None:  # beside a critical transfer (observed.pace)
+                    m.paced_transfers.inc()
+                    record["pace"] = round(action.pace)
+                    if action.pace_seconds is not None:
+                        record["pace_seconds"] = round(action.pace_seconds, 6)
                 if t.options:  # what it could have been sent as, and what was chosen
                     record["codec"] = action.codec or "whole"
                     m.compressed_transfers.labels(

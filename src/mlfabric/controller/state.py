@@ -60,6 +60,11 @@ class Go:
     # The release guard would hold it beside a critical transfer, and lets it
     # go because holding has cost more than it protects (`observed.HoldBudget`).
     overrides_guard: bool = False
+    # Let go beside a critical transfer: the worker sends at most this many
+    # bytes/s (`observed.pace`; None: as TCP allows) for `pace_seconds`
+    # (None: until the server's answer).
+    pace: float | None = None
+    pace_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -775,7 +780,17 @@ class ControlState:
                         orders[t.shard] = self._running_order(t.shard, now)
                     order = orders[t.shard]
                 overrides = False
+                room = paced_for = None
                 if order is not None and order.has_critical:
+                    # Paced if, flat out, it could take the critical ones'
+                    # part of the downlink (`observed.room_beside`), until
+                    # they are planned to have landed.
+                    net = self.network
+                    room = observed.room_beside(
+                        net.fastest(t.host, t.dst),
+                        (_planned_rate(self.active[c]) for c in order.critical_ids
+                         if c in self.active), net.down_rate(t.dst))
+                    paced_for = order.paced_for()
                     # It must not land before a transfer that has to land
                     # next: it goes when it would end a guard after it, or
                     # (None) once that one is reported done. Its end is the
@@ -797,7 +812,8 @@ class ControlState:
                             continue
                 if stats is not None and not t.granted:
                     stats.sent += 1
-                actions.append(self._let_go(t, item, now, overrides=overrides))
+                actions.append(self._let_go(t, item, now, overrides=overrides,
+                                            room=room, paced_for=paced_for))
                 self._joined(orders, t)  # it may be critical itself, or make others so
             elif item.start is not None:
                 wake_at = min(wake_at, item.start)
@@ -837,9 +853,13 @@ class ControlState:
                 order.add(*row)
 
     def _let_go(self, t: Transfer, item: PlanItem, now: float, whole: bool = False,
-                overrides: bool = False) -> Go:
+                overrides: bool = False, room: float | None = None,
+                paced_for: float | None = None) -> Go:
         """Move pending `t` to active as planned by `item`: all of it, or for
-        a chunked transfer its next chunk (the rest of it if `whole`)."""
+        a chunked transfer its next chunk (the rest of it if `whole`). With a
+        `room` (bytes/s critical transfers leave it), paced (`observed.pace`;
+        straight to its server only: an aggregator's sum is another transfer)
+        for `paced_for` seconds (None: to its end)."""
         self._unpend(t)
         first = not t.granted
         planned = item.planned_seconds or 0.0
@@ -862,8 +882,11 @@ class ControlState:
         t.route = item.route
         self.active[t.id] = t
         self._hold(t)
+        rate = observed.pace(t.piece if t.chunk and t.piece else t.nbytes, planned, room) \
+            if room is not None and item.route is None else None
         return Go(t, item.position or 0, planned, item.route, upto=upto, first=first,
-                  codec=t.codec, overrides_guard=overrides)
+                  codec=t.codec, overrides_guard=overrides, pace=rate,
+                  pace_seconds=paced_for if rate is not None else None)
 
     def status(self, now: float | None = None) -> dict[str, object]:
         """The job at a glance (what `mlfabric status` prints), JSON-ready.

@@ -423,8 +423,15 @@ class _Sim:
                 done = sum(r.done is not None for r in self.records)
                 self.progress(self.now, done, self.total_pushes)
 
-    def flow(self, src: str, dst: str, nbytes: float, then: Callable[[], None]) -> None:
-        fid = self.net.start((self.link_up[src], self.link_down[dst]), nbytes)
+    def flow(self, src: str, dst: str, nbytes: float, then: Callable[[], None],
+             pace: float | None = None, pace_seconds: float | None = None) -> None:
+        """`nbytes` from src to dst, then `then`; a `pace` (bytes/s on the wire,
+        as a go's) holds its payload to `goodput` of it, for `pace_seconds`
+        (None: to its end)."""
+        max_rate = math.inf if pace is None else pace * self.sc.goodput
+        fid = self.net.start((self.link_up[src], self.link_down[dst]), nbytes, max_rate)
+        if pace is not None and pace_seconds is not None:
+            self.after(pace_seconds, self.net.set_max_rate, fid)
         self.on_flow_end[fid] = then
 
     # -- network changes ---------------------------------------------------------------------
@@ -507,12 +514,14 @@ class _Sim:
         else:
             self._next_step(w)
 
-    def _go(self, w: _Worker, req: int) -> None:
+    def _go(self, w: _Worker, req: int, pace: float | None = None,
+            pace_seconds: float | None = None) -> None:
         rec, k = self.by_request[(w.index, req)]
         if rec.sent is None:
             rec.sent = self.now
         self._sent[(w.index, req)] = self.now
-        self.flow(w.host, self.servers[k], self.parts[k], lambda: self._land(w, req))
+        self.flow(w.host, self.servers[k], self.parts[k], lambda: self._land(w, req), pace,
+                  pace_seconds)
 
     def _outcome(self, w: _Worker, req: int, applied: bool, delay: int | None,
                  reason: str | None, report: tuple[int, bool, int | None] | None) -> None:
@@ -652,7 +661,7 @@ class _Controller:
             t = action.transfer
             w = sim.workers[cast(int, t.owner)]  # (t.req names the part)
             if isinstance(action, Go):
-                sim.after(lat, sim._go, w, t.req)
+                sim.after(lat, sim._go, w, t.req, action.pace, action.pace_seconds)
             else:
                 assert isinstance(action, Drop)
                 sim.after(lat, sim._outcome, w, t.req, False, None, action.reason, None)

@@ -19,6 +19,9 @@ where the flows on that link have fewer bytes left than such a queue holds. This
 what makes a flow that joins busy links slower to get its share than the
 flows already there.
 
+A flow may also have a rate limit of its own (`start(..., max_rate=)`): a
+paced socket, which sends no faster whatever room the links have.
+
 Time is only what callers pass in; nothing here reads a clock. Arrays are
 numpy so one re-allocation over 10,000 flows stays well under a millisecond
 per bottleneck level.
@@ -99,6 +102,7 @@ class FlowNet:
         self._size = np.zeros(size)
         self._started = np.zeros(size)
         self._cap = np.full(size, INF)  # slow start's rate cap (inf: not ramping)
+        self._pace = np.full(size, INF)  # the flow's own limit (inf: none)
         self._next_double = np.full(size, INF)  # when the cap doubles
         self._ids: list[int] = []  # flow id of each live row
         self._row: dict[int, int] = {}  # flow id -> row
@@ -114,12 +118,15 @@ class FlowNet:
 
     # -- changes ------------------------------------------------------------------------
 
-    def start(self, links: tuple[int, ...], size: float) -> int:
-        """A new flow of `size` bytes over `links`, from `now`; its id."""
+    def start(self, links: tuple[int, ...], size: float, max_rate: float = INF) -> int:
+        """A new flow of `size` bytes over `links`, from `now`, at most
+        `max_rate` bytes/s; its id."""
         if not 1 <= len(links) <= self.hops:
             raise ConfigError(f"a flow crosses 1 to {self.hops} links, got {links!r}")
         if not (size > 0 and math.isfinite(size)):
             raise ConfigError(f"flow size must be a finite number of bytes > 0, got {size}")
+        if not max_rate > 0:
+            raise ConfigError(f"a flow's max_rate must be > 0 bytes/s, got {max_rate}")
         for k in links:
             if not 0 <= k < self.dummy:
                 raise ConfigError(f"no link {k}: links are 0..{self.dummy - 1}")
@@ -135,6 +142,7 @@ class FlowNet:
         self._started[row] = self.now
         self._rate[row] = 0.0
         self._cap[row] = ramp.initial_window / rtt if ramp is not None else INF
+        self._pace[row] = max_rate
         self._next_double[row] = self.now + rtt
         fid = self._next_id
         self._next_id += 1
@@ -150,12 +158,22 @@ class FlowNet:
         self.capacity[link] = capacity
         self._dirty = True
 
+    def set_max_rate(self, flow: int, max_rate: float = INF) -> None:
+        """A live flow's own limit from `now` on (inf: none); a flow that
+        has ended is left alone (a pacing that outlived its transfer)."""
+        if not max_rate > 0:
+            raise ConfigError(f"a flow's max_rate must be > 0 bytes/s, got {max_rate}")
+        row = self._row.get(flow)
+        if row is not None:
+            self._pace[row] = max_rate
+            self._dirty = True
+
     def _grow(self) -> None:
         n = len(self._left)
         self._links = np.concatenate([self._links, np.full_like(self._links, self.dummy)])
         for name in ("_left", "_rate", "_size", "_started"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(n)]))
-        for name in ("_cap", "_next_double"):
+        for name in ("_cap", "_pace", "_next_double"):
             setattr(self, name, np.concatenate([getattr(self, name), np.full(n, INF)]))
 
     def _remove(self, row: int) -> None:
@@ -164,7 +182,7 @@ class FlowNet:
         del self._row[self._ids[row]]
         if row != last:
             for arr in (self._links, self._left, self._rate, self._size, self._started,
-                        self._cap, self._next_double):
+                        self._cap, self._pace, self._next_double):
                 arr[row] = arr[last]
             moved = self._ids[last]
             self._ids[row] = moved
@@ -270,7 +288,8 @@ class FlowNet:
         n = len(self._ids)
         if not n:
             return
-        self._rate[:n] = max_min_rates(self._links[:n], self.capacity, self._cap[:n])
+        self._rate[:n] = max_min_rates(self._links[:n], self.capacity,
+                                       np.minimum(self._cap[:n], self._pace[:n]))
         if self.audit:
             load = self.loads()
             cap = self.capacity[:-1]
