@@ -244,6 +244,37 @@ def test_mlfabric_by_hand_one_after_the_other():
     assert s_fifo["push_to_applied"]["mean"] == pytest.approx(2.0)
 
 
+def test_a_paced_go_holds_the_simulated_flow_to_its_pace_for_its_seconds(monkeypatch):
+    """The simulator keeps a go's pace as the worker does: worker 0's go
+    (as test_mlfabric_by_hand_one_after_the_other) paced at 0.25 MB/s for
+    2 s sends 0.5 MB by then, and the other 0.5 MB at the link's 1 MB/s:
+    it lands 2.5 s after it went, not 1 s. Worker 1's, paced until its end
+    (no seconds), takes its 1 MB at 0.5 MB/s: 2 s."""
+    import dataclasses
+
+    from mlfabric.controller.state import ControlState, Go
+
+    decide = ControlState.decide
+    paces = iter([(0.25e6, 2.0), (0.5e6, None)])
+
+    def paced(self, now):
+        d = decide(self, now)
+        actions = []
+        for a in d.actions:
+            if isinstance(a, Go):
+                pace, seconds = next(paces)
+                a = dataclasses.replace(a, pace=pace, pace_seconds=seconds)
+            actions.append(a)
+        return dataclasses.replace(d, actions=tuple(actions))
+
+    monkeypatch.setattr(ControlState, "decide", paced)
+    w0, w1 = by_worker(simulate(TINY, "mlfabric", audit=True))
+    assert w0.sent == pytest.approx(1.004, abs=EXACT)
+    assert w0.landed == pytest.approx(1.004 + 2.5, abs=EXACT)
+    assert w1.sent == pytest.approx(3.504, abs=EXACT)
+    assert w1.landed == pytest.approx(3.504 + 2.0, abs=EXACT)
+
+
 def test_a_server_that_reports_landings_hands_the_link_over_one_message_sooner():
     """TINY with 0.25 s messages. Worker 1's transfer waits for worker 0's
     to be reported done: by its worker, the server's answer and the report
