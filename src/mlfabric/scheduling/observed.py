@@ -45,7 +45,7 @@ from a fast uplink takes more of a shared downlink than the plan gave it,
 and a flow limited by a slow uplink upstream, with the longer round trip,
 keeps less. On the emulated cluster such newcomers cut a critical
 transfer's rate to 0.45 and 0.47 of its planned rate for the rest of it,
-and 6 times in 25 runs one landed first and had it refused as stale.
+and 7 times in 30 runs one landed first and had it refused as stale.
 """
 
 from __future__ import annotations
