@@ -125,8 +125,7 @@ class FlowNet:
             raise ConfigError(f"a flow crosses 1 to {self.hops} links, got {links!r}")
         if not (size > 0 and math.isfinite(size)):
             raise ConfigError(f"flow size must be a finite number of bytes > 0, got {size}")
-        if not max_rate > 0:
-            raise ConfigError(f"a flow's max_rate must be > 0 bytes/s, got {max_rate}")
+        _check_max_rate(max_rate)
         for k in links:
             if not 0 <= k < self.dummy:
                 raise ConfigError(f"no link {k}: links are 0..{self.dummy - 1}")
@@ -161,8 +160,7 @@ class FlowNet:
     def set_max_rate(self, flow: int, max_rate: float = INF) -> None:
         """A live flow's own limit from `now` on (inf: none); a flow that
         has ended is left alone (a pacing that outlived its transfer)."""
-        if not max_rate > 0:
-            raise ConfigError(f"a flow's max_rate must be > 0 bytes/s, got {max_rate}")
+        _check_max_rate(max_rate)
         row = self._row.get(flow)
         if row is not None:
             self._pace[row] = max_rate
@@ -354,3 +352,8 @@ def max_min_rates(links: np.ndarray, capacity: np.ndarray,
 def _check_capacity(link: int, c: float) -> None:
     if not (c >= 0 and math.isfinite(c)):
         raise ConfigError(f"capacity of link {link} is {c}; need a finite number of bytes/s >= 0")
+
+
+def _check_max_rate(max_rate: float) -> None:
+    if not max_rate > 0:
+        raise ConfigError(f"a flow's max_rate must be > 0 bytes/s, got {max_rate}")
