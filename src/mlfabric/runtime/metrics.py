@@ -284,9 +284,9 @@ class ClientMetrics:
             "unscheduled, because the controller did not answer (controller_fallback 'fifo')",
             namespace=ns, registry=r)
         self.paced_pushes = Counter(
-            "client_paced_pushes", "Pushes the controller let go paced at their reserved "
-            "rate (beside one that must land first), with the socket held to it until "
-            "the server's answer", namespace=ns, registry=r)
+            "client_paced_pushes", "Pushes the controller let go paced (beside one that "
+            "must land first), with the socket to the server held to the go's pace for its "
+            "pace_seconds or until the server's answer", namespace=ns, registry=r)
 
 
 class ControllerMetrics:
@@ -322,8 +322,9 @@ class ControllerMetrics:
             namespace=ns, registry=r)
         self.paced_transfers = Counter(
             "controller_paced_transfers",
-            "Transfers let go beside a critical transfer, paced at their reserved rate so "
-            "that they cannot crowd it out of the server's link (scheduling.observed.pace)",
+            "Transfers let go beside a critical transfer that could crowd it out of the "
+            "server's link, paced at the room it leaves (or their reserved rate, if more) "
+            "until it is planned to have landed (scheduling.observed.room_beside)",
             namespace=ns, registry=r)
         self.link_corrections = Counter(
             "controller_link_corrections",
