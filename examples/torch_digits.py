@@ -48,6 +48,9 @@ from mlfabric.wire import auth
 
 PROG = "torch_digits.py"
 JOB = "digits"
+# Set once every rank is past the final barrier: leave without the
+# interpreter's teardown (`Group.close`).
+_LEAVE_AT_ONCE = False
 TARGET_ACCURACY = 0.90
 
 
@@ -124,17 +127,25 @@ class Group:
         return out
 
     def close(self, graceful: bool = True) -> None:
+        global _LEAVE_AT_ONCE
         if self.active:
             import torch.distributed as dist
 
-            if graceful:
-                # Every rank is out of its last collective before any tears
-                # the links down: in a CI run a rank whose peer had destroyed
-                # the group during the final gather aborted in gloo
-                # ("terminate called without an active exception").
-                # Not after an error: the other ranks may never come.
-                dist.barrier()
-            dist.destroy_process_group()
+            if not graceful:
+                # After an error the other ranks may never come to a barrier.
+                dist.destroy_process_group()
+                return
+            # Every rank is out of its last collective before any leaves (in
+            # a CI run a rank whose peer had destroyed the group during the
+            # final gather aborted in gloo). Then the ranks leave without
+            # tearing the group down: gloo's threads, joined while the peers
+            # close their links, still aborted a rank now and then after a
+            # run that had finished ("terminate called without an active
+            # exception", SIGABRT, so torchrun failed the job; pytorch#28126:
+            # a gloo receive cannot be interrupted). Nothing is left to do
+            # over the group, and the kernel closes its sockets.
+            dist.barrier()
+            _LEAVE_AT_ONCE = True
 
 
 class LocalServer:
@@ -355,4 +366,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if _LEAVE_AT_ONCE:
+        # Without the interpreter's teardown, which would destroy the gloo
+        # group (see Group.close). The server and scratch files are already
+        # cleaned up by run's finally blocks.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
