@@ -46,6 +46,13 @@ extensions = [
         ["src/mlfabric/scheduling/_stf.pyx"],
         extra_compile_args=["-O3", "-ffp-contract=off"],
     ),
+    # The simulator's progressive filling: a port of flownet's numpy
+    # reference that must give bit-identical rates, hence the same flags.
+    Extension(
+        "mlfabric.sim._fill",
+        ["src/mlfabric/sim/_fill.pyx"],
+        extra_compile_args=["-O3", "-ffp-contract=off"],
+    ),
 ]
 
 setup(

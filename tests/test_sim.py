@@ -17,12 +17,16 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mlfabric.errors import ConfigError
+from mlfabric.sim import flownet
 from mlfabric.sim.engine import RateChange, Scenario, main, parse_change, simulate
-from mlfabric.sim.flownet import FlowNet, SlowStart, max_min_rates
+from mlfabric.sim.flownet import FlowNet, SlowStart, max_min_rates, max_min_rates_reference
 
 EXACT = 1e-9
+INF = float("inf")
 
 # --- the network: one link, sharing, changes, max-min ------------------------------------
 
@@ -135,6 +139,50 @@ def test_max_min_reference_cases():
     # A flow's own cap below its share frees capacity for the others.
     capped = max_min_rates(np.array([[0], [0]]), np.array([10.0, inf]), np.array([1.0, inf]))
     assert capped.tolist() == [1.0, 9.0]
+
+
+# Capacities with ties, near ties (0.3 / 3 is 0.1 less one ulp) and zeros,
+# flows over 1 to 3 links with the padding link (index 5) repeated, and own
+# limits that tie with fair shares.
+_CAPS = st.lists(st.sampled_from([0.0, 0.1, 0.3, 0.7, 1.0, 2.0, 3.0, 4.5, 6.0, 1e9]), min_size=5,
+                 max_size=5)
+_FLOWS = st.lists(st.tuples(st.integers(0, 4), st.integers(0, 5), st.integers(0, 5),
+                            st.sampled_from([INF, INF, 0.5, 1.0, 1.5, 2.0, 1e8])),
+                  max_size=40)
+
+
+@settings(max_examples=400, deadline=None)
+@given(caps=_CAPS, flows=_FLOWS, hops=st.integers(1, 3), limited=st.booleans())
+def test_the_compiled_filling_gives_the_reference_rates_bit_for_bit(caps, flows, hops, limited):
+    assert flownet._fill_kernel is not None, (
+        "mlfabric.sim._fill is not built: pip install -e . (or python setup.py build_ext "
+        "--inplace)")
+    links = np.array([f[:hops] for f in flows], np.intp).reshape(len(flows), hops)
+    capacity = np.array([*caps, float("inf")])
+    cap = np.array([f[3] for f in flows]) if limited else None
+    want = max_min_rates_reference(links, capacity, cap)
+    got = max_min_rates(links, capacity, cap)
+    assert got.dtype == np.float64 and got.tobytes() == want.tobytes()
+
+
+def test_the_compiled_filling_refuses_what_the_reference_refuses():
+    only_padding = np.array([[1, 1]], np.intp)
+    capacity = np.array([5.0, float("inf")])
+    for fill in (max_min_rates, max_min_rates_reference):
+        with pytest.raises(ConfigError, match="crosses no link of finite capacity"):
+            fill(only_padding, capacity)
+    with pytest.raises(ValueError, match=r"flow 0 crosses link 7; links are 0\.\.1"):
+        max_min_rates(np.array([[0, 7]], np.intp), capacity)
+    with pytest.raises(ValueError, match="cap has 2 entries for 1 flows"):
+        max_min_rates(np.array([[0, 1]], np.intp), capacity, np.array([1.0, 2.0]))
+
+
+def test_a_simulated_run_is_the_same_with_the_reference_filling(monkeypatch):
+    sc = Scenario(workers=6, shards=3, steps=2, seed=3, tau_max=4, server_down_mbit=60.0,
+                  changes=(RateChange(1.5, "s0", down_mbit=20.0),))
+    compiled = simulate(sc, "mlfabric").summary()
+    monkeypatch.setattr(flownet, "_fill_kernel", None)
+    assert simulate(sc, "mlfabric").summary() == compiled
 
 
 def test_slow_start_doubles_each_round_trip_until_the_link_limits_it():
