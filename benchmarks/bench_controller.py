@@ -16,9 +16,12 @@ server's downlink, unless `--unannounced-uplinks`: then it is told only the
 server's downlink, and the workers' uplinks are what it must learn).
 Prints per run and the medians per policy: applied and dropped updates,
 delay mean/std/max, push-to-applied mean/std, and the ratios mlfabric/fifo;
-then every update not applied, by reason, summed over the runs ("stale" is
-the server refusing an update the controller let go: issue 34's goal is
-none).
+the delay on each run's steady window, where every worker is running
+(`staleness_law.py`: with one push in flight per worker its mean is N - 1
+whatever the order when nothing is discarded; a short run is mostly its
+start and end, with fewer workers running); then every update not applied,
+by reason, summed over the runs ("stale" is the server refusing an update
+the controller let go: issue 34's goal is none).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import collections
 import statistics
 import sys
 from pathlib import Path
+
+from staleness_law import Outcome, Window, window  # beside this script
 
 from mlfabric.tools.testbed import SetRate, Testbed, require_root
 from mlfabric.tools.workload import Summary, run_policy
@@ -63,6 +68,7 @@ def main() -> int:
     require_root()
 
     runs: dict[str, list[Summary]] = {"mlfabric": [], "fifo": []}
+    steady: dict[str, list[Window]] = {"mlfabric": [], "fifo": []}
     not_applied: dict[str, collections.Counter[str]] = {
         "mlfabric": collections.Counter(), "fifo": collections.Counter()}
     rates = {"h0": (1000.0, args.down_mbit)}
@@ -91,6 +97,18 @@ def main() -> int:
                                           if not rec["applied"])
                 not_applied[policy].update(why)
                 print(f"round {r + 1}  {summary.row()}  {dict(why) or ''}", flush=True)
+                try:
+                    w = window((Outcome(rec["host"], rec["start"] + rec["seconds"],
+                                        rec["delay"] if rec["applied"] else None)
+                                for rec in records), warmup=STEADY_WARMUP)
+                except ValueError as e:
+                    print(f"           steady window: none ({e})", flush=True)
+                else:
+                    steady[policy].append(w)
+                    print(f"           steady window {w.seconds:.1f} s, {w.updates} applied, "
+                          f"{w.discarded} not: delay mean {w.mean:.2f} (N - 1 = "
+                          f"{w.workers - 1}) std {w.spread:.2f} (within {w.within:.2f}, "
+                          f"between {w.between:.2f})", flush=True)
 
     def med(policy: str, field: str) -> float:
         return statistics.median(getattr(s, field) for s in runs[policy])
@@ -106,10 +124,24 @@ def main() -> int:
         a, b = med("mlfabric", f), med("fifo", f)
         ratio = f"{a / b:12.2f}" if b else f"{'-':>12s}"
         print(f"  {f:22s}{a:12.3f}{b:12.3f}{ratio}")
+    if steady["mlfabric"] and steady["fifo"]:
+        print(f"  steady window (every worker running, from {STEADY_WARMUP:g} s after the "
+              f"first outcome; medians of {len(steady['mlfabric'])} and "
+              f"{len(steady['fifo'])} runs)")
+        for f in ("seconds", "mean", "spread", "within", "between"):
+            a = statistics.median(getattr(w, f) for w in steady["mlfabric"])
+            b = statistics.median(getattr(w, f) for w in steady["fifo"])
+            ratio = f"{a / b:12.2f}" if b else f"{'-':>12s}"
+            print(f"  {'delay_' + f if f != 'seconds' else 'window_seconds':22s}"
+                  f"{a:12.3f}{b:12.3f}{ratio}")
     for policy, why in not_applied.items():
         print(f"  not applied over {args.rounds} runs, {policy}: "
               + (", ".join(f"{k} {v}" for k, v in why.most_common()) or "none"))
     return 0
+
+
+# The run's first outcomes come before every worker has pushed once.
+STEADY_WARMUP = 2.0
 
 
 def _reason(reason: str | None) -> str:
