@@ -181,13 +181,7 @@ def max_min_rates(const Py_ssize_t[:, ::1] links, const double[::1] capacity,
                         rate[f] = cap[f]
                         active[f] = 0
                         n_active -= 1
-                        for k in range(hops):
-                            s = fl[f * hops + k]
-                            if kacc[s] == 0:
-                                touched[ntouch] = s
-                                ntouch += 1
-                            kacc[s] += 1
-                            acc[s] += cap[f]
+                        ntouch = _freeze(f, hops, fl, kacc, touched, ntouch, acc, cap[f])
                     for j in range(ntouch):
                         s = touched[j]
                         left[s] -= acc[s]
@@ -211,12 +205,7 @@ def max_min_rates(const Py_ssize_t[:, ::1] links, const double[::1] capacity,
                     active[f] = 0
                     n_active -= 1
                     rate[f] = level
-                    for k in range(hops):
-                        l = fl[f * hops + k]
-                        if kacc[l] == 0:
-                            touched[ntouch] = l
-                            ntouch += 1
-                        kacc[l] += 1
+                    ntouch = _freeze(f, hops, fl, kacc, touched, ntouch, NULL, 0.0)
             for j in range(ntouch):
                 s = touched[j]
                 left[s] -= level * <double> kacc[s]
@@ -239,6 +228,24 @@ def max_min_rates(const Py_ssize_t[:, ::1] links, const double[::1] capacity,
         PyMem_Free(left)
         PyMem_Free(share)
         PyMem_Free(acc)
+
+
+cdef inline Py_ssize_t _freeze(Py_ssize_t f, Py_ssize_t hops, const Py_ssize_t* fl,
+                               Py_ssize_t* kacc, Py_ssize_t* touched, Py_ssize_t ntouch,
+                               double* acc, double weight) noexcept nogil:
+    # Flow f leaves the filling: each link it crosses counts it (once per
+    # crossing) and, with `acc`, adds its rate to what comes off the link.
+    # Returns the count of links touched so far in this round.
+    cdef Py_ssize_t k, s
+    for k in range(hops):
+        s = fl[f * hops + k]
+        if kacc[s] == 0:
+            touched[ntouch] = s
+            ntouch += 1
+        kacc[s] += 1
+        if acc != NULL:
+            acc[s] += weight
+    return ntouch
 
 
 cdef int _cmp(const void* a, const void* b) noexcept nogil:
