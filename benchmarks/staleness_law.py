@@ -44,7 +44,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from mlfabric.sim.engine import PushRecord
+from mlfabric.sim.engine import MIB, PushRecord, RateChange, Scenario, simulate
 
 
 @dataclass(frozen=True)
@@ -147,8 +147,6 @@ def describe(label: str, w: Window) -> list[str]:
 
 
 def run_sim(args: argparse.Namespace) -> int:
-    from mlfabric.sim.engine import MIB, RateChange, Scenario, simulate
-
     slow = (RateChange(0, "h1", up_mbit=20), RateChange(0, "h2", up_mbit=30),
             RateChange(0, "h3", up_mbit=50))
     sc = Scenario(workers=6, server_down_mbit=80, update_bytes=2 * MIB, compute=1.0,
@@ -156,7 +154,8 @@ def run_sim(args: argparse.Namespace) -> int:
     for policy in args.policies.split(","):
         result = simulate(sc, policy)
         discarded = sum(1 for r in result.records if not r.applied)
-        label = f"{policy} (seed {args.seed}, {discarded} of {len(result.records)} discarded)"
+        label = (f"{policy} (seed {args.seed}; the whole run: {discarded} of "
+                 f"{len(result.records)} discarded)")
         for line in describe(label, window(from_records(result.records), args.warmup)):
             print(line, flush=True)
     return 0
