@@ -413,6 +413,9 @@ def test_asymmetric_links_real_buckets_and_other_tenants(case: str) -> None:
             # (burst * send / (send - C)) was tried and did not settle sooner.
             wait_for(lambda: within(agents.estimates(), pairs, truth, 0.10), timeout=30.0)
             errors: dict[tuple[str, str], list[float]] = {p: [] for p in pairs}
+            # What each sample read against its truth's band (Mbit/s), for the
+            # failure message: which way a path was off, and for how long.
+            readings: dict[tuple[str, str], list[str]] = {p: [] for p in pairs}
             for _ in range(16):
                 ests, peak = agents.estimates(), peak_flow()
                 for p in pairs:
@@ -421,9 +424,11 @@ def test_asymmetric_links_real_buckets_and_other_tenants(case: str) -> None:
                     got = e.bandwidth_bps
                     errors[p].append(1.0 if e.stale else 0.0 if lo <= got <= hi else
                                      min(abs(got - lo) / lo, abs(got - hi) / hi))
+                    readings[p].append(f"{got / 1e6:.0f}{' stale' if e.stale else ''} in "
+                                       f"{lo / 1e6:.0f}-{hi / 1e6:.0f}")
                 time.sleep(0.5)  # sampling the agents' estimates, as a controller polls
             every = sorted(e for errs in errors.values() for e in errs)
-            bad = {p: errs for p, errs in errors.items() if max(errs) > 0.25}
+            bad = {p: readings[p] for p, errs in errors.items() if max(errs) > 0.25}
             assert every[len(every) // 2] <= 0.05, errors
             assert every[-1] <= 3.0, bad  # no estimate above 4x its truth
             assert sum(e > 0.25 for e in every) / len(every) <= 0.03, bad
