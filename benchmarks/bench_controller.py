@@ -110,8 +110,15 @@ def main() -> int:
                           f"{w.workers - 1}) std {w.spread:.2f} (within {w.within:.2f}, "
                           f"between {w.between:.2f})", flush=True)
 
-    def med(policy: str, field: str) -> float:
-        return statistics.median(getattr(s, field) for s in runs[policy])
+    def med(items: list[Summary] | list[Window], field: str) -> float:
+        return statistics.median(getattr(x, field) for x in items)
+
+    def line(name: str, items: dict[str, list[Summary]] | dict[str, list[Window]],
+             field: str) -> None:
+        """One row: the medians of mlfabric and fifo, and their ratio."""
+        a, b = med(items["mlfabric"], field), med(items["fifo"], field)
+        ratio = f"{a / b:12.2f}" if b else f"{'-':>12s}"
+        print(f"  {name:22s}{a:12.3f}{b:12.3f}{ratio}")
 
     print()
     print(f"medians of {args.rounds} runs per policy ({args.workers} workers, "
@@ -121,19 +128,13 @@ def main() -> int:
               "seconds_mean", "seconds_std", "wall"]
     print(f"  {'':22s}" + "".join(f"{p:>12s}" for p in ("mlfabric", "fifo", "mlf/fifo")))
     for f in fields:
-        a, b = med("mlfabric", f), med("fifo", f)
-        ratio = f"{a / b:12.2f}" if b else f"{'-':>12s}"
-        print(f"  {f:22s}{a:12.3f}{b:12.3f}{ratio}")
+        line(f, runs, f)
     if steady["mlfabric"] and steady["fifo"]:
         print(f"  steady window (every worker running, from {STEADY_WARMUP:g} s after the "
               f"first outcome; medians of {len(steady['mlfabric'])} and "
               f"{len(steady['fifo'])} runs)")
         for f in ("seconds", "mean", "spread", "within", "between"):
-            a = statistics.median(getattr(w, f) for w in steady["mlfabric"])
-            b = statistics.median(getattr(w, f) for w in steady["fifo"])
-            ratio = f"{a / b:12.2f}" if b else f"{'-':>12s}"
-            print(f"  {'delay_' + f if f != 'seconds' else 'window_seconds':22s}"
-                  f"{a:12.3f}{b:12.3f}{ratio}")
+            line("window_seconds" if f == "seconds" else f"delay_{f}", steady, f)
     for policy, why in not_applied.items():
         print(f"  not applied over {args.rounds} runs, {policy}: "
               + (", ".join(f"{k} {v}" for k, v in why.most_common()) or "none"))

@@ -158,7 +158,7 @@ def test_the_compiled_filling_gives_the_reference_rates_bit_for_bit(caps, flows,
         "mlfabric.sim._fill is not built: pip install -e . (or python setup.py build_ext "
         "--inplace)")
     links = np.array([f[:hops] for f in flows], np.intp).reshape(len(flows), hops)
-    capacity = np.array([*caps, float("inf")])
+    capacity = np.array([*caps, INF])
     cap = np.array([f[3] for f in flows]) if limited else None
     want = max_min_rates_reference(links, capacity, cap)
     got = max_min_rates(links, capacity, cap)
@@ -167,7 +167,7 @@ def test_the_compiled_filling_gives_the_reference_rates_bit_for_bit(caps, flows,
 
 def test_the_compiled_filling_refuses_what_the_reference_refuses():
     only_padding = np.array([[1, 1]], np.intp)
-    capacity = np.array([5.0, float("inf")])
+    capacity = np.array([5.0, INF])
     for fill in (max_min_rates, max_min_rates_reference):
         with pytest.raises(ConfigError, match="crosses no link of finite capacity"):
             fill(only_padding, capacity)
