@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -285,6 +286,72 @@ def test_a_paced_go_holds_the_workers_link_to_its_rate_until_the_servers_answer(
     assert first >= (4 << 20) / pace * 0.85, first
     assert 0.09 <= second < 0.6, second  # 0.4 MB in 0.1 s, then the rest at once
     assert sample(metrics.paced_pushes) == 2
+
+
+def test_a_push_that_lands_before_the_one_its_go_named_waits_for_it_at_the_server(
+        loop_kind, run_async, caplog):
+    """Issue 34, end to end on loopback: a real controller, server and two
+    workers. The server is at version 1 with tau_max 1. A's update (on
+    version 0) is let go paced to take about a second; B's (on version 1)
+    goes after it, named to follow A (which would be refused as stale if B
+    landed first), and lands first. The server holds B until A is in: A is
+    applied at its deadline, then B; the decision log names A in B's go."""
+    import dataclasses
+
+    import mlfabric.aio
+    from mlfabric.controller.state import Go
+
+    model = {"w": np.zeros(1 << 20, np.float32)}  # 4 MiB
+    endpoint = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None)
+    decide, goes = endpoint.state.decide, []
+
+    def named(now):
+        d = decide(now)
+        actions = []
+        for a in d.actions:
+            if isinstance(a, Go):
+                goes.append(a.transfer.id)
+                if len(goes) == 2:  # A: about a second on the wire
+                    a = dataclasses.replace(a, pace=4e6)
+                elif len(goes) == 3:  # B: must follow A
+                    a = dataclasses.replace(a, after=(goes[1],), after_seconds=30.0)
+            actions.append(a)
+        return dataclasses.replace(d, actions=tuple(actions))
+
+    endpoint.state.decide = named
+    caplog.set_level(logging.INFO, logger="mlfabric.decisions")
+
+    async def run(server, controller, directives):
+        kw = dict(job=JOB, token=TOKEN, controller=controller, host="127.0.0.1")
+        wa = await mlfabric.aio.connect(server, **kw)
+        wb = await mlfabric.aio.connect(server, **kw)
+        try:
+            x = {"w": np.ones(1 << 20, np.float32)}
+            assert (await wa.push(x, base_version=0)).version == 1
+            fa = wa.push({"w": np.ones(1 << 20, np.float32)}, base_version=0)
+            deadline = time.monotonic() + 10
+            while sample(directives, action="go") < 2:  # A let go
+                assert time.monotonic() < deadline, "A was not let go"
+                await asyncio.sleep(0.005)
+            ob = await wb.push({"w": np.full(1 << 20, 2, np.float32)}, base_version=1)
+            return await fa, ob
+        finally:
+            await wa.close()
+            await wb.close()
+
+    with ServerThread(ParameterStore(model, tau_max=1), loop_kind=loop_kind) as server, \
+            ServerThread(None, loop_kind=loop_kind, endpoint=endpoint) as controller:
+        oa, ob = run_async(run(server.address, controller.address,
+                               controller.metrics.directives))
+        assert (oa.applied, oa.version, oa.delay) == (True, 2, 1)
+        assert (ob.applied, ob.version, ob.delay) == (True, 3, 1)
+        assert sample(server.metrics.pushes_held, ended="in_order") == 1
+        assert sample(server.metrics.updates_rejected, reason="stale") == 0
+        assert sample(controller.metrics.ordered_transfers) == 1
+    logged = [json.loads(r.getMessage()) for r in caplog.records
+              if r.name == "mlfabric.decisions" and '"go"' in r.getMessage()]
+    assert [g.get("after") for g in logged] == [None, None, [goes[1]]]
+    assert logged[2]["after_seconds"] == 30.0
 
 
 def test_controller_command_serves_and_stops_cleanly(tmp_path):

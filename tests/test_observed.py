@@ -66,6 +66,103 @@ def test_release_at_puts_an_end_a_guard_after_every_critical_end():
                                  ).release_at(0.2) == 0.0
 
 
+def test_a_newcomer_names_the_running_transfers_it_would_refuse_by_passing_them():
+    """Issue 34: a transfer the plan has land before a newcomer, with fewer
+    versions of slack than the transfers that could pass it (those planned
+    after it, the newcomer too), is named in the newcomer's go, and its
+    server applies the newcomer only after it."""
+    # tau_max 10. r1 ends first, 8 stale: 2 more may pass it; r2: 9 more.
+    rows = [(1.0, 1, 1.0, 8, True), (1.1, 2, 1.0, 0, True)]
+    assert observed.RunningOrder(rows, now=None, tau_max=10).must_follow(2.0, 9) is None
+    # With a third running after r1, a newcomer would be the third that could pass it.
+    rows.append((1.2, 3, 0.5, 0, True))
+    order = observed.RunningOrder(rows, now=None, tau_max=10)
+    assert order.must_follow(2.0, 9) == (
+        (1,), pytest.approx(observed.FOLLOW_PATIENCE * 1.0))
+    # Planned to land before r1, or between r1 and r2: it passes nothing at risk.
+    assert order.must_follow(0.5, 9) is None
+    assert order.must_follow(1.05, 9) == ((1,), pytest.approx(observed.FOLLOW_PATIENCE))
+    # Through an aggregator: never named (its aggregate is another push).
+    rows[0] = (1.0, 1, 1.0, 8, False)
+    assert observed.RunningOrder(rows, now=None, tau_max=10).must_follow(2.0, 9) is None
+
+
+def test_the_wait_for_a_named_transfer_is_bounded_by_its_length_or_its_lateness():
+    # Critical (10 stale at tau_max 10): named whatever runs beside it. At
+    # 0.5 s into a 1 s transfer the bound is its planned second; at 3 s in,
+    # past its end, what it has taken so far.
+    rows = [(1.0, 1, 1.0, 10, True)]
+    early = observed.RunningOrder(rows, now=0.5, tau_max=10).must_follow(2.0, 9)
+    assert early == ((1,), pytest.approx(observed.FOLLOW_PATIENCE * 1.0))
+    late = observed.RunningOrder(rows, now=3.0, tau_max=10).must_follow(4.0, 9)
+    assert late == ((1,), pytest.approx(observed.FOLLOW_PATIENCE * 3.0))
+    # A short one: no less than the order guard's minimum.
+    short = observed.RunningOrder([(1e-4, 1, 1e-4, 10, True)], now=None, tau_max=10)
+    assert short.must_follow(1.0, 9) == (
+        (1,), pytest.approx(observed.FOLLOW_PATIENCE * observed.ORDER_GUARD_MIN))
+    # At most MAX_FOLLOW are named, the first planned.
+    many = [(1.0 + k, k, 1.0, 100, True) for k in range(observed.MAX_FOLLOW + 6)]
+    ids, _ = observed.RunningOrder(many, now=None, tau_max=100).must_follow(1e3, 999)
+    assert ids == tuple(range(observed.MAX_FOLLOW))
+
+
+def _land(landing: list[int], names: dict[int, tuple[int, ...]], base: dict[int, int],
+          version: int, tau: int) -> set[int]:
+    """A server's applies as `landing` orders the arrivals, each held until
+    the transfers `names` gives it have landed: the refused."""
+    v, landed, waiting, refused = version, set(), [], set()
+    for t in landing:
+        waiting.append(t)
+        while any(set(names.get(w, ())) <= landed for w in waiting):
+            w = next(w for w in waiting if set(names.get(w, ())) <= landed)
+            waiting.remove(w)
+            if v - base[w] > tau:
+                refused.add(w)
+            else:
+                v += 1
+            landed.add(w)
+    assert not waiting  # every name lands: nothing waits for ever
+    return refused
+
+
+def test_no_transfer_is_refused_for_being_passed_when_its_server_keeps_the_names(
+        ) -> None:
+    """The invariant `must_follow` gives: transfers let go one after the
+    other, each planned to land after those running, each named by the
+    newcomers that could take its last version of slack. However they
+    land, a server that holds each until the ones its go named have landed
+    refuses none that had at least as much slack as passers when let go.
+    Without the names, the same landings refuse some."""
+    rng = random.Random(34)
+    refused_without = 0
+    for _ in range(300):
+        tau = rng.randint(1, 8)
+        order = observed.RunningOrder([], now=None, tau_max=tau)
+        version = 100
+        base: dict[int, int] = {}
+        names: dict[int, tuple[int, ...]] = {}
+        protectable: set[int] = set()
+        for tid in range(rng.randint(1, 12)):
+            stale = rng.randint(0, tau)
+            end = float(tid + 1)
+            ahead = len(order)
+            follow = order.must_follow(end, tid)
+            names[tid] = follow[0] if follow else ()
+            if tau - stale - ahead >= 0:  # the plan can land it in time
+                protectable.add(tid)
+            order.add(end, tid, 1.0, stale, True)
+            base[tid] = version - stale
+        landing = list(base)
+        rng.shuffle(landing)
+        for held in (True, False):
+            refused = _land(landing, names if held else {}, base, version, tau)
+            if held:
+                assert not refused & protectable, (tau, names, landing, refused)
+            else:
+                refused_without += len(refused & protectable)
+    assert refused_without > 0  # the names are what kept them
+
+
 def _two(guard: bool) -> tuple[ControlState, list]:
     """A must land next (base 0, the server at 2, tau_max 2); the plan starts
     B beside it and has it end after A, but B's path could carry it in 0.2 s."""
@@ -95,6 +192,21 @@ def test_a_transfer_that_could_overtake_a_critical_one_waits_until_it_cannot():
     # B at its path's full rate takes 0.2 s: it may end no sooner than 1.1.
     assert d.wake_at == pytest.approx(0.9)
     assert [x.transfer.id for x in state.decide(d.wake_at).actions] == [b.id]
+
+
+def test_a_transfer_let_go_beside_a_critical_one_names_it_for_the_server():
+    state, (a, b) = _two(guard=True)
+    d = state.decide(0.0)
+    (go_a,) = d.actions
+    assert go_a.after is None and go_a.after_seconds is None  # nothing runs yet
+    (go_b,) = state.decide(d.wake_at).actions
+    # A is critical, 0.9 s into its planned second: B's server applies B
+    # only after A, waiting for it at most FOLLOW_PATIENCE x 1 s.
+    assert go_b.transfer.id == b.id and go_b.after == (a.id,)
+    assert go_b.after_seconds == pytest.approx(observed.FOLLOW_PATIENCE * 1.0)
+    # Without the release guard's order there is nothing to name by.
+    state, (a, b) = _two(guard=False)
+    assert [x.after for x in state.decide(0.0).actions] == [None, None]
 
 
 def test_a_transfer_let_go_beside_a_critical_one_is_paced_at_its_reserved_rate():

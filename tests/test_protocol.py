@@ -108,6 +108,11 @@ CASES = [
     PushResult(req=4, applied=False, version=11, delay=None, reason="stale: delay 9 > 8"),
     PushResult(req=7, applied=True, version=20, delay=3, fan_in=4, index=3),
     Push(req=16, base_version=4, tensors={"a": np.float32([0.5])}, seq=18, fan_in=4, index=1),
+    # under a controller: its ticket, and the transfers it must not pass (issue 34)
+    Push(req=18, base_version=4, tensors={"a": np.float32([0.5])}, ticket=2**40),
+    Push(req=19, base_version=4, tensors={"a": np.float32([0.5])}, ticket=9, after=(3, 7),
+         after_seconds=0.25),
+    Push(req=20, base_version=4, tensors={"a": np.float32([0.5])}, ticket=9, seq=3),
     # compressed (issue 35): each tensor's parts, named TENSOR#PART
     Push(req=17, base_version=4, tensors={
         "w#i": np.int32([1, 7]), "w#v": np.float32([0.5, -1]),
@@ -126,6 +131,9 @@ CASES = [
     Directive(req=8, action="go", position=1, planned_seconds=0.3, pace=7_340_032.5),
     Directive(req=9, action="go", position=1, planned_seconds=0.3, pace=1e6,
               pace_seconds=0.125),
+    Directive(req=10, action="go", position=1, planned_seconds=0.3, ticket=44),
+    Directive(req=11, action="go", position=1, planned_seconds=0.3, ticket=45,
+              after=tuple(range(64)), after_seconds=600.0),
     TransferProgress(req=7, sent=8 << 20),
     Directive(req=5, action="drop", reason="deadline_missed"),
     Directive(req=6, action="go", position=3, planned_seconds=0.25, via="10.0.0.7:7401",
@@ -541,6 +549,37 @@ BAD_FRAMES = {
     "pace seconds past a day": (
         frame(MsgType.DIRECTIVE, {"req": 1, "action": "go", "pace": 1e6,
                                   "pace_seconds": 1e6}), "'pace_seconds'"),
+    "after without its seconds": (
+        frame(MsgType.DIRECTIVE, {"req": 1, "action": "go", "ticket": 2, "after": [1]}),
+        "fields 'after' and 'after_seconds' come together, with a 'ticket': got "
+        r"\(1,\), None and 2"),
+    "after without a ticket": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [], "after": [1],
+                             "after_seconds": 1.0}), "with a 'ticket'"),
+    "after empty": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [], "ticket": 2,
+                             "after": [], "after_seconds": 1.0}),
+        r"field 'after' must be 1 to 64 transfer ids \(non-negative integers\), got \[\]"),
+    "after too many": (
+        frame(MsgType.DIRECTIVE, {"req": 1, "action": "go", "ticket": 2,
+                                  "after": list(range(65)), "after_seconds": 1.0}),
+        "field 'after' must be 1 to 64"),
+    "after negative": (
+        frame(MsgType.DIRECTIVE, {"req": 1, "action": "go", "ticket": 2, "after": [-1],
+                                  "after_seconds": 1.0}), "field 'after' must be"),
+    "after not a list": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [], "ticket": 2,
+                             "after": 3, "after_seconds": 1.0}), "field 'after' must be"),
+    "after seconds zero": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [], "ticket": 2,
+                             "after": [1], "after_seconds": 0}),
+        "field 'after_seconds' must be above 0 and at most 600, got 0"),
+    "after seconds past the bound": (
+        frame(MsgType.DIRECTIVE, {"req": 1, "action": "go", "ticket": 2, "after": [1],
+                                  "after_seconds": 601}), "'after_seconds'"),
+    "ticket negative": (
+        frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [], "ticket": -2}),
+        "field 'ticket' must be a non-negative integer"),
     "length mismatch": (
         frame(MsgType.PUSH, {"req": 1, "base_version": 0, "tensors": [["a", "f4", [4]]]},
               b"\0" * 12),

@@ -972,3 +972,92 @@ def test_nothing_after_a_refused_frame_is_acted_on(serve):
         version, params = ps.pull(timeout=5)
     assert version == 0
     assert_model_equal(params, model)
+
+
+# --- the order the controller planned: pushes held for the ones their go named -----
+
+
+async def _until(predicate, what: str, timeout: float = 5.0) -> None:
+    """Bounded wait, from the client's loop, for the server thread's state."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+def test_a_push_that_lands_before_one_its_go_named_is_applied_after_it(serve, run_async):
+    """Issue 34: B lands first, but its go named A, which would be refused
+    as stale if B passed it (tau_max 1, A computed on version 0 with the
+    server at 1). The server holds B until A is in: both are applied, A
+    first, exactly as the momentum rule applies them in that order."""
+    model = make_model()
+    st = serve(model, momentum=0.5, tau_max=1)
+    ref = Reference(model, 0.5)
+    x, a, b = (random_update(model, seed=i) for i in range(3))
+
+    async def body():
+        async with await aio.connect(st.address, job=JOB, token=TOKEN) as ps:
+            assert (await ps.push(x, base_version=0)).version == 1
+            fb = ps.send_push(b, 1, ticket=2, after=(1,), after_seconds=30.0)
+            await _until(lambda: len(st.server.holds) == 1, "B held")
+            assert not fb.done()
+            oa = await ps.send_push(a, 0, ticket=1)
+            ob = await fb
+            assert (oa.applied, oa.version, oa.delay) == (True, 2, 1)
+            assert (ob.applied, ob.version, ob.delay) == (True, 3, 1)
+            # A push naming a ticket that has landed goes at once.
+            oc = await ps.send_push(random_update(model, seed=3), 3, ticket=3, after=(2,),
+                                    after_seconds=30.0)
+            assert (oc.applied, oc.version) == (True, 4)
+            version, params = await ps.pull()
+            return version, params
+
+    version, params = run_async(body())
+    for u in (x, a, b, random_update(model, seed=3)):
+        ref.apply(u)
+    assert version == 4
+    assert_model_equal(params, ref.w)
+    assert sample(st.metrics.pushes_held, ended="in_order") == 1
+    assert sample(st.metrics.pushes_held, ended="expired") == 0
+    assert sample(st.metrics.updates_rejected, reason="stale") == 0
+
+
+def test_a_held_push_goes_when_its_wait_runs_out(serve, run_async):
+    """The transfer named never lands (its worker died mid-transfer): the
+    held push is applied once its after_seconds have passed, not never."""
+    model = make_model()
+    st = serve(model, momentum=0.5, tau_max=4)
+
+    async def body():
+        async with await aio.connect(st.address, job=JOB, token=TOKEN) as ps:
+            started = time.monotonic()
+            ob = await ps.send_push(random_update(model, seed=1), 0, ticket=2, after=(9,),
+                                    after_seconds=0.3)
+            return ob, time.monotonic() - started
+
+    ob, took = run_async(body())
+    assert (ob.applied, ob.version, ob.delay) == (True, 1, 0)
+    assert took >= 0.3
+    assert sample(st.metrics.pushes_held, ended="expired") == 1
+    assert st.metrics.push_hold_seconds._sum.get() >= 0.3
+    assert len(st.server.holds) == 0
+
+
+def test_a_held_push_whose_connection_closes_is_not_applied(serve, run_async):
+    model = make_model()
+    st = serve(model, momentum=0.5, tau_max=4)
+
+    async def body():
+        ps = await aio.connect(st.address, job=JOB, token=TOKEN)
+        fb = ps.send_push(random_update(model, seed=1), 0, ticket=2, after=(9,),
+                          after_seconds=30.0)
+        await _until(lambda: len(st.server.holds) == 1, "the push held")
+        await ps.close()
+        with pytest.raises(ConnectionLost):
+            await fb
+        await _until(lambda: sample(st.metrics.pushes_held, ended="lost") == 1, "lost")
+        async with await aio.connect(st.address, job=JOB, token=TOKEN) as again:
+            return (await again.pull())[0]
+
+    assert run_async(body()) == 0  # the model never had it
+    assert len(st.server.holds) == 0

@@ -627,3 +627,26 @@ def test_mlfabric_sends_nothing_the_server_refuses_as_stale_with_mixed_speed_wor
     reasons = simulate(sc, "mlfabric").summary()["reasons"]
     assert "stale" not in reasons, reasons
     assert "stale" in simulate(sc, "fifo").summary()["reasons"]
+
+
+def test_a_server_that_keeps_the_order_its_goes_named_refuses_nothing_at_1000_workers():
+    """Issue 34: at 1,000 simulated workers, with the server's downlink
+    halved in the middle third and the controller not told, transfers ran
+    up to 4.3 times their plan, and others let go after them landed first:
+    seed 5 had 3 refused as stale. Each go now names the running transfers
+    it would refuse by passing them, and the server holds it for them."""
+    from mlfabric.sim.engine import RateChange, Scenario, simulate
+
+    n, compute, down = 1000, 1.2, 12.5 * 1000
+    third = 4 * (compute + 0.3) / 3  # as benchmarks/bench_sim.py's scenario
+    sc = Scenario(workers=n, update_bytes=2 << 20, steps=4, compute=compute, jitter=0.2,
+                  tau_max=n, server_down_mbit=down, server_up_mbit=10 * down,
+                  worker_up_mbit=1000.0, worker_down_mbit=1000.0, start_spread=compute,
+                  changes=(RateChange(third, "h0", down_mbit=down / 2),
+                           RateChange(2 * third, "h0", down_mbit=down)), seed=5)
+    kept = simulate(sc, "mlfabric")
+    assert "stale" not in kept.summary()["reasons"]
+    assert kept.held > 0 and kept.held_expired == 0
+    passed = simulate(dataclasses.replace(sc, keep_order=False), "mlfabric")
+    assert passed.summary()["reasons"].get("stale", 0) >= 1
+    assert passed.held == 0

@@ -292,7 +292,8 @@ class AsyncControlledPushes:
         try:
             codec: dict[str, Any] = {} if u.codec is None else {"codec": u.codec}
             server_future, u.part = self.client.send_push_part(u.arrays, u.base_version,
-                                                               u.upto, uid=u.uid, **codec)
+                                                               u.upto, uid=u.uid, **codec,
+                                                               **u.order)
         except MlfabricError as exc:
             if not u.future.done():
                 u.future.set_exception(exc)

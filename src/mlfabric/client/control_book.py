@@ -69,6 +69,9 @@ class ControlledUpdate:
     codec: str | None = None  # the compressed form its go named (None: the client's own)
     pace: float | None = None  # bytes/s its go holds it to (None: as TCP allows) ...
     pace_seconds: float | None = None  # ... for so long from its go (None: until answered)
+    # Its go's ticket, and the transfers the server is to apply first, for
+    # at most so long (the push carries them: `protocol.Push.after`).
+    order: dict[str, Any] = field(default_factory=dict)
 
     @property
     def in_parts(self) -> bool:
@@ -186,6 +189,8 @@ class ControlBook:
             u.upto = d.upto
             u.codec = d.codec
             u.pace, u.pace_seconds = d.pace, d.pace_seconds
+            u.order = {k: v for k, v in (("ticket", d.ticket), ("after", d.after),
+                                         ("after_seconds", d.after_seconds)) if v is not None}
             if d.via is not None:
                 u.via = d.via
                 u.member = {"group": d.group, "fan_in": d.fan_in, "index": d.index}

@@ -767,7 +767,10 @@ class Controller(Endpoint):
                     via=route.address if route else None, group=route.group if route else None,
                     fan_in=route.fan_in if route else None,
                     index=route.index if route else None, upto=action.upto,
-                    codec=action.codec, pace=action.pace, pace_seconds=action.pace_seconds)
+                    codec=action.codec, pace=action.pace, pace_seconds=action.pace_seconds,
+                    # (straight to the server only: its push names the transfer)
+                    ticket=None if route else t.id, after=action.after,
+                    after_seconds=action.after_seconds)
                 record = {"event": "go", "at": round(now, 6), "position": action.position,
                           "planned_seconds": round(action.planned_seconds, 6)}
                 if action.upto is not None:
@@ -775,6 +778,10 @@ class Controller(Endpoint):
                 if action.overrides_guard:  # (observed.HoldBudget)
                     m.guard_overrides.inc()
                     record["guard"] = "overridden"
+                if action.after is not None:  # (RunningOrder.must_follow)
+                    m.ordered_transfers.inc()
+                    record["after"] = list(action.after)
+                    record["after_seconds"] = round(action.after_seconds or 0.0, 6)
                 if action.pace is not None:  # beside a critical transfer (observed.pace)
                     m.paced_transfers.inc()
                     record["pace"] = round(action.pace)

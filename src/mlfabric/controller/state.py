@@ -65,6 +65,11 @@ class Go:
     # (None: until the server's answer).
     pace: float | None = None
     pace_seconds: float | None = None
+    # Transfers running into its server that would be refused as stale if
+    # it landed before them: the server applies it only once they have
+    # landed, waiting at most `after_seconds` (`RunningOrder.must_follow`).
+    after: tuple[int, ...] | None = None
+    after_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -810,10 +815,14 @@ class ControlState:
                                 wake_at = min(wake_at, at)
                             held[t.shard] = held.get(t.shard, 0) + 1
                             continue
+                follow = None
+                if order is not None and not t.granted and item.route is None:
+                    # What it must not pass at the server, should it land first.
+                    follow = order.must_follow(now + (item.planned_seconds or 0.0), t.id)
                 if stats is not None and not t.granted:
                     stats.sent += 1
                 actions.append(self._let_go(t, item, now, overrides=overrides,
-                                            room=room, paced_for=paced_for))
+                                            room=room, paced_for=paced_for, follow=follow))
                 self._joined(orders, t)  # it may be critical itself, or make others so
             elif item.start is not None:
                 wake_at = min(wake_at, item.start)
@@ -854,12 +863,15 @@ class ControlState:
 
     def _let_go(self, t: Transfer, item: PlanItem, now: float, whole: bool = False,
                 overrides: bool = False, room: float | None = None,
-                paced_for: float | None = None) -> Go:
+                paced_for: float | None = None,
+                follow: tuple[tuple[int, ...], float] | None = None) -> Go:
         """Move pending `t` to active as planned by `item`: all of it, or for
         a chunked transfer its next chunk (the rest of it if `whole`). With a
         `room` (bytes/s critical transfers leave it), paced (`observed.pace`;
         straight to its server only: an aggregator's sum is another transfer)
-        for `paced_for` seconds (None: to its end)."""
+        for `paced_for` seconds (None: to its end). With `follow` (ids,
+        seconds), applied only after those transfers have landed
+        (`RunningOrder.must_follow`)."""
         self._unpend(t)
         first = not t.granted
         planned = item.planned_seconds or 0.0
@@ -884,9 +896,11 @@ class ControlState:
         self._hold(t)
         rate = observed.pace(t.piece if t.chunk and t.piece else t.nbytes, planned, room) \
             if room is not None and item.route is None else None
+        after, after_seconds = follow if follow is not None else (None, None)
         return Go(t, item.position or 0, planned, item.route, upto=upto, first=first,
                   codec=t.codec, overrides_guard=overrides, pace=rate,
-                  pace_seconds=paced_for if rate is not None else None)
+                  pace_seconds=paced_for if rate is not None else None,
+                  after=after, after_seconds=after_seconds)
 
     def status(self, now: float | None = None) -> dict[str, object]:
         """The job at a glance (what `mlfabric status` prints), JSON-ready.

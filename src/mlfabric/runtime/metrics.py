@@ -23,6 +23,8 @@ DELAY_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 APPLY_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
 # A transfer: a 4 KiB round trip on loopback to a GB model on a slow link.
 TRANSFER_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
+# A push held for the transfers it must not pass: as long as they are late.
+HOLD_BUCKETS = TRANSFER_BUCKETS
 
 # Members of one aggregate (2..64).
 FAN_IN_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
@@ -125,6 +127,19 @@ class ServerMetrics:
             registry=r,
             buckets=APPLY_BUCKETS,
         )
+        self.pushes_held = Counter(
+            "server_pushes_held",
+            "Pushes that landed before transfers their go named (ones that would be "
+            "refused as stale if passed), by how their hold ended: in_order (those "
+            "landed), expired (after_seconds passed first) or lost (the connection "
+            "closed, or the server did, before either)",
+            ["ended"], namespace=ns, registry=r)
+        for ended in ("in_order", "expired", "lost"):
+            self.pushes_held.labels(ended)
+        self.push_hold_seconds = Histogram(
+            "server_push_hold_seconds",
+            "How long a push that landed before the transfers its go named was held",
+            namespace=ns, registry=r, buckets=HOLD_BUCKETS)
         _listener_metrics(self, "server", "client", r)
         self.pulls = Counter("server_pulls", "Pulls answered with the model as it is",
                              namespace=ns, registry=r)
@@ -319,6 +334,12 @@ class ControllerMetrics:
             "Transfers let go beside a critical transfer (one that must land next or be "
             "refused as stale) that they could land before: holding them had idled more "
             "of the server's link than the critical ones would waste if refused",
+            namespace=ns, registry=r)
+        self.ordered_transfers = Counter(
+            "controller_ordered_transfers",
+            "Transfers let go with transfers named that their server applies first: ones "
+            "planned to land before them that would be refused as stale if passed "
+            "(scheduling.observed.RunningOrder.must_follow)",
             namespace=ns, registry=r)
         self.paced_transfers = Counter(
             "controller_paced_transfers",

@@ -9,11 +9,12 @@ always sees the model between two updates, never half of one.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import secrets
 import time
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -40,6 +41,7 @@ from ..wire.protocol import (
     Welcome,
     default_allocate,
 )
+from .holds import Holds
 from .pulls import PullWaits
 from .store import ParameterStore, StagedApply
 
@@ -92,6 +94,9 @@ class ParameterServer(Endpoint):
         self.chain: Any = None
         # Pulls for an update, held until it is applied (None: answered at once).
         self.pull_waits: PullWaits | None = PullWaits(self)
+        # Pushes landed before the transfers their go named (`holds`).
+        self.holds = Holds()
+        self._held: dict[int, _Held] = {}  # by id(push)
         self.metrics.version.set(store.version)
 
     def make_protocol(self) -> ServerProtocol:
@@ -214,6 +219,55 @@ class ParameterServer(Endpoint):
                           delay=min(outcome.delays), reason=outcome.reason,
                           delays=outcome.delays)
 
+    # -- the order the controller planned (holds.py) ------------------------------
+
+    def hold(self, conn: ServerProtocol, event: Push) -> bool:
+        """Hold `event`, landed before transfers its go named that have not
+        (it would pass them, and they would be refused as stale), until they
+        have or its `after_seconds` run out. False: apply it now."""
+        if event.after is None or event.after_seconds is None:
+            return False
+        waits = self.holds.missing(event.after)
+        if not waits:
+            return False
+        held = _Held(conn, event, time.monotonic())
+        if not self.holds.hold(id(event), waits):
+            self.log.warning("%d pushes are held already: push %d from %s is applied as it "
+                             "landed, ahead of transfers %s", len(self.holds), event.req,
+                             conn.client, sorted(waits))
+            return False
+        held.timer = asyncio.get_running_loop().call_later(
+            event.after_seconds, self._hold_ended, id(event), "expired")
+        self._held[id(event)] = held
+        return True
+
+    def landed(self, ticket: int | None) -> None:
+        """The push of `ticket` has been applied or refused: the pushes held
+        for it alone are applied, in the order they came."""
+        if ticket is None:
+            return
+        for key in self.holds.landed(ticket):
+            self._hold_ended(cast(int, key), "in_order", held=True)
+
+    def _hold_ended(self, key: int, ended: str, held: bool = False) -> None:
+        entry = self._held.pop(key, None)
+        if entry is None or not (held or self.holds.drop(key)):
+            return
+        if entry.timer is not None:
+            entry.timer.cancel()
+        self.metrics.pushes_held.labels(ended).inc()
+        self.metrics.push_hold_seconds.observe(time.monotonic() - entry.since)
+        if ended == "lost":  # not applied: nothing waits for it any more
+            self.landed(entry.event.ticket)
+        else:
+            entry.conn.finish_push(entry.event)
+
+    def lost(self, conn: ServerProtocol) -> None:
+        """`conn` closed: its held pushes are not applied (their workers
+        learn nothing of them, as of a push whose bytes did not all come)."""
+        for key in [k for k, h in self._held.items() if h.conn is conn]:
+            self._hold_ended(key, "lost")
+
     def pong(self, ping: Ping) -> Pong:
         """A heartbeat's answer: alive at this version, with the norms of the
         updates applied above `ping.since` and the velocity when asked."""
@@ -262,17 +316,10 @@ class ServerProtocol(EndpointProtocol):
         if isinstance(event, Push):
             staged, data = self._staged, self._staged_frame
             self._staged = self._staged_frame = None
-            answer = server.handle_push(event, staged, data)
-            if isinstance(answer, Error):
-                self.log.warning("refused push %d from %s (%s): %s", event.req, self.client,
-                                 self.peer, answer.message)
-            elif server.chain is not None and answer.applied:
-                # Acknowledge once the replica has it too.
-                forwarded = server.chain.forward(event, answer.version)
-                if forwarded is not None:
-                    forwarded.add_done_callback(lambda _: self.send(answer))
-                    return
-            self.send(answer)
+            if staged is None and server.hold(self, event):
+                self._push_buffer = None  # its tensors live there until it is applied
+                return
+            self.finish_push(event, staged, data)
         elif isinstance(event, Pull):
             if event.uid is not None and server.pull_waits is not None:
                 server.pull_waits.pull(self, event)
@@ -288,6 +335,25 @@ class ServerProtocol(EndpointProtocol):
             self.send(Model(req=event.req, version=ckpt.version, tensors=tensors))
         elif isinstance(event, Ping):
             self.send(server.pong(event))
+
+    def finish_push(self, event: Push, staged: StagedApply | None = None,
+                    data: Any = None) -> None:
+        """Apply `event` (or refuse it) and answer; then the pushes held for
+        it may go (`ParameterServer.landed`)."""
+        server = self.server
+        answer = server.handle_push(event, staged, data)
+        if isinstance(answer, Error):
+            self.log.warning("refused push %d from %s (%s): %s", event.req, self.client,
+                             self.peer, answer.message)
+        elif server.chain is not None and answer.applied:
+            # Acknowledge once the replica has it too.
+            forwarded = server.chain.forward(event, answer.version)
+            if forwarded is not None:
+                forwarded.add_done_callback(lambda _: self.send(answer))
+                server.landed(event.ticket)
+                return
+        self.send(answer)
+        server.landed(event.ticket)
 
     def after_events(self) -> None:
         """Apply the push that is arriving as far as its bytes have come."""
@@ -318,6 +384,7 @@ class ServerProtocol(EndpointProtocol):
                 waits.voided()
         if waits is not None:
             waits.lost(self)
+        self.server.lost(self)
         self._push_buffer = None
         self._queued = []
 
@@ -364,6 +431,16 @@ class ServerProtocol(EndpointProtocol):
                 self._push_buffer = np.empty(max(nbytes, self.server.store.nbytes), np.uint8)
             return self._push_buffer
         return default_allocate(msg_type, nbytes)
+
+
+@dataclasses.dataclass(eq=False)
+class _Held:
+    """A push held for the transfers its go named (`ParameterServer.hold`)."""
+
+    conn: ServerProtocol
+    event: Push
+    since: float  # time.monotonic() when it landed
+    timer: Any = None  # its after_seconds' asyncio.TimerHandle
 
 
 def velocity_norm(store: ParameterStore) -> float:

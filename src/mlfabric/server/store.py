@@ -556,9 +556,11 @@ class ParameterStore:
         `nbytes` of data) is applied as they come in: its staging, or None
         (applied whole at its end by `apply_push`). Only pushes of at least
         `min_bytes` (None: none) are staged; never a sequenced one (only a
-        replica takes those) nor a duplicate (answered, never applied twice)."""
+        replica takes those), a duplicate (answered, never applied twice),
+        nor one the server may hold for others (`Push.after`)."""
         if min_bytes is None or nbytes < min_bytes or push.seq is not None \
-                or push.codecs is not None:  # compressed: decoded whole, then applied
+                or push.codecs is not None \
+                or push.after is not None:  # compressed: decoded whole, then applied
             return None
         if push.members is not None:
             members = [(uid, base) for uid, base, _ in push.members]

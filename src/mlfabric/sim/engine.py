@@ -131,6 +131,10 @@ class Scenario:
     # landing), as mlfabric does. "server": the server itself (one message),
     # a path mlfabric does not have: what it would give the hand-over.
     landing_report: str = "worker"
+    # Servers apply a push that lands before the transfers its go named
+    # only once they have landed (`Go.after`, as mlfabric's do); False:
+    # each as it lands, as before issue 34's names (to measure them).
+    keep_order: bool = True
 
     def __post_init__(self) -> None:
         def positive(name: str, v: float) -> None:
@@ -252,6 +256,10 @@ class Result:
     max_utilization: float = 0.0  # highest link load / capacity seen (audit runs)
     events: int = 0
     busy: list[float] = field(default_factory=list)  # decide() wall time, per controller
+    # Pushes a server held for the transfers their go said to follow
+    # (`Go.after`), and of them those applied when the wait ran out.
+    held: int = 0
+    held_expired: int = 0
 
     def summary(self) -> dict[str, Any]:
         recs = self.records
@@ -328,6 +336,16 @@ class _Worker:
     finished: bool = False
 
 
+@dataclass(eq=False)
+class _Held:
+    """A push a server holds: the transfers it still waits for."""
+
+    seq: int
+    w: _Worker
+    req: int
+    waits: set[tuple[int, int]]
+
+
 class _Sim:
     def __init__(self, sc: Scenario, policy: str, *, timer: Callable[[], float] | None,
                  audit: bool, progress: Callable[[float, int, int], None] | None,
@@ -365,6 +383,14 @@ class _Sim:
         self.parts = sc.parts()
         self.versions = [0] * sc.shards  # each shard server's
         self.bytes_in = 0.0
+        # Per shard: the transfers landed, by (controller, id); the pushes
+        # landed before those their go named (`Go.after`), in the order they
+        # came; how many were held, and how many waited out their
+        # `after_seconds`.
+        self._landed: list[set[tuple[int, int]]] = [set() for _ in range(sc.shards)]
+        self._held: list[list[_Held]] = [[] for _ in range(sc.shards)]
+        self._held_seq = 0
+        self.held = self.held_expired = 0
         self.records: list[PushRecord] = []
         # (worker, request) -> the push, the shard of this part, when it was let go
         self.by_request: dict[tuple[int, int], tuple[PushRecord, int]] = {}
@@ -515,13 +541,14 @@ class _Sim:
             self._next_step(w)
 
     def _go(self, w: _Worker, req: int, pace: float | None = None,
-            pace_seconds: float | None = None) -> None:
+            pace_seconds: float | None = None, ticket: tuple[int, int] | None = None,
+            follow: tuple[tuple[int, ...], float | None] | None = None) -> None:
         rec, k = self.by_request[(w.index, req)]
         if rec.sent is None:
             rec.sent = self.now
         self._sent[(w.index, req)] = self.now
-        self.flow(w.host, self.servers[k], self.parts[k], lambda: self._land(w, req), pace,
-                  pace_seconds)
+        self.flow(w.host, self.servers[k], self.parts[k],
+                  lambda: self._land(w, req, ticket, follow), pace, pace_seconds)
 
     def _outcome(self, w: _Worker, req: int, applied: bool, delay: int | None,
                  reason: str | None, report: tuple[int, bool, int | None] | None) -> None:
@@ -565,10 +592,48 @@ class _Sim:
 
     # -- the server (store.py's rule) ------------------------------------------------------
 
-    def _land(self, w: _Worker, req: int) -> None:
+    def _land(self, w: _Worker, req: int, ticket: tuple[int, int] | None = None,
+              follow: tuple[tuple[int, ...], float | None] | None = None) -> None:
+        """The last byte is in: applied now, or (a go's `after`, as the
+        server does) once the transfers it names have landed, or its
+        `after_seconds` have passed."""
         rec, k = self.by_request[(w.index, req)]
         rec.landed = self.now
         self.bytes_in += self.parts[k]
+        if ticket is not None:
+            self._landed[k].add(ticket)
+        if follow is not None and ticket is not None and self.sc.keep_order:
+            waits = {(ticket[0], i) for i in follow[0]} - self._landed[k]
+            if waits:
+                held = _Held(self._held_seq, w, req, waits)
+                self._held_seq += 1
+                self._held[k].append(held)
+                self.held += 1
+                self.after(follow[1] or 0.0, self._hold_expired, k, held)
+                if ticket is not None:
+                    self._release(k, ticket)
+                return
+        self._apply(w, req)
+        if ticket is not None:
+            self._release(k, ticket)
+
+    def _release(self, k: int, ticket: tuple[int, int]) -> None:
+        """`ticket` has landed at shard k: the pushes held for it alone go,
+        in the order they came."""
+        for h in list(self._held[k]):
+            h.waits.discard(ticket)
+            if not h.waits and h in self._held[k]:
+                self._held[k].remove(h)
+                self._apply(h.w, h.req)
+
+    def _hold_expired(self, k: int, held: _Held) -> None:
+        if held in self._held[k]:
+            self._held[k].remove(held)
+            self.held_expired += 1
+            self._apply(held.w, held.req)
+
+    def _apply(self, w: _Worker, req: int) -> None:
+        rec, k = self.by_request[(w.index, req)]
         delay = self.versions[k] - rec.base_versions[k]
         tau = self.sc.tau_max
         if tau is not None and delay > tau:
@@ -576,16 +641,16 @@ class _Sim:
         else:
             self.versions[k] += 1
             applied, reason = True, None
+        version = self.versions[k]
         answer = self.sc.apply_seconds + self.sc.message_latency
-        report: tuple[int, bool, int | None] | None = (self.versions[k], applied, delay)
+        report: tuple[int, bool, int | None] | None = (version, applied, delay)
         if self.sc.landing_report == "server":
             # The server's report carries the time the worker would have
             # given, less the answer's way back to it: from the go's arrival
             # to the answer leaving.
             sent = self._sent.get((w.index, req))
             seconds = None if sent is None else self.now + self.sc.apply_seconds - sent
-            self.after(answer, self._ctl_done, w, req, self.versions[k], applied, delay,
-                       seconds, k)
+            self.after(answer, self._ctl_done, w, req, version, applied, delay, seconds, k)
             report = None
         self.after(answer, self._outcome, w, req, applied, delay, reason, report)
 
@@ -661,7 +726,9 @@ class _Controller:
             t = action.transfer
             w = sim.workers[cast(int, t.owner)]  # (t.req names the part)
             if isinstance(action, Go):
-                sim.after(lat, sim._go, w, t.req, action.pace, action.pace_seconds)
+                follow = None if action.after is None else (action.after, action.after_seconds)
+                sim.after(lat, sim._go, w, t.req, action.pace, action.pace_seconds,
+                          (self.index, t.id), follow)
             else:
                 assert isinstance(action, Drop)
                 sim.after(lat, sim._outcome, w, t.req, False, None, action.reason, None)
@@ -687,7 +754,7 @@ def simulate(scenario: Scenario, policy: str, *, timer: Callable[[], float] | No
     end = max((r.done for r in sim.records if r.done is not None), default=sim.now)
     return Result(policy, scenario, sim.records, end, sim.bytes_in, sim.decision_seconds,
                   sim.decision_pending, sim.decision_events, sim.net.max_utilization,
-                  sim.events, [c.busy for c in sim.controllers])
+                  sim.events, [c.busy for c in sim.controllers], sim.held, sim.held_expired)
 
 
 # --- command line ------------------------------------------------------------------------

@@ -312,6 +312,13 @@ class Push:
     # model's tensors, and `tensors` holds their parts, named
     # NAME + PART_SEP + part ("w#i", "w#v"): see mlfabric.compression.
     codecs: tuple[tuple[str, str], ...] | None = None
+    # Under a controller: the transfer's id there (`Directive.ticket`), and
+    # the ids of the transfers it must not be applied before (they would be
+    # refused as stale if it passed them), waited for at most
+    # `after_seconds` from its arrival (`Directive.after`).
+    ticket: int | None = None
+    after: tuple[int, ...] | None = None
+    after_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -397,6 +404,15 @@ class Directive:
     # the go (None: until the server's answer).
     pace: float | None = None
     pace_seconds: float | None = None
+    # The transfer's id at the controller, which its push carries (a go
+    # only), so that the server can tell when it has landed; and, when
+    # transfers running into the server would be refused as stale if this
+    # one landed before them, their ids: the server applies it only once
+    # they have landed, waiting at most `after_seconds` after it lands
+    # (the push carries all three: `Push.after`).
+    ticket: int | None = None
+    after: tuple[int, ...] | None = None
+    after_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -1091,7 +1107,7 @@ def _decode_model_end(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -
 def _decode_push(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
     return Push(req=_int(meta, "req"), base_version=_int(meta, "base_version"),
                 tensors=tensors, seq=_opt_int(meta, "seq"), codecs=_codecs(meta),
-                **_aggregation_fields(meta))
+                **_after(meta), **_aggregation_fields(meta))
 
 
 def _codecs(meta: Mapping[str, Any]) -> tuple[tuple[str, str], ...] | None:
@@ -1176,6 +1192,10 @@ MAX_ENCODE_SECONDS: Final = 600.0  # an option's encoding time, at most
 # the 64 bits the socket option takes.
 MAX_PACE: Final = 1e12
 MAX_PACE_SECONDS: Final = 86400.0  # how long a go may pace, at most (a day)
+# How long a server may hold a push for the transfers it must not pass, at
+# most (a transfer later than that is not coming), and how many it may name.
+MAX_AFTER_SECONDS: Final = 600.0
+MAX_AFTER: Final = 64
 
 
 def _option(o: Any) -> tuple[str, int, float] | None:
@@ -1224,7 +1244,30 @@ def _decode_directive(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -
                      planned_seconds=_opt_float(meta, "planned_seconds"),
                      via=None if via is None else _str(meta, "via", 256),
                      upto=_opt_int(meta, "upto"), codec=_opt_str(meta, "codec", 32),
-                     pace=_pace(meta), pace_seconds=_pace_seconds(meta), **group)
+                     pace=_pace(meta), pace_seconds=_pace_seconds(meta),
+                     group=group["group"], fan_in=group["fan_in"], index=group["index"],
+                     **_after(meta))
+
+
+def _after(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """A go's or a push's `ticket`, `after` and `after_seconds` (the last
+    two both or neither, and only with a ticket)."""
+    ticket, raw, seconds = _opt_int(meta, "ticket"), meta.get("after"), \
+        _opt_float(meta, "after_seconds")
+    after: tuple[int, ...] | None = None
+    if raw is not None:
+        if not (isinstance(raw, list) and 0 < len(raw) <= MAX_AFTER
+                and all(type(i) is int and 0 <= i <= _MAX_U64 for i in raw)):
+            raise ProtocolError(f"field 'after' must be 1 to {MAX_AFTER} transfer ids "
+                                f"(non-negative integers), got {raw!r:.80}")
+        after = tuple(raw)
+    if (after is None) != (seconds is None) or (after is not None and ticket is None):
+        raise ProtocolError(f"fields 'after' and 'after_seconds' come together, with a "
+                            f"'ticket': got {after!r:.80}, {seconds!r} and {ticket!r}")
+    if seconds is not None and not 0.0 < seconds <= MAX_AFTER_SECONDS:
+        raise ProtocolError(f"field 'after_seconds' must be above 0 and at most "
+                            f"{MAX_AFTER_SECONDS:g}, got {seconds!r}")
+    return {"ticket": ticket, "after": after, "after_seconds": seconds}
 
 
 def _pace(meta: Mapping[str, Any]) -> float | None:
@@ -1390,10 +1433,12 @@ def _encode_model(event: Model) -> dict[str, Any]:
 
 def _encode_push(event: Push) -> dict[str, Any]:
     meta: dict[str, Any] = {"req": event.req, "base_version": event.base_version}
-    for key in ("seq", "uid", "group", "fan_in", "index", "dst"):
+    for key in ("seq", "uid", "group", "fan_in", "index", "dst", "ticket", "after_seconds"):
         value = getattr(event, key)
         if value is not None:
             meta[key] = value
+    if event.after is not None:
+        meta["after"] = list(event.after)
     if event.members is not None:
         meta["members"] = [list(m) for m in event.members]
     if event.codecs is not None:
@@ -1434,8 +1479,14 @@ def _fast_hello(event: Hello) -> bytes:
 
 def _fast_push(event: Push) -> bytes | None:
     if event.uid is not None or event.members is not None or event.group is not None \
-            or event.dst is not None or event.fan_in is not None or event.codecs is not None:
+            or event.dst is not None or event.fan_in is not None or event.codecs is not None \
+            or event.after is not None:
         return None
+    if event.ticket is not None:  # a controlled push's
+        if event.seq is not None:
+            return None
+        return b'{"req":%d,"base_version":%d,"ticket":%d}' % (
+            event.req, event.base_version, event.ticket)
     if event.seq is not None:
         return b'{"req":%d,"base_version":%d,"seq":%d}' % (
             event.req, event.base_version, event.seq)
