@@ -620,6 +620,26 @@ def test_a_shared_downlinks_cap_rises_by_transfers_on_time_at_the_cap():
     assert steps == 8 and n.down_rate("s") == 1000 * MB  # 500 x 1.1^8 > 1000
 
 
+def test_a_transfer_on_time_under_the_cap_raises_it_even_booked_past_it():
+    """At 1,000 simulated workers (seed 16) the cap fell to two uplinks'
+    worth and stayed there for 30 simulated seconds after the link came
+    back: each transfer was let go beside ones past their planned ends,
+    which the plan no longer counts, so each was booked past the cap and
+    none could raise it (a push took 6.5 s against 0.6). One let go under
+    the cap that ran on time raises it; one let go before it (booked
+    beside what the old rate allowed) still says nothing."""
+    net = Network(default=125 * MB, down={"s": 1000 * MB}, observed_down={"s": 200 * MB})
+    shared = observed.SharedDownlink()
+
+    def done(capped: float | None, seconds: float = 1.0) -> Network:
+        return shared.completed(net, "a", "s", booked=340 * MB, planned_seconds=1.0,
+                                seconds=seconds, capped=capped)
+
+    assert done(200 * MB).observed_down == {"s": pytest.approx(220 * MB)}
+    assert done(None) is net and done(400 * MB) is net  # let go before this cap
+    assert done(200 * MB, seconds=1.2) is net  # late: no news either way
+
+
 def test_transfers_that_shared_a_halved_downlink_cap_it_for_the_next_plans():
     """The controller's side: eight workers' transfers into s go at once,
     booking its 1000 MB/s; three report twice their planned time (the link

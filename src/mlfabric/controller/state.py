@@ -237,7 +237,7 @@ class ControlState:
         # (`observed.SharedDownlink`); and each downlink's rate planned now,
         # the sum of what the transfers holding it were planned at.
         self._shared = observed.SharedDownlink()
-        self._up_solo: dict[int, tuple[int, float]] = {}
+        self._up_solo: dict[int, tuple[int, float, float | None]] = {}
         self._booked: dict[str, float] = {}
         self._rate_held: dict[int, float] = {}  # what each added to _booked
         self._handovers: deque[float] = deque(maxlen=HANDOVER_SAMPLES)  # see handover
@@ -330,15 +330,15 @@ class ControlState:
             del self.active[t.id]
             self._ended(t)
             self._dirty.add(t.shard)
-            alone, booked = self._release(t)
+            alone, shared = self._release(t)
             if seconds is not None and self.learn_rates and alone:
                 self._observed(t, seconds)
-            elif (seconds is not None and self.learn_rates and booked is not None
+            elif (seconds is not None and self.learn_rates and shared is not None
                   and self._measures(t)):
                 assert t.planned_seconds
                 self.network = self._shared.completed(
-                    self.network, t.host, t.dst, booked=booked,
-                    planned_seconds=t.planned_seconds, seconds=seconds)
+                    self.network, t.host, t.dst, booked=shared[0],
+                    planned_seconds=t.planned_seconds, seconds=seconds, capped=shared[1])
             if seconds is not None and now is not None and t.started is not None:
                 hops = now - t.started - seconds  # the go's way there, the report's back
                 if math.isfinite(hops):
@@ -421,9 +421,10 @@ class ControlState:
         if alone:
             self._solo[t.id] = (self._starts[up], self._starts[down])
         if up_alone:  # (alone on both, and joined on the downlink later: shared)
-            self._up_solo[t.id] = (self._starts[up], booked)
+            self._up_solo[t.id] = (self._starts[up], booked,
+                                   self.network.observed_down.get(t.dst))
 
-    def _release(self, t: Transfer) -> tuple[bool, float | None]:
+    def _release(self, t: Transfer) -> tuple[bool, tuple[float, float | None] | None]:
         """`t` no longer holds its links; returns whether it had them to
         itself from its go until now (nothing else on them when it went,
         nothing started on them since). Only then does its time measure
@@ -432,7 +433,8 @@ class ControlState:
         controller capped workers' uplinks for the server downlink's share:
         at 1,000 simulated workers it dropped 18% of the pushes (16 before).
         And, if it had only its uplink to itself, the downlink's rate
-        booked when it went (`observed.SharedDownlink`); else None."""
+        booked when it went and the cap the closed loop had on that
+        downlink then (`observed.SharedDownlink`); else None."""
         if t.id not in self._held:
             return False, None
         self._held.discard(t.id)
@@ -451,7 +453,8 @@ class ControlState:
         else:
             self._booked.pop(t.dst, None)  # (no rounding left over)
         mark = self._up_solo.pop(t.id, None)
-        return alone, mark[1] if mark is not None and mark[0] == self._starts[up] else None
+        return alone, (mark[1], mark[2]) if mark is not None and mark[0] == self._starts[up] \
+            else None
 
     def _alone(self, t: Transfer) -> bool:
         mark = self._solo.get(t.id)
@@ -831,7 +834,8 @@ class ControlState:
         for a in actions:
             mark = self._up_solo.get(a.transfer.id) if isinstance(a, Go) else None
             if mark is not None:
-                self._up_solo[a.transfer.id] = (mark[0], self._booked[a.transfer.dst])
+                self._up_solo[a.transfer.id] = (mark[0], self._booked[a.transfer.dst],
+                                                mark[2])
         for shard, order in orders.items():
             if order is None or not order.has_critical:
                 self._holds.pop(shard, None)  # nothing to hold for: the next hold starts anew
