@@ -84,9 +84,12 @@ def scenario(n: int, steps: int, replan_ms: float, args: argparse.Namespace) -> 
 def fmt(s: dict[str, Any], wall: float) -> list[str]:
     d, p = s["delay"], s["push_to_applied"]
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["reasons"].items())) or "-"
+    held = (f"  held {s['held']} ({s['held_expired']} past their wait)"
+            if s["policy"] != "fifo" else "")  # (docs/scheduling.md: the goes' names)
     out = [f"  {s['policy']:9s} pushes {s['pushes']}  applied {s['applied']}  dropped "
-           f"{s['dropped']} ({reasons})  into server {s['bytes_into_server'] / MIB:.0f} MiB  "
-           f"simulated {s['end']:.2f} s  sim wall {wall:.1f} s"]
+           f"{s['dropped']} ({reasons}){held}  into server "
+           f"{s['bytes_into_server'] / MIB:.0f} MiB  simulated {s['end']:.2f} s  "
+           f"sim wall {wall:.1f} s"]
     if d["count"]:
         out.append(f"            delay mean {d['mean']:.1f} std {d['std']:.1f} p50 {d['p50']:.0f} "
                    f"p99 {d['p99']:.0f} max {d['max']:.0f}   push-to-applied mean "

@@ -647,6 +647,7 @@ def test_a_server_that_keeps_the_order_its_goes_named_refuses_nothing_at_1000_wo
     kept = simulate(sc, "mlfabric")
     assert "stale" not in kept.summary()["reasons"]
     assert kept.held > 0 and kept.held_expired == 0
+    assert (kept.summary()["held"], kept.summary()["held_expired"]) == (kept.held, 0)
     passed = simulate(dataclasses.replace(sc, keep_order=False), "mlfabric")
     assert passed.summary()["reasons"].get("stale", 0) >= 1
     assert passed.held == 0

@@ -279,6 +279,7 @@ class Result:
             "decisions": len(self.decision_pending),
             "pending_max": max(self.decision_pending, default=0),
             "events_per_decision": _stats(sorted(self.decision_events)),
+            "held": self.held, "held_expired": self.held_expired,
         }
         if self.decision_seconds:
             ds = sorted(self.decision_seconds)
