@@ -220,6 +220,29 @@ def test_the_closed_loops_corrections_are_counted_and_logged(loop_kind, caplog):
     assert links[-1]["to"] == round(capped)
 
 
+def rewrite_goes(endpoint: Controller, change) -> list[int]:
+    """Have `endpoint` let its goes go as `change(go, n)` makes them (n: how
+    many went before it); returns the ids let go, in order."""
+    import dataclasses
+
+    from mlfabric.controller.state import Go
+
+    decide, ids = endpoint.state.decide, []
+
+    def rewritten(now):
+        d = decide(now)
+        actions = []
+        for a in d.actions:
+            if isinstance(a, Go):
+                a = change(a, len(ids))
+                ids.append(a.transfer.id)
+            actions.append(a)
+        return dataclasses.replace(d, actions=tuple(actions))
+
+    endpoint.state.decide = rewritten
+    return ids
+
+
 def test_a_paced_go_holds_the_workers_link_to_its_rate_until_the_servers_answer(
         loop_kind, run_async, caplog):
     """The worker's side of a paced go (`Directive.pace`; which goes the
@@ -233,26 +256,14 @@ def test_a_paced_go_holds_the_workers_link_to_its_rate_until_the_servers_answer(
     import time
 
     import mlfabric.aio
-    from mlfabric.controller.state import Go
     from mlfabric.runtime.metrics import ClientMetrics
     from mlfabric.runtime.pacing import pace_of
 
     pace = 4e6
     model = {"w": np.zeros(1 << 20, np.float32)}  # 4 MiB
     endpoint = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None)
-    decide, paced = endpoint.state.decide, []
-
-    def goes_paced(now):
-        d = decide(now)
-        actions = []
-        for a in d.actions:
-            if isinstance(a, Go):
-                a = dataclasses.replace(a, pace=pace, pace_seconds=(None, 0.1)[len(paced)])
-                paced.append(a.transfer.id)
-            actions.append(a)
-        return dataclasses.replace(d, actions=tuple(actions))
-
-    endpoint.state.decide = goes_paced
+    rewrite_goes(endpoint, lambda go, n: dataclasses.replace(
+        go, pace=pace, pace_seconds=(None, 0.1)[n]))
     metrics = ClientMetrics()
     caplog.set_level(logging.INFO, logger="mlfabric.decisions")
 
@@ -299,26 +310,18 @@ def test_a_push_that_lands_before_the_one_its_go_named_waits_for_it_at_the_serve
     import dataclasses
 
     import mlfabric.aio
-    from mlfabric.controller.state import Go
 
     model = {"w": np.zeros(1 << 20, np.float32)}  # 4 MiB
     endpoint = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None)
-    decide, goes = endpoint.state.decide, []
 
-    def named(now):
-        d = decide(now)
-        actions = []
-        for a in d.actions:
-            if isinstance(a, Go):
-                goes.append(a.transfer.id)
-                if len(goes) == 2:  # A: about a second on the wire
-                    a = dataclasses.replace(a, pace=4e6)
-                elif len(goes) == 3:  # B: must follow A
-                    a = dataclasses.replace(a, after=(goes[1],), after_seconds=30.0)
-            actions.append(a)
-        return dataclasses.replace(d, actions=tuple(actions))
+    def named(go, n):
+        if n == 1:  # A: about a second on the wire
+            return dataclasses.replace(go, pace=4e6)
+        if n == 2:  # B: must follow A
+            return dataclasses.replace(go, after=(goes[1],), after_seconds=30.0)
+        return go
 
-    endpoint.state.decide = named
+    goes = rewrite_goes(endpoint, named)
     caplog.set_level(logging.INFO, logger="mlfabric.decisions")
 
     async def run(server, controller, directives):
