@@ -339,11 +339,11 @@ class _Worker:
 
 @dataclass(eq=False)
 class _Held:
-    """A push a server holds: the transfers it still waits for."""
+    """A push a server holds: its ticket, and the tickets it still waits for."""
 
-    seq: int
     w: _Worker
     req: int
+    ticket: tuple[int, int]
     waits: set[tuple[int, int]]
 
 
@@ -384,13 +384,12 @@ class _Sim:
         self.parts = sc.parts()
         self.versions = [0] * sc.shards  # each shard server's
         self.bytes_in = 0.0
-        # Per shard: the transfers landed, by (controller, id); the pushes
-        # landed before those their go named (`Go.after`), in the order they
-        # came; how many were held, and how many waited out their
+        # Per shard: the transfers applied or refused, by (controller, id);
+        # the pushes landed before those their go named (`Go.after`), in the
+        # order they came; how many were held, and how many waited out their
         # `after_seconds`.
         self._landed: list[set[tuple[int, int]]] = [set() for _ in range(sc.shards)]
         self._held: list[list[_Held]] = [[] for _ in range(sc.shards)]
-        self._held_seq = 0
         self.held = self.held_expired = 0
         self.records: list[PushRecord] = []
         # (worker, request) -> the push, the shard of this part, when it was let go
@@ -601,39 +600,26 @@ class _Sim:
         rec, k = self.by_request[(w.index, req)]
         rec.landed = self.now
         self.bytes_in += self.parts[k]
-        if ticket is not None:
-            self._landed[k].add(ticket)
         if follow is not None and ticket is not None and self.sc.keep_order:
             waits = {(ticket[0], i) for i in follow[0]} - self._landed[k]
             if waits:
-                held = _Held(self._held_seq, w, req, waits)
-                self._held_seq += 1
+                held = _Held(w, req, ticket, waits)
                 self._held[k].append(held)
                 self.held += 1
                 self.after(follow[1] or 0.0, self._hold_expired, k, held)
-                if ticket is not None:
-                    self._release(k, ticket)
                 return
-        self._apply(w, req)
-        if ticket is not None:
-            self._release(k, ticket)
-
-    def _release(self, k: int, ticket: tuple[int, int]) -> None:
-        """`ticket` has landed at shard k: the pushes held for it alone go,
-        in the order they came."""
-        for h in list(self._held[k]):
-            h.waits.discard(ticket)
-            if not h.waits and h in self._held[k]:
-                self._held[k].remove(h)
-                self._apply(h.w, h.req)
+        self._apply(w, req, ticket)
 
     def _hold_expired(self, k: int, held: _Held) -> None:
         if held in self._held[k]:
             self._held[k].remove(held)
             self.held_expired += 1
-            self._apply(held.w, held.req)
+            self._apply(held.w, held.req, held.ticket)
 
-    def _apply(self, w: _Worker, req: int) -> None:
+    def _apply(self, w: _Worker, req: int, ticket: tuple[int, int] | None = None) -> None:
+        """Apply (or refuse) a landed push, answer it; then the pushes held
+        for its ticket alone go, in the order they came (as
+        `ServerProtocol.finish_push` and `ParameterServer.landed`)."""
         rec, k = self.by_request[(w.index, req)]
         delay = self.versions[k] - rec.base_versions[k]
         tau = self.sc.tau_max
@@ -654,6 +640,13 @@ class _Sim:
             self.after(answer, self._ctl_done, w, req, version, applied, delay, seconds, k)
             report = None
         self.after(answer, self._outcome, w, req, applied, delay, reason, report)
+        if ticket is not None:
+            self._landed[k].add(ticket)
+            for h in list(self._held[k]):
+                h.waits.discard(ticket)
+                if not h.waits and h in self._held[k]:
+                    self._held[k].remove(h)
+                    self._apply(h.w, h.req, h.ticket)
 
     # -- the controller (controller.py's event handling) ------------------------------------
 
