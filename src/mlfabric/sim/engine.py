@@ -43,6 +43,7 @@ from ..errors import ConfigError
 from ..runtime import memory
 from ..scheduling import plan as control
 from ..scheduling.plan import Network
+from ..server.holds import Holds
 from .flownet import FlowNet, SlowStart
 
 MIB = 1 << 20
@@ -339,12 +340,11 @@ class _Worker:
 
 @dataclass(eq=False)
 class _Held:
-    """A push a server holds: its ticket, and the tickets it still waits for."""
+    """A push a server holds (`server.holds.Holds`), and its ticket."""
 
     w: _Worker
     req: int
-    ticket: tuple[int, int]
-    waits: set[tuple[int, int]]
+    ticket: int
 
 
 class _Sim:
@@ -384,12 +384,11 @@ class _Sim:
         self.parts = sc.parts()
         self.versions = [0] * sc.shards  # each shard server's
         self.bytes_in = 0.0
-        # Per shard: the transfers applied or refused, by (controller, id);
-        # the pushes landed before those their go named (`Go.after`), in the
-        # order they came; how many were held, and how many waited out their
-        # `after_seconds`.
-        self._landed: list[set[tuple[int, int]]] = [set() for _ in range(sc.shards)]
-        self._held: list[list[_Held]] = [[] for _ in range(sc.shards)]
+        # Per shard, as its server keeps them: the tickets applied or refused,
+        # and the pushes landed before those their go named (`Go.after`; one
+        # controller plans a shard, so its transfer ids are the tickets); how
+        # many were held, and how many waited out their `after_seconds`.
+        self._holds = [Holds() for _ in range(sc.shards)]
         self.held = self.held_expired = 0
         self.records: list[PushRecord] = []
         # (worker, request) -> the push, the shard of this part, when it was let go
@@ -541,7 +540,7 @@ class _Sim:
             self._next_step(w)
 
     def _go(self, w: _Worker, req: int, pace: float | None = None,
-            pace_seconds: float | None = None, ticket: tuple[int, int] | None = None,
+            pace_seconds: float | None = None, ticket: int | None = None,
             follow: tuple[tuple[int, ...], float | None] | None = None) -> None:
         rec, k = self.by_request[(w.index, req)]
         if rec.sent is None:
@@ -592,7 +591,7 @@ class _Sim:
 
     # -- the server (store.py's rule) ------------------------------------------------------
 
-    def _land(self, w: _Worker, req: int, ticket: tuple[int, int] | None = None,
+    def _land(self, w: _Worker, req: int, ticket: int | None = None,
               follow: tuple[tuple[int, ...], float | None] | None = None) -> None:
         """The last byte is in: applied now, or (a go's `after`, as the
         server does) once the transfers it names have landed, or its
@@ -601,22 +600,20 @@ class _Sim:
         rec.landed = self.now
         self.bytes_in += self.parts[k]
         if follow is not None and ticket is not None and self.sc.keep_order:
-            waits = {(ticket[0], i) for i in follow[0]} - self._landed[k]
-            if waits:
-                held = _Held(w, req, ticket, waits)
-                self._held[k].append(held)
+            held = _Held(w, req, ticket)
+            waits = self._holds[k].missing(follow[0])
+            if waits and self._holds[k].hold(held, waits):
                 self.held += 1
                 self.after(follow[1] or 0.0, self._hold_expired, k, held)
                 return
         self._apply(w, req, ticket)
 
     def _hold_expired(self, k: int, held: _Held) -> None:
-        if held in self._held[k]:
-            self._held[k].remove(held)
+        if self._holds[k].drop(held):
             self.held_expired += 1
             self._apply(held.w, held.req, held.ticket)
 
-    def _apply(self, w: _Worker, req: int, ticket: tuple[int, int] | None = None) -> None:
+    def _apply(self, w: _Worker, req: int, ticket: int | None = None) -> None:
         """Apply (or refuse) a landed push, answer it; then the pushes held
         for its ticket alone go, in the order they came (as
         `ServerProtocol.finish_push` and `ParameterServer.landed`)."""
@@ -641,12 +638,9 @@ class _Sim:
             report = None
         self.after(answer, self._outcome, w, req, applied, delay, reason, report)
         if ticket is not None:
-            self._landed[k].add(ticket)
-            for h in list(self._held[k]):
-                h.waits.discard(ticket)
-                if not h.waits and h in self._held[k]:
-                    self._held[k].remove(h)
-                    self._apply(h.w, h.req, h.ticket)
+            for key in self._holds[k].landed(ticket):
+                h = cast(_Held, key)
+                self._apply(h.w, h.req, h.ticket)
 
     # -- the controller (controller.py's event handling) ------------------------------------
 
@@ -721,8 +715,8 @@ class _Controller:
             w = sim.workers[cast(int, t.owner)]  # (t.req names the part)
             if isinstance(action, Go):
                 follow = None if action.after is None else (action.after, action.after_seconds)
-                sim.after(lat, sim._go, w, t.req, action.pace, action.pace_seconds,
-                          (self.index, t.id), follow)
+                sim.after(lat, sim._go, w, t.req, action.pace, action.pace_seconds, t.id,
+                          follow)
             else:
                 assert isinstance(action, Drop)
                 sim.after(lat, sim._outcome, w, t.req, False, None, action.reason, None)
