@@ -30,8 +30,8 @@ With --controller-view live the controller is told each rate change as it
 happens (ideal agents); by default it knows only the configured rates, and
 learns the rest from its own transfers. With --landing-report server each
 server tells the controller of a landing itself, one message after it,
-instead of the worker once the answer has reached it (two): a path
-mlfabric does not have, to measure what it would give the hand-over.
+before the worker once the answer has reached it (two), as a server
+started with `--controller` does.
 
 Prints per scale and policy: pushes, applied, dropped (by reason), delay
 and push-to-applied distributions, bytes into the server, and the

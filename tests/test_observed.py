@@ -448,6 +448,48 @@ def test_the_next_plan_uses_the_rate_the_last_transfer_showed_and_recovers():
     assert _one(state, 3, 3.0).planned_seconds == pytest.approx(1.0)
 
 
+def test_a_landing_the_server_reports_ends_the_transfer_and_its_workers_report_times_it():
+    """The server's own report (`ControlState.landed`, by the transfer's id)
+    frees the transfer and gives the server's version a message before the
+    worker's could; the worker's report that follows is counted once, and
+    its time still teaches the closed loop (the server's report has none)."""
+    state = ControlState(mlfabric_policy, tau_max=None, learn_rates=True,
+                         network=Network(default=125 * MB, down={"s": 10 * MB}))
+    go = _one(state, 1, 0.0)
+    t = go.transfer
+    assert state.landed(t.id, shard=1, version=1, applied=True, delay=0, now=2.0) is None
+    assert state.landed(t.id + 1, shard=0, version=1, applied=True, delay=0, now=2.0) is None
+    assert state.active  # another shard's or an unknown ticket changes nothing
+    assert state.landed(t.id, shard=0, version=7, applied=True, delay=0, now=2.0) is t
+    assert not state.active and state.version == 7 and t.landed_at == 2.0
+    assert state.servers["s"].applied == 1 and state.workers["w"].applied == 1
+    assert state.network.observed_down == {}  # nothing learnt yet: no time
+    # Twice (from a second controller link, say): ignored.
+    assert state.landed(t.id, shard=0, version=7, applied=True, delay=0, now=2.0) is None
+    # The worker's report: the same transfer, counted once, and its 2 s for
+    # a transfer planned at 1 s halve the downlink.
+    assert state.done("w", 1, version=7, applied=True, delay=0, now=2.1, seconds=2.0) is t
+    assert state.servers["s"].applied == 1 and state.workers["w"].applied == 1
+    assert state.delays.summary()["count"] == 1
+    assert state.network.down_rate("s") == pytest.approx(5 * MB)
+    assert state.done("w", 1, version=7, seconds=2.0) is None  # and once only
+
+
+def test_a_landing_reported_after_the_workers_report_or_for_a_routed_transfer_is_ignored():
+    state = ControlState(mlfabric_policy, tau_max=None, learn_rates=True,
+                         network=Network(default=125 * MB, down={"s": 10 * MB}))
+    t = _one(state, 1, 0.0).transfer
+    assert state.done("w", 1, version=1, applied=True, delay=0, now=1.0, seconds=1.0) is t
+    assert state.landed(t.id, shard=0, version=1, applied=True, delay=0, now=1.1) is None
+    assert state.servers["s"].applied == 1
+    # A worker gone before its report: what the server's report kept of it goes too.
+    t2 = _one(state, 2, 2.0).transfer
+    assert state.landed(t2.id, shard=0, version=2, applied=False, delay=3, now=3.0) is t2
+    assert state.servers["s"].refused == 1
+    state.forget("w")
+    assert state.done("w", 2, version=2, applied=False, seconds=1.0) is None
+
+
 def test_a_transfer_past_its_planned_end_replans_what_follows_at_its_rate_so_far():
     state = ControlState(mlfabric_policy, tau_max=None, learn_rates=True,
                          network=Network(default=125 * MB, down={"s": 10 * MB}))

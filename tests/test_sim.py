@@ -326,10 +326,10 @@ def test_a_paced_go_holds_the_simulated_flow_to_its_pace_for_its_seconds(monkeyp
 def test_a_server_that_reports_landings_hands_the_link_over_one_message_sooner():
     """TINY with 0.25 s messages. Worker 1's transfer waits for worker 0's
     to be reported done: by its worker, the server's answer and the report
-    are two messages after the landing; by the server itself (a path
-    mlfabric does not have, `landing_report="server"`), one. Everything
-    before that hand-over is the same, and every push still ends with its
-    outcome."""
+    are two messages after the landing; by the server itself
+    (`landing_report="server"`, `mlfabric server --controller`), one.
+    Everything before that hand-over is the same, and every push still ends
+    with its outcome."""
     sc = dataclasses.replace(TINY, message_latency=0.25)
     worker, server = (by_worker(simulate(dataclasses.replace(sc, landing_report=who),
                                          "mlfabric", audit=True))

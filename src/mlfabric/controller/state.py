@@ -41,6 +41,10 @@ GONE_KEPT = 32
 # word, and a wrong one must not make long transfers trusted (policies.trusted).
 HANDOVER_SAMPLES = 16
 MAX_HANDOVER = 0.1
+# Transfers the server reported landed, kept until their workers' reports
+# time them (`ControlState.landed`): a worker that died before it could is
+# forgotten once this many newer ones are kept.
+LANDED_KEPT = 65536
 
 
 @dataclass(frozen=True)
@@ -258,6 +262,11 @@ class ControlState:
         self.benched: dict[str, float] = {}
         self.bench_seconds = 10.0
         self._next_id = 1
+        # (owner, request id) -> a transfer its server reported landed, with
+        # what `_release` said of it, until its worker's report times it.
+        self._landed: OrderedDict[tuple[Hashable, int],
+                                  tuple[Transfer, bool, tuple[float, float | None] | None]] = \
+            OrderedDict()
 
     def join(self, owner: Hashable, name: str, client: str = "") -> None:
         """A worker (or any peer) connected under `name` (`client`: the name
@@ -316,7 +325,9 @@ class ControlState:
         with `learn_rates` it corrects the picture of its path at once.
         A pending one reported done was withdrawn by its worker (it waited
         past its push_timeout): forgotten, never let go. A chunked transfer
-        waiting for its next grant has ended all the same (its link failed)."""
+        waiting for its next grant has ended all the same (its link failed).
+        One its server reported first (`landed`) is only timed now, and
+        returned again with its `landed_at` set."""
         t = self._asked(owner, req, self.pending)
         if t is not None:
             self._unpend(t)
@@ -325,45 +336,85 @@ class ControlState:
                 self._ended(t)
                 return None
             self.active[t.id] = t
+        landed = self._landed.pop((owner, req), None)
+        if landed is not None:  # the server reported it first: its worker's times it
+            t, alone, shared = landed
+            self._learn(t, alone, shared, seconds, now)
+            return t
         t = self._asked(owner, req, self.active)
         if t is not None:
-            del self.active[t.id]
-            self._ended(t)
-            self._dirty.add(t.shard)
-            alone, shared = self._release(t)
-            if seconds is not None and self.learn_rates and alone:
-                self._observed(t, seconds)
-            elif (seconds is not None and self.learn_rates and shared is not None
-                  and self._measures(t)):
-                assert t.planned_seconds
-                self.network = self._shared.completed(
-                    self.network, t.host, t.dst, booked=shared[0],
-                    planned_seconds=t.planned_seconds, seconds=seconds, capped=shared[1])
-            if seconds is not None and now is not None and t.started is not None:
-                hops = now - t.started - seconds  # the go's way there, the report's back
-                if math.isfinite(hops):
-                    self._handovers.append(min(max(hops, 0.0), MAX_HANDOVER))
-                    # (statistics, not numpy: on 16 numbers np.median cost
-                    # 0.1 ms of every report.)
-                    self._handover = 1.5 * statistics.median(self._handovers)
+            alone, shared = self._finish(t, version, applied, delay, now)
+            self._learn(t, alone, shared, seconds, now)
             if via_failed is not None and t.route is not None and now is not None:
                 self.aggregator_failed(t.route.host, now)
-            self.version = max(self.version, version)
-            self.shard_versions[t.shard] = max(self.shard_versions.get(t.shard, 0), version)
-            server = self.servers.setdefault(t.dst, ServerStats(t.dst))
-            server.version = max(server.version or 0, version)
-            server.applied += applied
-            server.refused += not applied
-            server.last_heard = now if now is not None else server.last_heard
-            stats = self.workers.get(owner)
-            if applied and delay is not None:
-                self.delays.add(delay)
-            if stats is not None:
-                stats.applied += applied
-                stats.refused += not applied
-                stats.last_delay = delay if applied else stats.last_delay
             return t
         return None
+
+    def landed(self, tid: int, *, shard: int, version: int, applied: bool,
+               delay: int | None, now: float | None = None) -> Transfer | None:
+        """The server's own report that the transfer with id `tid` (its
+        ticket) was applied or refused at `version`, a message before its
+        worker's could say so: its links and place are free now, and the
+        controller knows the server's version that much sooner. Only a
+        transfer straight to `shard`'s server, whole, is reported so (an
+        aggregate lands as another transfer); anything else, or one already
+        reported, is None. Its worker's report (`done`) then only times it,
+        for the closed loop; `t.landed_at` says when this one came."""
+        t = self.active.get(tid)
+        if (t is None or t.shard != shard or t.route is not None
+                or (t.chunk and t.granted < t.nbytes)):
+            return None
+        alone, shared = self._finish(t, version, applied, delay, now)
+        t.landed_at = now
+        self._landed[(t.owner, t.req)] = (t, alone, shared)
+        while len(self._landed) > LANDED_KEPT:  # workers that never reported
+            self._landed.popitem(last=False)
+        return t
+
+    def _finish(self, t: Transfer, version: int, applied: bool, delay: int | None,
+                now: float | None) -> tuple[bool, tuple[float, float | None] | None]:
+        """Active `t` ended at the server: no longer active, its links free,
+        the versions and counts updated. Returns what `_release` says of it."""
+        del self.active[t.id]
+        self._ended(t)
+        self._dirty.add(t.shard)
+        alone, shared = self._release(t)
+        self.version = max(self.version, version)
+        self.shard_versions[t.shard] = max(self.shard_versions.get(t.shard, 0), version)
+        server = self.servers.setdefault(t.dst, ServerStats(t.dst))
+        server.version = max(server.version or 0, version)
+        server.applied += applied
+        server.refused += not applied
+        server.last_heard = now if now is not None else server.last_heard
+        stats = self.workers.get(t.owner)
+        if applied and delay is not None:
+            self.delays.add(delay)
+        if stats is not None:
+            stats.applied += applied
+            stats.refused += not applied
+            stats.last_delay = delay if applied else stats.last_delay
+        return alone, shared
+
+    def _learn(self, t: Transfer, alone: bool, shared: tuple[float, float | None] | None,
+               seconds: float | None, now: float | None) -> None:
+        """What `t`'s time, from its go to the server's answer as its worker
+        timed it, says of its path (the closed loop) and of the hand-over."""
+        if seconds is None:
+            return
+        if self.learn_rates and alone:
+            self._observed(t, seconds)
+        elif self.learn_rates and shared is not None and self._measures(t):
+            assert t.planned_seconds
+            self.network = self._shared.completed(
+                self.network, t.host, t.dst, booked=shared[0],
+                planned_seconds=t.planned_seconds, seconds=seconds, capped=shared[1])
+        if now is not None and t.started is not None:
+            hops = now - t.started - seconds  # the go's way there, the report's back
+            if math.isfinite(hops):
+                self._handovers.append(min(max(hops, 0.0), MAX_HANDOVER))
+                # (statistics, not numpy: on 16 numbers np.median cost
+                # 0.1 ms of every report.)
+                self._handover = 1.5 * statistics.median(self._handovers)
 
     def _asked(self, owner: Hashable, req: int, where: dict[int, Transfer]
                ) -> Transfer | None:
@@ -580,6 +631,8 @@ class ControlState:
                 self._unpend(t)
             if self.active.pop(t.id, None) is not None:
                 self._release(t)
+        for asked in [asked for asked in self._landed if asked[0] == owner]:
+            del self._landed[asked]  # its report will not come
         stats = self.workers.pop(owner, None)
         if stats is not None and stats.requests:  # not a status request, nor a replica
             key = stats.client or stats.name

@@ -172,6 +172,9 @@ class Transfer:
     # one its go named (None: whole).
     options: tuple[tuple[str, int, float], ...] = ()
     codec: str | None = None
+    # When its server reported it landed, before its worker did (the
+    # controller's clock; None: not so reported).
+    landed_at: float | None = None
 
     def option_bytes(self, codec: str | None) -> int:
         """The bytes the transfer takes compressed by `codec` (None: whole)."""

@@ -129,8 +129,9 @@ class Scenario:
     until: float = math.inf  # stop the run at this simulated time
     # Who tells the controller a transfer has landed. "worker": its worker,
     # once the server's answer has reached it (two messages after the
-    # landing), as mlfabric does. "server": the server itself (one message),
-    # a path mlfabric does not have: what it would give the hand-over.
+    # landing), as mlfabric does by default. "server": the server itself
+    # (one message), as `mlfabric server --controller` does; the worker's
+    # report still follows, and only times the transfer.
     landing_report: str = "worker"
     # Servers apply a push that lands before the transfers its go named
     # only once they have landed (`Go.after`, as mlfabric's do); False:
@@ -627,15 +628,11 @@ class _Sim:
             applied, reason = True, None
         version = self.versions[k]
         answer = self.sc.apply_seconds + self.sc.message_latency
-        report: tuple[int, bool, int | None] | None = (version, applied, delay)
-        if self.sc.landing_report == "server":
-            # The server's report carries the time the worker would have
-            # given, less the answer's way back to it: from the go's arrival
-            # to the answer leaving.
-            sent = self._sent.get((w.index, req))
-            seconds = None if sent is None else self.now + self.sc.apply_seconds - sent
-            self.after(answer, self._ctl_done, w, req, version, applied, delay, seconds, k)
-            report = None
+        if self.sc.landing_report == "server" and ticket is not None:
+            # The server reports the landing itself, a message before the
+            # worker's report (which still comes, and only times it).
+            self.after(answer, self._ctl_landed, ticket, version, applied, delay, k)
+        report = (version, applied, delay)
         self.after(answer, self._outcome, w, req, applied, delay, reason, report)
         if ticket is not None:
             for key in self._holds[k].landed(ticket):
@@ -651,12 +648,21 @@ class _Sim:
                           now=self.now, shard=shard)
         ctl.replan()
 
+    def _ctl_landed(self, ticket: int, version: int, applied: bool, delay: int | None,
+                    shard: int) -> None:
+        ctl = self.controllers[shard % len(self.controllers)]
+        if ctl.state.landed(ticket, shard=shard, version=version, applied=applied,
+                            delay=delay, now=self.now) is not None:
+            ctl.replan()
+
     def _ctl_done(self, w: _Worker, req: int, version: int, applied: bool,
                   delay: int | None, seconds: float | None, shard: int) -> None:
         ctl = self.controllers[shard % len(self.controllers)]
-        ctl.state.done(w.index, req, version=version, applied=applied, delay=delay,
-                       now=self.now, seconds=seconds)
-        ctl.replan()
+        before = ctl.state.network
+        t = ctl.state.done(w.index, req, version=version, applied=applied, delay=delay,
+                           now=self.now, seconds=seconds)
+        if t is None or t.landed_at is None or ctl.state.network is not before:
+            ctl.replan()  # (one its server reported changed nothing else to plan by)
 
 
 class _Controller:
@@ -797,8 +803,9 @@ def add_controller_arguments(p: argparse.ArgumentParser) -> None:
                         "controller's are)")
     p.add_argument("--landing-report", choices=LANDING_REPORTS, default="worker",
                    help="who tells the controller a transfer landed: worker (after the "
-                        "server's answer, as mlfabric does) or server (one message sooner; "
-                        "a path mlfabric does not have, to measure what it would give)")
+                        "server's answer, as mlfabric does by default) or server (one "
+                        "message sooner, as `mlfabric server --controller` does; the "
+                        "worker's report then only times the transfer)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
