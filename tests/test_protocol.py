@@ -25,6 +25,7 @@ from mlfabric.wire.protocol import (
     Failover,
     FellBack,
     Hello,
+    Landed,
     Model,
     ModelEnd,
     Moved,
@@ -145,6 +146,8 @@ CASES = [
     StatusRequest(req=3),
     ReplicaDone(dst="10.0.0.2", version=2**33),
     ShardAt(shard=3, dst="10.0.0.5", version=17),
+    Landed(ticket=44, shard=0, version=9, applied=True, delay=2),
+    Landed(ticket=2**40, shard=63, version=10, applied=False, delay=None),
     Moved(shard=3, owner="10.0.0.6:7071"),
     Moved(shard=0, owner=""),
     FellBack(updates=12, seconds=3.25),
@@ -515,6 +518,16 @@ BAD_FRAMES = {
     "replica member without index": (
         frame(MsgType.PUSH, {"req": 1, "base_version": 0, "seq": 4, "fan_in": 2,
                              "tensors": [["a", "f4", [1]]]}, b"\0" * 4), "0 <= index < fan_in"),
+    "landed without its ticket": (
+        frame(MsgType.LANDED, {"shard": 0, "version": 3, "applied": True}), "'ticket'"),
+    "landed applied not a bool": (
+        frame(MsgType.LANDED, {"ticket": 1, "version": 3, "applied": 1}), "'applied'"),
+    "landed shard too large": (
+        frame(MsgType.LANDED, {"ticket": 1, "shard": 1 << 20, "version": 3, "applied": True}),
+        "'shard' must be below"),
+    "landed delay negative": (
+        frame(MsgType.LANDED, {"ticket": 1, "version": 3, "applied": True, "delay": -1}),
+        "'delay'"),
     "gap negative": (
         frame(MsgType.PONG, {"req": 1, "role": "replica", "version": 3, "gap": -1}), "gap"),
     "force not a bool": (frame(MsgType.PROMOTE, {"req": 1, "force": 1}), "'force'"),

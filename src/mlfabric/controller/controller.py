@@ -36,9 +36,11 @@ from ..transport.listener import Endpoint, EndpointProtocol
 from ..wire import roles
 from ..wire.agent_auth import AgentCredential
 from ..wire.protocol import (
+    LANDINGS_CLIENT,
     Directive,
     Failover,
     FellBack,
+    Landed,
     Moved,
     Pong,
     ReplicaAt,
@@ -83,6 +85,8 @@ class Controller(Endpoint):
                          handshake_timeout=handshake_timeout)
         # The divergence gates, by shard (shard 0 only, for one server).
         self.gates: dict[int, DivergenceGate] = {} if gate is None else {0: gate}
+        # Servers' links that report landings (`server.landings`, on_landed).
+        self.landing_feeds: set[_ControllerProtocol] = set()
         # Groups formed by the plan being decided; counted once they go (the
         # gate may hold a group, and the next plan forms it afresh).
         self._formed: list[Group] = []
@@ -650,7 +654,10 @@ class Controller(Endpoint):
             log.warning("aggregator on %s failed update %d (%s); routing nothing through it "
                         "for %.0f s", t.route.host, t.id, ev.via_failed,
                         self.state.bench_seconds)
-        gate = self.gates.get(t.shard) if t is not None else None
+        # One its server reported first (on_landed) was counted then: the
+        # worker's report only times it.
+        first = t is not None and t.landed_at is None
+        gate = self.gates.get(t.shard) if first and t is not None else None
         if t is not None and ev.applied and gate is not None:
             if ev.fan_in is None:
                 gate.server_applied(ev.version, t.norm)
@@ -660,13 +667,37 @@ class Controller(Endpoint):
                 gate.server_applied(ev.version, t.norm, ev.fan_in, member=True)
         if t is not None:
             self.metrics.actual_seconds.observe(ev.seconds)
-            if ev.applied and ev.delay is not None:
+            if first and ev.applied and ev.delay is not None:
                 self.metrics.delay.observe(ev.delay)
             decision_log.info(json.dumps({
                 "event": "done", "at": round(self.clock(), 6), "id": t.id, "host": t.host,
                 "applied": ev.applied,
                 "version": ev.version, "delay": ev.delay, "seconds": round(ev.seconds, 6),
                 "planned_seconds": t.planned_seconds}))
+        if first or t is None or self.state.network is not before:
+            self.replan()  # (one its server reported changed nothing else to plan by)
+
+    def on_landed(self, ev: Landed) -> None:
+        """A server's own report of a landing (`server.landings`): the
+        transfer ends here, a message before its worker's report, which
+        then only times it. Several controllers each hear every landing of
+        a server; the one planning its shard acts."""
+        t = None
+        if self.owns(ev.shard):
+            t = self.state.landed(ev.ticket, shard=ev.shard, version=ev.version,
+                                  applied=ev.applied, delay=ev.delay, now=self.clock())
+        if t is None:
+            self.metrics.landings.labels("ignored").inc()
+            return
+        self.metrics.landings.labels("first").inc()
+        gate = self.gates.get(t.shard)
+        if ev.applied and gate is not None:
+            gate.server_applied(ev.version, t.norm)
+        if ev.applied and ev.delay is not None:
+            self.metrics.delay.observe(ev.delay)
+        decision_log.info(json.dumps({
+            "event": "landed", "at": round(self.clock(), 6), "id": t.id, "host": t.host,
+            "applied": ev.applied, "version": ev.version, "delay": ev.delay}))
         self.replan()
 
     def on_replica_done(self, ev: ReplicaDone, shard: int = 0) -> None:
@@ -864,7 +895,9 @@ class Controller(Endpoint):
         if asker in self.state.workers:
             me = self.state.workers[asker].name
             status["workers"] = [w for w in status["workers"] if w["name"] != me]
-        status.update(job=self.job, policy=self.policy_name, connections=len(self.connections))
+        feeds = len(self.landing_feeds)
+        status.update(job=self.job, policy=self.policy_name,
+                      connections=len(self.connections) - feeds, landing_feeds=feeds)
         if self.leases is not None:  # several controllers: who plans which shard
             leases = self.leases
             status["controllers"] = {
@@ -908,6 +941,9 @@ class _ControllerProtocol(EndpointProtocol):
     shard: int | None = None  # the shard a sharded client's link talks to (SHARD_AT)
 
     def on_ready(self) -> None:
+        if self.client == LANDINGS_CLIENT:  # a server's landing reports: no worker
+            self.endpoint.landing_feeds.add(self)
+            return
         self.endpoint.state.join(self, f"{self.client} ({self.peer})", client=self.client)
 
     def handle(self, event: Any) -> None:
@@ -931,8 +967,16 @@ class _ControllerProtocol(EndpointProtocol):
             self.send(Status(req=event.req, status=self.endpoint.status(asker=self)))
         elif isinstance(event, FellBack):
             self.endpoint.on_fell_back(self, event)
+        elif isinstance(event, Landed):
+            if self in self.endpoint.landing_feeds:
+                self.endpoint.on_landed(event)
+            else:  # a worker's link: not the server's word
+                self.protocol_error(f"LANDED comes from a server's landing reports "
+                                    f"(`mlfabric server --controller`), not from "
+                                    f"{self.client!r}")
 
     def on_lost(self) -> None:
+        self.endpoint.landing_feeds.discard(self)
         self.endpoint.on_lost(self)
 
 

@@ -262,7 +262,9 @@ def format_status(s: dict[str, Any], address: str) -> str:
         f"job {s.get('job')!r} on controller {address}   policy {s.get('policy')}   "
         f"tau_max {s.get('tau_max')}",
         f"server version {s['server_version']}   transfers pending {s['pending']}, active "
-        f"{s['active']}   connections {s.get('connections')}",
+        f"{s['active']}   connections {s.get('connections')}"
+        + (f"   servers reporting landings {s['landing_feeds']}" if s.get("landing_feeds")
+           else ""),
     ]
     ctl = s.get("controllers")
     if ctl:

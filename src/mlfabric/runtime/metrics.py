@@ -140,6 +140,14 @@ class ServerMetrics:
             "server_push_hold_seconds",
             "How long a push that landed before the transfers its go named was held",
             namespace=ns, registry=r, buckets=HOLD_BUCKETS)
+        self.landings_reported = Counter(
+            "server_landings_reported",
+            "Pushes with a controller's ticket applied or refused, by whether the server "
+            "told a controller itself (--controller): sent, or unsent (no controller "
+            "reached: its worker's report stands in)",
+            ["result"], namespace=ns, registry=r)
+        for result in ("sent", "unsent"):
+            self.landings_reported.labels(result)
         _listener_metrics(self, "server", "client", r)
         self.pulls = Counter("server_pulls", "Pulls answered with the model as it is",
                              namespace=ns, registry=r)
@@ -335,6 +343,14 @@ class ControllerMetrics:
             "refused as stale) that they could land before: holding them had idled more "
             "of the server's link than the critical ones would waste if refused",
             namespace=ns, registry=r)
+        self.landings = Counter(
+            "controller_server_landings",
+            "Servers' own reports of a landing (mlfabric server --controller), by whether "
+            "one ended its transfer here (first: before its worker's report) or came too "
+            "late or for a transfer this controller does not have (ignored)",
+            ["result"], namespace=ns, registry=r)
+        for result in ("first", "ignored"):
+            self.landings.labels(result)
         self.ordered_transfers = Counter(
             "controller_ordered_transfers",
             "Transfers let go with transfers named that their server applies first: ones "

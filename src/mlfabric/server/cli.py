@@ -49,6 +49,7 @@ from ..wire import auth
 from ..wire.protocol import ShardInfo
 from . import checkpoint
 from .checkpointer import Checkpointer
+from .landings import LandingFeed
 from .server import ParameterServer
 from .store import ParameterStore
 
@@ -91,9 +92,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(instead of --init/--resume) and announce to --controller; the "
                         "workers then send it every update above that state's version")
     p.add_argument("--controller", metavar="HOST:PORT[,HOST:PORT...]", default=None,
-                   help="replica with --join-from: the job's controller, told where this "
-                        "replica serves (several, with `mlfabric controller --etcd`: every "
-                        "one, as the workers are given them)")
+                   help="the job's controller (several, with `mlfabric controller --etcd`: "
+                        "every one, as the workers are given them). The server tells it of "
+                        "each push it applies or refuses, a message before the worker can, so "
+                        "the next transfer goes sooner and is planned with the server's "
+                        "version (a replica does once promoted). A replica with --join-from "
+                        "also tells it where it serves")
     p.add_argument("--advertise", metavar="HOST:PORT", default=None,
                    help="replica with --join-from: the address workers reach it at (default: "
                         "the address it listens on)")
@@ -387,6 +391,13 @@ def run_server(args: argparse.Namespace) -> int:
         # by default where the clients are served: --listen 127.0.0.1 keeps them local
         metrics_url = serve_metrics(metrics.registry, args.metrics_port,
                                     args.metrics_host or host)
+    controllers = [] if args.controller is None else \
+        [c.strip() for c in args.controller.split(",") if c.strip()]
+    for controller in controllers:
+        try:
+            parse_address(controller)
+        except ConfigError as exc:
+            raise ConfigError(f"--controller: {exc}") from None
     if args.join_from is not None:
         if args.role != "replica" or args.controller is None:
             raise ConfigError("--join-from is for a replica (--role replica) and needs "
@@ -395,8 +406,6 @@ def run_server(args: argparse.Namespace) -> int:
             raise ConfigError("--join-from takes the running server's state: drop --init "
                               "and --resume")
         parse_address(args.join_from)
-        for controller in args.controller.split(","):
-            parse_address(controller.strip())
         refuse_other_runs(args)
         store, resumed = None, None
         run = checkpoint.new_run_id()
@@ -447,6 +456,11 @@ def run_server(args: argparse.Namespace) -> int:
         )
         if checkpointer is not None:
             checkpointer.start()
+        if controllers:
+            server.landings = LandingFeed(controllers, job=args.job, token=token,
+                                          shard=0 if store.shard is None else store.shard.index,
+                                          metrics=metrics)
+            server.landings.start()
         sampler = None
         if args.sample_replica is not None:
             sampler = ReplicaSampler(store, args.sample_replica, job=args.job, token=token,
@@ -457,7 +471,7 @@ def run_server(args: argparse.Namespace) -> int:
                 raise ConfigError("listening on all addresses: give --advertise HOST:PORT, "
                                   "the address workers reach this replica at")
             address = args.advertise or f"{bound[0]}:{bound[1]}"
-            await announce([c.strip() for c in args.controller.split(",")], address=address,
+            await announce(controllers, address=address,
                            store=store, job=args.job, token=token, server=args.join_from)
         await stopped.wait()
         log.info("shutting down at version %d", store.version)

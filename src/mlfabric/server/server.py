@@ -42,6 +42,7 @@ from ..wire.protocol import (
     default_allocate,
 )
 from .holds import Holds
+from .landings import LandingFeed
 from .pulls import PullWaits
 from .store import ParameterStore, StagedApply
 
@@ -97,10 +98,17 @@ class ParameterServer(Endpoint):
         # Pushes landed before the transfers their go named (`holds`).
         self.holds = Holds()
         self._held: dict[int, _Held] = {}  # by id(push)
+        # The job's controllers told of each landing (`landings.LandingFeed`).
+        self.landings: LandingFeed | None = None
         self.metrics.version.set(store.version)
 
     def make_protocol(self) -> ServerProtocol:
         return ServerProtocol(self)
+
+    async def close(self) -> None:
+        if self.landings is not None:
+            await self.landings.close()
+        await super().close()
 
     def welcome(self, conn: EndpointProtocol) -> Welcome:
         store = self.store
@@ -342,6 +350,10 @@ class ServerProtocol(EndpointProtocol):
         it may go (`ParameterServer.landed`)."""
         server = self.server
         answer = server.handle_push(event, staged, data)
+        if (server.landings is not None and event.ticket is not None and server.role == "server"
+                and event.members is None and isinstance(answer, PushResult)):
+            # (A replica reports once promoted: before, its pushes are copies.)
+            server.landings.report(event.ticket, answer)
         if isinstance(answer, Error):
             self.log.warning("refused push %d from %s (%s): %s", event.req, self.client,
                              self.peer, answer.message)

@@ -249,7 +249,8 @@ def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: i
                during_run: Callable[[RunInfo], None] | None = None,
                at_end: Callable[[RunInfo], None] | None = None,
                shard_hosts: Sequence[str] = (), controllers: int = 1,
-               kill_controller_after: float | None = None, lease_ttl: int = 1
+               kill_controller_after: float | None = None, lease_ttl: int = 1,
+               landing_reports: bool = False
                ) -> tuple[Summary, list[dict[str, Any]]]:
     """Run one policy: server and controller on `server_host`, a worker on
     every other host of testbed `tb`. `during(tb)` runs once the workers are
@@ -279,7 +280,9 @@ def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: i
     *shard_hosts] (`--etcd`, `--lease-ttl lease_ttl`); the workers are
     given them all. `kill_controller_after`: the first controller is killed
     (SIGKILL) that many seconds after every worker has connected, and not
-    started again: the others take its shards over."""
+    started again: the others take its shards over. `landing_reports`:
+    each server is started with `--controller` (every controller), and
+    tells them of each landing itself (`server.landings`)."""
     from ..wire import auth
 
     server = tb.host(server_host)
@@ -315,6 +318,10 @@ def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: i
         srv_argv = [*py, "server", "--listen", f"{server.ip}:0", "--job", JOB, "--token-file",
                     str(token), "--init", str(init), "--tau-max", str(tau_max),
                     *metrics_argv("server")]
+        ctl_hosts = [server, *(tb.host(h) for h in shard_hosts)][:controllers]
+        if landing_reports:  # each server tells the controllers of its landings itself
+            srv_argv += ["--controller",
+                         ",".join(f"{h.ip}:{CONTROLLER_PORT}" for h in ctl_hosts)]
         if momentum is not None:
             srv_argv += ["--momentum", str(momentum)]
         shards = 1 + len(shard_hosts)
@@ -360,7 +367,6 @@ def run_policy(tb: Any, policy: str, *, model_bytes: int, steps: int, tau_max: i
                 procs["agent"] = tb.popen(agg, agent_argv, **kw)
         if decision_log is not None:
             ctl_argv += ["--decision-log", str(decision_log)]
-        ctl_hosts = [server, *(tb.host(h) for h in shard_hosts)][:controllers]
         if controllers > 1:
             from .etcd import etcd_argv
 

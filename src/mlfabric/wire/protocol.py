@@ -119,6 +119,7 @@ class MsgType(enum.IntEnum):
     SHARD_AT = 27
     FELL_BACK = 28
     MOVED = 29
+    LANDED = 30
 
 
 class _NeedData:
@@ -441,6 +442,26 @@ class TransferDone:
     fan_in: int | None = None
 
 
+# The name (`Hello.client`) a server's link that sends LANDED gives.
+LANDINGS_CLIENT: Final = "mlfabric-server-landings"
+
+
+@dataclass(frozen=True)
+class Landed:
+    """Server -> controller (`mlfabric server --controller`): the push that
+    carried `ticket` (its transfer's id at the controller: `Push.ticket`)
+    was applied at `version`, or refused (`applied` false), with `delay` as
+    its answer to the worker gives. It reaches the controller a message
+    before the worker's `TransferDone` could, which follows all the same.
+    `shard`: the server's shard (0 for a job of one server)."""
+
+    ticket: int
+    shard: int
+    version: int
+    applied: bool
+    delay: int | None = None
+
+
 @dataclass(frozen=True)
 class ShardAt:
     """Client -> controller, once per link: shard `shard` of a sharded job is
@@ -611,7 +632,7 @@ class Status:
 
 Event = (Hello | Challenge | Auth | Welcome | Pull | PullCancel | Model | ModelEnd | Push
          | PushResult | Error | TransferRequest | Directive | TransferDone | TransferProgress
-         | StatusRequest | Status | ShardAt | Moved | FellBack | ReplicaDone | Ping | Pong
+         | Landed | StatusRequest | Status | ShardAt | Moved | FellBack | ReplicaDone | Ping | Pong
          | Promote | Resync | Failover | StateRequest | ReplicaJoin | ReplicaAt)
 
 DIRECTIVE_ACTIONS = ("go", "drop")
@@ -1379,6 +1400,15 @@ def _decode_status(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> E
     return Status(req=_int(meta, "req"), status=status)
 
 
+def _decode_landed(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
+    applied = meta.get("applied")
+    if not isinstance(applied, bool):
+        raise ProtocolError(f"field 'applied' must be a boolean, got {applied!r:.40}")
+    return Landed(ticket=_int(meta, "ticket"), shard=_shard_index(meta),
+                  version=_int(meta, "version"), applied=applied,
+                  delay=_opt_int(meta, "delay"))
+
+
 def _decode_transfer_done(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> Event:
     applied = meta.get("applied")
     if not isinstance(applied, bool):
@@ -1541,6 +1571,7 @@ CODECS: tuple[Codec, ...] = (
     Codec(MsgType.DIRECTIVE, Directive, _decode_directive),
     Codec(MsgType.TRANSFER_DONE, TransferDone, _decode_transfer_done),
     Codec(MsgType.TRANSFER_PROGRESS, TransferProgress, _decode_transfer_progress),
+    Codec(MsgType.LANDED, Landed, _decode_landed),
     Codec(MsgType.STATUS_REQUEST, StatusRequest, _decode_status_request),
     Codec(MsgType.STATUS, Status, _decode_status),
     Codec(MsgType.SHARD_AT, ShardAt, _decode_shard_at),

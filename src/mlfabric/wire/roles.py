@@ -18,6 +18,7 @@ from ..errors import WrongPeer
 from . import agent_protocol
 from .protocol import (
     FellBack,
+    Landed,
     Ping,
     Promote,
     Pull,
@@ -37,7 +38,7 @@ from .protocol import (
 SERVER: tuple[type, ...] = (Push, Pull, PullCancel, StateRequest, Ping)
 REPLICA: tuple[type, ...] = (*SERVER, Promote, Resync)
 CONTROLLER: tuple[type, ...] = (TransferRequest, TransferDone, TransferProgress, ReplicaJoin,
-                                ReplicaDone, StatusRequest, ShardAt, FellBack)
+                                ReplicaDone, StatusRequest, ShardAt, FellBack, Landed)
 AGGREGATOR: tuple[type, ...] = (Push,)
 
 
