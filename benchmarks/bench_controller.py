@@ -8,7 +8,7 @@ server's downlink changes rate during each run. Needs root.
     sudo python benchmarks/bench_controller.py [--rounds 3] [--steps 8]
         [--compute-ms 1200] [--in-flight 1] [--model-mib 2] [--down-mbit 100]
         [--change-to 50] [--tau-max 8] [--uplinks 20,30,50,1000]
-        [--decision-log PREFIX]
+        [--landing-reports] [--decision-log PREFIX]
 
 `--uplinks` gives the workers mixed uplink rates (Mbit/s, cycled over the
 workers; the controller is configured with them, as it is with the
@@ -55,6 +55,9 @@ def main() -> int:
                          "(default: 1000 each)")
     ap.add_argument("--unannounced-uplinks", action="store_true",
                     help="configure the controller with the server's downlink only")
+    ap.add_argument("--landing-reports", action="store_true",
+                    help="start the server with --controller: it tells the controller of "
+                         "each landing itself, a message before the worker's report")
     ap.add_argument("--decision-log", default=None, metavar="PREFIX",
                     help="keep each run's controller decision log as "
                          "PREFIX-POLICY-rN.jsonl (default: none kept)")
@@ -90,6 +93,7 @@ def main() -> int:
                     tau_max=args.tau_max, compute_ms=args.compute_ms, seed=r,
                     max_in_flight=args.in_flight, during=change_rate,
                     link_mbit={"h0": rates["h0"]} if args.unannounced_uplinks else rates,
+                    landing_reports=args.landing_reports,
                     decision_log=None if args.decision_log is None else
                     Path(f"{args.decision_log}-{policy}-r{r + 1}.jsonl").resolve())
                 runs[policy].append(summary)
