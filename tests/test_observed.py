@@ -163,6 +163,60 @@ def test_no_transfer_is_refused_for_being_passed_when_its_server_keeps_the_names
     assert refused_without > 0  # the names are what kept them
 
 
+def test_a_newcomer_with_room_to_spare_also_waits_for_one_at_risk_planned_after_it():
+    """Seen on the emulated cluster: transfer 149 critical (its last version
+    of slack), the next one let go planned to land before it (the hold
+    budget released it to keep the link busy), landed first, and 149 was
+    refused. A newcomer that can wait for every running transfer and still
+    be applied names it."""
+    order = observed.RunningOrder([(5.0, 1, 1.0, 10, True)], now=None, tau_max=10)
+    assert order.must_follow(2.0, 9) is None  # planned first, its room unknown
+    assert order.must_follow(2.0, 9, room=1) is None  # waiting would cost its last version
+    assert order.must_follow(2.0, 9, room=2) == ((1,), pytest.approx(4.0))
+    assert order.must_follow(6.0, 9, room=0) == ((1,), pytest.approx(4.0))  # planned after
+
+
+def test_with_any_planned_order_none_is_refused_that_every_passer_named():
+    """`must_follow`'s invariant when newcomers may be planned to land before
+    running transfers: a transfer is safe when the plan can land it in time,
+    it cannot be passed by a running transfer it did not name (it names all
+    those at risk if it has room for every running one, else all running
+    ones are planned before it), and every later newcomer planned before it
+    had room to wait for it. However they land, a server that keeps the
+    names refuses none of those."""
+    rng = random.Random(35)
+    checked = refused_without = 0
+    for _ in range(400):
+        tau = rng.randint(1, 8)
+        order = observed.RunningOrder([], now=None, tau_max=tau)
+        version = 100
+        base: dict[int, int] = {}
+        names: dict[int, tuple[int, ...]] = {}
+        ends: dict[int, float] = {}
+        safe: set[int] = set()
+        for tid in range(rng.randint(1, 10)):
+            stale = rng.randint(0, tau)
+            end = rng.uniform(0.0, 10.0)
+            room, running = tau - stale, len(order)
+            ahead = sum(1 for e in ends.values() if (e, 0) < (end, tid))
+            follow = order.must_follow(end, tid, room)
+            names[tid] = follow[0] if follow else ()
+            # Later newcomers planned before a safe one, without room to wait: not safe.
+            if room <= running:
+                safe -= {t for t in safe if (end, tid) < (ends[t], t)}
+            if room - ahead >= 0 and (room > running or ahead == running):
+                safe.add(tid)
+            order.add(end, tid, 1.0, stale, True)
+            base[tid], ends[tid] = version - stale, end
+        landing = list(base)
+        rng.shuffle(landing)
+        refused = _land(landing, names, base, version, tau)
+        assert not refused & safe, (tau, names, ends, landing, refused, safe)
+        checked += len(safe)
+        refused_without += len(_land(landing, {}, base, version, tau) & safe)
+    assert checked > 300 and refused_without > 0  # the names are what kept them
+
+
 def _two(guard: bool) -> tuple[ControlState, list]:
     """A must land next (base 0, the server at 2, tau_max 2); the plan starts
     B beside it and has it end after A, but B's path could carry it in 0.2 s."""

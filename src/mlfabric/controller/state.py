@@ -874,7 +874,9 @@ class ControlState:
                 follow = None
                 if order is not None and not t.granted and item.route is None:
                     # What it must not pass at the server, should it land first.
-                    follow = order.must_follow(now + (item.planned_seconds or 0.0), t.id)
+                    slack = order.tau_max - (self.shard_versions.get(t.shard, self.version)
+                                             - t.base_version)
+                    follow = order.must_follow(now + (item.planned_seconds or 0.0), t.id, slack)
                 if stats is not None and not t.granted:
                     stats.sent += 1
                 actions.append(self._let_go(t, item, now, overrides=overrides,

@@ -298,11 +298,20 @@ class RunningOrder:
             return None
         return self._latest - self.now
 
-    def must_follow(self, end: float, tid: int) -> tuple[tuple[int, ...], float] | None:
+    def must_follow(self, end: float, tid: int, room: int | None = None
+                    ) -> tuple[tuple[int, ...], float] | None:
         """What a transfer let go now, planned to land at `end`, must not pass
         at the server: (ids, seconds), to be applied only once the transfers
         `ids` of this order have landed, waiting at most `seconds` for them;
         None if passing any of them costs nothing.
+
+        `room`: how many versions the newcomer itself may still be passed by
+        (tau_max less its staleness). With more room than there are running
+        transfers it can wait for every one of them and still be applied, so
+        it also names those at risk planned to land after it: a plan that
+        puts a newcomer before a running transfer with no version to spare
+        (the hold budget lets one go so, to keep the link busy) would
+        otherwise have it refused (seen on the emulated cluster: 1 of 1,200).
 
         A direct transfer planned to land before it is at risk when it would
         be refused as stale if every other transfer running into the server,
@@ -326,8 +335,9 @@ class RunningOrder:
         risk = bisect.bisect_left(self._margin, (running, -1))
         if not risk:
             return None  # (at 10,000 simulated workers, tau_max 10,000: never)
+        every = room is not None and room > running
         ahead = sorted(k for k in ((self._end[r], r) for _, r in self._margin[:risk])
-                       if k < (end, tid))[:MAX_FOLLOW]
+                       if every or k < (end, tid))[:MAX_FOLLOW]
         if not ahead:
             return None
         longest = 0.0
