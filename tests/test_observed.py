@@ -168,11 +168,11 @@ def test_a_newcomer_with_room_to_spare_also_waits_for_one_at_risk_planned_after_
     of slack), the next one let go planned to land before it (the hold
     budget released it to keep the link busy), landed first, and 149 was
     refused. A newcomer that can wait for every running transfer and still
-    be applied names it."""
+    be applied names it: with room for one version, it can wait for one."""
     order = observed.RunningOrder([(5.0, 1, 1.0, 10, True)], now=None, tau_max=10)
     assert order.must_follow(2.0, 9) is None  # planned first, its room unknown
-    assert order.must_follow(2.0, 9, room=1) is None  # waiting would cost its last version
-    assert order.must_follow(2.0, 9, room=2) == ((1,), pytest.approx(4.0))
+    assert order.must_follow(2.0, 9, room=0) is None  # waiting would have it refused
+    assert order.must_follow(2.0, 9, room=1) == ((1,), pytest.approx(4.0))
     assert order.must_follow(6.0, 9, room=0) == ((1,), pytest.approx(4.0))  # planned after
 
 
@@ -202,9 +202,9 @@ def test_with_any_planned_order_none_is_refused_that_every_passer_named():
             follow = order.must_follow(end, tid, room)
             names[tid] = follow[0] if follow else ()
             # Later newcomers planned before a safe one, without room to wait: not safe.
-            if room <= running:
+            if room < running:
                 safe -= {t for t in safe if (end, tid) < (ends[t], t)}
-            if room - ahead >= 0 and (room > running or ahead == running):
+            if room - ahead >= 0 and (room >= running or ahead == running):
                 safe.add(tid)
             order.add(end, tid, 1.0, stale, True)
             base[tid], ends[tid] = version - stale, end
