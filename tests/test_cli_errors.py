@@ -119,6 +119,17 @@ class Started:
         assert self.proc.wait(15) == 0, self.proc.stderr.read()
 
 
+def test_a_servers_controller_must_be_an_address(files):
+    """`mlfabric server --controller` (the server tells it of each landing)
+    takes HOST:PORT, one or several: anything else is a one-line error."""
+    assert_one_line_error(files, [*command("server", files), "--controller", "10.0.0.9"],
+                          "--controller: address must be HOST:PORT, got '10.0.0.9'")
+    assert_one_line_error(files, [*command("server", files), "--controller",
+                                  "10.0.0.9:7071,10.0.0.10:99999"],
+                          "--controller: address must be HOST:PORT with a port in 0..65535, "
+                          "got '10.0.0.10:99999'")
+
+
 def test_an_aggregator_needs_the_servers_it_may_forward_to(files):
     """Issue 33: an aggregator dialled whatever server a member named; it
     now starts only with the list of the job's servers, and says so."""
