@@ -85,14 +85,14 @@ def test_the_feed_dials_a_controller_that_starts_later_and_again_once_it_is_lost
     answer = PushResult(req=1, applied=True, version=5, delay=0)
     with ServerThread(ParameterStore(make_model()), loop_kind=loop_kind) as server:
         feed = _feed(server, [f"127.0.0.1:{port}"])
-        assert server.call(lambda: feed.report(7, answer)) == 0
+        assert server.call(lambda: feed.report(7, 4, answer)) == 0
         assert sample(server.metrics.landings_reported, result="unsent") == 1
         for _ in range(2):  # a controller that starts late; then one that comes back
             endpoint = Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None)
             with ServerThread(None, loop_kind=loop_kind, endpoint=endpoint, port=port):
                 wait_until(lambda: len(feed.links) == 1, timeout=15,
                            what="the feed's dial of the controller")
-                assert server.call(lambda: feed.report(7, answer)) == 1
+                assert server.call(lambda: feed.report(7, 4, answer)) == 1
                 # Transfer 7 is no transfer of this controller's: ignored.
                 wait_until(lambda e=endpoint: sample(e.metrics.landings, result="ignored") == 1)
             wait_until(lambda: not feed.links, what="the feed's loss of the controller")
@@ -113,7 +113,7 @@ def test_a_landing_from_a_workers_link_is_a_protocol_error(loop_kind, run_async)
         async def forge() -> None:
             link = await open_link(controller.address, ClientHandshake(JOB, TOKEN, "worker-a"),
                                    5.0, "controller")
-            link.send(Landed(ticket=1, shard=0, version=1, applied=True))
+            link.send(Landed(ticket=1, shard=0, base_version=0, version=1, applied=True))
             await asyncio.wait_for(asyncio.shield(link.closed), 5.0)
 
         run_async(forge())

@@ -513,8 +513,12 @@ def test_a_landing_the_server_reports_ends_the_transfer_and_its_workers_report_t
     t = go.transfer
     assert state.landed(t.id, shard=1, version=1, applied=True, delay=0, now=2.0) is None
     assert state.landed(t.id + 1, shard=0, version=1, applied=True, delay=0, now=2.0) is None
-    assert state.active  # another shard's or an unknown ticket changes nothing
-    assert state.landed(t.id, shard=0, version=7, applied=True, delay=0, now=2.0) is t
+    # The same id from another controller's ticket (another push: another base).
+    assert state.landed(t.id, shard=0, version=1, applied=True, delay=0, now=2.0,
+                        base_version=1) is None
+    assert state.active  # another shard's, another push's or an unknown ticket: nothing
+    assert state.landed(t.id, shard=0, version=7, applied=True, delay=0, now=2.0,
+                        base_version=0) is t
     assert not state.active and state.version == 7 and t.landed_at == 2.0
     assert state.servers["s"].applied == 1 and state.workers["w"].applied == 1
     assert state.network.observed_down == {}  # nothing learnt yet: no time

@@ -146,8 +146,8 @@ CASES = [
     StatusRequest(req=3),
     ReplicaDone(dst="10.0.0.2", version=2**33),
     ShardAt(shard=3, dst="10.0.0.5", version=17),
-    Landed(ticket=44, shard=0, version=9, applied=True, delay=2),
-    Landed(ticket=2**40, shard=63, version=10, applied=False, delay=None),
+    Landed(ticket=44, shard=0, base_version=7, version=9, applied=True, delay=2),
+    Landed(ticket=2**40, shard=63, base_version=0, version=10, applied=False, delay=None),
     Moved(shard=3, owner="10.0.0.6:7071"),
     Moved(shard=0, owner=""),
     FellBack(updates=12, seconds=3.25),
@@ -519,15 +519,20 @@ BAD_FRAMES = {
         frame(MsgType.PUSH, {"req": 1, "base_version": 0, "seq": 4, "fan_in": 2,
                              "tensors": [["a", "f4", [1]]]}, b"\0" * 4), "0 <= index < fan_in"),
     "landed without its ticket": (
-        frame(MsgType.LANDED, {"shard": 0, "version": 3, "applied": True}), "'ticket'"),
+        frame(MsgType.LANDED, {"shard": 0, "base_version": 0, "version": 3,
+                               "applied": True}), "'ticket'"),
+    "landed without its base version": (
+        frame(MsgType.LANDED, {"ticket": 1, "version": 3, "applied": True}),
+        "'base_version'"),
     "landed applied not a bool": (
-        frame(MsgType.LANDED, {"ticket": 1, "version": 3, "applied": 1}), "'applied'"),
+        frame(MsgType.LANDED, {"ticket": 1, "base_version": 0, "version": 3, "applied": 1}),
+        "'applied'"),
     "landed shard too large": (
-        frame(MsgType.LANDED, {"ticket": 1, "shard": 1 << 20, "version": 3, "applied": True}),
-        "'shard' must be below"),
+        frame(MsgType.LANDED, {"ticket": 1, "shard": 1 << 20, "base_version": 0,
+                               "version": 3, "applied": True}), "'shard' must be below"),
     "landed delay negative": (
-        frame(MsgType.LANDED, {"ticket": 1, "version": 3, "applied": True, "delay": -1}),
-        "'delay'"),
+        frame(MsgType.LANDED, {"ticket": 1, "base_version": 0, "version": 3,
+                               "applied": True, "delay": -1}), "'delay'"),
     "gap negative": (
         frame(MsgType.PONG, {"req": 1, "role": "replica", "version": 3, "gap": -1}), "gap"),
     "force not a bool": (frame(MsgType.PROMOTE, {"req": 1, "force": 1}), "'force'"),

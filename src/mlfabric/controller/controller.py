@@ -685,7 +685,8 @@ class Controller(Endpoint):
         t = None
         if self.owns(ev.shard):
             t = self.state.landed(ev.ticket, shard=ev.shard, version=ev.version,
-                                  applied=ev.applied, delay=ev.delay, now=self.clock())
+                                  applied=ev.applied, delay=ev.delay, now=self.clock(),
+                                  base_version=ev.base_version)
         if t is None:
             self.metrics.landings.labels("ignored").inc()
             return

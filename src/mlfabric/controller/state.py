@@ -351,17 +351,22 @@ class ControlState:
         return None
 
     def landed(self, tid: int, *, shard: int, version: int, applied: bool,
-               delay: int | None, now: float | None = None) -> Transfer | None:
+               delay: int | None, now: float | None = None,
+               base_version: int | None = None) -> Transfer | None:
         """The server's own report that the transfer with id `tid` (its
         ticket) was applied or refused at `version`, a message before its
         worker's could say so: its links and place are free now, and the
         controller knows the server's version that much sooner. Only a
         transfer straight to `shard`'s server, whole, is reported so (an
         aggregate lands as another transfer); anything else, or one already
-        reported, is None. Its worker's report (`done`) then only times it,
-        for the closed loop; `t.landed_at` says when this one came."""
+        reported, is None; so is one whose `base_version` (the push's) is
+        not the transfer's (a ticket of the controller that planned the
+        shard before, repeating an id). Its worker's report (`done`) then
+        only times it, for the closed loop; `t.landed_at` says when this
+        one came."""
         t = self.active.get(tid)
         if (t is None or t.shard != shard or t.route is not None
+                or (base_version is not None and base_version != t.base_version)
                 or (t.chunk and t.granted < t.nbytes)):
             return None
         alone, shared = self._finish(t, version, applied, delay, now)

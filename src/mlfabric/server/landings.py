@@ -57,10 +57,12 @@ class LandingFeed:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._keep(address)) for address in self.controllers]
 
-    def report(self, ticket: int, answer: PushResult) -> int:
-        """Tell every controller reached that the push of `ticket` ended as
-        `answer` says; returns to how many it was sent."""
-        event = Landed(ticket=ticket, shard=self.shard, version=answer.version,
+    def report(self, ticket: int, base_version: int, answer: PushResult) -> int:
+        """Tell every controller reached that the push of `ticket` (on
+        `base_version`) ended as `answer` says; returns to how many it was
+        sent."""
+        event = Landed(ticket=ticket, shard=self.shard, base_version=base_version,
+                       version=answer.version,
                        applied=answer.applied, delay=answer.delay)
         sent = 0
         for link in list(self.links.values()):

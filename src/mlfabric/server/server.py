@@ -353,7 +353,7 @@ class ServerProtocol(EndpointProtocol):
         if (server.landings is not None and event.ticket is not None and server.role == "server"
                 and event.members is None and isinstance(answer, PushResult)):
             # (A replica reports once promoted: before, its pushes are copies.)
-            server.landings.report(event.ticket, answer)
+            server.landings.report(event.ticket, event.base_version, answer)
         if isinstance(answer, Error):
             self.log.warning("refused push %d from %s (%s): %s", event.req, self.client,
                              self.peer, answer.message)

@@ -631,7 +631,8 @@ class _Sim:
         if self.sc.landing_report == "server" and ticket is not None:
             # The server reports the landing itself, a message before the
             # worker's report (which still comes, and only times it).
-            self.after(answer, self._ctl_landed, ticket, version, applied, delay, k)
+            self.after(answer, self._ctl_landed, ticket, rec.base_versions[k], version,
+                       applied, delay, k)
         report = (version, applied, delay)
         self.after(answer, self._outcome, w, req, applied, delay, reason, report)
         if ticket is not None:
@@ -648,11 +649,11 @@ class _Sim:
                           now=self.now, shard=shard)
         ctl.replan()
 
-    def _ctl_landed(self, ticket: int, version: int, applied: bool, delay: int | None,
-                    shard: int) -> None:
+    def _ctl_landed(self, ticket: int, base_version: int, version: int, applied: bool,
+                    delay: int | None, shard: int) -> None:
         ctl = self.controllers[shard % len(self.controllers)]
         if ctl.state.landed(ticket, shard=shard, version=version, applied=applied,
-                            delay=delay, now=self.now) is not None:
+                            delay=delay, now=self.now, base_version=base_version) is not None:
             ctl.replan()
 
     def _ctl_done(self, w: _Worker, req: int, version: int, applied: bool,

@@ -453,10 +453,13 @@ class Landed:
     was applied at `version`, or refused (`applied` false), with `delay` as
     its answer to the worker gives. It reaches the controller a message
     before the worker's `TransferDone` could, which follows all the same.
-    `shard`: the server's shard (0 for a job of one server)."""
+    `shard`: the server's shard (0 for a job of one server); `base_version`:
+    the push's, so that a ticket of another controller (one the shard had
+    before a hand-over) that repeats an id is not taken for the transfer."""
 
     ticket: int
     shard: int
+    base_version: int
     version: int
     applied: bool
     delay: int | None = None
@@ -1405,6 +1408,7 @@ def _decode_landed(meta: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> E
     if not isinstance(applied, bool):
         raise ProtocolError(f"field 'applied' must be a boolean, got {applied!r:.40}")
     return Landed(ticket=_int(meta, "ticket"), shard=_shard_index(meta),
+                  base_version=_int(meta, "base_version"),
                   version=_int(meta, "version"), applied=applied,
                   delay=_opt_int(meta, "delay"))
 
