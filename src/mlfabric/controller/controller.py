@@ -31,7 +31,14 @@ from ..runtime.metrics import ControllerMetrics
 from ..scheduling import observed
 from ..scheduling.aggregation import AggregationConfig, Group, aggregating
 from ..scheduling.estimates import EstimateGuard, Held
-from ..scheduling.plan import Network, Policy, fifo_policy, with_estimates, with_host_load
+from ..scheduling.plan import (
+    Network,
+    Policy,
+    Transfer,
+    fifo_policy,
+    with_estimates,
+    with_host_load,
+)
 from ..transport.listener import Endpoint, EndpointProtocol
 from ..wire import roles
 from ..wire.agent_auth import AgentCredential
@@ -657,18 +664,11 @@ class Controller(Endpoint):
         # One its server reported first (on_landed) was counted then: the
         # worker's report only times it.
         first = t is not None and t.landed_at is None
-        gate = self.gates.get(t.shard) if first and t is not None else None
-        if t is not None and ev.applied and gate is not None:
-            if ev.fan_in is None:
-                gate.server_applied(ev.version, t.norm)
-            else:
-                # One member of an aggregate of fan_in (each reports the
-                # aggregate's end version): the gate sums their norms.
-                gate.server_applied(ev.version, t.norm, ev.fan_in, member=True)
+        if first:
+            assert t is not None
+            self._ended_at_server(t, ev.applied, ev.version, ev.delay, ev.fan_in)
         if t is not None:
             self.metrics.actual_seconds.observe(ev.seconds)
-            if first and ev.applied and ev.delay is not None:
-                self.metrics.delay.observe(ev.delay)
             decision_log.info(json.dumps({
                 "event": "done", "at": round(self.clock(), 6), "id": t.id, "host": t.host,
                 "applied": ev.applied,
@@ -676,6 +676,22 @@ class Controller(Endpoint):
                 "planned_seconds": t.planned_seconds}))
         if first or t is None or self.state.network is not before:
             self.replan()  # (one its server reported changed nothing else to plan by)
+
+    def _ended_at_server(self, t: Transfer, applied: bool, version: int, delay: int | None,
+                         fan_in: int | None = None) -> None:
+        """`t` was applied or refused at `version`, told once (by its
+        server's report or its worker's, whichever came first): the
+        divergence gate and the delay histogram learn it."""
+        gate = self.gates.get(t.shard)
+        if applied and gate is not None:
+            if fan_in is None:
+                gate.server_applied(version, t.norm)
+            else:
+                # One member of an aggregate of fan_in (each reports the
+                # aggregate's end version): the gate sums their norms.
+                gate.server_applied(version, t.norm, fan_in, member=True)
+        if applied and delay is not None:
+            self.metrics.delay.observe(delay)
 
     def on_landed(self, ev: Landed) -> None:
         """A server's own report of a landing (`server.landings`): the
@@ -691,11 +707,7 @@ class Controller(Endpoint):
             self.metrics.landings.labels("ignored").inc()
             return
         self.metrics.landings.labels("first").inc()
-        gate = self.gates.get(t.shard)
-        if ev.applied and gate is not None:
-            gate.server_applied(ev.version, t.norm)
-        if ev.applied and ev.delay is not None:
-            self.metrics.delay.observe(ev.delay)
+        self._ended_at_server(t, ev.applied, ev.version, ev.delay)
         decision_log.info(json.dumps({
             "event": "landed", "at": round(self.clock(), 6), "id": t.id, "host": t.host,
             "applied": ev.applied, "version": ev.version, "delay": ev.delay}))
