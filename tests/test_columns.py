@@ -12,8 +12,8 @@ import pytest
 
 from mlfabric.controller.state import ControlState, Drop, Go
 from mlfabric.scheduling import schedule
-from mlfabric.scheduling.columns import PendingColumns
-from mlfabric.scheduling.plan import Network, Transfer, with_estimates, with_host_load
+from mlfabric.scheduling.columns import ActiveTransfers, PendingColumns
+from mlfabric.scheduling.plan import Network, Route, Transfer, with_estimates, with_host_load
 from mlfabric.scheduling.policies import PLAN_AHEAD, Mlfabric, mlfabric_policy
 
 MB = 1e6
@@ -161,7 +161,9 @@ def test_a_full_plan_from_columns_equals_the_policy_on_its_snapshot():
         scratch = list(mlfabric_policy(snap))
         plan = Mlfabric().plan_columns(columns, columns.rows(None), now=now,
                                        version=snap.version, in_flight=snap.server_in_flight,
-                                       tau_max=120, active=snap.active, network=net)
+                                       tau_max=120,
+                                       active=ActiveTransfers.of(snap.active, columns.hosts),
+                                       network=net)
         assert plan is not None and list(plan) == scratch
         return scratch
 
@@ -199,6 +201,68 @@ def test_columns_follow_adds_and_removes():
     for t in many:  # grows past its first room
         cols.add(t)
     assert len(cols) == 203 and 150 in cols
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_active_columns_follow_every_change_a_transfer_goes_through(seed):
+    """`ActiveTransfers` is a dictionary of the transfers let go whose
+    columns say what each transfer's fields say, after transfers are let
+    go, end, grow past their first room, and change in place (a chunked
+    one's rest joining its chunk): each row against the transfer's own
+    fields, the rows by id, the counts, and the rows that land as
+    themselves (started, with a planned time, and whole)."""
+    rng = random.Random(seed)
+    active = ActiveTransfers()
+    plain: dict[int, Transfer] = {}
+    next_id = 1
+    for _ in range(400):
+        if plain and rng.random() < 0.4:
+            tid = rng.choice(sorted(plain))
+            if rng.random() < 0.3 and plain[tid].chunk:
+                t = plain[tid]  # the rest follows the chunk under way
+                t.piece, t.granted = t.piece + t.rest, t.nbytes
+                t.planned_seconds = (t.planned_seconds or 0.0) + 0.1
+                active[tid] = t
+            else:
+                del active[tid], plain[tid]
+        else:
+            chunk = rng.choice([0, 0, 400])
+            t = Transfer(next_id, "o", next_id, f"h{rng.randrange(5)}", f"s{rng.randrange(3)}",
+                         1000, rng.randrange(50), 1.0, 0.0, shard=rng.randrange(3),
+                         started=rng.choice([None, 1.0, 2.5]),
+                         planned_seconds=rng.choice([None, 0.0, 0.2]), chunk=chunk,
+                         granted=chunk, piece=chunk,
+                         route=None if rng.random() < 0.8 else Route(
+                             host="agg", address="agg:1", group=1, fan_in=2, index=0))
+            active[t.id] = plain[t.id] = t
+            next_id += 1
+        assert len(active) == len(plain) and dict(active.items()) == plain
+        rows = active.by_id()
+        assert active.ids[rows].tolist() == sorted(plain)
+        for k, tid in zip(rows.tolist(), sorted(plain), strict=True):
+            t = plain[tid]
+            assert active.hosts.names[active.src[k]] == t.host
+            assert active.hosts.names[active.dst[k]] == t.dst
+            assert (active.shard[k], active.base_version[k], active.direct[k]) == (
+                t.shard, t.base_version, t.route is None)
+            assert active.planned[k] == (t.planned_seconds or 0.0)
+            assert active.nbytes[k] == (t.piece if t.chunk and t.piece else t.nbytes)
+            assert np.isnan(active.started[k]) == (t.started is None)
+        assert [t.nbytes for t in active.planned_view()] == [
+            plain[i].piece if plain[i].chunk else plain[i].nbytes for i in sorted(plain)]
+        assert active.all_direct == all(t.route is None for t in plain.values())
+        for shard in range(3):
+            assert active.in_flight(shard) == sum(t.shard == shard for t in plain.values())
+            end, ids, planned, base, direct = active.landing_rows(shard)
+            want = sorted((t.started + t.planned_seconds, t.id, t.planned_seconds,
+                           60 - t.base_version, t.route is None) for t in plain.values()
+                          if t.shard == shard and t.started is not None and t.planned_seconds
+                          and (not t.chunk or t.granted >= t.nbytes))
+            got = sorted(zip(end.tolist(), ids.tolist(), planned.tolist(),
+                             (60 - base).tolist(), direct.tolist(), strict=True))
+            assert got == want
+    with pytest.raises(ValueError, match="transfer 5 stored under id 6"):
+        active[6] = Transfer(5, "o", 5, "h", "s", 1, 0, 1.0, 0.0)
 
 
 @pytest.mark.parametrize("seed", range(24))
@@ -270,13 +334,14 @@ def test_host_rates_are_shared_read_only_and_a_host_without_rate_is_checked_per_
     with pytest.raises(ValueError):
         up[0] = 1.0
     assert not cols.hosts.usable(net)
+    none_running = ActiveTransfers(cols.hosts)
     plan = Mlfabric().plan_columns(cols, cols.rows(None), now=0.0, version=0, in_flight=0,
-                                   tau_max=8, active=(), network=net)
+                                   tau_max=8, active=none_running, network=net)
     assert plan is not None and sorted(item.id for item in plan) == [0, 1]
     cols.add(Transfer(2, "w2", 0, "idle", "s", nbytes=int(MB), base_version=0, norm=1.0,
                       arrival=0.0))
     assert Mlfabric().plan_columns(cols, cols.rows(None), now=0.0, version=0, in_flight=0,
-                                   tau_max=8, active=(), network=net) is None
+                                   tau_max=8, active=none_running, network=net) is None
     assert cols.hosts.usable(Network(default=100 * MB))
 
 

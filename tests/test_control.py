@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mlfabric.controller.state import ControlState, Drop, Go
+from mlfabric.scheduling.columns import ActiveTransfers
 from mlfabric.scheduling.plan import ColumnPlan, Network, PlanItem, Snapshot, fifo_policy
 
 MB = 1e6
@@ -239,7 +240,7 @@ def test_each_shard_is_planned_against_its_own_version_and_in_flight():
     for shard in (0, 0, 1):
         state2.request("w", len(seen) + shard, host="h", dst="s", nbytes=1, base_version=0,
                        norm=0.0, now=0.0, shard=shard)
-    state2.active = dict(state2.pending)
+    state2.active = ActiveTransfers.of(state2.pending.values())
     state2.pending.clear()
     state2.request("w", 9, host="h", dst="s", nbytes=1, base_version=0, norm=0.0, now=0.0,
                    shard=1)

@@ -616,6 +616,7 @@ def test_a_long_transfer_waits_for_its_report_as_before():
 
 
 def test_trusted_needs_a_measured_handover_and_a_transfer_alone_direct_and_whole():
+    from mlfabric.scheduling.columns import ActiveTransfers
     from mlfabric.scheduling.plan import Route, Transfer
     from mlfabric.scheduling.policies import PIPELINE_HANDOVERS, trusted
 
@@ -624,14 +625,18 @@ def test_trusted_needs_a_measured_handover_and_a_transfer_alone_direct_and_whole
                         base_version=0, norm=1.0, arrival=0.0, started=0.0,
                         planned_seconds=planned, **kw)  # type: ignore[arg-type]
 
+    def trusted_ids(transfers: list[Transfer], handover: float) -> set[int]:
+        active = ActiveTransfers.of(transfers)
+        return set(active.ids[active.by_id()][trusted(active, handover)].tolist())
+
     limit = PIPELINE_HANDOVERS * 0.003
-    assert trusted([t(1)], 0.0) == set()  # no hand-over measured yet
-    assert trusted([t(1), t(2, dst="r", planned=limit), t(3, dst="q", planned=limit * 1.01)],
-                   0.003) == {1, 2}
-    assert trusted([t(1), t(2)], 0.003) == set()  # two into s
-    assert trusted([t(1, chunk=500)], 0.003) == set()
-    assert trusted([t(1, route=Route(host="agg", address="agg:7070", group=1, fan_in=2,
-                                     index=0))], 0.003) == set()
+    assert trusted_ids([t(1)], 0.0) == set()  # no hand-over measured yet
+    assert trusted_ids([t(3, dst="q", planned=limit * 1.01), t(1), t(2, dst="r", planned=limit)],
+                       0.003) == {1, 2}
+    assert trusted_ids([t(1), t(2)], 0.003) == set()  # two into s
+    assert trusted_ids([t(1, chunk=500)], 0.003) == set()
+    assert trusted_ids([t(1, route=Route(host="agg", address="agg:7070", group=1, fan_in=2,
+                                         index=0))], 0.003) == set()
 
 
 def test_fifo_runs_without_the_closed_loop():
@@ -887,3 +892,73 @@ def test_the_running_order_kept_between_transfers_let_go_equals_sorting_them_aga
             assert order.release_at(seconds) == _release_by_definition(critical, now, seconds)
     assert observed.RunningOrder(rows, now=None, tau_max=tau).critical() == \
         _critical_by_sorting(rows, None, tau)
+
+
+def _random_rows(rng: random.Random, tau: int) -> list[tuple[float, int, float, int, bool]]:
+    """Running transfers: planned ends with ties, staleness up to past tau."""
+    ids = rng.sample(range(1, 1000), rng.randint(0, 14))
+    return [(float(rng.randint(0, 8)) / 4, tid, rng.choice([0.1, 0.5, 2.0]),
+             rng.randint(-1, tau + 1), rng.random() < 0.85) for tid in ids]
+
+
+def _seen(order: observed.RunningOrder, probes: list[tuple[float, int, int]]) -> tuple:
+    """What the controller reads of an order."""
+    now = order.now
+    return (len(order), order.has_critical, order.critical_ids, order.critical(),
+            order.worth(), None if now is None else order.paced_for(),
+            None if now is None else [order.release_at(p) for p in (0.0, 0.3, 1.0)],
+            [order.must_follow(end, tid, room) for end, tid, room in probes])
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_an_order_built_from_columns_is_the_order_built_row_by_row(seed):
+    """`RunningOrder.of_columns` (what the controller builds at each
+    decision) reads the same as the order built from the same rows one by
+    one, before and after transfers join it."""
+    import numpy as np
+    rng = random.Random(seed)
+    for _ in range(25):
+        tau = rng.randint(1, 12)
+        now = rng.choice([None, 0.0, 0.5, 1.5, 4.0])
+        rows = _random_rows(rng, tau)
+        columns = [np.array(c) for c in zip(*rows, strict=True)] if rows else \
+            [np.empty(0), np.empty(0, np.int64), np.empty(0), np.empty(0, np.int64),
+             np.empty(0, bool)]
+        a = observed.RunningOrder(rows, now=now, tau_max=tau)
+        b = observed.RunningOrder.of_columns(*columns, now=now, tau_max=tau)
+        probes = [(rng.uniform(0, 3), 2000 + k, rng.choice([None, 0, 3, 20]))
+                  for k in range(4)]
+        assert _seen(b, probes) == _seen(a, probes)
+        for k in range(rng.randint(0, 4)):
+            joiner = (rng.uniform(0, 3), 3000 + k, 0.5, rng.randint(0, tau), True)
+            a.add(*joiner)
+            b.add(*joiner)
+        assert _seen(b, probes) == _seen(a, probes)
+
+
+def test_an_order_that_does_not_matter_guards_nothing_whatever_joins():
+    """`order_matters` false: no running transfer is critical, and however
+    many of the joining ones are let go, in any planned order, none is
+    made critical and no go names any (so the controller need not build
+    the order). Both answers occur here."""
+    import numpy as np
+    rng = random.Random(9)
+    skipped = kept = 0
+    for _ in range(2000):
+        tau = rng.randint(1, 40)
+        now = rng.choice([None, 0.0, 1.0, 5.0])
+        rows = _random_rows(rng, tau)
+        stale = np.array([r[3] for r in rows], np.int64)
+        joining = [rng.randint(0, tau) for _ in range(rng.randint(0, 5))]
+        if observed.order_matters(stale, joining, tau):
+            kept += 1
+            continue
+        skipped += 1
+        order = observed.RunningOrder(rows, now=now, tau_max=tau)
+        assert not order.has_critical
+        for k, s in enumerate(joining):
+            end = rng.uniform(0, 3)
+            assert order.must_follow(end, 5000 + k, tau - s) is None
+            order.add(end, 5000 + k, 0.5, s, True)
+            assert not order.has_critical
+    assert skipped > 100 and kept > 100

@@ -14,11 +14,11 @@ from __future__ import annotations
 import math
 import statistics
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from ..scheduling import observed
-from ..scheduling.columns import PendingColumns
+from ..scheduling.columns import ActiveTransfers, PendingColumns
 from ..scheduling.plan import (
     ColumnPlan,
     Network,
@@ -182,13 +182,11 @@ def _planned_rate(t: Transfer) -> float:
         if t.planned_seconds else 0.0
 
 
-def _planned(transfers: Iterable[Transfer], *, active: bool = False) -> tuple[Transfer, ...]:
-    """Transfers as a policy plans them: a chunked transfer that waits for
-    its next grant by what is left of it, and an `active` one by the chunk it
-    is sending (the policies know nothing of chunks)."""
-    if active:
-        return tuple(replace(t, nbytes=t.piece) if t.chunk and t.piece else t
-                     for t in transfers)
+def _planned(transfers: Iterable[Transfer]) -> tuple[Transfer, ...]:
+    """Pending transfers as a policy plans them: a chunked transfer that
+    waits for its next grant by what is left of it (the policies know
+    nothing of chunks; `ActiveTransfers.planned_view` is the same for the
+    active ones)."""
     return tuple(replace(t, nbytes=t.rest) if t.granted else t for t in transfers)
 
 
@@ -227,7 +225,10 @@ class ControlState:
         # mlfabric policy (`Mlfabric.plan_columns`): changed only by `_pend`
         # and `_unpend`, as `pending` is.
         self._columns = PendingColumns() if isinstance(policy, Mlfabric) else None
-        self.active: dict[int, Transfer] = {}
+        # The transfers let go, by id, with their columns kept as well (the
+        # links they hold and the order they land in are read from them at
+        # every decision), their hosts numbered as the pending ones'.
+        self.active = ActiveTransfers(self._columns.hosts if self._columns is not None else None)
         # Which links the active transfers hold, for the closed loop: only a
         # transfer that had its uplink and downlink to itself from its go to
         # its report measures them (`_hold`, `_release`).
@@ -421,7 +422,7 @@ class ControlState:
                 # 0.1 ms of every report.)
                 self._handover = 1.5 * statistics.median(self._handovers)
 
-    def _asked(self, owner: Hashable, req: int, where: dict[int, Transfer]
+    def _asked(self, owner: Hashable, req: int, where: Mapping[int, Transfer]
                ) -> Transfer | None:
         """The transfer `owner` asked for as `req`, if it is in `where`
         (of two under the same request id, the first asked)."""
@@ -575,20 +576,30 @@ class ControlState:
         order = self._running_order(shard, now)
         return [] if order is None else order.critical()
 
-    def _running_order(self, shard: int, now: float | None) -> observed.RunningOrder | None:
+    def _running_order(self, shard: int, now: float | None,
+                       joining: Sequence[Transfer] | None = None
+                       ) -> observed.RunningOrder | None:
         """The running transfers to `shard` as `critical` orders them (None
-        without a staleness bound)."""
+        without a staleness bound). With `joining` (the transfers a decision
+        may let go beside them), None also when the order has nothing to
+        guard within the decision (`observed.order_matters`)."""
         if self.tau_max is None:
             return None
         version = self.shard_versions.get(shard, self.version)
-        rows = (self._order_row(t, version) for t in self.active.values() if t.shard == shard)
-        return observed.RunningOrder((r for r in rows if r is not None), now=now,
-                                     tau_max=self.tau_max)
+        end, ids, planned, base_version, direct = self.active.landing_rows(shard)
+        stale = version - base_version
+        if joining is not None and not observed.order_matters(
+                stale, [version - t.base_version for t in joining if t.shard == shard],
+                self.tau_max):
+            return None
+        return observed.RunningOrder.of_columns(end, ids, planned, stale, direct, now=now,
+                                                tau_max=self.tau_max)
 
     @staticmethod
     def _order_row(t: Transfer, version: int) -> tuple[float, int, float, int, bool] | None:
         """`t`'s row in a `RunningOrder`, if it lands as one: a chunked
-        transfer between its chunks lands only after its last one."""
+        transfer between its chunks lands only after its last one (as
+        `ActiveTransfers.landing_rows` has them)."""
         if t.started is None or not t.planned_seconds or (t.chunk and t.granted < t.nbytes):
             return None
         return (t.started + t.planned_seconds, t.id, t.planned_seconds,
@@ -611,12 +622,12 @@ class ControlState:
                 self._unpend(t)
                 t.started, t.piece = now, t.rest
                 t.planned_seconds = t.rest / rate
-                self.active[t.id] = t
                 self._hold(t)
             else:  # during one: the rest follows the chunk under way
                 t.piece += t.rest
                 t.planned_seconds = (t.planned_seconds or 0.0) + t.rest / rate
             t.granted = t.nbytes
+            self.active[t.id] = t  # (active again, or its row as it is now)
             return t
         if t.id not in self.active or sent < t.granted:
             return None  # a report of a chunk already planned again
@@ -729,8 +740,7 @@ class ControlState:
         else:
             shards = sorted({t.shard for t in self.pending.values()})
         if shards == [0] and len(self.shard_versions) <= 1:
-            return self._commit(self._plan(now, None, self._active(),
-                                           lambda: self.snapshot(now)), now)
+            return self._commit(self._plan(now, None, lambda: self.snapshot(now)), now)
         first = self._first_shard % len(shards)
         self._first_shard += 1
         actions: list[Go | Drop] = []
@@ -744,28 +754,22 @@ class ControlState:
                    if k in self._dirty or self._shard_wake.get(k, -math.inf) <= now}
         self._planned_with = (self.network, aggregators)
         by_shard: dict[int, list[Transfer]] | None = None
-        active: tuple[Transfer, ...] | None = None
         for shard in shards[first:] + shards[:first]:
             if shard not in due:
                 continue
-            if active is None:  # (again only once a shard's plan let something go)
-                active = self._active()
 
-            def snapshot(shard: int = shard, active: tuple[Transfer, ...] = active
-                         ) -> Snapshot:
+            def snapshot(shard: int = shard) -> Snapshot:
                 nonlocal by_shard
                 if by_shard is None:
                     by_shard = self._pending_by_shard(due)
                 return Snapshot(
                     now=now, version=self.shard_versions.get(shard, 0), tau_max=self.tau_max,
-                    pending=_planned(by_shard[shard]), active=active, network=self.network,
-                    aggregators=aggregators, in_flight=sum(t.shard == shard for t in active),
-                    handover=self.handover)
+                    pending=_planned(by_shard[shard]), active=self._active(),
+                    network=self.network, aggregators=aggregators,
+                    in_flight=self.active.in_flight(shard), handover=self.handover)
 
-            decided = self._commit(self._plan(now, shard, active, snapshot), now)
+            decided = self._commit(self._plan(now, shard, snapshot), now)
             actions.extend(decided.actions)
-            if any(isinstance(a, Go) for a in decided.actions):
-                active = None
             self._dirty.discard(shard)
             self._shard_wake[shard] = math.inf if decided.wake_at is None else decided.wake_at
         for shard in shards:
@@ -786,25 +790,25 @@ class ControlState:
 
     def _active(self) -> tuple[Transfer, ...]:
         """The active transfers as a policy plans them, by id."""
-        return _planned(sorted(self.active.values(), key=lambda t: t.id), active=True)
+        return self.active.planned_view()
 
-    def _plan(self, now: float, shard: int | None, active: tuple[Transfer, ...],
-              snapshot: Callable[[], Snapshot]) -> Sequence[PlanItem]:
+    def _plan(self, now: float, shard: int | None, snapshot: Callable[[], Snapshot]
+              ) -> Sequence[PlanItem]:
         """The policy's plan of `shard`'s pending transfers (None: a job of
-        one server, all of them) with `active` under way (`_active`): from
-        the columns when the policy plans from them (`Mlfabric.plan_columns`),
+        one server, all of them) with the active ones under way: from the
+        columns when the policy plans from them (`Mlfabric.plan_columns`),
         else from the `snapshot()`."""
         if self._columns is not None:
             assert isinstance(self.policy, Mlfabric)
             if shard is None:
-                version, in_flight = self.version, len(active)
+                version, in_flight = self.version, len(self.active)
             else:
                 version = self.shard_versions.get(shard, 0)
-                in_flight = sum(t.shard == shard for t in active)
+                in_flight = self.active.in_flight(shard)
             plan = self.policy.plan_columns(
                 self._columns, self._columns.rows(shard), now=now, version=version,
-                in_flight=in_flight, tau_max=self.tau_max, active=active, network=self.network,
-                handover=self.handover)
+                in_flight=in_flight, tau_max=self.tau_max, active=self.active,
+                network=self.network, handover=self.handover)
             if plan is not None:
                 return plan
         return self.policy(snapshot())
@@ -818,6 +822,7 @@ class ControlState:
         actions: list[Go | Drop] = []
         # By shard, once needed: what runs into it, told of each transfer let go.
         orders: dict[int, observed.RunningOrder | None] = {}
+        joining: list[Transfer] | None = None  # what this decision may let go
         held: dict[int, int] = {}  # by shard: due transfers the guard holds
         for item in plan:
             t = self.pending.get(item.id)
@@ -828,9 +833,8 @@ class ControlState:
                 # Part of it is on the wire, and the server's connection holds
                 # the rest of its frame: it cannot be dropped now. It goes
                 # whole, and the server refuses it if it is too stale by then.
-                forced = PlanItem(t.id, start=now, position=sum(
-                    a.shard == t.shard for a in self.active.values()),
-                    planned_seconds=t.rest / self.network.rate(t.host, t.dst))
+                forced = PlanItem(t.id, start=now, position=self.active.in_flight(t.shard),
+                                  planned_seconds=t.rest / self.network.rate(t.host, t.dst))
                 actions.append(self._let_go(t, forced, now, whole=True))
                 self._joined(orders, t)
             elif item.drop is not None:
@@ -843,7 +847,9 @@ class ControlState:
                 order = None
                 if self.guard_order:
                     if t.shard not in orders:
-                        orders[t.shard] = self._running_order(t.shard, now)
+                        if joining is None:
+                            joining = [self.pending[i.id] for i in plan if i.id in self.pending]
+                        orders[t.shard] = self._running_order(t.shard, now, joining)
                     order = orders[t.shard]
                 overrides = False
                 room = paced_for = None

@@ -15,7 +15,8 @@ changes it). No I/O: `policies.Mlfabric.plan_columns` plans from these.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import ItemsView, Iterable, Iterator, Mapping, MutableMapping, ValuesView
+from dataclasses import replace
 from typing import Literal
 
 import numpy as np
@@ -262,3 +263,167 @@ class HostTable:
 
     def pair_code(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         return src.astype(np.int64) * len(self.names) + dst
+
+
+class ActiveTransfers(MutableMapping[int, Transfer]):
+    """The transfers let go and not yet ended, by id (a dictionary), with
+    what a plan reads of them kept as columns: the hosts' numbers, start,
+    planned seconds and bytes, shard, base version, and whether each goes
+    direct and whole.
+
+    A re-plan at 10,000 simulated workers read each of the hundred-odd
+    running transfers' fields into arrays twice per decision, once for the
+    links they hold (`policies._held_columns`) and once for the order they
+    land in (`observed.RunningOrder`): a fifth of a decision (RESULTS).
+    Here a transfer let go or ended changes one row. A transfer changed in
+    place while active (the rest of a chunked one joining the chunk under
+    way) is stored again (`active[t.id] = t`) to refresh its row.
+
+    Bytes are what the transfer sends under its go: a chunked one's chunk
+    (`piece`), as the policies plan it. Rows are unordered; `by_id` gives
+    them in id order, the order plans read the running transfers in."""
+
+    _COLUMNS = ("ids", "src", "dst", "shard", "started", "planned", "nbytes",
+                "base_version", "direct", "whole", "chunked")
+
+    def __init__(self, hosts: HostTable | None = None) -> None:
+        self.hosts = hosts if hosts is not None else HostTable()
+        self._map: dict[int, Transfer] = {}
+        self._row: dict[int, int] = {}
+        self.n = 0
+        self.ids = np.empty(_FIRST_ROOM, np.int64)
+        self.src = np.empty(_FIRST_ROOM, np.intp)
+        self.dst = np.empty(_FIRST_ROOM, np.intp)
+        self.shard = np.empty(_FIRST_ROOM, np.int64)
+        self.started = np.empty(_FIRST_ROOM, np.float64)  # NaN: not stamped
+        self.planned = np.empty(_FIRST_ROOM, np.float64)  # 0: no planned time
+        self.nbytes = np.empty(_FIRST_ROOM, np.float64)
+        self.base_version = np.empty(_FIRST_ROOM, np.int64)
+        self.direct = np.empty(_FIRST_ROOM, bool)  # straight to its server
+        self.whole = np.empty(_FIRST_ROOM, bool)  # all of it let go
+        self.chunked = np.empty(_FIRST_ROOM, bool)
+        self._per_shard: dict[int, int] = {}
+        self._routed = 0  # rows through an aggregator
+        self._order: np.ndarray | None = None  # by_id, until a change
+        self._planned_view: tuple[Transfer, ...] | None = None
+
+    @classmethod
+    def of(cls, transfers: Iterable[Transfer], hosts: HostTable | None = None
+           ) -> ActiveTransfers:
+        active = cls(hosts)
+        for t in transfers:
+            active[t.id] = t
+        return active
+
+    # The mapping: what the controller's bookkeeping reads and writes.
+    def __getitem__(self, tid: int) -> Transfer:
+        return self._map[tid]
+
+    def get(self, tid: int, default: Transfer | None = None) -> Transfer | None:  # type: ignore[override]
+        return self._map.get(tid, default)
+
+    def __contains__(self, tid: object) -> bool:
+        return tid in self._map
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._map)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def values(self) -> ValuesView[Transfer]:
+        return self._map.values()
+
+    def items(self) -> ItemsView[int, Transfer]:
+        return self._map.items()
+
+    def __setitem__(self, tid: int, t: Transfer) -> None:
+        if tid != t.id:
+            raise ValueError(f"transfer {t.id} stored under id {tid}")
+        k = self._row.get(tid)
+        if k is None:
+            if self.n == len(self.ids):
+                self._grow()
+            k = self._row[tid] = self.n
+            self.n += 1
+        else:
+            self._uncount(k)
+        self._map[tid] = t
+        self.ids[k], self.shard[k], self.base_version[k] = t.id, t.shard, t.base_version
+        self.src[k], self.dst[k] = self.hosts.index(t.host), self.hosts.index(t.dst)
+        self.started[k] = math.nan if t.started is None else t.started
+        self.planned[k] = t.planned_seconds or 0.0
+        self.nbytes[k] = t.piece if t.chunk and t.piece else t.nbytes
+        self.direct[k] = t.route is None
+        self.chunked[k] = bool(t.chunk)
+        self.whole[k] = not t.chunk or t.granted >= t.nbytes
+        self._per_shard[t.shard] = self._per_shard.get(t.shard, 0) + 1
+        self._routed += t.route is not None
+        self._order = self._planned_view = None
+
+    def __delitem__(self, tid: int) -> None:
+        k = self._row.pop(tid)
+        del self._map[tid]
+        self._uncount(k)
+        last = self.n - 1
+        if k != last:
+            for name in self._COLUMNS:
+                column = getattr(self, name)
+                column[k] = column[last]
+            self._row[int(self.ids[k])] = k
+        self.n = last
+        self._order = self._planned_view = None
+
+    def _uncount(self, k: int) -> None:
+        shard = int(self.shard[k])
+        left = self._per_shard[shard] - 1
+        if left:
+            self._per_shard[shard] = left
+        else:
+            del self._per_shard[shard]
+        self._routed -= not self.direct[k]
+
+    def _grow(self) -> None:
+        for name in self._COLUMNS:
+            column = getattr(self, name)
+            grown = np.empty(2 * len(column), column.dtype)
+            grown[:self.n] = column[:self.n]
+            setattr(self, name, grown)
+
+    # What plans read.
+    def in_flight(self, shard: int) -> int:
+        """How many run into `shard`."""
+        return self._per_shard.get(shard, 0)
+
+    @property
+    def all_direct(self) -> bool:
+        """None goes through an aggregator."""
+        return not self._routed
+
+    def by_id(self) -> np.ndarray:
+        """The rows in transfer id order."""
+        if self._order is None:
+            self._order = np.argsort(self.ids[:self.n], kind="stable")
+        return self._order
+
+    def planned_view(self) -> tuple[Transfer, ...]:
+        """The transfers by id as the policies plan them: a chunked one by
+        the chunk it is sending (the policies know nothing of chunks)."""
+        if self._planned_view is None:
+            self._planned_view = tuple(
+                replace(t, nbytes=t.piece) if t.chunk and t.piece else t
+                for t in (self._map[int(i)] for i in self.ids[self.by_id()]))
+        return self._planned_view
+
+    def landing_rows(self, shard: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The transfers into `shard` that land as themselves, as columns
+        (planned end, id, planned seconds, base version, direct), in row
+        order: stamped with a start and a planned time, and whole (a chunked
+        transfer between chunks lands only after its last)."""
+        n = self.n
+        rows = np.flatnonzero((self.shard[:n] == shard) & (self.planned[:n] != 0)
+                              & ~np.isnan(self.started[:n]) & self.whole[:n])
+        planned = self.planned[rows]
+        return (self.started[rows] + planned, self.ids[rows], planned,
+                self.base_version[rows], self.direct[rows])

@@ -53,8 +53,10 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
+
+import numpy as np
 
 from .plan import Network
 
@@ -167,6 +169,17 @@ def order_guard(planned_seconds: float) -> float:
     return max(ORDER_GUARD * planned_seconds, ORDER_GUARD_MIN)
 
 
+def order_matters(stale: np.ndarray, joining: Sequence[int], tau_max: int) -> bool:
+    """Whether, among transfers running into one server with staleness
+    `stale` (their `RunningOrder` rows') and those a decision may let go
+    beside them with staleness `joining`, any could be critical or at risk
+    (`RunningOrder.must_follow`) before the decision ends. If not, every
+    one has as many versions to spare as there are transfers, itself
+    included, and the order has nothing to guard."""
+    most = max(int(stale.max(initial=0)), max(joining, default=0))
+    return tau_max - most < len(stale) + len(joining)
+
+
 class RunningOrder:
     """The transfers running into one server in the order they are planned
     to land, which of them are critical (each would be refused as stale
@@ -209,6 +222,45 @@ class RunningOrder:
         for ahead, row in enumerate(ordered):
             self._enter(row, ahead)
         self._room_check()
+
+    @classmethod
+    def of_columns(cls, end: np.ndarray, ids: np.ndarray, planned: np.ndarray,
+                   stale: np.ndarray, direct: np.ndarray, *, now: float | None,
+                   tau_max: int) -> RunningOrder:
+        """The order of the rows given as columns (planned end, id, planned
+        seconds, staleness, direct; ids unique), the same as built from them
+        as rows: one sort and a few passes over arrays instead of a Python
+        step per row. At 10,000 simulated workers, built at every decision
+        that let something go from the hundred-odd transfers running, row
+        by row it was a tenth of the controller's time."""
+        order = cls((), now=now, tau_max=tau_max)
+        n = len(ids)
+        if not n:
+            return order
+        by = np.lexsort((ids, end))
+        end, ids, planned = end[by], ids[by], planned[by]
+        stale, direct = stale[by], np.asarray(direct[by], bool)
+        end_l, ids_l = end.tolist(), ids.tolist()
+        order._keys = list(zip(end_l, ids_l, strict=True))
+        order._end = dict(zip(ids_l, end_l, strict=True))
+        order._planned = dict(zip(ids_l, planned.tolist(), strict=True))
+        margin = tau_max - stale
+        if now is None:
+            past = np.zeros(n, bool)
+        else:  # `_past`, row by row
+            past = now >= end + np.maximum(ORDER_GUARD * planned, ORDER_GUARD_MIN)
+        order._margin = sorted(zip(margin[direct].tolist(), ids[direct].tolist(), strict=True))
+        late = direct & past
+        order._room = sorted(zip(margin[late].tolist(), ids[late].tolist(), strict=True))
+        slack = margin - np.arange(n)  # less the transfers planned ahead
+        running = direct & ~past
+        critical = running & (slack <= 0)
+        for tid in ids[critical].tolist():  # in planned order, as `_enter` marks them
+            order._mark(tid)
+        running &= ~critical
+        order._slack = dict(zip(ids[running].tolist(), slack[running].tolist(), strict=True))
+        order._room_check()
+        return order
 
     def _past(self, end: float, planned: float) -> bool:
         return self.now is not None and self.now >= end + order_guard(planned)

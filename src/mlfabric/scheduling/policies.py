@@ -20,8 +20,8 @@ from typing import cast
 import numpy as np
 
 from . import schedule
-from .columns import HostTable, PendingColumns
-from .plan import ColumnPlan, Network, PlanItem, Snapshot, Transfer
+from .columns import ActiveTransfers, HostTable, PendingColumns
+from .plan import ColumnPlan, Network, PlanItem, Snapshot
 
 # An overdue transfer is assumed to need this fraction of its planned time more.
 _OVERDUE_EXTENSION = 0.25
@@ -121,7 +121,8 @@ def mlfabric_policy(snap: Snapshot, *, idle_factor: float | None = 1.0,
                     overload: str = "stalest", compression: str = "adaptive") -> ColumnPlan:
     """Shortest-transfer-first with deadlines and drops (docs/scheduling.md),
     planned from the snapshot alone."""
-    running = _running(snap.active, snap.now, snap.network, snap.handover)
+    running = _running(ActiveTransfers.of(snap.active), snap.now, snap.network,
+                       snap.handover)
     # The core breaks ties between equal transfers by row. Hand it rows ranked
     # earliest deadline first (oldest base version, then earliest arrival):
     # among equal transfers the stalest goes first, which spreads delays
@@ -163,53 +164,51 @@ def _config(tau_max: int | None, idle_factor: float | None, overload: str,
 PLAN_AHEAD = 256
 
 
-def trusted(active: Sequence[Transfer], handover: float) -> set[int]:
-    """The ids of the transfers let go that are trusted to end as planned:
-    direct, alone into their server, and short beside the hand-over (at most
-    PIPELINE_HANDOVERS of it). The next transfer into that server goes at
-    its planned end, its go on the way while its last bytes are, instead of
-    after its report: on a shard's link at 300 simulated workers, 128 KiB
-    transfers of 4.5 ms each waited 3.1 ms each for the report, outcome and
-    go (three messages), and the link idled 40% of the time. One late
-    overlaps one successor at most: two into a server, and neither is
-    trusted until one is reported. A long transfer is not trusted: waiting
-    costs it little, and a late one then re-plans what follows (the closed
-    loop, `observed.overdue`) instead of sharing its link with it."""
+def trusted(active: ActiveTransfers, handover: float) -> np.ndarray:
+    """Which transfers let go (`active.by_id()`'s rows, in that order) are
+    trusted to end as planned: direct, alone into their server, and short
+    beside the hand-over (at most PIPELINE_HANDOVERS of it). The next
+    transfer into that server goes at its planned end, its go on the way
+    while its last bytes are, instead of after its report: on a shard's
+    link at 300 simulated workers, 128 KiB transfers of 4.5 ms each waited
+    3.1 ms each for the report, outcome and go (three messages), and the
+    link idled 40% of the time. One late overlaps one successor at most: two
+    into a server, and neither is trusted until one is reported. A long
+    transfer is not trusted: waiting costs it little, and a late one then
+    re-plans what follows (the closed loop, `observed.overdue`) instead of
+    sharing its link with it."""
+    rows = active.by_id()
     if handover <= 0:
-        return set()
-    into: dict[str, list[Transfer]] = {}
-    for t in active:
-        into.setdefault(t.dst, []).append(t)
-    return {ts[0].id for ts in into.values()
-            if len(ts) == 1 and ts[0].route is None and not ts[0].chunk
-            and (ts[0].planned_seconds or 0.0) <= PIPELINE_HANDOVERS * handover}
+        return np.zeros(len(rows), bool)
+    dst = active.dst[rows]
+    alone = np.bincount(dst, minlength=int(dst.max(initial=-1)) + 1)[dst] == 1
+    return (alone & active.direct[rows] & ~active.chunked[rows]
+            & (active.planned[rows] <= PIPELINE_HANDOVERS * handover))
 
 
-def _holds(active: Sequence[Transfer], now: float, handover: float = 0.0
+def _holds(active: ActiveTransfers, now: float, handover: float = 0.0
            ) -> tuple[np.ndarray, np.ndarray]:
-    """Until when and at what rate each transfer let go holds its path: its
-    planned end (or, past it, a little longer, unless `trusted`), at its
-    bytes over its planned time."""
-    n = len(active)
-    trust = trusted(active, handover)
-    planned = np.maximum(np.fromiter((t.planned_seconds or _MIN_SECONDS for t in active),
-                                     np.float64, n), _MIN_SECONDS)
-    started = np.fromiter((now if t.started is None else t.started for t in active),
-                          np.float64, n)
-    end = started + planned
-    late = np.fromiter((t.id not in trust for t in active), bool, n)
+    """Until when and at what rate each transfer let go (by id) holds its
+    path: its planned end (or, past it, a little longer, unless `trusted`),
+    at its bytes over its planned time."""
+    rows = active.by_id()
+    planned = np.maximum(active.planned[rows], _MIN_SECONDS)
+    started = active.started[rows]
+    end = np.where(np.isnan(started), now, started) + planned
+    late = ~trusted(active, handover)
     end[late] = np.maximum(end[late], now + _OVERDUE_EXTENSION * planned[late])
-    return end, np.fromiter((t.nbytes for t in active), np.float64, n) / planned
+    return end, active.nbytes[rows] / planned
 
 
-def _running(active: Sequence[Transfer], now: float, network: Network, handover: float = 0.0
+def _running(active: ActiveTransfers, now: float, network: Network, handover: float = 0.0
              ) -> list[schedule.RunningTransfer]:
     """What the transfers let go hold (`_holds`): each its path, and through
     an aggregator the aggregate's forward into the server."""
     running = []
     forwards: dict[int, schedule.RunningTransfer] = {}
     end, rate = _holds(active, now, handover)
-    for t, t_end, t_rate in zip(active, end.tolist(), rate.tolist(), strict=True):
+    for t, t_end, t_rate in zip(active.planned_view(), end.tolist(), rate.tolist(),
+                                strict=True):
         # Running ids only need to differ from each other (pending ids are rows).
         if t.route is None:
             running.append(schedule.RunningTransfer(-t.id, t.host, t.dst, rate=t_rate,
@@ -229,20 +228,14 @@ def _running(active: Sequence[Transfer], now: float, network: Network, handover:
     return running
 
 
-def _held_columns(active: Sequence[Transfer], now: float, hosts: HostTable,
-                  handover: float = 0.0
+def _held_columns(active: ActiveTransfers, now: float, handover: float = 0.0
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """`_running` as columns, for transfers that go direct (none through an
-    aggregator): their ids, source and destination host numbers (numbering
-    hosts not seen yet), ends and rates. Made per transfer as objects, then
-    taken apart again per link, they cost a tenth of a decision at 10,000
-    simulated workers (line profile)."""
-    n = len(active)
+    aggregator): their ids, source and destination host numbers
+    (`active.hosts`'), ends and rates, by id."""
+    rows = active.by_id()
     end, rate = _holds(active, now, handover)
-    ids = np.fromiter((-t.id for t in active), np.int64, n)
-    source = np.fromiter((hosts.index(t.host) for t in active), np.intp, n)
-    destination = np.fromiter((hosts.index(t.dst) for t in active), np.intp, n)
-    return ids, source, destination, end, rate
+    return -active.ids[rows], active.src[rows], active.dst[rows], end, rate
 
 
 def _column_plan(result: schedule.RowPlan, ids: np.ndarray, base_version: np.ndarray,
@@ -293,7 +286,7 @@ class Mlfabric:
 
     def plan_columns(self, pending: PendingColumns, rows: np.ndarray, *, now: float,
                      version: int, in_flight: int, tau_max: int | None,
-                     active: Sequence[Transfer], network: Network, handover: float = 0.0
+                     active: ActiveTransfers, network: Network, handover: float = 0.0
                      ) -> ColumnPlan | None:
         """The plan of `pending`'s `rows` (one shard's) as `mlfabric_policy`
         makes it from a snapshot of the same transfers; None if the network
@@ -307,10 +300,13 @@ class Mlfabric:
         # As columns when no pair is measured and nothing runs through an
         # aggregator (with agents measuring pairs, by name: decided here so
         # that those plans do not build both).
-        direct = not network.pair and all(t.route is None for t in active)
+        if active.hosts is not hosts:
+            raise ValueError("plan_columns needs the active transfers' hosts numbered as the "
+                             "pending ones' (ActiveTransfers(pending.hosts))")
+        direct = not network.pair and active.all_direct
         running: list[schedule.RunningTransfer] | None = None
         if direct:
-            held = _held_columns(active, now, hosts, handover)
+            held = _held_columns(active, now, handover)
         else:
             running = _running(active, now, network, handover)
             for r in running:
