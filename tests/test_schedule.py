@@ -865,6 +865,28 @@ def test_kernel_refuses_inconsistent_arrays():
             KERNEL(*{**args, name: bad}.values())
 
 
+@pytest.mark.skipif(KERNEL is None, reason=KERNEL_MISSING)
+@pytest.mark.parametrize("seed", range(10))
+def test_the_kernels_orders_are_lexsorts_ties_by_index(seed):
+    """The kernel's front and deadline orders skip the sort where the keys
+    already say the order (a key equal for every row, a single key in
+    order): the same indices as np.lexsort with the index as last tie."""
+    from mlfabric.scheduling._stf import stable_order
+    rng = np.random.default_rng(seed)
+    for n in (0, 1, 2, 7, 300):
+        for _ in range(20):
+            keys = []
+            for _ in range(rng.integers(1, 4)):
+                kind = rng.integers(4)
+                key = (np.full(n, 3.0) if kind == 0 else
+                       np.sort(rng.integers(0, 5, n)) if kind == 1 else
+                       rng.choice([1.0, 2.0, -np.inf], n) if kind == 2 else
+                       rng.integers(0, 3, n)[::-1].copy())
+                keys.append(key)
+            want = np.lexsort((np.arange(n), *keys))
+            assert stable_order(tuple(keys)).tolist() == want.tolist()
+
+
 def test_controller_overload_flag_selects_the_rule():
     from mlfabric.controller.cli import make_policy
     from mlfabric.scheduling.plan import Network as ControlNetwork

@@ -45,3 +45,7 @@ def running_segments(
     """Every link's segments (seg_lo, seg_t, seg_r, seg_f) from the transfers
     running on them, as mlfabric.scheduling.schedule's _Link.load_running
     loads them."""
+
+def stable_order(keys: tuple[NDArray[np.generic], ...]) -> NDArray[np.intp]:
+    """np.lexsort((np.arange(n), *keys)): the indices by `keys`, the last the
+    primary, ties by index; without a sort where the keys already say it."""

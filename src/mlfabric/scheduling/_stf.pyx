@@ -687,8 +687,7 @@ def schedule_stf(double ready, const double[::1] size, const Py_ssize_t[::1] up,
         _build_fronts(&S, size, down, cap, n_links)
         # by_dl: indices by (dl, index)
         # (Typed: indexing the array object would cost a Python call per update.)
-        order = (np.lexsort((np.arange(n), np.asarray(dl))) if n
-                 else np.empty(0, np.intp)).astype(np.intp, copy=False)
+        order = stable_order((np.asarray(dl),))
         order_view = order
         for i in range(n):
             by_dl[i] = order_view[i]
@@ -739,6 +738,23 @@ def schedule_stf(double ready, const double[::1] size, const Py_ssize_t[::1] up,
             PyMem_Free(S.links)
 
 
+def stable_order(keys):
+    """The indices sorted by `keys` (the last the primary, as np.lexsort),
+    ties by index. np.lexsort sorts once per key, stably; the index needs no
+    pass of its own (the first sort keeps ties in index order), and a key
+    equal for every row orders nothing (one server, updates of one size:
+    the usual plan). Rows already in order need no sort: ranked earliest
+    deadline first, the plan's rows are in deadline order. At 5,000 pending
+    the front's four-key sort was 94 us, over a third of the kernel's call."""
+    cdef Py_ssize_t n = len(keys[0])
+    used = [k for k in keys if n and not (k[0] == k).all()]
+    if not used:
+        return np.arange(n, dtype=np.intp)
+    if len(used) == 1 and (used[0][1:] >= used[0][:-1]).all():
+        return np.arange(n, dtype=np.intp)
+    return np.lexsort(used).astype(np.intp, copy=False)
+
+
 cdef _build_fronts(_SState* S, const double[::1] size, const Py_ssize_t[::1] down,
                    const double[::1] cap, Py_ssize_t n_links):
     # front: updates sorted by (down link, size, -cap, index); per destination
@@ -746,8 +762,7 @@ cdef _build_fronts(_SState* S, const double[::1] size, const Py_ssize_t[::1] dow
     cdef Py_ssize_t n = S.n, i, L, n_dests = 0
     cdef Py_ssize_t* dests = S.dests
     cdef const Py_ssize_t[::1] order_view
-    order = np.lexsort((np.arange(n), -np.asarray(cap), np.asarray(size), np.asarray(down))
-                       ).astype(np.intp, copy=False)
+    order = stable_order((-np.asarray(cap), np.asarray(size), np.asarray(down)))
     order_view = order
     for i in range(n):
         (<Py_ssize_t*> S.front)[i] = order_view[i]
