@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
+
 import mlfabric
 from mlfabric.controller.controller import Controller
 from mlfabric.scheduling.plan import fifo_policy
@@ -119,3 +121,28 @@ def test_a_landing_from_a_workers_link_is_a_protocol_error(loop_kind, run_async)
         run_async(forge())
         assert sample(endpoint.metrics.protocol_errors) == 1
         assert sample(endpoint.metrics.landings, result="first") == 0
+
+
+def test_each_controller_numbers_its_tickets_from_its_own_random_start():
+    """A server may report a landing, or hold a push, under the ticket of
+    the controller that planned its shard before a hand-over, or before a
+    restart: counted from the same start, the next controller's tickets
+    would repeat those. Each starts at random instead; a state given a
+    start counts up from it, and refuses one outside [1, MAX_FIRST_ID)."""
+    from mlfabric.controller.state import MAX_FIRST_ID, ControlState
+
+    def first_ticket(state: ControlState) -> int:
+        t = state.request("w", 1, host="h", dst="s", nbytes=1, base_version=0, norm=1.0,
+                          now=0.0)
+        return t.id
+
+    starts = {first_ticket(Controller(fifo_policy, job=JOB, token=TOKEN, tau_max=None).state)
+              for _ in range(4)}
+    assert len(starts) == 4 and all(1 <= s < MAX_FIRST_ID for s in starts)
+    state = ControlState(fifo_policy, tau_max=None, first_id=MAX_FIRST_ID - 1)
+    assert first_ticket(state) == MAX_FIRST_ID - 1
+    assert first_ticket(ControlState(fifo_policy, tau_max=None)) == 1
+    for bad in (0, MAX_FIRST_ID):
+        with pytest.raises(ValueError, match=rf"first_id must be in \[1, {MAX_FIRST_ID}\), "
+                                             rf"got {bad}"):
+            ControlState(fifo_policy, tau_max=None, first_id=bad)

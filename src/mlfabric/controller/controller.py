@@ -61,7 +61,7 @@ from ..wire.protocol import (
     TransferRequest,
     Welcome,
 )
-from .state import ControlState, Drop, Go
+from .state import MAX_FIRST_ID, ControlState, Drop, Go
 
 log = logging.getLogger("mlfabric.controller")
 decision_log = logging.getLogger("mlfabric.decisions")
@@ -106,8 +106,18 @@ class Controller(Endpoint):
                                  epoch=secrets.randbits(24))
         if gate is not None:
             policy = gated(policy, self.gates)
+        # Transfer ids (the tickets pushes carry, which servers report back
+        # and name in a go's `after`) from a random start: a server may still
+        # hold pushes and report landings under another controller's tickets
+        # (the one that planned its shard before a hand-over in etcd, or this
+        # one before a restart), and counting from 1, each would count where
+        # the other did: a report that matches a transfer's ticket, shard
+        # and base version would end it. From random starts below 2^39, two
+        # counters meet only if they start within the ids issued between
+        # them: about one in 5 million for 50,000 ids.
         self.state = ControlState(policy, tau_max=tau_max, network=network,
-                                  guard_order=closed, learn_rates=closed)
+                                  guard_order=closed, learn_rates=closed,
+                                  first_id=1 + secrets.randbelow(MAX_FIRST_ID - 1))
         self.state.aggregators = dict(aggregators or {})
         self.clock = clock
         self.policy_name = policy_name or getattr(policy, "__name__", "custom")

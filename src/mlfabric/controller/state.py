@@ -45,6 +45,10 @@ MAX_HANDOVER = 0.1
 # time them (`ControlState.landed`): a worker that died before it could is
 # forgotten once this many newer ones are kept.
 LANDED_KEPT = 65536
+# Transfer ids start below this (`first_id`), leaving 2^39 more before they
+# reach 2^40, where the plans' ids for aggregates' forwards begin
+# (`policies._running`).
+MAX_FIRST_ID = 1 << 39
 
 
 @dataclass(frozen=True)
@@ -193,12 +197,16 @@ def _planned(transfers: Iterable[Transfer]) -> tuple[Transfer, ...]:
 class ControlState:
     def __init__(self, policy: Policy, *, tau_max: int | None,
                  network: Network | None = None, guard_order: bool = False,
-                 learn_rates: bool = False) -> None:
+                 learn_rates: bool = False, first_id: int = 1) -> None:
         """`guard_order`: let nothing go that may land before a running
         transfer that must land next (`observed.RunningOrder`). `learn_rates`:
         the job's own transfers correct the network picture (`observed`).
         The mlfabric policy plans with both; FIFO lets everything go at once
-        by definition, so it runs without them."""
+        by definition, so it runs without them. `first_id`: the first
+        transfer's id, the next ones counting up from it (below
+        MAX_FIRST_ID)."""
+        if not 1 <= first_id < MAX_FIRST_ID:
+            raise ValueError(f"first_id must be in [1, {MAX_FIRST_ID}), got {first_id}")
         self.policy = policy
         self.guard_order = guard_order
         self.learn_rates = learn_rates
@@ -262,7 +270,7 @@ class ControlState:
         self.aggregators: dict[str, str] = {}
         self.benched: dict[str, float] = {}
         self.bench_seconds = 10.0
-        self._next_id = 1
+        self._next_id = first_id
         # (owner, request id) -> a transfer its server reported landed, with
         # what `_release` said of it, until its worker's report times it.
         self._landed: OrderedDict[tuple[Hashable, int],

@@ -1,5 +1,5 @@
-"""The controller's pending transfers as columns kept between events, and
-the links they cross numbered once.
+"""The controller's pending and running transfers as columns kept between
+events, and the links they cross numbered once.
 
 A re-plan from scratch turned thousands of pending transfers into columns
 on every event: a sort of the records, a pass per column, and a dictionary
@@ -9,7 +9,9 @@ arrival adds one row and a transfer let go or dropped removes one, so a
 re-plan starts from arrays it does not build. Link rates are kept per host
 and rebuilt only for the part of the network picture that changed (each
 of `Network`'s tables is replaced, never edited, when a measurement
-changes it). No I/O: `policies.Mlfabric.plan_columns` plans from these.
+changes it). The running transfers are kept the same way
+(`ActiveTransfers`). No I/O: `policies.Mlfabric.plan_columns` plans from
+these.
 """
 
 from __future__ import annotations
