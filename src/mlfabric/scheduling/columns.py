@@ -31,15 +31,67 @@ _FIRST_ROOM = 64
 PACKED_RANKING_FROM = 2048
 
 
-class PendingColumns:
+class _Rows:
+    """Columns with one row per transfer, unordered: a row is added at the
+    end, and a removal moves the last row into the hole. A subclass names
+    its columns in `_COLUMNS` (`ids` and `shard` among them) and makes each
+    `_FIRST_ROOM` rows long; rows are counted per shard."""
+
+    _COLUMNS: tuple[str, ...] = ()
+    ids: np.ndarray
+    shard: np.ndarray
+
+    def __init__(self) -> None:
+        self._row: dict[int, int] = {}  # transfer id -> row
+        self.n = 0
+        # Rows per shard: a re-plan asks which shards have any, and
+        # np.unique over the shard column was 6% of a re-plan at 1,000 (RESULTS).
+        self._per_shard: dict[int, int] = {}
+
+    def _new_row(self, tid: int) -> int:
+        """A row for transfer `tid` (its columns to be written)."""
+        if self.n == len(self.ids):
+            for name in self._COLUMNS:
+                column = getattr(self, name)
+                grown = np.empty(2 * len(column), column.dtype)
+                grown[:self.n] = column[:self.n]
+                setattr(self, name, grown)
+        k = self._row[tid] = self.n
+        self.n += 1
+        return k
+
+    def _count(self, shard: int, by: int) -> None:
+        left = self._per_shard.get(shard, 0) + by
+        if left:
+            self._per_shard[shard] = left
+        else:
+            del self._per_shard[shard]
+
+    def _free_row(self, tid: int) -> int:
+        """Transfer `tid`'s row is no longer its: uncounted, and (once the
+        caller has read it: call `_fill_hole`) filled by the last row."""
+        k = self._row.pop(tid)
+        self._count(int(self.shard[k]), -1)
+        return k
+
+    def _fill_hole(self, k: int) -> None:
+        last = self.n - 1
+        if k != last:
+            for name in self._COLUMNS:
+                column = getattr(self, name)
+                column[k] = column[last]
+            self._row[int(self.ids[k])] = k
+        self.n = last
+
+
+class PendingColumns(_Rows):
     """One row per pending transfer: id, bytes to send, base version,
     arrival, shard and the indices of its source and destination hosts.
     Rows are unordered (a removal moves the last row into the hole); a plan
     ranks them itself."""
 
     def __init__(self) -> None:
-        self._row: dict[int, int] = {}  # transfer id -> row
-        self.n = 0
+        super().__init__()
         self.ids = np.empty(_FIRST_ROOM, np.int64)
         self.size = np.empty(_FIRST_ROOM, np.float64)
         self.base_version = np.empty(_FIRST_ROOM, np.int64)
@@ -60,9 +112,6 @@ class PendingColumns:
         self.hosts = HostTable()
         # The compressed forms offered, by transfer id (only those that offer any).
         self.offers: dict[int, tuple[tuple[str, int, float], ...]] = {}
-        # Pending rows per shard: a re-plan asks which shards have any, and
-        # np.unique over the shard column was 6% of a re-plan at 1,000 (RESULTS).
-        self._per_shard: dict[int, int] = {}
 
     _COLUMNS = ("ids", "size", "base_version", "arrival", "shard", "src", "dst", "seq", "late")
 
@@ -76,13 +125,7 @@ class PendingColumns:
         """`t` waits for a decision, with `t.rest` bytes still to send."""
         if t.id in self._row:
             raise ValueError(f"transfer {t.id} is pending already")
-        if self.n == len(self.ids):
-            for name in self._COLUMNS:
-                column = getattr(self, name)
-                grown = np.empty(2 * len(column), column.dtype)
-                grown[:self.n] = column[:self.n]
-                setattr(self, name, grown)
-        k = self.n
+        k = self._new_row(t.id)
         self.ids[k], self.size[k], self.base_version[k] = t.id, t.rest, t.base_version
         self.arrival[k], self.shard[k] = t.arrival, t.shard
         self.src[k], self.dst[k] = self.hosts.index(t.host), self.hosts.index(t.dst)
@@ -93,30 +136,16 @@ class PendingColumns:
             self._n_late += 1
         else:
             self._latest = key
-        self._row[t.id] = k
-        self.n += 1
-        self._per_shard[t.shard] = self._per_shard.get(t.shard, 0) + 1
+        self._count(t.shard, 1)
         if t.options and not t.chunk:
             self.offers[t.id] = t.options
 
     def remove(self, transfer_id: int) -> None:
         """The transfer is no longer pending (let go, dropped or withdrawn)."""
-        k = self._row.pop(transfer_id)
+        k = self._free_row(transfer_id)
         self.offers.pop(transfer_id, None)
-        shard = int(self.shard[k])
         self._n_late -= int(self.late[k])
-        left = self._per_shard[shard] - 1
-        if left:
-            self._per_shard[shard] = left
-        else:
-            del self._per_shard[shard]
-        last = self.n - 1
-        if k != last:
-            for name in self._COLUMNS:
-                column = getattr(self, name)
-                column[k] = column[last]
-            self._row[int(self.ids[k])] = k
-        self.n = last
+        self._fill_hole(k)
 
     def shards(self) -> list[int]:
         """The shards with pending rows, in order."""
@@ -267,7 +296,7 @@ class HostTable:
         return src.astype(np.int64) * len(self.names) + dst
 
 
-class ActiveTransfers(MutableMapping[int, Transfer]):
+class ActiveTransfers(_Rows, MutableMapping[int, Transfer]):
     """The transfers let go and not yet ended, by id (a dictionary), with
     what a plan reads of them kept as columns: the hosts' numbers, start,
     planned seconds and bytes, shard, base version, and whether each goes
@@ -289,10 +318,9 @@ class ActiveTransfers(MutableMapping[int, Transfer]):
                 "base_version", "direct", "whole", "chunked")
 
     def __init__(self, hosts: HostTable | None = None) -> None:
+        super().__init__()
         self.hosts = hosts if hosts is not None else HostTable()
         self._map: dict[int, Transfer] = {}
-        self._row: dict[int, int] = {}
-        self.n = 0
         self.ids = np.empty(_FIRST_ROOM, np.int64)
         self.src = np.empty(_FIRST_ROOM, np.intp)
         self.dst = np.empty(_FIRST_ROOM, np.intp)
@@ -304,7 +332,6 @@ class ActiveTransfers(MutableMapping[int, Transfer]):
         self.direct = np.empty(_FIRST_ROOM, bool)  # straight to its server
         self.whole = np.empty(_FIRST_ROOM, bool)  # all of it let go
         self.chunked = np.empty(_FIRST_ROOM, bool)
-        self._per_shard: dict[int, int] = {}
         self._routed = 0  # rows through an aggregator
         self._order: np.ndarray | None = None  # by_id, until a change
         self._planned_view: tuple[Transfer, ...] | None = None
@@ -344,12 +371,10 @@ class ActiveTransfers(MutableMapping[int, Transfer]):
             raise ValueError(f"transfer {t.id} stored under id {tid}")
         k = self._row.get(tid)
         if k is None:
-            if self.n == len(self.ids):
-                self._grow()
-            k = self._row[tid] = self.n
-            self.n += 1
-        else:
-            self._uncount(k)
+            k = self._new_row(tid)
+        else:  # stored again: counted again below
+            self._count(int(self.shard[k]), -1)
+            self._routed -= not self.direct[k]
         self._map[tid] = t
         self.ids[k], self.shard[k], self.base_version[k] = t.id, t.shard, t.base_version
         self.src[k], self.dst[k] = self.hosts.index(t.host), self.hosts.index(t.dst)
@@ -359,38 +384,16 @@ class ActiveTransfers(MutableMapping[int, Transfer]):
         self.direct[k] = t.route is None
         self.chunked[k] = bool(t.chunk)
         self.whole[k] = not t.chunk or t.granted >= t.nbytes
-        self._per_shard[t.shard] = self._per_shard.get(t.shard, 0) + 1
+        self._count(t.shard, 1)
         self._routed += t.route is not None
         self._order = self._planned_view = None
 
     def __delitem__(self, tid: int) -> None:
-        k = self._row.pop(tid)
+        k = self._free_row(tid)
         del self._map[tid]
-        self._uncount(k)
-        last = self.n - 1
-        if k != last:
-            for name in self._COLUMNS:
-                column = getattr(self, name)
-                column[k] = column[last]
-            self._row[int(self.ids[k])] = k
-        self.n = last
-        self._order = self._planned_view = None
-
-    def _uncount(self, k: int) -> None:
-        shard = int(self.shard[k])
-        left = self._per_shard[shard] - 1
-        if left:
-            self._per_shard[shard] = left
-        else:
-            del self._per_shard[shard]
         self._routed -= not self.direct[k]
-
-    def _grow(self) -> None:
-        for name in self._COLUMNS:
-            column = getattr(self, name)
-            grown = np.empty(2 * len(column), column.dtype)
-            grown[:self.n] = column[:self.n]
-            setattr(self, name, grown)
+        self._fill_hole(k)
+        self._order = self._planned_view = None
 
     # What plans read.
     def in_flight(self, shard: int) -> int:
