@@ -261,6 +261,9 @@ def test_active_columns_follow_every_change_a_transfer_goes_through(seed):
             got = sorted(zip(end.tolist(), ids.tolist(), planned.tolist(),
                              (60 - base).tolist(), direct.tolist(), strict=True))
             assert got == want
+            one_by_one = (active.landing_row(t.id, 60) for t in plain.values()
+                          if t.shard == shard)
+            assert sorted(r for r in one_by_one if r is not None) == want
     with pytest.raises(ValueError, match="transfer 5 stored under id 6"):
         active[6] = Transfer(5, "o", 5, "h", "s", 1, 0, 1.0, 0.0)
 

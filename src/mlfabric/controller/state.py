@@ -603,16 +603,6 @@ class ControlState:
         return observed.RunningOrder.of_columns(end, ids, planned, stale, direct, now=now,
                                                 tau_max=self.tau_max)
 
-    @staticmethod
-    def _order_row(t: Transfer, version: int) -> tuple[float, int, float, int, bool] | None:
-        """`t`'s row in a `RunningOrder`, if it lands as one: a chunked
-        transfer between its chunks lands only after its last one (as
-        `ActiveTransfers.landing_rows` has them)."""
-        if t.started is None or not t.planned_seconds or (t.chunk and t.granted < t.nbytes):
-            return None
-        return (t.started + t.planned_seconds, t.id, t.planned_seconds,
-                version - t.base_version, t.route is None)
-
     def progress(self, owner: Hashable, req: int, *, sent: int, now: float
                  ) -> Transfer | None:
         """The first `sent` bytes of a chunked transfer have left. Short of
@@ -935,7 +925,7 @@ class ControlState:
         """`t` was let go: into its shard's running order, if one is kept."""
         order = orders.get(t.shard)
         if order is not None:
-            row = self._order_row(t, self.shard_versions.get(t.shard, self.version))
+            row = self.active.landing_row(t.id, self.shard_versions.get(t.shard, self.version))
             if row is not None:
                 order.add(*row)
 

@@ -420,6 +420,18 @@ class ActiveTransfers(_Rows, MutableMapping[int, Transfer]):
                 for t in (self._map[int(i)] for i in self.ids[self.by_id()]))
         return self._planned_view
 
+    def landing_row(self, tid: int, version: int
+                    ) -> tuple[float, int, float, int, bool] | None:
+        """Transfer `tid`'s row as `landing_rows` has it, with its staleness
+        at `version` instead of its base version (a `RunningOrder` row);
+        None if it does not land as itself."""
+        k = self._row[tid]
+        started, planned = float(self.started[k]), float(self.planned[k])
+        if math.isnan(started) or planned == 0 or not self.whole[k]:
+            return None
+        return (started + planned, tid, planned, version - int(self.base_version[k]),
+                bool(self.direct[k]))
+
     def landing_rows(self, shard: int
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The transfers into `shard` that land as themselves, as columns
