@@ -16,6 +16,7 @@ import statistics
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from ..scheduling import observed
 from ..scheduling.columns import ActiveTransfers, PendingColumns
@@ -180,6 +181,22 @@ class Decisions:
     wake_at: float | None  # ask again at this time (a planned start), if any
 
 
+class _SharedAt(NamedTuple):
+    """A server's downlink as a transfer alone on its uplink found it, once
+    its decision was made (those let go with it count as much as those
+    before): the rate the transfers into it were planned at, the closed
+    loop's cap on it then, and how many transfers at its own planned rate
+    that booking is (what `observed.SharedDownlink.completed` learns from)."""
+
+    booked: float
+    capped: float | None
+    lanes: int
+
+    @classmethod
+    def of(cls, booked: float, capped: float | None, rate: float) -> _SharedAt:
+        return cls(booked, capped, max(1, round(booked / rate)) if rate > 0 else 1)
+
+
 def _planned_rate(t: Transfer) -> float:
     """The bytes/s of its links the plan gave transfer `t` let go."""
     return (t.piece if t.chunk and t.piece else t.nbytes) / t.planned_seconds \
@@ -246,11 +263,11 @@ class ControlState:
         self._delivered = observed.Delivered()  # which link held an alone transfer back
         self._solo: dict[int, tuple[int, int]] = {}  # those alone when they went: their marks
         # Those alone on their uplink when they went, into a downlink others
-        # shared: their uplink's mark, and the downlink's rate then planned
-        # (`observed.SharedDownlink`); and each downlink's rate planned now,
-        # the sum of what the transfers holding it were planned at.
+        # shared: their uplink's mark, and the downlink as they found it
+        # (`_SharedAt`, `observed.SharedDownlink`); and each downlink's rate
+        # planned now, the sum of what the transfers holding it were planned at.
         self._shared = observed.SharedDownlink()
-        self._up_solo: dict[int, tuple[int, float, float | None]] = {}
+        self._up_solo: dict[int, tuple[int, _SharedAt]] = {}
         self._booked: dict[str, float] = {}
         self._rate_held: dict[int, float] = {}  # what each added to _booked
         self._handovers: deque[float] = deque(maxlen=HANDOVER_SAMPLES)  # see handover
@@ -274,7 +291,7 @@ class ControlState:
         # (owner, request id) -> a transfer its server reported landed, with
         # what `_release` said of it, until its worker's report times it.
         self._landed: OrderedDict[tuple[Hashable, int],
-                                  tuple[Transfer, bool, tuple[float, float | None] | None]] = \
+                                  tuple[Transfer, bool, _SharedAt | None]] = \
             OrderedDict()
 
     def join(self, owner: Hashable, name: str, client: str = "") -> None:
@@ -386,7 +403,7 @@ class ControlState:
         return t
 
     def _finish(self, t: Transfer, version: int, applied: bool, delay: int | None,
-                now: float | None) -> tuple[bool, tuple[float, float | None] | None]:
+                now: float | None) -> tuple[bool, _SharedAt | None]:
         """Active `t` ended at the server: no longer active, its links free,
         the versions and counts updated. Returns what `_release` says of it."""
         del self.active[t.id]
@@ -409,7 +426,7 @@ class ControlState:
             stats.last_delay = delay if applied else stats.last_delay
         return alone, shared
 
-    def _learn(self, t: Transfer, alone: bool, shared: tuple[float, float | None] | None,
+    def _learn(self, t: Transfer, alone: bool, shared: _SharedAt | None,
                seconds: float | None, now: float | None) -> None:
         """What `t`'s time, from its go to the server's answer as its worker
         timed it, says of its path (the closed loop) and of the hand-over."""
@@ -420,8 +437,9 @@ class ControlState:
         elif self.learn_rates and shared is not None and self._measures(t):
             assert t.planned_seconds
             self.network = self._shared.completed(
-                self.network, t.host, t.dst, booked=shared[0],
-                planned_seconds=t.planned_seconds, seconds=seconds, capped=shared[1])
+                self.network, t.host, t.dst, booked=shared.booked,
+                planned_seconds=t.planned_seconds, seconds=seconds, capped=shared.capped,
+                lanes=shared.lanes)
         if now is not None and t.started is not None:
             hops = now - t.started - seconds  # the go's way there, the report's back
             if math.isfinite(hops):
@@ -486,10 +504,10 @@ class ControlState:
         if alone:
             self._solo[t.id] = (self._starts[up], self._starts[down])
         if up_alone:  # (alone on both, and joined on the downlink later: shared)
-            self._up_solo[t.id] = (self._starts[up], booked,
-                                   self.network.observed_down.get(t.dst))
+            self._up_solo[t.id] = (self._starts[up], _SharedAt.of(
+                booked, self.network.observed_down.get(t.dst), rate))
 
-    def _release(self, t: Transfer) -> tuple[bool, tuple[float, float | None] | None]:
+    def _release(self, t: Transfer) -> tuple[bool, _SharedAt | None]:
         """`t` no longer holds its links; returns whether it had them to
         itself from its go until now (nothing else on them when it went,
         nothing started on them since). Only then does its time measure
@@ -498,8 +516,8 @@ class ControlState:
         controller capped workers' uplinks for the server downlink's share:
         at 1,000 simulated workers it dropped 18% of the pushes (16 before).
         And, if it had only its uplink to itself, the downlink's rate
-        booked when it went and the cap the closed loop had on that
-        downlink then (`observed.SharedDownlink`); else None."""
+        booked when it went, the cap the closed loop had on that downlink
+        then, and how many transfers it went into (`_SharedAt`); else None."""
         if t.id not in self._held:
             return False, None
         self._held.discard(t.id)
@@ -518,8 +536,7 @@ class ControlState:
         else:
             self._booked.pop(t.dst, None)  # (no rounding left over)
         mark = self._up_solo.pop(t.id, None)
-        return alone, (mark[1], mark[2]) if mark is not None and mark[0] == self._starts[up] \
-            else None
+        return alone, mark[1] if mark is not None and mark[0] == self._starts[up] else None
 
     def _alone(self, t: Transfer) -> bool:
         mark = self._solo.get(t.id)
@@ -898,8 +915,9 @@ class ControlState:
         for a in actions:
             mark = self._up_solo.get(a.transfer.id) if isinstance(a, Go) else None
             if mark is not None:
-                self._up_solo[a.transfer.id] = (mark[0], self._booked[a.transfer.dst],
-                                                mark[2])
+                tid = a.transfer.id
+                self._up_solo[tid] = (mark[0], _SharedAt.of(
+                    self._booked[a.transfer.dst], mark[1].capped, self._rate_held[tid]))
         for shard, order in orders.items():
             if order is None or not order.has_critical:
                 self._holds.pop(shard, None)  # nothing to hold for: the next hold starts anew

@@ -51,6 +51,7 @@ and 7 times in 30 runs one landed first and had it refused as stale.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -544,6 +545,10 @@ class Delivered:
         return net
 
 
+# The most slowed transfers a shared downlink's cap waits for (a bound on
+# what is kept per server; a round of a link wider than this is rare).
+MAX_DOWNLINK_WINDOW = 256
+
 # A transfer into a shared downlink slower than planned by more than this
 # fraction of its speed is evidence of a slower downlink; less is what one
 # booked to its rate gives (about 12% in the simulator: TCP's ramp, and the
@@ -569,24 +574,32 @@ class SharedDownlink:
     be slower than believed, and TCP does not share a saturated link fairly
     while new flows ramp up: after the halving most ran 15-20% slower than
     planned and a few 85%), so the downlink is capped only when each of the
-    last DOWNLINK_WINDOW of them, from as many workers, was slower by more
-    than SHARED_SLOWED, and at the most any of them shows (as `Delivered`
-    keeps the fastest). Then the plans book the cap, and what the link could
-    give beyond it shows only in the transfers' speed: one let go booked to
-    the cap that ran within ORDER_GUARD of its planned time raises the cap
-    by ORDER_GUARD, until it reaches what the configuration and the agents
-    give and goes. A downlink still slow is then booked past its rate by
-    about ORDER_GUARD at times, which the release order tolerates."""
+    last of them, a round of the link at least (as many as the booking the
+    last one went into holds at its planned rate, `lanes`, and
+    DOWNLINK_WINDOW at least, from that many workers), was slower by more
+    than SHARED_SLOWED, and at the most any of
+    them shows (as `Delivered` keeps the fastest). A round, because on a
+    saturated link the transfers that join it ramp up behind its queue: at
+    10,000 simulated workers, about 125 at once on a halved link, three in a
+    row were often all such, and the cap fell to 0.16 of what the link
+    still gave; a round holds one that had its share. Then the plans book
+    the cap, and what the link could give beyond it shows only in the
+    transfers' speed: one let go booked to the cap that ran within
+    ORDER_GUARD of its planned time raises the cap by ORDER_GUARD, until it
+    reaches what the configuration and the agents give and goes. A
+    downlink still slow is then booked past its rate by about ORDER_GUARD
+    at times, which the release order tolerates."""
 
     def __init__(self) -> None:
         self._slowed: dict[str, deque[tuple[str, float]]] = {}
 
     def completed(self, net: Network, src: str, dst: str, *, booked: float,
                   planned_seconds: float, seconds: float,
-                  capped: float | None = None) -> Network:
+                  capped: float | None = None, lanes: int = 1) -> Network:
         """`net` after a transfer src -> dst, let go with `booked` bytes/s of
         `dst`'s downlink planned while the cap on it was `capped` (None:
-        none), took `seconds` for its `planned_seconds`."""
+        none), `lanes` transfers at its planned rate, its own counted, took
+        `seconds` for its `planned_seconds`."""
         if not (seconds > 0 and planned_seconds > 0 and booked > 0
                 and math.isfinite(seconds) and math.isfinite(booked)):
             return net
@@ -594,12 +607,14 @@ class SharedDownlink:
         believed = _rate(net, link)
         if booked < (1 - ORDER_GUARD) * believed:
             return net  # the downlink had room: a slow transfer was held back elsewhere
-        seen = self._slowed.setdefault(dst, deque(maxlen=DOWNLINK_WINDOW))
+        seen = self._slowed.setdefault(dst, deque(maxlen=MAX_DOWNLINK_WINDOW))
         speed = planned_seconds / seconds
         if speed < 1 - SHARED_SLOWED:
             seen.append((src, booked * speed))
-            if len(seen) == DOWNLINK_WINDOW and len({s for s, _ in seen}) == DOWNLINK_WINDOW:
-                gives = max(rate for _, rate in seen)
+            window = min(max(DOWNLINK_WINDOW, lanes), MAX_DOWNLINK_WINDOW)
+            last = list(itertools.islice(reversed(seen), window))
+            if len(last) == window and len({s for s, _ in last}) >= DOWNLINK_WINDOW:
+                gives = max(rate for _, rate in last)
                 if gives < (1 - ORDER_GUARD) * believed:
                     seen.clear()  # the next cap needs evidence of its own
                     return _capped(net, link, gives)
