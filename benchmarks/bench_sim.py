@@ -16,6 +16,7 @@ mlfabric.controller.controller answers the events of one turn of its loop.
     .venv/bin/python benchmarks/bench_sim.py [--scales 100,1000,10000] [--steps 8,4,2]
         [--replan-every-ms 0,0,0] [--decision-latency none|measured] [--shards 1]
         [--controllers 1] [--controller-view static|live] [--landing-report worker|server]
+        [--timeline SECONDS]
 
 With --shards S the server is S shards (hosts s0..s{S-1}), each with 1/S of
 the downlink (so each worker's share stays the same) and a part of every
@@ -40,6 +41,10 @@ the run (median, p99, max), the most updates pending at one call, and busy
 = total decision time / simulated time (above 1, a controller that
 re-plans once per event could not keep up), and how many events each
 re-plan answered. Last column: the wall time the simulation itself took.
+With --timeline SECONDS, every SECONDS of simulated time: the first server
+downlink's load (payload over its capacity) and flows, the rate the
+controller plans it by over the rate it is shaped to (2.00: twice what it
+gives), and the transfers waiting for a go and let go (`Result.timeline`).
 The process keeps freed memory for reuse as `mlfabric controller` does
 (`runtime.memory.reuse_freed_blocks`), so decisions take the time they take
 there.
@@ -123,6 +128,9 @@ def main() -> int:
     ap.add_argument("--controllers", type=int, default=1,
                     help="controllers splitting the shards (see above)")
     ap.add_argument("--policies", default="fifo,mlfabric")
+    ap.add_argument("--timeline", type=float, default=None, metavar="SECONDS",
+                    help="print the server link and the controller every SECONDS of "
+                         "simulated time")
     ap.add_argument("--replan-every-ms", default="0,0,0",
                     help="per scale: the controller re-plans at most this often (0: on "
                          "every event, as mlfabric.controller.controller does)")
@@ -132,6 +140,9 @@ def main() -> int:
     scales = [int(x) for x in args.scales.split(",")]
     steps = [int(x) for x in args.steps.split(",")]
     replan = [float(x) for x in args.replan_every_ms.split(",")]
+    if args.timeline is not None and not args.timeline > 0:
+        print(f"--timeline must be > 0 simulated seconds, got {args.timeline}", file=sys.stderr)
+        return 2
     if not len(steps) == len(replan) == len(scales):
         print(f"--steps and --replan-every-ms need one value per scale ({len(scales)})",
               file=sys.stderr)
@@ -157,9 +168,15 @@ def main() -> int:
             for policy in args.policies.split(","):
                 t0 = time.perf_counter()
                 result = simulate(sc, policy, timer=time.perf_counter, progress=progress,
-                                  progress_every=100_000)
+                                  progress_every=100_000, sample_every=args.timeline)
                 for line in fmt(result.summary(), time.perf_counter() - t0):
                     print(line, flush=True)
+                if result.timeline:
+                    print(f"            {'t (s)':>7s} {'load':>5s} {'flows':>6s} "
+                          f"{'plans by':>8s} {'waiting':>8s} {'let go':>7s}")
+                for x in result.timeline:
+                    print(f"            {x.t:7.2f} {x.load:5.2f} {x.flows:6d} {x.planned:8.2f} "
+                          f"{x.waiting:8d} {x.running:7d}", flush=True)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

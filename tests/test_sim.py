@@ -373,6 +373,37 @@ def test_a_rate_change_the_controller_does_not_see():
     assert w1.landed == pytest.approx(4.508, abs=EXACT)
 
 
+def test_the_timeline_samples_the_link_and_the_plan_without_changing_the_run():
+    """`sample_every` adds a `Sample` every interval of simulated time: the
+    server link's load and flows, the rate the controller plans it by over
+    the rate it is shaped to (2.0 once it halves unannounced; 1.0 told of
+    it), and the transfers waiting and let go. The run itself is the same.
+    (A timeline is what showed the halved link idling at 10,000 workers:
+    benchmarks/RESULTS.md, "A round of a wide downlink".)"""
+    sc = dataclasses.replace(TINY, changes=(RateChange(1.5, "h0", down_mbit=4.0),))
+    plain = simulate(sc, "mlfabric")
+    sampled = simulate(sc, "mlfabric", sample_every=0.25)
+    assert plain.timeline == []
+    for a, b in zip(by_worker(plain), by_worker(sampled), strict=True):
+        assert (a.sent, a.landed, a.done, a.applied) == pytest.approx(
+            (b.sent, b.landed, b.done, b.applied), abs=EXACT)
+    times = [x.t for x in sampled.timeline]
+    assert times == pytest.approx([0.25 * k for k in range(len(times))], abs=EXACT)
+    assert times[-1] <= sampled.end < times[-1] + 0.25
+    at = {round(x.t, 2): x for x in sampled.timeline}
+    # Worker 0 sends alone from about 1.0 s; worker 1 waits for it.
+    assert (at[1.25].load, at[1.25].flows, at[1.25].waiting, at[1.25].running) == (
+        pytest.approx(1.0), 1, 1, 1)
+    assert at[1.25].planned == pytest.approx(1.0) and at[2.0].planned == pytest.approx(2.0)
+    assert at[3.0].flows == 1 and at[3.0].waiting == 0  # worker 1's turn
+    assert all(0.0 <= x.load <= 1.0 + EXACT for x in sampled.timeline)
+    told = dataclasses.replace(sc, controller_view="live")
+    assert {round(x.t, 2): x.planned for x in simulate(told, "mlfabric", sample_every=0.25)
+            .timeline}[2.0] == pytest.approx(1.0)
+    with pytest.raises(ConfigError, match="sample_every must be > 0 simulated seconds, got 0"):
+        simulate(sc, "fifo", sample_every=0)
+
+
 def test_sharded_by_hand_each_shard_takes_its_part_and_its_own_versions():
     """TINY over two shards (servers s0, s1, each with TINY's server links):
     each update is two parts of 5e5 B, one per shard. Pulls: the two parts

@@ -245,6 +245,25 @@ class PushRecord:
         return None if self.done is None else self.done - self.pushed
 
 
+@dataclass(frozen=True)
+class Sample:
+    """The first server's downlink, and the controllers, at simulated time `t`.
+
+    `load` is the payload its flows carry over its capacity then; `flows`
+    how many cross it; `planned` the rate the first controller plans it
+    by (configuration, agents and its closed loop's cap) over the rate it
+    is shaped to then (2.0: it plans by twice what the link gives).
+    `waiting` and `running` are the transfers all controllers hold pending
+    and let go."""
+
+    t: float
+    load: float
+    flows: int
+    planned: float
+    waiting: int
+    running: int
+
+
 @dataclass
 class Result:
     policy: str
@@ -262,6 +281,7 @@ class Result:
     # (`Go.after`), and of them those applied when the wait ran out.
     held: int = 0
     held_expired: int = 0
+    timeline: list[Sample] = field(default_factory=list)  # simulate(sample_every=)
 
     def summary(self) -> dict[str, Any]:
         recs = self.records
@@ -351,7 +371,7 @@ class _Held:
 class _Sim:
     def __init__(self, sc: Scenario, policy: str, *, timer: Callable[[], float] | None,
                  audit: bool, progress: Callable[[float, int, int], None] | None,
-                 progress_every: int) -> None:
+                 progress_every: int, sample_every: float | None = None) -> None:
         self.sc = sc
         self.policy_name = policy
         self.timer = timer
@@ -417,6 +437,10 @@ class _Sim:
             self.at(offset, self._worker_start, w)
         for c in sorted(sc.changes, key=lambda c: c.at):
             self.at(c.at, self._rate_change, c)
+        self.timeline: list[Sample] = []
+        self.sample_every = sample_every
+        if sample_every is not None:
+            self.at(0.0, self._sample)
 
     # -- the event loop --------------------------------------------------------------------
 
@@ -459,6 +483,23 @@ class _Sim:
         if pace is not None and pace_seconds is not None:
             self.after(pace_seconds, self.net.set_max_rate, fid)
         self.on_flow_end[fid] = then
+
+    def _sample(self) -> None:
+        """One `Sample`, and the next one `sample_every` later while workers run."""
+        server = self.servers[0]
+        link = self.link_down[server]
+        capacity = float(self.net.capacity[link])
+        load = float(self.net.loads()[link]) / capacity if capacity > 0 else 0.0
+        shaped = mbit(self.wire_down[server])
+        planned = self.controllers[0].state.network.down_rate(server)
+        self.timeline.append(Sample(
+            self.now, load, self.net.flows_on(link),
+            planned / shaped if shaped > 0 else math.inf,
+            sum(len(c.state.pending) for c in self.controllers),
+            sum(len(c.state.active) for c in self.controllers)))
+        if self.finished_workers < len(self.workers):
+            assert self.sample_every is not None
+            self.after(self.sample_every, self._sample)
 
     # -- network changes ---------------------------------------------------------------------
 
@@ -734,22 +775,28 @@ class _Controller:
 
 def simulate(scenario: Scenario, policy: str, *, timer: Callable[[], float] | None = None,
              audit: bool = False, progress: Callable[[float, int, int], None] | None = None,
-             progress_every: int = 20000) -> Result:
+             progress_every: int = 20000, sample_every: float | None = None) -> Result:
     """Run `scenario` under `policy` ("fifo" or "mlfabric") and return every push.
 
     `timer` (e.g. time.perf_counter) times each controller decision; `audit`
     checks every bandwidth allocation against the link capacities;
     `progress(now, pushes_done, pushes_total)` is called every
-    `progress_every` events."""
+    `progress_every` events; with `sample_every` (simulated seconds) the
+    result's `timeline` holds a `Sample` from 0 on at that interval (what
+    showed a link idling while transfers waited: benchmarks/RESULTS.md, "A
+    round of a wide downlink")."""
     if policy not in POLICIES:
         raise ConfigError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if sample_every is not None and not (sample_every > 0 and math.isfinite(sample_every)):
+        raise ConfigError(f"sample_every must be > 0 simulated seconds, got {sample_every!r}")
     sim = _Sim(scenario, policy, timer=timer, audit=audit, progress=progress,
-               progress_every=progress_every)
+               progress_every=progress_every, sample_every=sample_every)
     sim.run()
     end = max((r.done for r in sim.records if r.done is not None), default=sim.now)
     return Result(policy, scenario, sim.records, end, sim.bytes_in, sim.decision_seconds,
                   sim.decision_pending, sim.decision_events, sim.net.max_utilization,
-                  sim.events, [c.busy for c in sim.controllers], sim.held, sim.held_expired)
+                  sim.events, [c.busy for c in sim.controllers], sim.held, sim.held_expired,
+                  sim.timeline)
 
 
 # --- command line ------------------------------------------------------------------------

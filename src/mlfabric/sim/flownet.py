@@ -305,6 +305,11 @@ class FlowNet:
                 util = np.where(cap > 0, load / cap, np.where(load > 0, INF, 0.0))
             self.max_utilization = max(self.max_utilization, float(util.max(initial=0.0)))
 
+    def flows_on(self, link: int) -> int:
+        """How many live flows cross `link`."""
+        n = len(self._ids)
+        return int(np.count_nonzero((self._links[:n] == link).any(axis=1)))
+
     def loads(self) -> np.ndarray:
         """Bytes/s currently crossing each link (what the audit checks)."""
         self._allocate()
