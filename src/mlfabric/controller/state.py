@@ -517,7 +517,8 @@ class ControlState:
         at 1,000 simulated workers it dropped 18% of the pushes (16 before).
         And, if it had only its uplink to itself, the downlink's rate
         booked when it went, the cap the closed loop had on that downlink
-        then, and how many transfers it went into (`_SharedAt`); else None."""
+        then, and that booking's width in transfers at its rate
+        (`_SharedAt`); else None."""
         if t.id not in self._held:
             return False, None
         self._held.discard(t.id)

@@ -577,18 +577,18 @@ class SharedDownlink:
     last of them, a round of the link at least (as many as the booking the
     last one went into holds at its planned rate, `lanes`, and
     DOWNLINK_WINDOW at least, from that many workers), was slower by more
-    than SHARED_SLOWED, and at the most any of
-    them shows (as `Delivered` keeps the fastest). A round, because on a
-    saturated link the transfers that join it ramp up behind its queue: at
-    10,000 simulated workers, about 125 at once on a halved link, three in a
-    row were often all such, and the cap fell to 0.16 of what the link
-    still gave; a round holds one that had its share. Then the plans book
-    the cap, and what the link could give beyond it shows only in the
-    transfers' speed: one let go booked to the cap that ran within
-    ORDER_GUARD of its planned time raises the cap by ORDER_GUARD, until it
-    reaches what the configuration and the agents give and goes. A
-    downlink still slow is then booked past its rate by about ORDER_GUARD
-    at times, which the release order tolerates."""
+    than SHARED_SLOWED, and at the most any of them shows (as `Delivered`
+    keeps the fastest). A round, because on a saturated link the transfers
+    that join it ramp up behind its queue: at 10,000 simulated workers,
+    about 125 at once on a halved link, three in a row were often all
+    such, and the cap fell to 0.16 of what the link still gave; a round
+    holds one that had its share. Then the plans book the cap, and what the
+    link could give beyond it shows only in the transfers' speed: one let
+    go booked to the cap that ran within ORDER_GUARD of its planned time
+    raises the cap by ORDER_GUARD, until it reaches what the configuration
+    and the agents give and goes. A downlink still slow is then booked past
+    its rate by about ORDER_GUARD at times, which the release order
+    tolerates."""
 
     def __init__(self) -> None:
         self._slowed: dict[str, deque[tuple[str, float]]] = {}
