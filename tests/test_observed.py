@@ -707,8 +707,8 @@ def test_a_wide_downlinks_cap_waits_for_a_round_of_it_and_takes_its_fastest():
     that join ramp up behind its queue, and at 10,000 simulated workers
     three in a row were often all such (the cap fell to 0.16 of what the
     link gave). It takes the fastest of the round, one that had its share;
-    an on-time transfer still starts the round over. With three or fewer
-    holding it, the rule is DOWNLINK_WINDOW's, as before."""
+    an on-time transfer still starts the round over. Booked for three or
+    fewer, the rule is DOWNLINK_WINDOW's, as before."""
     net = Network(default=125 * MB, down={"s": 1000 * MB})
     shared = observed.SharedDownlink()
 
@@ -796,7 +796,7 @@ def test_transfers_that_shared_a_halved_downlink_cap_it_for_the_next_plans():
                       norm=1.0, now=0.0)
     gone = state.decide(0.0).actions
     assert len(gone) == 8 and all(a.planned_seconds == pytest.approx(1.0) for a in gone)
-    for k in range(7):  # eight held it: the cap waits for a round of eight
+    for k in range(7):  # booked eight wide: the cap waits for a round of eight
         state.done(f"w{k}", 1, version=k + 1, seconds=2.0, now=2.0)
         assert state.network.observed_down == {}
     state.done("w7", 1, version=8, seconds=2.0, now=2.0)

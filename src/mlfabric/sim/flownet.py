@@ -212,7 +212,7 @@ class FlowNet:
         for k in links:
             if k == self.dummy or load[k] < cap[k] * (1 - 1e-9):
                 continue
-            left = float(self._left[:n][np.any(self._links[:n] == k, axis=1)].sum())
+            left = float(self._left[:n][self._on(k)].sum())
             held = left / cap[k] if cap[k] > 0 else INF
             queue = max(queue, min(self.slow_start.queue_delay, held))
         return self.slow_start.base_rtt + queue
@@ -305,10 +305,13 @@ class FlowNet:
                 util = np.where(cap > 0, load / cap, np.where(load > 0, INF, 0.0))
             self.max_utilization = max(self.max_utilization, float(util.max(initial=0.0)))
 
+    def _on(self, link: int) -> np.ndarray:
+        """Which live rows cross `link`."""
+        return np.any(self._links[:len(self._ids)] == link, axis=1)
+
     def flows_on(self, link: int) -> int:
         """How many live flows cross `link`."""
-        n = len(self._ids)
-        return int(np.count_nonzero((self._links[:n] == link).any(axis=1)))
+        return int(np.count_nonzero(self._on(link)))
 
     def loads(self) -> np.ndarray:
         """Bytes/s currently crossing each link (what the audit checks)."""
