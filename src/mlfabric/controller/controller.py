@@ -829,9 +829,6 @@ class Controller(Endpoint):
                           "planned_seconds": round(action.planned_seconds, 6)}
                 if action.upto is not None:
                     record["upto"] = action.upto
-                if action.overrides_guard:  # (observed.HoldBudget)
-                    m.guard_overrides.inc()
-                    record["guard"] = "overridden"
                 if action.after is not None:  # (RunningOrder.must_follow)
                     m.ordered_transfers.inc()
                     record["after"] = list(action.after)

@@ -66,9 +66,6 @@ class Go:
     upto: int | None = None
     first: bool = True
     codec: str | None = None  # go compressed by this of its worker's options
-    # The release guard would hold it beside a critical transfer, and lets it
-    # go because holding has cost more than it protects (`observed.HoldBudget`).
-    overrides_guard: bool = False
     # Let go beside a critical transfer: the worker sends at most this many
     # bytes/s (`observed.pace`; None: as TCP allows) for `pace_seconds`
     # (None: until the server's answer).
@@ -215,8 +212,10 @@ class ControlState:
     def __init__(self, policy: Policy, *, tau_max: int | None,
                  network: Network | None = None, guard_order: bool = False,
                  learn_rates: bool = False, first_id: int = 1) -> None:
-        """`guard_order`: let nothing go that may land before a running
-        transfer that must land next (`observed.RunningOrder`). `learn_rates`:
+        """`guard_order`: keep the order running transfers must land in
+        (`observed.RunningOrder`): a transfer let go beside one that must
+        land next names it for its server to wait for, and is paced if it
+        could crowd it out. `learn_rates`:
         the job's own transfers correct the network picture (`observed`).
         The mlfabric policy plans with both; FIFO lets everything go at once
         by definition, so it runs without them. `first_id`: the first
@@ -271,7 +270,6 @@ class ControlState:
         self._booked: dict[str, float] = {}
         self._rate_held: dict[int, float] = {}  # what each added to _booked
         self._handovers: deque[float] = deque(maxlen=HANDOVER_SAMPLES)  # see handover
-        self._holds: dict[int, observed.HoldBudget] = {}  # by shard, while it has critical ones
         self._handover = 0.0
         self.workers: dict[Hashable, WorkerStats] = {}
         self.gone: OrderedDict[str, GoneWorker] = OrderedDict()  # by hello name, oldest first
@@ -839,7 +837,6 @@ class ControlState:
         # By shard, once needed: what runs into it, told of each transfer let go.
         orders: dict[int, observed.RunningOrder | None] = {}
         joining: list[Transfer] | None = None  # what this decision may let go
-        held: dict[int, int] = {}  # by shard: due transfers the guard holds
         for item in plan:
             t = self.pending.get(item.id)
             if t is None:
@@ -867,37 +864,21 @@ class ControlState:
                             joining = [self.pending[i.id] for i in plan if i.id in self.pending]
                         orders[t.shard] = self._running_order(t.shard, now, joining)
                     order = orders[t.shard]
-                overrides = False
                 room = paced_for = None
                 if order is not None and order.has_critical:
                     # Paced if, flat out, it could take the critical ones'
                     # part of the downlink (`observed.room_beside`), until
-                    # they are planned to have landed.
+                    # they are planned to have landed. Not held: the server
+                    # applies it only after those it must not pass
+                    # (`must_follow`, below), so holding it would only idle
+                    # its lane (benchmarks/RESULTS.md, "The release guard no
+                    # longer holds").
                     net = self.network
                     room = observed.room_beside(
                         net.fastest(t.host, t.dst),
                         (_planned_rate(self.active[c]) for c in order.critical_ids
                          if c in self.active), net.down_rate(t.dst))
                     paced_for = order.paced_for()
-                    # It must not land before a transfer that has to land
-                    # next: it goes when it would end a guard after it, or
-                    # (None) once that one is reported done. Its end is the
-                    # earliest the path allows, not the plan's: a worker sends
-                    # as fast as TCP lets it, not at its reserved rate, nor at
-                    # the rate the loop or the agents last saw (`fastest`).
-                    fastest = (t.option_bytes(item.codec) if item.codec else t.rest
-                               ) / self.network.fastest(t.host, t.dst)
-                    at = order.release_at(fastest)
-                    if at is None or at > now:
-                        # Unless holding has idled more of the link than the
-                        # critical ones would waste (`observed.HoldBudget`).
-                        overrides = self._budget(t.shard, len(order)).spent(
-                            now, order.worth()[0])
-                        if not overrides:
-                            if at is not None:
-                                wake_at = min(wake_at, at)
-                            held[t.shard] = held.get(t.shard, 0) + 1
-                            continue
                 follow = None
                 if order is not None and not t.granted and item.route is None:
                     # What it must not pass at the server, should it land first.
@@ -906,8 +887,8 @@ class ControlState:
                     follow = order.must_follow(now + (item.planned_seconds or 0.0), t.id, slack)
                 if stats is not None and not t.granted:
                     stats.sent += 1
-                actions.append(self._let_go(t, item, now, overrides=overrides,
-                                            room=room, paced_for=paced_for, follow=follow))
+                actions.append(self._let_go(t, item, now, room=room, paced_for=paced_for,
+                                            follow=follow))
                 self._joined(orders, t)  # it may be critical itself, or make others so
             elif item.start is not None:
                 wake_at = min(wake_at, item.start)
@@ -919,26 +900,7 @@ class ControlState:
                 tid = a.transfer.id
                 self._up_solo[tid] = (mark[0], _SharedAt.of(
                     self._booked[a.transfer.dst], mark[1].capped, self._rate_held[tid]))
-        for shard, order in orders.items():
-            if order is None or not order.has_critical:
-                self._holds.pop(shard, None)  # nothing to hold for: the next hold starts anew
-                continue
-            worth, growing = order.worth()
-            spent_at = self._budget(shard, len(order)).idling(
-                now, held=held.get(shard, 0), running=len(order), worth=worth, growing=growing,
-                critical=order.critical_ids)
-            if spent_at is not None:  # look again then: the held ones go
-                wake_at = min(wake_at, spent_at)
         return Decisions(tuple(actions), None if wake_at == math.inf else wake_at)
-
-    def _budget(self, shard: int, running: int) -> observed.HoldBudget:
-        """The release guard's budget for holding `shard`'s transfers while
-        it has critical ones (`observed.HoldBudget`), begun with `running`
-        transfers into it."""
-        budget = self._holds.get(shard)
-        if budget is None:
-            budget = self._holds[shard] = observed.HoldBudget(running)
-        return budget
 
     def _joined(self, orders: dict[int, observed.RunningOrder | None], t: Transfer) -> None:
         """`t` was let go: into its shard's running order, if one is kept."""
@@ -949,8 +911,7 @@ class ControlState:
                 order.add(*row)
 
     def _let_go(self, t: Transfer, item: PlanItem, now: float, whole: bool = False,
-                overrides: bool = False, room: float | None = None,
-                paced_for: float | None = None,
+                room: float | None = None, paced_for: float | None = None,
                 follow: tuple[tuple[int, ...], float] | None = None) -> Go:
         """Move pending `t` to active as planned by `item`: all of it, or for
         a chunked transfer its next chunk (the rest of it if `whole`). With a
@@ -985,7 +946,7 @@ class ControlState:
             if room is not None and item.route is None else None
         after, after_seconds = follow if follow is not None else (None, None)
         return Go(t, item.position or 0, planned, item.route, upto=upto, first=first,
-                  codec=t.codec, overrides_guard=overrides, pace=rate,
+                  codec=t.codec, pace=rate,
                   pace_seconds=paced_for if rate is not None else None,
                   after=after, after_seconds=after_seconds)
 

@@ -337,12 +337,6 @@ class ControllerMetrics:
                              namespace=ns, registry=r)
         for reason in DROP_REASONS:
             self.drops.labels(reason)
-        self.guard_overrides = Counter(
-            "controller_guard_overrides",
-            "Transfers let go beside a critical transfer (one that must land next or be "
-            "refused as stale) that they could land before: holding them had idled more "
-            "of the server's link than the critical ones would waste if refused",
-            namespace=ns, registry=r)
         self.landings = Counter(
             "controller_server_landings",
             "Servers' own reports of a landing (mlfabric server --controller), by whether "

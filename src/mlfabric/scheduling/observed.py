@@ -32,13 +32,14 @@ bound, only downward, until its report says which.
 Order (issue 34, "what the controller releases together, it planned
 together"). The server applies updates in the order their last bytes land,
 and refuses one staler than tau_max. A running transfer with no slack (it
-must be the next to land, or it is refused) must not be overtaken: another
-transfer to its server goes only if it cannot end sooner than
-`ORDER_GUARD` of the critical one's planned time after it, even at its
-path's full rate (rates are never
-known better than that: TCP's header overhead alone is 4.4%, its ramp
-more), and while the critical one is past its planned end, not at all until
-it is reported done. A transfer let go beside a critical one that could
+must be the next to land, or it is refused) must not be overtaken. A
+transfer let go beside it names it, with every other running transfer at
+risk, for the server to wait for (`RunningOrder.must_follow`): the server
+applies it only once they have landed. It is not held back at the
+controller: plans do not hold exactly on the real link, so no release rule
+can make passing impossible, and once the server kept the order, holding
+only idled the link (benchmarks/RESULTS.md, "The release guard no longer
+holds"). A transfer let go beside a critical one that could
 crowd it out is also paced (`room_beside`, `pace`, `RunningOrder.paced_for`)
 until the critical one is planned to have landed: left to TCP, a newcomer
 from a fast uplink takes more of a shared downlink than the plan gave it,
@@ -184,8 +185,9 @@ def order_matters(stale: np.ndarray, joining: Sequence[int], tau_max: int) -> bo
 class RunningOrder:
     """The transfers running into one server in the order they are planned
     to land, which of them are critical (each would be refused as stale
-    unless it lands next: `ControlState.critical` defines it), and so when
-    another may go (`release_at`).
+    unless it lands next: `ControlState.critical` defines it), and so how
+    long a transfer let go beside them is paced (`paced_for`) and which of
+    them it must not pass at the server (`must_follow`).
 
     A row is (planned end, id, planned seconds, staleness now: the server's
     version less its base version, direct: not through an aggregator). A
@@ -197,7 +199,7 @@ class RunningOrder:
     the transfers it passes, instead of sorting them all again (at 10,000
     simulated workers that sort, once per transfer let go, was 70% of the
     controller's time). Within a decision nothing ends, so a transfer once
-    critical stays so, and what `release_at` needs of them (whether one is
+    critical stays so, and what `paced_for` needs of them (whether one is
     past its end, the latest end plus guard) only grows."""
 
     def __init__(self, rows: Iterable[tuple[float, int, float, int, bool]], *,
@@ -219,7 +221,6 @@ class RunningOrder:
         self._margin: list[tuple[int, int]] = []
         self._blocked = False  # a critical transfer is past its planned end
         self._latest = -math.inf  # the latest critical end plus its guard
-        self._worth, self._growing = 0.0, 0  # see worth
         for ahead, row in enumerate(ordered):
             self._enter(row, ahead)
         self._room_check()
@@ -282,9 +283,6 @@ class RunningOrder:
     def _mark(self, tid: int) -> None:
         self._critical.add(tid)
         end, planned = self._end[tid], self._planned[tid]
-        over = 0.0 if self.now is None else max(self.now - end, 0.0)
-        self._worth += planned + over
-        self._growing += over > 0
         self._blocked = self._blocked or (self.now is not None and end <= self.now)
         self._latest = max(self._latest, end + order_guard(planned))
 
@@ -324,13 +322,6 @@ class RunningOrder:
     def has_critical(self) -> bool:
         return bool(self._critical)
 
-    def worth(self) -> tuple[float, int]:
-        """The link time the critical transfers would waste if refused, at
-        `now`: each its planned seconds, or its time so far once past its
-        planned end; and how many are past it (the worth grows by that many
-        seconds a second). What `HoldBudget` weighs a hold against."""
-        return self._worth, self._growing
-
     @property
     def critical_ids(self) -> frozenset[int]:
         """The ids of the critical transfers."""
@@ -362,8 +353,8 @@ class RunningOrder:
         (tau_max less its staleness). With room for every running transfer
         it can wait for all of them and still be applied, so it also names
         those at risk planned to land after it: a plan that puts a newcomer
-        before a running transfer with no version to spare (the hold budget
-        lets one go so, to keep the link busy) would otherwise have it
+        before a running transfer with no version to spare (the controller
+        lets one go beside a critical one, paced) would otherwise have it
         refused (seen on the emulated cluster: 2 in 9 runs of 240 updates).
 
         A direct transfer planned to land before it is at risk when it would
@@ -373,7 +364,7 @@ class RunningOrder:
         holds, none is refused for being passed: a transfer not at risk
         when a newcomer goes has at least as many versions left as there
         are transfers that could pass it, and each that does takes one
-        version and leaves the running set. The release guard cannot make
+        version and leaves the running set. No release rule can make
         passing impossible, since plans do not hold exactly on the real
         link (TCP shares it unfairly, a link slows unannounced); a server
         that waits for the ones at risk makes it harmless. Named, not
@@ -400,86 +391,6 @@ class RunningOrder:
             longest = max(longest, planned, late)
         return (tuple(r for _, r in ahead),
                 FOLLOW_PATIENCE * max(longest, ORDER_GUARD_MIN))
-
-    def release_at(self, planned_seconds: float) -> float | None:
-        """When a transfer that takes at least `planned_seconds` (its size at
-        the path's full rate: the real link does not hold it to the plan's
-        reserved rate) may be let go beside the critical transfers (each
-        must land before any other): `now`, a later time (its end then falls
-        a guard after every critical end), or None (a critical one is past
-        its planned end: wait for its report). Needs `now`."""
-        assert self.now is not None, "release_at needs the order's now"
-        if self._blocked:
-            return None
-        return max(self.now, self._latest - planned_seconds)
-
-
-class HoldBudget:
-    """How long the release guard may hold one server's transfers for its
-    critical ones, in link time.
-
-    A held transfer idles a lane of the link once fewer transfers run into
-    the server than the most that ran during the hold: while they run,
-    the link is as busy as the plan made it (past their planned ends, as
-    busy as the real link lets them be). The first lane drained is the
-    guard's own: it was built for, and measured on, links a transfer or two
-    wide, where holding one lane until the critical transfer's report kept
-    the emulated cluster's stale refusals at 0-1 in 240 pushes (counting
-    that lane too: 6). A critical transfer refused as stale wastes the link
-    time it took: its planned seconds, or its time so far once past them
-    (`RunningOrder.worth`). So the hold is worth it while the lane-seconds
-    it has idled beyond the first are fewer than that; past it, the guard
-    lets the plan's transfers go and takes the risk. When a critical
-    transfer ends, the hold has bought what it could: its cost starts again
-    from nothing, with the most lanes the hold has seen (counted from the
-    lanes left, each new critical transfer would hold the link again).
-
-    On a link up to three lanes wide, a critical transfer past its end
-    grows worth as fast as the one lane counted: the guard holds until its
-    report, as before (the 6-worker settings of `bench_order_sim.py` give
-    the same figures to the digit). At 10,000 simulated workers, 125 lanes
-    wide, the guard held every release while one critical transfer after
-    another ran past its planned end (after an unannounced halving of the
-    link): 2 to 66 ran while 4,000 to 7,500 waited, and a push took 1.35 s;
-    without the guard it took 0.62 s, and no update was refused either way.
-
-    Pure bookkeeping: `ControlState` asks `spent` before each release the
-    guard would hold, and tells `idling` once per decision what it held."""
-
-    def __init__(self, running: int) -> None:
-        self.full = running  # the most transfers running into the server in the hold
-        self.cost = 0.0  # lane-seconds idled so far
-        self._lanes = 0  # lanes counted idle since _at
-        self._at: float | None = None
-        self._critical: frozenset[int] = frozenset()  # at the last decision
-
-    def spent(self, now: float, worth: float) -> bool:
-        """Has the hold cost `worth` lane-seconds by `now`?"""
-        if self._at is not None:
-            self.cost += self._lanes * max(now - self._at, 0.0)
-        self._at = now
-        # (To within rounding: at the time `idling` gave, the sum falls an
-        # ulp short as often as not, and the decision would wake again.)
-        return self.cost >= worth * (1 - 1e-9)
-
-    def idling(self, now: float, *, held: int, running: int, worth: float, growing: int,
-               critical: frozenset[int]) -> float | None:
-        """From `now`, `held` transfers due to start are held, `running` run
-        into the server, and `critical` are the critical ones, worth `worth`
-        and growing by `growing` seconds a second. When the budget will be
-        spent at this rate (None: not while this lasts)."""
-        self.spent(now, worth)
-        if self._critical - critical:
-            self.cost = 0.0
-        self._critical = critical
-        self.full = max(self.full, running)
-        self._lanes = min(held, max(self.full - running - 1, 0))  # (the first: see above)
-        if self._lanes <= growing:
-            return None
-        at = now + max(worth - self.cost, 0.0) / (self._lanes - growing)
-        if at <= now:  # sooner than the clock can tell: spent now, not by a wake-up at now
-            self.cost = max(self.cost, worth)
-        return at
 
 
 def _corrected(net: Network, link: tuple[str, str], rate: float) -> Network:
