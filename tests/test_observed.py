@@ -4,6 +4,7 @@ transfers, and a release order the real link honours. Pure: a fake clock."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -213,6 +214,16 @@ def test_with_any_planned_order_none_is_refused_that_every_passer_named():
     assert checked > 300 and refused_without > 0  # the names are what kept them
 
 
+def _planned_to_end(ends: dict[str, float]) -> Callable[[Snapshot], list[PlanItem]]:
+    """A policy that starts every pending transfer now, planned to end at
+    its worker's time in `ends`, in the order they were asked for."""
+    def policy(snap: Snapshot) -> list[PlanItem]:
+        return [PlanItem(t.id, start=snap.now, position=k,
+                         planned_seconds=ends[str(t.owner)] - snap.now)
+                for k, t in enumerate(snap.pending)]
+    return policy
+
+
 def _two(guard: bool) -> tuple[ControlState, list]:
     """A must land next (base 0, the server at 2, tau_max 2); the plan starts
     B beside it and has it end after A, but B's path could carry it in 0.2 s."""
@@ -258,11 +269,7 @@ def test_a_transfer_let_go_beside_a_critical_one_is_paced_at_its_reserved_rate()
     assert observed.pace(2_000_000, 0.5) == pytest.approx(observed.PACE_HEADROOM * 4e6)
     assert observed.pace(2_000_000, 0.0) is None and observed.pace(0, 1.0) is None
     ends = {"w1": 1.0, "w2": 1.2, "w3": 2.0}  # each worker's planned end
-
-    def policy(snap: Snapshot) -> list[PlanItem]:
-        return [PlanItem(t.id, start=snap.now, position=k,
-                         planned_seconds=ends[str(t.owner)] - snap.now)
-                for k, t in enumerate(snap.pending)]
+    policy = _planned_to_end(ends)
 
     for guard in (True, False):
         state = ControlState(policy, tau_max=2, network=Network(default=10 * MB),
@@ -314,11 +321,7 @@ def test_only_a_transfer_that_could_crowd_a_critical_one_out_is_paced():
     assert room(6 * MB, [4 * MB], 10 * MB) is None  # exactly the room: no more
     assert room(6 * MB, [], 5 * MB) == 5 * MB  # a halved link: a path faster than it
     ends = {"w1": 1.0, "w2": 1.2}
-
-    def policy(snap: Snapshot) -> list[PlanItem]:
-        return [PlanItem(t.id, start=snap.now, position=k,
-                         planned_seconds=ends[str(t.owner)] - snap.now)
-                for k, t in enumerate(snap.pending)]
+    policy = _planned_to_end(ends)
 
     # A (critical, 10 MB/s reserved) and B (a 10 MB/s path) into a downlink
     # of 10 MB/s: paced; of 100 MB/s: B flat out leaves A its room.
@@ -339,11 +342,7 @@ def test_a_transfer_past_its_planned_end_may_be_overtaken_by_every_running_one()
     Past its planned end A has no planned place: if C landed first, A would
     have none, so it is critical: what goes to its server next names it."""
     ends = {"w1": 0.5, "w3": 1.0, "w2": 1.2}
-
-    def policy(snap: Snapshot) -> list[PlanItem]:
-        return [PlanItem(t.id, start=snap.now, position=k,
-                         planned_seconds=ends[str(t.owner)] - snap.now)
-                for k, t in enumerate(snap.pending)]
+    policy = _planned_to_end(ends)
 
     state = ControlState(policy, tau_max=2, network=Network(default=10 * MB),
                          guard_order=True)
@@ -365,11 +364,7 @@ def test_beside_a_critical_transfer_past_its_planned_end_one_goes_paced_to_its_e
     newcomer goes all the same, paced until its own end and applied only
     after it, the wait bounded by its time so far."""
     ends = {"w1": 1.0, "w2": 2.0}
-
-    def policy(snap: Snapshot) -> list[PlanItem]:
-        return [PlanItem(t.id, start=snap.now, position=k,
-                         planned_seconds=ends[str(t.owner)] - snap.now)
-                for k, t in enumerate(snap.pending)]
+    policy = _planned_to_end(ends)
 
     state = ControlState(policy, tau_max=2, network=Network(default=10 * MB),
                          guard_order=True)
