@@ -662,10 +662,14 @@ def test_a_wide_downlinks_cap_waits_for_a_round_of_it_and_takes_its_fastest():
 
 def test_a_shared_downlinks_cap_rises_by_transfers_on_time_at_the_cap():
     """A capped link booked to its cap shows more only in transfers' speed:
-    each on time (within ORDER_GUARD) lets the cap rise by ORDER_GUARD,
-    until it reaches the configured rate and goes. Transfers let go before
-    the cap (booked above it), or faster than planned (a partial share),
-    say nothing of it."""
+    each on time (within ORDER_GUARD) or faster lets the cap rise by
+    ORDER_GUARD, until it reaches the configured rate and goes. Transfers
+    let go before the cap (booked above it) say nothing of it. Faster
+    counts: at 1,000 simulated workers over 4 shards, a shard's cap learnt
+    while its link was halved stayed at half the restored link for ten
+    simulated seconds, its parts planned at a share of the cap running
+    faster than planned and none on time (benchmarks/RESULTS.md, "A cap
+    that rises when transfers beat it")."""
     net = Network(default=125 * MB, down={"s": 1000 * MB}, observed_down={"s": 500 * MB})
     shared = observed.SharedDownlink()
 
@@ -674,7 +678,8 @@ def test_a_shared_downlinks_cap_rises_by_transfers_on_time_at_the_cap():
                                 seconds=seconds)
 
     assert done(net, 1.0, 1000 * MB) is net
-    assert done(net, 0.5, 500 * MB) is net
+    assert done(net, 0.5, 500 * MB).observed_down == {"s": pytest.approx(550 * MB)}
+    assert done(net, 1.2, 500 * MB) is net  # late, but not by a shared link's margin
     n = done(net, 1.05, 480 * MB)
     assert n.observed_down == {"s": pytest.approx(550 * MB)}
     steps = 1

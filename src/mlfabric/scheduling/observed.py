@@ -495,11 +495,15 @@ class SharedDownlink:
     such, and the cap fell to 0.16 of what the link still gave; a round
     holds one that had its share. Then the plans book the cap, and what the
     link could give beyond it shows only in the transfers' speed: one let
-    go booked to the cap that ran within ORDER_GUARD of its planned time
-    raises the cap by ORDER_GUARD, until it reaches what the configuration
-    and the agents give and goes. A downlink still slow is then booked past
-    its rate by about ORDER_GUARD at times, which the release order
-    tolerates."""
+    go booked to the cap that ran within ORDER_GUARD of its planned time,
+    or faster, raises the cap by ORDER_GUARD, until it reaches what the
+    configuration and the agents give and goes. (Faster counts: into a
+    link a few uplinks wide, the plans book the cap with one transfer at
+    its uplink's rate and one at what is left, and on a restored link the
+    second runs faster than planned; counted only on time, a shard's cap
+    stayed at half its restored link for ten simulated seconds.) A
+    downlink still slow is then booked past its rate by about ORDER_GUARD
+    at times, which the release order tolerates."""
 
     def __init__(self) -> None:
         self._slowed: dict[str, deque[tuple[str, float]]] = {}
@@ -539,7 +543,7 @@ class SharedDownlink:
         # the link beside it. Ignored, those kept a cap that had halved at
         # 1,000 simulated workers at 2 uplinks of 107 for 30 simulated
         # seconds: every transfer was let go beside late ones.)
-        if cap is None or abs(speed - 1) > ORDER_GUARD or (
+        if cap is None or speed < 1 - ORDER_GUARD or (
                 booked > (1 + ORDER_GUARD) * cap and capped != cap):
             return net
         return _corrected(net, link, cap * (1 + ORDER_GUARD))
