@@ -300,7 +300,7 @@ def test_a_transfer_let_go_beside_a_critical_one_is_paced_at_its_reserved_rate()
 
 
 def test_a_paced_transfer_takes_the_room_the_critical_ones_leave_until_they_land():
-    assert observed.room_beside(10 * MB, [2.5 * MB], 10 * MB) == 7.5 * MB
+    assert observed.room_beside(10 * MB, 2.5 * MB, 10 * MB) == 7.5 * MB
     # Reserved 4 MB/s beside another transfer, with 7.5 MB/s of room: 7.5.
     assert observed.pace(4 * MB, 1.0, room=7.5 * MB) == pytest.approx(1.05 * 7.5 * MB)
     assert observed.pace(4 * MB, 0.5, room=7.5 * MB) == pytest.approx(1.05 * 8 * MB)
@@ -316,10 +316,10 @@ def test_only_a_transfer_that_could_crowd_a_critical_one_out_is_paced():
     """Paced only where, flat out, a newcomer would take more than the room
     the critical transfers' reserved rates leave on the downlink."""
     room = observed.room_beside
-    assert room(10 * MB, [2.5 * MB], 10 * MB) is not None  # 1 Gbit/s up, 80 Mbit/s down
-    assert room(125 * MB, [125 * MB, 10 * MB], 1562 * MB) is None  # 1,000 workers
-    assert room(6 * MB, [4 * MB], 10 * MB) is None  # exactly the room: no more
-    assert room(6 * MB, [], 5 * MB) == 5 * MB  # a halved link: a path faster than it
+    assert room(10 * MB, 2.5 * MB, 10 * MB) is not None  # 1 Gbit/s up, 80 Mbit/s down
+    assert room(125 * MB, 135 * MB, 1562 * MB) is None  # 1,000 workers
+    assert room(6 * MB, 4 * MB, 10 * MB) is None  # exactly the room: no more
+    assert room(6 * MB, 0.0, 5 * MB) == 5 * MB  # a halved link: a path faster than it
     ends = {"w1": 1.0, "w2": 1.2}
     policy = _planned_to_end(ends)
 
@@ -843,6 +843,71 @@ def test_the_running_order_kept_between_transfers_let_go_equals_sorting_them_aga
         assert order.critical() == critical
     assert observed.RunningOrder(rows, now=None, tau_max=tau).critical() == \
         _critical_by_sorting(rows, None, tau)
+
+
+def _must_follow_by_sorting(rows: list[tuple[float, int, float, int, bool]], now: float | None,
+                            tau_max: int, end: float, tid: int, room: int | None
+                            ) -> tuple[tuple[int, ...], float] | None:
+    """`RunningOrder.must_follow` by its definition: every running direct
+    transfer at risk (tau_max less its staleness below the number running),
+    sorted by planned end, those before the newcomer (all of them with room
+    for every running one), the first MAX_FOLLOW."""
+    running = len(rows)
+    every = room is not None and room >= running
+    ahead = sorted((e, r, planned) for e, r, planned, stale, direct in rows
+                   if direct and tau_max - stale < running
+                   and (every or (e, r) < (end, tid)))[:observed.MAX_FOLLOW]
+    if not ahead:
+        return None
+    longest = max(max(planned, 0.0 if now is None else now - (e - planned))
+                  for e, _, planned in ahead)
+    return (tuple(r for _, r, _ in ahead),
+            observed.FOLLOW_PATIENCE * max(longest, observed.ORDER_GUARD_MIN))
+
+
+def test_what_a_newcomer_must_follow_kept_as_transfers_join_equals_the_definition():
+    """The transfers at risk, kept sorted between the transfers let go
+    (asked after each, or only now and then), name what the definition
+    does, past MAX_FOLLOW of them too; and the critical ones found since a
+    count are those the order has, in the order found."""
+    most, nothing = zip(*(_follow_as_joined_against_sorting(seed) for seed in range(30)),
+                        strict=True)
+    assert max(most) == observed.MAX_FOLLOW  # the cut is reached
+    assert sum(nothing) > 0  # and some newcomer need follow none
+
+
+def _follow_as_joined_against_sorting(seed: int) -> tuple[int, int]:
+    """One random order, asked as transfers join: the most it named, and
+    how many times it named none."""
+    import numpy as np
+    rng = random.Random(seed)
+    tau = rng.choice([3, 10, 60])
+    now = rng.choice([None, 10.0])
+
+    def row(tid: int, end: float) -> tuple[float, int, float, int, bool]:
+        return (end, tid, rng.choice([0.01, 0.5]), rng.randrange(tau + 2), rng.random() < 0.9)
+
+    rows = [row(tid, rng.choice([9.0, 10.5, 10.5, 11.0])) for tid in
+            rng.sample(range(1000), rng.randrange(0, 90))]
+    columns = [np.array(c) for c in zip(*rows, strict=True)] if rows else \
+        [np.empty(0), np.empty(0, np.int64), np.empty(0), np.empty(0, np.int64), np.empty(0, bool)]
+    order = observed.RunningOrder.of_columns(*columns, now=now, tau_max=tau) \
+        if rng.random() < 0.5 else observed.RunningOrder(rows, now=now, tau_max=tau)
+    named = nothing = 0
+    seen: list[int] = []
+    for tid in range(1000, 1000 + rng.randrange(1, 60)):
+        if rng.random() < 0.6:
+            end, room = 10.0 + rng.choice([0.0, 0.5, 0.7, 2.0]), rng.choice([None, 0, 5, 200])
+            follow = order.must_follow(end, 5000 + tid, room)
+            assert follow == _must_follow_by_sorting(rows, now, tau, end, 5000 + tid, room)
+            named = max(named, 0 if follow is None else len(follow[0]))
+            nothing += follow is None
+        seen += order.critical_since(len(seen))
+        assert sorted(seen) == sorted(order.critical_ids) and len(seen) == len(set(seen))
+        new = row(tid, 10.0 + rng.choice([0.02, 0.5, 1.2]))
+        rows.append(new)
+        order.add(*new)
+    return named, nothing
 
 
 def _random_rows(rng: random.Random, tau: int) -> list[tuple[float, int, float, int, bool]]:

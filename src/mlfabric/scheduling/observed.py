@@ -138,11 +138,11 @@ def corrections(before: Network, after: Network
 PACE_HEADROOM = 1.05
 
 
-def room_beside(fastest: float, critical_rates: Iterable[float],
-                downlink: float) -> float | None:
+def room_beside(fastest: float, reserved: float, downlink: float) -> float | None:
     """The bytes/s a transfer let go beside critical ones may take of its
     server's downlink without crowding them out: what the downlink, believed
-    to carry `downlink`, leaves beside their reserved `critical_rates`; None
+    to carry `downlink`, leaves beside the `reserved` bytes/s of their
+    planned rates; None
     if its path, at most `fastest`, cannot take more than that anyway.
     Only a transfer that could is paced. A server many transfers wide
     leaves each newcomer a small part of its link, and pacing there only
@@ -151,7 +151,7 @@ def room_beside(fastest: float, critical_rates: Iterable[float],
     beside a critical one (41% of them) at its reserved rate had the server
     refuse 1.3 a run as stale instead of 0.4, and a push take 0.625 s
     instead of 0.610 (seeds 0-9)."""
-    room = downlink - sum(critical_rates)
+    room = downlink - reserved
     return room if fastest > room else None
 
 
@@ -216,9 +216,20 @@ class RunningOrder:
         # run beside them (tau_max less staleness) from the least.
         self._room: list[tuple[int, int]] = []
         self._critical: set[int] = set()
+        self._marked: list[int] = []  # the critical ones in the order marked
         # Direct transfers by tau_max less their staleness, from the least
         # (`must_follow`).
         self._margin: list[tuple[int, int]] = []
+        # Those of them at risk (margin below `_risk_below`, the transfers
+        # running when `must_follow` last looked), by (planned end, id), with
+        # how long a newcomer may wait for each: kept as transfers join, as
+        # `_keys` is. Gathered and sorted again for each transfer let go, they
+        # were a third of a decision that let 88 go at 10,000 simulated
+        # workers, and such decisions set its p99. Their ids and the longest
+        # wait up to each follow them (None: to be read again).
+        self._risky: list[tuple[float, int, float]] = []
+        self._risk_below: int | None = None
+        self._risky_read: tuple[list[int], list[float]] | None = None
         self._blocked = False  # a critical transfer is past its planned end
         self._latest = -math.inf  # the latest critical end plus its guard
         for ahead, row in enumerate(ordered):
@@ -273,6 +284,9 @@ class RunningOrder:
         if not direct:
             return  # never critical; it only counts for the others
         bisect.insort(self._margin, (self.tau_max - stale, tid))
+        if self._risk_below is not None and self.tau_max - stale < self._risk_below:
+            bisect.insort(self._risky, (end, tid, self._wait(end, planned)))
+            self._risky_read = None
         if self._past(end, planned):
             bisect.insort(self._room, (self.tau_max - stale, tid))
         elif self.tau_max - stale - ahead <= 0:
@@ -282,6 +296,7 @@ class RunningOrder:
 
     def _mark(self, tid: int) -> None:
         self._critical.add(tid)
+        self._marked.append(tid)
         end, planned = self._end[tid], self._planned[tid]
         self._blocked = self._blocked or (self.now is not None and end <= self.now)
         self._latest = max(self._latest, end + order_guard(planned))
@@ -326,6 +341,11 @@ class RunningOrder:
     def critical_ids(self) -> frozenset[int]:
         """The ids of the critical transfers."""
         return frozenset(self._critical)
+
+    def critical_since(self, seen: int) -> list[int]:
+        """The ids of the critical transfers but the first `seen` found so,
+        in the order found (none is ever unmarked: see the class)."""
+        return self._marked[seen:]
 
     def critical(self) -> list[tuple[float, float]]:
         """(planned end, planned seconds) of the critical transfers, by end."""
@@ -376,21 +396,40 @@ class RunningOrder:
         that has stalled or failed, and holding more for it helps no one.
         At most MAX_FOLLOW are named, the first planned."""
         running = len(self._keys)
-        risk = bisect.bisect_left(self._margin, (running, -1))
-        if not risk:
-            return None  # (at 10,000 simulated workers, tau_max 10,000: never)
+        risky = self._at_risk(running)
+        if not risky:
+            return None
         every = room is not None and room >= running
-        ahead = sorted(k for k in ((self._end[r], r) for _, r in self._margin[:risk])
-                       if every or k < (end, tid))[:MAX_FOLLOW]
+        ahead = MAX_FOLLOW if every else min(bisect.bisect_left(risky, (end, tid)), MAX_FOLLOW)
         if not ahead:
             return None
-        longest = 0.0
-        for r_end, rid in ahead:
-            planned = self._planned[rid]
-            late = 0.0 if self.now is None else self.now - (r_end - planned)
-            longest = max(longest, planned, late)
-        return (tuple(r for _, r in ahead),
-                FOLLOW_PATIENCE * max(longest, ORDER_GUARD_MIN))
+        if self._risky_read is None:
+            self._risky_read = ([r for _, r, _ in risky],
+                                list(itertools.accumulate((w for _, _, w in risky), max)))
+        ids, longest = self._risky_read
+        return (tuple(ids[:ahead]),
+                FOLLOW_PATIENCE * max(longest[min(ahead, len(ids)) - 1], ORDER_GUARD_MIN))
+
+    def _at_risk(self, running: int) -> list[tuple[float, int, float]]:
+        """(planned end, id, wait: `_wait`) of the direct transfers at risk
+        with `running` transfers running (tau_max less their staleness below
+        it), sorted. Transfers only join an order, so `running` only grows."""
+        below = self._risk_below
+        if below is None or below < running:
+            lo = 0 if below is None else bisect.bisect_left(self._margin, (below, -math.inf))
+            hi = bisect.bisect_left(self._margin, (running, -math.inf))
+            if hi > lo:
+                self._risky.extend((self._end[r], r, self._wait(self._end[r], self._planned[r]))
+                                   for _, r in self._margin[lo:hi])
+                self._risky.sort()
+                self._risky_read = None
+            self._risk_below = running
+        return self._risky
+
+    def _wait(self, end: float, planned: float) -> float:
+        """How long a transfer planned to end at `end` after `planned`
+        seconds has taken, or will (before FOLLOW_PATIENCE)."""
+        return planned if self.now is None else max(planned, self.now - (end - planned))
 
 
 def _corrected(net: Network, link: tuple[str, str], rate: float) -> Network:
