@@ -35,7 +35,9 @@ before the worker once the answer has reached it (two), as a server
 started with `--controller` does.
 
 Prints per scale and policy: pushes, applied, dropped (by reason), delay
-and push-to-applied distributions, bytes into the server, and the
+and push-to-applied distributions (and where some were not applied, every
+push's time to its outcome: a fifo server refuses the stalest, which
+waited longest), bytes into the server, and the
 controller's decision time: the wall time of each real `decide()` call in
 the run (median, p99, max), the most updates pending at one call, and busy
 = total decision time / simulated time (above 1, a controller that
@@ -100,6 +102,10 @@ def fmt(s: dict[str, Any], wall: float) -> list[str]:
                    f"p99 {d['p99']:.0f} max {d['max']:.0f}   push-to-applied mean "
                    f"{p['mean']:.3f} s std {p['std']:.3f} p50 {p['p50']:.3f} p99 "
                    f"{p['p99']:.3f} max {p['max']:.3f}")
+    o = s["push_to_outcome"]
+    if o["count"] > p["count"]:  # refused or dropped: the time to their outcome too
+        out.append(f"            every push to its outcome, {o['count']}: mean {o['mean']:.3f} s "
+                   f"p50 {o['p50']:.3f} p99 {o['p99']:.3f}")
     ds = s.get("decision_seconds")
     if ds:
         out.append(f"            decision time p50 {ds['p50'] * 1e3:.3f} ms p99 "

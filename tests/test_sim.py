@@ -352,6 +352,11 @@ def test_tau_max_zero_fifo_server_refuses_and_mlfabric_drops_before_sending():
     w0, w1 = by_worker(simulate(sc, "fifo"))
     assert (w0.applied, w1.applied, w1.reason, w1.delay) == (True, False, "stale", 1)
     assert w1.landed is not None  # fifo sent its bytes for nothing
+    # Push-to-applied counts worker 0's push alone (2 s, sharing the link);
+    # every push to its outcome counts the refused one too (both 2 s).
+    s = simulate(sc, "fifo").summary()
+    assert (s["push_to_applied"]["count"], s["push_to_outcome"]["count"]) == (1, 2)
+    assert s["push_to_outcome"]["mean"] == pytest.approx(2.0, abs=EXACT)
     r = simulate(sc, "mlfabric")
     w0, w1 = by_worker(r)
     # Behind worker 0's update, worker 1's would be applied at version 1:
