@@ -56,6 +56,30 @@ def test_later_starts_wait_and_drops_are_final():
     assert list(state.pending) == [ts[1].id]
 
 
+def test_each_action_is_handed_on_as_it_is_taken():
+    """`decide`'s on_action sees the decision's actions in its order, each
+    once it is taken (a go's transfer active, the transfers after it still
+    pending), before the decision returns: the controller sends each then."""
+    def policy(snap: Snapshot) -> list[PlanItem]:
+        a, b, c, d = snap.pending
+        return [PlanItem(a.id, start=snap.now, position=0, planned_seconds=1.0),
+                PlanItem(b.id, start=snap.now, position=1, planned_seconds=1.0),
+                PlanItem(c.id, start=snap.now + 2.0, position=2, planned_seconds=1.0),
+                PlanItem(d.id, drop="deadline_missed", detail="dl 3 < position 4")]
+
+    state = ControlState(policy, tau_max=2)
+    ts = [state.request("w", i, host=f"h{i}", dst="s", nbytes=1, base_version=0, norm=0.0,
+                        now=0.0) for i in range(4)]
+    seen = []
+    d = state.decide(now=10.0, on_action=lambda x: seen.append(
+        (x, sorted(state.active), sorted(state.pending))))
+    assert [x for x, _, _ in seen] == list(d.actions)
+    assert [type(x) for x in d.actions] == [Go, Go, Drop]
+    ids = [t.id for t in ts]
+    assert [(active, pending) for _, active, pending in seen] == [
+        ([ids[0]], ids[1:]), (ids[:2], ids[2:]), (ids[:2], [ids[2]])]
+
+
 def test_a_column_plan_reads_as_its_list_and_decides_the_same():
     """The mlfabric policy's plan builds items only when read: as a sequence it
     is the list of sends by position then drops; decide() reads only what is

@@ -229,14 +229,18 @@ def rewrite_goes(endpoint: Controller, change) -> list[int]:
 
     decide, ids = endpoint.state.decide, []
 
-    def rewritten(now):
-        d = decide(now)
+    def rewritten(now, on_action=None):
         actions = []
-        for a in d.actions:
+
+        def take(a):  # as the decision takes it, as the controller sends it
             if isinstance(a, Go):
                 a = change(a, len(ids))
                 ids.append(a.transfer.id)
             actions.append(a)
+            if on_action is not None:
+                on_action(a)
+
+        d = decide(now, take)
         return dataclasses.replace(d, actions=tuple(actions))
 
     endpoint.state.decide = rewritten

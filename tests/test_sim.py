@@ -625,13 +625,36 @@ def test_measured_decision_latency_delays_directives_and_batches_events():
         Scenario(decision_latency="slow")
 
 
+def test_each_go_leaves_when_its_decision_takes_it_not_when_the_decision_ends():
+    """Four workers ask at 1.008, into a downlink four uplinks wide; the
+    timer steps 0.125 s at each reading (a re-plan's start, each action,
+    its end). The first re-plan lets worker 0 go alone (at 1.133). The
+    other three asked meanwhile, and the next re-plan, from 1.258, lets all
+    three go: each leaves as it is taken, at 1.383, 1.508 and 1.633, not
+    all at its end (1.758)."""
+    sc = dataclasses.replace(TINY, workers=4, worker_up_mbit=8.0, server_down_mbit=32.0,
+                             decision_latency="measured")
+    ticks = itertools.count(0.0, 0.125)
+    r = simulate(sc, "mlfabric", timer=lambda: next(ticks))
+    records = by_worker(r)
+    assert [w.pushed for w in records] == [pytest.approx(1.008, abs=EXACT)] * 4
+    assert [w.sent for w in records] == [pytest.approx(t, abs=EXACT)
+                                         for t in (1.133, 1.383, 1.508, 1.633)]
+    assert r.decision_events[:2] == [1, 3] and r.decision_seconds[:2] == [0.25, 0.5]
+    # each 1 MB at its uplink's 1 MB/s: the link shared as planned
+    assert [w.landed - w.sent for w in records] == [pytest.approx(1.0, abs=EXACT)] * 4
+
+
 def test_several_controllers_each_decide_their_own_shards_in_parallel():
-    """TINY over two shards, each re-plan taking 0.125 s. Worker 0's two
+    """TINY over two shards. The timer steps 0.125 s at each reading: a
+    re-plan's start, each action it takes (its go leaves then: the
+    controller sends each as it is taken) and its end. Worker 0's two
     parts are asked for at 1.002. One controller decides the first alone
-    (its go leaves at 1.127) and the second with worker 1's parts in its
-    next re-plan (go at 1.252): the push lands whole at 1.752. Two
-    controllers, one per shard, each decide their part at once: both go at
-    1.127 and land at 1.627. Each is busy for its own re-plans."""
+    (its go leaves at 1.127, the re-plan ends at 1.252) and the second with
+    worker 1's requests in its next re-plan (go at 1.377): the push lands
+    whole at 1.877. Two controllers, one per shard, each decide their part
+    at once: both go at 1.127 and land at 1.627. Each is busy for its own
+    re-plans."""
     def run(controllers: int):
         sc = dataclasses.replace(TINY, shards=2, controllers=controllers,
                                  decision_latency="measured")
@@ -639,13 +662,13 @@ def test_several_controllers_each_decide_their_own_shards_in_parallel():
         return simulate(sc, "mlfabric", timer=lambda: next(ticks))
 
     one, two = run(1), run(2)
-    assert by_worker(one)[0].done == pytest.approx(1.752, abs=EXACT)
+    assert by_worker(one)[0].done == pytest.approx(1.877, abs=EXACT)
     assert by_worker(two)[0].done == pytest.approx(1.627, abs=EXACT)
     assert all(r.applied for r in two.records)
-    # (one: six re-plans; the last part goes at its predecessor's planned
+    # (one: its last part goes at its predecessor's planned
     # end, trusted as the hand-over measured by then allows, without the
     # two re-plans its overdue guard and report took before)
-    assert one.busy == [pytest.approx(0.75)] and two.busy == [pytest.approx(0.75)] * 2
+    assert one.busy == [pytest.approx(1.375)] and two.busy == [pytest.approx(1.0)] * 2
     with pytest.raises(ConfigError, match=r"controllers must be in 1..shards \(2\)"):
         dataclasses.replace(TINY, shards=2, controllers=3)
 

@@ -779,10 +779,26 @@ class Controller(Endpoint):
         started = time.perf_counter()
         now = self.clock()
         before = self.state.network
-        decisions = self.state.decide(now)
-        self._corrected(before)
         m = self.metrics
-        m.decision_seconds.observe(time.perf_counter() - started)
+        # Each action is carried out as the decision takes it (`decide`'s
+        # on_action): the first transfers of a round of a link are on their
+        # way while the rest is committed. The decision's time is observed
+        # without that of carrying them out.
+        carrying = 0.0
+
+        def carry_out(action: Go | Drop) -> None:
+            nonlocal carrying, before
+            # What the closed loop changed first (a transfer overdue), logged
+            # before the goes it led to.
+            self._corrected(before)
+            before = self.state.network
+            t0 = time.perf_counter()
+            self._carry_out(action, now)
+            carrying += time.perf_counter() - t0
+
+        decisions = self.state.decide(now, carry_out)
+        self._corrected(before)
+        m.decision_seconds.observe(time.perf_counter() - started - carrying)
         if self._formed:
             went = {a.transfer.id for a in decisions.actions
                     if isinstance(a, Go) and a.route is not None}
@@ -790,78 +806,6 @@ class Controller(Endpoint):
             self._formed.clear()
         m.replan_events.observe(self._events)
         self._events = 0
-        for action in decisions.actions:
-            t = action.transfer
-            conn = t.owner
-            assert isinstance(conn, _ControllerProtocol)
-            wait = now - t.arrival
-            # Count and log first, then tell the worker: whoever sees the
-            # directive's effect also sees it counted, and a controller killed
-            # in between has logged a decision that did not go out rather than
-            # sent one that its log lacks (a CI run killed one between the two:
-            # a part went and no log held its decision).
-            if isinstance(action, Go) and not action.first:
-                # The next chunk of a transfer let go before.
-                m.chunks.inc()
-                decision_log.info(json.dumps({
-                    "event": "chunk", "at": round(now, 6), "id": t.id, "host": t.host,
-                    "upto": action.upto, "nbytes": t.nbytes, "position": action.position,
-                    "planned_seconds": round(action.planned_seconds, 6)}))
-                conn.send(Directive(req=t.req, action="go", position=action.position,
-                                    planned_seconds=action.planned_seconds, upto=action.upto))
-                continue
-            m.queue_wait.observe(wait)
-            if isinstance(action, Go):
-                m.directives.labels("go").inc()
-                m.planned_seconds.observe(action.planned_seconds)
-                route = action.route
-                directive = Directive(
-                    req=t.req, action="go", position=action.position,
-                    planned_seconds=action.planned_seconds,
-                    via=route.address if route else None, group=route.group if route else None,
-                    fan_in=route.fan_in if route else None,
-                    index=route.index if route else None, upto=action.upto,
-                    codec=action.codec, pace=action.pace, pace_seconds=action.pace_seconds,
-                    # (straight to the server only: its push names the transfer)
-                    ticket=None if route else t.id, after=action.after,
-                    after_seconds=action.after_seconds)
-                record = {"event": "go", "at": round(now, 6), "position": action.position,
-                          "planned_seconds": round(action.planned_seconds, 6)}
-                if action.upto is not None:
-                    record["upto"] = action.upto
-                if action.after is not None:  # (RunningOrder.must_follow)
-                    m.ordered_transfers.inc()
-                    record["after"] = list(action.after)
-                    record["after_seconds"] = round(action.after_seconds or 0.0, 6)
-                if action.pace is not None:  # beside a critical transfer (observed.pace)
-                    m.paced_transfers.inc()
-                    record["pace"] = round(action.pace)
-                    if action.pace_seconds is not None:
-                        record["pace_seconds"] = round(action.pace_seconds, 6)
-                if t.options:  # what it could have been sent as, and what was chosen
-                    record["codec"] = action.codec or "whole"
-                    m.compressed_transfers.labels(
-                        (action.codec or "none").partition(":")[0]).inc()
-                if route is not None:
-                    m.aggregation_members.inc()
-                    record.update(via=route.host, group=route.group, index=route.index)
-            else:
-                assert isinstance(action, Drop)
-                m.directives.labels("drop").inc()
-                m.drops.labels(action.reason).inc()
-                directive = Directive(req=t.req, action="drop",
-                                      reason=f"{action.reason}: {action.detail}".rstrip(": "))
-                record = {"event": "drop", "at": round(now, 6), "reason": action.reason,
-                          "detail": action.detail}
-            # dst: the link it goes into; deadline_version: the server version
-            # past which it is stale (`mlfabric report` marks when it came).
-            deadline = ({} if self.state.tau_max is None
-                        else {"deadline_version": t.base_version + self.state.tau_max})
-            decision_log.info(json.dumps({
-                **record, "id": t.id, "host": t.host, "dst": t.dst, "nbytes": t.nbytes,
-                "base_version": t.base_version, "server_version": self.state.version,
-                **deadline, "queue_wait": round(wait, 6)}))
-            conn.send(directive)
         m.pending.set(len(self.state.pending))
         m.active.set(len(self.state.active))
         m.handover.set(self.state.handover)
@@ -874,6 +818,81 @@ class Controller(Endpoint):
         if decisions.wake_at is not None:
             delay = max(0.0, decisions.wake_at - now)
             self._wake = asyncio.get_running_loop().call_later(delay, self.replan)
+
+    def _carry_out(self, action: Go | Drop, now: float) -> None:
+        """Count, log and send one action of the decision made at `now`."""
+        m = self.metrics
+        t = action.transfer
+        conn = t.owner
+        assert isinstance(conn, _ControllerProtocol)
+        wait = now - t.arrival
+        # Count and log first, then tell the worker: whoever sees the
+        # directive's effect also sees it counted, and a controller killed
+        # in between has logged a decision that did not go out rather than
+        # sent one that its log lacks (a CI run killed one between the two:
+        # a part went and no log held its decision).
+        if isinstance(action, Go) and not action.first:
+            # The next chunk of a transfer let go before.
+            m.chunks.inc()
+            decision_log.info(json.dumps({
+                "event": "chunk", "at": round(now, 6), "id": t.id, "host": t.host,
+                "upto": action.upto, "nbytes": t.nbytes, "position": action.position,
+                "planned_seconds": round(action.planned_seconds, 6)}))
+            conn.send(Directive(req=t.req, action="go", position=action.position,
+                                planned_seconds=action.planned_seconds, upto=action.upto))
+            return
+        m.queue_wait.observe(wait)
+        if isinstance(action, Go):
+            m.directives.labels("go").inc()
+            m.planned_seconds.observe(action.planned_seconds)
+            route = action.route
+            directive = Directive(
+                req=t.req, action="go", position=action.position,
+                planned_seconds=action.planned_seconds,
+                via=route.address if route else None, group=route.group if route else None,
+                fan_in=route.fan_in if route else None,
+                index=route.index if route else None, upto=action.upto,
+                codec=action.codec, pace=action.pace, pace_seconds=action.pace_seconds,
+                # (straight to the server only: its push names the transfer)
+                ticket=None if route else t.id, after=action.after,
+                after_seconds=action.after_seconds)
+            record = {"event": "go", "at": round(now, 6), "position": action.position,
+                      "planned_seconds": round(action.planned_seconds, 6)}
+            if action.upto is not None:
+                record["upto"] = action.upto
+            if action.after is not None:  # (RunningOrder.must_follow)
+                m.ordered_transfers.inc()
+                record["after"] = list(action.after)
+                record["after_seconds"] = round(action.after_seconds or 0.0, 6)
+            if action.pace is not None:  # beside a critical transfer (observed.pace)
+                m.paced_transfers.inc()
+                record["pace"] = round(action.pace)
+                if action.pace_seconds is not None:
+                    record["pace_seconds"] = round(action.pace_seconds, 6)
+            if t.options:  # what it could have been sent as, and what was chosen
+                record["codec"] = action.codec or "whole"
+                m.compressed_transfers.labels(
+                    (action.codec or "none").partition(":")[0]).inc()
+            if route is not None:
+                m.aggregation_members.inc()
+                record.update(via=route.host, group=route.group, index=route.index)
+        else:
+            assert isinstance(action, Drop)
+            m.directives.labels("drop").inc()
+            m.drops.labels(action.reason).inc()
+            directive = Directive(req=t.req, action="drop",
+                                  reason=f"{action.reason}: {action.detail}".rstrip(": "))
+            record = {"event": "drop", "at": round(now, 6), "reason": action.reason,
+                      "detail": action.detail}
+        # dst: the link it goes into; deadline_version: the server version
+        # past which it is stale (`mlfabric report` marks when it came).
+        deadline = ({} if self.state.tau_max is None
+                    else {"deadline_version": t.base_version + self.state.tau_max})
+        decision_log.info(json.dumps({
+            **record, "id": t.id, "host": t.host, "dst": t.dst, "nbytes": t.nbytes,
+            "base_version": t.base_version, "server_version": self.state.version,
+            **deadline, "queue_wait": round(wait, 6)}))
+        conn.send(directive)
 
     def _replication_metrics(self) -> None:
         """The gauges show the shard nearest its bound (the one gate of a job

@@ -391,7 +391,9 @@ class ControllerMetrics:
             "controller_queue_wait_seconds", "Time from a request to its directive",
             namespace=ns, registry=r, buckets=TRANSFER_BUCKETS)
         self.decision_seconds = Histogram(
-            "controller_decision_seconds", "Time of one re-plan (policy and bookkeeping)",
+            "controller_decision_seconds",
+            "Time of one re-plan (policy and bookkeeping; not sending its directives, which go "
+            "out as it takes them)",
             namespace=ns, registry=r,
             buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3))
         self.replan_events = Histogram(

@@ -749,9 +749,13 @@ class _Controller:
         timer = sim.timer or (time.perf_counter if measured else None)
         pending = len(self.state.pending)
         spent = 0.0
+        # When each action was taken, into the decision: the controller sends
+        # each as it is taken (`ControlState.decide`'s on_action).
+        taken: list[float] = []
         if timer is not None:
             t0 = timer()
-            decisions = self.state.decide(sim.now)
+            decisions = self.state.decide(
+                sim.now, (lambda _: taken.append(timer() - t0)) if measured else None)
             spent = timer() - t0
             sim.decision_seconds.append(spent)
             self.busy += spent
@@ -762,8 +766,8 @@ class _Controller:
         self._events_waiting = 0
         busy = spent if measured else 0.0  # the controller is deciding until now + busy
         self._replan_ok = sim.now + max(sim.sc.replan_every, busy)
-        lat = busy + sim.sc.message_latency
-        for action in decisions.actions:
+        for k, action in enumerate(decisions.actions):
+            lat = (taken[k] if measured else 0.0) + sim.sc.message_latency
             t = action.transfer
             w = sim.workers[cast(int, t.owner)]  # (t.req names the part)
             if isinstance(action, Go):
