@@ -854,7 +854,8 @@ class ControlState:
         # By shard: how many of its critical transfers the sum of their
         # planned rates counts, and the sum (critical ones stay so within a
         # decision; summed anew for each transfer let go, tens of them, it
-        # was a sixth of a decision that let 88 go at 10,000 simulated workers).
+        # was about a tenth of a decision that let 88 go at 10,000 simulated
+        # workers, profiled).
         beside: dict[int, tuple[int, float]] = {}
         joining: list[Transfer] | None = None  # what this decision may let go
         for item in plan:

@@ -142,8 +142,8 @@ def room_beside(fastest: float, reserved: float, downlink: float) -> float | Non
     """The bytes/s a transfer let go beside critical ones may take of its
     server's downlink without crowding them out: what the downlink, believed
     to carry `downlink`, leaves beside the `reserved` bytes/s of their
-    planned rates; None
-    if its path, at most `fastest`, cannot take more than that anyway.
+    planned rates; None if its path, at most `fastest`, cannot take more
+    than that anyway.
     Only a transfer that could is paced. A server many transfers wide
     leaves each newcomer a small part of its link, and pacing there only
     holds back what the others would have used: at 1,000 simulated workers
@@ -224,9 +224,10 @@ class RunningOrder:
         # running when `must_follow` last looked), by (planned end, id), with
         # how long a newcomer may wait for each: kept as transfers join, as
         # `_keys` is. Gathered and sorted again for each transfer let go, they
-        # were a third of a decision that let 88 go at 10,000 simulated
-        # workers, and such decisions set its p99. Their ids and the longest
-        # wait up to each follow them (None: to be read again).
+        # were about a quarter of a decision that let 88 go at 10,000
+        # simulated workers (profiled), and such decisions set its p99. Their
+        # ids and the longest wait up to each follow them (None: to be read
+        # again).
         self._risky: list[tuple[float, int, float]] = []
         self._risk_below: int | None = None
         self._risky_read: tuple[list[int], list[float]] | None = None
