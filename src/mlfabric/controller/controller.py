@@ -793,17 +793,21 @@ class Controller(Endpoint):
             self._corrected(before)
             before = self.state.network
             t0 = time.perf_counter()
+            if self._formed and isinstance(action, Go) and action.route is not None:
+                # A group goes with its first member, and is logged before its
+                # go (`mlfabric report` and the contention benchmark read
+                # the plan's group, then its members' goes).
+                went = [g for g in self._formed if g.ids[0] == action.transfer.id]
+                if went:
+                    self._groups_formed(went)
+                    self._formed[:] = [g for g in self._formed if g.ids[0] != action.transfer.id]
             self._carry_out(action, now)
             carrying += time.perf_counter() - t0
 
         decisions = self.state.decide(now, carry_out)
         self._corrected(before)
         m.decision_seconds.observe(time.perf_counter() - started - carrying)
-        if self._formed:
-            went = {a.transfer.id for a in decisions.actions
-                    if isinstance(a, Go) and a.route is not None}
-            self._groups_formed([g for g in self._formed if g.ids[0] in went])
-            self._formed.clear()
+        self._formed.clear()  # groups whose first member did not go
         m.replan_events.observe(self._events)
         self._events = 0
         m.pending.set(len(self.state.pending))
