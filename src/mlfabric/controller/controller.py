@@ -795,12 +795,13 @@ class Controller(Endpoint):
             t0 = time.perf_counter()
             if self._formed and isinstance(action, Go) and action.route is not None:
                 # A group goes with its first member, and is logged before its
-                # go (`mlfabric report` and the contention benchmark read
-                # the plan's group, then its members' goes).
-                went = [g for g in self._formed if g.ids[0] == action.transfer.id]
+                # go (`contention.read_decisions` reads a group, then its
+                # first member's go).
+                tid = action.transfer.id
+                went = [g for g in self._formed if g.ids[0] == tid]
                 if went:
                     self._groups_formed(went)
-                    self._formed[:] = [g for g in self._formed if g.ids[0] != action.transfer.id]
+                    self._formed[:] = [g for g in self._formed if g.ids[0] != tid]
             self._carry_out(action, now)
             carrying += time.perf_counter() - t0
 

@@ -849,6 +849,12 @@ class ControlState:
             plan, later = plan.due(now)
             wake_at = later if later is not None else math.inf
         actions: list[Go | Drop] = []
+
+        def take(action: Go | Drop) -> None:
+            actions.append(action)
+            if on_action is not None:
+                on_action(action)
+
         # By shard, once needed: what runs into it, told of each transfer let go.
         orders: dict[int, observed.RunningOrder | None] = {}
         # By shard: how many of its critical transfers the sum of their
@@ -869,16 +875,12 @@ class ControlState:
                 # whole, and the server refuses it if it is too stale by then.
                 forced = PlanItem(t.id, start=now, position=self.active.in_flight(t.shard),
                                   planned_seconds=t.rest / self.network.rate(t.host, t.dst))
-                actions.append(self._let_go(t, forced, now, whole=True))
-                if on_action is not None:
-                    on_action(actions[-1])
+                take(self._let_go(t, forced, now, whole=True))
                 self._joined(orders, t)
             elif item.drop is not None:
                 self._unpend(t)
                 self._ended(t)
-                actions.append(Drop(t, item.drop, item.detail))
-                if on_action is not None:
-                    on_action(actions[-1])
+                take(Drop(t, item.drop, item.detail))
                 if stats is not None:
                     stats.dropped += 1
             elif item.start is not None and item.start <= now:
@@ -915,10 +917,7 @@ class ControlState:
                     follow = order.must_follow(now + (item.planned_seconds or 0.0), t.id, slack)
                 if stats is not None and not t.granted:
                     stats.sent += 1
-                actions.append(self._let_go(t, item, now, room=room, paced_for=paced_for,
-                                            follow=follow))
-                if on_action is not None:
-                    on_action(actions[-1])
+                take(self._let_go(t, item, now, room=room, paced_for=paced_for, follow=follow))
                 self._joined(orders, t)  # it may be critical itself, or make others so
             elif item.start is not None:
                 wake_at = min(wake_at, item.start)
