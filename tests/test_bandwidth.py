@@ -1257,6 +1257,37 @@ def test_load_meter_peak_holds_a_flow_through_its_dip_and_lets_it_go_once_ended(
     assert m.peak(99.0) == m.rates()  # nothing in the span: the latest window
 
 
+def test_a_train_queued_on_this_host_is_not_read_as_uplink_load() -> None:
+    """A 500 KB train is sent at t = 0.29 s into a shaper's queue on this
+    host, which lets it out to the NIC by t = 0.39; its report comes back at
+    0.40. The probes count it when sent, the NIC as it leaves the queue:
+    half of it in the window from 0.3 s, where the probes count none. The
+    agent passes what is still pending, and that window reads no load. An
+    other tenant's 1 MB/s beside it is read where no train was pending, and
+    the peak over the span holds it."""
+    def run(pass_pending: bool, other: float) -> tuple[list[float], float]:
+        m = LoadMeter(window=0.3, span=1.0)
+        ups = []
+        for i in range(11):
+            t = round(0.1 * i, 1)
+            train_out = 0 if t < 0.3 else 250_000 if t < 0.4 else 500_000
+            probes = 500_000 if t >= 0.29 else 0
+            pending = 500_000 if 0.29 <= t < 0.4 else 0
+            m.update(t, 0, int(other * t) + train_out, 0, probes,
+                     probe_tx_pending=pending if pass_pending else 0)
+            if (r := m.rates()) is not None and t >= 0.3:
+                ups.append(r[1])
+        return ups, m.peak(1.0)[1]  # type: ignore[index]
+
+    ups, _ = run(pass_pending=False, other=0.0)
+    assert max(ups) == pytest.approx(250_000 * 8 / 0.3)  # the queued half, read as load
+    ups, peak = run(pass_pending=True, other=0.0)
+    assert max(ups) == 0.0 and peak == 0.0
+    ups, peak = run(pass_pending=True, other=1e6)
+    assert ups[-1] == pytest.approx(8e6) and peak == pytest.approx(8e6)
+    assert min(ups) < 8e6  # a window that began with a train pending takes it all off
+
+
 def test_load_meter_slides_its_window_and_survives_counter_reset() -> None:
     m = LoadMeter(window=0.5)
     for i in range(20):

@@ -345,6 +345,9 @@ class Agent:
         self.bad_frames = 0
         self.probe_tx_bytes = 0  # wire bytes, for subtracting from the NIC counters
         self.probe_rx_bytes = 0
+        # of probe_tx_bytes, the trains not yet reported on: maybe still in
+        # a shaper's queue on this host, not yet counted by the NIC
+        self.probe_tx_pending = 0
         self.job_rx_bytes = 0  # wire bytes of the job's own connections, same purpose
         self.job_tx_bytes = 0
         self._job_traffic = config.job_traffic  # None once unreadable
@@ -456,6 +459,12 @@ class Agent:
         assert counters is not None
         while not self._stopping.is_set():
             self._read_job_traffic()  # first: its bytes must not lag the NIC's
+            # The probes the kernel has received, counted before its counters
+            # are read: a train waiting in the socket (its agent descheduled)
+            # is in the NIC's bytes and would read as load.
+            # (The socket holds udp_rcvbuf: a bound on what waits, not on
+            # what a flood could keep sending while it is read.)
+            self._on_udp_readable(limit=self.config.udp_rcvbuf // 1024)
             try:
                 reading = counters()
             except (OSError, ValueError) as exc:  # an odd /proc line: no load this round
@@ -464,7 +473,8 @@ class Agent:
             if reading is not None:
                 rx, tx = reading
                 self.load.update(self.clock(), rx, tx, self.probe_rx_bytes,
-                                 self.probe_tx_bytes, self.job_rx_bytes, self.job_tx_bytes)
+                                 self.probe_tx_bytes, self.job_rx_bytes, self.job_tx_bytes,
+                                 self.probe_tx_pending)
             with contextlib.suppress(asyncio.TimeoutError):
                 await within(self._stopping.wait(), self.config.load_interval)
 
@@ -709,12 +719,17 @@ class Agent:
                 plan = st.estimator.plan(train_id)
                 fut = asyncio.get_running_loop().create_future()
                 reports[train_id] = fut
-                sent_ns = self._send_train(st, session, plan)
-                done, _ = await asyncio.wait(
-                    {fut, reader_task},
-                    timeout=c.report_timeout + c.train_timeout,
-                    return_when=FIRST,
-                )
+                sent_ns, nbytes = self._send_train(st, session, plan)
+                self.probe_tx_pending += nbytes
+                try:
+                    done, _ = await asyncio.wait(
+                        {fut, reader_task},
+                        timeout=c.report_timeout + c.train_timeout,
+                        return_when=FIRST,
+                    )
+                finally:
+                    # reported on (or given up): the train has left this host
+                    self.probe_tx_pending -= nbytes
                 reports.pop(train_id, None)
                 if reader_task in done:
                     reader_task.result()
@@ -762,8 +777,10 @@ class Agent:
             with contextlib.suppress(Exception):
                 await within(writer.wait_closed(), 1.0)
 
-    def _send_train(self, st: _PeerState, session: int, plan: TrainPlan) -> list[int]:
-        """Send one train back to back; returns the send time of each packet (ns)."""
+    def _send_train(self, st: _PeerState, session: int,
+                    plan: TrainPlan) -> tuple[list[int], int]:
+        """Send one train back to back; returns the send time of each packet
+        (ns) and the wire bytes sent."""
         tx = self._tx
         assert tx is not None
         addr = st.addr
@@ -788,7 +805,7 @@ class Agent:
         if self.metrics is not None:
             self.metrics.probe_sent_bytes.labels(st.name).inc(nbytes)
             self.metrics.probe_sent_packets.labels(st.name).inc(sent)
-        return sent_ns
+        return sent_ns, nbytes
 
     def _unexport(self, name: str) -> None:
         """A removed peer's gauges disappear (its counters stay, as counters do)."""
@@ -847,11 +864,13 @@ class Agent:
         if self.metrics is not None:
             self.metrics.bad_messages.labels(kind).inc()
 
-    def _on_udp_readable(self) -> None:
+    def _on_udp_readable(self, limit: int = 512) -> None:
+        """Take up to `limit` datagrams waiting in the probe socket (a flood
+        cannot hold the loop)."""
         udp = self._udp
         if udp is None:
             return
-        for _ in range(512):
+        for _ in range(limit):
             try:
                 data, anc, _flags, _addr = udp.recvmsg(READ_CHUNK, 64)
             except (BlockingIOError, InterruptedError):
