@@ -361,7 +361,11 @@ def test_a_push_that_lands_before_the_one_its_go_named_waits_for_it_at_the_serve
     assert logged[2]["after_seconds"] == 30.0
 
 
-def test_controller_command_serves_and_stops_cleanly(tmp_path):
+@pytest.mark.parametrize("logged", [True, False], ids=["decision-log", "none"])
+def test_controller_command_serves_and_stops_cleanly(tmp_path, logged):
+    """The decisions go to --decision-log, and without it nowhere: not to
+    stderr at the default --log-level INFO (a line per go there, formatted
+    and written as the decision takes it)."""
     import queue
     import signal
     import subprocess
@@ -373,7 +377,7 @@ def test_controller_command_serves_and_stops_cleanly(tmp_path):
     proc = subprocess.Popen(
         mlfabric_cmd("controller", "--listen", "127.0.0.1:0", "--job", JOB, "--token-file",
                      str(server.token_file), "--policy", "fifo", "--link", "127.0.0.1=100/50",
-                     "--decision-log", str(log_file)),
+                     *(["--decision-log", str(log_file)] if logged else [])),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)],
@@ -387,6 +391,11 @@ def test_controller_command_serves_and_stops_cleanly(tmp_path):
             assert ps.push(params, base_version=version).result(10).applied
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
+        stderr = proc.stderr.read()
+        assert "mlfabric.decisions" not in stderr and '"event"' not in stderr, stderr
+        assert log_file.exists() == logged
+        if not logged:
+            return
         records = [json.loads(x) for x in log_file.read_text().splitlines()]
         assert [r["event"] for r in records] == ["go", "done"]
         assert 0 < records[1]["at"] - records[0]["at"] < 10  # the controller's clock

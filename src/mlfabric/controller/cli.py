@@ -175,7 +175,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "for etcd's sweep and the next read) before another takes them over. "
                         "etcd grants at least 1.5 election timeouts (default: 2)")
     p.add_argument("--decision-log", metavar="PATH", default=None,
-                   help="append one JSON line per decision to this file")
+                   help="append one JSON line per decision to this file (without it, "
+                        "decisions are not logged)")
     add_metrics_arguments(p)
 
 
@@ -410,13 +411,16 @@ def run(args: argparse.Namespace) -> int:
                         "waiting for a lost update is not resynced (it is given up after "
                         "--replica-lag-timeout)")
     leases = coordination(args, servers)
+    # One JSON line per decision goes to --decision-log, and without it
+    # nowhere: at the default --log-level INFO, every go was also written
+    # to stderr (15.6 us each, up to 125 in a decision at 10,000 workers).
+    decisions = logging.getLogger("mlfabric.decisions")
+    decisions.propagate = False
     if args.decision_log:
         handler = decision_log(args.decision_log)
         handler.setFormatter(logging.Formatter("%(message)s"))
-        decisions = logging.getLogger("mlfabric.decisions")
         decisions.addHandler(handler)
         decisions.setLevel(logging.INFO)
-        decisions.propagate = False
     # Re-plans allocate and free the same link-sized arrays on every event:
     # keep their pages (runtime.memory says what it saves).
     memory.reuse_freed_blocks()

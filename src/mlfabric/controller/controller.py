@@ -67,6 +67,15 @@ log = logging.getLogger("mlfabric.controller")
 decision_log = logging.getLogger("mlfabric.decisions")
 
 
+def log_decision(record: dict[str, Any]) -> None:
+    """One JSON line in the decision log, if it goes anywhere: unread (no
+    --decision-log), the record is not serialised. Logged to nothing, a
+    go's line still cost 8.5 us, and to stderr 15.6 us; a decision at
+    10,000 workers lets up to 125 go."""
+    if decision_log.isEnabledFor(logging.INFO) and decision_log.hasHandlers():
+        decision_log.info(json.dumps(record))
+
+
 class Controller(Endpoint):
     role = "controller"
     log = log
@@ -311,13 +320,13 @@ class Controller(Endpoint):
                     if src == host:
                         self.metrics.bandwidth.labels(src, dst).set(rate)
                 # Which estimates the plans use from now on, and which reports not.
-                decision_log.info(json.dumps({
+                log_decision({
                     "event": "estimates", "at": round(self.clock(), 6), "host": host,
                     "used": {dst: round(rate) for (src, dst), rate in network.pair.items()
                              if src == host},
                     "held": [{"peer": h.peer, "reason": h.reason,
                               "reported": None if math.isnan(h.reported) else round(h.reported)}
-                             for h in held]}))
+                             for h in held]})
                 self.state.touch(None)
                 self.replan()
             await asyncio.sleep(interval)
@@ -543,10 +552,10 @@ class Controller(Endpoint):
             log.warning("failover: the replica at %s is %s (version %d); %d peers told, "
                         "%.2f s after the last heartbeat", address, what, version, len(peers),
                         seconds)
-        decision_log.info(json.dumps({"event": "adopted" if adopted else "failover",
-                                      "server": address,
-                                      "version": version, "seconds": round(seconds, 6),
-                                      **({"shard": shard} if sharded else {})}))
+        log_decision({"event": "adopted" if adopted else "failover",
+                      "server": address,
+                      "version": version, "seconds": round(seconds, 6),
+                      **({"shard": shard} if sharded else {})})
         self.state.touch(None if not sharded else shard)
         self.replan()
 
@@ -563,7 +572,7 @@ class Controller(Endpoint):
             self.state.replicas.clear()
         if shard in self._servers:
             self._servers[shard] = (self._servers[shard][0], None)
-        decision_log.info(json.dumps({"event": "replica_lost", "replica": address}))
+        log_decision({"event": "replica_lost", "replica": address})
         self.state.touch(shard)
         self.replan()
 
@@ -601,8 +610,8 @@ class Controller(Endpoint):
         told = len(peers)
         log.warning("replica joined at %s from version %d; %d peers told", ev.address,
                     ev.version, told)
-        decision_log.info(json.dumps({"event": "replica_join", "replica": ev.address,
-                                      "version": ev.version}))
+        log_decision({"event": "replica_join", "replica": ev.address,
+                      "version": ev.version})
         self.state.touch(shard)
         self.replan()
 
@@ -613,11 +622,11 @@ class Controller(Endpoint):
             m.aggregation_groups.inc()
             m.aggregation_fan_in.observe(len(g.ids))
             m.aggregation_rescued.inc(g.rescued)
-            decision_log.info(json.dumps({"event": "group", "aggregator": g.aggregator,
-                                          "ids": list(g.ids), "rescued": g.rescued,
-                                          "first_position": g.first,
-                                          "ready": round(g.ready, 6),
-                                          "delivered": round(g.delivered, 6)}))
+            log_decision({"event": "group", "aggregator": g.aggregator,
+                          "ids": list(g.ids), "rescued": g.rescued,
+                          "first_position": g.first,
+                          "ready": round(g.ready, 6),
+                          "delivered": round(g.delivered, 6)})
 
     def make_protocol(self) -> _ControllerProtocol:
         return _ControllerProtocol(self)
@@ -679,11 +688,11 @@ class Controller(Endpoint):
             self._ended_at_server(t, ev.applied, ev.version, ev.delay, ev.fan_in)
         if t is not None:
             self.metrics.actual_seconds.observe(ev.seconds)
-            decision_log.info(json.dumps({
+            log_decision({
                 "event": "done", "at": round(self.clock(), 6), "id": t.id, "host": t.host,
                 "applied": ev.applied,
                 "version": ev.version, "delay": ev.delay, "seconds": round(ev.seconds, 6),
-                "planned_seconds": t.planned_seconds}))
+                "planned_seconds": t.planned_seconds})
         if first or t is None or self.state.network is not before:
             self.replan()  # (one its server reported changed nothing else to plan by)
 
@@ -718,9 +727,9 @@ class Controller(Endpoint):
             return
         self.metrics.landings.labels("first").inc()
         self._ended_at_server(t, ev.applied, ev.version, ev.delay)
-        decision_log.info(json.dumps({
+        log_decision({
             "event": "landed", "at": round(self.clock(), 6), "id": t.id, "host": t.host,
-            "applied": ev.applied, "version": ev.version, "delay": ev.delay}))
+            "applied": ev.applied, "version": ev.version, "delay": ev.delay})
         self.replan()
 
     def on_replica_done(self, ev: ReplicaDone, shard: int = 0) -> None:
@@ -769,10 +778,10 @@ class Controller(Endpoint):
         for link, host, old, new in observed.corrections(before, self.state.network):
             way = "lower" if new is not None and (old is None or new < old) else "higher"
             self.metrics.link_corrections.labels(link, way).inc()
-            decision_log.info(json.dumps({
+            log_decision({
                 "event": "link", "at": round(self.clock(), 6), "link": link, "host": host,
                 "from": None if old is None else round(old),
-                "to": None if new is None else round(new)}))
+                "to": None if new is None else round(new)})
 
     def _replan_now(self) -> None:
         self._soon = None
@@ -839,10 +848,10 @@ class Controller(Endpoint):
         if isinstance(action, Go) and not action.first:
             # The next chunk of a transfer let go before.
             m.chunks.inc()
-            decision_log.info(json.dumps({
+            log_decision({
                 "event": "chunk", "at": round(now, 6), "id": t.id, "host": t.host,
                 "upto": action.upto, "nbytes": t.nbytes, "position": action.position,
-                "planned_seconds": round(action.planned_seconds, 6)}))
+                "planned_seconds": round(action.planned_seconds, 6)})
             conn.send(Directive(req=t.req, action="go", position=action.position,
                                 planned_seconds=action.planned_seconds, upto=action.upto))
             return
@@ -893,10 +902,10 @@ class Controller(Endpoint):
         # past which it is stale (`mlfabric report` marks when it came).
         deadline = ({} if self.state.tau_max is None
                     else {"deadline_version": t.base_version + self.state.tau_max})
-        decision_log.info(json.dumps({
+        log_decision({
             **record, "id": t.id, "host": t.host, "dst": t.dst, "nbytes": t.nbytes,
             "base_version": t.base_version, "server_version": self.state.version,
-            **deadline, "queue_wait": round(wait, 6)}))
+            **deadline, "queue_wait": round(wait, 6)})
         conn.send(directive)
 
     def _replication_metrics(self) -> None:
@@ -919,9 +928,9 @@ class Controller(Endpoint):
                           "without the divergence bound until it catches up or is resynced%s",
                           gate.lag_timeout or 0.0, gate.replica_reported, lag,
                           f" (shard {shard})" if len(self.gates) > 1 else "")
-                decision_log.info(json.dumps({
+                log_decision({
                     "event": "replica_stalled", "replica_version": gate.replica_reported,
-                    "lag": lag, **({"shard": shard} if len(self.gates) > 1 else {})}))
+                    "lag": lag, **({"shard": shard} if len(self.gates) > 1 else {})})
             self._seen[shard] = (gate.held, gate.overrides, gate.stalls)
             for key, row in self.state.replicas.items():
                 if len(self.gates) == 1 or key == shard:
