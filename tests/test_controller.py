@@ -801,7 +801,8 @@ def test_a_decision_is_in_the_log_before_its_directive_goes_out(run_async):
     decision that never went out (asked for again, decided twice), never a
     directive its log lacks. A CI run killed one in between, and the parts
     its decision log held fell one short of the pushes applied."""
-    from mlfabric.controller.controller import _ControllerProtocol, decision_log
+    from mlfabric.controller.controller import _ControllerProtocol
+    from mlfabric.controller.directives import decision_log
     from mlfabric.wire.protocol import Directive, TransferRequest
 
     logged: list[dict] = []

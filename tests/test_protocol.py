@@ -3,11 +3,15 @@ by byte and with trailing data; and every way a frame can be malformed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import struct
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mlfabric.errors import FrameTooLarge, ProtocolError
 from mlfabric.wire.protocol import (
@@ -689,6 +693,33 @@ def test_the_codec_table_has_one_row_per_message_type_and_event():
         codec = next(c for c in CODECS if c.event is type(event))
         assert codec.fast is not None
         assert json.loads(codec.fast(event)) == codec.encode(event)
+
+
+@given(req=st.integers(0, 2**53), position=st.integers(0, 2**31),
+       planned=st.floats(0, 1e6, allow_nan=False), ticket=st.integers(0, 2**53),
+       after=st.none() | st.lists(st.integers(0, 2**53), min_size=1, max_size=8).map(tuple),
+       after_seconds=st.floats(0, 1e3, allow_nan=False))
+def test_a_plain_go_is_formatted_directly_byte_for_byte_as_json(req, position, planned, ticket,
+                                                                after, after_seconds):
+    """The controller's commonest directive, a go straight to the server
+    (with or without the transfers it must follow), is written without the
+    generic JSON encoder, and its bytes are the generic encoder's exactly."""
+    from mlfabric.wire.protocol import CODECS
+
+    codec = next(c for c in CODECS if c.event is Directive)
+    go = Directive(req=req, action="go", position=position, planned_seconds=planned,
+                   ticket=ticket, after=after,
+                   after_seconds=None if after is None else after_seconds)
+    generic = json.dumps(codec.encode(go), separators=(",", ":")).encode()
+    assert codec.fast(go) == generic
+    # anything else takes the generic way
+    for other in (dataclasses.replace(go, action="drop", reason="late: x"),
+                  dataclasses.replace(go, via="10.0.0.2:7072", group=1, fan_in=2, index=0),
+                  dataclasses.replace(go, upto=4096), dataclasses.replace(go, codec="fp16"),
+                  dataclasses.replace(go, pace=1e6),
+                  dataclasses.replace(go, planned_seconds=math.inf),
+                  dataclasses.replace(go, after=after or (1,), after_seconds=None)):
+        assert codec.fast(other) is None
 
 
 def test_a_frame_arriving_shows_its_checked_head_and_wrong_fields_are_refused_early():

@@ -37,6 +37,7 @@ from ..wire import auth
 from ..wire.agent_auth import load_job_key
 from ..wire.protocol import MAX_FAN_IN
 from .controller import Controller
+from .directives import DecisionFile
 
 log = logging.getLogger("mlfabric.controller")
 
@@ -212,11 +213,11 @@ def parse_agents(specs: list[str], flag: str = "--agent") -> dict[str, tuple[str
     return agents
 
 
-def decision_log(path: str) -> logging.FileHandler:
+def decision_log(path: str) -> DecisionFile:
     """The handler appending to --decision-log, or a one-line error naming
     the path (issue 33: a folder that did not exist was a traceback)."""
     try:
-        return logging.FileHandler(path)
+        return DecisionFile(path)
     except OSError as exc:
         folder = os.path.dirname(path) or "."
         if not os.path.isdir(folder):
@@ -417,9 +418,7 @@ def run(args: argparse.Namespace) -> int:
     decisions = logging.getLogger("mlfabric.decisions")
     decisions.propagate = False
     if args.decision_log:
-        handler = decision_log(args.decision_log)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        decisions.addHandler(handler)
+        decisions.addHandler(decision_log(args.decision_log))
         decisions.setLevel(logging.INFO)
     # Re-plans allocate and free the same link-sized arrays on every event:
     # keep their pages (runtime.memory says what it saves).

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import math
 import os
@@ -44,7 +43,6 @@ from ..wire import roles
 from ..wire.agent_auth import AgentCredential
 from ..wire.protocol import (
     LANDINGS_CLIENT,
-    Directive,
     Failover,
     FellBack,
     Landed,
@@ -61,21 +59,10 @@ from ..wire.protocol import (
     TransferRequest,
     Welcome,
 )
+from .directives import carry_out, log_decision
 from .state import MAX_FIRST_ID, ControlState, Drop, Go
 
 log = logging.getLogger("mlfabric.controller")
-decision_log = logging.getLogger("mlfabric.decisions")
-
-
-def log_decision(record: dict[str, Any]) -> None:
-    """One JSON line in the decision log, if it goes anywhere: unread (no
-    --decision-log), the record is not serialised. Logged to nothing, a
-    go's line still cost 8.5 us, and to stderr 15.6 us; a decision at
-    10,000 workers lets up to 125 go."""
-    if decision_log.isEnabledFor(logging.INFO) and decision_log.hasHandlers():
-        decision_log.info(json.dumps(record))
-
-
 class Controller(Endpoint):
     role = "controller"
     log = log
@@ -835,78 +822,10 @@ class Controller(Endpoint):
 
     def _carry_out(self, action: Go | Drop, now: float) -> None:
         """Count, log and send one action of the decision made at `now`."""
-        m = self.metrics
-        t = action.transfer
-        conn = t.owner
+        conn = action.transfer.owner
         assert isinstance(conn, _ControllerProtocol)
-        wait = now - t.arrival
-        # Count and log first, then tell the worker: whoever sees the
-        # directive's effect also sees it counted, and a controller killed
-        # in between has logged a decision that did not go out rather than
-        # sent one that its log lacks (a CI run killed one between the two:
-        # a part went and no log held its decision).
-        if isinstance(action, Go) and not action.first:
-            # The next chunk of a transfer let go before.
-            m.chunks.inc()
-            log_decision({
-                "event": "chunk", "at": round(now, 6), "id": t.id, "host": t.host,
-                "upto": action.upto, "nbytes": t.nbytes, "position": action.position,
-                "planned_seconds": round(action.planned_seconds, 6)})
-            conn.send(Directive(req=t.req, action="go", position=action.position,
-                                planned_seconds=action.planned_seconds, upto=action.upto))
-            return
-        m.queue_wait.observe(wait)
-        if isinstance(action, Go):
-            m.directives.labels("go").inc()
-            m.planned_seconds.observe(action.planned_seconds)
-            route = action.route
-            directive = Directive(
-                req=t.req, action="go", position=action.position,
-                planned_seconds=action.planned_seconds,
-                via=route.address if route else None, group=route.group if route else None,
-                fan_in=route.fan_in if route else None,
-                index=route.index if route else None, upto=action.upto,
-                codec=action.codec, pace=action.pace, pace_seconds=action.pace_seconds,
-                # (straight to the server only: its push names the transfer)
-                ticket=None if route else t.id, after=action.after,
-                after_seconds=action.after_seconds)
-            record = {"event": "go", "at": round(now, 6), "position": action.position,
-                      "planned_seconds": round(action.planned_seconds, 6)}
-            if action.upto is not None:
-                record["upto"] = action.upto
-            if action.after is not None:  # (RunningOrder.must_follow)
-                m.ordered_transfers.inc()
-                record["after"] = list(action.after)
-                record["after_seconds"] = round(action.after_seconds or 0.0, 6)
-            if action.pace is not None:  # beside a critical transfer (observed.pace)
-                m.paced_transfers.inc()
-                record["pace"] = round(action.pace)
-                if action.pace_seconds is not None:
-                    record["pace_seconds"] = round(action.pace_seconds, 6)
-            if t.options:  # what it could have been sent as, and what was chosen
-                record["codec"] = action.codec or "whole"
-                m.compressed_transfers.labels(
-                    (action.codec or "none").partition(":")[0]).inc()
-            if route is not None:
-                m.aggregation_members.inc()
-                record.update(via=route.host, group=route.group, index=route.index)
-        else:
-            assert isinstance(action, Drop)
-            m.directives.labels("drop").inc()
-            m.drops.labels(action.reason).inc()
-            directive = Directive(req=t.req, action="drop",
-                                  reason=f"{action.reason}: {action.detail}".rstrip(": "))
-            record = {"event": "drop", "at": round(now, 6), "reason": action.reason,
-                      "detail": action.detail}
-        # dst: the link it goes into; deadline_version: the server version
-        # past which it is stale (`mlfabric report` marks when it came).
-        deadline = ({} if self.state.tau_max is None
-                    else {"deadline_version": t.base_version + self.state.tau_max})
-        log_decision({
-            **record, "id": t.id, "host": t.host, "dst": t.dst, "nbytes": t.nbytes,
-            "base_version": t.base_version, "server_version": self.state.version,
-            **deadline, "queue_wait": round(wait, 6)})
-        conn.send(directive)
+        carry_out(action, now, metrics=self.metrics, tau_max=self.state.tau_max,
+                  version=self.state.version, send=conn.send)
 
     def _replication_metrics(self) -> None:
         """The gauges show the shard nearest its bound (the one gate of a job

@@ -29,7 +29,9 @@ import heapq
 import itertools
 import json
 import math
+import os
 import random
+import secrets
 import statistics
 import sys
 import time
@@ -38,12 +40,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
+from ..controller.directives import DecisionFile, carry_out
 from ..controller.state import ControlState, Drop, Go
 from ..errors import ConfigError
 from ..runtime import memory
+from ..runtime.metrics import ControllerMetrics
 from ..scheduling import plan as control
 from ..scheduling.plan import Network
 from ..server.holds import Holds
+from ..wire.protocol import Connection
 from .flownet import FlowNet, SlowStart
 
 MIB = 1 << 20
@@ -724,6 +729,18 @@ class _Controller:
         self._events_waiting = 0  # events since the last re-plan
         self._batched = False  # a re-plan is scheduled at _replan_ok
         self.busy = 0.0  # wall time spent deciding
+        # Decisions charged as measured: each action is carried out as the
+        # controller does (`directives.carry_out`: counted in its metrics,
+        # its record serialised into a decision log, its directive encoded
+        # and MACed), into a log on /dev/null and an encoder in place of
+        # the socket. A deployed controller keeps a decision log (the
+        # systemd unit's and the Kubernetes manifests' --decision-log).
+        self._metrics: ControllerMetrics | None = None
+        self._wire: Connection | None = None
+        if sim.sc.decision_latency == "measured":
+            self._metrics = ControllerMetrics()
+            self._wire = Connection()
+            self._wire.protect(secrets.token_bytes(32), secrets.token_bytes(32))
 
     def _wake(self, gen: int) -> None:
         if gen == self._wake_gen:
@@ -754,8 +771,15 @@ class _Controller:
         taken: list[float] = []
         if timer is not None:
             t0 = timer()
-            decisions = self.state.decide(
-                sim.now, (lambda _: taken.append(timer() - t0)) if measured else None)
+
+            def carried_out(action: Go | Drop) -> None:
+                assert self._metrics is not None and self._wire is not None
+                carry_out(action, sim.now, metrics=self._metrics, tau_max=self.state.tau_max,
+                          version=self.state.version, send=self._wire.send,
+                          log=_log_to_null)
+                taken.append(timer() - t0)
+
+            decisions = self.state.decide(sim.now, carried_out if measured else None)
             spent = timer() - t0
             sim.decision_seconds.append(spent)
             self.busy += spent
@@ -780,6 +804,17 @@ class _Controller:
         self._wake_gen += 1  # cancels the previous timer, as call_later's handle does
         if decisions.wake_at is not None:
             sim.at(max(sim.now + busy, decisions.wake_at), self._wake, self._wake_gen)
+
+
+_null_log: DecisionFile | None = None
+
+
+def _log_to_null(record: dict[str, Any]) -> None:
+    """A decision's record logged as `--decision-log` does, to /dev/null."""
+    global _null_log
+    if _null_log is None:
+        _null_log = DecisionFile(os.devnull)
+    _null_log.write_line(json.dumps(record))
 
 
 def simulate(scenario: Scenario, policy: str, *, timer: Callable[[], float] | None = None,
@@ -855,8 +890,9 @@ def add_controller_arguments(p: argparse.ArgumentParser) -> None:
                         "agents)")
     p.add_argument("--decision-latency", choices=DECISION_LATENCIES, default="none",
                    help="none: a re-plan takes no simulated time; measured: the wall time "
-                        "it took here, its directives leave when it ends, and the events "
-                        "meanwhile are answered together by the next one (as the "
+                        "it took here, each directive carried out as the controller does "
+                        "(counted, logged, encoded) and leaving as it is taken, and the "
+                        "events meanwhile are answered together by the next one (as the "
                         "controller's are)")
     p.add_argument("--landing-report", choices=LANDING_REPORTS, default="worker",
                    help="who tells the controller a transfer landed: worker (after the "

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 import struct
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -1536,6 +1537,29 @@ def _fast_push_result(event: PushResult) -> bytes | None:
         event.req, applied, event.version, delay)
 
 
+def _fast_directive(event: Directive) -> bytes | None:
+    """A plain go straight to the server: what a controller sends most
+    (up to 125 in one decision at 10,000 workers), and the generic JSON
+    took about a fifth of carrying one out."""
+    if (event.action != "go" or event.reason is not None or event.via is not None
+            or event.group is not None or event.fan_in is not None or event.index is not None
+            or event.upto is not None or event.codec is not None or event.pace is not None
+            or event.pace_seconds is not None or event.position is None
+            or event.planned_seconds is None or event.ticket is None
+            or not math.isfinite(event.planned_seconds)):
+        return None
+    head = b'{"req":%d,"action":"go","position":%d,"planned_seconds":%s,"ticket":%d' % (
+        event.req, event.position, float.__repr__(event.planned_seconds).encode(),
+        event.ticket)
+    if event.after is None:
+        return head + b"}" if event.after_seconds is None else None
+    if event.after_seconds is None or not math.isfinite(event.after_seconds):
+        return None
+    return head + b',"after":[%s],"after_seconds":%s}' % (
+        b",".join(b"%d" % a for a in event.after),
+        float.__repr__(event.after_seconds).encode())
+
+
 def _fast_pull(event: Pull) -> bytes | None:
     return b'{"req":%d}' % event.req if event.uid is None else None
 
@@ -1572,7 +1596,7 @@ CODECS: tuple[Codec, ...] = (
           _fast_push_result),
     Codec(MsgType.ERROR, Error, _decode_error, _encode_error),
     Codec(MsgType.TRANSFER_REQUEST, TransferRequest, _decode_transfer_request),
-    Codec(MsgType.DIRECTIVE, Directive, _decode_directive),
+    Codec(MsgType.DIRECTIVE, Directive, _decode_directive, fast=_fast_directive),
     Codec(MsgType.TRANSFER_DONE, TransferDone, _decode_transfer_done),
     Codec(MsgType.TRANSFER_PROGRESS, TransferProgress, _decode_transfer_progress),
     Codec(MsgType.LANDED, Landed, _decode_landed),
