@@ -796,6 +796,36 @@ def test_the_events_of_one_loop_turn_share_one_replan(run_async):
     run_async(body())
 
 
+def test_the_decision_file_has_each_line_on_disk_as_it_is_logged(tmp_path):
+    """--decision-log's handler: `log_decision` writes each record as one
+    JSON line, on disk when it returns (read back through another file
+    object, before any close), appended to what the file held; a record
+    after the handler was closed (at exit) still lands. Without a handler
+    nothing is serialised: a record that cannot be serialised is never
+    looked at."""
+    from mlfabric.controller.directives import DecisionFile, decision_log, log_decision
+
+    path = tmp_path / "decisions.jsonl"
+    path.write_text('{"event": "earlier"}\n')
+    handler = DecisionFile(str(path))
+    saved = decision_log.handlers[:], decision_log.propagate, decision_log.level
+    decision_log.handlers[:] = [handler]
+    decision_log.propagate = False
+    try:
+        log_decision({"event": "go", "id": 1, "after": [3, 4]})
+        assert path.read_text().splitlines()[1:] == ['{"event": "go", "id": 1, "after": [3, 4]}']
+        handler.close()
+        log_decision({"event": "drop", "id": 2})
+        assert [json.loads(x)["event"] for x in path.read_text().splitlines()] == [
+            "earlier", "go", "drop"]
+        decision_log.handlers[:] = []
+        log_decision({"event": "go", "unserialisable": object()})  # not even serialised
+    finally:
+        handler.close()
+        decision_log.handlers[:], decision_log.propagate = saved[0], saved[1]
+        decision_log.setLevel(saved[2])
+
+
 def test_a_decision_is_in_the_log_before_its_directive_goes_out(run_async):
     """Write-ahead: a controller killed between the two leaves a logged
     decision that never went out (asked for again, decided twice), never a

@@ -33,8 +33,10 @@ class DecisionFile(logging.FileHandler):
         self.setFormatter(logging.Formatter("%(message)s"))
 
     def write_line(self, line: str) -> None:
-        assert self.lock is not None and self.stream is not None
+        assert self.lock is not None
         with self.lock:
+            if self.stream is None:  # closed (at exit): opened again, as emit() does
+                self.stream = self._open()
             self.stream.write(line + "\n")
             self.stream.flush()
 
