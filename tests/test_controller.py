@@ -109,8 +109,15 @@ def test_a_planned_later_start_is_let_go_when_its_time_comes(cluster):
         fut = ps.push(model, base_version=0)
         wait_until(lambda: controller.metrics.decision_seconds._sum.get() > 0)
         assert not fut.done()  # held: re-planned every 50 ms, not let go
+        reg = controller.metrics.registry
+        carried = "mlfabric_controller_carry_out_seconds"
+        # re-plans that let nothing go are not observed
+        assert reg.get_sample_value(f"{carried}_count") == 0
         gate.set()
         assert fut.result(10).applied
+    # the one re-plan that let it go, observed apart from deciding
+    assert reg.get_sample_value(f"{carried}_count") == 1
+    assert reg.get_sample_value(f"{carried}_sum") > 0
 
 
 def test_controller_loss_with_fifo_fallback_sends_waiting_updates(cluster, caplog):

@@ -89,10 +89,14 @@ def build() -> dashboard.Dashboard:
              "planned {{src}} to {{dst}}")))
         .with_panel(series(
             "Controller: re-plan time and events per re-plan",
-            "The controller's time per decision (p99), and how many events each re-plan "
-            "takes in at once.", "s",
+            "The controller's time per decision (p99), the time a decision spends carrying "
+            "out its actions (counting, logging and sending each; p99), and how many events "
+            "each re-plan takes in at once.", "s",
             ("histogram_quantile(0.99, sum by (le) "
              f"(rate(mlfabric_controller_decision_seconds_bucket[{RATE}])))", "decision p99"),
+            ("histogram_quantile(0.99, sum by (le) "
+             f"(rate(mlfabric_controller_carry_out_seconds_bucket[{RATE}])))",
+             "carrying out p99"),
             (f"sum(rate(mlfabric_controller_replan_events_sum[{RATE}])) / "
              f"sum(rate(mlfabric_controller_replan_events_count[{RATE}]))",
              "events per re-plan")))

@@ -779,11 +779,13 @@ class Controller(Endpoint):
         # Each action is carried out as the decision takes it (`decide`'s
         # on_action): the first transfers of a round of a link are on their
         # way while the rest is committed. The decision's time is observed
-        # without that of carrying them out.
+        # without that of carrying them out, which is observed apart: at
+        # 10,000 workers it is the larger (about 66 us a go, up to 125 goes).
         carrying = 0.0
+        carried = 0
 
         def carry_out(action: Go | Drop) -> None:
-            nonlocal carrying, before
+            nonlocal carrying, carried, before
             # What the closed loop changed first (a transfer overdue), logged
             # before the goes it led to.
             self._corrected(before)
@@ -800,10 +802,13 @@ class Controller(Endpoint):
                     self._formed[:] = [g for g in self._formed if g.ids[0] != tid]
             self._carry_out(action, now)
             carrying += time.perf_counter() - t0
+            carried += 1
 
         decisions = self.state.decide(now, carry_out)
         self._corrected(before)
         m.decision_seconds.observe(time.perf_counter() - started - carrying)
+        if carried:
+            m.carry_out_seconds.observe(carrying)
         self._formed.clear()  # groups whose first member did not go
         m.replan_events.observe(self._events)
         self._events = 0
