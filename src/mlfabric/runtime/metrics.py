@@ -25,6 +25,8 @@ APPLY_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
 TRANSFER_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
 # A push held for the transfers it must not pass: as long as they are late.
 HOLD_BUCKETS = TRANSFER_BUCKETS
+# A controller's decision, or carrying out its actions: 10 us to 0.3 s.
+DECISION_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3)
 
 # Members of one aggregate (2..64).
 FAN_IN_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
@@ -395,13 +397,13 @@ class ControllerMetrics:
             "Time of one re-plan (policy and bookkeeping; not sending its directives, which go "
             "out as it takes them)",
             namespace=ns, registry=r,
-            buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3))
+            buckets=DECISION_BUCKETS)
         self.carry_out_seconds = Histogram(
             "controller_carry_out_seconds",
             "Time one re-plan spent carrying out the actions it took (counting, logging and "
             "sending each directive as it is taken); re-plans that took none are not observed",
             namespace=ns, registry=r,
-            buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3))
+            buckets=DECISION_BUCKETS)
         self.replan_events = Histogram(
             "controller_replan_events",
             "Events (requests, completions, timers, bandwidth changes) one re-plan "
