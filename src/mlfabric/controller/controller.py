@@ -784,7 +784,7 @@ class Controller(Endpoint):
         carrying = 0.0
         carried = 0
 
-        def carry_out(action: Go | Drop) -> None:
+        def carried_out(action: Go | Drop) -> None:
             nonlocal carrying, carried, before
             # What the closed loop changed first (a transfer overdue), logged
             # before the goes it led to.
@@ -804,7 +804,7 @@ class Controller(Endpoint):
             carrying += time.perf_counter() - t0
             carried += 1
 
-        decisions = self.state.decide(now, carry_out)
+        decisions = self.state.decide(now, carried_out)
         self._corrected(before)
         m.decision_seconds.observe(time.perf_counter() - started - carrying)
         if carried:
